@@ -1,0 +1,81 @@
+"""What a GPU client offers: its GPUs through pynvml, or one CPU slot."""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def _nvml():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception as exc:  # no driver, no library, no GPU
+        log.debug("gpus: NVML unavailable: %s", exc)
+        return None
+
+
+def cpu_slot() -> dict:
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
+        total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    except OSError:
+        total = free = 0
+    return {"index": 0, "kind": "cpu", "name": f"CPU ({os.cpu_count()} cores)", "memory_total": total,
+            "memory_free": free, "utilization": None}
+
+
+def discover(only: list[int] | None = None, cpu: bool = False) -> list[dict]:
+    """One slot per visible GPU (optionally only those indices), or one CPU slot."""
+    if cpu:
+        return [cpu_slot()]
+    nvml = _nvml()
+    if nvml is None or nvml.nvmlDeviceGetCount() == 0:
+        log.info("gpus: no NVIDIA GPU found; offering one CPU slot")
+        return [cpu_slot()]
+    slots = []
+    for index in range(nvml.nvmlDeviceGetCount()):
+        if only is not None and index not in only:
+            continue
+        slots.append(read(index, nvml))
+    return slots
+
+
+def read(index: int, nvml=None) -> dict:
+    nvml = nvml or _nvml()
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+    name = nvml.nvmlDeviceGetName(handle)
+    try:
+        util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+    except Exception:
+        util = None
+    return {"index": index, "kind": "cuda", "name": name.decode() if isinstance(name, bytes) else name,
+            "memory_total": int(mem.total), "memory_free": int(mem.free), "utilization": util}
+
+
+def stats(slots: list[dict]) -> list[dict]:
+    """Fresh free memory and utilisation of the slots offered."""
+    out = []
+    for slot in slots:
+        if slot.get("kind") == "cpu":
+            fresh = cpu_slot()
+            out.append({"index": slot["index"], "memory_free": fresh["memory_free"], "utilization": None})
+            continue
+        try:
+            fresh = read(slot["index"])
+            out.append({"index": slot["index"], "memory_free": fresh["memory_free"],
+                        "utilization": fresh["utilization"]})
+        except Exception as exc:
+            log.debug("gpus: cannot read GPU %s: %s", slot["index"], exc)
+    return out
+
+
+def utilization(index: int) -> float | None:
+    try:
+        return float(read(index)["utilization"])
+    except Exception:
+        return None

@@ -1,0 +1,153 @@
+"""What a rank tells the server: metrics, log lines, its start, result or failure.
+
+Events queue in memory and a sender thread posts them in batches. If the server is away,
+the batch is kept and retried with backoff until it is delivered, so nothing reported is lost;
+each event carries a key unique in its job and rank, so a batch sent twice is stored once.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+import queue
+import threading
+import time
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from zwdx import defaults
+
+log = logging.getLogger(__name__)
+
+
+def http_session(room_token: str, job_key: str | None = None, retries: int = 5) -> requests.Session:
+    session = requests.Session()
+    retry = Retry(total=retries, connect=retries, read=retries, backoff_factor=0.5,
+                  status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)
+    session.mount("http://", HTTPAdapter(max_retries=retry))
+    session.mount("https://", HTTPAdapter(max_retries=retry))
+    session.headers[defaults.TOKEN_HEADER] = room_token
+    if job_key:
+        session.headers[defaults.JOB_KEY_HEADER] = job_key
+    return session
+
+
+def _number(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+        raise TypeError(f"metric values must be numbers, got {type(value).__name__}")
+    return float(value)
+
+
+class Reporter:
+    """Given to ``train_func`` as ``reporter``: ``log_metrics(**values)`` and ``log(text)``."""
+
+    def __init__(self, server: str, room_token: str, job_id: str, job_key: str, rank: int,
+                 attempt: int = 0, flush_interval: float = 0.2):
+        self.base = f"{server.rstrip('/')}{defaults.API_PREFIX}/jobs/{job_id}"
+        self.session = http_session(room_token, job_key)
+        self.job_id, self.rank, self.attempt = job_id, rank, attempt
+        self.step = 0
+        self._n = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._flush_interval = flush_interval
+        self._closed = threading.Event()
+        self._outstanding = 0                 # queued or in flight, not yet delivered
+        self._delivered = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._send_loop, name="zwdx-reporter", daemon=True)
+        self._thread.start()
+
+    # -- the user's side -------------------------------------------------------------------
+    def log_metrics(self, step: int | None = None, **values) -> None:
+        """Record metrics (loss=..., accuracy=...). ``step`` defaults to a running count."""
+        if not values:
+            return
+        data = {name: _number(v) for name, v in values.items()}
+        with self._lock:
+            if step is None:
+                step = self.step
+                self.step += 1
+            else:
+                self.step = int(step) + 1
+        self._put("metric", data, int(step))
+
+    def log_system(self, **values) -> None:
+        """Platform metrics (throughput, GPU utilisation) at the user's latest step."""
+        with self._lock:
+            step = max(self.step - 1, 0)
+        self._put("metric", {name: _number(v) for name, v in values.items()}, step)
+
+    def log(self, text: str) -> None:
+        """A log line, shown in the job's logs."""
+        self._put("log", {"text": str(text)}, None)
+
+    def _put(self, kind: str, data: dict, step) -> None:
+        with self._lock:
+            self._n += 1
+            self._outstanding += 1
+            key = f"{self.attempt}:{self._n}"
+        self._queue.put({"kind": kind, "rank": self.rank, "key": key, "step": step, "data": data,
+                         "ts": time.time()})
+
+    # -- delivery ----------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        pending: list[dict] = []
+        backoff = 0.2
+        while True:
+            try:
+                pending.append(self._queue.get(timeout=self._flush_interval))
+                while len(pending) < 500:
+                    pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            if not pending:
+                if self._closed.is_set():
+                    return
+                continue
+            try:
+                resp = self.session.post(f"{self.base}/events", json={"events": pending}, timeout=30)
+                if 400 <= resp.status_code < 500:
+                    # never retry what the server rejects as wrong
+                    log.error("rank %d: server refused %d event(s): %s", self.rank, len(pending), resp.text[:200])
+                else:
+                    resp.raise_for_status()
+                with self._delivered:
+                    self._outstanding -= len(pending)
+                    self._delivered.notify_all()
+                pending = []
+                backoff = 0.2
+            except requests.RequestException as exc:
+                log.warning("rank %d: server unreachable, keeping %d event(s): %s", self.rank, len(pending), exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every event so far is delivered."""
+        with self._delivered:
+            return self._delivered.wait_for(lambda: self._outstanding == 0, timeout=timeout)
+
+    def status(self, status: str, **fields) -> None:
+        """Tell the server this rank is running, completed or failed (delivered with retries)."""
+        self.flush()
+        deadline = time.time() + 120
+        while True:
+            try:
+                resp = self.session.post(f"{self.base}/ranks/{self.rank}", json={"status": status, **fields},
+                                         timeout=30)
+                if resp.status_code < 500:
+                    if resp.status_code >= 400:
+                        log.error("rank %d: status %s refused: %s", self.rank, status, resp.text[:300])
+                    return
+            except requests.RequestException as exc:
+                if time.time() > deadline:
+                    raise
+                log.warning("rank %d: cannot report %s yet: %s", self.rank, status, exc)
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        self.flush()
+        self._closed.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,221 @@
+"""One rank of one job, in its own process (started by the agent, one per slot).
+
+    python -m gpu_client.runner      # everything comes from ZWDX_* and torch's env variables
+
+Steps: load the bundle, join the process group (NCCL on CUDA, gloo on CPU, bounded timeout),
+wrap the model (DDP/FSDP), rebuild the optimizer, call the user's functions with the
+arguments they declare, gather the weights, upload them from rank 0, report the result.
+A failure is reported with its traceback before the process exits non-zero.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+from zwdx import defaults
+from zwdx.bundle import call_with, unpack
+
+from .reporter import Reporter
+
+log = logging.getLogger("gpu_client.runner")
+
+
+class CountingLoader:
+    """The user's DataLoader, counting the samples it yields (for throughput)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+        self.samples = 0
+
+    def __iter__(self):
+        for batch in self._loader:
+            self.samples += _batch_size(batch)
+            yield batch
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _batch_size(batch) -> int:
+    if hasattr(batch, "shape") and len(batch.shape):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    return 1
+
+
+class _LogTee(io.TextIOBase):
+    """Copies what the user's code prints into the job's log, line by line."""
+
+    def __init__(self, stream, reporter: Reporter):
+        self._stream, self._reporter, self._buf = stream, reporter, ""
+
+    def write(self, text):
+        self._stream.write(text)
+        self._buf += text
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            if line.strip():
+                self._reporter.log(line)
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+
+def _system_metrics(reporter: Reporter, loader: CountingLoader, world: int, device, stop: threading.Event):
+    from .gpus import utilization
+    last_n, last_t = loader.samples, time.time()
+    while not stop.wait(defaults.SYSTEM_METRICS_INTERVAL):
+        now, n = time.time(), loader.samples
+        if n == last_n:
+            continue
+        values = {"throughput": (n - last_n) * world / (now - last_t)}
+        if device.type == "cuda":
+            util = utilization(device.index)
+            if util is not None:
+                values["gpu_utilization"] = util
+        reporter.log_system(**values)
+        last_n, last_t = n, now
+
+
+def _results(train_out, eval_out) -> tuple[dict, float | None]:
+    results: dict = {}
+    final_loss = None
+    if isinstance(train_out, dict):
+        results.update({k: _plain(v) for k, v in train_out.items()})
+        final_loss = results.get("final_loss", results.get("loss"))
+    elif train_out is not None:
+        final_loss = _plain(train_out)
+    if isinstance(eval_out, dict):
+        results.update({k: _plain(v) for k, v in eval_out.items()})
+    elif isinstance(eval_out, (tuple, list)):
+        results["eval"] = [_plain(v) for v in eval_out]
+    elif eval_out is not None:
+        results["eval"] = _plain(eval_out)
+    if final_loss is not None:
+        results["final_loss"] = final_loss
+    return results, final_loss
+
+
+def _plain(value):
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        return value.item()
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def _upload_weights(reporter: Reporter, state: dict) -> str:
+    from safetensors.torch import save_file
+    fd, path = tempfile.mkstemp(suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, path)
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(defaults.CHUNK_BYTES), b""):
+                digest.update(block)
+        with open(path, "rb") as fh:
+            resp = reporter.session.put(f"{reporter.base}/weights", data=fh,
+                                        headers={defaults.SHA256_HEADER: digest.hexdigest()}, timeout=600)
+        resp.raise_for_status()
+        return resp.json()["id"]
+    finally:
+        os.unlink(path)
+
+
+def main() -> int:
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
+    reporter = Reporter(env["ZWDX_SERVER"], env["ZWDX_ROOM_TOKEN"], env["ZWDX_JOB_ID"], env["ZWDX_JOB_KEY"],
+                        rank, attempt=int(env.get("ZWDX_ATTEMPT", "0")))
+    stop = threading.Event()
+    sys.stdout = _LogTee(sys.stdout, reporter)
+    joined = False
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from .parallel import fingerprint, full_state_dict, rebuild_optimizer, wrap
+        torch.set_num_threads(int(env.get("ZWDX_NUM_THREADS", "1")))
+        with open(env["ZWDX_BUNDLE"], "rb") as fh:
+            bundle = unpack(fh.read())
+        device = torch.device(env.get("ZWDX_DEVICE", "cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = env.get("ZWDX_BACKEND", "nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=float(env.get("ZWDX_COLLECTIVE_TIMEOUT", defaults.COLLECTIVE_TIMEOUT)))
+        init = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout,
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        joined = True
+        reporter.status("running")
+        parallelism = env.get("ZWDX_PARALLELISM", "DDP")
+        model = wrap(bundle["model"], parallelism, device)
+        optimizer = rebuild_optimizer(bundle["optimizer"], model)
+        loaders = call_with(bundle["data_loader_func"], {"rank": rank, "world_size": world, "device": device},
+                            "data_loader_func")
+        train_loader, eval_loader = (loaders if isinstance(loaders, tuple) and len(loaders) == 2
+                                     else (loaders, loaders))
+        loader = CountingLoader(train_loader)
+        if rank == 0:
+            threading.Thread(target=_system_metrics, args=(reporter, loader, world, device, stop),
+                             daemon=True).start()
+        eval_func = bundle["eval_func"]
+        epochs = int(env.get("ZWDX_EPOCHS", "1"))
+        train_out = call_with(bundle["train_func"], {
+            "model": model, "loader": loader, "optimizer": optimizer, "optim": optimizer, "rank": rank,
+            "world_size": world, "epochs": epochs, "device": device, "eval_func": eval_func,
+            "reporter": reporter}, "train_func")
+        stop.set()
+        eval_out = None
+        if eval_func is not None:
+            eval_out = call_with(eval_func, {"model": model, "loader": eval_loader, "rank": rank,
+                                             "world_size": world, "device": device}, "eval_func")
+        results, final_loss = _results(train_out, eval_out)
+        state = full_state_dict(model, parallelism, rank)
+        weights = _upload_weights(reporter, state) if rank == 0 else None
+        dist.barrier()
+        reporter.status("completed", results=results, final_loss=final_loss, fingerprint=fingerprint(state),
+                        weights_artifact=weights)
+    except BaseException as exc:  # report every failure, then exit non-zero
+        code = 1
+        tb = traceback.format_exc()
+        sys.__stderr__.write(tb)
+        try:
+            reporter.status("failed", error=f"{type(exc).__name__}: {exc}", traceback=tb)
+        except Exception:
+            log.exception("could not report the failure")
+    finally:
+        stop.set()
+        sys.stdout = sys.__stdout__
+        reporter.close()
+        if joined:
+            try:
+                import torch.distributed as dist
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The `zwdx` command: server, room create, gpu-client, job status/logs/cancel."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from . import defaults
+from .errors import ZwdxError
+
+DEFAULT_SERVER = os.environ.get("ZWDX_SERVER_URL", f"http://localhost:{defaults.PORT}")
+
+
+def _server(args) -> int:
+    from .server import create_app, socketio
+    config = {"DATA_DIR": os.path.abspath(args.data_dir)}
+    if args.mongo_uri:
+        config["MONGO_URI"] = args.mongo_uri
+    if args.max_artifact_bytes:
+        config["MAX_ARTIFACT_BYTES"] = args.max_artifact_bytes
+    if args.client_timeout:
+        config["CLIENT_TIMEOUT"] = args.client_timeout
+    app = create_app(config)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']})", flush=True)
+    socketio.run(app, host=args.host, port=args.port, allow_unsafe_werkzeug=True, log_output=False)
+    return 0
+
+
+def _room_create(args) -> int:
+    from .sdk import ZWDX
+    room = ZWDX(args.server).create_room(args.name or "")
+    if args.json:
+        print(json.dumps(room))
+    else:
+        print(f"room {room['name']} ({room['id']}) created. Its token, shown only now:")
+        print(room["token"])
+    return 0
+
+
+def _gpu_client(args) -> int:
+    from gpu_client.agent import serve
+    token = args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")
+    if not token:
+        print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN) is required", file=sys.stderr)
+        return 2
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
+                 advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
+                 work_dir=args.work_dir, max_jobs=args.max_jobs)
+
+
+def _job(args) -> int:
+    from .sdk import ZWDX
+    sdk = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN"))
+    if args.action == "list":
+        for job in sdk.list_jobs():
+            print(f"{job['id']}  {job['status']:<10} world {job.get('world_size') or '-':<3} "
+                  f"{job['spec']['parallelism']:<5} loss {job.get('final_loss')}")
+    elif args.action == "status":
+        print(json.dumps(sdk.get_job(args.job_id), indent=2))
+    elif args.action == "logs":
+        for line in sdk.get_job_logs(args.job_id):
+            print(f"[rank {line['rank']}] {line['text']}")
+    elif args.action == "cancel":
+        print(sdk.cancel_job(args.job_id)["status"])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zwdx", description="Pool lent GPUs and train PyTorch models on them.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("server", help="run the zwdx server (API, Socket.IO, dashboard)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every one)")
+    p.add_argument("--port", type=int, default=defaults.PORT)
+    p.add_argument("--data-dir", default=os.environ.get("ZWDX_DATA_DIR", "zwdx-data"),
+                   help="embedded store and artifacts live here")
+    p.add_argument("--mongo-uri", default=os.environ.get("ZWDX_MONGO_URI"),
+                   help="use MongoDB instead of the embedded store")
+    p.add_argument("--max-artifact-bytes", type=int, default=None)
+    p.add_argument("--client-timeout", type=float, default=None, help="seconds of silence before a GPU client is lost")
+    p.set_defaults(func=_server)
+
+    p = sub.add_parser("room", help="rooms")
+    rsub = p.add_subparsers(dest="action", required=True)
+    c = rsub.add_parser("create", help="create a room and print its token (shown once)")
+    c.add_argument("--server", default=DEFAULT_SERVER)
+    c.add_argument("--name", default="")
+    c.add_argument("--json", action="store_true", help="print a JSON object")
+    c.set_defaults(func=_room_create)
+
+    p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
+    p.add_argument("--server", default=DEFAULT_SERVER)
+    p.add_argument("--room-token", "-rt", default=None)
+    p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
+    p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
+    p.add_argument("--advertise-addr", default=None,
+                   help="address other GPU clients reach this one at (default: the interface that reaches the server)")
+    p.add_argument("--client-id", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per CPU rank")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
+    p.set_defaults(func=_gpu_client)
+
+    p = sub.add_parser("job", help="look at and control jobs")
+    p.add_argument("action", choices=["list", "status", "logs", "cancel"])
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("--server", default=DEFAULT_SERVER)
+    p.add_argument("--room-token", "-rt", default=None)
+    p.set_defaults(func=_job)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ZwdxError as err:
+        print(f"zwdx: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Documented constants. Every one can be overridden by the server's config or the CLI."""
+
+#: Port the server listens on.
+PORT = 4461
+#: Prefix of the REST API.
+API_PREFIX = "/api/v1"
+#: Largest artifact (bundle, checkpoint, weights) the server accepts, in bytes.
+MAX_ARTIFACT_BYTES = 8 * 1024**3
+#: Seconds between a GPU client's heartbeats.
+HEARTBEAT_INTERVAL = 2.0
+#: A GPU client silent for this long is declared lost.
+CLIENT_TIMEOUT = 10.0
+#: Bounded timeout of torch.distributed collectives, in seconds: a dead peer fails a job in minutes.
+COLLECTIVE_TIMEOUT = 300
+#: Seconds the rank-0 GPU client gets to answer a port reservation.
+RESERVE_TIMEOUT = 10.0
+#: Seconds between the SDK's polls of a job it waits on.
+POLL_INTERVAL = 0.5
+#: Chunk size for streaming artifacts.
+CHUNK_BYTES = 1024 * 1024
+#: Header that carries a room token.
+TOKEN_HEADER = "X-Zwdx-Room-Token"
+#: Header that carries a job key (held by the GPU clients running the job).
+JOB_KEY_HEADER = "X-Zwdx-Job-Key"
+#: Header that carries an artifact's sha256 on upload.
+SHA256_HEADER = "X-Zwdx-Sha256"
+#: Seconds between reports of throughput and GPU utilisation by rank 0.
+SYSTEM_METRICS_INTERVAL = 2.0
+#: How many restarts a job gets before it fails for good (see the failure issue).
+MAX_RESTARTS = 3

@@ -1,0 +1,126 @@
+"""The exceptions zwdx raises, one tree for the SDK, the server and the GPU client.
+
+    ZwdxError                      root: everything zwdx raises derives from it
+    ├── ServerUnreachable          the SDK could not reach the server at all
+    ├── BadRequest                 input that names a wrong or missing field (400)
+    ├── PayloadTooLarge            an artifact over the configured size limit (413)
+    ├── AuthError                  missing or wrong room token / job key (401)
+    ├── Forbidden                  the caller may not touch this object (403)
+    ├── NotFound                   unknown room, job or artifact (404)
+    │   └── RoomNotFound
+    ├── Conflict                   a state change that is no longer possible (409)
+    ├── StoreError                 the store cannot be used (500)
+    │   └── SchemaVersionError     the store was written by a newer zwdx
+    ├── IntegrityError             an artifact whose sha256 does not match (422)
+    └── JobFailed                  a job ended "failed"; carries every failing rank's traceback
+
+Each error carries its context as attributes (``job_id``, ``status``, ``failures``) and
+turns into ``{"error": {"code": ..., "message": ...}}`` on the wire.
+"""
+from __future__ import annotations
+
+
+class ZwdxError(Exception):
+    """Root of every zwdx error."""
+
+    code = "zwdx_error"
+    http_status = 500
+
+    def __init__(self, message: str, **context):
+        super().__init__(message)
+        self.message = message
+        self.context = context
+        for key, value in context.items():
+            setattr(self, key, value)
+
+    def to_dict(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, **self.context}}
+
+
+class ServerUnreachable(ZwdxError):
+    code = "server_unreachable"
+    http_status = 503
+
+
+class BadRequest(ZwdxError):
+    code = "bad_request"
+    http_status = 400
+
+
+class PayloadTooLarge(ZwdxError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class AuthError(ZwdxError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class Forbidden(ZwdxError):
+    code = "forbidden"
+    http_status = 403
+
+
+class NotFound(ZwdxError):
+    code = "not_found"
+    http_status = 404
+
+
+class RoomNotFound(NotFound):
+    code = "room_not_found"
+
+
+class Conflict(ZwdxError):
+    code = "conflict"
+    http_status = 409
+
+
+class StoreError(ZwdxError):
+    code = "store_error"
+    http_status = 500
+
+
+class SchemaVersionError(StoreError):
+    code = "schema_version"
+
+
+class IntegrityError(ZwdxError):
+    code = "integrity_error"
+    http_status = 422
+
+
+class JobFailed(ZwdxError):
+    """A job that ended failed. ``failures`` maps rank -> traceback text."""
+
+    code = "job_failed"
+    http_status = 200
+
+    def __init__(self, message: str, job_id: str = "", failures: dict | None = None,
+                 reason: str = "", result: dict | None = None):
+        super().__init__(message, job_id=job_id, failures=failures or {}, reason=reason)
+        self.result = result or {}
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        for rank, tb in sorted(self.failures.items(), key=lambda kv: str(kv[0])):
+            parts.append(f"--- rank {rank} ---\n{tb}")
+        return "\n".join(parts)
+
+
+_BY_CODE = {cls.code: cls for cls in (
+    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, RoomNotFound, Conflict,
+    StoreError, SchemaVersionError, IntegrityError)}
+
+
+def from_response(status: int, body: dict | None) -> ZwdxError:
+    """Rebuild the typed error that the server sent as JSON."""
+    err = (body or {}).get("error") or {}
+    code = err.get("code", "")
+    message = err.get("message") or f"server answered HTTP {status}"
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        cls = {400: BadRequest, 401: AuthError, 403: Forbidden, 404: NotFound,
+               409: Conflict, 413: PayloadTooLarge, 422: IntegrityError}.get(status, ZwdxError)
+    context = {k: v for k, v in err.items() if k not in ("code", "message")}
+    return cls(message, **context)

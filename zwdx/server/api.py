@@ -1,0 +1,298 @@
+"""The REST API under /api/v1, for the SDK, the dashboard and GPU clients' rank processes.
+
+Callers prove who they are with a room token (header X-Zwdx-Room-Token); rank processes
+writing into a job add its job key (X-Zwdx-Job-Key). Errors come back as
+``{"error": {"code", "message", ...}}`` with the matching HTTP status.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from flask import Blueprint, Response, current_app, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from .. import defaults
+from ..errors import BadRequest, Conflict, NotFound, ZwdxError
+from ..protocol import ArtifactKind, EventKind, JobStatus, Parallelism
+from . import lifecycle, notify
+from .auth import hash_secret, job_in_room, new_secret, request_job_key, request_room
+from .views import client_view, job_view, room_view
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("api", __name__)
+P = defaults.API_PREFIX
+
+
+def ctx():
+    return current_app.extensions["zwdx"]
+
+
+def register_error_handlers(app) -> None:
+    @app.errorhandler(ZwdxError)
+    def _zwdx_error(err: ZwdxError):
+        return jsonify(err.to_dict()), err.http_status
+
+    @app.errorhandler(HTTPException)
+    def _http_error(err: HTTPException):
+        if not request.path.startswith(P) and request.path != "/health":
+            return err
+        code = (err.name or "error").lower().replace(" ", "_")
+        return jsonify({"error": {"code": code, "message": err.description}}), err.code
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        log.exception("server: unexpected error on %s %s", request.method, request.path)
+        return jsonify({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}), 500
+
+
+def json_body() -> dict:
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _field(body: dict, name: str, kind, required: bool = False, default=None):
+    value = body.get(name, default)
+    if value is None:
+        if required:
+            raise BadRequest(f"field '{name}' is required", field=name)
+        return default
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise BadRequest(f"field '{name}' must be {expected}, got {type(value).__name__}", field=name)
+    return value
+
+
+# -- health -----------------------------------------------------------------------------------
+@bp.get("/health")
+def health():
+    ok = ctx().store.ping()
+    return jsonify({"status": "ok" if ok else "store unavailable", "store": type(ctx().store).__name__}), \
+        200 if ok else 503
+
+
+# -- rooms ------------------------------------------------------------------------------------
+@bp.post(f"{P}/rooms")
+def create_room():
+    body = request.get_json(silent=True) or {}
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    name = _field(body, "name", str, default="") or f"room-{uuid.uuid4().hex[:6]}"
+    if len(name) > 100:
+        raise BadRequest("field 'name' must be at most 100 characters", field="name")
+    token = new_secret("zr")
+    room = {"id": uuid.uuid4().hex[:12], "name": name, "token_hash": hash_secret(token),
+            "created_at": time.time()}
+    ctx().store.create_room(room)
+    log.info("room %s (%s): created", room["id"], name)
+    return jsonify({**room_view(room), "token": token}), 201
+
+
+@bp.get(f"{P}/room")
+def get_room():
+    room = request_room()
+    clients = [client_view(c) for c in ctx().store.list_clients(room["id"])]
+    return jsonify({**room_view(room), "clients": clients})
+
+
+# -- artifacts --------------------------------------------------------------------------------
+def _save_artifact(room: dict, kind: str, job_id: str | None = None) -> dict:
+    artifact_id = uuid.uuid4().hex
+    size, sha = ctx().artifacts.save(artifact_id, request.stream, int(current_app.config["MAX_ARTIFACT_BYTES"]),
+                                     request.headers.get(defaults.SHA256_HEADER))
+    artifact = {"id": artifact_id, "room_id": room["id"], "kind": kind, "size": size, "sha256": sha,
+                "job_id": job_id, "created_at": time.time()}
+    return ctx().store.add_artifact(artifact)
+
+
+@bp.post(f"{P}/artifacts")
+def upload_bundle():
+    """A job bundle, uploaded by the SDK before it creates the job."""
+    room = request_room()
+    return jsonify(_save_artifact(room, ArtifactKind.BUNDLE.value)), 201
+
+
+def _stream(artifact: dict) -> Response:
+    try:
+        chunks = ctx().artifacts.open(artifact["id"])
+    except (FileNotFoundError, KeyError):
+        raise NotFound(f"artifact {artifact['id']} has no bytes on this server", artifact_id=artifact["id"])
+    headers = {"Content-Length": str(artifact["size"]), defaults.SHA256_HEADER: artifact["sha256"]}
+    return Response(chunks, mimetype="application/octet-stream", headers=headers)
+
+
+@bp.get(f"{P}/artifacts/<artifact_id>")
+def download_artifact(artifact_id: str):
+    room = request_room()
+    artifact = ctx().store.get_artifact(artifact_id)
+    if artifact is None or artifact["room_id"] != room["id"]:
+        raise NotFound(f"no artifact {artifact_id} in this room", artifact_id=artifact_id)
+    return _stream(artifact)
+
+
+# -- jobs -------------------------------------------------------------------------------------
+@bp.post(f"{P}/jobs")
+def create_job():
+    room = request_room()
+    body = json_body()
+    parallelism = _field(body, "parallelism", str, default="DDP").upper()
+    if parallelism not in {p.value for p in Parallelism}:
+        raise BadRequest(f"field 'parallelism' must be one of DDP, FSDP, got {parallelism!r}", field="parallelism")
+    epochs = _field(body, "epochs", int, default=1)
+    if epochs < 1:
+        raise BadRequest("field 'epochs' must be at least 1", field="epochs")
+    world_size = _field(body, "world_size", int)
+    if world_size is not None and world_size < 1:
+        raise BadRequest("field 'world_size' must be at least 1", field="world_size")
+    memory = _field(body, "memory_required", int, default=0)
+    if memory < 0:
+        raise BadRequest("field 'memory_required' must be >= 0 bytes", field="memory_required")
+    versions = _field(body, "versions", dict, required=True)
+    if not isinstance(versions.get("python"), str):
+        raise BadRequest("field 'versions.python' (the submitter's Python version) is required",
+                         field="versions.python")
+    bundle_id = _field(body, "bundle_artifact", str, required=True)
+    bundle = ctx().store.get_artifact(bundle_id)
+    if bundle is None or bundle["room_id"] != room["id"] or bundle["kind"] != ArtifactKind.BUNDLE.value:
+        raise BadRequest(f"field 'bundle_artifact': no uploaded bundle {bundle_id} in this room",
+                         field="bundle_artifact")
+    if bundle.get("job_id"):
+        raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
+    timeout = _field(body, "collective_timeout", (int, float))
+    name = _field(body, "name", str, default="")
+    now = time.time()
+    job = {"id": uuid.uuid4().hex[:12], "room_id": room["id"], "status": JobStatus.QUEUED.value,
+           "name": name[:100], "created_at": now,
+           "spec": {"parallelism": parallelism, "epochs": epochs, "world_size": world_size,
+                    "memory_required": memory, "versions": versions, "bundle_artifact": bundle_id,
+                    "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"],
+                    "collective_timeout": timeout},
+           "timeline": [{"status": JobStatus.QUEUED.value, "at": now}], "world_size": None}
+    job = ctx().store.create_job(job)
+    ctx().store.update_artifact(bundle_id, {"job_id": job["id"]})
+    log.info("job %s: queued in room %s (%s, world size %s)", job["id"], room["id"], parallelism,
+             world_size or "all")
+    notify.job_changed(job)
+    ctx().scheduler.kick()
+    return jsonify(job_view(job)), 201
+
+
+@bp.get(f"{P}/jobs")
+def list_jobs():
+    room = request_room()
+    status = request.args.get("status")
+    statuses = status.split(",") if status else None
+    return jsonify({"jobs": [job_view(j) for j in ctx().store.list_jobs(room["id"], statuses)]})
+
+
+@bp.get(f"{P}/jobs/<job_id>")
+def get_job(job_id: str):
+    job = job_in_room(job_id, request_room())
+    if job["status"] == JobStatus.QUEUED.value:
+        queued = ctx().store.list_jobs(job["room_id"], [JobStatus.QUEUED.value])
+        job["queue_position"] = next(i for i, j in enumerate(queued) if j["id"] == job_id) + 1
+    return jsonify(job_view(job))
+
+
+@bp.post(f"{P}/jobs/<job_id>/cancel")
+def cancel_job(job_id: str):
+    job = job_in_room(job_id, request_room())
+    updated = lifecycle.cancel(ctx(), job["id"])
+    if updated is None:
+        raise Conflict(f"job {job_id} already {job['status']}", job_id=job_id, status=job["status"])
+    return jsonify(job_view(updated))
+
+
+@bp.get(f"{P}/jobs/<job_id>/events")
+def get_events(job_id: str):
+    job = job_in_room(job_id, request_room())
+    try:
+        after = int(request.args.get("after", 0))
+        limit = int(request.args.get("limit", 10000))
+    except ValueError:
+        raise BadRequest("query 'after' and 'limit' must be integers")
+    kind = request.args.get("kind")
+    events = ctx().store.get_events(job["id"], after=after, kind=kind, limit=limit)
+    return jsonify({"job_id": job["id"], "events": events})
+
+
+@bp.get(f"{P}/jobs/<job_id>/metrics")
+def get_metrics(job_id: str):
+    job = job_in_room(job_id, request_room())
+    series: dict[str, list] = {}
+    for ev in ctx().store.get_events(job["id"], kind=EventKind.METRIC.value):
+        for name, value in (ev.get("data") or {}).items():
+            series.setdefault(name, []).append({"step": ev.get("step"), "value": value, "rank": ev.get("rank"),
+                                                "ts": ev.get("ts")})
+    return jsonify({"job_id": job["id"], "series": series})
+
+
+@bp.get(f"{P}/jobs/<job_id>/weights")
+def get_weights(job_id: str):
+    job = job_in_room(job_id, request_room())
+    artifact_id = job.get("weights_artifact")
+    if not artifact_id:
+        raise NotFound(f"job {job_id} has no trained weights (status {job['status']})", job_id=job_id,
+                       status=job["status"])
+    return _stream(ctx().store.get_artifact(artifact_id))
+
+
+# -- written by the rank processes of a job (room token + job key) ------------------------------
+def _rank_job(job_id: str) -> dict:
+    job = job_in_room(job_id, request_room())
+    request_job_key(job)
+    return job
+
+
+@bp.get(f"{P}/jobs/<job_id>/bundle")
+def get_bundle(job_id: str):
+    job = _rank_job(job_id)
+    return _stream(ctx().store.get_artifact(job["spec"]["bundle_artifact"]))
+
+
+@bp.post(f"{P}/jobs/<job_id>/events")
+def post_events(job_id: str):
+    job = _rank_job(job_id)
+    body = json_body()
+    events = body.get("events")
+    if not isinstance(events, list):
+        raise BadRequest("field 'events' must be a list")
+    clean = []
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("kind") not in {k.value for k in EventKind}:
+            raise BadRequest("each event needs 'kind' (metric, log or status)")
+        clean.append({"kind": ev["kind"], "rank": ev.get("rank"), "key": str(ev.get("key") or uuid.uuid4().hex),
+                      "step": ev.get("step"), "data": ev.get("data"), "ts": ev.get("ts") or time.time()})
+    stored = ctx().store.add_events(job["id"], clean)
+    notify.events_added(job, stored)
+    return jsonify({"stored": len(stored)})
+
+
+@bp.post(f"{P}/jobs/<job_id>/ranks/<int:rank>")
+def post_rank_status(job_id: str, rank: int):
+    job = _rank_job(job_id)
+    body = json_body()
+    status = _field(body, "status", str, required=True)
+    if job.get("world_size") is None or not 0 <= rank < job["world_size"]:
+        raise BadRequest(f"rank {rank} is not part of job {job_id}")
+    if status == "running":
+        lifecycle.rank_started(ctx(), job, rank)
+    elif status == "completed":
+        lifecycle.rank_completed(ctx(), job, rank, body)
+    elif status == "failed":
+        tb = _field(body, "traceback", str, default="(no traceback)")
+        lifecycle.fail(ctx(), job["id"], f"rank {rank} failed: {body.get('error') or 'error'}", {str(rank): tb})
+    else:
+        raise BadRequest("field 'status' must be running, completed or failed", field="status")
+    return jsonify({"ok": True})
+
+
+@bp.put(f"{P}/jobs/<job_id>/weights")
+def put_weights(job_id: str):
+    job = _rank_job(job_id)
+    artifact = _save_artifact({"id": job["room_id"]}, ArtifactKind.WEIGHTS.value, job["id"])
+    return jsonify(artifact), 201

@@ -1,0 +1,127 @@
+"""Socket.IO: GPU clients on /gpu (register, heartbeat, ranks exited) and dashboards on /ui.
+
+Both namespaces refuse a connection whose ``auth`` lacks a valid room token; a GPU client
+then only ever touches its own room's slots and jobs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from flask import current_app, request
+from flask_socketio import ConnectionRefusedError, join_room
+
+from ..errors import AuthError
+from ..protocol import (EV_HEARTBEAT, EV_RANKS_EXITED, EV_REGISTER, GPU_NAMESPACE, UI_NAMESPACE,
+                        ClientStatus, JobStatus)
+from . import lifecycle, notify
+from .auth import room_for_token
+from .views import client_view
+
+log = logging.getLogger(__name__)
+
+#: sid -> {"client_id", "room_id"} for connected GPU clients of this server process.
+_sessions: dict[str, dict] = {}
+
+
+def _ctx():
+    return current_app.extensions["zwdx"]
+
+
+def _room_from_auth(auth) -> dict:
+    token = auth.get("token") if isinstance(auth, dict) else None
+    try:
+        return room_for_token(token)
+    except AuthError as err:
+        raise ConnectionRefusedError(err.message)
+
+
+def register(socketio) -> None:
+    # -- GPU clients -------------------------------------------------------------------------
+    @socketio.on("connect", namespace=GPU_NAMESPACE)
+    def gpu_connect(auth=None):
+        room = _room_from_auth(auth)
+        _sessions[request.sid] = {"room_id": room["id"], "client_id": None}
+
+    @socketio.on(EV_REGISTER, namespace=GPU_NAMESPACE)
+    def gpu_register(data):
+        sess = _sessions.get(request.sid)
+        if sess is None or not isinstance(data, dict) or not isinstance(data.get("client_id"), str):
+            return {"ok": False, "error": "register needs a client_id after a connect with a room token"}
+        ctx, now = _ctx(), time.time()
+        client_id = data["client_id"]
+        existing = ctx.store.get_client(client_id)
+        if existing and existing["room_id"] != sess["room_id"]:
+            return {"ok": False, "error": f"gpu client id {client_id} belongs to another room"}
+        sess["client_id"] = client_id
+        slots = []
+        for s in data.get("slots") or []:
+            slots.append({"id": f"{client_id}:{int(s['index'])}", "client_id": client_id,
+                          "room_id": sess["room_id"], "index": int(s["index"]), "kind": s.get("kind", "cuda"),
+                          "name": str(s.get("name", "")), "memory_total": int(s.get("memory_total") or 0),
+                          "memory_free": int(s.get("memory_free") or 0), "utilization": s.get("utilization")})
+        client = {"id": client_id, "room_id": sess["room_id"], "hostname": str(data.get("hostname", "")),
+                  "versions": data.get("versions") or {}, "advertise_addr": data.get("advertise_addr"),
+                  "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
+                  "connected_at": now, "registered_at": (existing or {}).get("registered_at", now)}
+        ctx.store.upsert_client(client, slots)
+        running = set(data.get("running") or [])
+        # Slots the store thinks are busy with jobs this client no longer runs: those ranks are gone.
+        for slot in ctx.store.list_slots(sess["room_id"]):
+            if slot["client_id"] == client_id and slot["job_id"] and slot["job_id"] not in running:
+                lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1})
+        log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
+                 len(slots), client["hostname"])
+        notify.clients_changed(ctx, sess["room_id"])
+        ctx.scheduler.kick()
+        return {"ok": True, "room_id": sess["room_id"],
+                "heartbeat_interval": current_app.config["HEARTBEAT_INTERVAL"]}
+
+    @socketio.on(EV_HEARTBEAT, namespace=GPU_NAMESPACE)
+    def gpu_heartbeat(data):
+        sess = _sessions.get(request.sid)
+        if not sess or not sess["client_id"]:
+            return {"ok": False, "error": "heartbeat before register"}
+        ctx = _ctx()
+        client = ctx.store.get_client(sess["client_id"])
+        if client is None or client.get("status") != ClientStatus.ONLINE.value:
+            return {"ok": False, "error": "unknown or lost gpu client: register again"}
+        ctx.store.update_client(sess["client_id"], {"last_seen": time.time()})
+        if isinstance(data, dict) and isinstance(data.get("slots"), list):
+            ctx.store.update_slot_stats(sess["client_id"], data["slots"])
+        notify.clients_changed(ctx, sess["room_id"])
+        return {"ok": True}
+
+    @socketio.on(EV_RANKS_EXITED, namespace=GPU_NAMESPACE)
+    def gpu_ranks_exited(data):
+        sess = _sessions.get(request.sid)
+        if not sess or not sess["client_id"] or not isinstance(data, dict):
+            return {"ok": False}
+        ctx = _ctx()
+        job = ctx.store.get_job(str(data.get("job_id")))
+        if job is None or job["room_id"] != sess["room_id"]:
+            return {"ok": False, "error": "no such job in this room"}
+        exits = {str(k): int(v) for k, v in (data.get("exits") or {}).items()}
+        lifecycle.ranks_exited(ctx, sess["client_id"], job["id"], exits)
+        return {"ok": True}
+
+    @socketio.on("disconnect", namespace=GPU_NAMESPACE)
+    def gpu_disconnect(*_):
+        sess = _sessions.pop(request.sid, None)
+        if not sess or not sess["client_id"]:
+            return
+        ctx = _ctx()
+        client = ctx.store.get_client(sess["client_id"])
+        if client and client.get("sid") == request.sid:
+            # Not lost yet: a client that comes back within the timeout keeps its ranks.
+            ctx.store.update_client(sess["client_id"], {"status": ClientStatus.OFFLINE.value, "sid": None})
+            log.info("gpu-client %s: disconnected", sess["client_id"])
+            notify.clients_changed(ctx, sess["room_id"])
+
+    # -- dashboards --------------------------------------------------------------------------
+    @socketio.on("connect", namespace=UI_NAMESPACE)
+    def ui_connect(auth=None):
+        room = _room_from_auth(auth)
+        join_room(notify.ui_room(room["id"]))
+        clients = [client_view(c) for c in _ctx().store.list_clients(room["id"])]
+        socketio.emit("clients_update", {"clients": clients}, to=request.sid, namespace=UI_NAMESPACE)
