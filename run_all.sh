@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# ./run_all.sh           install, bring up a zwdx server on the embedded store with two local GPU
+#                        clients (CPU slots when there is no GPU), run the MNIST example job to the
+#                        end, print its results, and stop everything.
+# ./run_all.sh --tests   install the test tools and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+
+if [[ "${1:-}" == "--tests" ]]; then
+    ./setup.sh --test
+    if [[ -f ui/package.json ]]; then
+        echo "== dashboard component tests (vitest)"
+        (cd ui && npm test --silent)
+    fi
+    echo "== test suite (pytest)"
+    exec "$PY" -m pytest "${@:2}"
+fi
+
+./setup.sh
+PORT=${ZWDX_PORT:-4461}
+DATA=${ZWDX_DATA_DIR:-$(mktemp -d -t zwdx-demo-XXXX)}
+URL="http://127.0.0.1:$PORT"
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+echo "== starting the server on $URL (data in $DATA)"
+"$PY" -m zwdx.cli server --port "$PORT" --data-dir "$DATA" > "$DATA/server.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 1 100); do curl -sf "$URL/health" >/dev/null && break; sleep 0.2; done
+curl -sf "$URL/health" >/dev/null || { cat "$DATA/server.log"; exit 1; }
+
+TOKEN=$("$PY" -m zwdx.cli room create --server "$URL" --name demo | tail -n 1)
+echo "== room created; dashboard: $URL (sign in with the token in $DATA/room-token)"
+echo "$TOKEN" > "$DATA/room-token"
+
+CPU_FLAG=--cpu
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then CPU_FLAG=; fi
+for i in 1 2; do
+    GPUS=()
+    [[ -z "$CPU_FLAG" ]] && GPUS=(--gpus $((i - 1)))
+    "$PY" -m zwdx.cli gpu-client --server "$URL" --room-token "$TOKEN" $CPU_FLAG "${GPUS[@]}" --threads 1 \
+        --work-dir "$DATA/gpu-client-$i" > "$DATA/gpu-client-$i.log" 2>&1 &
+    pids+=($!)
+done
+
+echo "== submitting the MNIST example (DDP, 2 ranks)"
+"$PY" test/mnist.py --server "$URL" --room-token "$TOKEN" --world-size 2 --epochs 3
