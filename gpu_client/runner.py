@@ -181,11 +181,14 @@ def main() -> int:
                              daemon=True).start()
         eval_func = bundle["eval_func"]
         epochs = int(env.get("ZWDX_EPOCHS", "1"))
+        started = time.time()
         train_out = call_with(bundle["train_func"], {
             "model": model, "loader": loader, "optimizer": optimizer, "optim": optimizer, "rank": rank,
             "world_size": world, "epochs": epochs, "device": device, "eval_func": eval_func,
             "reporter": reporter}, "train_func")
         stop.set()
+        if rank == 0 and loader.samples:  # mean throughput over the whole of training
+            reporter.log_system(throughput=loader.samples * world / max(time.time() - started, 1e-9))
         eval_out = None
         if eval_func is not None:
             eval_out = call_with(eval_func, {"model": model, "loader": eval_loader, "rank": rank,

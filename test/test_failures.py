@@ -1,0 +1,70 @@
+"""Jobs whose code fails: every failing rank's traceback comes back, GPU clients stay up."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mnist
+from zwdx import JobFailed
+
+
+def train_that_raises(model, loader, optimizer, rank):
+    for x, y in loader:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        break
+    raise ValueError(f"boom on rank {rank}")
+
+
+def train_that_crashes(rank):
+    if rank == 1:
+        os._exit(3)  # the process dies without a word
+    import time
+    time.sleep(60)
+
+
+def test_failing_train_func_returns_every_rank_traceback_and_clients_take_the_next_job(sdk, room, start_client):
+    a, b = start_client("a"), start_client("b")
+    with pytest.raises(JobFailed) as info:
+        sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_raises,
+                       room_token=room["token"], world_size=2, progress=False)
+    err = info.value
+    assert err.job_id and "failed" in str(err)
+    assert set(err.failures) == {"0", "1"}
+    for rank, tb in err.failures.items():
+        assert "Traceback" in tb and f"ValueError: boom on rank {rank}" in tb and "train_that_raises" in tb
+
+    result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_raises,
+                            room_token=room["token"], world_size=2, progress=False, raise_on_failure=False)
+    assert result["status"] == "failed" and set(result["failures"]) == {"0", "1"}
+
+    assert a.alive() and b.alive()
+    ok = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                        optimizer=torch.optim.SGD(mnist.Net().parameters(), lr=0.05), room_token=room["token"],
+                        world_size=2, epochs=1, progress=False)
+    assert ok["status"] == "completed"
+
+
+def test_rank_process_that_dies_fails_the_job_quickly(sdk, room, start_client):
+    a, b = start_client("a"), start_client("b")
+    result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
+                            room_token=room["token"], world_size=2, progress=False, raise_on_failure=False,
+                            timeout=60)
+    assert result["status"] == "failed"
+    assert "rank process died" in result["reason"] and "exit code 3" in result["reason"]
+    assert a.alive() and b.alive()
+    room_now = sdk.get_room(room["token"])
+    assert all(s["job_id"] is None for c in room_now["clients"] for s in c["slots"])  # slots freed
+
+
+def test_cancel_stops_the_ranks_and_frees_the_slots(sdk, room, start_client):
+    start_client("a")
+    job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
+                            room_token=room["token"], world_size=1, wait=False)
+    from procs import wait_until
+    wait_until(lambda: sdk.get_job(job_id)["status"] == "running", 60, what="job running")
+    assert sdk.cancel_job(job_id)["status"] == "cancelled"
+    wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
+               10, what="slots freed after cancel")
+    assert sdk.get_job(job_id)["status"] == "cancelled"
