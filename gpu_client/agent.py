@@ -52,10 +52,25 @@ def free_port(addr: str) -> int:
 
 
 class RunningJob:
-    def __init__(self, job_id: str):
-        self.job_id = job_id
+    """The ranks of one attempt of one job on this GPU client."""
+
+    def __init__(self, job_id: str, attempt: int):
+        self.job_id, self.attempt = job_id, attempt
+        self.key = f"{job_id}:{attempt}"
         self.procs: dict[int, subprocess.Popen] = {}
         self.cancelled = threading.Event()
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface holding ``addr`` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    try:
+        import psutil
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == addr for a in addrs):
+                return name
+    except Exception:
+        pass
+    return None
 
 
 class Agent:
@@ -98,7 +113,7 @@ class Agent:
             self.advertise_addr = reaching_address(self.server)
         data = {"client_id": self.client_id, "hostname": socket.gethostname(), "slots": self.slots,
                 "versions": runtime_versions(), "advertise_addr": self.advertise_addr,
-                "running": list(self.jobs)}
+                "running": self._running()}
         try:
             answer = self.sio.call(EV_REGISTER, data, namespace=GPU_NAMESPACE, timeout=15)
         except Exception as exc:
@@ -131,15 +146,20 @@ class Agent:
                  self.advertise_addr, port)
         return {"addr": self.advertise_addr, "port": port}
 
+    def _running(self) -> list[dict]:
+        return [{"job_id": j.job_id, "attempt": j.attempt} for j in list(self.jobs.values())]
+
     def _on_assign(self, data):
-        job = RunningJob(data["job_id"])
-        self.jobs[job.job_id] = job
+        job = RunningJob(data["job_id"], int(data.get("attempt") or 0))
+        self.jobs[job.key] = job
         threading.Thread(target=self._run_job, args=(job, data), name=f"job-{job.job_id}", daemon=True).start()
 
     def _on_cancel(self, data):
-        job = self.jobs.get(data.get("job_id"))
-        if job is not None:
-            log.info("gpu-client %s: job %s stopping: %s", self.client_id, job.job_id, data.get("reason"))
+        for job in list(self.jobs.values()):
+            if job.job_id != data.get("job_id") or data.get("attempt") not in (None, job.attempt):
+                continue
+            log.info("gpu-client %s: job %s (attempt %d) stopping: %s", self.client_id, job.job_id, job.attempt,
+                     data.get("reason"))
             job.cancelled.set()
             threading.Thread(target=self._kill, args=(job,), daemon=True).start()
 
@@ -170,6 +190,12 @@ class Agent:
         try:
             bundle = self._bundle_path(data)
             threads = self.threads or max(1, (os.cpu_count() or 1) // max(1, len(data["ranks"])))
+            iface = interface_of(self.advertise_addr)
+            net = {}
+            if iface:  # ranks talk over the interface that reaches the server, not the hostname's
+                net = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
+                       "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
+            import json
             logs = os.path.join(self.work_dir, "jobs", job.job_id)
             os.makedirs(logs, exist_ok=True)
             for local_rank, r in enumerate(data["ranks"]):
@@ -182,7 +208,9 @@ class Agent:
                        "ZWDX_PARALLELISM": data["parallelism"], "ZWDX_EPOCHS": str(data["epochs"]),
                        "ZWDX_COLLECTIVE_TIMEOUT": str(data["collective_timeout"]),
                        "ZWDX_ATTEMPT": str(data.get("attempt", 0)), "ZWDX_NUM_THREADS": str(threads),
-                       "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+                       "ZWDX_CHECKPOINT": json.dumps(data.get("checkpoint")),
+                       "ZWDX_CHECKPOINT_EVERY_EPOCH": "1" if data.get("checkpoint_every_epoch", True) else "0",
+                       "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **net}
                 out = open(os.path.join(logs, f"rank{r['rank']}.log"), "ab")
                 job.procs[r["rank"]] = subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env,
                                                         stdout=out, stderr=subprocess.STDOUT,
@@ -198,9 +226,10 @@ class Agent:
             self._kill(job)
             for r in data["ranks"]:
                 exits.setdefault(str(r["rank"]), job.procs[r["rank"]].wait() if r["rank"] in job.procs else 97)
-        log.info("gpu-client %s: job %s ranks exited: %s", self.client_id, job.job_id, exits)
-        self._send_exits(job.job_id, exits)
-        self.jobs.pop(job.job_id, None)
+        log.info("gpu-client %s: job %s (attempt %d) ranks exited: %s", self.client_id, job.job_id, job.attempt,
+                 exits)
+        self._send_exits(job, exits)
+        self.jobs.pop(job.key, None)
         self.finished += 1
         if self.max_jobs is not None and self.finished >= self.max_jobs:
             self.stop.set()
@@ -216,15 +245,15 @@ class Agent:
             except requests.RequestException:
                 pass
 
-    def _send_exits(self, job_id: str, exits: dict) -> None:
+    def _send_exits(self, job: RunningJob, exits: dict) -> None:
         while not self.stop.is_set() or self.sio.connected:
             try:
                 if self.sio.connected and self._registered.wait(5):
-                    self.sio.call(EV_RANKS_EXITED, {"job_id": job_id, "exits": exits}, namespace=GPU_NAMESPACE,
-                                  timeout=15)
+                    self.sio.call(EV_RANKS_EXITED, {"job_id": job.job_id, "attempt": job.attempt, "exits": exits},
+                                  namespace=GPU_NAMESPACE, timeout=15)
                     return
             except Exception as exc:
-                log.warning("gpu-client %s: cannot report exits of job %s yet: %s", self.client_id, job_id, exc)
+                log.warning("gpu-client %s: cannot report exits of job %s yet: %s", self.client_id, job.job_id, exc)
             time.sleep(1)
 
     def _kill(self, job: RunningJob, grace: float = 3.0) -> None:
@@ -250,7 +279,7 @@ class Agent:
             if not self._registered.is_set():
                 continue
             try:
-                answer = self.sio.call(EV_HEARTBEAT, {"slots": gpus.stats(self.slots), "running": list(self.jobs)},
+                answer = self.sio.call(EV_HEARTBEAT, {"slots": gpus.stats(self.slots), "running": self._running()},
                                        namespace=GPU_NAMESPACE, timeout=10)
                 if answer and not answer.get("ok"):
                     log.warning("gpu-client %s: %s", self.client_id, answer.get("error"))

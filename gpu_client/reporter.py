@@ -50,6 +50,12 @@ class Reporter:
         self.session = http_session(room_token, job_key)
         self.job_id, self.rank, self.attempt = job_id, rank, attempt
         self.step = 0
+        #: Where to go on from: the first epoch to run (0 unless resumed from a checkpoint).
+        self.start_epoch = 0
+        #: None, or ``{"epoch", "step", "epoch_complete", "checkpoint"}`` of the checkpoint restored.
+        self.resume: dict | None = None
+        self._checkpointer = None
+        self._epoch_in_progress = 0
         self._n = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -79,6 +85,13 @@ class Reporter:
         with self._lock:
             step = max(self.step - 1, 0)
         self._put("metric", {name: _number(v) for name, v in values.items()}, step)
+
+    def checkpoint(self) -> int | None:
+        """Save a checkpoint now (model, optimizer, epoch, step). Every rank must call it at the
+        same point of training. Returns the checkpoint's number."""
+        if self._checkpointer is None:
+            return None
+        return self._checkpointer.save(self._epoch_in_progress, self.step, epoch_complete=False)
 
     def log(self, text: str) -> None:
         """A log line, shown in the job's logs."""
@@ -131,8 +144,8 @@ class Reporter:
 
     def status(self, status: str, **fields) -> None:
         """Tell the server this rank is running, completed or failed (delivered with retries)."""
-        self.flush()
-        deadline = time.time() + 120
+        self.flush(timeout=defaults.OUTAGE_TOLERANCE)
+        deadline = time.time() + defaults.OUTAGE_TOLERANCE
         while True:
             try:
                 resp = self.session.post(f"{self.base}/ranks/{self.rank}", json={"status": status, **fields},

@@ -29,16 +29,24 @@ log = logging.getLogger("gpu_client.runner")
 
 
 class CountingLoader:
-    """The user's DataLoader, counting the samples it yields (for throughput)."""
+    """The user's DataLoader, counting the samples it yields (for throughput). A full pass made
+    while the model is in training mode is an epoch: ``on_epoch_end`` is called after it."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, model=None, on_epoch_end=None):
         self._loader = loader
+        self._model, self._on_epoch_end = model, on_epoch_end
         self.samples = 0
+        self.epochs = 0
 
     def __iter__(self):
+        training = self._model is None or self._model.training
         for batch in self._loader:
             self.samples += _batch_size(batch)
             yield batch
+        if training and (self._model is None or self._model.training):
+            self.epochs += 1
+            if self._on_epoch_end is not None:
+                self._on_epoch_end(self.epochs)
 
     def __len__(self):
         return len(self._loader)
@@ -140,7 +148,31 @@ def _upload_weights(reporter: Reporter, state: dict) -> str:
         os.unlink(path)
 
 
+def _is_collective_error(exc: BaseException) -> bool:
+    """True when the error came from torch.distributed: a peer is probably gone."""
+    import torch.distributed as dist
+    kinds = tuple(k for k in (getattr(dist, n, None) for n in ("DistError", "DistBackendError", "DistNetworkError",
+                                                               "DistStoreError")) if isinstance(k, type))
+    if kinds and isinstance(exc, kinds):
+        return True
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset", "broken pipe", "gloo",
+                                   "nccl", "timed out", "socket", "connection refused"))
+
+
+def _die_with_parent() -> None:
+    """If the GPU client dies (SIGKILL, lost machine), its ranks die with it."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        if os.getppid() == 1:
+            os._exit(1)
+    except OSError:
+        pass
+
+
 def main() -> int:
+    _die_with_parent()
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
@@ -171,11 +203,32 @@ def main() -> int:
         parallelism = env.get("ZWDX_PARALLELISM", "DDP")
         model = wrap(bundle["model"], parallelism, device)
         optimizer = rebuild_optimizer(bundle["optimizer"], model)
+        import json
+
+        from .checkpoint import Checkpointer
+        latest = json.loads(env.get("ZWDX_CHECKPOINT") or "null")
+        ckpt = Checkpointer(reporter, model, optimizer, parallelism, rank, world, device, latest)
+        if latest:
+            ckpt.restore()
+            reporter.start_epoch, reporter.resume = ckpt.start_epoch, ckpt.resume
+            reporter.step = int(latest.get("step") or 0)
+            if rank == 0:
+                reporter.log(f"resumed from checkpoint {latest['n']} (epoch {latest.get('epoch')}, "
+                             f"step {latest.get('step')})")
+        reporter._checkpointer = ckpt
+        reporter._epoch_in_progress = reporter.start_epoch
         loaders = call_with(bundle["data_loader_func"], {"rank": rank, "world_size": world, "device": device},
                             "data_loader_func")
         train_loader, eval_loader = (loaders if isinstance(loaders, tuple) and len(loaders) == 2
                                      else (loaders, loaders))
-        loader = CountingLoader(train_loader)
+        every_epoch = env.get("ZWDX_CHECKPOINT_EVERY_EPOCH", "1") == "1"
+
+        def epoch_end(passes: int) -> None:
+            epoch = reporter.start_epoch + passes - 1
+            reporter._epoch_in_progress = epoch + 1
+            if every_epoch:
+                ckpt.save(epoch, reporter.step)
+        loader = CountingLoader(train_loader, model, epoch_end)
         if rank == 0:
             threading.Thread(target=_system_metrics, args=(reporter, loader, world, device, stop),
                              daemon=True).start()
@@ -185,7 +238,7 @@ def main() -> int:
         train_out = call_with(bundle["train_func"], {
             "model": model, "loader": loader, "optimizer": optimizer, "optim": optimizer, "rank": rank,
             "world_size": world, "epochs": epochs, "device": device, "eval_func": eval_func,
-            "reporter": reporter}, "train_func")
+            "reporter": reporter, "start_epoch": reporter.start_epoch, "resume": reporter.resume}, "train_func")
         stop.set()
         if rank == 0 and loader.samples:  # mean throughput over the whole of training
             reporter.log_system(throughput=loader.samples * world / max(time.time() - started, 1e-9))
@@ -204,7 +257,8 @@ def main() -> int:
         tb = traceback.format_exc()
         sys.__stderr__.write(tb)
         try:
-            reporter.status("failed", error=f"{type(exc).__name__}: {exc}", traceback=tb)
+            reporter.status("failed", error=f"{type(exc).__name__}: {exc}", traceback=tb,
+                            collective=joined and _is_collective_error(exc))
         except Exception:
             log.exception("could not report the failure")
     finally:

@@ -66,7 +66,10 @@ def train(model, loader, optim, eval_func, rank, world_size, epochs=3, reporter=
     device = next(model.parameters()).device
     model.train()
     loss = torch.tensor(0.0)
-    for epoch in range(epochs):
+    # After a lost GPU client the platform restores model and optimizer from the last
+    # checkpoint and says where to go on from; a fresh job starts at epoch 0.
+    start_epoch = reporter.start_epoch if reporter is not None else 0
+    for epoch in range(start_epoch, epochs):
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):

@@ -8,8 +8,13 @@ API_PREFIX = "/api/v1"
 MAX_ARTIFACT_BYTES = 8 * 1024**3
 #: Seconds between a GPU client's heartbeats.
 HEARTBEAT_INTERVAL = 2.0
-#: A GPU client silent for this long is declared lost.
+#: A GPU client silent for this long is declared lost (also the grace a restarted server gives
+#: its GPU clients to reconnect).
 CLIENT_TIMEOUT = 10.0
+#: A GPU client whose connection dropped is declared lost if it is not back within this time.
+DISCONNECT_GRACE = 3.0
+#: Checkpoints kept per job (older ones are deleted).
+KEEP_CHECKPOINTS = 2
 #: Bounded timeout of torch.distributed collectives, in seconds: a dead peer fails a job in minutes.
 COLLECTIVE_TIMEOUT = 300
 #: Seconds the rank-0 GPU client gets to answer a port reservation.
@@ -28,3 +33,5 @@ SHA256_HEADER = "X-Zwdx-Sha256"
 SYSTEM_METRICS_INTERVAL = 2.0
 #: How many restarts a job gets before it fails for good (see the failure issue).
 MAX_RESTARTS = 3
+#: Seconds a rank or the SDK keeps retrying while the server is unreachable (a server restart).
+OUTAGE_TOLERANCE = 600.0

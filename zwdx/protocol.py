@@ -11,6 +11,7 @@ from enum import Enum
 
 class JobStatus(str, Enum):
     QUEUED = "queued"          # waiting for slots
+    RESUMING = "resuming"      # lost a GPU client; waiting for slots to go on from its last checkpoint
     STARTING = "starting"      # slots reserved, ranks being launched
     RUNNING = "running"        # at least one rank reported it started
     COMPLETED = "completed"
@@ -24,6 +25,7 @@ class JobStatus(str, Enum):
 
 FINISHED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
 ACTIVE = frozenset({JobStatus.STARTING, JobStatus.RUNNING})
+WAITING = frozenset({JobStatus.QUEUED, JobStatus.RESUMING})
 
 
 class Parallelism(str, Enum):

@@ -84,9 +84,16 @@ class ZWDX:
                    parallelism: str = "DDP", memory_required: int = 0, room_token: str | None = None,
                    epochs: int = 1, world_size: int | None = None, wait: bool = True, progress: bool = True,
                    raise_on_failure: bool = True, name: str = "", collective_timeout: float | None = None,
-                   timeout: float | None = None):
+                   timeout: float | None = None, min_world_size: int | None = None,
+                   max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
+                   checkpoint_every_epoch: bool = True):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
-        result (``wait=False``: returns the job id at once)."""
+        result (``wait=False``: returns the job id at once).
+
+        If a GPU client of the job is lost, the job goes on from its last checkpoint, on the
+        remaining clients if ``min_world_size`` allows or when a replacement joins, at most
+        ``max_restarts`` times. A checkpoint is saved at every epoch end unless
+        ``checkpoint_every_epoch=False``; the last ``keep_checkpoints`` are kept."""
         token = self._token(room_token)
         if str(parallelism).upper() not in ("DDP", "FSDP"):
             raise BadRequest(f"parallelism must be 'DDP' or 'FSDP', got {parallelism!r}", field="parallelism")
@@ -98,7 +105,9 @@ class ZWDX:
         job = self._json("POST", "/jobs", token, json={
             "bundle_artifact": artifact["id"], "parallelism": str(parallelism).upper(), "epochs": epochs,
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
-            "name": name, "collective_timeout": collective_timeout})
+            "name": name, "collective_timeout": collective_timeout, "min_world_size": min_world_size,
+            "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
+            "checkpoint_every_epoch": checkpoint_every_epoch})
         self._job_tokens[job["id"]] = token
         log.info("job %s submitted (%d bytes bundle)", job["id"], len(blob))
         if not wait:
@@ -115,10 +124,22 @@ class ZWDX:
             from tqdm.auto import tqdm
             bar = tqdm(desc=f"job {job_id}", unit="step", dynamic_ncols=True)
         after, latest, deadline = 0, {}, (time.time() + timeout) if timeout else None
+        unreachable_since = None
         try:
             while True:
-                job = self.get_job(job_id, token)
-                events = self._json("GET", f"/jobs/{job_id}/events", token, params={"after": after})["events"]
+                try:
+                    job = self.get_job(job_id, token)
+                    events = self._json("GET", f"/jobs/{job_id}/events", token, params={"after": after})["events"]
+                    unreachable_since = None
+                except ServerUnreachable:
+                    # A server restart: keep waiting, within reason.
+                    unreachable_since = unreachable_since or time.time()
+                    if time.time() - unreachable_since > defaults.OUTAGE_TOLERANCE:
+                        raise
+                    if bar is not None:
+                        bar.set_description(f"job {job_id} (server unreachable, waiting)")
+                    time.sleep(1.0)
+                    continue
                 for ev in events:
                     after = ev["seq"]
                     if ev["kind"] == "metric":

@@ -59,8 +59,9 @@ def create_app(config: dict | None = None) -> Flask:
     ctx = ServerContext(app)
     app.extensions["zwdx"] = ctx
 
-    from . import api, dashboard_api, events, ui
+    from . import api, checkpoints, dashboard_api, events, ui
     app.register_blueprint(api.bp)
+    app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)

@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import defaults
 from ..errors import BadRequest, Conflict, NotFound, ZwdxError
-from ..protocol import ArtifactKind, EventKind, JobStatus, Parallelism
+from ..protocol import ACTIVE, ArtifactKind, EventKind, JobStatus, Parallelism
 from . import lifecycle, notify
 from .auth import hash_secret, job_in_room, new_secret, request_job_key, request_room
 from .views import client_view, job_view, room_view
@@ -163,6 +163,16 @@ def create_job():
     if bundle.get("job_id"):
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
     timeout = _field(body, "collective_timeout", (int, float))
+    min_world = _field(body, "min_world_size", int)
+    if min_world is not None and (min_world < 1 or (world_size is not None and min_world > world_size)):
+        raise BadRequest("field 'min_world_size' must be at least 1 and at most world_size", field="min_world_size")
+    max_restarts = _field(body, "max_restarts", int, default=defaults.MAX_RESTARTS)
+    if max_restarts < 0:
+        raise BadRequest("field 'max_restarts' must be >= 0", field="max_restarts")
+    keep = _field(body, "keep_checkpoints", int, default=defaults.KEEP_CHECKPOINTS)
+    if keep < 1:
+        raise BadRequest("field 'keep_checkpoints' must be at least 1", field="keep_checkpoints")
+    every_epoch = _field(body, "checkpoint_every_epoch", bool, default=True)
     name = _field(body, "name", str, default="")
     now = time.time()
     job = {"id": uuid.uuid4().hex[:12], "room_id": room["id"], "status": JobStatus.QUEUED.value,
@@ -170,7 +180,8 @@ def create_job():
            "spec": {"parallelism": parallelism, "epochs": epochs, "world_size": world_size,
                     "memory_required": memory, "versions": versions, "bundle_artifact": bundle_id,
                     "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"],
-                    "collective_timeout": timeout},
+                    "collective_timeout": timeout, "min_world_size": min_world, "max_restarts": max_restarts,
+                    "keep_checkpoints": keep, "checkpoint_every_epoch": every_epoch},
            "timeline": [{"status": JobStatus.QUEUED.value, "at": now}], "world_size": None}
     job = ctx().store.create_job(job)
     ctx().store.update_artifact(bundle_id, {"job_id": job["id"]})
@@ -279,13 +290,19 @@ def post_rank_status(job_id: str, rank: int):
     status = _field(body, "status", str, required=True)
     if job.get("world_size") is None or not 0 <= rank < job["world_size"]:
         raise BadRequest(f"rank {rank} is not part of job {job_id}")
+    if status == "failed" and job["status"] == JobStatus.FAILED.value:
+        tb = _field(body, "traceback", str, default="(no traceback)")
+        ctx().store.update_job(job["id"], {f"failures.{rank}": tb})  # every failing rank's traceback
+        return jsonify({"ok": True})
+    if job["status"] not in {s.value for s in ACTIVE}:
+        return jsonify({"ok": False, "ignored": f"job is {job['status']}"})
     if status == "running":
         lifecycle.rank_started(ctx(), job, rank)
     elif status == "completed":
         lifecycle.rank_completed(ctx(), job, rank, body)
     elif status == "failed":
         tb = _field(body, "traceback", str, default="(no traceback)")
-        lifecycle.fail(ctx(), job["id"], f"rank {rank} failed: {body.get('error') or 'error'}", {str(rank): tb})
+        lifecycle.rank_failed(ctx(), job, rank, str(body.get("error") or "error"), tb, bool(body.get("collective")))
     else:
         raise BadRequest("field 'status' must be running, completed or failed", field="status")
     return jsonify({"ok": True})
@@ -296,3 +313,4 @@ def put_weights(job_id: str):
     job = _rank_job(job_id)
     artifact = _save_artifact({"id": job["room_id"]}, ArtifactKind.WEIGHTS.value, job["id"])
     return jsonify(artifact), 201
+

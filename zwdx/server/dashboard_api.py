@@ -1,6 +1,69 @@
-"""REST routes that only the dashboard uses (history, room overview helpers)."""
+"""REST routes that only the dashboard uses.
+
+    GET /api/v1/dashboard/history[?status=completed,failed]
+        -> {"jobs": [{id, name, status, created_at, started_at, running_at, ended_at, duration,
+                      final_loss, world_size, requested_world_size, parallelism, epochs,
+                      mean_throughput, reason}]}
+
+The history is the room's finished jobs (or those of the given statuses) in submission order.
+``mean_throughput`` is the mean of the job's "throughput" metric events (samples/s, reported
+by rank 0), None when it reported none; ``duration`` runs from the first running moment (or
+the start) to the end.
+"""
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, current_app, jsonify, request
+
+from .. import defaults
+from ..errors import BadRequest
+from ..protocol import FINISHED, EventKind, JobStatus
+from .auth import request_room
 
 bp = Blueprint("dashboard_api", __name__)
+P = defaults.API_PREFIX
+
+#: Mean throughput of finished jobs (they report no more), per server process.
+_CACHE_KEY = "zwdx.dashboard.throughput"
+
+
+def mean_throughput(store, job: dict) -> float | None:
+    values = [ev["data"]["throughput"] for ev in store.get_events(job["id"], kind=EventKind.METRIC.value)
+              if isinstance(ev.get("data"), dict) and isinstance(ev["data"].get("throughput"), (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def _cached_throughput(store, job: dict) -> float | None:
+    if JobStatus(job["status"]) not in FINISHED:
+        return mean_throughput(store, job)
+    cache = current_app.extensions.setdefault(_CACHE_KEY, {})
+    if job["id"] not in cache:
+        cache[job["id"]] = mean_throughput(store, job)
+    return cache[job["id"]]
+
+
+def summary(store, job: dict) -> dict:
+    start = job.get("running_at") or job.get("started_at")
+    end = job.get("ended_at")
+    spec = job.get("spec") or {}
+    return {"id": job["id"], "name": job.get("name") or "", "status": job["status"],
+            "created_at": job.get("created_at"), "started_at": job.get("started_at"),
+            "running_at": job.get("running_at"), "ended_at": end,
+            "duration": end - start if start and end else None,
+            "final_loss": job.get("final_loss"), "world_size": job.get("world_size"),
+            "requested_world_size": spec.get("world_size"), "parallelism": spec.get("parallelism"),
+            "epochs": spec.get("epochs"), "mean_throughput": _cached_throughput(store, job),
+            "reason": job.get("reason")}
+
+
+@bp.get(f"{P}/dashboard/history")
+def history():
+    room = request_room()
+    known = {s.value for s in JobStatus}
+    asked = request.args.get("status")
+    statuses = [s for s in asked.split(",") if s] if asked else [s.value for s in FINISHED]
+    wrong = [s for s in statuses if s not in known]
+    if wrong:
+        raise BadRequest(f"query 'status' must be a comma-separated list of {', '.join(sorted(known))}; "
+                         f"got {', '.join(wrong)}", field="status")
+    store = current_app.extensions["zwdx"].store
+    return jsonify({"jobs": [summary(store, job) for job in store.list_jobs(room["id"], statuses)]})

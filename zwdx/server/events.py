@@ -11,9 +11,10 @@ import time
 from flask import current_app, request
 from flask_socketio import ConnectionRefusedError, join_room
 
+from .. import defaults
 from ..errors import AuthError
-from ..protocol import (EV_HEARTBEAT, EV_RANKS_EXITED, EV_REGISTER, GPU_NAMESPACE, UI_NAMESPACE,
-                        ClientStatus, JobStatus)
+from ..protocol import (ACTIVE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER, GPU_NAMESPACE,
+                        UI_NAMESPACE, ClientStatus)
 from . import lifecycle, notify
 from .auth import room_for_token
 from .views import client_view
@@ -63,13 +64,28 @@ def register(socketio) -> None:
         client = {"id": client_id, "room_id": sess["room_id"], "hostname": str(data.get("hostname", "")),
                   "versions": data.get("versions") or {}, "advertise_addr": data.get("advertise_addr"),
                   "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
+                  "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
                   "connected_at": now, "registered_at": (existing or {}).get("registered_at", now)}
         ctx.store.upsert_client(client, slots)
-        running = set(data.get("running") or [])
+        running = {}  # job id -> attempt this client still runs ranks of
+        for item in data.get("running") or []:
+            if isinstance(item, dict):
+                running[str(item.get("job_id"))] = int(item.get("attempt") or 0)
         # Slots the store thinks are busy with jobs this client no longer runs: those ranks are gone.
         for slot in ctx.store.list_slots(sess["room_id"]):
             if slot["client_id"] == client_id and slot["job_id"] and slot["job_id"] not in running:
-                lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1})
+                job = ctx.store.get_job(slot["job_id"])
+                lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1},
+                                       (job or {}).get("attempt", 0))
+        # Ranks it still runs of jobs that went on without it (or ended): stop them.
+        for job_id, attempt in running.items():
+            job = ctx.store.get_job(job_id)
+            mine = job and job["status"] in {s.value for s in ACTIVE} and job.get("attempt", 0) == attempt and \
+                any(p["client_id"] == client_id for p in job.get("placement") or [])
+            if not mine:
+                socketio.emit(EV_JOB_CANCEL, {"job_id": job_id, "attempt": attempt,
+                                              "reason": "the job went on without this gpu client"},
+                              to=request.sid, namespace=GPU_NAMESPACE)
         log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
                  len(slots), client["hostname"])
         notify.clients_changed(ctx, sess["room_id"])
@@ -86,7 +102,9 @@ def register(socketio) -> None:
         client = ctx.store.get_client(sess["client_id"])
         if client is None or client.get("status") != ClientStatus.ONLINE.value:
             return {"ok": False, "error": "unknown or lost gpu client: register again"}
-        ctx.store.update_client(sess["client_id"], {"last_seen": time.time()})
+        now = time.time()
+        ctx.store.update_client(sess["client_id"], {"last_seen": now,
+                                                    "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"])})
         if isinstance(data, dict) and isinstance(data.get("slots"), list):
             ctx.store.update_slot_stats(sess["client_id"], data["slots"])
         notify.clients_changed(ctx, sess["room_id"])
@@ -102,7 +120,7 @@ def register(socketio) -> None:
         if job is None or job["room_id"] != sess["room_id"]:
             return {"ok": False, "error": "no such job in this room"}
         exits = {str(k): int(v) for k, v in (data.get("exits") or {}).items()}
-        lifecycle.ranks_exited(ctx, sess["client_id"], job["id"], exits)
+        lifecycle.ranks_exited(ctx, sess["client_id"], job["id"], exits, int(data.get("attempt") or 0))
         return {"ok": True}
 
     @socketio.on("disconnect", namespace=GPU_NAMESPACE)
@@ -114,7 +132,10 @@ def register(socketio) -> None:
         client = ctx.store.get_client(sess["client_id"])
         if client and client.get("sid") == request.sid:
             # Not lost yet: a client that comes back within the timeout keeps its ranks.
-            ctx.store.update_client(sess["client_id"], {"status": ClientStatus.OFFLINE.value, "sid": None})
+            now = time.time()
+            ctx.store.update_client(sess["client_id"], {"status": ClientStatus.OFFLINE.value, "sid": None,
+                                                        "disconnected_at": now,
+                                                        "lost_after": now + defaults.DISCONNECT_GRACE})
             log.info("gpu-client %s: disconnected", sess["client_id"])
             notify.clients_changed(ctx, sess["room_id"])
 

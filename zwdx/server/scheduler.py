@@ -67,12 +67,17 @@ def plan(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict] | None
     for slot in eligible:
         by_kind[slot.get("kind", "cuda")].append(slot)
     want = job["spec"].get("world_size")
+    least = job["spec"].get("min_world_size")
+    if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
+        want = job["world_size"]  # go on at the size it ran at, or at least min_world_size
     for kind in ("cuda", "cpu"):
         chosen = by_kind.get(kind) or []
         if not chosen:
             continue
         if want is None:
             return chosen, ""
+        if len(chosen) < want and least and len(chosen) >= least:
+            want = len(chosen)
         if len(chosen) >= want:
             # Fill whole clients first: fewer hosts, more ranks over local links.
             order = sorted(chosen, key=lambda s: (-sum(1 for c in chosen if c["client_id"] == s["client_id"]),
@@ -99,6 +104,7 @@ class Scheduler:
     def start(self, app) -> None:
         if self.ctx.config.get("SCHEDULER", True) is False:
             return
+        self.grace_after_restart()
         self._thread = threading.Thread(target=self._loop, args=(app,), name="zwdx-scheduler", daemon=True)
         self._thread.start()
 
@@ -115,19 +121,34 @@ class Scheduler:
 
     # -- lost clients ----------------------------------------------------------------------
     def reap_silent_clients(self) -> None:
-        deadline = time.time() - float(self.ctx.config["CLIENT_TIMEOUT"])
+        """Declare lost the GPU clients past their ``lost_after`` (set on each heartbeat, on a
+        dropped connection and when this server starts), then settle suspect jobs."""
+        now = time.time()
         for client in self.ctx.store.list_clients(None):
             holds_ranks = any(s.get("job_id") for s in client["slots"])
             live = client.get("status") == ClientStatus.ONLINE.value
-            if (live or holds_ranks) and client.get("last_seen", 0) < deadline:
-                lifecycle.client_lost(self.ctx, client["id"], "no heartbeat for "
-                                      f"{self.ctx.config['CLIENT_TIMEOUT']:g} s")
+            lost_after = client.get("lost_after")
+            if lost_after is None:
+                lost_after = client.get("last_seen", 0) + float(self.ctx.config["CLIENT_TIMEOUT"])
+            if (live or holds_ranks) and lost_after < now:
+                why = ("connection dropped and not back" if client.get("disconnected_at") else "no heartbeat")
+                lifecycle.client_lost(self.ctx, client["id"], f"{why} for {now - client.get('last_seen', now):.1f} s")
+        lifecycle.settle_suspects(self.ctx)
+
+    def grace_after_restart(self) -> None:
+        """A (re)started server gives every GPU client that was online or running ranks
+        ``CLIENT_TIMEOUT`` to reconnect before declaring it lost."""
+        until = time.time() + float(self.ctx.config["CLIENT_TIMEOUT"])
+        for client in self.ctx.store.list_clients(None):
+            if client.get("status") == ClientStatus.ONLINE.value or any(s.get("job_id") for s in client["slots"]):
+                self.ctx.store.update_client(client["id"], {"status": ClientStatus.OFFLINE.value, "sid": None,
+                                                            "lost_after": until})
 
     # -- placing jobs ----------------------------------------------------------------------
     def schedule_once(self) -> int:
         """One pass over every room's queue. Returns how many jobs were started."""
         store, started = self.ctx.store, 0
-        queued = store.list_jobs(statuses=[JobStatus.QUEUED.value])
+        queued = store.list_jobs(statuses=[JobStatus.QUEUED.value, JobStatus.RESUMING.value])
         rooms = defaultdict(list)
         for job in queued:
             rooms[job["room_id"]].append(job)
@@ -143,11 +164,15 @@ class Scheduler:
         store = self.ctx.store
         clients = {c["id"]: c for c in store.list_clients(job["room_id"])}
         slots = store.list_slots(job["room_id"])
+        if any(s.get("job_id") == job["id"] for s in slots):
+            return False  # ranks of its last attempt are still stopping
         chosen, reason = plan(job, slots, clients)
         if chosen is None:
+            if job["status"] == JobStatus.RESUMING.value:
+                reason = f"resuming after: {job.get('restart_history', [{}])[-1].get('reason')}; {reason}"
             if job.get("waiting_reason") != reason:
                 updated = store.update_job(job["id"], {"waiting_reason": reason},
-                                           expect_status=[JobStatus.QUEUED.value])
+                                           expect_status=[job["status"]])
                 if updated:
                     notify.job_changed(updated)
             return False
@@ -158,14 +183,17 @@ class Scheduler:
                               "gpu_index": slot["index"], "gpu_name": slot.get("name"), "kind": slot.get("kind")})
         job_key = new_secret("jk")
         now = time.time()
+        attempt = int(job.get("restarts") or 0)
         changes = {"status": JobStatus.STARTING.value, "placement": placement, "world_size": len(chosen),
+                   "attempt": attempt, "suspect_since": None, "failures": {},
                    "backend": "nccl" if chosen[0].get("kind") == "cuda" else "gloo",
                    "job_key_hash": hash_secret(job_key), "waiting_reason": None, "started_at": now,
                    "ranks": {}, "exits": {}}
         if not store.reserve_slots(job["id"], [(s["id"], r) for r, s in enumerate(chosen)], changes):
             return False  # another scheduler got there first; look again next pass
         job = store.get_job(job["id"])
-        store.update_job(job["id"], {}, push={"timeline": {"status": JobStatus.STARTING.value, "at": now}})
+        store.update_job(job["id"], {}, push={"timeline": {"status": JobStatus.STARTING.value, "at": now,
+                                                            "attempt": attempt, "world_size": len(chosen)}})
         log.info("job %s: placed on %d slot(s): %s", job["id"], len(chosen),
                  ", ".join(f"rank {p['rank']}@{p['hostname']}:{p['gpu_index']}" for p in placement))
         master = clients[placement[0]["client_id"]]
@@ -189,7 +217,9 @@ class Scheduler:
                 "job_id": job["id"], "job_key": job_key, "ranks": ranks, "world_size": job["world_size"],
                 "master_addr": addr, "master_port": port, "backend": job["backend"],
                 "bundle_artifact": spec["bundle_artifact"], "bundle_sha256": spec["bundle_sha256"],
-                "parallelism": spec["parallelism"], "epochs": spec["epochs"],
+                "parallelism": spec["parallelism"], "epochs": spec["epochs"], "attempt": attempt,
+                "checkpoint": job.get("latest_checkpoint"), "keep_checkpoints": spec.get("keep_checkpoints"),
+                "checkpoint_every_epoch": spec.get("checkpoint_every_epoch", True),
                 "collective_timeout": spec.get("collective_timeout") or self.ctx.config["COLLECTIVE_TIMEOUT"],
             }, to=clients[client_id]["sid"], namespace=GPU_NAMESPACE)
         return True

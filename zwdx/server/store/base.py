@@ -5,8 +5,8 @@ implements these methods with the same behaviour; ``test/test_store_contract.py`
 suite against each. Documents are plain dicts with lowercase string keys; ids are strings.
 
 Atomicity promises (the scheduler relies on them, across threads and processes):
-- ``reserve_slots`` gives a slot to at most one job and moves the job out of ``queued`` at
-  most once: all of it happens or none of it does.
+- ``reserve_slots`` gives a slot to at most one job and moves the job out of ``queued`` (or
+  ``resuming``) at most once: all of it happens or none of it does.
 - ``update_job`` with ``expect_status`` changes a job only if it is still in one of those states.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], changes: dict) -> bool:
-        """Atomically: if the job is ``queued`` and every slot in ``assignments``
+        """Atomically: if the job is ``queued`` or ``resuming`` and every slot in ``assignments``
         (``(slot_id, rank)`` pairs) is free, give the slots to the job and apply ``changes``
         to the job. Returns False, changing nothing, otherwise."""
 

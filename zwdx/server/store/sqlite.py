@@ -229,7 +229,7 @@ class SQLiteStore(Store):
     def _reserve(self, job_id, assignments, changes) -> bool:
         with self._tx() as db:
             row = db.execute("SELECT status, doc FROM jobs WHERE id=?", (job_id,)).fetchone()
-            if row is None or row[0] != "queued":
+            if row is None or row[0] not in ("queued", "resuming"):
                 return False
             for slot_id, rank in assignments:
                 cur = db.execute("UPDATE slots SET job_id=?, rank=? WHERE id=? AND job_id IS NULL",

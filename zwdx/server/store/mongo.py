@@ -1,0 +1,541 @@
+"""The MongoDB store (pymongo) and artifact bytes in GridFS: chosen with ``zwdx server
+--mongo-uri URI`` or ``ZWDX_MONGO_URI``. The database is the URI's path, or "zwdx".
+
+Collections: ``meta`` (the schema version), ``rooms``, ``clients``, ``slots``, ``jobs``,
+``events``, ``artifacts`` (metadata), ``counters``, and the GridFS bucket ``artifacts``.
+
+Every atomic step is one single-document operation with a precondition, so it holds on a
+standalone server without transactions, across threads and server processes:
+
+- A slot is claimed with ``find_one_and_update({_id, job_id: None})``; a reservation that
+  cannot claim every slot gives back the ones it took, and one whose job left ``queued``
+  meanwhile (``find_one_and_update({_id, status: "queued"})``) gives back all of them.
+  Each claim carries a token; a claim left behind by a server killed mid-reservation is
+  fenced off its job and freed once it is ``STALE_CLAIM_S`` old (see ``_heal``).
+- Every write to a job bumps its ``_rev``. ``update_job`` with ``push`` reads the job and
+  writes it back only if ``_rev`` did not move (compare-and-set, retried): the appended
+  lists are written whole, which also works on wire-compatible servers whose ``$push`` is
+  unreliable (nx-27017 0.8 turns existing list items into JSON strings).
+- Event and job ``seq`` numbers are the last one plus one, inserted under a unique index
+  and retried on collision: they are gapless, and a reader that saw ``seq`` N has seen
+  every smaller one (a counter handed out before the insert would not promise that).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import random
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Callable
+
+from bson import Binary, Int64
+from pymongo import ASCENDING, DESCENDING, MongoClient, ReturnDocument, uri_parser
+from pymongo.database import Database
+from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
+
+from ... import defaults
+from ...errors import SchemaVersionError, StoreError
+from ..artifacts import ArtifactStore, copy_hashed
+from .base import SCHEMA_VERSION, Store
+
+log = logging.getLogger(__name__)
+
+#: Migrations from version N to N+1: each takes the database and must be safe to run twice
+#: (two servers may start at once).
+MIGRATIONS: dict[int, Callable[[Database], None]] = {}
+
+#: A slot claim older than this, whose job is still queued, was left by a reservation that
+#: never finished (a killed server); it is freed. Reservations take milliseconds.
+STALE_CLAIM_S = 60.0
+
+#: Fields the store keeps for itself; never returned.
+_INTERNAL = ("_id", "_rev", "_order", "_claim", "_claimed_at", "_fences", "_moved")
+
+_INDEXES = {
+    "rooms": [([("token_hash", ASCENDING)], True)],
+    "clients": [([("room_id", ASCENDING), ("_order", ASCENDING)], False), ([("_order", ASCENDING)], False)],
+    "slots": [([("room_id", ASCENDING), ("client_id", ASCENDING), ("index", ASCENDING)], False),
+              ([("client_id", ASCENDING), ("index", ASCENDING)], False),
+              ([("job_id", ASCENDING)], False)],
+    "jobs": [([("seq", ASCENDING)], True),
+             ([("room_id", ASCENDING), ("status", ASCENDING), ("seq", ASCENDING)], False),
+             ([("status", ASCENDING), ("seq", ASCENDING)], False)],
+    "events": [([("job_id", ASCENDING), ("seq", ASCENDING)], True),
+               ([("job_id", ASCENDING), ("rank", ASCENDING), ("key", ASCENDING)], True),
+               ([("job_id", ASCENDING), ("kind", ASCENDING), ("seq", ASCENDING)], False),
+               ([("job_id", ASCENDING), ("kind", ASCENDING), ("step", ASCENDING)], False)],
+    "artifacts": [([("job_id", ASCENDING), ("kind", ASCENDING), ("_order", ASCENDING)], False)],
+}
+
+
+def connect(uri: str) -> tuple[MongoClient, Database]:
+    """A client and the URI's database ("zwdx" when the URI names none), checked with a ping."""
+    where = describe(uri)
+    options = {} if "serverselectiontimeoutms" in uri.lower() else {"serverSelectionTimeoutMS": 5000}
+    try:
+        client = MongoClient(uri, **options)
+        client.admin.command("ping")
+    except (PyMongoError, ValueError) as exc:
+        raise StoreError(f"cannot reach MongoDB at {where}: {exc}", mongo=where) from exc
+    return client, client.get_default_database(default="zwdx")
+
+
+def describe(uri: str) -> str:
+    """``host:port/db`` of a URI, without the credentials it may hold."""
+    try:
+        parsed = uri_parser.parse_uri(uri)
+    except (ValueError, PyMongoError):
+        return "(unparsable MongoDB URI)"
+    hosts = ",".join(f"{h}:{p}" for h, p in parsed["nodelist"])
+    return f"{hosts}/{parsed.get('database') or 'zwdx'}"
+
+
+def _plain(value):
+    """The value as the embedded store keeps it: JSON types only (int keys become strings)."""
+    return json.loads(json.dumps(value))
+
+
+def _public(doc: dict | None, drop: tuple = ()) -> dict | None:
+    if doc is None:
+        return None
+    return {k: v for k, v in doc.items() if k not in _INTERNAL and k not in drop}
+
+
+def _status(value) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _guarded(cls):
+    """Turn pymongo's errors, in every public method, into StoreError."""
+    def guard(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except PyMongoError as exc:
+                raise StoreError(f"MongoDB {fn.__name__} failed: {exc}") from exc
+        return method
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and not name.startswith("_"):
+            setattr(cls, name, guard(fn))
+    return cls
+
+
+@_guarded
+class MongoStore(Store):
+    def __init__(self, uri: str, client: MongoClient | None = None):
+        self.where = describe(uri)
+        if client is None:
+            self._client, self.db = connect(uri)
+        else:
+            self._client, self.db = client, client.get_default_database(default="zwdx")
+        db = self.db
+        self._meta, self._rooms, self._clients, self._slots = db.meta, db.rooms, db.clients, db.slots
+        self._jobs, self._events, self._artifacts, self._counters = db.jobs, db.events, db.artifacts, db.counters
+        try:
+            self._check_schema()
+            for name, indexes in _INDEXES.items():
+                for keys, unique in indexes:
+                    db[name].create_index(keys, unique=unique)
+        except PyMongoError as exc:
+            raise StoreError(f"cannot prepare the MongoDB store at {self.where}: {exc}") from exc
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _check_schema(self) -> None:
+        doc = self._meta.find_one({"_id": "schema"})
+        if doc is None:
+            try:
+                self._meta.insert_one({"_id": "schema", "version": SCHEMA_VERSION})
+            except DuplicateKeyError:
+                pass  # another server created it first
+            doc = self._meta.find_one({"_id": "schema"})
+        found = int(doc["version"])
+        if found > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"the store at {self.where} has schema version {found}, newer than this zwdx "
+                f"understands ({SCHEMA_VERSION}); upgrade zwdx", found=found, supported=SCHEMA_VERSION)
+        while found < SCHEMA_VERSION:
+            step = MIGRATIONS.get(found)
+            if step is not None:
+                step(self.db)
+            self._meta.update_one({"_id": "schema", "version": found}, {"$set": {"version": found + 1}})
+            found += 1
+            log.info("store: migrated %s to schema version %d", self.where, found)
+
+    def _next(self, name: str) -> int:
+        doc = self._counters.find_one_and_update({"_id": name}, {"$inc": {"n": 1}}, upsert=True,
+                                                 return_document=ReturnDocument.AFTER)
+        return int(doc["n"])
+
+    def _last_seq(self, coll, scope: dict) -> int:
+        doc = coll.find_one(scope, {"seq": 1}, sort=[("seq", DESCENDING)])
+        return int(doc["seq"]) if doc else 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def ping(self) -> bool:
+        try:
+            self._client.admin.command("ping")
+            return True
+        except PyMongoError:
+            return False
+
+    def schema_version(self) -> int:
+        return int(self._meta.find_one({"_id": "schema"})["version"])
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- rooms -----------------------------------------------------------------------------
+    def create_room(self, room: dict) -> dict:
+        self._rooms.insert_one({**_plain(room), "_id": room["id"]})
+        return room
+
+    def get_room(self, room_id: str) -> dict | None:
+        return _public(self._rooms.find_one({"_id": room_id}))
+
+    def find_room_by_token_hash(self, token_hash: str) -> dict | None:
+        return _public(self._rooms.find_one({"token_hash": token_hash}))
+
+    # -- GPU clients and slots --------------------------------------------------------------
+    # Clients and slots keep the caller's document whole under "doc" (replaced on upsert, as
+    # the embedded store does); what the store queries and claims sits beside it.
+    def upsert_client(self, client: dict, slots: list[dict]) -> None:
+        client, slots = _plain(client), _plain(slots)
+        cid, room_id = client["id"], client["room_id"]
+        if not self._clients.update_one({"_id": cid}, {"$set": {"room_id": room_id, "doc": client}}).matched_count:
+            try:
+                self._clients.insert_one({"_id": cid, "room_id": room_id, "doc": client,
+                                          "_order": self._next("clients")})
+            except DuplicateKeyError:  # registered twice at once: the other insert won
+                self._clients.update_one({"_id": cid}, {"$set": {"room_id": room_id, "doc": client}})
+        self._slots.delete_many({"client_id": cid, "job_id": None, "_id": {"$nin": [s["id"] for s in slots]}})
+        for slot in slots:
+            fields = {"room_id": room_id, "index": slot["index"], "doc": slot}
+            if not self._slots.update_one({"_id": slot["id"]}, {"$set": fields}).matched_count:
+                try:
+                    self._slots.insert_one({"_id": slot["id"], "client_id": cid, **fields,
+                                            "job_id": None, "rank": None})
+                except DuplicateKeyError:
+                    self._slots.update_one({"_id": slot["id"]}, {"$set": fields})
+
+    def get_client(self, client_id: str) -> dict | None:
+        doc = self._clients.find_one({"_id": client_id})
+        return doc["doc"] if doc else None
+
+    def list_clients(self, room_id: str | None) -> list[dict]:
+        where = {} if room_id is None else {"room_id": room_id}
+        clients = [d["doc"] for d in self._clients.find(where).sort("_order", ASCENDING)]
+        by_id = {c["id"]: c for c in clients}
+        for c in clients:
+            c["slots"] = []
+        for slot in self.list_slots(room_id):
+            if slot["client_id"] in by_id:
+                by_id[slot["client_id"]]["slots"].append(slot)
+        return clients
+
+    def update_client(self, client_id: str, changes: dict) -> None:
+        if changes:
+            self._clients.update_one({"_id": client_id},
+                                     {"$set": {f"doc.{k}": v for k, v in _plain(changes).items()}})
+
+    def update_slot_stats(self, client_id: str, stats: list[dict]) -> None:
+        for stat in stats:
+            fields = {f"doc.{k}": stat[k] for k in ("memory_free", "utilization", "memory_total") if k in stat}
+            if fields:
+                self._slots.update_one({"client_id": client_id, "index": stat["index"]}, {"$set": _plain(fields)})
+
+    def list_slots(self, room_id: str | None) -> list[dict]:
+        where = {} if room_id is None else {"room_id": room_id}
+        return [{**d["doc"], "job_id": d.get("job_id"), "rank": d.get("rank")}
+                for d in self._slots.find(where).sort([("client_id", ASCENDING), ("index", ASCENDING)])]
+
+    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], changes: dict) -> bool:
+        if self._jobs.find_one({"_id": job_id, "status": "queued"}, {"_id": 1}) is None:
+            return False
+        token, claimed = uuid.uuid4().hex, []
+        try:
+            for slot_id, rank in assignments:
+                if not self._claim(slot_id, job_id, rank, token):
+                    return False
+                claimed.append(slot_id)
+            moved = self._jobs.find_one_and_update(
+                {"_id": job_id, "status": "queued", f"_fences.{token}": {"$exists": False}},
+                {"$set": {**_plain(changes), f"_moved.{token}": True}, "$inc": {"_rev": 1}})
+            if moved is not None:
+                claimed = []  # the job owns them now
+            return moved is not None
+        finally:
+            if claimed:
+                self._free({"_id": {"$in": claimed}, "_claim": token})
+
+    def _claim(self, slot_id: str, job_id: str, rank: int, token: str) -> bool:
+        for attempt in (1, 2):
+            got = self._slots.find_one_and_update(
+                {"_id": slot_id, "job_id": None},
+                {"$set": {"job_id": job_id, "rank": rank, "_claim": token, "_claimed_at": time.time()}})
+            if got is not None:
+                return True
+            if attempt == 2 or not self._heal(slot_id):
+                return False
+        return False
+
+    def _heal(self, slot_id: str) -> bool:
+        """Free a slot held by a reservation that never finished. The claim's job is fenced
+        first, in one conditional write to the job, and only while it is queued and never
+        moved with that claim: then the reservation, if it still runs, can no longer move the
+        job and gives its slots back itself. True if the slot was freed."""
+        slot = self._slots.find_one({"_id": slot_id})
+        if not slot or not slot.get("job_id") or not slot.get("_claim") \
+                or (slot.get("_claimed_at") or 0) > time.time() - STALE_CLAIM_S:
+            return False
+        token = slot["_claim"]
+        fenced = self._jobs.find_one_and_update(
+            {"_id": slot["job_id"], "status": "queued", f"_moved.{token}": {"$exists": False}},
+            {"$set": {f"_fences.{token}": True}, "$inc": {"_rev": 1}})
+        if fenced is None:
+            return False
+        freed = self._free({"_id": slot_id, "_claim": token})
+        if freed:
+            log.warning("store: freed slot %s, claimed %.0f s ago for job %s by a reservation that never "
+                        "finished", slot_id, time.time() - slot["_claimed_at"], slot["job_id"])
+        return freed == 1
+
+    def _free(self, where: dict) -> int:
+        return self._slots.update_many(where, {"$set": {"job_id": None, "rank": None, "_claim": None,
+                                                        "_claimed_at": None}}).modified_count
+
+    def release_slots(self, job_id: str, client_id: str | None = None) -> int:
+        where = {"job_id": job_id}
+        if client_id is not None:
+            where["client_id"] = client_id
+        return self._free(where)
+
+    # -- jobs ------------------------------------------------------------------------------
+    def create_job(self, job: dict) -> dict:
+        job = _plain(job)
+        for _ in range(1000):
+            seq = self._last_seq(self._jobs, {}) + 1
+            try:
+                self._jobs.insert_one({**job, "seq": seq, "_id": job["id"], "_rev": 0})
+                return {**job, "seq": seq}
+            except DuplicateKeyError:
+                if self._jobs.find_one({"_id": job["id"]}, {"_id": 1}) is not None:
+                    raise StoreError(f"job {job['id']} already exists", job_id=job["id"])
+        raise StoreError(f"could not give job {job['id']} a queue position", job_id=job["id"])
+
+    def get_job(self, job_id: str) -> dict | None:
+        return _public(self._jobs.find_one({"_id": job_id}))
+
+    def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[dict]:
+        where = {} if room_id is None else {"room_id": room_id}
+        if statuses is not None:
+            where["status"] = {"$in": [_status(s) for s in statuses]}
+        cursor = self._jobs.find(where).sort("seq", ASCENDING)
+        if limit:
+            cursor = cursor.limit(int(limit))
+        return [_public(d) for d in cursor]
+
+    def update_job(self, job_id, changes, expect_status=None, push=None) -> dict | None:
+        changes, push = _plain(changes), _plain(push or {})
+        where = {"_id": job_id}
+        if expect_status is not None:
+            where["status"] = {"$in": [_status(s) for s in expect_status]}
+        if not push:
+            update = {"$inc": {"_rev": 1}, **({"$set": changes} if changes else {})}
+            return _public(self._jobs.find_one_and_update(where, update, return_document=ReturnDocument.AFTER))
+        for attempt in range(200):
+            current = self._jobs.find_one(where)
+            if current is None:
+                return None
+            after = json.loads(json.dumps(current, default=str))
+            for key, value in changes.items():
+                *parents, last = key.split(".")
+                node = after
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[last] = value
+            sets = dict(changes)
+            for key, value in push.items():
+                sets[key] = [*(after.get(key) or []), value]
+            done = self._jobs.find_one_and_update({**where, "_rev": current.get("_rev", 0)},
+                                                  {"$set": sets, "$inc": {"_rev": 1}},
+                                                  return_document=ReturnDocument.AFTER)
+            if done is not None:
+                return _public(done)
+            time.sleep(random.uniform(0, 0.001 * min(attempt + 1, 20)))  # another writer won; again
+        raise StoreError(f"job {job_id} kept changing; update not applied", job_id=job_id)
+
+    # -- events ----------------------------------------------------------------------------
+    def add_events(self, job_id: str, events: list[dict]) -> list[dict]:
+        events = _plain(events)
+        if not events:
+            return []
+        held = {(d.get("rank"), d.get("key")) for d in self._events.find(
+            {"job_id": job_id, "key": {"$in": list({e.get("key") for e in events})}}, {"rank": 1, "key": 1})}
+        todo = []
+        for ev in events:
+            if (ev.get("rank"), ev.get("key")) not in held:
+                held.add((ev.get("rank"), ev.get("key")))
+                todo.append(ev)
+        stored = []
+        for _ in range(1000):
+            if not todo:
+                return stored
+            last = self._last_seq(self._events, {"job_id": job_id})
+            batch = [{**ev, "job_id": job_id, "seq": last + i + 1} for i, ev in enumerate(todo)]
+            try:
+                self._events.insert_many(batch, ordered=True)
+                done = len(batch)
+            except BulkWriteError as exc:
+                errors = exc.details.get("writeErrors") or []
+                if not errors or errors[0].get("code") != 11000:
+                    raise
+                done = errors[0]["index"]
+                first = todo[done]
+                if self._events.find_one({"job_id": job_id, "rank": first.get("rank"), "key": first.get("key")},
+                                         {"_id": 1}) is not None:
+                    todo.pop(done)  # sent twice at once: the other copy is stored
+                # else another batch took that seq: go round with the new last one
+            stored += [{**ev, "seq": b["seq"]} for ev, b in zip(todo[:done], batch)]
+            todo = todo[done:]
+        raise StoreError(f"could not store events of job {job_id}", job_id=job_id)
+
+    def get_events(self, job_id, after=0, kind=None, limit=None) -> list[dict]:
+        where = {"job_id": job_id, "seq": {"$gt": after}}
+        if kind:
+            where["kind"] = kind
+        cursor = self._events.find(where).sort("seq", ASCENDING)
+        if limit:
+            cursor = cursor.limit(int(limit))
+        return [_public(d, drop=("job_id",)) for d in cursor]
+
+    # -- artifacts' metadata ---------------------------------------------------------------
+    def add_artifact(self, artifact: dict) -> dict:
+        self._artifacts.insert_one({**_plain(artifact), "_id": artifact["id"], "_order": self._next("artifacts")})
+        return artifact
+
+    def get_artifact(self, artifact_id: str) -> dict | None:
+        return _public(self._artifacts.find_one({"_id": artifact_id}))
+
+    def update_artifact(self, artifact_id: str, changes: dict) -> None:
+        if changes:
+            self._artifacts.update_one({"_id": artifact_id}, {"$set": _plain(changes)})
+
+    def list_artifacts(self, job_id: str, kind: str | None = None) -> list[dict]:
+        where = {"job_id": job_id, **({"kind": kind} if kind else {})}
+        return [_public(d) for d in self._artifacts.find(where).sort("_order", ASCENDING)]
+
+    def delete_artifact(self, artifact_id: str) -> None:
+        self._artifacts.delete_one({"_id": artifact_id})
+
+
+class GridFSArtifactStore(ArtifactStore):
+    """Artifact bytes in the GridFS bucket ``artifacts``: the GridFS layout (a ``files``
+    document, ``chunks`` numbered from 0), so mongofiles and GridFSBucket read them too.
+
+    Written and read ``WINDOW`` chunks (1 MiB) at a time, whatever the artifact's size:
+    pymongo's GridIn holds up to 48 MB of an upload before it writes, and a reading cursor
+    a whole batch. The ``files`` document is written last, so a file is visible only once
+    complete; a failed upload removes its chunks."""
+
+    BUCKET = "artifacts"
+    CHUNK = 256 * 1024
+    WINDOW = defaults.CHUNK_BYTES // CHUNK
+
+    def __init__(self, uri: str, client: MongoClient | None = None):
+        self.where = describe(uri)
+        if client is None:
+            self._client, self.db = connect(uri)
+        else:
+            self._client, self.db = client, client.get_default_database(default="zwdx")
+        self._files, self._chunks = self.db[f"{self.BUCKET}.files"], self.db[f"{self.BUCKET}.chunks"]
+        try:
+            self._chunks.create_index([("files_id", ASCENDING), ("n", ASCENDING)], unique=True)
+            self._files.create_index([("filename", ASCENDING), ("uploadDate", ASCENDING)])
+        except PyMongoError as exc:
+            raise StoreError(f"cannot prepare GridFS at {self.where}: {exc}") from exc
+
+    def save(self, artifact_id, stream, max_bytes, expected_sha256=None):
+        sink = _ChunkWriter(self._chunks, artifact_id, self.CHUNK)
+        try:
+            size, sha = copy_hashed(stream, sink, max_bytes, expected_sha256)
+            sink.finish()
+            self._files.insert_one({"_id": artifact_id, "filename": artifact_id, "length": Int64(size),
+                                    "chunkSize": self.CHUNK, "uploadDate": datetime.now(timezone.utc),
+                                    "metadata": {"sha256": sha}})
+            return size, sha
+        except BaseException as exc:
+            self._discard(artifact_id)
+            if isinstance(exc, PyMongoError):
+                raise StoreError(f"cannot store artifact {artifact_id} in GridFS: {exc}") from exc
+            raise
+
+    def _discard(self, artifact_id: str) -> None:
+        try:
+            if self._files.find_one({"_id": artifact_id}, {"_id": 1}) is not None:
+                self._files.delete_one({"_id": artifact_id})
+            self._chunks.delete_many({"files_id": artifact_id})
+        except PyMongoError as exc:
+            log.warning("artifacts: chunks of artifact %s could not be removed: %s", artifact_id, exc)
+
+    def open(self, artifact_id):
+        try:
+            meta = self._files.find_one({"_id": artifact_id})
+        except PyMongoError as exc:
+            raise StoreError(f"cannot read artifact {artifact_id} from GridFS: {exc}") from exc
+        if meta is None:
+            raise FileNotFoundError(f"no artifact {artifact_id} in GridFS")
+        count = -(-int(meta["length"]) // int(meta["chunkSize"]))
+
+        def chunks():
+            n = 0
+            while n < count:
+                window = self._chunks.find({"files_id": artifact_id, "n": {"$gte": n, "$lt": n + self.WINDOW}},
+                                           sort=[("n", ASCENDING)])
+                blocks = []
+                for doc in window:
+                    if doc["n"] != n:
+                        break
+                    blocks.append(bytes(doc["data"]))
+                    n += 1
+                if not blocks:
+                    raise StoreError(f"artifact {artifact_id} in GridFS lacks chunk {n} of {count}",
+                                     artifact_id=artifact_id)
+                yield b"".join(blocks)
+        return chunks()
+
+    def delete(self, artifact_id):
+        try:
+            self._discard(artifact_id)
+        except PyMongoError as exc:
+            raise StoreError(f"cannot delete artifact {artifact_id} from GridFS: {exc}") from exc
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _ChunkWriter:
+    """A file-like sink that writes GridFS chunks as soon as they are full."""
+
+    def __init__(self, chunks, file_id: str, chunk_size: int):
+        self.chunks, self.file_id, self.chunk_size = chunks, file_id, chunk_size
+        self.buffer, self.n = bytearray(), 0
+
+    def write(self, data: bytes) -> None:
+        self.buffer += data
+        self._flush(len(self.buffer) - len(self.buffer) % self.chunk_size)
+
+    def finish(self) -> None:
+        self._flush(len(self.buffer))
+
+    def _flush(self, upto: int) -> None:
+        if upto <= 0:
+            return
+        docs = [{"files_id": self.file_id, "n": self.n + i, "data": Binary(bytes(self.buffer[o:o + self.chunk_size]))}
+                for i, o in enumerate(range(0, upto, self.chunk_size))]
+        self.chunks.insert_many(docs)
+        self.n += len(docs)
+        del self.buffer[:upto]
