@@ -1,0 +1,117 @@
+"""Jobs that survive failures, with real processes and real signals: a SIGKILLed GPU client,
+a SIGKILLed server, a cancel. Timings are printed (run with -s to see them)."""
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mnist
+from procs import Server, wait_until
+
+
+def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter):
+    """The MNIST loop, slowed down so that a test can act mid-epoch; it follows the resume
+    pattern: start at reporter.start_epoch, with model and optimizer already restored."""
+    loss = torch.tensor(0.0)
+    for epoch in range(reporter.start_epoch, epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item(), epoch=epoch)
+            time.sleep(0.04)
+    return loss.item()
+
+
+def submit(sdk, room, **kwargs):
+    return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
+                          optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), room_token=room["token"],
+                          progress=False, **kwargs)
+
+
+def rank_pids(client) -> list[int]:
+    return [p.pid for p in psutil.Process(client.pid).children(recursive=True)
+            if "gpu_client.runner" in " ".join(p.cmdline())]
+
+
+def at(job, status, after=0.0):
+    return next(t["at"] for t in job["timeline"] if t["status"] == status and t["at"] > after)
+
+
+def test_sigkill_one_of_three_gpu_clients_resumes_from_the_last_checkpoint(sdk, room, start_client):
+    clients = [start_client(name) for name in ("a", "b", "c")]
+    undisturbed = submit(sdk, room, world_size=3, epochs=5)
+    base_acc = mnist.held_out_accuracy(sdk.get_trained_model(undisturbed["job_id"], mnist.Net()))
+
+    job_id = submit(sdk, room, world_size=3, min_world_size=2, epochs=5, wait=False)
+    job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
+                     j["latest_checkpoint"]["epoch"] >= 1 and j, 120, what="checkpoint of epoch 1")
+    victim = next(c for c in clients if c.client_id == job["placement"][1]["client_id"])
+    victim.kill(signal.SIGKILL)
+    killed_at = time.time()
+
+    result = sdk.wait(job_id, progress=False, timeout=300)
+    assert result["status"] == "completed", result["reason"]
+    job = sdk.get_job(job_id)
+    assert job["restarts"] == 1 and job["world_size"] == 2
+    assert victim.client_id not in {p["client_id"] for p in job["placement"]}
+    resumed = job["restart_history"][0]
+    assert "lost" in resumed["reason"] and resumed["from_checkpoint"]["epoch"] >= 1
+    detected, running_again = at(job, "resuming"), at(job, "running", after=at(job, "resuming"))
+    print(f"\nclient SIGKILL -> detected {detected - killed_at:.2f} s, -> training again {running_again - killed_at:.2f} s")
+    assert detected - killed_at < 10
+
+    acc = mnist.held_out_accuracy(sdk.get_trained_model(job_id, mnist.Net()))
+    assert acc > 0.8 and abs(acc - base_acc) < 0.08, (acc, base_acc)
+    epochs_after = {p["value"] for p in sdk.get_job_metrics(job_id)["epoch"]
+                    if p["ts"] > running_again}
+    assert min(epochs_after) == resumed["from_checkpoint"]["epoch"] + 1  # went on, did not start over
+
+
+def test_sigkill_server_mid_job_and_restart_loses_no_metric(tmp_path, start_client, room, server, sdk):
+    start_client("a")
+    start_client("b")
+    job_id = submit(sdk, room, world_size=2, epochs=4, wait=False)
+    wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training under way")
+    server.kill(signal.SIGKILL)
+    killed_at = time.time()
+    server.popen.wait()
+    time.sleep(2)  # ranks keep training and buffer their metrics meanwhile
+    again = Server(server.data_dir, port=server.port)
+    try:
+        result = sdk.wait(job_id, progress=False, timeout=300)
+        assert result["status"] == "completed", result["reason"]
+        job = sdk.get_job(job_id)
+        assert job.get("restarts", 0) == 0  # the ranks rode through; nothing restarted
+        series = sdk.get_job_metrics(job_id)["loss"]
+        for rank in (0, 1):
+            steps = [p["step"] for p in series if p["rank"] == rank]
+            assert steps == list(range(len(steps))), f"rank {rank}: gaps or duplicates in {steps}"
+        assert len([p for p in series if p["rank"] == 0]) == 4 * 24  # 4 epochs x 24 steps of 750 samples
+        clients_back = max(c["connected_at"] for c in sdk.get_room(room["token"])["clients"])
+        print(f"\nserver SIGKILL -> restarted and GPU clients back {clients_back - killed_at:.2f} s")
+    finally:
+        again.stop()
+
+
+def test_cancel_mid_job_stops_every_rank_within_5_seconds(sdk, room, start_client):
+    a, b = start_client("a"), start_client("b")
+    job_id = submit(sdk, room, world_size=2, epochs=50, wait=False)
+    wait_until(lambda: sdk.get_job(job_id)["status"] == "running" and rank_pids(a) and rank_pids(b), 60,
+               what="ranks running")
+    pids = rank_pids(a) + rank_pids(b)
+    t0 = time.time()
+    sdk.cancel_job(job_id)
+    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                               for p in pids), 5, what="every rank process gone")
+    print(f"\ncancel -> every rank gone in {time.time() - t0:.2f} s")
+    wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]), 5,
+               what="slots freed")
+    assert sdk.get_job(job_id)["status"] == "cancelled"
