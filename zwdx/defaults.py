@@ -10,7 +10,7 @@ MAX_ARTIFACT_BYTES = 8 * 1024**3
 HEARTBEAT_INTERVAL = 2.0
 #: A GPU client silent for this long is declared lost (also the grace a restarted server gives
 #: its GPU clients to reconnect).
-CLIENT_TIMEOUT = 10.0
+CLIENT_TIMEOUT = 8.0
 #: A GPU client whose connection dropped is declared lost if it is not back within this time.
 DISCONNECT_GRACE = 3.0
 #: Checkpoints kept per job (older ones are deleted).
