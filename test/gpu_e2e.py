@@ -1,0 +1,154 @@
+"""The end-to-end checks on NVIDIA GPUs (NCCL), run by hand on a GPU machine:
+
+    python test/gpu_e2e.py --out results.md
+
+A: the MNIST example with DDP and FSDP on 2 GPU clients (one GPU each): world size, backend,
+   time per epoch, final loss, held-out accuracy, equal weights on every rank.
+B: (3+ GPUs) SIGKILL one of three GPU clients mid-epoch, several times: time to detection and
+   to training again, from the last checkpoint, on the other two.
+C: SIGKILL the server mid-job and restart it, several times: time until the GPU clients are
+   back, and the metric series checked for gaps and duplicates.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mnist  # noqa: E402
+from procs import Proc, Server, wait_until  # noqa: E402
+
+from zwdx import ZWDX  # noqa: E402
+
+
+def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, device):
+    loss = torch.tensor(0.0)
+    for epoch in range(reporter.start_epoch, epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item(), epoch=epoch)
+            time.sleep(0.04)
+    return loss.item()
+
+
+def gpu_client(url, token, gpu, work):
+    os.makedirs(work, exist_ok=True)
+    return Proc([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url, "--room-token", token, "--gpus",
+                 str(gpu), "--client-id", f"gpu{gpu}", "--work-dir", work], os.path.join(work, "client.log"))
+
+
+def online(sdk, n):
+    wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) >= n, 60,
+               what=f"{n} gpu clients online")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_e2e.md")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", default="/tmp/zwdx-gpu-e2e")
+    args = parser.parse_args()
+    ngpu = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0) if ngpu else "none"
+    lines = [f"# zwdx on GPUs: {ngpu} x {name}, torch {torch.__version__}", ""]
+
+    def out(line=""):
+        print(line, flush=True)
+        lines.append(line)
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    server = Server(os.path.join(args.work, "server"))
+    sdk = ZWDX(server.url)
+    token = sdk.create_room("gpu")["token"]
+    sdk.room_token = token
+    clients = {g: gpu_client(server.url, token, g, os.path.join(args.work, f"c{g}")) for g in range(min(ngpu, 3))}
+    try:
+        online(sdk, len(clients))
+        out("## A. MNIST example, 2 GPU clients")
+        out("| parallelism | world size | backend | time per epoch (s) | final loss | eval accuracy | held-out accuracy | equal weights |")
+        out("|---|---|---|---|---|---|---|---|")
+        for par in ("DDP", "FSDP"):
+            epochs = 3
+            r = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                               eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                               parallelism=par, world_size=2, epochs=epochs, progress=False)
+            job = sdk.get_job(r["job_id"])
+            per_epoch = (job["ended_at"] - job["running_at"]) / epochs
+            acc = mnist.held_out_accuracy(sdk.get_trained_model(r["job_id"], mnist.Net()))
+            same = len({v["fingerprint"] for v in job["ranks"].values()}) == 1
+            out(f"| {par} | {job['world_size']} | {job['backend']} | {per_epoch:.3f} | {r['final_loss']:.4f} | "
+                f"{r['results'].get('accuracy', 0):.3f} | {acc:.3f} | {same} |")
+
+        if len(clients) >= 3:
+            out("")
+            out("## B. SIGKILL one of three GPU clients mid-epoch (NCCL), resume on two")
+            out("| run | detected after (s) | training again after (s) | resumed from epoch | final status |")
+            out("|---|---|---|---|---|")
+            det, again = [], []
+            for run in range(args.repeats):
+                job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
+                                        optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                                        world_size=3, min_world_size=2, epochs=5, wait=False)
+                job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
+                                 j["latest_checkpoint"]["epoch"] >= 1 and j, 180, what="checkpoint")
+                victim_id = job["placement"][1]["client_id"]
+                gpu = int(victim_id[3:])
+                clients[gpu].kill(signal.SIGKILL)
+                t0 = time.time()
+                r = sdk.wait(job_id, progress=False, timeout=300, raise_on_failure=False)
+                job = sdk.get_job(job_id)
+                res = next(t["at"] for t in job["timeline"] if t["status"] == "resuming")
+                run_again = next(t["at"] for t in job["timeline"] if t["status"] == "running" and t["at"] > res)
+                det.append(res - t0)
+                again.append(run_again - t0)
+                out(f"| {run + 1} | {res - t0:.2f} | {run_again - t0:.2f} | "
+                    f"{job['restart_history'][0]['from_checkpoint']['epoch'] + 1} | {r['status']} |")
+                clients[gpu].stop()
+                clients[gpu] = gpu_client(server.url, token, gpu, os.path.join(args.work, f"c{gpu}-{run}"))
+                online(sdk, 3)
+            out(f"| median | {statistics.median(det):.2f} | {statistics.median(again):.2f} | | |")
+
+        out("")
+        out("## C. SIGKILL the server mid-job and restart it (2 GPU clients, DDP over NCCL)")
+        out("| run | GPU clients back after (s) | final status | restarts | loss points rank 0 | gaps or duplicates |")
+        out("|---|---|---|---|---|---|")
+        back_times = []
+        for run in range(args.repeats):
+            job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
+                                    optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                                    world_size=2, epochs=3, wait=False)
+            wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training")
+            server.kill(signal.SIGKILL)
+            server.popen.wait()
+            t0 = time.time()
+            server = Server(server.data_dir, port=server.port)
+            r = sdk.wait(job_id, progress=False, timeout=300, raise_on_failure=False)
+            back = max(c["connected_at"] for c in sdk.get_room()["clients"] if c["status"] == "online") - t0
+            back_times.append(back)
+            series = sdk.get_job_metrics(job_id)["loss"]
+            bad = any([p["step"] for p in series if p["rank"] == rk] !=
+                      list(range(len([p for p in series if p["rank"] == rk]))) for rk in (0, 1))
+            out(f"| {run + 1} | {back:.2f} | {r['status']} | {sdk.get_job(job_id).get('restarts', 0)} | "
+                f"{len([p for p in series if p['rank'] == 0])} | {bad} |")
+        out(f"| median | {statistics.median(back_times):.2f} | | | | |")
+    finally:
+        for c in clients.values():
+            c.stop()
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
