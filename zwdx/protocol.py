@@ -59,9 +59,8 @@ EV_JOB_ASSIGN = "job_assign"        # server -> client {job_id, job_key, ranks, 
 EV_RANKS_EXITED = "ranks_exited"    # client -> server {job_id, exits: {rank: returncode}}
 EV_JOB_CANCEL = "job_cancel"        # server -> client {job_id, reason}
 
-# Socket.IO events, dashboard namespace "/ui".
+# Socket.IO events, dashboard namespace "/ui" (connect with auth {token}; server -> browser).
 UI_NAMESPACE = "/ui"
-EV_SUBSCRIBE = "subscribe"          # browser -> server {token, job_id?}
 EV_JOB_UPDATE = "job_update"        # server -> browser: a job document
 EV_JOB_EVENTS = "job_events"        # server -> browser {job_id, events: [...]}
 EV_CLIENTS_UPDATE = "clients_update"  # server -> browser {clients: [...]}

@@ -13,7 +13,7 @@ from flask_socketio import ConnectionRefusedError, join_room
 
 from .. import defaults
 from ..errors import AuthError
-from ..protocol import (ACTIVE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER, GPU_NAMESPACE,
+from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER, GPU_NAMESPACE,
                         UI_NAMESPACE, ClientStatus)
 from . import lifecycle, notify
 from .auth import room_for_token
@@ -145,4 +145,4 @@ def register(socketio) -> None:
         room = _room_from_auth(auth)
         join_room(notify.ui_room(room["id"]))
         clients = [client_view(c) for c in _ctx().store.list_clients(room["id"])]
-        socketio.emit("clients_update", {"clients": clients}, to=request.sid, namespace=UI_NAMESPACE)
+        socketio.emit(EV_CLIENTS_UPDATE, {"clients": clients}, to=request.sid, namespace=UI_NAMESPACE)

@@ -1,0 +1,314 @@
+"""The dashboard end to end in real headless Chromium (Debian's, driven by playwright).
+
+A server and two GPU clients run as real processes; the browser signs in, the SDK submits the
+MNIST example, and the test watches the loss curve grow in the page, sees the job complete,
+downloads its weights, cancels a job that cannot fit, and reads the history. It measures the
+delay from a metric being reported on a GPU client (the event's ``ts``) to it appearing in the
+page, and prints it. Screenshots go to test-artifacts/dashboard/; the room overview and the job
+page are copied to docs/screenshots/ for the README.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+
+import pytest
+import requests
+import torch
+
+import mnist
+from procs import ROOT, Server, wait_until
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (./setup.sh --test)")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+UI = os.path.join(ROOT, "ui")
+ARTIFACTS = os.path.join(ROOT, "test-artifacts", "dashboard")
+README_SHOTS = os.path.join(ROOT, "docs", "screenshots")
+TOKEN_HEADER = "X-Zwdx-Room-Token"
+VIEWPORT = {"width": 1280, "height": 900}
+
+# Records, on every change of the job page, when (browser clock, unix seconds) it showed which
+# events (data-last-seq), how many loss points (data-points) and which status.
+OBSERVER = """
+window.__zwdxSeen = [];
+new MutationObserver(() => {
+  const page = document.querySelector('[data-testid="job-page"]');
+  if (!page) return;
+  const chart = document.querySelector('[data-testid="chart-loss"]');
+  const row = {t: Date.now() / 1000, path: location.pathname, seq: Number(page.dataset.lastSeq || 0),
+               points: chart ? Number(chart.dataset.points) : 0, status: page.dataset.status};
+  const last = window.__zwdxSeen[window.__zwdxSeen.length - 1];
+  if (!last || last.seq !== row.seq || last.points !== row.points || last.status !== row.status
+      || last.path !== row.path) window.__zwdxSeen.push(row);
+}).observe(document, {subtree: true, childList: true, attributes: true,
+                      attributeFilter: ["data-last-seq", "data-points", "data-status"]});
+"""
+
+
+def _newest_source_mtime() -> float:
+    paths = [os.path.join(UI, name) for name in ("index.html", "package-lock.json", "vite.config.js")]
+    for folder in ("src", "public"):
+        for base, _, files in os.walk(os.path.join(UI, folder)):
+            paths += [os.path.join(base, f) for f in files]
+    return max(os.path.getmtime(p) for p in paths if os.path.exists(p))
+
+
+@pytest.fixture(scope="session")
+def ui_dist():
+    """ui/dist, built (npm ci && npm run build) when it is missing or older than the sources."""
+    index = os.path.join(UI, "dist", "index.html")
+    with open(os.path.join("/tmp", "zwdx-ui-build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # other test sessions may build at the same time
+        if not os.path.exists(index) or os.path.getmtime(index) < _newest_source_mtime():
+            if not shutil.which("npm"):
+                pytest.fail("the dashboard is not built and npm is missing (Node 20 and npm build it)")
+            if not os.path.isdir(os.path.join(UI, "node_modules")):
+                subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=UI, check=True)
+            subprocess.run(["npm", "run", "build", "--silent"], cwd=UI, check=True)
+    return os.path.dirname(index)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium (./setup.sh --test)")
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, ui_dist, request):
+    context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
+    context.add_init_script(OBSERVER)
+    context.set_default_timeout(30_000)
+    pg = context.new_page()
+    errors = []
+    pg.on("pageerror", lambda err: errors.append(str(err)))
+    yield pg
+    shot(pg, f"last-{request.node.name}")  # where the page was when the test ended (or failed)
+    context.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+def shot(pg, name: str, readme: str | None = None) -> str:
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    path = os.path.join(ARTIFACTS, f"{name}.png")
+    pg.screenshot(path=path, full_page=True)
+    if readme:
+        os.makedirs(README_SHOTS, exist_ok=True)
+        shutil.copyfile(path, os.path.join(README_SHOTS, readme))
+    return path
+
+
+def sign_in(pg, url: str, token: str) -> None:
+    pg.goto(url)
+    pg.wait_for_url(f"{url}/signin")
+    pg.get_by_label("Room token").fill(token)
+    pg.get_by_role("button", name="Sign in").click()
+    pg.get_by_test_id("overview").wait_for()
+
+
+def submit(sdk, room, **kwargs) -> str:
+    return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                          eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                          room_token=room["token"], wait=False, progress=False, **kwargs)
+
+
+def api(server, room, path: str):
+    resp = requests.get(f"{server.url}/api/v1{path}", headers={TOKEN_HEADER: room["token"]}, timeout=10)
+    resp.raise_for_status()
+    return resp
+
+
+def live_delays(seen: list[dict], events: list[dict]) -> list[float]:
+    """Seconds from each metric event's report to the first moment the page showed it. Events
+    already there when the page first showed the job (loaded over REST) are left out."""
+    if not seen:
+        return []
+    first = seen[0]["seq"]
+    delays = []
+    for ev in events:
+        if ev["seq"] <= first:
+            continue
+        shown = next((row["t"] for row in seen if row["seq"] >= ev["seq"]), None)
+        if shown is not None:
+            delays.append(shown - ev["ts"])
+    return delays
+
+
+def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, start_client, page):
+    url = server.url
+    start_client("a")
+    client_b = start_client("b")
+
+    # 1. Signing in leads to the room overview with both GPU clients online.
+    sign_in(page, url, room["token"])
+    assert page.get_by_test_id("room-name").inner_text() == "test-room"
+    wait_until(lambda: page.locator('[data-testid="client"][data-status="online"]').count() == 2, 20,
+               what="two GPU clients online in the page")
+    assert page.evaluate("sessionStorage.getItem('zwdx.roomToken')") == room["token"]
+    assert room["token"] not in page.url
+    shot(page, "01-overview-idle")
+
+    # 2. Submit through the SDK: the job appears in the queue and takes both slots, live;
+    #    a second job asks for more slots than the room has and waits behind it.
+    job_id = submit(sdk, room, epochs=3, world_size=2, name="mnist-ddp")
+    waiting_id = submit(sdk, room, epochs=1, world_size=3, name="too-big")
+    page.locator('[data-testid="slot"] a', has_text="mnist-ddp").first.wait_for()
+    rows = page.get_by_test_id("queue-row")
+    rows.filter(has_text="too-big").wait_for()
+    rows.filter(has_text="mnist-ddp").locator(".badge-running").wait_for(timeout=120_000)
+    assert rows.count() == 2
+    assert rows.filter(has_text="too-big").locator("td").nth(0).inner_text() == "1"  # first in line
+    assert rows.filter(has_text="too-big").locator("td").nth(3).inner_text().startswith("3")
+    shot(page, "02-overview-running", readme="room-overview.png")
+
+    # 3. The job page: the loss curve grows while it runs, then it completes.
+    rows.filter(has_text="mnist-ddp").get_by_role("link").click()
+    page.get_by_test_id("job-page").wait_for()
+    page.locator('[data-testid="chart-loss"]').wait_for(timeout=120_000)
+    shot(page, "03-job-running")
+    page.locator('[data-testid="job-page"][data-status="completed"]').wait_for(timeout=180_000)
+    page.wait_for_timeout(300)  # let the last events land
+    seen = [row for row in page.evaluate("window.__zwdxSeen") if row["path"] == f"/jobs/{job_id}"]
+    growing = [row["points"] for row in seen if row["status"] in ("starting", "running")]
+    assert len(set(p for p in growing if p)) >= 2, f"the loss curve never grew while running: {seen}"
+    assert growing == sorted(growing), growing
+
+    job = sdk.get_job(job_id, room["token"])
+    assert job["status"] == "completed"
+    losses = sdk.get_job_metrics(job_id, room["token"])["loss"]
+    shown_points = int(page.get_by_test_id("chart-loss").get_attribute("data-points"))
+    assert shown_points == len({(p["rank"], p["step"]) for p in losses})  # every reported loss, per rank
+    for name in ("accuracy", "throughput"):
+        assert page.get_by_test_id(f"chart-{name}").is_visible()
+    assert page.get_by_test_id("timeline").locator("li").evaluate_all("els => els.map(e => e.dataset.status)") \
+        == ["queued", "starting", "running", "completed"]
+    placement = page.get_by_test_id("placement").inner_text()
+    assert "client-a" in placement and "client-b" in placement and "rank 0" in placement and "rank 1" in placement
+    assert f"{job['final_loss']:.4g}" in page.locator(".facts").inner_text()
+    assert "epoch 2: loss" in page.get_by_test_id("logs").inner_text()
+    assert page.get_by_role("button", name="Cancel job").count() == 0
+
+    events = api(server, room, f"/jobs/{job_id}/events?kind=metric").json()["events"]
+    delays = live_delays(seen, events)
+    assert len(delays) >= 3, f"too few metric events reached the open page live: {seen}"
+    delays_ms = sorted(d * 1000 for d in delays)
+    p95 = delays_ms[min(len(delays_ms) - 1, int(0.95 * len(delays_ms)))]
+    print(f"\ndashboard: {len(delays)} metric events reached the page live; delay from report (event ts) to "
+          f"the page: median {statistics.median(delays_ms):.0f} ms, p95 {p95:.0f} ms, "
+          f"min {delays_ms[0]:.0f} ms, max {delays_ms[-1]:.0f} ms (target: under 1000 ms on loopback)")
+    # The 1 s target is reported above, not asserted: other test runs share these CPUs. A page
+    # that only learned of metrics by reloading or slow polling would fail this.
+    assert statistics.median(delays) < 3.0, delays_ms
+
+    # 4. The trained weights download from the page (fetch with the token header, then a blob).
+    with page.expect_download() as download:
+        page.get_by_test_id("download-weights").click()
+    with open(download.value.path(), "rb") as fh:
+        blob = fh.read()
+    assert blob == api(server, room, f"/jobs/{job_id}/weights").content
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    assert blob[8:9] == b"{" and b"fc2.weight" in blob[8:8 + header_len]  # a safetensors file of Net
+    shot(page, "04-job-completed", readme="job-page.png")
+
+    # 5. The job that cannot fit waits with a reason; the page cancels it.
+    page.get_by_role("link", name="Overview").click()
+    page.get_by_test_id("queue-row").filter(has_text="too-big").get_by_role("link").click()
+    page.locator('[data-testid="job-page"][data-status="queued"]').wait_for()
+    assert "position 1" in page.get_by_role("status").filter(has_text="Queued").inner_text()
+    page.get_by_text("waiting for 3 free slot(s)").wait_for()
+    page.get_by_role("button", name="Cancel job").click()
+    page.get_by_role("button", name="Yes, cancel it").click()
+    page.locator('[data-testid="job-page"][data-status="cancelled"]').wait_for()
+    assert sdk.get_job(waiting_id, room["token"])["status"] == "cancelled"
+
+    # 6. History: both jobs, with mean throughput from the job's throughput events; filter and sort.
+    page.get_by_role("link", name="History").click()
+    history_rows = page.get_by_test_id("history-row")
+    wait_until(lambda: history_rows.count() == 2, 10, what="two jobs in the history")
+    summary = {r["id"]: r for r in api(server, room, "/dashboard/history").json()["jobs"]}
+    throughput = [p["value"] for p in sdk.get_job_metrics(job_id, room["token"])["throughput"]]
+    assert summary[job_id]["mean_throughput"] == pytest.approx(statistics.mean(throughput))
+    done = history_rows.filter(has_text="mnist-ddp")
+    cells = done.locator("td").all_inner_texts()
+    assert cells[2] == "completed" and cells[5] == "2" and cells[6] == "DDP"
+    assert cells[4] == f"{job['final_loss']:.4g}" and cells[7].endswith("samples/s")
+    shot(page, "05-history")
+    page.get_by_role("checkbox", name="cancelled").check()
+    wait_until(lambda: history_rows.count() == 1, 5, what="the status filter")
+    assert history_rows.first.get_attribute("data-status") == "cancelled"
+    page.get_by_role("checkbox", name="cancelled").uncheck()
+    page.get_by_role("button", name="Final loss").click()  # descending: the job without a loss goes last
+    wait_until(lambda: history_rows.last.get_attribute("data-status") == "cancelled", 5, what="sorting")
+
+    # 7. A GPU client that stops shows as offline, live.
+    page.get_by_role("link", name="Overview").click()
+    client_b.stop()
+    page.locator('[data-testid="client"][data-status="offline"]', has_text="client-b").wait_for(timeout=20_000)
+    assert "1 GPU client online" in page.get_by_test_id("stat-online").inner_text()
+    shot(page, "06-overview-client-offline")
+
+
+def test_bad_token_and_new_room(server, page):
+    # A wrong token is refused with a message, and nothing is kept.
+    page.goto(f"{server.url}/signin")
+    page.get_by_label("Room token").fill("zr_this-is-not-a-room-token")
+    page.get_by_role("button", name="Sign in").click()
+    error = page.get_by_test_id("signin-error")
+    error.wait_for()
+    assert "does not open any room" in error.inner_text()
+    assert page.evaluate("sessionStorage.length") == 0
+    shot(page, "07-bad-token")
+
+    # A token that stops working (here: one planted in the session) signs the tab out.
+    page.evaluate("sessionStorage.setItem('zwdx.roomToken', 'zr_stale')")
+    page.goto(server.url)
+    page.get_by_text("Signed out").wait_for()
+    assert page.url.endswith("/signin")
+
+    # A room made in the page: its token is shown once, then the room opens, empty.
+    page.get_by_label("Name").fill("made-in-the-browser")
+    page.get_by_role("button", name="Create room").click()
+    token = page.get_by_test_id("new-token").inner_text()
+    assert token.startswith("zr_")
+    shot(page, "08-room-created")
+    page.get_by_role("button", name="Open the room").click()
+    page.get_by_test_id("no-clients").wait_for()
+    assert page.get_by_test_id("room-name").inner_text() == "made-in-the-browser"
+    assert page.get_by_test_id("no-jobs").is_visible()
+    shot(page, "09-empty-room")
+
+
+def test_dashboard_reconnects_after_the_server_restarts(server, room, page):
+    sign_in(page, server.url, room["token"])
+    state = page.get_by_test_id("connection-state")
+    wait_until(lambda: "live" in state.inner_text(), 10, what="the live connection")
+    server.stop()
+    page.get_by_test_id("connection-lost").wait_for(timeout=15_000)
+    shot(page, "10-connection-lost")
+    again = Server(server.data_dir, port=server.port)
+    try:
+        page.get_by_test_id("connection-lost").wait_for(state="detached", timeout=30_000)
+        wait_until(lambda: "live" in state.inner_text(), 10, what="live again")
+        assert page.get_by_test_id("room-name").inner_text() == "test-room"
+    finally:
+        again.stop()
+
+
+def test_history_api_names_a_wrong_status_and_starts_empty(server, room):
+    headers = {TOKEN_HEADER: room["token"]}
+    resp = requests.get(f"{server.url}/api/v1/dashboard/history?status=done", headers=headers, timeout=10)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["field"] == "status" and "done" in resp.json()["error"]["message"]
+    assert requests.get(f"{server.url}/api/v1/dashboard/history", timeout=10).status_code == 401
+    assert api(server, room, "/dashboard/history").json() == {"jobs": []}

@@ -1,0 +1,75 @@
+import { describe, expect, it } from "vitest";
+import { historyRows, jobDuration, mergeJob, queueOf, queuePosition } from "./jobs.js";
+
+const job = (id, seq, status, extra = {}) => ({ id, seq, status, created_at: seq, timeline: [{ status }], ...extra });
+
+describe("the queue", () => {
+  const jobs = [
+    job("c", 3, "queued"),
+    job("a", 1, "running"),
+    job("d", 4, "completed"),
+    job("b", 2, "queued"),
+    job("e", 5, "resuming"),
+  ];
+
+  it("lists unfinished jobs in submission order with their place among the waiting", () => {
+    expect(queueOf(jobs).map((j) => [j.id, j.position])).toEqual([
+      ["a", null],
+      ["b", 1],
+      ["c", 2],
+      ["e", 3],
+    ]);
+    expect(queuePosition(jobs, "c")).toBe(2);
+    expect(queuePosition(jobs, "d")).toBe(null);
+  });
+});
+
+describe("merging job updates", () => {
+  it("keeps the copy with the longer timeline, whichever arrives last", () => {
+    const running = job("a", 1, "running", { timeline: [{}, {}, {}] });
+    const stale = job("a", 1, "queued", { timeline: [{}] });
+    expect(mergeJob(running, stale).status).toBe("running");
+    expect(mergeJob(stale, running).status).toBe("running");
+  });
+
+  it("drops a queue position once the job stops waiting", () => {
+    const queued = job("a", 1, "queued", { queue_position: 2 });
+    const started = job("a", 1, "starting", { timeline: [{}, {}] });
+    expect(mergeJob(queued, started).queue_position).toBeUndefined();
+  });
+});
+
+describe("history rows", () => {
+  const rows = [
+    { id: "a", name: "alpha", status: "completed", created_at: 1, final_loss: 0.5, mean_throughput: 100 },
+    { id: "b", name: "beta", status: "failed", created_at: 2, final_loss: null, mean_throughput: 50 },
+    { id: "c", name: "", status: "completed", created_at: 3, final_loss: 0.2, mean_throughput: null },
+  ];
+
+  it("sorts newest first by default", () => {
+    expect(historyRows(rows).map((r) => r.id)).toEqual(["c", "b", "a"]);
+  });
+
+  it("sorts by a number either way, missing values last", () => {
+    expect(historyRows(rows, { key: "final_loss", dir: "asc" }).map((r) => r.id)).toEqual(["c", "a", "b"]);
+    expect(historyRows(rows, { key: "final_loss", dir: "desc" }).map((r) => r.id)).toEqual(["a", "c", "b"]);
+    expect(historyRows(rows, { key: "mean_throughput", dir: "desc" }).map((r) => r.id)).toEqual(["a", "b", "c"]);
+  });
+
+  it("sorts by name, using the id for unnamed jobs", () => {
+    expect(historyRows(rows, { key: "name", dir: "asc" }).map((r) => r.id)).toEqual(["a", "b", "c"]);
+  });
+
+  it("filters by status", () => {
+    expect(historyRows(rows, { statuses: ["failed"] }).map((r) => r.id)).toEqual(["b"]);
+    expect(historyRows(rows, { statuses: ["cancelled"] })).toEqual([]);
+  });
+});
+
+describe("job duration", () => {
+  it("runs from the first running moment to the end, or to now while running", () => {
+    expect(jobDuration({ started_at: 10, running_at: 12, ended_at: 20 })).toBe(8);
+    expect(jobDuration({ started_at: 10, running_at: 12 }, 15)).toBe(3);
+    expect(jobDuration({ status: "queued" })).toBe(null);
+  });
+});

@@ -1,0 +1,44 @@
+// The room's live state, fed by Socket.IO (namespace /ui) and the REST answers that seed it.
+import { mergeJob } from "./jobs.js";
+
+/** Samples kept per slot for its sparkline (the server pushes about one every 2 s). */
+export const SPARK_SAMPLES = 60;
+
+export const initialLive = {
+  connection: "connecting", // connecting | online | reconnecting | refused
+  error: null,
+  clients: null, // null until the first answer: "loading", not "empty"
+  jobs: {}, // id -> job
+  slotHistory: {}, // slot id -> {t: [], util: [], mem: []}
+};
+
+function appendSample(history, slot, at) {
+  const prev = history[slot.id] || { t: [], util: [], mem: [] };
+  const used = slot.memory_total ? (100 * (slot.memory_total - slot.memory_free)) / slot.memory_total : null;
+  const keep = (arr, v) => [...arr, v].slice(-SPARK_SAMPLES);
+  return { t: keep(prev.t, at), util: keep(prev.util, slot.utilization ?? null), mem: keep(prev.mem, used) };
+}
+
+export function liveReducer(state, action) {
+  switch (action.type) {
+    case "connection":
+      return { ...state, connection: action.status, error: action.error ?? null };
+    case "clients": {
+      const slotHistory = { ...state.slotHistory };
+      for (const client of action.clients) {
+        if (client.status !== "online") continue;
+        for (const slot of client.slots || []) slotHistory[slot.id] = appendSample(slotHistory, slot, action.at);
+      }
+      return { ...state, clients: action.clients, slotHistory };
+    }
+    case "jobs": {
+      const jobs = { ...state.jobs };
+      for (const job of action.jobs) jobs[job.id] = mergeJob(jobs[job.id], job);
+      return { ...state, jobs };
+    }
+    case "job":
+      return { ...state, jobs: { ...state.jobs, [action.job.id]: mergeJob(state.jobs[action.job.id], action.job) } };
+    default:
+      return state;
+  }
+}

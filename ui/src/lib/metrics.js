@@ -1,0 +1,94 @@
+// From a job's metric events to chart data.
+//
+// A metric event is {seq, kind: "metric", rank, step, data: {name: value}, ts}. Each name is one
+// chart, each rank one line. Against steps a point is the value at that step; against epochs it
+// is the mean of the values reported during that epoch. An event's epoch is its own "epoch"
+// value, or the last one that rank reported (platform metrics carry none).
+
+/** Metrics the platform reports itself, shown after the job's own. */
+export const PLATFORM_METRICS = ["throughput", "gpu_utilization"];
+/** Values that are axes, not curves. */
+const AXES = new Set(["epoch", "step"]);
+
+/** name -> rank -> [{step, epoch, value, seq, ts}], names in the order they first appeared. */
+export function metricPoints(events) {
+  const byName = new Map();
+  const epochOf = new Map();
+  for (const ev of events) {
+    if (ev.kind !== "metric" || !ev.data) continue;
+    const rank = ev.rank ?? 0;
+    if (typeof ev.data.epoch === "number") epochOf.set(rank, ev.data.epoch);
+    const epoch = epochOf.get(rank);
+    for (const [name, value] of Object.entries(ev.data)) {
+      if (AXES.has(name) || typeof value !== "number") continue;
+      if (!byName.has(name)) byName.set(name, new Map());
+      const ranks = byName.get(name);
+      if (!ranks.has(rank)) ranks.set(rank, []);
+      ranks.get(rank).push({ step: ev.step ?? 0, epoch, value, seq: ev.seq, ts: ev.ts });
+    }
+  }
+  return byName;
+}
+
+/** Metric names: the job's own first (in order of appearance), then the platform's. */
+export function metricNames(points) {
+  const names = [...points.keys()];
+  const own = names.filter((n) => !PLATFORM_METRICS.includes(n));
+  return [...own, ...PLATFORM_METRICS.filter((n) => points.has(n))];
+}
+
+export function hasEpochs(points) {
+  for (const ranks of points.values()) {
+    for (const pts of ranks.values()) if (pts.some((p) => p.epoch !== undefined)) return true;
+  }
+  return false;
+}
+
+function perRank(pts, mode) {
+  const out = new Map();
+  if (mode === "epoch") {
+    const sums = new Map();
+    for (const p of pts) {
+      if (p.epoch === undefined) continue;
+      const s = sums.get(p.epoch) || [0, 0];
+      sums.set(p.epoch, [s[0] + p.value, s[1] + 1]);
+    }
+    for (const [epoch, [sum, n]] of sums) out.set(epoch, sum / n);
+  } else {
+    for (const p of pts) out.set(p.step, p.value); // the last report at a step wins
+  }
+  return out;
+}
+
+/**
+ * uPlot data for one metric: {ranks: [r...], data: [xs, ys_r0, ys_r1, ...], points: n}. xs is
+ * the sorted union of every rank's x values; a rank without a value at some x has null there.
+ */
+export function chartData(ranks, mode = "step") {
+  const order = [...ranks.keys()].sort((a, b) => a - b);
+  const lines = order.map((r) => perRank(ranks.get(r), mode));
+  const xs = [...new Set(lines.flatMap((l) => [...l.keys()]))].sort((a, b) => a - b);
+  const ys = lines.map((l) => xs.map((x) => (l.has(x) ? l.get(x) : null)));
+  const points = ys.reduce((n, y) => n + y.filter((v) => v !== null).length, 0);
+  return { ranks: order, data: [xs, ...ys], points };
+}
+
+/** The most recent value of each metric: name -> {value, step, rank, seq, ts}. */
+export function latestValues(points) {
+  const out = new Map();
+  for (const [name, ranks] of points) {
+    let best = null;
+    for (const [rank, pts] of ranks) {
+      const p = pts[pts.length - 1];
+      if (p && (!best || p.seq > best.seq)) best = { ...p, rank };
+    }
+    if (best) out.set(name, best);
+  }
+  return out;
+}
+
+export function metricLabel(name) {
+  if (name === "throughput") return "throughput (samples/s)";
+  if (name === "gpu_utilization") return "GPU utilisation (%)";
+  return name.replaceAll("_", " ");
+}

@@ -1,0 +1,155 @@
+import { act, screen, waitFor, within } from "@testing-library/react";
+import userEvent from "@testing-library/user-event";
+import { describe, expect, it, vi } from "vitest";
+import { FakeSocket, mockFetch, sockets, status } from "../test/fakes.js";
+import { ROOM, renderApp } from "../test/render.jsx";
+
+vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new FakeSocket(opts)) - 1] }));
+
+const base = {
+  id: "j1", room_id: "r1", name: "mnist", created_at: 1700000000, seq: 1,
+  spec: { parallelism: "DDP", epochs: 2, world_size: 2, memory_required: 0, bundle_size: 2048 },
+  placement: [
+    { rank: 0, client_id: "gpu-a", hostname: "alpha", gpu_index: 0, gpu_name: "NVIDIA H100", kind: "cuda" },
+    { rank: 1, client_id: "gpu-b", hostname: "beta", gpu_index: 1, gpu_name: "NVIDIA H100", kind: "cuda" },
+  ],
+  world_size: 2,
+};
+const running = {
+  ...base, status: "running", started_at: 1700000001, running_at: 1700000002,
+  timeline: [{ status: "queued", at: 1700000000 }, { status: "starting", at: 1700000001 }, { status: "running", at: 1700000002 }],
+};
+const metric = (seq, rank, step, data) => ({ seq, kind: "metric", rank, step, data, ts: 1700000003 + seq });
+
+function routes(job, events = [], extra = {}) {
+  return {
+    "GET /api/v1/room": { ...ROOM },
+    "GET /api/v1/jobs": { jobs: [job] },
+    "GET /api/v1/jobs/j1": job,
+    "GET /api/v1/jobs/j1/events*": { events },
+    ...extra,
+  };
+}
+
+describe("the job page", () => {
+  it("shows status, timeline and placement", async () => {
+    mockFetch(routes(running));
+    renderApp("/jobs/j1");
+    const page = await screen.findByTestId("job-page");
+    expect(page).toHaveAttribute("data-status", "running");
+    const steps = within(screen.getByTestId("timeline")).getAllByRole("listitem");
+    expect(steps.map((li) => li.dataset.status)).toEqual(["queued", "starting", "running"]);
+    const placement = screen.getByTestId("placement");
+    expect(placement).toHaveTextContent("alpha");
+    expect(placement).toHaveTextContent("rank 0");
+    expect(placement).toHaveTextContent("beta");
+    expect(placement).toHaveTextContent("GPU 1");
+  });
+
+  it("grows its charts from job_events pushed over Socket.IO", async () => {
+    mockFetch(routes(running, [metric(1, 0, 0, { loss: 2.3, epoch: 0 }), metric(2, 1, 0, { loss: 2.4, epoch: 0 })]));
+    renderApp("/jobs/j1");
+    await waitFor(() => expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "2"));
+    act(() => sockets.at(-1).fire("job_events", { job_id: "j1", events: [metric(3, 0, 1, { loss: 1.7 }), metric(4, 0, 1, { throughput: 900 })] }));
+    act(() => sockets.at(-1).fire("job_events", { job_id: "other", events: [metric(9, 0, 5, { loss: 9 })] }));
+    expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "3");
+    expect(screen.getByTestId("chart-throughput")).toBeInTheDocument();
+    expect(screen.getByTestId("job-page")).toHaveAttribute("data-last-seq", "4");
+    const loss = screen.getByTestId("latest-metrics").querySelector('[data-metric="loss"]');
+    expect(loss).toHaveTextContent("1.7");
+    await userEvent.click(screen.getByRole("button", { name: "by epoch" }));
+    expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "2"); // one mean per rank for epoch 0
+  });
+
+  it("follows status changes and shows the log lines", async () => {
+    mockFetch(routes(running, [{ seq: 1, kind: "log", rank: 0, data: { text: "epoch 0: loss 1.03" }, ts: 1700000004 }]));
+    renderApp("/jobs/j1");
+    expect(await screen.findByTestId("logs")).toHaveTextContent("epoch 0: loss 1.03");
+    const done = {
+      ...running, status: "completed", ended_at: 1700000012, final_loss: 0.52913, weights_artifact: "w1",
+      timeline: [...running.timeline, { status: "completed", at: 1700000012 }],
+    };
+    act(() => sockets.at(-1).fire("job_update", done));
+    expect(screen.getByTestId("job-page")).toHaveAttribute("data-status", "completed");
+    expect(screen.getByText("0.5291")).toBeInTheDocument();
+    expect(screen.getByText("10.0 s")).toBeInTheDocument(); // running_at to ended_at
+    expect(screen.queryByRole("button", { name: "Cancel job" })).toBe(null);
+    expect(screen.getByTestId("download-weights")).toBeInTheDocument();
+  });
+
+  it("shows every failing rank's traceback", async () => {
+    const failed = {
+      ...running, status: "failed", ended_at: 1700000009, reason: "rank 1 failed: ValueError: bad batch",
+      failures: { 1: "Traceback (most recent call last):\nValueError: bad batch", 0: "rank process exited with code 1" },
+      timeline: [...running.timeline, { status: "failed", at: 1700000009, reason: "rank 1 failed" }],
+    };
+    mockFetch(routes(failed));
+    renderApp("/jobs/j1");
+    const failure = await screen.findByTestId("failure");
+    expect(failure).toHaveTextContent("rank 1 failed: ValueError: bad batch");
+    const ranks = within(failure).getAllByRole("group"); // <details>
+    expect(ranks.map((d) => d.querySelector("summary").textContent)).toEqual(["rank 0", "rank 1"]);
+    expect(ranks[1]).toHaveTextContent("ValueError: bad batch");
+  });
+
+  it("cancels after a confirmation", async () => {
+    const cancelled = {
+      ...running, status: "cancelled", ended_at: 1700000005, reason: "cancelled by the submitter",
+      timeline: [...running.timeline, { status: "cancelled", at: 1700000005, reason: "cancelled by the submitter" }],
+    };
+    const fetch = mockFetch(routes(running, [], { "POST /api/v1/jobs/j1/cancel": cancelled }));
+    renderApp("/jobs/j1");
+    await userEvent.click(await screen.findByRole("button", { name: "Cancel job" }));
+    expect(fetch.calls.some((c) => c.method === "POST")).toBe(false);
+    await userEvent.click(screen.getByRole("button", { name: "Yes, cancel it" }));
+    await waitFor(() => expect(screen.getByTestId("job-page")).toHaveAttribute("data-status", "cancelled"));
+    expect(fetch.calls.filter((c) => c.method === "POST").map((c) => c.path)).toEqual(["/api/v1/jobs/j1/cancel"]);
+  });
+
+  it("says when a job is not in this room", async () => {
+    mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] },
+      "GET /api/v1/jobs/nope": status(404, { error: { code: "not_found", message: "no job nope in this room" } }),
+      "GET /api/v1/jobs/nope/events*": status(404, { error: { code: "not_found", message: "no job" } }) });
+    renderApp("/jobs/nope");
+    expect(await screen.findByText("No such job")).toBeInTheDocument();
+  });
+
+  it("fetches the events it missed after the connection comes back", async () => {
+    let served = [metric(1, 0, 0, { loss: 2 })];
+    const fetch = mockFetch(routes(running, [], { "GET /api/v1/jobs/j1/events*": ({ path }) => {
+      const after = Number(new URL(path, "http://x").searchParams.get("after"));
+      return { events: served.filter((e) => e.seq > after) };
+    } }));
+    renderApp("/jobs/j1");
+    const socket = sockets.at(-1);
+    act(() => socket.fire("connect"));
+    await waitFor(() => expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "1"));
+    act(() => socket.fire("disconnect", "transport close"));
+    expect(screen.getByTestId("connection-lost")).toHaveTextContent("reconnecting");
+    served = [...served, metric(2, 0, 1, { loss: 1.5 }), metric(3, 0, 2, { loss: 1.1 })];
+    act(() => socket.fire("connect"));
+    await waitFor(() => expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "3"));
+    expect(screen.queryByTestId("connection-lost")).toBe(null);
+    const eventCalls = fetch.calls.filter((c) => c.path.startsWith("/api/v1/jobs/j1/events")).map((c) => c.path);
+    expect(eventCalls.at(-1)).toContain("after=1");
+  });
+
+  it("learns that the job ended while the connection was down", async () => {
+    let current = running;
+    mockFetch({
+      "GET /api/v1/room": { ...ROOM },
+      "GET /api/v1/jobs": () => ({ jobs: current.status === "running" ? [current] : [] }),
+      "GET /api/v1/jobs/j1": () => current,
+      "GET /api/v1/jobs/j1/events*": { events: [] },
+    });
+    renderApp("/jobs/j1");
+    const socket = sockets.at(-1);
+    act(() => socket.fire("connect"));
+    await screen.findByTestId("job-page");
+    act(() => socket.fire("disconnect", "transport close"));
+    current = { ...running, status: "completed", ended_at: 1700000010,
+      timeline: [...running.timeline, { status: "completed", at: 1700000010 }] };
+    act(() => socket.fire("connect"));
+    await waitFor(() => expect(screen.getByTestId("job-page")).toHaveAttribute("data-status", "completed"));
+  });
+});

@@ -1,0 +1,78 @@
+import { act, screen, within } from "@testing-library/react";
+import { describe, expect, it, vi } from "vitest";
+import { FakeSocket, mockFetch, sockets } from "../test/fakes.js";
+import { ROOM, renderApp } from "../test/render.jsx";
+
+vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new FakeSocket(opts)) - 1] }));
+
+const GiB = 1024 ** 3;
+const gpuClient = (id, status, slots) => ({ id, hostname: `host-${id}`, status, last_seen: Date.now() / 1000, versions: { python: "3.11.7" }, slots });
+const slot = (clientId, index, extra = {}) => ({
+  id: `${clientId}:${index}`, index, kind: "cuda", name: "NVIDIA H100", memory_total: 80 * GiB,
+  memory_free: 60 * GiB, utilization: 40, job_id: null, rank: null, ...extra,
+});
+const job = (id, seq, status, spec = {}) => ({
+  id, seq, status, name: `job-${id}`, created_at: 1700000000 + seq, timeline: [{ status }],
+  spec: { world_size: 2, memory_required: 8 * GiB, parallelism: "DDP", ...spec }, world_size: null,
+});
+
+describe("the room overview", () => {
+  it("says what to do when the room has no GPU clients and no jobs", async () => {
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/");
+    expect(await screen.findByTestId("no-clients")).toHaveTextContent("zwdx gpu-client --server");
+    expect(screen.getByTestId("no-jobs")).toBeInTheDocument();
+  });
+
+  it("shows clients online and offline, each GPU's memory and utilisation, and which job a slot runs", async () => {
+    const clients = [
+      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0 }), slot("a", 1)]),
+      gpuClient("b", "offline", [slot("b", 0)]),
+    ];
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [job("j1", 1, "running")] } });
+    renderApp("/");
+    const cards = await screen.findAllByTestId("client");
+    expect(cards.map((c) => c.dataset.status)).toEqual(["online", "offline"]);
+    expect(screen.getByTestId("stat-online")).toHaveTextContent("1 GPU client online");
+    const [busy, idle] = within(cards[0]).getAllByTestId("slot");
+    expect(busy).toHaveTextContent("NVIDIA H100");
+    expect(busy).toHaveTextContent("60.0 GiB free of 80.0 GiB");
+    expect(busy).toHaveTextContent("40 %");
+    expect(within(busy).getByRole("link")).toHaveAttribute("href", "/jobs/j1");
+    expect(busy).toHaveTextContent("job-j1 rank 0");
+    expect(idle).toHaveTextContent("idle");
+  });
+
+  it("updates utilisation and its sparkline from clients_update pushes", async () => {
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/");
+    await screen.findByTestId("no-clients");
+    const push = (util) =>
+      act(() => sockets.at(-1).fire("clients_update", { clients: [gpuClient("a", "online", [slot("a", 0, { utilization: util })])] }));
+    push(10);
+    push(75);
+    expect(screen.getByTestId("slot")).toHaveTextContent("75 %");
+    expect(screen.getByRole("img", { name: "utilisation of NVIDIA H100" })).toHaveAttribute("data-samples", "2");
+  });
+
+  it("lists the queue in submission order with position, requested world size and memory", async () => {
+    const jobs = [job("q2", 3, "queued", { world_size: null }), job("r", 1, "running"), job("q1", 2, "queued"), job("done", 0, "completed")];
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs } });
+    renderApp("/");
+    const rows = await screen.findAllByTestId("queue-row");
+    const cells = rows.map((r) => within(r).getAllByRole("cell").slice(0, 5).map((c) => c.textContent));
+    expect(cells).toEqual([
+      ["—", "job-r", "running", "2", "8.0 GiB"],
+      ["1", "job-q1", "queued", "2", "8.0 GiB"],
+      ["2", "job-q2", "queued", "all free", "8.0 GiB"],
+    ]);
+  });
+
+  it("shows a job that arrives over Socket.IO without a reload", async () => {
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/");
+    await screen.findByTestId("no-jobs");
+    act(() => sockets.at(-1).fire("job_update", job("new", 1, "queued")));
+    expect(await screen.findByTestId("queue-row")).toHaveTextContent("job-new");
+  });
+});

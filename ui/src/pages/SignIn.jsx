@@ -1,0 +1,123 @@
+// Sign in to a room with its token, or create a room (its token is shown once).
+import { useState } from "react";
+import { useLocation, useNavigate } from "react-router-dom";
+import { api } from "../lib/api.js";
+import { useAuth } from "../lib/auth.jsx";
+import { CopyButton, Notice } from "../components/bits.jsx";
+
+function explain(err) {
+  if (err.status === 401) return "This token does not open any room. Check that you copied all of it.";
+  return err.message;
+}
+
+export default function SignIn() {
+  const { signIn, notice } = useAuth();
+  const navigate = useNavigate();
+  const location = useLocation();
+  const [token, setToken] = useState("");
+  const [busy, setBusy] = useState(false);
+  const [error, setError] = useState(null);
+  const [name, setName] = useState("");
+  const [created, setCreated] = useState(null);
+  const [createError, setCreateError] = useState(null);
+  const next = location.state?.from || "/";
+
+  const submit = async (e) => {
+    e.preventDefault();
+    if (!token.trim()) return setError("Paste a room token first.");
+    setBusy(true);
+    setError(null);
+    try {
+      await signIn(token);
+      navigate(next, { replace: true });
+    } catch (err) {
+      setError(explain(err));
+    } finally {
+      setBusy(false);
+    }
+  };
+
+  const create = async (e) => {
+    e.preventDefault();
+    setCreateError(null);
+    try {
+      setCreated(await api.createRoom(name.trim()));
+    } catch (err) {
+      setCreateError(err.message);
+    }
+  };
+
+  const enter = async () => {
+    await signIn(created.token);
+    navigate("/", { replace: true });
+  };
+
+  return (
+    <main className="signin">
+      <h1>
+        <span className="brand-mark">zwdx</span> dashboard
+      </h1>
+      <p className="muted">GPUs lent by people, pooled for PyTorch training.</p>
+      {notice && <Notice kind="warning" title="Signed out">{notice}</Notice>}
+
+      <section className="card">
+        <h2>Sign in to a room</h2>
+        <form onSubmit={submit}>
+          <label htmlFor="token">Room token</label>
+          <input
+            id="token"
+            type="password"
+            autoComplete="off"
+            spellCheck="false"
+            placeholder="zr_…"
+            value={token}
+            onChange={(e) => setToken(e.target.value)}
+          />
+          <button type="submit" disabled={busy}>
+            {busy ? "Checking…" : "Sign in"}
+          </button>
+          <p className="muted small">The token stays in this browser tab only and is sent in a header, never in a URL.</p>
+        </form>
+        {error && (
+          <Notice kind="error" title="Sign-in failed" testId="signin-error">
+            {error}
+          </Notice>
+        )}
+      </section>
+
+      <section className="card">
+        <h2>Create a room</h2>
+        {!created ? (
+          <form onSubmit={create}>
+            <label htmlFor="room-name">Name</label>
+            <input id="room-name" placeholder="my-lab" maxLength={100} value={name} onChange={(e) => setName(e.target.value)} />
+            <button type="submit" className="button-secondary">
+              Create room
+            </button>
+            {createError && <Notice kind="error">{createError}</Notice>}
+          </form>
+        ) : (
+          <div data-testid="created-room">
+            <p>
+              Room <strong>{created.name}</strong> created. Its token is shown <strong>only this once</strong>: copy it
+              now and keep it safe. Anyone with it can use the room.
+            </p>
+            <div className="token-row">
+              <code className="token" data-testid="new-token">
+                {created.token}
+              </code>
+              <CopyButton text={created.token} label="Copy token" />
+            </div>
+            <p className="muted small">Lend a GPU to it:</p>
+            <pre className="cmd">
+              zwdx gpu-client --server {window.location.origin} --room-token {"<token>"}
+            </pre>
+            <button type="button" onClick={enter}>
+              Open the room
+            </button>
+          </div>
+        )}
+      </section>
+    </main>
+  );
+}

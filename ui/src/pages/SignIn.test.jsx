@@ -1,0 +1,69 @@
+import { screen, waitFor } from "@testing-library/react";
+import userEvent from "@testing-library/user-event";
+import { describe, expect, it, vi } from "vitest";
+import { FakeSocket, mockFetch, sockets, status } from "../test/fakes.js";
+import { ROOM, renderApp } from "../test/render.jsx";
+
+vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new FakeSocket(opts)) - 1] }));
+
+const refused = status(401, { error: { code: "unauthorized", message: "room token not recognised: no room has this token" } });
+
+describe("signing in", () => {
+  it("sends a visitor without a token to the sign-in page", () => {
+    mockFetch({});
+    renderApp("/", { token: null });
+    expect(screen.getByRole("heading", { name: "Sign in to a room" })).toBeInTheDocument();
+  });
+
+  it("shows an error for a bad token and keeps nothing", async () => {
+    mockFetch({ "GET /api/v1/room": refused });
+    renderApp("/signin", { token: null });
+    await userEvent.type(screen.getByLabelText("Room token"), "zr_wrong");
+    await userEvent.click(screen.getByRole("button", { name: "Sign in" }));
+    expect(await screen.findByTestId("signin-error")).toHaveTextContent("This token does not open any room");
+    expect(window.sessionStorage.length).toBe(0);
+  });
+
+  it("keeps a good token in the session and opens the room with it", async () => {
+    const fetch = mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/signin", { token: null });
+    await userEvent.type(screen.getByLabelText("Room token"), "  zr_good {Enter}");
+    expect(await screen.findByTestId("overview")).toBeInTheDocument();
+    expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe("zr_good");
+    expect(sockets.at(-1).opts.auth).toEqual({ token: "zr_good" });
+    expect(fetch.calls.every((c) => !c.path.includes("zr_good"))).toBe(true);
+    expect(screen.getByTestId("room-name")).toHaveTextContent("lab");
+  });
+
+  it("creates a room and shows its token once, with a copy button", async () => {
+    mockFetch({
+      "POST /api/v1/rooms": { id: "r2", name: "new-lab", created_at: 1, token: "zr_fresh" },
+      "GET /api/v1/room": { ...ROOM, name: "new-lab" },
+      "GET /api/v1/jobs": { jobs: [] },
+    });
+    const writeText = vi.fn(async () => {});
+    Object.defineProperty(navigator, "clipboard", { value: { writeText }, configurable: true });
+    renderApp("/signin", { token: null });
+    await userEvent.type(screen.getByLabelText("Name"), "new-lab");
+    await userEvent.click(screen.getByRole("button", { name: "Create room" }));
+    expect(await screen.findByTestId("new-token")).toHaveTextContent("zr_fresh");
+    await userEvent.click(screen.getByRole("button", { name: "Copy token" }));
+    expect(writeText).toHaveBeenCalledWith("zr_fresh");
+    expect(screen.getByRole("button", { name: "Copied" })).toBeInTheDocument();
+    await userEvent.click(screen.getByRole("button", { name: "Open the room" }));
+    expect(await screen.findByTestId("no-clients")).toBeInTheDocument();
+    expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe("zr_fresh");
+  });
+
+  it("signs out with a message when the live connection refuses the token", async () => {
+    mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/");
+    await screen.findByTestId("overview");
+    const socket = sockets.at(-1);
+    socket.active = false; // what socket.io-client says after a refusal by the server
+    socket.fire("connect_error", new Error("room token not recognised: no room has this token"));
+    expect(await screen.findByText(/The server refused the room token/)).toBeInTheDocument();
+    expect(screen.getByRole("heading", { name: "Sign in to a room" })).toBeInTheDocument();
+    await waitFor(() => expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe(null));
+  });
+});
