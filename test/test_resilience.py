@@ -115,3 +115,27 @@ def test_cancel_mid_job_stops_every_rank_within_5_seconds(sdk, room, start_clien
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]), 5,
                what="slots freed")
     assert sdk.get_job(job_id)["status"] == "cancelled"
+
+
+def test_lost_client_without_min_world_size_waits_for_a_replacement(sdk, room, start_client):
+    a, b = start_client("a"), start_client("b")
+    job_id = submit(sdk, room, world_size=2, epochs=4, wait=False)
+    wait_until(lambda: sdk.get_job(job_id).get("latest_checkpoint"), 120, what="a checkpoint")
+    b.kill(signal.SIGKILL)
+    job = wait_until(lambda: (j := sdk.get_job(job_id)).get("waiting_reason") and j["status"] == "resuming" and j,
+                     20, what="the job waiting to resume")
+    assert "lost" in job["waiting_reason"] and "2 free slot" in job["waiting_reason"]
+    start_client("c")
+    result = sdk.wait(job_id, progress=False, timeout=300)
+    assert result["status"] == "completed" and result["world_size"] == 2
+    assert sorted(p["client_id"] for p in result["placement"]) == ["client-a", "client-c"]
+
+
+def test_a_job_out_of_restarts_fails_with_the_reasons(sdk, room, start_client):
+    a, b = start_client("a"), start_client("b")
+    job_id = submit(sdk, room, world_size=2, epochs=4, max_restarts=0, wait=False)
+    wait_until(lambda: sdk.get_job(job_id)["status"] == "running", 60, what="running")
+    b.kill(signal.SIGKILL)
+    result = sdk.wait(job_id, progress=False, timeout=60, raise_on_failure=False)
+    assert result["status"] == "failed"
+    assert "client-b" in result["reason"] and "gave up after 0 restart" in result["reason"]
