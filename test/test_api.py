@@ -6,7 +6,6 @@ import os
 
 import pytest
 import requests
-import torch
 
 import mnist
 from procs import Server

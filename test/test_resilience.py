@@ -6,7 +6,6 @@ import signal
 import time
 
 import psutil
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,7 +117,8 @@ def test_cancel_mid_job_stops_every_rank_within_5_seconds(sdk, room, start_clien
 
 
 def test_lost_client_without_min_world_size_waits_for_a_replacement(sdk, room, start_client):
-    a, b = start_client("a"), start_client("b")
+    start_client("a")
+    b = start_client("b")
     job_id = submit(sdk, room, world_size=2, epochs=4, wait=False)
     wait_until(lambda: sdk.get_job(job_id).get("latest_checkpoint"), 120, what="a checkpoint")
     b.kill(signal.SIGKILL)
@@ -132,7 +132,8 @@ def test_lost_client_without_min_world_size_waits_for_a_replacement(sdk, room, s
 
 
 def test_a_job_out_of_restarts_fails_with_the_reasons(sdk, room, start_client):
-    a, b = start_client("a"), start_client("b")
+    start_client("a")
+    b = start_client("b")
     job_id = submit(sdk, room, world_size=2, epochs=4, max_restarts=0, wait=False)
     wait_until(lambda: sdk.get_job(job_id)["status"] == "running", 60, what="running")
     b.kill(signal.SIGKILL)

@@ -30,7 +30,7 @@ class ServerContext:
         self.config = cfg
         self.store = open_store(cfg["DATA_DIR"], cfg.get("MONGO_URI"))
         if cfg.get("MONGO_URI"):
-            from .store.mongo import GridFSArtifactStore
+            from .store.gridfs import GridFSArtifactStore
             self.artifacts = GridFSArtifactStore(cfg["MONGO_URI"])
         else:
             self.artifacts = FileArtifactStore(os.path.join(cfg["DATA_DIR"], "artifacts"))

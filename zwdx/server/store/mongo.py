@@ -9,9 +9,11 @@ standalone server without transactions, across threads and server processes:
 
 - A slot is claimed with ``find_one_and_update({_id, job_id: None})``; a reservation that
   cannot claim every slot gives back the ones it took, and one whose job left ``queued``
-  meanwhile (``find_one_and_update({_id, status: "queued"})``) gives back all of them.
-  Each claim carries a token; a claim left behind by a server killed mid-reservation is
-  fenced off its job and freed once it is ``STALE_CLAIM_S`` old (see ``_heal``).
+  (or ``resuming``) meanwhile (``find_one_and_update({_id, status: {$in: [...]}})``) gives
+  back all of them.
+  Each claim carries a token and stays pending until the job moved; a claim left pending by
+  a server killed mid-reservation is fenced off its job and freed once it is
+  ``STALE_CLAIM_S`` old (see ``_heal``).
 - Every write to a job bumps its ``_rev``. ``update_job`` with ``push`` reads the job and
   writes it back only if ``_rev`` did not move (compare-and-set, retried): the appended
   lists are written whole, which also works on wire-compatible servers whose ``$push`` is
@@ -28,17 +30,13 @@ import logging
 import random
 import time
 import uuid
-from datetime import datetime, timezone
 from typing import Callable
 
-from bson import Binary, Int64
 from pymongo import ASCENDING, DESCENDING, MongoClient, ReturnDocument, uri_parser
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
-from ... import defaults
 from ...errors import SchemaVersionError, StoreError
-from ..artifacts import ArtifactStore, copy_hashed
 from .base import SCHEMA_VERSION, Store
 
 log = logging.getLogger(__name__)
@@ -47,9 +45,12 @@ log = logging.getLogger(__name__)
 #: (two servers may start at once).
 MIGRATIONS: dict[int, Callable[[Database], None]] = {}
 
-#: A slot claim older than this, whose job is still queued, was left by a reservation that
-#: never finished (a killed server); it is freed. Reservations take milliseconds.
+#: A slot claim still pending after this long was left by a reservation that never finished
+#: (a killed server); ``list_slots`` settles it. Reservations take milliseconds.
 STALE_CLAIM_S = 60.0
+
+#: The states a job is reserved from.
+_WAITING = ["queued", "resuming"]
 
 #: Fields the store keeps for itself; never returned.
 _INTERNAL = ("_id", "_rev", "_order", "_claim", "_claimed_at", "_fences", "_moved")
@@ -104,6 +105,10 @@ def _public(doc: dict | None, drop: tuple = ()) -> dict | None:
     return {k: v for k, v in doc.items() if k not in _INTERNAL and k not in drop}
 
 
+def _now() -> float:
+    return time.time()
+
+
 def _status(value) -> str:
     return str(getattr(value, "value", value))
 
@@ -126,6 +131,8 @@ def _guarded(cls):
 
 @_guarded
 class MongoStore(Store):
+    """The Store in a MongoDB database; see the module's docstring for what keeps it atomic."""
+
     def __init__(self, uri: str, client: MongoClient | None = None):
         self.where = describe(uri)
         if client is None:
@@ -249,58 +256,52 @@ class MongoStore(Store):
 
     def list_slots(self, room_id: str | None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}
-        return [{**d["doc"], "job_id": d.get("job_id"), "rank": d.get("rank")}
-                for d in self._slots.find(where).sort([("client_id", ASCENDING), ("index", ASCENDING)])]
+        order = [("client_id", ASCENDING), ("index", ASCENDING)]
+        docs = list(self._slots.find(where).sort(order))
+        stale = [d for d in docs if (d.get("_claimed_at") or _now()) < _now() - STALE_CLAIM_S]
+        if stale and sum(self._heal(d) for d in stale):
+            docs = list(self._slots.find(where).sort(order))
+        return [{**d["doc"], "job_id": d.get("job_id"), "rank": d.get("rank")} for d in docs]
 
     def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], changes: dict) -> bool:
-        if self._jobs.find_one({"_id": job_id, "status": "queued"}, {"_id": 1}) is None:
+        if self._jobs.find_one({"_id": job_id, "status": {"$in": _WAITING}}, {"_id": 1}) is None:
             return False
         token, claimed = uuid.uuid4().hex, []
         try:
             for slot_id, rank in assignments:
-                if not self._claim(slot_id, job_id, rank, token):
+                if self._slots.find_one_and_update(
+                        {"_id": slot_id, "job_id": None},
+                        {"$set": {"job_id": job_id, "rank": rank, "_claim": token, "_claimed_at": _now()}}) is None:
                     return False
                 claimed.append(slot_id)
             moved = self._jobs.find_one_and_update(
-                {"_id": job_id, "status": "queued", f"_fences.{token}": {"$exists": False}},
+                {"_id": job_id, "status": {"$in": _WAITING}, f"_fences.{token}": {"$exists": False}},
                 {"$set": {**_plain(changes), f"_moved.{token}": True}, "$inc": {"_rev": 1}})
-            if moved is not None:
-                claimed = []  # the job owns them now
-            return moved is not None
+            if moved is None:
+                return False
+            kept, claimed = claimed, []  # the job owns them now: no longer a pending claim
+            self._slots.update_many({"_id": {"$in": kept}, "_claim": token}, {"$set": {"_claimed_at": None}})
+            return True
         finally:
             if claimed:
                 self._free({"_id": {"$in": claimed}, "_claim": token})
 
-    def _claim(self, slot_id: str, job_id: str, rank: int, token: str) -> bool:
-        for attempt in (1, 2):
-            got = self._slots.find_one_and_update(
-                {"_id": slot_id, "job_id": None},
-                {"$set": {"job_id": job_id, "rank": rank, "_claim": token, "_claimed_at": time.time()}})
-            if got is not None:
-                return True
-            if attempt == 2 or not self._heal(slot_id):
-                return False
-        return False
-
-    def _heal(self, slot_id: str) -> bool:
-        """Free a slot held by a reservation that never finished. The claim's job is fenced
-        first, in one conditional write to the job, and only while it is queued and never
-        moved with that claim: then the reservation, if it still runs, can no longer move the
-        job and gives its slots back itself. True if the slot was freed."""
-        slot = self._slots.find_one({"_id": slot_id})
-        if not slot or not slot.get("job_id") or not slot.get("_claim") \
-                or (slot.get("_claimed_at") or 0) > time.time() - STALE_CLAIM_S:
+    def _heal(self, slot: dict) -> bool:
+        """Settle a claim still pending after STALE_CLAIM_S: its reservation was cut short (a
+        killed server). If that reservation never moved its job, fence the job against it (one
+        conditional write: should it still run, it can no longer move the job and gives its
+        slots back) and free the slot. Otherwise the slot is the job's; stop looking at it.
+        True if the slot was freed."""
+        token, job_id = slot.get("_claim"), slot.get("job_id")
+        fenced = self._jobs.find_one_and_update({"_id": job_id, f"_moved.{token}": {"$exists": False}},
+                                                {"$set": {f"_fences.{token}": True}, "$inc": {"_rev": 1}})
+        if fenced is None and self._jobs.find_one({"_id": job_id}, {"_id": 1}) is not None:
+            self._slots.update_one({"_id": slot["_id"], "_claim": token}, {"$set": {"_claimed_at": None}})
             return False
-        token = slot["_claim"]
-        fenced = self._jobs.find_one_and_update(
-            {"_id": slot["job_id"], "status": "queued", f"_moved.{token}": {"$exists": False}},
-            {"$set": {f"_fences.{token}": True}, "$inc": {"_rev": 1}})
-        if fenced is None:
-            return False
-        freed = self._free({"_id": slot_id, "_claim": token})
+        freed = self._free({"_id": slot["_id"], "_claim": token})
         if freed:
             log.warning("store: freed slot %s, claimed %.0f s ago for job %s by a reservation that never "
-                        "finished", slot_id, time.time() - slot["_claimed_at"], slot["job_id"])
+                        "finished", slot["_id"], _now() - slot["_claimed_at"], job_id)
         return freed == 1
 
     def _free(self, where: dict) -> int:
@@ -430,112 +431,3 @@ class MongoStore(Store):
 
     def delete_artifact(self, artifact_id: str) -> None:
         self._artifacts.delete_one({"_id": artifact_id})
-
-
-class GridFSArtifactStore(ArtifactStore):
-    """Artifact bytes in the GridFS bucket ``artifacts``: the GridFS layout (a ``files``
-    document, ``chunks`` numbered from 0), so mongofiles and GridFSBucket read them too.
-
-    Written and read ``WINDOW`` chunks (1 MiB) at a time, whatever the artifact's size:
-    pymongo's GridIn holds up to 48 MB of an upload before it writes, and a reading cursor
-    a whole batch. The ``files`` document is written last, so a file is visible only once
-    complete; a failed upload removes its chunks."""
-
-    BUCKET = "artifacts"
-    CHUNK = 256 * 1024
-    WINDOW = defaults.CHUNK_BYTES // CHUNK
-
-    def __init__(self, uri: str, client: MongoClient | None = None):
-        self.where = describe(uri)
-        if client is None:
-            self._client, self.db = connect(uri)
-        else:
-            self._client, self.db = client, client.get_default_database(default="zwdx")
-        self._files, self._chunks = self.db[f"{self.BUCKET}.files"], self.db[f"{self.BUCKET}.chunks"]
-        try:
-            self._chunks.create_index([("files_id", ASCENDING), ("n", ASCENDING)], unique=True)
-            self._files.create_index([("filename", ASCENDING), ("uploadDate", ASCENDING)])
-        except PyMongoError as exc:
-            raise StoreError(f"cannot prepare GridFS at {self.where}: {exc}") from exc
-
-    def save(self, artifact_id, stream, max_bytes, expected_sha256=None):
-        sink = _ChunkWriter(self._chunks, artifact_id, self.CHUNK)
-        try:
-            size, sha = copy_hashed(stream, sink, max_bytes, expected_sha256)
-            sink.finish()
-            self._files.insert_one({"_id": artifact_id, "filename": artifact_id, "length": Int64(size),
-                                    "chunkSize": self.CHUNK, "uploadDate": datetime.now(timezone.utc),
-                                    "metadata": {"sha256": sha}})
-            return size, sha
-        except BaseException as exc:
-            self._discard(artifact_id)
-            if isinstance(exc, PyMongoError):
-                raise StoreError(f"cannot store artifact {artifact_id} in GridFS: {exc}") from exc
-            raise
-
-    def _discard(self, artifact_id: str) -> None:
-        try:
-            if self._files.find_one({"_id": artifact_id}, {"_id": 1}) is not None:
-                self._files.delete_one({"_id": artifact_id})
-            self._chunks.delete_many({"files_id": artifact_id})
-        except PyMongoError as exc:
-            log.warning("artifacts: chunks of artifact %s could not be removed: %s", artifact_id, exc)
-
-    def open(self, artifact_id):
-        try:
-            meta = self._files.find_one({"_id": artifact_id})
-        except PyMongoError as exc:
-            raise StoreError(f"cannot read artifact {artifact_id} from GridFS: {exc}") from exc
-        if meta is None:
-            raise FileNotFoundError(f"no artifact {artifact_id} in GridFS")
-        count = -(-int(meta["length"]) // int(meta["chunkSize"]))
-
-        def chunks():
-            n = 0
-            while n < count:
-                window = self._chunks.find({"files_id": artifact_id, "n": {"$gte": n, "$lt": n + self.WINDOW}},
-                                           sort=[("n", ASCENDING)])
-                blocks = []
-                for doc in window:
-                    if doc["n"] != n:
-                        break
-                    blocks.append(bytes(doc["data"]))
-                    n += 1
-                if not blocks:
-                    raise StoreError(f"artifact {artifact_id} in GridFS lacks chunk {n} of {count}",
-                                     artifact_id=artifact_id)
-                yield b"".join(blocks)
-        return chunks()
-
-    def delete(self, artifact_id):
-        try:
-            self._discard(artifact_id)
-        except PyMongoError as exc:
-            raise StoreError(f"cannot delete artifact {artifact_id} from GridFS: {exc}") from exc
-
-    def close(self) -> None:
-        self._client.close()
-
-
-class _ChunkWriter:
-    """A file-like sink that writes GridFS chunks as soon as they are full."""
-
-    def __init__(self, chunks, file_id: str, chunk_size: int):
-        self.chunks, self.file_id, self.chunk_size = chunks, file_id, chunk_size
-        self.buffer, self.n = bytearray(), 0
-
-    def write(self, data: bytes) -> None:
-        self.buffer += data
-        self._flush(len(self.buffer) - len(self.buffer) % self.chunk_size)
-
-    def finish(self) -> None:
-        self._flush(len(self.buffer))
-
-    def _flush(self, upto: int) -> None:
-        if upto <= 0:
-            return
-        docs = [{"files_id": self.file_id, "n": self.n + i, "data": Binary(bytes(self.buffer[o:o + self.chunk_size]))}
-                for i, o in enumerate(range(0, upto, self.chunk_size))]
-        self.chunks.insert_many(docs)
-        self.n += len(docs)
-        del self.buffer[:upto]

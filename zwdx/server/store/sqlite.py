@@ -12,7 +12,6 @@ import os
 import sqlite3
 import threading
 from contextlib import contextmanager
-from typing import Iterable
 
 from ...errors import SchemaVersionError, StoreError
 from .base import SCHEMA_VERSION, Store
@@ -146,8 +145,11 @@ class SQLiteStore(Store):
 
     # -- rooms -----------------------------------------------------------------------------
     def create_room(self, room: dict) -> dict:
-        with self._tx() as db:
-            db.execute("INSERT INTO rooms VALUES (?, ?, ?)", (room["id"], room["token_hash"], _dump(room)))
+        try:
+            with self._tx() as db:
+                db.execute("INSERT INTO rooms VALUES (?, ?, ?)", (room["id"], room["token_hash"], _dump(room)))
+        except sqlite3.IntegrityError as exc:
+            raise StoreError(f"room {room['id']} already exists: {exc}") from exc
         return room
 
     def get_room(self, room_id: str) -> dict | None:
@@ -299,6 +301,10 @@ class SQLiteStore(Store):
             (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id=?", (job_id,)).fetchone()
             for ev in events:
                 ev = {**ev, "seq": last + 1}
+                if ev.get("rank") is None and db.execute(  # NULLs are distinct in a UNIQUE index
+                        "SELECT 1 FROM events WHERE job_id=? AND rank IS NULL AND key=?",
+                        (job_id, ev.get("key"))).fetchone():
+                    continue
                 cur = db.execute("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)",
                                  (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), _dump(ev)))
                 if cur.rowcount == 1:

@@ -1,0 +1,440 @@
+"""One suite of store behaviour, run against every backend: the embedded SQLite file and
+MongoDB over its wire protocol (nx-27017, or the server ZWDX_TEST_MONGO_URI names).
+
+    python -m pytest test/test_store_contract.py -q
+    ZWDX_TEST_MONGO_URI=mongodb://localhost:27017 python -m pytest test/test_store_contract.py -q -k mongo
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tracemalloc
+
+import pytest
+
+from store_backends import *  # noqa: F401,F403  (fixtures: backend, store, artifact_store)
+from zwdx.errors import IntegrityError, PayloadTooLarge, SchemaVersionError
+from zwdx.protocol import JobStatus
+from zwdx.server.store import SCHEMA_VERSION
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def make_room(store, room_id="r1", token_hash=None):
+    return store.create_room({"id": room_id, "name": f"room {room_id}", "token_hash": token_hash or f"h-{room_id}",
+                              "created_at": 1.5})
+
+
+def make_client(store, client_id="c1", room_id="r1", gpus=2, **extra):
+    client = {"id": client_id, "room_id": room_id, "hostname": f"host-{client_id}", "status": "online",
+              "last_seen": 10.0, "versions": {"python": "3.11.7"}, **extra}
+    slots = [{"id": f"{client_id}:{i}", "client_id": client_id, "room_id": room_id, "index": i, "kind": "cuda",
+              "name": "GPU", "memory_total": 80, "memory_free": 80, "utilization": 0} for i in range(gpus)]
+    store.upsert_client(client, slots)
+    return client, slots
+
+
+def make_job(store, job_id, room_id="r1", status="queued"):
+    return store.create_job({"id": job_id, "room_id": room_id, "status": status, "name": job_id,
+                             "created_at": 2.0, "spec": {"world_size": 2, "versions": {"python": "3.11"}},
+                             "timeline": [{"status": status, "at": 2.0}], "world_size": None})
+
+
+def held_by(store, room_id="r1"):
+    return {s["id"]: (s["job_id"], s["rank"]) for s in store.list_slots(room_id)}
+
+
+# -- lifecycle and schema ----------------------------------------------------------------------
+def test_fresh_store_answers_and_records_the_schema_version(store):
+    assert store.ping() is True
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+def test_a_store_written_by_a_newer_zwdx_is_refused_with_a_clear_error(backend):
+    backend.open().close()
+    backend.set_schema_version(SCHEMA_VERSION + 1)
+    with pytest.raises(SchemaVersionError) as err:
+        backend.open()
+    assert err.value.found == SCHEMA_VERSION + 1 and err.value.supported == SCHEMA_VERSION
+    assert "upgrade zwdx" in str(err.value)
+
+
+def test_an_older_store_is_migrated_to_the_current_version(backend, monkeypatch):
+    first = backend.open()
+    make_room(first)
+    first.close()
+    step, ran = backend.migration_probe()
+    monkeypatch.setattr(backend.module, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setattr(backend.module, "MIGRATIONS", {SCHEMA_VERSION: step})
+    store = backend.open()
+    assert store.schema_version() == SCHEMA_VERSION + 1
+    assert ran()
+    assert store.get_room("r1")["name"] == "room r1"  # the data came along
+
+
+def test_an_unreachable_mongodb_is_a_clear_error_that_hides_the_password():
+    from procs import free_port
+    from zwdx.errors import StoreError
+    from zwdx.server.store import open_store
+    port = free_port()
+    with pytest.raises(StoreError) as err:
+        open_store("", f"mongodb://zwdx:s3cret@127.0.0.1:{port}/jobs?serverSelectionTimeoutMS=300")
+    assert f"cannot reach MongoDB at 127.0.0.1:{port}/jobs" in str(err.value)
+    assert "s3cret" not in str(err.value)
+
+
+def test_everything_written_is_there_when_the_store_is_opened_again(backend):
+    store = backend.open()
+    make_room(store)
+    make_client(store)
+    make_job(store, "j1")
+    make_job(store, "j2")
+    assert store.reserve_slots("j1", [("c1:0", 0)], {"status": "starting"})
+    store.add_events("j1", [{"kind": "metric", "rank": 0, "key": "k1", "step": 0, "data": {"loss": 1.0}, "ts": 3.0}])
+    store.add_artifact({"id": "a1", "room_id": "r1", "kind": "weights", "size": 3, "sha256": "x", "job_id": "j1",
+                        "created_at": 4.0})
+    store.close()
+
+    again = backend.open()
+    assert again.find_room_by_token_hash("h-r1")["id"] == "r1"
+    assert [j["id"] for j in again.list_jobs("r1", ["queued"])] == ["j2"]
+    assert again.get_job("j1")["status"] == "starting"
+    assert held_by(again)["c1:0"] == ("j1", 0)
+    assert [e["data"] for e in again.get_events("j1")] == [{"loss": 1.0}]
+    assert again.list_artifacts("j1")[0]["id"] == "a1"
+    assert again.get_client("c1")["hostname"] == "host-c1"
+
+
+def test_what_the_server_asks_often_is_indexed(backend):
+    backend.open()
+
+    def covered(table, *columns, unique=False):
+        return any(keys[:len(columns)] == columns and (is_unique or not unique)
+                   for keys, is_unique in backend.indexes(table).items())
+    assert covered("jobs", "room_id", "status")
+    assert covered("events", "job_id", "kind")
+    assert covered("events", "job_id", "rank", "key", unique=True)
+    assert covered("rooms", "token_hash", unique=True)
+    assert covered("slots", "job_id")
+    assert covered("artifacts", "job_id", "kind")
+    if backend.name == "mongo":
+        assert covered("events", "job_id", "kind", "step")  # metrics by job and step
+
+
+# -- rooms -------------------------------------------------------------------------------------
+def test_rooms_are_found_by_id_and_by_token_hash(store):
+    room = make_room(store, "r1", "hash-1")
+    make_room(store, "r2", "hash-2")
+    assert store.get_room("r1") == room
+    assert store.find_room_by_token_hash("hash-2")["id"] == "r2"
+    assert store.get_room("nope") is None
+    assert store.find_room_by_token_hash("nope") is None
+
+
+# -- GPU clients and slots ---------------------------------------------------------------------
+def test_clients_are_listed_oldest_first_with_their_slots(store):
+    make_client(store, "zz", "r1", gpus=1)
+    make_client(store, "aa", "r1", gpus=2)
+    make_client(store, "other", "r2", gpus=1)
+    make_client(store, "zz", "r1", gpus=1)  # registers again: keeps its place
+    clients = store.list_clients("r1")
+    assert [c["id"] for c in clients] == ["zz", "aa"]
+    assert [s["index"] for s in clients[1]["slots"]] == [0, 1]
+    assert all(s["job_id"] is None and s["rank"] is None for c in clients for s in c["slots"])
+    assert [c["id"] for c in store.list_clients(None)] == ["zz", "aa", "other"]
+    assert store.get_client("aa")["hostname"] == "host-aa"
+    assert "slots" not in store.get_client("aa")
+    assert store.get_client("nope") is None
+
+
+def test_update_client_sets_fields(store):
+    make_client(store)
+    store.update_client("c1", {"status": "offline", "sid": None, "last_seen": 99.5})
+    client = store.get_client("c1")
+    assert (client["status"], client["sid"], client["last_seen"], client["hostname"]) == \
+        ("offline", None, 99.5, "host-c1")
+
+
+def test_slot_stats_are_refreshed_by_index(store):
+    make_client(store)
+    store.update_slot_stats("c1", [{"index": 1, "memory_free": 7, "utilization": 55}, {"index": 9, "memory_free": 1}])
+    slots = {s["index"]: s for s in store.list_slots("r1")}
+    assert (slots[1]["memory_free"], slots[1]["utilization"]) == (7, 55)
+    assert (slots[0]["memory_free"], slots[0]["utilization"]) == (80, 0)
+
+
+def test_registering_again_keeps_busy_slots_and_drops_free_ones_that_vanished(store):
+    make_room(store)
+    make_client(store, gpus=3)
+    make_job(store, "j1")
+    assert store.reserve_slots("j1", [("c1:2", 0)], {"status": "starting"})
+    make_client(store, gpus=1, hostname="renamed")  # now offers only GPU 0
+    assert held_by(store) == {"c1:0": (None, None), "c1:2": ("j1", 0)}
+    assert store.get_client("c1")["hostname"] == "renamed"
+
+
+def test_list_slots_by_room_or_all(store):
+    make_client(store, "c1", "r1", gpus=2)
+    make_client(store, "c2", "r2", gpus=1)
+    assert [s["id"] for s in store.list_slots("r1")] == ["c1:0", "c1:1"]
+    assert [s["id"] for s in store.list_slots(None)] == ["c1:0", "c1:1", "c2:0"]
+
+
+# -- reservations ------------------------------------------------------------------------------
+def test_reserve_slots_gives_the_slots_and_moves_the_job(store):
+    make_client(store, "c1", gpus=2)
+    make_client(store, "c2", gpus=1)
+    make_job(store, "j1")
+    changes = {"status": "starting", "world_size": 3, "placement": [{"rank": 0, "client_id": "c1"}], "ranks": {}}
+    assert store.reserve_slots("j1", [("c1:0", 0), ("c1:1", 1), ("c2:0", 2)], changes) is True
+    assert held_by(store) == {"c1:0": ("j1", 0), "c1:1": ("j1", 1), "c2:0": ("j1", 2)}
+    job = store.get_job("j1")
+    assert (job["status"], job["world_size"], job["placement"], job["ranks"]) == \
+        ("starting", 3, [{"rank": 0, "client_id": "c1"}], {})
+    assert store.list_jobs("r1", ["queued"]) == []
+
+
+def test_reserve_slots_changes_nothing_when_one_slot_is_taken(store):
+    make_client(store, gpus=3)
+    make_job(store, "j1")
+    make_job(store, "j2")
+    assert store.reserve_slots("j1", [("c1:1", 0)], {"status": "starting"})
+    assert store.reserve_slots("j2", [("c1:0", 0), ("c1:1", 1), ("c1:2", 2)], {"status": "starting"}) is False
+    assert held_by(store) == {"c1:0": (None, None), "c1:1": ("j1", 0), "c1:2": (None, None)}
+    assert store.get_job("j2")["status"] == "queued"
+
+
+def test_reserve_slots_changes_nothing_when_the_job_is_not_queued(store):
+    make_client(store)
+    make_job(store, "j1", status="cancelled")
+    assert store.reserve_slots("j1", [("c1:0", 0)], {"status": "starting"}) is False
+    assert store.reserve_slots("nope", [("c1:1", 0)], {"status": "starting"}) is False
+    assert held_by(store) == {"c1:0": (None, None), "c1:1": (None, None)}
+    assert store.get_job("j1")["status"] == "cancelled"
+
+
+def test_reserve_slots_takes_a_resuming_job_too(store):
+    make_client(store)
+    make_job(store, "j1", status="resuming")
+    assert store.reserve_slots("j1", [("c1:1", 0)], {"status": "starting", "attempt": 1})
+    assert (store.get_job("j1")["status"], held_by(store)["c1:1"]) == ("starting", ("j1", 0))
+
+
+def test_a_job_is_reserved_once(store):
+    make_client(store, gpus=2)
+    make_job(store, "j1")
+    assert store.reserve_slots("j1", [("c1:0", 0)], {"status": "starting"})
+    assert store.reserve_slots("j1", [("c1:1", 0)], {"status": "starting"}) is False
+    assert held_by(store)["c1:1"] == (None, None)
+
+
+def test_release_slots_frees_the_jobs_slots_or_one_clients(store):
+    make_client(store, "c1", gpus=2)
+    make_client(store, "c2", gpus=1)
+    make_job(store, "j1")
+    assert store.reserve_slots("j1", [("c1:0", 0), ("c1:1", 1), ("c2:0", 2)], {"status": "starting"})
+    assert store.release_slots("j1", "c2") == 1
+    assert held_by(store)["c2:0"] == (None, None)
+    assert store.release_slots("j1") == 2
+    assert store.release_slots("j1") == 0
+    assert set(held_by(store).values()) == {(None, None)}
+    make_job(store, "j2")
+    assert store.reserve_slots("j2", [("c1:0", 0)], {"status": "starting"})  # free again
+
+
+# -- jobs --------------------------------------------------------------------------------------
+def test_jobs_get_increasing_queue_positions_and_list_in_submission_order(store):
+    seqs = [make_job(store, f"j{i}", room_id="r2" if i == 2 else "r1")["seq"] for i in range(5)]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 5
+    assert [j["id"] for j in store.list_jobs("r1")] == ["j0", "j1", "j3", "j4"]
+    assert [j["id"] for j in store.list_jobs()] == ["j0", "j1", "j2", "j3", "j4"]
+    assert [j["id"] for j in store.list_jobs("r1", limit=2)] == ["j0", "j1"]
+    store.update_job("j1", {"status": "running"})
+    assert [j["id"] for j in store.list_jobs("r1", [JobStatus.QUEUED])] == ["j0", "j3", "j4"]
+    assert [j["id"] for j in store.list_jobs(None, iter(["running", "nope"]))] == ["j1"]
+    assert store.get_job("j2")["room_id"] == "r2"
+    assert store.get_job("nope") is None
+
+
+def test_a_job_document_round_trips_unchanged(store):
+    job = {"id": "j1", "room_id": "r1", "status": "queued", "name": "naïve — ünïcode ✓", "created_at": 1.25,
+           "spec": {"nested": {"list": [1, 2.5, None, True, "x", {"deep": []}]}, "memory_required": 2**40},
+           "timeline": [], "world_size": None}
+    created = store.create_job(job)
+    assert created == {**job, "seq": created["seq"]}
+    assert store.get_job("j1") == created
+
+
+def test_update_job_sets_dotted_paths_and_appends_to_lists(store):
+    make_job(store, "j1")
+    store.update_job("j1", {"ranks": {}, "exits": {}})
+    store.update_job("j1", {"ranks.0.status": "running", "ranks.0.started_at": 5.0})
+    job = store.update_job("j1", {"ranks.1.status": "running", "failures.1": "Traceback ..."},
+                           push={"timeline": {"status": "running", "at": 6.0}, "notes": "first"})
+    expected_ranks = {"0": {"status": "running", "started_at": 5.0}, "1": {"status": "running"}}
+    assert job["ranks"] == expected_ranks
+    assert job["failures"] == {"1": "Traceback ..."}
+    assert job["timeline"] == [{"status": "queued", "at": 2.0}, {"status": "running", "at": 6.0}]
+    assert job["notes"] == ["first"]
+    job = store.update_job("j1", {}, push={"timeline": {"status": "completed", "at": 7.0}})
+    assert [t["status"] for t in job["timeline"]] == ["queued", "running", "completed"]
+    assert store.get_job("j1") == job
+    assert store.update_job("nope", {"status": "running"}) is None
+
+
+def test_update_job_applies_only_in_an_expected_status(store):
+    make_job(store, "j1")
+    assert store.update_job("j1", {"status": "running"}, expect_status=["starting"]) is None
+    assert store.update_job("j1", {"status": "running"}, expect_status=["starting"],
+                            push={"timeline": {"status": "running"}}) is None
+    job = store.get_job("j1")
+    assert job["status"] == "queued" and len(job["timeline"]) == 1
+    moved = store.update_job("j1", {"status": "cancelled", "reason": "by user"},
+                             expect_status=[JobStatus.QUEUED, "starting"],
+                             push={"timeline": {"status": "cancelled"}})
+    assert (moved["status"], moved["reason"], len(moved["timeline"])) == ("cancelled", "by user", 2)
+    assert store.update_job("j1", {"status": "cancelled"}, expect_status=["queued"]) is None
+    assert [j["id"] for j in store.list_jobs(statuses=["cancelled"])] == ["j1"]
+
+
+# -- events ------------------------------------------------------------------------------------
+def metric(rank, key, step, **data):
+    return {"kind": "metric", "rank": rank, "key": key, "step": step, "data": data, "ts": 100.0 + step}
+
+
+def test_events_get_increasing_seq_per_job_and_resent_ones_are_dropped(store):
+    first = store.add_events("j1", [metric(0, "a", 0, loss=2.0), metric(1, "a", 0, loss=2.1)])
+    assert [e["seq"] for e in first] == [1, 2]
+    assert first[0] == {**metric(0, "a", 0, loss=2.0), "seq": 1}
+    again = store.add_events("j1", [metric(0, "a", 0, loss=2.0), metric(0, "b", 1, loss=1.5),
+                                    metric(0, "b", 1, loss=1.5)])
+    assert [(e["key"], e["seq"]) for e in again] == [("b", 3)]
+    assert store.add_events("j1", [metric(1, "a", 0, loss=9.9)]) == []
+    other = store.add_events("j2", [metric(0, "a", 0, loss=5.0)])
+    assert [e["seq"] for e in other] == [1]
+    assert [(e["rank"], e["key"], e["data"]["loss"]) for e in store.get_events("j1")] == \
+        [(0, "a", 2.0), (1, "a", 2.1), (0, "b", 1.5)]
+    assert store.add_events("j1", []) == []
+
+
+def test_get_events_after_a_seq_by_kind_and_limited(store):
+    events = []
+    for i in range(6):
+        events.append(metric(0, f"m{i}", i, loss=float(i)))
+        events.append({"kind": "log", "rank": 0, "key": f"l{i}", "step": None, "data": {"text": f"line {i}"},
+                       "ts": 1.0})
+    store.add_events("j1", events)
+    assert [e["seq"] for e in store.get_events("j1", after=9)] == [10, 11, 12]
+    assert [e["data"]["text"] for e in store.get_events("j1", kind="log", after=4, limit=2)] == ["line 2", "line 3"]
+    assert [e["step"] for e in store.get_events("j1", kind="metric")] == [0, 1, 2, 3, 4, 5]
+    assert store.get_events("j1", after=12) == []
+    assert store.get_events("nope") == []
+    assert all("job_id" not in e for e in store.get_events("j1"))
+
+
+# -- artifacts' metadata -----------------------------------------------------------------------
+def artifact(artifact_id, job_id="j1", kind="checkpoint"):
+    return {"id": artifact_id, "room_id": "r1", "kind": kind, "size": 10, "sha256": "ab" * 32, "job_id": job_id,
+            "created_at": 5.0}
+
+
+def test_artifact_metadata_is_added_listed_updated_and_deleted(store):
+    for artifact_id, kind in (("b", "checkpoint"), ("a", "weights"), ("c", "checkpoint")):
+        assert store.add_artifact(artifact(artifact_id, kind=kind)) == artifact(artifact_id, kind=kind)
+    store.add_artifact(artifact("bundle", job_id=None, kind="bundle"))
+    assert [a["id"] for a in store.list_artifacts("j1")] == ["b", "a", "c"]
+    assert [a["id"] for a in store.list_artifacts("j1", "checkpoint")] == ["b", "c"]
+    assert store.get_artifact("a") == artifact("a", kind="weights")
+    store.update_artifact("bundle", {"job_id": "j1"})
+    assert store.get_artifact("bundle")["job_id"] == "j1"
+    assert [a["id"] for a in store.list_artifacts("j1", "bundle")] == ["bundle"]
+    store.delete_artifact("b")
+    assert store.get_artifact("b") is None
+    assert [a["id"] for a in store.list_artifacts("j1")] == ["a", "c", "bundle"]
+    assert store.get_artifact("nope") is None
+
+
+# -- artifact bytes (files in the data dir, or GridFS) -----------------------------------------
+#: A repeating pattern, 1 MiB and one period long: any 1 MiB window of the stream is a slice of it.
+PATTERN = bytes(i % 251 for i in range(1024 * 1024 + 251))
+
+
+class Chunked(io.RawIOBase):
+    """``size`` bytes of a repeating pattern, made as they are read, never all at once."""
+
+    def __init__(self, size: int):
+        self.size, self.pos = size, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, buf):
+        n = min(len(buf), self.size - self.pos, 1024 * 1024)
+        start = self.pos % 251
+        buf[:n] = PATTERN[start:start + n]
+        self.pos += n
+        return n
+
+
+def sha_of(size: int) -> str:
+    digest, stream = hashlib.sha256(), Chunked(size)
+    while block := stream.read(1 << 20):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def test_artifact_bytes_round_trip_in_chunks(artifact_store):
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    size, sha = artifact_store.store.save("a1", io.BytesIO(data), max_bytes=len(data),
+                                          expected_sha256=hashlib.sha256(data).hexdigest().upper())
+    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    chunks = list(artifact_store.store.open("a1"))
+    assert b"".join(chunks) == data
+    assert len(chunks) > 1 and max(len(c) for c in chunks) <= 1024 * 1024
+    assert b"".join(artifact_store.reopen().open("a1")) == data  # a restarted server reads it
+
+
+def test_a_corrupt_upload_keeps_nothing(artifact_store):
+    with pytest.raises(IntegrityError):
+        artifact_store.store.save("a1", io.BytesIO(b"x" * 600_000), max_bytes=10**9, expected_sha256="0" * 64)
+    with pytest.raises(FileNotFoundError):
+        artifact_store.store.open("a1")
+    assert artifact_store.held() == []
+
+
+def test_an_upload_over_the_limit_keeps_nothing(artifact_store):
+    with pytest.raises(PayloadTooLarge):
+        artifact_store.store.save("a1", Chunked(3 * 1024 * 1024), max_bytes=2 * 1024 * 1024)
+    with pytest.raises(FileNotFoundError):
+        artifact_store.store.open("a1")
+    assert artifact_store.held() == []
+
+
+def test_deleted_bytes_are_gone_and_deleting_twice_is_fine(artifact_store):
+    artifact_store.store.save("a1", io.BytesIO(b"abc"), max_bytes=10)
+    artifact_store.store.save("a2", io.BytesIO(b""), max_bytes=10)
+    assert b"".join(artifact_store.store.open("a2")) == b""
+    artifact_store.store.delete("a1")
+    artifact_store.store.delete("a1")
+    with pytest.raises(FileNotFoundError):
+        artifact_store.store.open("a1")
+    assert artifact_store.held() == ["a2"]
+
+
+def test_artifacts_stream_through_without_being_held_whole_in_memory(artifact_store):
+    size = 24 * 1024 * 1024
+    tracemalloc.start()
+    try:
+        saved = artifact_store.store.save("big", Chunked(size), max_bytes=size, expected_sha256=sha_of(size))
+        _, peak_save = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        digest, total = hashlib.sha256(), 0
+        for block in artifact_store.store.open("big"):
+            digest.update(block)
+            total += len(block)
+        _, peak_read = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert saved == (size, digest.hexdigest()) and total == size
+    assert peak_save < size / 3, f"saving {size} bytes peaked at {peak_save} bytes of Python memory"
+    assert peak_read < size / 3, f"reading {size} bytes peaked at {peak_read} bytes of Python memory"
