@@ -136,9 +136,11 @@ def test_cut_network_of_a_live_gpu_client_is_detected_and_the_job_resumes(cluste
     net.cut(victim)
     cut_at = time.time()
     try:
-        job = wait_until(lambda: (j := sdk.get_job(job_id))["status"] == "resuming" and j, 20, what="loss detected")
-        print(f"\nnetwork cut -> detected {time.time() - cut_at:.1f} s")
-        assert victim in job["restart_history"][0]["reason"]
+        # "resuming" may last only milliseconds when slots are free: read the restart history
+        job = wait_until(lambda: (j := sdk.get_job(job_id)).get("restart_history") and j, 20, what="loss detected")
+        detected = job["restart_history"][0]["at"] - cut_at
+        print(f"\nnetwork cut -> detected {detected:.1f} s")
+        assert victim in job["restart_history"][0]["reason"] and detected < 10
     finally:
         net.mend(victim)
     result = sdk.wait(job_id, progress=False, timeout=300)

@@ -88,14 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("room", help="rooms")
     rsub = p.add_subparsers(dest="action", required=True)
     c = rsub.add_parser("create", help="create a room and print its token (shown once)")
-    c.add_argument("--server", default=DEFAULT_SERVER)
-    c.add_argument("--name", default="")
+    c.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
     c.set_defaults(func=_room_create)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
-    p.add_argument("--server", default=DEFAULT_SERVER)
-    p.add_argument("--room-token", "-rt", default=None)
+    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    p.add_argument("--room-token", "-rt", default=None, help="the room to join (default: $ZWDX_ROOM_TOKEN)")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
     p.add_argument("--advertise-addr", default=None,
@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("job", help="look at and control jobs")
     p.add_argument("action", choices=["list", "status", "logs", "cancel"])
     p.add_argument("job_id", nargs="?")
-    p.add_argument("--server", default=DEFAULT_SERVER)
-    p.add_argument("--room-token", "-rt", default=None)
+    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    p.add_argument("--room-token", "-rt", default=None, help="the job's room (default: $ZWDX_ROOM_TOKEN)")
     p.set_defaults(func=_job)
     return parser
 

@@ -205,7 +205,9 @@ def get_job(job_id: str):
     job = job_in_room(job_id, request_room())
     if job["status"] == JobStatus.QUEUED.value:
         queued = ctx().store.list_jobs(job["room_id"], [JobStatus.QUEUED.value])
-        job["queue_position"] = next(i for i, j in enumerate(queued) if j["id"] == job_id) + 1
+        position = next((i for i, j in enumerate(queued) if j["id"] == job_id), None)
+        if position is not None:  # None: placed meanwhile
+            job["queue_position"] = position + 1
     return jsonify(job_view(job))
 
 

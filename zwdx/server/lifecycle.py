@@ -72,7 +72,13 @@ def rank_failed(ctx, job: dict, rank: int, error: str, tb: str, collective: bool
                              expect_status=_ACTIVE)
         log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job["id"], rank, error)
         return
-    fail(ctx, job["id"], f"rank {rank} failed: {error}", {str(rank): tb})
+    # The job fails; other ranks failing at the same point get FAILURE_GRACE to report theirs.
+    updated = ctx.store.update_job(job["id"], {f"failures.{rank}": tb}, expect_status=_ACTIVE)
+    if updated and not updated.get("failing_since"):
+        ctx.store.update_job(job["id"], {"failing_since": _now(), "failing_reason": f"rank {rank} failed: {error}"},
+                             expect_status=_ACTIVE)
+    log.warning("job %s: rank %d failed: %s", job["id"], rank, error)
+    ctx.scheduler.kick()
 
 
 def fail(ctx, job_id: str, reason: str, failures: dict | None = None) -> dict | None:
@@ -164,10 +170,21 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
     ctx.scheduler.kick()
 
 
+#: Seconds the other ranks of a job get to report their own failure after the first one.
+FAILURE_GRACE = 2.0
+
+
 def settle_suspects(ctx) -> None:
-    """Fail jobs whose ranks broke when no GPU client turned out lost within the timeout."""
+    """Fail jobs whose ranks raised (once every rank reported or the grace is over), and jobs
+    whose ranks broke when no GPU client turned out lost within the timeout."""
     deadline = _now() - float(ctx.config["CLIENT_TIMEOUT"]) - 1.0
     for job in ctx.store.list_jobs(statuses=_ACTIVE):
+        if job.get("failing_since"):
+            failures, exits = job.get("failures") or {}, job.get("exits") or {}
+            heard = all(str(r) in failures or str(r) in exits for r in range(job.get("world_size") or 0))
+            if heard or job["failing_since"] < _now() - FAILURE_GRACE:
+                fail(ctx, job["id"], job.get("failing_reason") or "a rank failed")
+            continue
         since = job.get("suspect_since")
         if not since:
             continue

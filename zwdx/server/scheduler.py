@@ -185,7 +185,7 @@ class Scheduler:
         now = time.time()
         attempt = int(job.get("restarts") or 0)
         changes = {"status": JobStatus.STARTING.value, "placement": placement, "world_size": len(chosen),
-                   "attempt": attempt, "suspect_since": None, "failures": {},
+                   "attempt": attempt, "suspect_since": None, "failing_since": None, "failures": {},
                    "backend": "nccl" if chosen[0].get("kind") == "cuda" else "gloo",
                    "job_key_hash": hash_secret(job_key), "waiting_reason": None, "started_at": now,
                    "ranks": {}, "exits": {}}
