@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from .. import defaults
 from ..protocol import (EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus,
@@ -80,8 +80,8 @@ def plan(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict] | None
             want = len(chosen)
         if len(chosen) >= want:
             # Fill whole clients first: fewer hosts, more ranks over local links.
-            order = sorted(chosen, key=lambda s: (-sum(1 for c in chosen if c["client_id"] == s["client_id"]),
-                                                  s["client_id"], s["index"]))
+            per_client = Counter(s["client_id"] for s in chosen)
+            order = sorted(chosen, key=lambda s: (-per_client[s["client_id"]], s["client_id"], s["index"]))
             picked = order[:want]
             return sorted(picked, key=lambda s: (s["client_id"], s["index"])), ""
     have = max((len(v) for v in by_kind.values()), default=0)

@@ -60,7 +60,7 @@ class SQLiteStore(Store):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        self._all: dict[int, sqlite3.Connection] = {}  # thread ident -> its connection
         self._lock = threading.Lock()
         conn = self._conn()
         conn.executescript(_DDL)
@@ -80,7 +80,15 @@ class SQLiteStore(Store):
                 raise StoreError(f"cannot open the embedded store at {self.path}: {exc}") from exc
             self._local.conn = conn
             with self._lock:
-                self._all.append(conn)
+                # One connection per thread; those of finished threads (each HTTP request and
+                # Socket.IO connection has one) are closed here, or file descriptors leak.
+                alive = {t.ident for t in threading.enumerate()}
+                for ident in [i for i in self._all if i not in alive]:
+                    try:
+                        self._all.pop(ident).close()
+                    except sqlite3.Error:
+                        pass
+                self._all[threading.get_ident()] = conn
         return conn
 
     @contextmanager
@@ -135,7 +143,7 @@ class SQLiteStore(Store):
 
     def close(self) -> None:
         with self._lock:
-            for conn in self._all:
+            for conn in self._all.values():
                 try:
                     conn.close()
                 except sqlite3.Error:
