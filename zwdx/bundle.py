@@ -10,7 +10,9 @@ Only GPU clients unpickle a bundle; the server stores and forwards its bytes unt
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
+import io
 import logging
 import os
 import sys
@@ -96,6 +98,17 @@ def optimizer_spec(optimizer, model) -> dict | None:
     return {"cls": type(optimizer), "groups": groups}
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus modules whose type subclasses ModuleType (torch.backends.cudnn and its
+    siblings replace themselves in sys.modules so): by name, as plain modules go. Without it a
+    train_func that sets ``torch.backends.cudnn.benchmark`` cannot be submitted."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
 def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) -> bytes:
     """Cloudpickle what a rank needs into bytes."""
     for name, fn in (("data_loader_func", data_loader_func), ("train_func", train_func)):
@@ -117,7 +130,9 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) ->
     for module in found.values():
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(payload, protocol=5)
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=5).dump(payload)
+        return buffer.getvalue()
     finally:
         for module in found.values():
             cloudpickle.unregister_pickle_by_value(module)

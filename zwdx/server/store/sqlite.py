@@ -11,6 +11,7 @@ import logging
 import os
 import sqlite3
 import threading
+import weakref
 from contextlib import contextmanager
 
 from ...errors import SchemaVersionError, StoreError
@@ -60,7 +61,9 @@ class SQLiteStore(Store):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._local = threading.local()
-        self._all: dict[int, sqlite3.Connection] = {}  # thread ident -> its connection
+        # Every connection, weakly: one per thread (each HTTP request and Socket.IO connection
+        # has its thread); a finished thread's connection is closed when its thread-local goes.
+        self._all: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.Lock()
         conn = self._conn()
         conn.executescript(_DDL)
@@ -72,7 +75,7 @@ class SQLiteStore(Store):
         if conn is None:
             try:
                 conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
-                                       check_same_thread=False)
+                                       check_same_thread=False, factory=_Connection)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute("PRAGMA busy_timeout=30000")
@@ -80,15 +83,7 @@ class SQLiteStore(Store):
                 raise StoreError(f"cannot open the embedded store at {self.path}: {exc}") from exc
             self._local.conn = conn
             with self._lock:
-                # One connection per thread; those of finished threads (each HTTP request and
-                # Socket.IO connection has one) are closed here, or file descriptors leak.
-                alive = {t.ident for t in threading.enumerate()}
-                for ident in [i for i in self._all if i not in alive]:
-                    try:
-                        self._all.pop(ident).close()
-                    except sqlite3.Error:
-                        pass
-                self._all[threading.get_ident()] = conn
+                self._all.add(conn)
         return conn
 
     @contextmanager
@@ -143,7 +138,7 @@ class SQLiteStore(Store):
 
     def close(self) -> None:
         with self._lock:
-            for conn in self._all.values():
+            for conn in list(self._all):
                 try:
                     conn.close()
                 except sqlite3.Error:
@@ -360,6 +355,16 @@ class SQLiteStore(Store):
     def delete_artifact(self, artifact_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM artifacts WHERE id=?", (artifact_id,))
+
+
+class _Connection(sqlite3.Connection):
+    """A connection that can be weakly referenced (and so closed when its thread is gone)."""
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class _Abort(Exception):

@@ -1,0 +1,339 @@
+"""Control plane under load: how many simulated GPU clients one server process holds.
+
+    python bench/control_plane.py --clients 100,250,500,1000 --store sqlite,mongo --out $OUT/control.md
+
+For each store and each level of simulated GPU clients it starts a fresh server (and, for
+``mongo``, a MongoDB wire-protocol server, nx-27017), then ``--procs`` load generators
+(bench/simulate.py) that connect the clients at ``--connect-rate`` per second, register them
+and keep them heartbeating; once all are registered, SDK users (``--users-per-100`` per 100
+clients) submit jobs of ``--world-size`` ranks that the simulated clients run for
+``--job-seconds`` while posting metric events, and a dashboard per room watches. After
+``--warm`` seconds it measures for ``--hold`` seconds: clients held, heartbeats and metric
+events per second, p50/p99 of every REST call and Socket.IO call, metric-to-dashboard
+latency, the server's CPU and its peak memory. A level passes when every p99 is under
+``--p99-limit`` ms with every client held and no errors; the ramp stops after the first
+failing level unless ``--all``. ``--profile`` samples the server with py-spy during the
+window and prints where its Python time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import Child, MongoProc, ServerProc, percentile, proc_status, table  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOCKET_KINDS = ("socket.io heartbeat", "socket.io register", "socket.io ranks_exited")
+NOT_GATED = ("socket.io connect", "socket.io register", "job submit->completed", "metric -> dashboard")
+
+
+def run_level(args, store: str, clients: int, work: str) -> dict:
+    import requests
+    level_dir = tempfile.mkdtemp(prefix=f"zwdx-bench-{store}-{clients}-", dir=args.data_root or work)
+    mongo = server = None
+    gens: list[Child] = []
+    spy = None
+    try:
+        if store == "mongo":
+            if not harness.mongo_store_available():
+                return {"store": store, "clients": clients, "pending": "zwdx/server/store/mongo.py is not there yet"}
+            mongo = MongoProc(level_dir)
+        launcher = [os.path.join(HERE, "patched_server.py")] if args.patched else None
+        env = {"ZWDX_BENCH_ASYNC_MODE": args.async_mode} if args.async_mode else {}
+        if args.heartbeat_interval:
+            env.update({"ZWDX_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
+                        "ZWDX_CLIENT_TIMEOUT": str(max(10.0, 5 * args.heartbeat_interval))})
+        server = ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo.uri if mongo else None,
+                            launcher=launcher, env=env)
+        tokens = [requests.post(f"{server.url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()["token"]
+                  for i in range(args.rooms)]
+        users = max(1, round(clients * args.users_per_100 / 100))
+        plan = {"url": server.url, "tokens": tokens, "clients": clients, "users": users, "procs": args.procs,
+                "connect_rate": args.connect_rate, "connect_timeout": 60, "world_size": args.world_size,
+                "job_seconds": args.job_seconds, "metric_interval": args.metric_interval,
+                "events_per_post": args.events_per_post, "bundle_bytes": args.bundle_kb * 1024,
+                "poll_interval": args.poll_interval}
+        plan_path = os.path.join(level_dir, "plan.json")
+        with open(plan_path, "w") as fh:
+            json.dump(plan, fh)
+        for i in range(args.procs):
+            gens.append(Child([sys.executable, os.path.join(HERE, "simulate.py"), "--plan", plan_path, "--index",
+                               str(i), "--result", os.path.join(level_dir, f"result-{i}.json")],
+                              os.path.join(level_dir, f"simulate-{i}.log")))
+        ramp_started = time.time()
+
+        def ready():
+            for g in gens:
+                if not g.alive():
+                    raise RuntimeError(f"load generator exited:\n{g.tail()}")
+            if not server.alive():
+                raise RuntimeError(f"server exited:\n{server.tail()}")
+            return all(os.path.exists(os.path.join(level_dir, f"ready-{i}")) for i in range(args.procs))
+        harness.wait_until(ready, clients / args.connect_rate + 120, "simulated clients registered", 0.2)
+        ramp_s = time.time() - ramp_started
+        held_ready = 0
+        for i in range(args.procs):
+            with open(os.path.join(level_dir, f"ready-{i}")) as fh:
+                held_ready += json.load(fh)["held"]
+        t0 = time.time() + args.warm
+        t1 = t0 + args.hold
+        with open(os.path.join(level_dir, "go"), "w") as fh:
+            json.dump({"t0": t0, "t1": t1}, fh)
+        time.sleep(max(0.0, t0 - time.time()))
+        cpu0, w0 = harness.cpu_seconds(server.pid), time.time()
+        gen0 = sum(harness.cpu_seconds(g.pid) for g in gens)
+        if args.profile:
+            spy = subprocess.Popen([py_spy(), "record", "--pid", str(server.pid), "--gil", "--rate", "50",
+                                    "--duration", str(int(args.hold)), "--format", "raw", "--nonblocking",
+                                    "--output", os.path.join(level_dir, "server.pyspy.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        time.sleep(max(0.0, t1 - time.time()))
+        window = time.time() - w0
+        cpu = (harness.cpu_seconds(server.pid) - cpu0) / window
+        gen_cpu = (sum(harness.cpu_seconds(g.pid) for g in gens) - gen0) / window
+        status = proc_status(server.pid)
+        mongo_status = proc_status(mongo.pid) if mongo else None
+        online = None
+        try:
+            online = sum(c["status"] == "online" for t in tokens for c in requests.get(
+                f"{server.url}/api/v1/room", headers={"X-Zwdx-Room-Token": t}, timeout=30).json()["clients"])
+        except Exception:
+            pass
+        for g in gens:
+            try:
+                g.wait(90)
+            except subprocess.TimeoutExpired:
+                g.stop()
+        profile = None
+        if spy is not None:
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(spy.pid, 9)
+                spy.wait()
+            profile = summarize_profile(os.path.join(level_dir, "server.pyspy.txt"))
+        lat, errors, counts, samples, held = defaultdict(list), Counter(), Counter(), [], 0
+        for i in range(args.procs):
+            path = os.path.join(level_dir, f"result-{i}.json")
+            if not os.path.exists(path):
+                errors["load generator died"] += 1
+                samples.append(gens[i].tail(5))
+                continue
+            with open(path) as fh:
+                r = json.load(fh)
+            for k, v in r["lat"].items():
+                lat[k].extend(v)
+            errors.update(r["errors"])
+            counts.update(r["counts"])
+            samples += r["error_samples"]
+            held += r.get("held_at_end", 0)
+        return {"store": store, "clients": clients, "users": users, "rooms": args.rooms, "ramp_s": ramp_s,
+                "held_ready": held_ready, "held": held, "online": online, "hold_s": args.hold,
+                "cpu": cpu, "gen_cpu": gen_cpu, "rss": status["VmRSS"], "hwm": status["VmHWM"], "threads": status["Threads"],
+                "mongo_hwm": mongo_status["VmHWM"] if mongo_status else None,
+                "lat": {k: summarize(v) for k, v in lat.items()}, "errors": dict(errors), "counts": dict(counts),
+                "error_samples": samples[:10], "profile": profile}
+    finally:
+        if spy is not None and spy.poll() is None:
+            os.killpg(spy.pid, 9)
+        for g in gens:
+            g.stop(5)
+        if server is not None:
+            server.stop()
+        if mongo is not None:
+            mongo.stop()
+        if not args.keep:
+            shutil.rmtree(level_dir, ignore_errors=True)
+
+
+def py_spy() -> str:
+    """py-spy's executable: on PATH, or in bin/ of a --target install on PYTHONPATH."""
+    found = shutil.which("py-spy")
+    for root in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        candidate = os.path.join(root, "bin", "py-spy")
+        if not found and root and os.access(candidate, os.X_OK):
+            found = candidate
+    if not found:
+        raise RuntimeError("--profile needs py-spy (pip install py-spy)")
+    return found
+
+
+def summarize(values: list[float]) -> dict:
+    return {"n": len(values), "p50": percentile(values, 50), "p99": percentile(values, 99),
+            "max": max(values) if values else None}
+
+
+def summarize_profile(path: str, top: int = 25) -> list[tuple[str, float, float]]:
+    """py-spy's raw stacks -> the frames holding the GIL longest: (frame, self %, inclusive %)."""
+    own, incl, total = Counter(), Counter(), 0
+    try:
+        with open(path) as fh:
+            for line in fh:
+                stack, _, n = line.rstrip().rpartition(" ")
+                if not n.isdigit():
+                    continue
+                frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0] + ")" if " (" in f else f
+                          for f in stack.split(";")]
+                total += int(n)
+                own[frames[-1]] += int(n)
+                for f in set(frames):
+                    incl[f] += int(n)
+    except OSError:
+        return []
+    if not total:
+        return []
+    rows = [(f, 100.0 * own[f] / total, 100.0 * incl[f] / total) for f, _ in incl.most_common(top * 3)]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def passed(r: dict, limit: float) -> tuple[bool, str]:
+    worst = max(((k, v["p99"]) for k, v in r["lat"].items() if k not in NOT_GATED and v["n"]),
+                key=lambda kv: kv[1], default=("-", 0.0))
+    why = []
+    if worst[1] >= limit:
+        why.append(f"p99 {worst[1]:,.0f} ms ({worst[0]})")
+    if r["held"] < r["clients"]:
+        why.append(f"held {r['held']}/{r['clients']}")
+    errs = sum(r["errors"].values())
+    if errs:
+        why.append(f"{errs} errors")
+    return not why, "; ".join(why) or f"worst p99 {worst[1]:,.0f} ms ({worst[0]})"
+
+
+def report(results: list[dict], args) -> str:
+    mib = 1024 * 1024
+    rows, details = [], []
+    for r in results:
+        if "pending" in r:
+            rows.append([r["store"], r["clients"]] + ["-"] * 12 + [f"pending: {r['pending']}"])
+            continue
+        ok, why = passed(r, args.p99_limit)
+        lat = r["lat"]
+        rest = {k: v for k, v in lat.items() if k.startswith(("GET", "POST")) and v["n"]}
+        rest_all = [v for v in rest.values()]
+        hb = lat.get("socket.io heartbeat", {"n": 0, "p50": None, "p99": None})
+        dash = lat.get("metric -> dashboard", {"n": 0, "p50": None, "p99": None})
+        rows.append([r["store"], r["clients"], f"{r['held']}", hb["n"] / r["hold_s"],
+                     r["counts"].get("metric events stored", 0) / r["hold_s"],
+                     sum(v["n"] for v in rest_all) / r["hold_s"],
+                     max((v["p50"] for v in rest_all), default=None), max((v["p99"] for v in rest_all), default=None),
+                     hb["p50"], hb["p99"], dash["p99"], f"{100 * r['cpu']:.0f}%", f"{100 * r['gen_cpu']:.0f}%",
+                     r["hwm"] / mib,
+                     ("PASS " if ok else "FAIL ") + why])
+        det = [[k, v["n"], v["p50"], v["p99"], v["max"]] for k, v in sorted(lat.items())]
+        det += [[f"count: {k}", v, "", "", ""] for k, v in sorted(r["counts"].items())]
+        det += [[f"errors: {k}", v, "", "", ""] for k, v in sorted(r["errors"].items())]
+        details.append(table(["call", "n", "p50 ms", "p99 ms", "max ms"], det,
+                             f"{r['store']}, {r['clients']} clients, {r['users']} SDK users, {r['rooms']} room(s): "
+                             f"every call in the {r['hold_s']:g} s window (ramp {r['ramp_s']:.0f} s, "
+                             f"{r['threads']} server threads, RSS {r['rss'] / mib:,.0f} MiB at the end"
+                             + (f", nx-27017 peak {r['mongo_hwm'] / mib:,.0f} MiB" if r.get("mongo_hwm") else "")
+                             + ")"))
+        if r.get("error_samples"):
+            details.append("errors seen: " + " | ".join(r["error_samples"][:5]) + "\n")
+        if r.get("profile"):
+            details.append(table(["server frame (GIL held)", "self %", "incl %"],
+                                 [[f, s, i] for f, s, i in r["profile"]],
+                                 f"py-spy --gil, {r['store']}, {r['clients']} clients"))
+    best = {}
+    for r in results:
+        if "pending" not in r and passed(r, args.p99_limit)[0]:
+            best[r["store"]] = max(best.get(r["store"], 0), r["clients"])
+    head = (f"\n## Control plane under load: {harness.machine()}; server "
+            f"{'(patched' + (', ' + args.async_mode if args.async_mode else '') + ') ' if args.patched else ''}"
+            f"in one process, load generators in {args.procs} process(es) on the same machine\n\n"
+            f"Per client: heartbeat every {args.heartbeat_interval or 2:g} s. SDK users: {args.users_per_100:g} "
+            f"per 100 clients, jobs of {args.world_size} ranks for 0.5-1.5 x {args.job_seconds:g} s, polled every "
+            f"{args.poll_interval:g} s as ZWDX.wait does (job + events). Each running "
+            f"rank posts {args.events_per_post} metric events every {args.metric_interval:g} s. "
+            f"{args.rooms} room(s), one dashboard each. Window {args.hold:g} s after {args.warm:g} s warm-up.\n"
+            f"Most clients one server holds with every p99 under {args.p99_limit:g} ms: "
+            + (", ".join(f"{k}: {v}" for k, v in best.items()) or "none of the levels tried") + "\n\n")
+    summary = table(["store", "clients", "held", "heartbeats/s", "metric events/s", "REST calls/s",
+                     "REST worst p50 ms", "REST worst p99 ms", "heartbeat p50 ms", "heartbeat p99 ms",
+                     "metric->dashboard p99 ms", "server CPU", "load generators CPU", "server peak MiB", "verdict"], rows, "Summary")
+    return head + summary + "\n" + "\n".join(details)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="100,250,500,1000", help="levels of simulated GPU clients")
+    parser.add_argument("--store", default="sqlite", help="sqlite, mongo or both (comma-separated)")
+    parser.add_argument("--rooms", type=int, default=1, help="rooms the clients and users are spread over")
+    parser.add_argument("--users-per-100", type=float, default=10, help="SDK users per 100 GPU clients")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks per simulated job")
+    parser.add_argument("--job-seconds", type=float, default=20, help="how long a simulated job runs")
+    parser.add_argument("--metric-interval", type=float, default=1.0, help="seconds between a rank's metric posts")
+    parser.add_argument("--events-per-post", type=int, default=5, help="metric events in one post")
+    parser.add_argument("--bundle-kb", type=int, default=64, help="size of a simulated job bundle")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="SDK users' poll interval (SDK: 0.5 s)")
+    parser.add_argument("--heartbeat-interval", type=float, default=None,
+                        help="server's HEARTBEAT_INTERVAL (default 2 s); CLIENT_TIMEOUT becomes 5 x this")
+    parser.add_argument("--hold", type=float, default=30, help="seconds measured at each level")
+    parser.add_argument("--warm", type=float, default=15, help="seconds of load before measuring")
+    parser.add_argument("--procs", type=int, default=min(4, os.cpu_count() or 1), help="load generator processes")
+    parser.add_argument("--connect-rate", type=float, default=100, help="new client connections per second")
+    parser.add_argument("--p99-limit", type=float, default=200, help="ms")
+    parser.add_argument("--all", action="store_true", help="run every level even after one fails")
+    parser.add_argument("--patched", action="store_true",
+                        help="run bench/patched_server.py (the server with the changes proposed in bench/README.md)")
+    parser.add_argument("--async-mode", choices=["gevent"], default=None,
+                        help="with --patched: serve from gevent greenlets instead of threads (pip install gevent)")
+    parser.add_argument("--data-root", default=None,
+                        help="where each level's server keeps its data dir (default: a temporary dir; "
+                             "/dev/shm takes the disk out of the figures)")
+    parser.add_argument("--profile", action="store_true", help="py-spy the server during each window")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: start no level that would likely end past this (keeps a run inside a limit)")
+    parser.add_argument("--keep", action="store_true", help="keep logs and raw results")
+    parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
+    args = parser.parse_args()
+    args.patched = args.patched or bool(args.async_mode)
+    harness.require(harness.SERVER_MODULES + ["aiohttp"] + (["gevent"] if args.async_mode else []) + (["pymongo"] if "mongo" in args.store else []))
+    limit = harness.raise_fd_limit()
+    if limit < 4 * max(int(c) for c in args.clients.split(",")):
+        print(f"bench control_plane: only {limit} open files allowed; the largest levels may fail for it",
+              flush=True)
+    work = tempfile.mkdtemp(prefix="zwdx-bench-control-")
+    results = []
+    try:
+        started, longest = time.time(), 0.0
+        for store in [s.strip() for s in args.store.split(",") if s.strip()]:
+            for clients in [int(c) for c in args.clients.split(",")]:
+                if args.budget and time.time() - started + 1.5 * longest > args.budget:
+                    print(f"  {store} {clients} clients: skipped (--budget {args.budget:g} s)", flush=True)
+                    continue
+                level_started = time.time()
+                r = run_level(args, store, clients, work)
+                longest = max(longest, time.time() - level_started)
+                results.append(r)
+                if "pending" in r:
+                    print(f"  {store}: pending ({r['pending']})", flush=True)
+                    break
+                ok, why = passed(r, args.p99_limit)
+                print(f"  {store} {clients} clients: {'PASS' if ok else 'FAIL'} ({why}); server CPU "
+                      f"{100 * r['cpu']:.0f}%, peak {r['hwm'] / 2**20:,.0f} MiB", flush=True)
+                if not ok and not args.all:
+                    break
+    finally:
+        if args.keep:
+            print(f"logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    text = report(results, args)
+    print(text)
+    harness.write_out(args.out, text, {"bench": "control_plane", "machine": harness.machine(), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""What every benchmark shares: the zwdx server and GPU clients as child processes (started
+and stopped by pid, never by name), free ports, a process's CPU time and memory, percentiles
+and plain-text tables.
+
+The benchmarks are run from the repository root (``python bench/NAME.py``); this module puts
+the root on ``sys.path`` so zwdx imports without being installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+#: What the server and a GPU client need, by import name (the wheels to carry to a bare host).
+SERVER_MODULES = ["flask", "flask_socketio", "socketio", "engineio", "simple_websocket", "requests"]
+CLIENT_MODULES = ["socketio", "engineio", "websocket", "requests", "cloudpickle", "safetensors", "torch"]
+
+
+def require(modules: list[str]) -> None:
+    """Exit with one clear line when an import is missing (better than a child's traceback)."""
+    missing = [m for m in dict.fromkeys(modules) if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"bench: missing Python modules: {', '.join(missing)} "
+                 f"(see bench/requirements.txt; PYTHONPATH={os.environ.get('PYTHONPATH', '')})")
+
+
+def raise_fd_limit() -> int:
+    """Lift this process's open-file limit to the hard limit (children inherit it): a server
+    holding a thousand clients needs a few thousand descriptors. Returns the limit now."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            return soft
+    return want
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+# -- child processes ----------------------------------------------------------------------------
+class Child:
+    """A child process in its own session with its output in a log file; ``stop()`` ends it and
+    everything it started (SIGTERM to its process group, SIGKILL after a grace period)."""
+
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None, cwd: str = ROOT):
+        self.args, self.log_path = args, log_path
+        self.started_at = time.time()
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                          start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        if self.alive():
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait()
+        return self.popen.returncode
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                return "\n".join(fh.read().decode(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class ServerProc(Child):
+    """``python -m zwdx.cli server`` on 127.0.0.1 and a free port. ``launcher`` replaces the
+    module (bench/patched_server.py measures proposed server changes the same way)."""
+
+    def __init__(self, data_dir: str, mongo_uri: str | None = None, port: int | None = None,
+                 launcher: list[str] | None = None, extra: list[str] | None = None, env: dict | None = None):
+        import requests
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        os.makedirs(data_dir, exist_ok=True)
+        args = [sys.executable, *(launcher or ["-m", "zwdx.cli"]), "server", "--host", "127.0.0.1",
+                "--port", str(self.port), "--data-dir", data_dir, *(extra or [])]
+        if mongo_uri:
+            args += ["--mongo-uri", mongo_uri]
+        super().__init__(args, os.path.join(data_dir, "server.log"), env)
+
+        def healthy():
+            if not self.alive():
+                raise RuntimeError(f"zwdx server exited:\n{self.tail()}")
+            try:
+                return requests.get(f"{self.url}/health", timeout=1).status_code == 200
+            except requests.RequestException:
+                return False
+        wait_until(healthy, 60, f"the zwdx server on {self.url}")
+
+
+class GpuClientProc(Child):
+    """``python -m zwdx.cli gpu-client``: one GPU (``gpu=i``) or one CPU slot (``gpu=None``)."""
+
+    def __init__(self, server_url: str, token: str, work_dir: str, client_id: str, gpu: int | None,
+                 threads: int = 1, env: dict | None = None):
+        os.makedirs(work_dir, exist_ok=True)
+        self.client_id = client_id
+        slot = ["--gpus", str(gpu)] if gpu is not None else ["--cpu"]
+        super().__init__([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", server_url,
+                          "--room-token", token, *slot, "--threads", str(threads), "--client-id", client_id,
+                          "--work-dir", work_dir], os.path.join(work_dir, "gpu-client.log"), env)
+
+
+class MongoProc(Child):
+    """A MongoDB wire-protocol server in memory (``nx-27017``) for the MongoDB store."""
+
+    def __init__(self, log_dir: str):
+        if importlib.util.find_spec("nx_27017") is None:
+            raise RuntimeError("nx-27017 is not installed (pip install nx-27017)")
+        self.port = free_port()
+        self.uri = f"mongodb://127.0.0.1:{self.port}/bench"
+        # as a module, so that it runs from a --target install with no script on PATH
+        super().__init__([sys.executable, "-m", "nx_27017.nx_27017", "--db", "memory", "-p", str(self.port)],
+                         os.path.join(log_dir, "mongo.log"))
+
+        def up():
+            if not self.alive():
+                raise RuntimeError(f"nx-27017 exited:\n{self.tail()}")
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+        wait_until(up, 30, f"nx-27017 on port {self.port}")
+
+
+def mongo_store_available() -> bool:
+    return importlib.util.find_spec("zwdx.server.store.mongo") is not None
+
+
+# -- measuring a process ------------------------------------------------------------------------
+def proc_status(pid: int) -> dict:
+    """VmRSS and VmHWM (peak RSS, kept by the kernel) of a process, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "Threads"):
+                parts = value.split()
+                out[key] = int(parts[0]) * (1024 if key != "Threads" else 1)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+class Sampler:
+    """Samples a process's RSS every ``interval`` seconds in a thread: ``samples`` is
+    ``[(t, rss_bytes)]``; ``peak`` the largest seen."""
+
+    def __init__(self, pid: int, interval: float = 0.05):
+        self.pid, self.interval = pid, interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.time(), proc_status(self.pid)["VmRSS"]))
+            except (OSError, KeyError):
+                return
+            self._stop.wait(self.interval)
+
+    @property
+    def peak(self) -> int:
+        return max((r for _, r in self.samples), default=0)
+
+
+# -- figures and tables -------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks; NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def fmt(value, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def table(headers: list[str], rows: list[list], title: str = "", digits: int = 1) -> str:
+    """A plain-text table (numbers right-aligned, text left), in Markdown pipe syntax (pastes anywhere)."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c, digits) for c in row] for row in rows]
+    left = [[True] * len(headers)] + [[isinstance(c, str) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [f"### {title}", ""] if title else []
+    for n, row in enumerate(cells):
+        lines.append("| " + " | ".join(c.ljust(w) if left[n][i] else c.rjust(w)
+                                       for i, (c, w) in enumerate(zip(row, widths))) + " |")
+        if n == 0:
+            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> str:
+    """One line about where the figures come from: CPU count, GPU model and count, versions."""
+    parts = [f"{os.cpu_count()} CPU cores", f"Python {sys.version.split()[0]}"]
+    try:
+        import torch
+        parts.append(f"torch {torch.__version__}")
+    except ImportError:
+        pass
+    try:  # through NVML: no CUDA context in this process
+        import pynvml
+        pynvml.nvmlInit()
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        if names:
+            name = names[0].decode() if isinstance(names[0], bytes) else names[0]
+            parts.insert(0, f"{len(names)} x {name} (driver {pynvml.nvmlSystemGetDriverVersion()})")
+    except Exception:
+        pass
+    return ", ".join(parts)
+
+
+def write_out(path: str | None, text: str, data: dict | None = None) -> None:
+    """Write the tables to ``path`` (and the raw figures to ``path`` + ``.json``)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(text)
+    if data is not None:
+        with open(path + ".json", "a") as fh:
+            fh.write(json.dumps(data) + "\n")

@@ -1,0 +1,254 @@
+"""Training overhead: the same model, data and steps under bare torchrun and as a zwdx job.
+
+    python bench/overhead.py --gpus 2 --model cnn,gpt2 --out $OUT/overhead-2gpu.md
+    python bench/overhead.py --gpus 0 --cpu-ranks 2 --model cnn,gpt2     # CPU smoke run (gloo)
+
+The script starts a zwdx server and one GPU client per GPU (or per CPU rank), waits until they
+are registered (warm), then for each model runs ``torchrun --nproc_per_node=N bench/ddp_train.py``
+and submits the identical workload (bench/workload.py) through the SDK, ``--repeat`` times in
+alternating order. It reports, per model: steady-state samples/s of each side (measured inside
+the shared train function, after warm-up, between device synchronizes) and their ratio; the time
+from submit (zwdx) or launch (torchrun) to the first training step, and what it is made of; the
+whole job's wall time. Every process it starts, it stops by pid.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import GpuClientProc, ServerProc, median, table  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_torchrun(cfg: dict, n: int, threads: int, work: str, timeout: float) -> dict:
+    result_path = os.path.join(work, f"torchrun-{cfg['model']}-{time.time_ns()}.json")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            os.path.join(HERE, "ddp_train.py"), "--config", json.dumps(cfg), "--result", result_path]
+    launched = time.time()
+    proc = harness.Child(args, os.path.join(work, "torchrun.log"), env={"OMP_NUM_THREADS": str(threads)})
+    try:
+        code = proc.wait(timeout)
+    except Exception:
+        proc.stop()
+        raise RuntimeError(f"torchrun ({cfg['model']}) ran past {timeout:g} s:\n{proc.tail()}")
+    ended = time.time()
+    if code != 0 or not os.path.exists(result_path):
+        raise RuntimeError(f"torchrun ({cfg['model']}) exited {code}:\n{proc.tail()}")
+    with open(result_path) as fh:
+        r = json.load(fh)
+    proc = r.get("process_started_at") or launched
+    b = {"launch->rank process": proc - launched, "import torch+join+build+DDP": r["entered_at"] - proc,
+         "train_func->step": r["first_step_start"] - r["entered_at"],
+         "first step": r["first_step_done"] - r["first_step_start"]}
+    return {"side": "torchrun", "samples_per_s": r["samples_per_s"], "spread": _spread(r), "breakdown": b,
+            "to_first_step": r["first_step_start"] - launched, "first_step_done": r["first_step_done"] - launched,
+            "wall": ended - launched, "raw": r}
+
+
+def _spread(r: dict) -> float:
+    """How far apart the fastest and slowest measured window were, in % of the mean."""
+    return 100.0 * (r["samples_per_s_max"] - r["samples_per_s_min"]) / r["samples_per_s"]
+
+
+def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
+    import workload
+
+    from zwdx import defaults
+    from zwdx.bundle import pack
+    model, optimizer = workload.build(cfg)
+    data_loader, train = workload.functions(cfg)
+    # The parts of a submit that are not the platform's waiting, timed on their own first.
+    t = time.time()
+    blob = pack(model, data_loader, train, None, optimizer)
+    pack_s = time.time() - t
+    import hashlib
+    sha = hashlib.sha256(blob).hexdigest()
+    t = time.time()
+    probe = sdk._json("POST", "/artifacts", token, data=blob, timeout=600,
+                      headers={defaults.SHA256_HEADER: sha, "Content-Type": "application/octet-stream"})
+    upload_s = time.time() - t
+    t = time.time()
+    resp = sdk._request("GET", f"{defaults.API_PREFIX}/artifacts/{probe['id']}", token, stream=True, timeout=600)
+    for _ in resp.iter_content(defaults.CHUNK_BYTES):
+        pass
+    download_s = time.time() - t
+    del blob
+
+    submitted = time.time()
+    res = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train, optimizer=optimizer,
+                         parallelism="DDP", room_token=token, epochs=1, world_size=n, progress=False,
+                         name=f"bench-{cfg['model']}", timeout=timeout)
+    ended = time.time()
+    job, r = res["job"], res["results"]
+    if res["status"] != "completed":
+        raise RuntimeError(f"zwdx job {res['job_id']} {res['status']}: {res.get('reason')}")
+    placement = {p["rank"]: p for p in job.get("placement") or []}
+    kinds = {p.get("kind") for p in placement.values()}
+    if (cfg["device_type"] == "cuda") != (kinds == {"cuda"}):
+        raise RuntimeError(f"zwdx placed the job on {kinds} slots, not {cfg['device_type']}")
+    rank0 = (job.get("ranks") or {}).get("0") or {}
+    streamed = sdk.get_job_metrics(res["job_id"], token).get("first_step") or [{}]
+    proc = r.get("process_started_at") or job["started_at"]
+    loaded = r.get("unpickled_at") or proc
+    joined = rank0.get("started_at") or r["entered_at"]
+    b = {  # the way from submit to the first step, in seconds
+        "pack+upload+create": job["created_at"] - submitted,
+        "queued->placed": job["started_at"] - job["created_at"],
+        "placed->rank process (bundle download)": proc - job["started_at"],
+        "import torch+load bundle": loaded - proc,
+        "join process group": joined - loaded,
+        "wrap DDP+optimizer+loader": r["entered_at"] - joined,
+        "train_func->step": r["first_step_start"] - r["entered_at"],
+        "first step": r["first_step_done"] - r["first_step_start"],
+        # not a stage: how much later than rank 0 the last rank joined (DDP's wrap waits for it)
+        "(last rank joined later by)": max([(v or {}).get("started_at") or joined
+                                            for v in (job.get("ranks") or {}).values()] + [joined]) - joined,
+    }
+    return {"side": "zwdx", "job_id": res["job_id"], "samples_per_s": r["samples_per_s"], "spread": _spread(r),
+            "to_first_step": r["first_step_start"] - submitted, "first_step_done": r["first_step_done"] - submitted,
+            "first_step_streamed": (streamed[0].get("ts") or submitted) - submitted,
+            "wall": ended - submitted, "bundle_mb": len_mb(probe["size"]), "pack_s": pack_s,
+            "upload_s": upload_s, "download_s": download_s, "breakdown": b, "raw": r}
+
+
+def len_mb(n: int) -> float:
+    return n / 1e6
+
+
+def start_fleet(args, work: str):
+    server = ServerProc(os.path.join(work, "server"))
+    from zwdx import ZWDX
+    sdk = ZWDX(server.url)
+    token = sdk.create_room("bench-overhead")["token"]
+    n = args.gpus or args.cpu_ranks
+    clients = [GpuClientProc(server.url, token, os.path.join(work, f"client{i}"), f"bench-{i}",
+                             gpu=i if args.gpus else None, threads=args.threads) for i in range(n)]
+
+    def online():
+        for c in clients:
+            if not c.alive():
+                raise RuntimeError(f"gpu client {c.client_id} exited:\n{c.tail()}")
+        room = sdk.get_room(token)
+        return [c for c in room["clients"] if c["status"] == "online"] if \
+            sum(c["status"] == "online" for c in room["clients"]) == n else None
+    registered = harness.wait_until(online, 120, f"{n} gpu clients online")
+    kinds = {s.get("kind") for c in registered for s in c["slots"]}
+    want = "cuda" if args.gpus else "cpu"
+    if kinds != {want}:
+        raise RuntimeError(f"gpu clients offer {kinds} slots, expected {want} (is pynvml/nvidia-ml-py installed?)")
+    return server, clients, sdk, token
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs (one GPU client each); 0: CPU ranks on gloo")
+    parser.add_argument("--cpu-ranks", type=int, default=2, help="ranks when --gpus 0")
+    parser.add_argument("--model", default="cnn,gpt2", help="cnn, gpt2 or both (comma-separated)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before the measurement")
+    parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the preset)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each side, alternating which goes first")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank, both sides")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
+    parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
+    args = parser.parse_args()
+    harness.require(harness.SERVER_MODULES + harness.CLIENT_MODULES + (["pynvml"] if args.gpus else []))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on lent machines
+    import workload
+
+    device = "cuda" if args.gpus else "cpu"
+    n = args.gpus or args.cpu_ranks
+    work = tempfile.mkdtemp(prefix="zwdx-bench-overhead-")
+    where = harness.machine()
+    print(f"bench overhead: {n} {'GPU' if args.gpus else 'CPU'} rank(s) on {where}; work dir {work}", flush=True)
+    server, clients, sdk, token = None, [], None, None
+    runs: dict[str, list[dict]] = {}
+    failures: list[str] = []
+    try:
+        server, clients, sdk, token = start_fleet(args, work)
+        for model in [m.strip() for m in args.model.split(",") if m.strip()]:
+            for rep in range(args.repeat):
+                cfg = workload.config(model, device, steps=args.steps, warmup=args.warmup, batch=args.batch,
+                                      seed=rep)
+                order = ["torchrun", "zwdx"] if rep % 2 == 0 else ["zwdx", "torchrun"]
+                for side in order:
+                    try:
+                        if side == "torchrun":
+                            r = run_torchrun(cfg, n, args.threads, work, args.timeout)
+                        else:
+                            r = run_zwdx(sdk, token, cfg, n, args.timeout)
+                    except Exception as exc:  # report what did run; say what did not
+                        failures.append(f"{model} rep {rep} {side}: {exc}")
+                        print(f"  {model} rep {rep} {side:8s}: FAILED: {exc}", flush=True)
+                        continue
+                    r["cfg"] = cfg
+                    runs.setdefault(model, []).append(r)
+                    print(f"  {model} rep {rep} {side:8s}: {r['samples_per_s']:,.1f} samples/s, first step "
+                          f"{r['to_first_step']:.2f} s, wall {r['wall']:.1f} s", flush=True)
+    finally:
+        for c in clients:
+            c.stop()
+        if server is not None:
+            server.stop()
+        if args.keep:
+            print(f"logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    text = report(runs, n, args, where)
+    if failures:
+        text += "\nRuns that failed (not in the tables):\n" + "".join(f"- {f[:2000]}\n" for f in failures)
+    print(text)
+    harness.write_out(args.out, text, {"bench": "overhead", "machine": where, "ranks": n, "runs": runs,
+                                       "failures": failures})
+    return 1 if failures else 0
+
+
+def report(runs: dict, n: int, args, where: str) -> str:
+    unit = f"{n} x {'GPU' if args.gpus else 'CPU rank'}"
+    rows_t, rows_s, stages = [], [], {"torchrun": [], "zwdx": []}
+    for model, rs in runs.items():
+        side = {k: [r for r in rs if r["side"] == k] for k in ("torchrun", "zwdx")}
+        tr, zw = side["torchrun"], side["zwdx"]
+        if not tr or not zw:
+            continue  # one side failed every time: listed under the failures
+
+        def med(runs_, key, sub=None):
+            return median([(r[key] if sub is None else r[key][sub]) for r in runs_])
+        cfg = rs[0]["cfg"]
+        t_sps, z_sps = med(tr, "samples_per_s"), med(zw, "samples_per_s")
+        rows_t.append([model, unit, cfg["batch"], f"{cfg['steps']} ({cfg['warmup']})", t_sps, z_sps,
+                       f"{100 * z_sps / t_sps:.2f}%", f"{med(tr, 'spread'):.1f}% / {med(zw, 'spread'):.1f}%"])
+        transfer = median([r["upload_s"] + r["download_s"] for r in zw])
+        to_first = med(zw, "to_first_step")
+        rows_s.append([model, med(tr, "to_first_step"), to_first, med(zw, "first_step_streamed"),
+                       med(zw, "bundle_mb"), med(zw, "pack_s"), transfer, to_first - transfer,
+                       median([r["raw"]["epoch_end_s"] for r in zw]), med(tr, "wall"), med(zw, "wall")])
+        for name, group in side.items():
+            keys = list(group[0]["breakdown"])
+            stages[name].append(([model] + [med(group, "breakdown", k) for k in keys], keys))
+    head = (f"\n## zwdx overhead over bare torchrun: {where}; {unit}, DDP, "
+            f"{'bf16 autocast' if args.gpus else 'fp32, gloo'}, median of {args.repeat} run(s) per side\n\n")
+    out = [head, table(["model", "ranks", "batch/rank", "steps (warm-up)", "torchrun samples/s", "zwdx samples/s",
+                        "zwdx / torchrun", "window spread t / z"], rows_t, "Steady-state throughput"), "\n",
+           table(["model", "torchrun launch->1st step s", "zwdx submit->1st step s", "(as streamed) s",
+                  "bundle MB", "pack s", "upload+download s", "zwdx minus transfer s",
+                  "zwdx epoch-end checkpoint s", "torchrun wall s", "zwdx wall s"], rows_s,
+                 "Time to first step and whole job")]
+    for name, rows in stages.items():
+        if rows:
+            out += ["\n", table(["model"] + rows[0][1], [r for r, _ in rows],
+                                 f"{name}: launch or submit to first step, seconds per stage (rank 0)", digits=2)]
+    return "".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
