@@ -76,7 +76,7 @@ def interface_of(addr: str) -> str | None:
 class Agent:
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
-                 work_dir: str | None = None, max_jobs: int | None = None):
+                 work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True):
         self.server = server.rstrip("/")
         self.token = room_token
         self.client_id = client_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -86,6 +86,9 @@ class Agent:
         self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
+        self.use_standby = standby
+        self.standby: dict[int, subprocess.Popen] = {}  # slot index -> rank process waiting for a job
+        self._standby_lock = threading.Lock()
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
@@ -126,6 +129,8 @@ class Agent:
             return
         self.heartbeat_interval = float(answer.get("heartbeat_interval", self.heartbeat_interval))
         self._registered.set()
+        for slot in self.slots:
+            self._spawn_standby(slot["index"])
         log.info("gpu-client %s: registered in room %s with %d slot(s): %s", self.client_id, answer["room_id"],
                  len(self.slots), ", ".join(s["name"] for s in self.slots))
 
@@ -164,6 +169,44 @@ class Agent:
             threading.Thread(target=self._kill, args=(job,), daemon=True).start()
 
     # -- running ranks ---------------------------------------------------------------------
+    def _threads(self, ranks: int) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+    def _spawn_standby(self, index: int) -> None:
+        """Start the next rank process of a slot ahead of time (see runner.standby)."""
+        if not self.use_standby or self.stop.is_set():
+            return
+        with self._standby_lock:
+            if index in self.standby and self.standby[index].poll() is None:
+                return
+            slot = next(s for s in self.slots if s["index"] == index)
+            device = f"cuda:{index}" if slot["kind"] == "cuda" else "cpu"
+            folder = os.path.join(self.work_dir, "standby")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
+                threads = str(self._threads(len(self.slots)))
+                self.standby[index] = subprocess.Popen(
+                    [sys.executable, "-m", "gpu_client.runner", "--standby", device], stdin=subprocess.PIPE,
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"})
+
+    def _start_rank(self, index: int, env: dict, log_path: str) -> subprocess.Popen:
+        """Hand the rank to the slot's standby process, or start a fresh one."""
+        with self._standby_lock:
+            proc = self.standby.pop(index, None)
+        if proc is not None and proc.poll() is None:
+            import json
+            try:
+                proc.stdin.write((json.dumps({"env": {k: v for k, v in env.items() if os.environ.get(k) != v},
+                                              "log": log_path}) + "\n").encode())
+                proc.stdin.close()
+                return proc
+            except OSError:
+                proc.kill()
+        with open(log_path, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
     def _bundle_path(self, data) -> str:
         folder = os.path.join(self.work_dir, "bundles")
         os.makedirs(folder, exist_ok=True)
@@ -189,7 +232,7 @@ class Agent:
         exits: dict[str, int] = {}
         try:
             bundle = self._bundle_path(data)
-            threads = self.threads or max(1, (os.cpu_count() or 1) // max(1, len(data["ranks"])))
+            threads = self._threads(len(data["ranks"]))
             iface = interface_of(self.advertise_addr)
             net = {}
             if iface:  # ranks talk over the interface that reaches the server, not the hostname's
@@ -211,11 +254,8 @@ class Agent:
                        "ZWDX_CHECKPOINT": json.dumps(data.get("checkpoint")),
                        "ZWDX_CHECKPOINT_EVERY_EPOCH": "1" if data.get("checkpoint_every_epoch", True) else "0",
                        "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **net}
-                out = open(os.path.join(logs, f"rank{r['rank']}.log"), "ab")
-                job.procs[r["rank"]] = subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env,
-                                                        stdout=out, stderr=subprocess.STDOUT,
-                                                        start_new_session=True)
-                out.close()
+                job.procs[r["rank"]] = self._start_rank(r["gpu_index"], env,
+                                                        os.path.join(logs, f"rank{r['rank']}.log"))
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id,
                          r["rank"], job.procs[r["rank"]].pid)
             for rank, proc in job.procs.items():
@@ -230,6 +270,8 @@ class Agent:
                  exits)
         self._send_exits(job, exits)
         self.jobs.pop(job.key, None)
+        for r in data["ranks"]:
+            self._spawn_standby(r["gpu_index"])
         self.finished += 1
         if self.max_jobs is not None and self.finished >= self.max_jobs:
             self.stop.set()
@@ -313,6 +355,14 @@ class Agent:
 
     def shutdown(self) -> None:
         self.stop.set()
+        with self._standby_lock:
+            for proc in self.standby.values():
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            self.standby.clear()
         for job in list(self.jobs.values()):
             self._kill(job)
         deadline = time.time() + 10

@@ -274,5 +274,34 @@ def main() -> int:
     return code
 
 
+def standby(device: str) -> int:
+    """A rank process started ahead of its job: torch imported and (on a GPU) its CUDA context
+    made while the slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``,
+    and then runs that rank as ``main`` does. Saves seconds of every job's start."""
+    _die_with_parent()
+    import torch
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    from . import checkpoint, parallel  # noqa: F401
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        torch.empty(1, device=device)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # the GPU client let this standby go
+    import json
+    order = json.loads(line)
+    os.environ.update(order["env"])
+    log_fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    return main()
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--standby":
+        sys.exit(standby(sys.argv[2]))
     sys.exit(main())

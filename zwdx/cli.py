@@ -49,7 +49,7 @@ def _gpu_client(args) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
-                 work_dir=args.work_dir, max_jobs=args.max_jobs)
+                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby)
 
 
 def _job(args) -> int:
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per CPU rank")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
+    p.add_argument("--no-standby", action="store_true",
+                   help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
     p.set_defaults(func=_gpu_client)
 
     p = sub.add_parser("job", help="look at and control jobs")
