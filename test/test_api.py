@@ -159,3 +159,14 @@ def test_gpu_client_with_a_bad_token_exits_with_a_clear_message(server, tmp_path
     client = GpuClient(server.url, "zr_bad", str(tmp_path / "bad"))
     assert client.popen.wait(30) == 2
     assert "room token not recognised" in client.output()
+
+
+def test_job_with_its_new_events_in_one_call(server, sdk, room):
+    job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                            room_token=room["token"], wait=False)
+    headers = {H: room["token"]}
+    resp = requests.get(api(server, f"/jobs/{job_id}"), params={"events_after": 0}, headers=headers)
+    assert resp.status_code == 200 and resp.json()["events"] == [] and resp.json()["id"] == job_id
+    assert "events" not in requests.get(api(server, f"/jobs/{job_id}"), headers=headers).json()
+    resp = requests.get(api(server, f"/jobs/{job_id}"), params={"events_after": "x"}, headers=headers)
+    assert resp.status_code == 400 and "events_after" in resp.json()["error"]["message"]

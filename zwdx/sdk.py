@@ -128,8 +128,8 @@ class ZWDX:
         try:
             while True:
                 try:
-                    job = self.get_job(job_id, token)
-                    events = self._json("GET", f"/jobs/{job_id}/events", token, params={"after": after})["events"]
+                    job = self._json("GET", f"/jobs/{job_id}", token, params={"events_after": after})
+                    events = job.pop("events", [])
                     unreachable_since = None
                 except ServerUnreachable:
                     # A server restart: keep waiting, within reason.

@@ -208,7 +208,14 @@ def get_job(job_id: str):
         position = next((i for i, j in enumerate(queued) if j["id"] == job_id), None)
         if position is not None:  # None: placed meanwhile
             job["queue_position"] = position + 1
-    return jsonify(job_view(job))
+    view = job_view(job)
+    if "events_after" in request.args:  # a waiting SDK: the job and its new events in one call
+        try:
+            after = int(request.args["events_after"])
+        except ValueError:
+            raise BadRequest("query 'events_after' must be an integer")
+        view["events"] = ctx().store.get_events(job["id"], after=after, limit=10000)
+    return jsonify(view)
 
 
 @bp.post(f"{P}/jobs/<job_id>/cancel")
