@@ -62,6 +62,16 @@ class Store(abc.ABC):
         """Every client of the room (of every room when None), each with its ``slots`` list,
         oldest first."""
 
+    def _with_slots(self, clients: list[dict], room_id: str | None) -> list[dict]:
+        """Give each client document its ``slots`` list (for ``list_clients``)."""
+        by_id = {c["id"]: c for c in clients}
+        for c in clients:
+            c["slots"] = []
+        for slot in self.list_slots(room_id):
+            if slot["client_id"] in by_id:
+                by_id[slot["client_id"]]["slots"].append(slot)
+        return clients
+
     @abc.abstractmethod
     def update_client(self, client_id: str, changes: dict) -> None:
         """Set fields of a client (``status``, ``last_seen``, ``sid``...)."""

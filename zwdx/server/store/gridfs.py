@@ -31,10 +31,7 @@ class GridFSArtifactStore(ArtifactStore):
 
     def __init__(self, uri: str, client: MongoClient | None = None):
         self.where = describe(uri)
-        if client is None:
-            self._client, self.db = connect(uri)
-        else:
-            self._client, self.db = client, client.get_default_database(default="zwdx")
+        self._client, self.db = connect(uri, client)
         self._files, self._chunks = self.db[f"{self.BUCKET}.files"], self.db[f"{self.BUCKET}.chunks"]
         try:
             self._chunks.create_index([("files_id", ASCENDING), ("n", ASCENDING)], unique=True)

@@ -72,8 +72,11 @@ _INDEXES = {
 }
 
 
-def connect(uri: str) -> tuple[MongoClient, Database]:
-    """A client and the URI's database ("zwdx" when the URI names none), checked with a ping."""
+def connect(uri: str, client: MongoClient | None = None) -> tuple[MongoClient, Database]:
+    """A client and the URI's database ("zwdx" when the URI names none), checked with a ping;
+    with ``client``, that client (shared by the store and GridFS) and its default database."""
+    if client is not None:
+        return client, client.get_default_database(default="zwdx")
     where = describe(uri)
     options = {} if "serverselectiontimeoutms" in uri.lower() else {"serverSelectionTimeoutMS": 5000}
     try:
@@ -135,10 +138,7 @@ class MongoStore(Store):
 
     def __init__(self, uri: str, client: MongoClient | None = None):
         self.where = describe(uri)
-        if client is None:
-            self._client, self.db = connect(uri)
-        else:
-            self._client, self.db = client, client.get_default_database(default="zwdx")
+        self._client, self.db = connect(uri, client)
         db = self.db
         self._meta, self._rooms, self._clients, self._slots = db.meta, db.rooms, db.clients, db.slots
         self._jobs, self._events, self._artifacts, self._counters = db.jobs, db.events, db.artifacts, db.counters
@@ -235,13 +235,7 @@ class MongoStore(Store):
     def list_clients(self, room_id: str | None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}
         clients = [d["doc"] for d in self._clients.find(where).sort("_order", ASCENDING)]
-        by_id = {c["id"]: c for c in clients}
-        for c in clients:
-            c["slots"] = []
-        for slot in self.list_slots(room_id):
-            if slot["client_id"] in by_id:
-                by_id[slot["client_id"]]["slots"].append(slot)
-        return clients
+        return self._with_slots(clients, room_id)
 
     def update_client(self, client_id: str, changes: dict) -> None:
         if changes:

@@ -187,13 +187,7 @@ class SQLiteStore(Store):
         else:
             rows = self._q("SELECT doc FROM clients WHERE room_id=? ORDER BY rowid", (room_id,))
         clients = [json.loads(r[0]) for r in rows]
-        by_id = {c["id"]: c for c in clients}
-        for c in clients:
-            c["slots"] = []
-        for slot in self.list_slots(room_id):
-            if slot["client_id"] in by_id:
-                by_id[slot["client_id"]]["slots"].append(slot)
-        return clients
+        return self._with_slots(clients, room_id)
 
     def update_client(self, client_id: str, changes: dict) -> None:
         with self._tx() as db:
