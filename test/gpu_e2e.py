@@ -19,28 +19,13 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mnist  # noqa: E402
 from procs import Proc, Server, wait_until  # noqa: E402
+from workloads import slow_train  # noqa: E402
 
 from zwdx import ZWDX  # noqa: E402
-
-
-def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, device):
-    loss = torch.tensor(0.0)
-    for epoch in range(reporter.start_epoch, epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            reporter.log_metrics(loss=loss.item(), epoch=epoch)
-            time.sleep(0.04)
-    return loss.item()
 
 
 def gpu_client(url, token, gpu, work):

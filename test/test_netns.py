@@ -15,7 +15,7 @@ import torch
 
 import mnist
 from procs import Proc, free_port, wait_until
-from test_resilience import slow_train
+from workloads import slow_train
 from zwdx import ZWDX
 
 

@@ -7,26 +7,10 @@ import time
 
 import psutil
 import torch
-import torch.nn.functional as F
 
 import mnist
 from procs import Server, wait_until
-
-
-def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter):
-    """The MNIST loop, slowed down so that a test can act mid-epoch; it follows the resume
-    pattern: start at reporter.start_epoch, with model and optimizer already restored."""
-    loss = torch.tensor(0.0)
-    for epoch in range(reporter.start_epoch, epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            reporter.log_metrics(loss=loss.item(), epoch=epoch)
-            time.sleep(0.04)
-    return loss.item()
+from workloads import slow_train
 
 
 def submit(sdk, room, **kwargs):
