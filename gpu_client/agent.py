@@ -8,6 +8,7 @@ that crashes never takes the agent down and a cancel can kill everything a rank 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -16,9 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from urllib.parse import urlparse
 
+import psutil
 import requests
 import socketio
 
@@ -64,7 +67,6 @@ class RunningJob:
 def interface_of(addr: str) -> str | None:
     """The network interface holding ``addr`` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
     try:
-        import psutil
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.address == addr for a in addrs):
                 return name
@@ -195,7 +197,6 @@ class Agent:
         with self._standby_lock:
             proc = self.standby.pop(index, None)
         if proc is not None and proc.poll() is None:
-            import json
             try:
                 proc.stdin.write((json.dumps({"env": {k: v for k, v in env.items() if os.environ.get(k) != v},
                                               "log": log_path}) + "\n").encode())
@@ -238,7 +239,6 @@ class Agent:
             if iface:  # ranks talk over the interface that reaches the server, not the hostname's
                 net = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
                        "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
-            import json
             logs = os.path.join(self.work_dir, "jobs", job.job_id)
             os.makedirs(logs, exist_ok=True)
             for local_rank, r in enumerate(data["ranks"]):
@@ -277,7 +277,6 @@ class Agent:
             self.stop.set()
 
     def _report_start_failure(self, data, exc) -> None:
-        import traceback
         session = http_session(self.token, data["job_key"])
         for r in data["ranks"]:
             try:

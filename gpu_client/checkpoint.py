@@ -8,7 +8,6 @@ Rank 0 commits a checkpoint once every rank has uploaded; the server keeps the l
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -49,14 +48,7 @@ class Checkpointer:
     # -- saving ------------------------------------------------------------------------------
     def _upload(self, n: int, path: str) -> str:
         name = os.path.basename(path)
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(defaults.CHUNK_BYTES), b""):
-                digest.update(block)
-        with open(path, "rb") as fh:
-            resp = self.reporter.session.put(f"{self.reporter.base}/checkpoints/{n}/{name}", data=fh,
-                                             headers={defaults.SHA256_HEADER: digest.hexdigest()}, timeout=600)
-        resp.raise_for_status()
+        self.reporter.upload(f"checkpoints/{n}/{name}", path)
         return name
 
     def save(self, epoch: int, step: int, epoch_complete: bool = True) -> int:

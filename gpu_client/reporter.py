@@ -6,6 +6,7 @@ each event carries a key unique in its job and rank, so a batch sent twice is st
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 import queue
@@ -92,6 +93,18 @@ class Reporter:
         if self._checkpointer is None:
             return None
         return self._checkpointer.save(self._epoch_in_progress, self.step, epoch_complete=False)
+
+    def upload(self, path: str, file_path: str) -> dict:
+        """PUT a file to ``<job url>/<path>``, streamed, with its sha256 for the server to check."""
+        digest = hashlib.sha256()
+        with open(file_path, "rb") as fh:
+            for block in iter(lambda: fh.read(defaults.CHUNK_BYTES), b""):
+                digest.update(block)
+        with open(file_path, "rb") as fh:
+            resp = self.session.put(f"{self.base}/{path}", data=fh,
+                                    headers={defaults.SHA256_HEADER: digest.hexdigest()}, timeout=600)
+        resp.raise_for_status()
+        return resp.json()
 
     def log(self, text: str) -> None:
         """A log line, shown in the job's logs."""

@@ -10,8 +10,8 @@ A failure is reported with its traceback before the process exits non-zero.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import io
+import json
 import logging
 import os
 import sys
@@ -135,15 +135,7 @@ def _upload_weights(reporter: Reporter, state: dict) -> str:
     os.close(fd)
     try:
         save_file({k: v.contiguous().clone() for k, v in state.items()}, path)
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(defaults.CHUNK_BYTES), b""):
-                digest.update(block)
-        with open(path, "rb") as fh:
-            resp = reporter.session.put(f"{reporter.base}/weights", data=fh,
-                                        headers={defaults.SHA256_HEADER: digest.hexdigest()}, timeout=600)
-        resp.raise_for_status()
-        return resp.json()["id"]
+        return reporter.upload("weights", path)["id"]
     finally:
         os.unlink(path)
 
@@ -203,8 +195,6 @@ def main() -> int:
         parallelism = env.get("ZWDX_PARALLELISM", "DDP")
         model = wrap(bundle["model"], parallelism, device)
         optimizer = rebuild_optimizer(bundle["optimizer"], model)
-        import json
-
         from .checkpoint import Checkpointer
         latest = json.loads(env.get("ZWDX_CHECKPOINT") or "null")
         ckpt = Checkpointer(reporter, model, optimizer, parallelism, rank, world, device, latest)
@@ -291,7 +281,6 @@ def standby(device: str) -> int:
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the GPU client let this standby go
-    import json
     order = json.loads(line)
     os.environ.update(order["env"])
     log_fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
