@@ -191,9 +191,8 @@ class Scheduler:
                    "ranks": {}, "exits": {}}
         if not store.reserve_slots(job["id"], [(s["id"], r) for r, s in enumerate(chosen)], changes):
             return False  # another scheduler got there first; look again next pass
-        job = store.get_job(job["id"])
-        store.update_job(job["id"], {}, push={"timeline": {"status": JobStatus.STARTING.value, "at": now,
-                                                            "attempt": attempt, "world_size": len(chosen)}})
+        job = store.update_job(job["id"], {}, push={"timeline": {"status": JobStatus.STARTING.value, "at": now,
+                                                                  "attempt": attempt, "world_size": len(chosen)}})
         log.info("job %s: placed on %d slot(s): %s", job["id"], len(chosen),
                  ", ".join(f"rank {p['rank']}@{p['hostname']}:{p['gpu_index']}" for p in placement))
         master = clients[placement[0]["client_id"]]
