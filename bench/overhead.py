@@ -47,7 +47,8 @@ def run_torchrun(cfg: dict, n: int, threads: int, work: str, timeout: float) -> 
     proc = r.get("process_started_at") or launched
     b = {"launch->rank process": proc - launched, "import torch+join+build+DDP": r["entered_at"] - proc,
          "train_func->step": r["first_step_start"] - r["entered_at"],
-         "first step": r["first_step_done"] - r["first_step_start"]}
+         "first step": r["first_step_done"] - r["first_step_start"],
+         "total to first step": r["first_step_start"] - launched}
     return {"side": "torchrun", "samples_per_s": r["samples_per_s"], "spread": _spread(r), "breakdown": b,
             "to_first_step": r["first_step_start"] - launched, "first_step_done": r["first_step_done"] - launched,
             "wall": ended - launched, "raw": r}
@@ -94,29 +95,43 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
     kinds = {p.get("kind") for p in placement.values()}
     if (cfg["device_type"] == "cuda") != (kinds == {"cuda"}):
         raise RuntimeError(f"zwdx placed the job on {kinds} slots, not {cfg['device_type']}")
-    rank0 = (job.get("ranks") or {}).get("0") or {}
     streamed = sdk.get_job_metrics(res["job_id"], token).get("first_step") or [{}]
-    proc = r.get("process_started_at") or job["started_at"]
-    loaded = r.get("unpickled_at") or proc
-    joined = rank0.get("started_at") or r["entered_at"]
+    marks = startup_marks(sdk.get_job_logs(res["job_id"], token))
+    assigned = r["entered_at"] - marks["train_func"]  # the marks count from the job's arrival at rank 0's client
+    at = {name: assigned + t for name, t in marks.items()}
+    joined = max(at["joined"], at["bundle_loaded"])
     b = {  # the way from submit to the first step, in seconds
         "pack+upload+create": job["created_at"] - submitted,
         "queued->placed": job["started_at"] - job["created_at"],
-        "placed->rank process (bundle download)": proc - job["started_at"],
-        "import torch+load bundle": loaded - proc,
-        "join process group": joined - loaded,
-        "wrap DDP+optimizer+loader": r["entered_at"] - joined,
+        "placed->at GPU client": assigned - job["started_at"],
+        "->rank process": marks["rank_process"],
+        "join process group": at["joined"] - at["rank_process"],
+        "(bundle fetch+load, meanwhile)": at["bundle_loaded"] - at["rank_process"],
+        "model to GPU": at["on_device"] - joined,
+        "wrap DDP": at["wrapped"] - at["on_device"],
+        "optimizer": at["optimizer_checkpoint"] - at["wrapped"],
+        "user's data_loader_func": at["data_loader"] - at["optimizer_checkpoint"],
         "train_func->step": r["first_step_start"] - r["entered_at"],
         "first step": r["first_step_done"] - r["first_step_start"],
+        "total to first step": r["first_step_start"] - submitted,
         # not a stage: how much later than rank 0 the last rank joined (DDP's wrap waits for it)
-        "(last rank joined later by)": max([(v or {}).get("started_at") or joined
-                                            for v in (job.get("ranks") or {}).values()] + [joined]) - joined,
+        "(last rank joined later by)": max([(v or {}).get("started_at") or at["joined"]
+                                            for v in (job.get("ranks") or {}).values()] + [at["joined"]]) - at["joined"],
     }
     return {"side": "zwdx", "job_id": res["job_id"], "samples_per_s": r["samples_per_s"], "spread": _spread(r),
             "to_first_step": r["first_step_start"] - submitted, "first_step_done": r["first_step_done"] - submitted,
             "first_step_streamed": (streamed[0].get("ts") or submitted) - submitted,
             "wall": ended - submitted, "bundle_mb": len_mb(probe["size"]), "pack_s": pack_s,
             "upload_s": upload_s, "download_s": download_s, "breakdown": b, "raw": r}
+
+
+def startup_marks(logs: list[dict]) -> dict[str, float]:
+    """The stages rank 0 logs before train_func ("startup, seconds after ...: name=1.23 ..."),
+    in seconds after the job reached its GPU client."""
+    for entry in logs:
+        if entry.get("rank") == 0 and entry["text"].startswith("startup, "):
+            return {k: float(v) for k, v in (p.split("=") for p in entry["text"].split(": ", 1)[1].split())}
+    raise RuntimeError("rank 0 logged no startup line")
 
 
 def len_mb(n: int) -> float:
@@ -156,6 +171,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=None, help="steps before the measurement")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the preset)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, alternating which goes first")
+    parser.add_argument("--sides", default="torchrun,zwdx",
+                        help="which sides to run: torchrun, zwdx or both (the ratio needs both)")
+    parser.add_argument("--settle", type=float, default=8.0,
+                        help="seconds before each zwdx job, for the GPU clients' standby processes to be ready")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank, both sides")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
@@ -180,11 +199,13 @@ def main() -> int:
                 cfg = workload.config(model, device, steps=args.steps, warmup=args.warmup, batch=args.batch,
                                       seed=rep)
                 order = ["torchrun", "zwdx"] if rep % 2 == 0 else ["zwdx", "torchrun"]
+                order = [side for side in order if side in args.sides.split(",")]
                 for side in order:
                     try:
                         if side == "torchrun":
                             r = run_torchrun(cfg, n, args.threads, work, args.timeout)
                         else:
+                            time.sleep(args.settle)  # warm clients: the standby rank processes are ready
                             r = run_zwdx(sdk, token, cfg, n, args.timeout)
                     except Exception as exc:  # report what did run; say what did not
                         failures.append(f"{model} rep {rep} {side}: {exc}")
@@ -218,11 +239,15 @@ def report(runs: dict, n: int, args, where: str) -> str:
     for model, rs in runs.items():
         side = {k: [r for r in rs if r["side"] == k] for k in ("torchrun", "zwdx")}
         tr, zw = side["torchrun"], side["zwdx"]
-        if not tr or not zw:
-            continue  # one side failed every time: listed under the failures
 
         def med(runs_, key, sub=None):
             return median([(r[key] if sub is None else r[key][sub]) for r in runs_])
+        for name, group in side.items():
+            if group:
+                keys = list(group[0]["breakdown"])
+                stages[name].append(([model] + [med(group, "breakdown", k) for k in keys], keys))
+        if not tr or not zw:
+            continue  # one side failed every time (listed under the failures), or was not asked for
         cfg = rs[0]["cfg"]
         t_sps, z_sps = med(tr, "samples_per_s"), med(zw, "samples_per_s")
         rows_t.append([model, unit, cfg["batch"], f"{cfg['steps']} ({cfg['warmup']})", t_sps, z_sps,
@@ -232,17 +257,16 @@ def report(runs: dict, n: int, args, where: str) -> str:
         rows_s.append([model, med(tr, "to_first_step"), to_first, med(zw, "first_step_streamed"),
                        med(zw, "bundle_mb"), med(zw, "pack_s"), transfer, to_first - transfer,
                        median([r["raw"]["epoch_end_s"] for r in zw]), med(tr, "wall"), med(zw, "wall")])
-        for name, group in side.items():
-            keys = list(group[0]["breakdown"])
-            stages[name].append(([model] + [med(group, "breakdown", k) for k in keys], keys))
     head = (f"\n## zwdx overhead over bare torchrun: {where}; {unit}, DDP, "
             f"{'bf16 autocast' if args.gpus else 'fp32, gloo'}, median of {args.repeat} run(s) per side\n\n")
-    out = [head, table(["model", "ranks", "batch/rank", "steps (warm-up)", "torchrun samples/s", "zwdx samples/s",
-                        "zwdx / torchrun", "window spread t / z"], rows_t, "Steady-state throughput"), "\n",
-           table(["model", "torchrun launch->1st step s", "zwdx submit->1st step s", "(as streamed) s",
-                  "bundle MB", "pack s", "upload+download s", "zwdx minus transfer s",
-                  "zwdx epoch-end checkpoint s", "torchrun wall s", "zwdx wall s"], rows_s,
-                 "Time to first step and whole job")]
+    out = [head]
+    if rows_t:
+        out += [table(["model", "ranks", "batch/rank", "steps (warm-up)", "torchrun samples/s", "zwdx samples/s",
+                       "zwdx / torchrun", "window spread t / z"], rows_t, "Steady-state throughput"), "\n",
+                table(["model", "torchrun launch->1st step s", "zwdx submit->1st step s", "(as streamed) s",
+                       "bundle MB", "pack s", "upload+download s", "zwdx minus transfer s",
+                       "zwdx epoch-end checkpoint s", "torchrun wall s", "zwdx wall s"], rows_s,
+                      "Time to first step and whole job")]
     for name, rows in stages.items():
         if rows:
             out += ["\n", table(["model"] + rows[0][1], [r for r, _ in rows],

@@ -159,7 +159,8 @@ class Agent:
     def _on_assign(self, data):
         job = RunningJob(data["job_id"], int(data.get("attempt") or 0))
         self.jobs[job.key] = job
-        threading.Thread(target=self._run_job, args=(job, data), name=f"job-{job.job_id}", daemon=True).start()
+        threading.Thread(target=self._run_job, args=(job, data, time.time()), name=f"job-{job.job_id}",
+                         daemon=True).start()
 
     def _on_cancel(self, data):
         for job in list(self.jobs.values()):
@@ -193,30 +194,31 @@ class Agent:
                     env={**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"})
 
     def _start_rank(self, index: int, env: dict, log_path: str) -> subprocess.Popen:
-        """Hand the rank to the slot's standby process, or start a fresh one."""
+        """Hand the rank to the slot's standby process, or start a fresh one. Either reads a
+        line on stdin once the bundle is here when ``ZWDX_BUNDLE_PENDING`` is set."""
         with self._standby_lock:
             proc = self.standby.pop(index, None)
         if proc is not None and proc.poll() is None:
             try:
                 proc.stdin.write((json.dumps({"env": {k: v for k, v in env.items() if os.environ.get(k) != v},
                                               "log": log_path}) + "\n").encode())
-                proc.stdin.close()
+                proc.stdin.flush()
                 return proc
             except OSError:
                 proc.kill()
         with open(log_path, "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env, stdin=subprocess.PIPE,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _bundle_path(self, data) -> str:
-        folder = os.path.join(self.work_dir, "bundles")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{data['bundle_sha256']}.zwdx")
-        if os.path.exists(path):
-            return path
+        return os.path.join(self.work_dir, "bundles", f"{data['bundle_sha256']}.zwdx")
+
+    def _fetch_bundle(self, data) -> None:
+        path = self._bundle_path(data)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         session = http_session(self.token, data["job_key"])
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{data['job_id']}/bundle"
-        digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.part"
+        digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
             resp.raise_for_status()
             with open(tmp, "wb") as fh:
@@ -227,12 +229,14 @@ class Agent:
             os.unlink(tmp)
             raise IOError(f"bundle of job {data['job_id']} arrived corrupted (sha256 mismatch)")
         os.replace(tmp, path)
-        return path
 
-    def _run_job(self, job: RunningJob, data: dict) -> None:
+    def _run_job(self, job: RunningJob, data: dict, assigned_at: float) -> None:
+        """Start the job's ranks at once, so that they join their process group while the
+        bundle downloads; tell them when it is here."""
         exits: dict[str, int] = {}
         try:
             bundle = self._bundle_path(data)
+            pending = not os.path.exists(bundle)
             threads = self._threads(len(data["ranks"]))
             iface = interface_of(self.advertise_addr)
             net = {}
@@ -246,7 +250,8 @@ class Agent:
                        "LOCAL_RANK": str(local_rank), "MASTER_ADDR": data["master_addr"],
                        "MASTER_PORT": str(data["master_port"]), "ZWDX_SERVER": self.server,
                        "ZWDX_ROOM_TOKEN": self.token, "ZWDX_JOB_ID": job.job_id, "ZWDX_JOB_KEY": data["job_key"],
-                       "ZWDX_BUNDLE": bundle, "ZWDX_BACKEND": data["backend"],
+                       "ZWDX_BUNDLE": bundle, "ZWDX_BUNDLE_PENDING": "1" if pending else "0",
+                       "ZWDX_ASSIGNED_AT": repr(assigned_at), "ZWDX_BACKEND": data["backend"],
                        "ZWDX_DEVICE": f"cuda:{r['gpu_index']}" if r["kind"] == "cuda" else "cpu",
                        "ZWDX_PARALLELISM": data["parallelism"], "ZWDX_EPOCHS": str(data["epochs"]),
                        "ZWDX_COLLECTIVE_TIMEOUT": str(data["collective_timeout"]),
@@ -258,6 +263,15 @@ class Agent:
                                                         os.path.join(logs, f"rank{r['rank']}.log"))
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id,
                          r["rank"], job.procs[r["rank"]].pid)
+            if pending:
+                self._fetch_bundle(data)
+            for proc in job.procs.values():  # the bundle is here (or was already)
+                try:
+                    if pending:
+                        proc.stdin.write(b"ready\n")
+                    proc.stdin.close()
+                except OSError:
+                    pass  # the rank is gone already; its exit code says so
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
         except Exception as exc:

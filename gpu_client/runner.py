@@ -163,9 +163,56 @@ def _die_with_parent() -> None:
         pass
 
 
+class _Startup:
+    """When each step of a rank's start happened, in seconds after the job reached the GPU
+    client; rank 0 writes them to the job's log, so a slow start says where its time went."""
+
+    def __init__(self, origin: str | None):
+        self.origin = float(origin) if origin else time.time()
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.time()))
+
+    def line(self) -> str:
+        return ("startup, seconds after the job reached this GPU client: "
+                + " ".join(f"{name}={at - self.origin:.2f}" for name, at in self.marks))
+
+
+class _BundleLoader(threading.Thread):
+    """Loads the job's bundle while the main thread joins the process group. With
+    ZWDX_BUNDLE_PENDING=1 the GPU client is still fetching it: a line on stdin says it has
+    arrived (end of input: it could not be fetched)."""
+
+    def __init__(self, path: str, pending: bool, startup: _Startup):
+        super().__init__(name="zwdx-bundle", daemon=True)
+        self.path, self.pending, self.startup = path, pending, startup
+        self.bundle: dict | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self.pending and not sys.stdin.readline().strip():
+                raise RuntimeError("the GPU client could not fetch the job's bundle")
+            self.startup.mark("bundle_fetched")
+            with open(self.path, "rb") as fh:
+                self.bundle = unpack(fh.read())
+            self.startup.mark("bundle_loaded")
+        except BaseException as exc:  # re-raised in the main thread
+            self.error = exc
+
+    def result(self) -> dict:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.bundle
+
+
 def main() -> int:
     _die_with_parent()
     env = os.environ
+    startup = _Startup(env.get("ZWDX_ASSIGNED_AT"))
+    startup.mark("rank_process")
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
     reporter = Reporter(env["ZWDX_SERVER"], env["ZWDX_ROOM_TOKEN"], env["ZWDX_JOB_ID"], env["ZWDX_JOB_KEY"],
@@ -180,8 +227,8 @@ def main() -> int:
 
         from .parallel import fingerprint, full_state_dict, rebuild_optimizer, wrap
         torch.set_num_threads(int(env.get("ZWDX_NUM_THREADS", "1")))
-        with open(env["ZWDX_BUNDLE"], "rb") as fh:
-            bundle = unpack(fh.read())
+        bundle_loader = _BundleLoader(env["ZWDX_BUNDLE"], env.get("ZWDX_BUNDLE_PENDING") == "1", startup)
+        bundle_loader.start()
         device = torch.device(env.get("ZWDX_DEVICE", "cpu"))
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -191,9 +238,14 @@ def main() -> int:
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout,
                                 **({"device_id": device} if device.type == "cuda" else {}))
         joined = True
+        startup.mark("joined")
+        bundle = bundle_loader.result()
         reporter.status("running")
         parallelism = env.get("ZWDX_PARALLELISM", "DDP")
-        model = wrap(bundle["model"], parallelism, device)
+        model = bundle["model"].to(device)
+        startup.mark("on_device")
+        model = wrap(model, parallelism, device)
+        startup.mark("wrapped")
         optimizer = rebuild_optimizer(bundle["optimizer"], model)
         from .checkpoint import Checkpointer
         latest = json.loads(env.get("ZWDX_CHECKPOINT") or "null")
@@ -206,11 +258,13 @@ def main() -> int:
                 reporter.log(f"resumed from checkpoint {latest['n']} (epoch {latest.get('epoch')}, "
                              f"step {latest.get('step')})")
         reporter._checkpointer = ckpt
+        startup.mark("optimizer_checkpoint")
         reporter._epoch_in_progress = reporter.start_epoch
         loaders = call_with(bundle["data_loader_func"], {"rank": rank, "world_size": world, "device": device},
                             "data_loader_func")
         train_loader, eval_loader = (loaders if isinstance(loaders, tuple) and len(loaders) == 2
                                      else (loaders, loaders))
+        startup.mark("data_loader")
         every_epoch = env.get("ZWDX_CHECKPOINT_EVERY_EPOCH", "1") == "1"
 
         def epoch_end(passes: int) -> None:
@@ -224,6 +278,9 @@ def main() -> int:
                              daemon=True).start()
         eval_func = bundle["eval_func"]
         epochs = int(env.get("ZWDX_EPOCHS", "1"))
+        startup.mark("train_func")
+        if rank == 0:
+            reporter.log(startup.line())
         started = time.time()
         train_out = call_with(bundle["train_func"], {
             "model": model, "loader": loader, "optimizer": optimizer, "optim": optimizer, "rank": rank,
@@ -264,10 +321,39 @@ def main() -> int:
     return code
 
 
+def _warm_up(device) -> None:
+    """Pay while the slot is idle what a job's first seconds would otherwise pay: the modules
+    DDP imports on first use (torch._dynamo, about a second), the process-group machinery, and
+    on a GPU NCCL's one-time set-up and the cuBLAS and cuDNN handles. It runs a tiny DDP step
+    in a process group of this process alone, then destroys the group."""
+    import torch
+    import torch._dynamo  # noqa: F401  (DDP imports it when a model is first wrapped)
+    import torch.distributed as dist
+    cuda = device.type == "cuda"
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": device} if cuda else {}))
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 8))
+        model = torch.nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device.index] if cuda else None)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(torch.randn(2, 3, 16, 16, device=device)).float().sum()
+        loss.backward()
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    except Exception:  # a warm-up that fails only costs the job its first seconds
+        log.warning("standby warm-up on %s failed", device, exc_info=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def standby(device: str) -> int:
-    """A rank process started ahead of its job: torch imported and (on a GPU) its CUDA context
-    made while the slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``,
-    and then runs that rank as ``main`` does. Saves seconds of every job's start."""
+    """A rank process started ahead of its job: torch imported, (on a GPU) its CUDA context
+    made and the first-use costs paid (``_warm_up``; ZWDX_STANDBY_WARMUP=0 skips it) while the
+    slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``, and then runs
+    that rank as ``main`` does. Saves seconds of every job's start."""
     _die_with_parent()
     import torch
     import torch.distributed  # noqa: F401
@@ -278,6 +364,8 @@ def standby(device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)
+    if os.environ.get("ZWDX_STANDBY_WARMUP", "1") != "0":
+        _warm_up(torch.device(device))
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the GPU client let this standby go
