@@ -21,7 +21,8 @@ import time
 import traceback
 
 from zwdx import defaults
-from zwdx.bundle import call_with, unpack
+from zwdx.bundle import call_with
+from zwdx.bundle import load as load_bundle
 
 from .reporter import Reporter
 
@@ -195,8 +196,7 @@ class _BundleLoader(threading.Thread):
             if self.pending and not sys.stdin.readline().strip():
                 raise RuntimeError("the GPU client could not fetch the job's bundle")
             self.startup.mark("bundle_fetched")
-            with open(self.path, "rb") as fh:
-                self.bundle = unpack(fh.read())
+            self.bundle = load_bundle(self.path)
             self.startup.mark("bundle_loaded")
         except BaseException as exc:  # re-raised in the main thread
             self.error = exc

@@ -1,5 +1,11 @@
 """The job bundle: the submitter's model, functions and optimizer settings, cloudpickled.
 
+Layout: a magic line, the pickle's length, the pickle, then every tensor's bytes (64-byte
+aligned). Tensors leave the pickle as references into that data (pickle's persistent ids), so
+a 500 MB model is written with one copy and read back straight from a memory map, instead of
+torch pickling each storage into a zip of its own. The submitter's model is never changed:
+tensors on a GPU are copied to host memory as they are written.
+
 Code from the submitter's own modules (anything not installed in site-packages or the
 standard library) travels by value, so a GPU client needs the packages but not the
 submitter's source tree. The optimizer travels as its class and every param group's
@@ -9,12 +15,13 @@ Only GPU clients unpickle a bundle; the server stores and forwards its bytes unt
 """
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import io
 import logging
+import mmap
 import os
+import struct
 import sys
 import sysconfig
 import types
@@ -26,7 +33,9 @@ from .protocol import runtime_versions
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+MAGIC = b"ZWDX-BUNDLE-2\n"
+_ALIGN = 64
 
 
 def _installed_roots() -> list[str]:
@@ -99,18 +108,68 @@ def optimizer_spec(optimizer, model) -> dict | None:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus modules whose type subclasses ModuleType (torch.backends.cudnn and its
-    siblings replace themselves in sys.modules so): by name, as plain modules go. Without it a
-    train_func that sets ``torch.backends.cudnn.benchmark`` cannot be submitted."""
+    """cloudpickle, plus two things. Modules whose type subclasses ModuleType (torch.backends.cudnn
+    and its siblings replace themselves in sys.modules so) go by name, as plain modules go;
+    without it a train_func that sets ``torch.backends.cudnn.benchmark`` cannot be submitted.
+    Plain tensors and parameters go out of the pickle, into ``self.tensors``."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=5)
+        self.tensors: list = []           # CPU, contiguous, in the order of their ids
+        self._ids: dict[int, tuple] = {}  # id(tensor) -> its persistent id (a tied weight stays one)
+        self._keep: list = []             # the originals, so that no id is reused while pickling
 
     def reducer_override(self, obj):
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
             return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
 
+    def persistent_id(self, obj):
+        import torch
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided \
+                or obj.is_quantized or obj.device.type == "meta":
+            return None
+        pid = self._ids.get(id(obj))
+        if pid is None:
+            data = obj.detach().resolve_conj().resolve_neg().cpu().contiguous()
+            pid = ("tensor", len(self.tensors), str(data.dtype).removeprefix("torch."), tuple(data.shape),
+                   bool(obj.requires_grad), isinstance(obj, torch.nn.Parameter))
+            self.tensors.append(data)
+            self._ids[id(obj)] = pid
+            self._keep.append(obj)
+        return pid
+
+
+class _Unpickler(cloudpickle.pickle.Unpickler):
+    """Rebuilds the tensors a bundle's pickle refers to, as views of its data (no copy)."""
+
+    def __init__(self, file, data: memoryview, offsets: list[int]):
+        super().__init__(file)
+        self._data, self._offsets, self._made = data, offsets, {}
+
+    def persistent_load(self, pid):
+        import torch
+        kind, index, dtype, shape, requires_grad, parameter = pid
+        if kind != "tensor":
+            raise ValueError(f"bundle refers to an unknown kind of object: {kind!r}")
+        if index in self._made:
+            return self._made[index]
+        start, end = self._offsets[index], self._offsets[index + 1]
+        dt = getattr(torch, dtype)
+        size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        flat = (torch.frombuffer(self._data, dtype=torch.uint8, count=size, offset=start) if size
+                else torch.empty(0, dtype=torch.uint8))
+        if size > end - start:
+            raise ValueError("bundle is truncated: a tensor's bytes are missing")
+        tensor = flat.view(dt).reshape(shape)
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter \
+            else tensor.requires_grad_(requires_grad)
+        self._made[index] = tensor
+        return tensor
+
 
 def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) -> bytes:
-    """Cloudpickle what a rank needs into bytes."""
+    """Cloudpickle what a rank needs into bytes (see the module's doc for the layout)."""
     for name, fn in (("data_loader_func", data_loader_func), ("train_func", train_func)):
         if not callable(fn):
             raise BadRequest(f"{name} must be a function, got {type(fn).__name__}", field=name)
@@ -124,26 +183,69 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) ->
         if obj is not None:
             _referenced(obj, seen, found)
     spec = optimizer_spec(optimizer, model)
-    payload = {"format": FORMAT, "model": copy.deepcopy(model).cpu(), "data_loader_func": data_loader_func,
+    payload = {"format": FORMAT, "model": model, "data_loader_func": data_loader_func,
                "train_func": train_func, "eval_func": eval_func, "optimizer": spec,
                "versions": runtime_versions()}
     for module in found.values():
         cloudpickle.register_pickle_by_value(module)
     try:
-        buffer = io.BytesIO()
-        _Pickler(buffer, protocol=5).dump(payload)
-        return buffer.getvalue()
+        head = io.BytesIO()
+        pickler = _Pickler(head)
+        pickler.dump(payload)
     finally:
         for module in found.values():
             cloudpickle.unregister_pickle_by_value(module)
+    import torch
+    pickled = head.getbuffer()
+    table, offset, parts = [], 0, []
+    for tensor in pickler.tensors:  # where each tensor's bytes start, counted from the data's start
+        n = tensor.numel() * tensor.element_size()
+        table.append(offset)
+        if n:
+            parts.append(tensor.reshape(-1).view(torch.uint8).numpy())
+        parts.append(bytes(-n % _ALIGN))
+        offset += n + -n % _ALIGN
+    table.append(offset)
+    head_len = len(MAGIC) + 16 + len(pickled) + 8 * len(table)
+    return b"".join([MAGIC, struct.pack("<QQ", len(pickled), len(table)), pickled,
+                     struct.pack(f"<{len(table)}Q", *table), bytes(-head_len % _ALIGN), *parts])
 
 
-def unpack(data: bytes) -> dict:
-    """Load a bundle (GPU clients only: this runs the submitter's code)."""
-    payload = cloudpickle.loads(data)
+def unpack(data) -> dict:
+    """Load a bundle (GPU clients only: this runs the submitter's code). ``data``: its bytes,
+    or any buffer; tensors are views of it (writable buffers only, else copied)."""
+    view = memoryview(data)
+    if bytes(view[:len(MAGIC)]) != MAGIC:
+        raise ValueError("not a zwdx job bundle of a format this gpu client understands "
+                         "(submitted from another zwdx version?)")
+    pos = len(MAGIC)
+    pickle_len, table_len = struct.unpack_from("<QQ", view, pos)
+    pos += 16
+    pickled = view[pos:pos + pickle_len]
+    pos += pickle_len
+    offsets = list(struct.unpack_from(f"<{table_len}Q", view, pos))
+    pos += 8 * table_len
+    pos += -pos % _ALIGN
+    tensors = view[pos:]
+    if view.readonly:
+        tensors = memoryview(bytearray(tensors))
+    if len(tensors) < offsets[-1]:
+        raise ValueError("bundle is truncated: its tensor data is shorter than its index says")
+    payload = _Unpickler(io.BytesIO(pickled), tensors, offsets).load()
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError("not a zwdx job bundle of a format this gpu client understands")
     return payload
+
+
+def load(path: str) -> dict:
+    """``unpack`` a bundle file through a private memory map: a tensor's pages are read when the
+    rank first touches them (moving the model to its GPU), never copied in between."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise ValueError(f"bundle file {path} is empty")
+        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
+    return unpack(mapped)
 
 
 def call_with(fn, available: dict, what: str):

@@ -1,0 +1,86 @@
+"""The job bundle, packed as the SDK packs it and loaded as a GPU client loads it."""
+import torch
+import pytest
+
+from zwdx.bundle import load, pack, unpack
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 16)
+        self.head = torch.nn.Linear(16, 100, bias=False)
+        self.head.weight = self.emb.weight  # one parameter, two names
+        self.frozen = torch.nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("bf16", torch.linspace(0, 1, 7, dtype=torch.bfloat16))
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.register_buffer("empty", torch.zeros(0, 5))
+        self.register_buffer("scalar", torch.tensor(3.5, dtype=torch.float64))
+
+    def forward(self, tokens):
+        return self.head(self.frozen(self.emb(tokens)))
+
+
+def train(model, loader):
+    return None
+
+
+def _roundtrip(tmp_path, model, **kwargs):
+    blob = pack(model, lambda rank: None, train, **kwargs)
+    path = tmp_path / "job.zwdx"
+    path.write_bytes(blob)
+    return blob, load(str(path))
+
+
+def test_weights_dtypes_and_tied_parameters_survive(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, bundle = _roundtrip(tmp_path, model, optimizer=optimizer)
+    got = bundle["model"]
+    assert got.head.weight is got.emb.weight
+    for name, tensor in model.state_dict().items():
+        assert got.state_dict()[name].dtype == tensor.dtype, name
+        assert torch.equal(got.state_dict()[name], tensor), name
+    assert isinstance(got.emb.weight, torch.nn.Parameter) and got.emb.weight.requires_grad
+    assert not got.frozen.weight.requires_grad
+    # loaded from a private map: a rank may train the weights in place
+    with torch.no_grad():
+        got.frozen.weight.add_(1)
+    assert torch.equal(got.frozen.weight, model.frozen.weight + 1)
+    # the submitter's model is left as it was
+    assert model.head.weight is model.emb.weight and not model.frozen.weight.requires_grad
+    # and it still trains
+    loss = got(torch.tensor([1, 2])).sum()
+    loss.backward()
+    assert got.emb.weight.grad is not None
+
+
+def test_views_and_tensors_in_closures(tmp_path):
+    base = torch.arange(12.0).reshape(3, 4)
+    view = base.t()[1:]  # not contiguous, offset into another tensor's storage
+    data = torch.randn(5, 2)
+
+    def loader(rank):
+        return data * rank
+
+    blob = pack(torch.nn.Linear(2, 2), loader, train)
+    bundle = unpack(blob)
+    assert torch.equal(bundle["data_loader_func"](2), data * 2)
+    model = torch.nn.Module()
+    model.register_buffer("view", view)
+    _, bundle = _roundtrip(tmp_path, model)
+    assert torch.equal(bundle["model"].view, view)
+
+
+def test_a_damaged_bundle_is_refused_with_a_reason(tmp_path):
+    blob = pack(Tied(), lambda rank: None, train)
+    with pytest.raises(ValueError, match="not a zwdx job bundle"):
+        unpack(b"\x80\x04not a bundle")
+    with pytest.raises(ValueError, match="truncated"):
+        unpack(blob[:-200])
+    empty = tmp_path / "empty.zwdx"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        load(str(empty))
