@@ -321,27 +321,29 @@ def main() -> int:
     return code
 
 
-def _warm_up(device) -> None:
-    """Pay while the slot is idle what a job's first seconds would otherwise pay: the modules
-    DDP imports on first use (torch._dynamo, about a second), the process-group machinery, and
-    on a GPU NCCL's one-time set-up and the cuBLAS and cuDNN handles. It runs a tiny DDP step
-    in a process group of this process alone, then destroys the group."""
+def _warm_up(device, parts: set[str]) -> None:
+    """Pay while the slot is idle what a job's first seconds would otherwise pay. ``imports``:
+    the modules DDP imports when it first wraps a model (torch._dynamo, about a second).
+    ``kernels`` (GPUs): the cuBLAS and cuDNN handles, by a tiny bf16 forward and backward.
+    ``nccl``: NCCL's one-time set-up, by a DDP step in a process group of this process alone
+    (off by default: it cost steady-state throughput, see bench/README.md)."""
     import torch
-    import torch._dynamo  # noqa: F401  (DDP imports it when a model is first wrapped)
     import torch.distributed as dist
     cuda = device.type == "cuda"
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                **({"device_id": device} if cuda else {}))
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 8))
-        model = torch.nn.parallel.DistributedDataParallel(model.to(device), device_ids=[device.index] if cuda else None)
-        optimizer = torch.optim.AdamW(model.parameters())
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(torch.randn(2, 3, 16, 16, device=device)).float().sum()
-        loss.backward()
-        optimizer.step()
-        if cuda:
+        if "imports" in parts:
+            import torch._dynamo  # noqa: F401
+        if "kernels" in parts and cuda:
+            model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 8))
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                model.to(device)(torch.randn(2, 3, 16, 16, device=device)).float().sum().backward()
             torch.cuda.synchronize(device)
+        if "nccl" in parts:
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    **({"device_id": device} if cuda else {}))
+            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).to(device),
+                                                              device_ids=[device.index] if cuda else None)
+            model(torch.randn(2, 8, device=device)).sum().backward()
     except Exception:  # a warm-up that fails only costs the job its first seconds
         log.warning("standby warm-up on %s failed", device, exc_info=True)
     finally:
@@ -351,8 +353,8 @@ def _warm_up(device) -> None:
 
 def standby(device: str) -> int:
     """A rank process started ahead of its job: torch imported, (on a GPU) its CUDA context
-    made and the first-use costs paid (``_warm_up``; ZWDX_STANDBY_WARMUP=0 skips it) while the
-    slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``, and then runs
+    made and first-use costs paid (``_warm_up``; ZWDX_STANDBY_WARMUP lists which, "none" skips
+    them) while the slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``, and then runs
     that rank as ``main`` does. Saves seconds of every job's start."""
     _die_with_parent()
     import torch
@@ -364,8 +366,7 @@ def standby(device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)
-    if os.environ.get("ZWDX_STANDBY_WARMUP", "1") != "0":
-        _warm_up(torch.device(device))
+    _warm_up(torch.device(device), set(os.environ.get("ZWDX_STANDBY_WARMUP", "imports,kernels").split(",")))
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the GPU client let this standby go
