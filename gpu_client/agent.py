@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -91,6 +92,7 @@ class Agent:
         self.use_standby = standby
         self.standby: dict[int, subprocess.Popen] = {}  # slot index -> rank process waiting for a job
         self._standby_lock = threading.Lock()
+        self._standby_wanted: queue.Queue[int] = queue.Queue()  # slots whose standby the main thread starts
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
@@ -176,8 +178,15 @@ class Agent:
         return self.threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
 
     def _spawn_standby(self, index: int) -> None:
-        """Start the next rank process of a slot ahead of time (see runner.standby)."""
-        if not self.use_standby or self.stop.is_set():
+        """Have the next rank process of a slot started ahead of time (see runner.standby), by
+        the main thread: a rank dies with the thread that started it (PR_SET_PDEATHSIG is a
+        thread's, not a process's), so a standby started by a short-lived thread would be
+        killed when that thread ends, or, started late enough, would outlive the agent."""
+        if self.use_standby and not self.stop.is_set():
+            self._standby_wanted.put(index)
+
+    def _start_standby(self, index: int) -> None:
+        if self.stop.is_set():
             return
         with self._standby_lock:
             if index in self.standby and self.standby[index].poll() is None:
@@ -206,6 +215,8 @@ class Agent:
                 return proc
             except OSError:
                 proc.kill()
+        if self.use_standby:
+            log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", self.client_id, index)
         with open(log_path, "ab") as out:
             return subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env, stdin=subprocess.PIPE,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -358,8 +369,11 @@ class Agent:
                             self.server, exc, backoff)
                 self.stop.wait(backoff)
                 backoff = min(backoff * 2, 10)
-        while not self.stop.wait(0.5):
-            pass
+        while not self.stop.is_set():
+            try:
+                self._start_standby(self._standby_wanted.get(timeout=0.5))
+            except queue.Empty:
+                pass
         self.shutdown()
         if self.fatal:
             log.error("gpu-client %s: stopped: %s", self.client_id, self.fatal)

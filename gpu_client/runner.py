@@ -324,9 +324,10 @@ def main() -> int:
 def _warm_up(device, parts: set[str]) -> None:
     """Pay while the slot is idle what a job's first seconds would otherwise pay. ``imports``:
     the modules DDP imports when it first wraps a model (torch._dynamo, about a second).
-    ``kernels`` (GPUs): the cuBLAS and cuDNN handles, by a tiny bf16 forward and backward.
-    ``nccl``: NCCL's one-time set-up, by a DDP step in a process group of this process alone
-    (off by default: it cost steady-state throughput, see bench/README.md)."""
+    Off by default, as they cost steady-state throughput on 2 x H200 (bench/README.md): ``kernels``
+    (GPUs), the cuBLAS and cuDNN handles by a tiny bf16 forward and backward, 2.6%; ``nccl``,
+    NCCL's one-time set-up by a DDP step in a process group of this process alone, measured
+    only with ``kernels``: 2.8% together. Why a handle made early costs later is not known."""
     import torch
     import torch.distributed as dist
     cuda = device.type == "cuda"
@@ -366,7 +367,7 @@ def standby(device: str) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)
-    _warm_up(torch.device(device), set(os.environ.get("ZWDX_STANDBY_WARMUP", "imports,kernels").split(",")))
+    _warm_up(torch.device(device), set(os.environ.get("ZWDX_STANDBY_WARMUP", "imports").split(",")))
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the GPU client let this standby go
