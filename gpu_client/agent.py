@@ -180,8 +180,8 @@ class Agent:
     def _spawn_standby(self, index: int) -> None:
         """Have the next rank process of a slot started ahead of time (see runner.standby), by
         the main thread: a rank dies with the thread that started it (PR_SET_PDEATHSIG is a
-        thread's, not a process's), so a standby started by a short-lived thread would be
-        killed when that thread ends, or, started late enough, would outlive the agent."""
+        thread's, not a process's), so a standby started by a short-lived thread could be
+        killed when that thread ended."""
         if self.use_standby and not self.stop.is_set():
             self._standby_wanted.put(index)
 

@@ -69,3 +69,39 @@ def test_cancel_stops_the_ranks_and_frees_the_slots(sdk, room, start_client):
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
                10, what="slots freed after cancel")
     assert sdk.get_job(job_id)["status"] == "cancelled"
+
+
+def quick_train(model, loader):
+    return {"loss": 0.0}
+
+
+def _standbys(client) -> list:
+    import psutil
+    return [p for p in psutil.Process(client.pid).children() if "--standby" in p.cmdline()]
+
+
+def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_gpu_client(sdk, room, start_client):
+    import time
+
+    import psutil
+
+    from procs import wait_until
+    from workloads import slow_train
+    a = start_client("a")
+    result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
+                            room_token=room["token"], world_size=1, progress=False)
+    assert result["status"] == "completed"
+    # the job's rank process was the slot's standby; the slot gets a new one, which stays
+    wait_until(lambda: len(_standbys(a)) == 1, 30, what="a new standby on the slot")
+    standby = _standbys(a)[0]
+    time.sleep(2)
+    assert standby.is_running() and standby.status() != psutil.STATUS_ZOMBIE
+    # the next job runs in it, and it dies with its GPU client, even with no peer to notice
+    model = mnist.Net()
+    job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.01), room_token=room["token"],
+                            world_size=1, epochs=20, progress=False, wait=False)
+    wait_until(lambda: sdk.get_job_metrics(job_id).get("loss"), 60, what="the job training")
+    assert "--standby" in standby.cmdline()
+    a.kill()  # SIGKILL
+    standby.wait(timeout=10)
