@@ -1,6 +1,7 @@
 """Control plane under load: how many simulated GPU clients one server process holds.
 
     python bench/control_plane.py --clients 100,250,500,1000 --store sqlite,mongo --out $OUT/control.md
+    python bench/control_plane.py --clients 100,200 --procs 1 --async-mode threading --all --profile
 
 For each store and each level of simulated GPU clients it starts a fresh server (and, for
 ``mongo``, a MongoDB wire-protocol server, nx-27017), then ``--procs`` load generators
@@ -12,8 +13,9 @@ clients) submit jobs of ``--world-size`` ranks that the simulated clients run fo
 events per second, p50/p99 of every REST call and Socket.IO call, metric-to-dashboard
 latency, the server's CPU and its peak memory. A level passes when every p99 is under
 ``--p99-limit`` ms with every client held and no errors; the ramp stops after the first
-failing level unless ``--all``. ``--profile`` samples the server with py-spy during the
-window and prints where its Python time goes.
+failing level unless ``--all``. ``--async-mode`` passes the server's own flag (gevent, its
+default, or threading). ``--profile`` samples the server with py-spy during the window and
+prints where its Python time goes.
 """
 from __future__ import annotations
 
@@ -47,13 +49,13 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             if not harness.mongo_store_available():
                 return {"store": store, "clients": clients, "pending": "zwdx/server/store/mongo.py is not there yet"}
             mongo = MongoProc(level_dir)
-        launcher = [os.path.join(HERE, "patched_server.py")] if args.patched else None
-        env = {"ZWDX_BENCH_ASYNC_MODE": args.async_mode} if args.async_mode else {}
+        env = {}
         if args.heartbeat_interval:
             env.update({"ZWDX_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                         "ZWDX_CLIENT_TIMEOUT": str(max(10.0, 5 * args.heartbeat_interval))})
         server = ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo.uri if mongo else None,
-                            launcher=launcher, env=env)
+                            extra=["--async-mode", args.async_mode] if args.async_mode else None, env=env)
+        async_mode = requests.get(f"{server.url}/health", timeout=10).json().get("async_mode", "threading")
         tokens = [requests.post(f"{server.url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()["token"]
                   for i in range(args.rooms)]
         users = max(1, round(clients * args.users_per_100 / 100))
@@ -136,7 +138,8 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             counts.update(r["counts"])
             samples += r["error_samples"]
             held += r.get("held_at_end", 0)
-        return {"store": store, "clients": clients, "users": users, "rooms": args.rooms, "ramp_s": ramp_s,
+        return {"store": store, "clients": clients, "async_mode": async_mode, "users": users, "rooms": args.rooms,
+                "ramp_s": ramp_s,
                 "held_ready": held_ready, "held": held, "online": online, "hold_s": args.hold,
                 "cpu": cpu, "gen_cpu": gen_cpu, "rss": status["VmRSS"], "hwm": status["VmHWM"], "threads": status["Threads"],
                 "mongo_hwm": mongo_status["VmHWM"] if mongo_status else None,
@@ -248,12 +251,12 @@ def report(results: list[dict], args) -> str:
     for r in results:
         if "pending" not in r and passed(r, args.p99_limit)[0]:
             best[r["store"]] = max(best.get(r["store"], 0), r["clients"])
-    head = (f"\n## Control plane under load: {harness.machine()}; server "
-            f"{'(patched' + (', ' + args.async_mode if args.async_mode else '') + ') ' if args.patched else ''}"
-            f"in one process, load generators in {args.procs} process(es) on the same machine\n\n"
+    modes = ", ".join(dict.fromkeys(r["async_mode"] for r in results if "async_mode" in r)) or "-"
+    head = (f"\n## Control plane under load: {harness.machine()}; server in one process ({modes}), "
+            f"load generators in {args.procs} process(es) on the same machine\n\n"
             f"Per client: heartbeat every {args.heartbeat_interval or 2:g} s. SDK users: {args.users_per_100:g} "
             f"per 100 clients, jobs of {args.world_size} ranks for 0.5-1.5 x {args.job_seconds:g} s, polled every "
-            f"{args.poll_interval:g} s as ZWDX.wait does (job + events). Each running "
+            f"{args.poll_interval:g} s as ZWDX.wait does (the job with its new events, one call). Each running "
             f"rank posts {args.events_per_post} metric events every {args.metric_interval:g} s. "
             f"{args.rooms} room(s), one dashboard each. Window {args.hold:g} s after {args.warm:g} s warm-up.\n"
             f"Most clients one server holds with every p99 under {args.p99_limit:g} ms: "
@@ -284,10 +287,8 @@ def main() -> int:
     parser.add_argument("--connect-rate", type=float, default=100, help="new client connections per second")
     parser.add_argument("--p99-limit", type=float, default=200, help="ms")
     parser.add_argument("--all", action="store_true", help="run every level even after one fails")
-    parser.add_argument("--patched", action="store_true",
-                        help="run bench/patched_server.py (the server with the changes proposed in bench/README.md)")
-    parser.add_argument("--async-mode", choices=["gevent"], default=None,
-                        help="with --patched: serve from gevent greenlets instead of threads (pip install gevent)")
+    parser.add_argument("--async-mode", choices=["gevent", "threading"], default=None,
+                        help="the server's --async-mode (default: the server's own, gevent)")
     parser.add_argument("--data-root", default=None,
                         help="where each level's server keeps its data dir (default: a temporary dir; "
                              "/dev/shm takes the disk out of the figures)")
@@ -297,8 +298,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep logs and raw results")
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
     args = parser.parse_args()
-    args.patched = args.patched or bool(args.async_mode)
-    harness.require(harness.SERVER_MODULES + ["aiohttp"] + (["gevent"] if args.async_mode else []) + (["pymongo"] if "mongo" in args.store else []))
+    harness.require(harness.SERVER_MODULES + ["aiohttp"] + (["pymongo"] if "mongo" in args.store else []))
     limit = harness.raise_fd_limit()
     if limit < 4 * max(int(c) for c in args.clients.split(",")):
         print(f"bench control_plane: only {limit} open files allowed; the largest levels may fail for it",

@@ -23,7 +23,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 #: What the server and a GPU client need, by import name (the wheels to carry to a bare host).
-SERVER_MODULES = ["flask", "flask_socketio", "socketio", "engineio", "simple_websocket", "requests"]
+SERVER_MODULES = ["flask", "flask_socketio", "socketio", "engineio", "simple_websocket", "gevent", "requests"]
 CLIENT_MODULES = ["socketio", "engineio", "websocket", "requests", "cloudpickle", "safetensors", "torch"]
 
 
@@ -113,16 +113,15 @@ class Child:
 
 
 class ServerProc(Child):
-    """``python -m zwdx.cli server`` on 127.0.0.1 and a free port. ``launcher`` replaces the
-    module (bench/patched_server.py measures proposed server changes the same way)."""
+    """``python -m zwdx.cli server`` on 127.0.0.1 and a free port; ``extra`` adds arguments."""
 
     def __init__(self, data_dir: str, mongo_uri: str | None = None, port: int | None = None,
-                 launcher: list[str] | None = None, extra: list[str] | None = None, env: dict | None = None):
+                 extra: list[str] | None = None, env: dict | None = None):
         import requests
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         os.makedirs(data_dir, exist_ok=True)
-        args = [sys.executable, *(launcher or ["-m", "zwdx.cli"]), "server", "--host", "127.0.0.1",
+        args = [sys.executable, "-m", "zwdx.cli", "server", "--host", "127.0.0.1",
                 "--port", str(self.port), "--data-dir", data_dir, *(extra or [])]
         if mongo_uri:
             args += ["--mongo-uri", mongo_uri]

@@ -8,9 +8,10 @@ heartbeats at the interval the server asks for, answers ``reserve_port``, and fo
 ``job_assign`` plays its ranks as gpu_client.runner would over REST: ``running``, a batch of
 metric events every ``metric_interval`` s, ``completed`` after 0.5 to 1.5 x ``job_seconds``, then
 ``ranks_exited`` over Socket.IO. A simulated SDK user submits a job (bundle upload, create),
-waits on it as ``ZWDX.wait`` does (job and new events every ``poll_interval``, 0.5 s in the SDK) and reads its metrics,
-again and again. A dashboard joins /ui and notes how long each metric event took from the
-rank's report to its screen. Only what happens inside the measurement window is kept.
+waits on it as ``ZWDX.wait`` does (the job with its new events, one call every
+``poll_interval``, 0.5 s in the SDK) and reads its metrics, again and again. A dashboard joins
+/ui and notes how long each metric event took from the rank's report to its screen. Only what
+happens inside the measurement window is kept.
 """
 from __future__ import annotations
 
@@ -230,12 +231,11 @@ class Sim:
                 await asyncio.sleep(1)
                 continue
             submitted, after = time.time(), 0
-            while not self.stop.is_set():
-                doc = await self.rest("GET /jobs/<id>", "GET", f"/jobs/{job['id']}", token)
-                evs = await self.rest("GET /jobs/<id>/events", "GET", f"/jobs/{job['id']}/events", token,
-                                      params={"after": str(after)})
-                if evs and evs.get("events"):
-                    after = evs["events"][-1]["seq"]
+            while not self.stop.is_set():  # as ZWDX.wait: the job and its new events in one call
+                doc = await self.rest("GET /jobs/<id>?events_after", "GET", f"/jobs/{job['id']}", token,
+                                      params={"events_after": str(after)})
+                if doc and doc.get("events"):
+                    after = doc["events"][-1]["seq"]
                 if doc and doc["status"] in ("completed", "failed", "cancelled"):
                     self.rec.count(f"jobs {doc['status']}")
                     if doc["status"] == "completed":

@@ -147,6 +147,21 @@ def test_clients_are_listed_oldest_first_with_their_slots(store):
     assert store.get_client("nope") is None
 
 
+def test_clients_past_their_deadline_are_listed_without_the_others(store):
+    make_client(store, "c1", "r1", gpus=2, lost_after=5.0)
+    make_client(store, "c2", "r1", gpus=1, lost_after=50.0)
+    make_client(store, "c3", "r1", gpus=1)  # no deadline: declared lost already
+    make_client(store, "c4", "r2", gpus=1, lost_after=1.0)
+    make_job(store, "j1")
+    assert store.reserve_slots("j1", [("c1:1", 0)], {"status": "starting"})
+    assert [c["id"] for c in store.list_clients(None, lost_before=10.0)] == ["c1", "c4"]
+    (c1,) = store.list_clients("r1", lost_before=10.0)
+    assert [(s["id"], s["job_id"]) for s in c1["slots"]] == [("c1:0", None), ("c1:1", "j1")]
+    assert store.touch_client("c1", {"lost_after": 100.0}, [])
+    assert [c["id"] for c in store.list_clients(None, lost_before=10.0)] == ["c4"]
+    assert store.list_clients("r1", lost_before=1.0) == []
+
+
 def test_update_client_sets_fields(store):
     make_client(store)
     store.update_client("c1", {"status": "offline", "sid": None, "last_seen": 99.5})
@@ -155,12 +170,33 @@ def test_update_client_sets_fields(store):
         ("offline", None, 99.5, "host-c1")
 
 
-def test_slot_stats_are_refreshed_by_index(store):
-    make_client(store)
-    store.update_slot_stats("c1", [{"index": 1, "memory_free": 7, "utilization": 55}, {"index": 9, "memory_free": 1}])
+def test_a_heartbeat_sets_the_client_and_its_slot_stats_by_index(store):
+    make_client(store, lost_after=20.0)
+    assert store.touch_client("c1", {"last_seen": 1732000000.125, "lost_after": 1732000008.125},
+                              [{"index": 1, "memory_free": 7, "utilization": 55}, {"index": 9, "memory_free": 1}],
+                              expect_status="online") is True
+    client = store.get_client("c1")
+    assert (client["last_seen"], client["lost_after"]) == (1732000000.125, 1732000008.125)
+    assert (client["hostname"], client["versions"]) == ("host-c1", {"python": "3.11.7"})
     slots = {s["index"]: s for s in store.list_slots("r1")}
-    assert (slots[1]["memory_free"], slots[1]["utilization"]) == (7, 55)
+    assert (slots[1]["memory_free"], slots[1]["utilization"], slots[1]["name"]) == (7, 55, "GPU")
     assert (slots[0]["memory_free"], slots[0]["utilization"]) == (80, 0)
+    assert sorted(slots) == [0, 1]  # no slot made up for index 9
+    assert store.touch_client("c1", {}, [{"index": 0, "utilization": None}]) is True  # stats alone
+    assert store.list_slots("r1")[0]["utilization"] is None
+
+
+def test_a_heartbeat_of_a_client_not_in_the_expected_status_changes_nothing(store):
+    make_client(store, gpus=1)
+    make_client(store, "c2", gpus=1)
+    store.update_client("c1", {"status": "offline"})
+    assert store.touch_client("c1", {"last_seen": 50.0}, [{"index": 0, "memory_free": 1}],
+                              expect_status="online") is False
+    assert store.touch_client("nope", {"last_seen": 50.0}, [{"index": 0, "memory_free": 1}]) is False
+    assert store.get_client("c1")["last_seen"] == 10.0
+    assert [s["memory_free"] for s in store.list_slots("r1")] == [80, 80]
+    assert store.touch_client("c1", {"last_seen": 50.0}, []) is True  # any status when none is expected
+    assert store.get_client("c1")["last_seen"] == 50.0
 
 
 def test_registering_again_keeps_busy_slots_and_drops_free_ones_that_vanished(store):
@@ -173,11 +209,15 @@ def test_registering_again_keeps_busy_slots_and_drops_free_ones_that_vanished(st
     assert store.get_client("c1")["hostname"] == "renamed"
 
 
-def test_list_slots_by_room_or_all(store):
+def test_list_slots_by_room_or_all_or_one_client(store):
     make_client(store, "c1", "r1", gpus=2)
     make_client(store, "c2", "r2", gpus=1)
     assert [s["id"] for s in store.list_slots("r1")] == ["c1:0", "c1:1"]
     assert [s["id"] for s in store.list_slots(None)] == ["c1:0", "c1:1", "c2:0"]
+    make_client(store, "c0", "r1", gpus=1)
+    assert [s["id"] for s in store.list_slots("r1", "c1")] == ["c1:0", "c1:1"]
+    assert [s["id"] for s in store.list_slots(None, "c2")] == ["c2:0"]
+    assert store.list_slots("r2", "c1") == []
 
 
 # -- reservations ------------------------------------------------------------------------------
@@ -254,6 +294,18 @@ def test_jobs_get_increasing_queue_positions_and_list_in_submission_order(store)
     assert [j["id"] for j in store.list_jobs(None, iter(["running", "nope"]))] == ["j1"]
     assert store.get_job("j2")["room_id"] == "r2"
     assert store.get_job("nope") is None
+
+
+def test_count_jobs_gives_a_queued_jobs_place_in_line(store):
+    jobs = {f"j{i}": make_job(store, f"j{i}", room_id="r2" if i == 2 else "r1") for i in range(5)}
+    store.update_job("j1", {"status": "running"})
+    queued = [JobStatus.QUEUED]
+    assert store.count_jobs("r1", queued) == 3  # j0, j3, j4
+    assert [store.count_jobs("r1", queued, before_seq=jobs[j]["seq"]) for j in ("j0", "j3", "j4")] == [0, 1, 2]
+    assert store.count_jobs("r1", ["queued", "running"], before_seq=jobs["j3"]["seq"]) == 2
+    assert store.count_jobs("r2", queued) == 1
+    assert store.count_jobs("r3", queued) == 0
+    assert store.count_jobs("r1", []) == 0
 
 
 def test_a_job_document_round_trips_unchanged(store):

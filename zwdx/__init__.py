@@ -1,13 +1,23 @@
 """zwdx: pool GPUs that people lend, and train PyTorch models on them.
 
 Public surface: ``ZWDX`` (the SDK), ``JobStatus`` and the errors.
+
+The SDK (and with it requests, socket and ssl) is imported on first use of ``ZWDX``, so that
+``zwdx server`` can hand sockets and threads to gevent before anything imports them.
 """
 from .errors import (AuthError, BadRequest, Conflict, JobFailed, NotFound, RoomNotFound, ServerUnreachable,
                      ZwdxError)
 from .protocol import JobStatus
-from .sdk import ZWDX
 
 __version__ = "0.1.0"
 
 __all__ = ["ZWDX", "JobStatus", "ZwdxError", "AuthError", "BadRequest", "Conflict", "JobFailed", "NotFound",
            "RoomNotFound", "ServerUnreachable", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "ZWDX":
+        from .sdk import ZWDX
+        globals()["ZWDX"] = ZWDX
+        return ZWDX
+    raise AttributeError(f"module 'zwdx' has no attribute {name!r}")

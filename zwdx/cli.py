@@ -10,12 +10,27 @@ import sys
 from . import defaults
 from .errors import ZwdxError
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SERVER = os.environ.get("ZWDX_SERVER_URL", f"http://localhost:{defaults.PORT}")
+ASYNC_MODES = ("gevent", "threading")
+
+
+def _patch_for_gevent() -> bool:
+    """Give sockets, threads, locks and sleeps to gevent, before anything imports them, so that
+    the server serves every connection from a greenlet of one OS thread. False (nothing
+    patched) when gevent is not installed."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return False
+    monkey.patch_all()
+    return True
 
 
 def _server(args) -> int:
-    from .server import create_app, socketio
-    config = {"DATA_DIR": os.path.abspath(args.data_dir)}
+    from .server import create_app, serve, socketio
+    config = {"DATA_DIR": os.path.abspath(args.data_dir), "ASYNC_MODE": args.async_mode}
     if args.mongo_uri:
         config["MONGO_URI"] = args.mongo_uri
     if args.max_artifact_bytes:
@@ -23,9 +38,9 @@ def _server(args) -> int:
     if args.client_timeout:
         config["CLIENT_TIMEOUT"] = args.client_timeout
     app = create_app(config)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']})", flush=True)
-    socketio.run(app, host=args.host, port=args.port, allow_unsafe_werkzeug=True, log_output=False)
+    print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']}, "
+          f"{socketio.async_mode})", flush=True)
+    serve(app, args.host, args.port)
     return 0
 
 
@@ -83,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use MongoDB instead of the embedded store")
     p.add_argument("--max-artifact-bytes", type=int, default=None)
     p.add_argument("--client-timeout", type=float, default=None, help="seconds of silence before a GPU client is lost")
+    p.add_argument("--async-mode", choices=ASYNC_MODES, default=os.environ.get("ZWDX_ASYNC_MODE", "gevent"),
+                   help="gevent: every connection a greenlet (default); threading: an OS thread per "
+                        "connection (default: $ZWDX_ASYNC_MODE or %(default)s)")
     p.set_defaults(func=_server)
 
     p = sub.add_parser("room", help="rooms")
@@ -118,9 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "server" and args.async_mode not in ASYNC_MODES:
+        parser.error(f"ZWDX_ASYNC_MODE must be one of {', '.join(ASYNC_MODES)}, got {args.async_mode!r}")
+    no_gevent = args.command == "server" and args.async_mode == "gevent" and not _patch_for_gevent()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if no_gevent:
+        log.warning("server: gevent is not installed (pip install gevent); serving with one OS thread "
+                    "per connection instead (--async-mode threading)")
+        args.async_mode = "threading"
     try:
         return args.func(args)
     except ZwdxError as err:

@@ -2,12 +2,21 @@
 (GPU clients on /gpu, browsers on /ui).
 
     create_app(config) -> app          # app.extensions["zwdx"] is the ServerContext
-    socketio.run(app, ...)             # what `zwdx server` does
+    serve(app, host, port)             # what `zwdx server` does
+
+``ASYNC_MODE`` picks how connections are served. ``gevent`` (what ``zwdx server`` runs): every
+HTTP request, Socket.IO connection and background loop is a greenlet of one OS thread, in a
+process that gevent monkey-patched before anything imported socket or threading (the CLI
+does that first). ``threading`` (create_app's default, for tests that build an app in their
+own process): Werkzeug's server with one OS thread per connection. The server code is the
+same for both: it uses threading's primitives, which gevent patches into greenlet ones, and
+store calls that either block the hub only briefly (SQLite) or yield to it (pymongo).
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 from flask import Flask
@@ -18,6 +27,14 @@ from .. import defaults
 log = logging.getLogger(__name__)
 
 socketio = SocketIO()
+
+ASYNC_MODES = ("gevent", "threading")
+
+
+def gevent_patched() -> bool:
+    """True in a process that gevent monkey-patched (``zwdx server`` in gevent mode)."""
+    monkey = sys.modules.get("gevent.monkey")
+    return bool(monkey and monkey.is_module_patched("socket"))
 
 
 class ServerContext:
@@ -37,6 +54,8 @@ class ServerContext:
         from .scheduler import Scheduler
         self.scheduler = Scheduler(self)
         self.stopping = threading.Event()
+        #: token hash -> room, for the rooms callers named (rooms are never changed or deleted)
+        self.rooms: dict[str, dict] = {}
 
 
 def create_app(config: dict | None = None) -> Flask:
@@ -44,6 +63,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.config.from_mapping(
         DATA_DIR=os.path.abspath("zwdx-data"),
         MONGO_URI=None,
+        ASYNC_MODE="threading",
         MAX_ARTIFACT_BYTES=defaults.MAX_ARTIFACT_BYTES,
         CLIENT_TIMEOUT=defaults.CLIENT_TIMEOUT,
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
@@ -55,6 +75,13 @@ def create_app(config: dict | None = None) -> Flask:
     if config:
         app.config.update(config)
     app.config["MAX_CONTENT_LENGTH"] = None  # artifacts stream; their own limit applies
+    mode = app.config["ASYNC_MODE"]
+    if mode not in ASYNC_MODES:
+        raise ValueError(f"ASYNC_MODE must be one of {', '.join(ASYNC_MODES)}, got {mode!r}")
+    if mode == "gevent" and not gevent_patched():
+        log.warning("server: ASYNC_MODE gevent needs a process gevent monkey-patched first (as `zwdx server` "
+                    "does); serving with threads instead")
+        mode = app.config["ASYNC_MODE"] = "threading"
 
     ctx = ServerContext(app)
     app.extensions["zwdx"] = ctx
@@ -65,8 +92,63 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(dashboard_api.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
-    socketio.init_app(app, async_mode="threading", max_http_buffer_size=1024 * 1024)
+    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024)
     events.register(socketio)
     ctx.scheduler.start(app)
-    log.info("server: store %s, data dir %s", type(ctx.store).__name__, app.config["DATA_DIR"])
+    log.info("server: store %s, data dir %s, async mode %s", type(ctx.store).__name__, app.config["DATA_DIR"],
+             mode)
     return app
+
+
+def serve(app: Flask, host: str, port: int) -> None:
+    """Serve the app until the process ends: gevent's WSGI server in gevent mode (websockets
+    through simple-websocket), Werkzeug's threaded one otherwise."""
+    _raise_open_files_limit()
+    if socketio.async_mode == "gevent":
+        socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class())
+    else:
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        socketio.run(app, host=host, port=port, allow_unsafe_werkzeug=True, log_output=False)
+
+
+def _raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one: every GPU client and dashboard holds a
+    connection (two descriptors under gevent, where simple-websocket works on a duplicate of
+    the socket), and the usual soft limit of 1,024 ends near 500 GPU clients."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    except (ImportError, ValueError, OSError) as exc:
+        log.warning("server: cannot raise the open files limit: %s", exc)
+        return
+    log.info("server: up to %d open files (connections)", soft)
+
+
+def _handler_class():
+    """gevent's request handler, with two fixes for how zwdx is used:
+
+    - Nagle's algorithm off: the handler sends a response's headers and body in two writes,
+      and on a kept-alive connection the body would wait for the client's delayed ACK of the
+      headers (40 ms on Linux) before leaving.
+    - A connection that was a websocket is closed when the websocket ends, instead of being
+      read for one more HTTP request (which found the client's close frame and logged
+      "Invalid HTTP method")."""
+    import socket
+
+    from gevent import pywsgi
+
+    class Handler(pywsgi.WSGIHandler):
+        def __init__(self, sock, address, server, *args, **kwargs):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            super().__init__(sock, address, server, *args, **kwargs)
+
+        def handle_one_response(self):
+            super().handle_one_response()
+            if self.headers.get("Upgrade", "").lower() == "websocket":
+                self.close_connection = True
+    return Handler

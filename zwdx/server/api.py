@@ -71,8 +71,8 @@ def _field(body: dict, name: str, kind, required: bool = False, default=None):
 @bp.get("/health")
 def health():
     ok = ctx().store.ping()
-    return jsonify({"status": "ok" if ok else "store unavailable", "store": type(ctx().store).__name__}), \
-        200 if ok else 503
+    return jsonify({"status": "ok" if ok else "store unavailable", "store": type(ctx().store).__name__,
+                    "async_mode": current_app.config["ASYNC_MODE"]}), 200 if ok else 503
 
 
 # -- rooms ------------------------------------------------------------------------------------
@@ -203,11 +203,9 @@ def list_jobs():
 @bp.get(f"{P}/jobs/<job_id>")
 def get_job(job_id: str):
     job = job_in_room(job_id, request_room())
-    if job["status"] == JobStatus.QUEUED.value:
-        queued = ctx().store.list_jobs(job["room_id"], [JobStatus.QUEUED.value])
-        position = next((i for i, j in enumerate(queued) if j["id"] == job_id), None)
-        if position is not None:  # None: placed meanwhile
-            job["queue_position"] = position + 1
+    if job["status"] == JobStatus.QUEUED.value:  # 1 for the head of the room's queue
+        job["queue_position"] = ctx().store.count_jobs(job["room_id"], [JobStatus.QUEUED.value],
+                                                       before_seq=job["seq"]) + 1
     view = job_view(job)
     if "events_after" in request.args:  # a waiting SDK: the job and its new events in one call
         try:

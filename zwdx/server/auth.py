@@ -21,12 +21,18 @@ def hash_secret(secret: str) -> str:
 
 
 def room_for_token(token: str | None) -> dict:
-    """The room this token opens, or AuthError."""
+    """The room this token opens, or AuthError. Rooms never change once created, so each
+    server process asks the store once per room (a token not recognised is asked every time)."""
     if not token:
         raise AuthError(f"this call needs a room token in the {defaults.TOKEN_HEADER} header")
-    room = current_app.extensions["zwdx"].store.find_room_by_token_hash(hash_secret(token.strip()))
+    ctx = current_app.extensions["zwdx"]
+    token_hash = hash_secret(token.strip())
+    room = ctx.rooms.get(token_hash)
     if room is None:
-        raise AuthError("room token not recognised: no room has this token")
+        room = ctx.store.find_room_by_token_hash(token_hash)
+        if room is None:
+            raise AuthError("room token not recognised: no room has this token")
+        ctx.rooms[token_hash] = room
     return room
 
 

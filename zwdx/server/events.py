@@ -72,8 +72,8 @@ def register(socketio) -> None:
             if isinstance(item, dict):
                 running[str(item.get("job_id"))] = int(item.get("attempt") or 0)
         # Slots the store thinks are busy with jobs this client no longer runs: those ranks are gone.
-        for slot in ctx.store.list_slots(sess["room_id"]):
-            if slot["client_id"] == client_id and slot["job_id"] and slot["job_id"] not in running:
+        for slot in ctx.store.list_slots(sess["room_id"], client_id):
+            if slot["job_id"] and slot["job_id"] not in running:
                 job = ctx.store.get_job(slot["job_id"])
                 lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1},
                                        (job or {}).get("attempt", 0))
@@ -88,7 +88,7 @@ def register(socketio) -> None:
                               to=request.sid, namespace=GPU_NAMESPACE)
         log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
                  len(slots), client["hostname"])
-        notify.clients_changed(ctx, sess["room_id"])
+        notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
         ctx.scheduler.kick()
         return {"ok": True, "room_id": sess["room_id"],
                 "heartbeat_interval": current_app.config["HEARTBEAT_INTERVAL"]}
@@ -98,15 +98,15 @@ def register(socketio) -> None:
         sess = _sessions.get(request.sid)
         if not sess or not sess["client_id"]:
             return {"ok": False, "error": "heartbeat before register"}
-        ctx = _ctx()
-        client = ctx.store.get_client(sess["client_id"])
-        if client is None or client.get("status") != ClientStatus.ONLINE.value:
+        ctx, now = _ctx(), time.time()
+        stats = data.get("slots") if isinstance(data, dict) else None
+        stats = [s for s in stats if isinstance(s, dict) and isinstance(s.get("index"), int)] \
+            if isinstance(stats, list) else []
+        # One store write: the client's deadline and its slots' stats, if it is still online.
+        if not ctx.store.touch_client(sess["client_id"], {
+                "last_seen": now, "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"])}, stats,
+                expect_status=ClientStatus.ONLINE.value):
             return {"ok": False, "error": "unknown or lost gpu client: register again"}
-        now = time.time()
-        ctx.store.update_client(sess["client_id"], {"last_seen": now,
-                                                    "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"])})
-        if isinstance(data, dict) and isinstance(data.get("slots"), list):
-            ctx.store.update_slot_stats(sess["client_id"], data["slots"])
         notify.clients_changed(ctx, sess["room_id"])
         return {"ok": True}
 
@@ -137,7 +137,7 @@ def register(socketio) -> None:
                                                         "disconnected_at": now,
                                                         "lost_after": now + defaults.DISCONNECT_GRACE})
             log.info("gpu-client %s: disconnected", sess["client_id"])
-            notify.clients_changed(ctx, sess["room_id"])
+            notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
 
     # -- dashboards --------------------------------------------------------------------------
     @socketio.on("connect", namespace=UI_NAMESPACE)

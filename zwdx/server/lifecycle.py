@@ -78,7 +78,7 @@ def rank_failed(ctx, job: dict, rank: int, error: str, tb: str, collective: bool
         ctx.store.update_job(job["id"], {"failing_since": _now(), "failing_reason": f"rank {rank} failed: {error}"},
                              expect_status=_ACTIVE)
     log.warning("job %s: rank %d failed: %s", job["id"], rank, error)
-    ctx.scheduler.kick()
+    ctx.scheduler.kick(settle=True)  # fails the job as soon as every rank reported
 
 
 def fail(ctx, job_id: str, reason: str, failures: dict | None = None) -> dict | None:
@@ -167,7 +167,7 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
             ctx.store.update_job(job_id, changes, expect_status=_ACTIVE)
     _maybe_finish(ctx, job_id)
     notify.clients_changed(ctx, job["room_id"])
-    ctx.scheduler.kick()
+    ctx.scheduler.kick(settle=bool(bad or job.get("failing_since") or job.get("suspect_since")))
 
 
 #: Seconds the other ranks of a job get to report their own failure after the first one.
@@ -226,9 +226,8 @@ def client_lost(ctx, client_id: str, reason: str) -> None:
     ctx.store.update_client(client_id, {"status": ClientStatus.OFFLINE.value, "sid": None, "lost_after": None,
                                         "lost_at": _now()})
     log.warning("gpu-client %s: lost (%s)", client_id, reason)
-    for job_id in {s["job_id"] for s in ctx.store.list_slots(client["room_id"])
-                   if s["client_id"] == client_id and s["job_id"]}:
+    for job_id in {s["job_id"] for s in ctx.store.list_slots(client["room_id"], client_id) if s["job_id"]}:
         interrupt(ctx, job_id, f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}")
         ctx.store.release_slots(job_id, client_id)
-    notify.clients_changed(ctx, client["room_id"])
+    notify.clients_changed(ctx, client["room_id"], joined_or_left=True)
     ctx.scheduler.kick()

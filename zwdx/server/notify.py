@@ -1,13 +1,18 @@
 """Push changes to dashboards over Socket.IO (namespace /ui, one Socket.IO room per zwdx room).
 
-Job changes and job events go out at once. The GPU-client list of a room changes with every
-heartbeat, so it is coalesced: a room marked changed is sent at most every
-``CLIENTS_PUSH_INTERVAL`` seconds, whatever the number of GPU clients.
+Job changes and job events go out at once. The GPU-client list of a room is coalesced, and
+sent only while a dashboard watches the room (one that connects gets the list at once): a GPU
+client that joined, left or was lost shows within ``CLIENTS_PUSH_INTERVAL`` seconds; fresh
+heartbeat figures (free memory, utilisation, last seen) and slots taken or freed by jobs
+(which ``job_update`` already told) within one heartbeat interval, the pace the figures change
+at. A room's list costs the same to send whatever part of it changed, so in a busy room this
+is about one list per heartbeat interval, whatever the number of GPU clients and jobs.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
 from . import socketio
@@ -15,16 +20,21 @@ from .views import client_view, job_view
 
 log = logging.getLogger(__name__)
 
-#: Longest delay of a GPU-client change on its way to the dashboards, in seconds.
+#: Longest delay of a GPU client's change of state on its way to the dashboards, in seconds.
 CLIENTS_PUSH_INTERVAL = 0.5
 
-_dirty: set[str] = set()
+_due: dict[str, float] = {}  # room id -> when its client list should go out
 _lock = threading.Lock()
 _flusher: threading.Thread | None = None
 
 
 def ui_room(room_id: str) -> str:
     return f"room:{room_id}"
+
+
+def watched(room_id: str) -> bool:
+    """Whether a dashboard of this server process is connected to the room."""
+    return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
 
 
 def job_changed(job: dict) -> None:
@@ -41,11 +51,13 @@ def clients_payload(ctx, room_id: str) -> dict:
     return {"clients": [client_view(c) for c in ctx.store.list_clients(room_id)]}
 
 
-def clients_changed(ctx, room_id: str) -> None:
-    """Mark the room's GPU-client list changed; the flusher sends it soon."""
+def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
+    """Mark the room's GPU-client list changed; the flusher sends it within a heartbeat
+    interval, or within ``CLIENTS_PUSH_INTERVAL`` when a client ``joined_or_left``."""
     global _flusher
+    due = time.monotonic() + (0.0 if joined_or_left else float(ctx.config["HEARTBEAT_INTERVAL"]))
     with _lock:
-        _dirty.add(room_id)
+        _due[room_id] = min(due, _due.get(room_id, due))
         if _flusher is None or not _flusher.is_alive():
             _flusher = threading.Thread(target=_flush_loop, args=(ctx,), name="zwdx-notify", daemon=True)
             _flusher.start()
@@ -53,10 +65,14 @@ def clients_changed(ctx, room_id: str) -> None:
 
 def _flush_loop(ctx) -> None:
     while not ctx.stopping.wait(CLIENTS_PUSH_INTERVAL):
+        now = time.monotonic()
         with _lock:
-            rooms = list(_dirty)
-            _dirty.clear()
+            rooms = [room_id for room_id, due in _due.items() if due <= now]
+            for room_id in rooms:
+                del _due[room_id]
         for room_id in rooms:
+            if not watched(room_id):
+                continue  # no dashboard open on this room: nothing to list
             try:
                 socketio.emit(EV_CLIENTS_UPDATE, clients_payload(ctx, room_id), to=ui_room(room_id),
                               namespace=UI_NAMESPACE)

@@ -90,15 +90,26 @@ def plan(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict] | None
     return None, reason + (f" ({why})" if why else "")
 
 
+#: Seconds between two looks for GPU clients past their deadline and for jobs to settle (and
+#: the longest a pass waits for a kick).
+REAP_INTERVAL = 1.0
+
+
 class Scheduler:
-    """Runs in one background thread of the server; ``kick()`` asks it to look again."""
+    """Runs in one background thread (a greenlet under gevent) of the server; ``kick()`` asks
+    it to look again: settle suspect jobs and place queued ones."""
 
     def __init__(self, ctx):
         self.ctx = ctx
         self._wake = threading.Event()
+        self._settle = False
         self._thread: threading.Thread | None = None
 
-    def kick(self) -> None:
+    def kick(self, settle: bool = False) -> None:
+        """Look again soon: place queued jobs, and with ``settle`` first settle the jobs whose
+        ranks failed or lost their peers (which happens on the clock anyway)."""
+        if settle:
+            self._settle = True
         self._wake.set()
 
     def start(self, app) -> None:
@@ -109,12 +120,19 @@ class Scheduler:
         self._thread.start()
 
     def _loop(self, app) -> None:
+        next_round = 0.0
         with app.app_context():
             while not self.ctx.stopping.is_set():
-                self._wake.wait(timeout=1.0)
+                self._wake.wait(timeout=REAP_INTERVAL)
                 self._wake.clear()
                 try:
-                    self.reap_silent_clients()
+                    settle, self._settle = self._settle, False
+                    if time.time() >= next_round:  # on the clock, not on every kick
+                        next_round = time.time() + REAP_INTERVAL
+                        self.reap_silent_clients()
+                        settle = True
+                    if settle:
+                        lifecycle.settle_suspects(self.ctx)
                     self.schedule_once()
                 except Exception:  # keep scheduling whatever one pass hit
                     log.exception("scheduler: pass failed")
@@ -122,18 +140,13 @@ class Scheduler:
     # -- lost clients ----------------------------------------------------------------------
     def reap_silent_clients(self) -> None:
         """Declare lost the GPU clients past their ``lost_after`` (set on each heartbeat, on a
-        dropped connection and when this server starts), then settle suspect jobs."""
+        dropped connection and when this server starts; none once declared lost)."""
         now = time.time()
-        for client in self.ctx.store.list_clients(None):
+        for client in self.ctx.store.list_clients(None, lost_before=now):
             holds_ranks = any(s.get("job_id") for s in client["slots"])
-            live = client.get("status") == ClientStatus.ONLINE.value
-            lost_after = client.get("lost_after")
-            if lost_after is None:
-                lost_after = client.get("last_seen", 0) + float(self.ctx.config["CLIENT_TIMEOUT"])
-            if (live or holds_ranks) and lost_after < now:
+            if client.get("status") == ClientStatus.ONLINE.value or holds_ranks:
                 why = ("connection dropped and not back" if client.get("disconnected_at") else "no heartbeat")
                 lifecycle.client_lost(self.ctx, client["id"], f"{why} for {now - client.get('last_seen', now):.1f} s")
-        lifecycle.settle_suspects(self.ctx)
 
     def grace_after_restart(self) -> None:
         """A (re)started server gives every GPU client that was online or running ranks
@@ -162,8 +175,8 @@ class Scheduler:
 
     def _try_start(self, job: dict) -> bool:
         store = self.ctx.store
-        clients = {c["id"]: c for c in store.list_clients(job["room_id"])}
-        slots = store.list_slots(job["room_id"])
+        clients = {c["id"]: c for c in store.list_clients(job["room_id"])}  # each with its slots
+        slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
         if any(s.get("job_id") == job["id"] for s in slots):
             return False  # ranks of its last attempt are still stopping
         chosen, reason = plan(job, slots, clients)

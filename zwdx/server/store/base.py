@@ -8,6 +8,9 @@ Atomicity promises (the scheduler relies on them, across threads and processes):
 - ``reserve_slots`` gives a slot to at most one job and moves the job out of ``queued`` (or
   ``resuming``) at most once: all of it happens or none of it does.
 - ``update_job`` with ``expect_status`` changes a job only if it is still in one of those states.
+- ``touch_client`` changes a client only if it is still in ``expect_status``. On SQLite the
+  client and its slots' stats change in one transaction; on MongoDB (single-document
+  atomicity) the slots' stats follow the client's update in one more round trip.
 """
 from __future__ import annotations
 
@@ -58,16 +61,19 @@ class Store(abc.ABC):
         """The client, or None."""
 
     @abc.abstractmethod
-    def list_clients(self, room_id: str | None) -> list[dict]:
+    def list_clients(self, room_id: str | None, lost_before: float | None = None) -> list[dict]:
         """Every client of the room (of every room when None), each with its ``slots`` list,
-        oldest first."""
+        oldest first; with ``lost_before``, only those whose ``lost_after`` is earlier (the
+        reaper's question, answered without reading every client)."""
 
-    def _with_slots(self, clients: list[dict], room_id: str | None) -> list[dict]:
-        """Give each client document its ``slots`` list (for ``list_clients``)."""
+    def _with_slots(self, clients: list[dict], room_id: str | None, every: bool = True) -> list[dict]:
+        """Give each client document its ``slots`` list (for ``list_clients``): from one listing
+        of the room's slots when ``clients`` are ``every`` client of it, else client by client."""
         by_id = {c["id"]: c for c in clients}
         for c in clients:
             c["slots"] = []
-        for slot in self.list_slots(room_id):
+        slots = self.list_slots(room_id) if every else [s for c in clients for s in self.list_slots(None, c["id"])]
+        for slot in slots:
             if slot["client_id"] in by_id:
                 by_id[slot["client_id"]]["slots"].append(slot)
         return clients
@@ -77,12 +83,18 @@ class Store(abc.ABC):
         """Set fields of a client (``status``, ``last_seen``, ``sid``...)."""
 
     @abc.abstractmethod
-    def update_slot_stats(self, client_id: str, stats: list[dict]) -> None:
-        """Refresh ``memory_free``/``utilization`` of the client's slots by ``index``."""
+    def touch_client(self, client_id: str, changes: dict, stats: list[dict],
+                     expect_status: str | None = None) -> bool:
+        """A heartbeat, in one write: if the client exists (and its ``status`` is
+        ``expect_status``, when given), set ``changes`` (top-level fields: ``last_seen``,
+        ``lost_after``) on it and refresh ``memory_free``/``utilization``/``memory_total`` of
+        its slots by ``index`` from ``stats`` (slots it does not have are skipped). Returns
+        False, changing nothing, otherwise."""
 
     @abc.abstractmethod
-    def list_slots(self, room_id: str | None) -> list[dict]:
-        """Every slot of the room (every room when None), with ``job_id`` and ``rank``."""
+    def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
+        """Every slot of the room (every room when None), or only the slots of one client of
+        it, with ``job_id`` and ``rank``, by client id and index."""
 
     @abc.abstractmethod
     def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], changes: dict) -> bool:
@@ -102,6 +114,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get_job(self, job_id: str) -> dict | None:
         """The job, or None."""
+
+    @abc.abstractmethod
+    def count_jobs(self, room_id: str, statuses: Iterable[str], before_seq: int | None = None) -> int:
+        """How many jobs of the room are in one of ``statuses`` (submitted before the job
+        whose ``seq`` is ``before_seq``, when given): a queued job's place in line."""
 
     @abc.abstractmethod
     def list_jobs(self, room_id: str | None = None, statuses: Iterable[str] | None = None,

@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Callable
 
-from pymongo import ASCENDING, DESCENDING, MongoClient, ReturnDocument, uri_parser
+from pymongo import ASCENDING, DESCENDING, MongoClient, ReturnDocument, UpdateOne, uri_parser
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
@@ -55,9 +55,13 @@ _WAITING = ["queued", "resuming"]
 #: Fields the store keeps for itself; never returned.
 _INTERNAL = ("_id", "_rev", "_order", "_claim", "_claimed_at", "_fences", "_moved")
 
+#: What a heartbeat refreshes on a slot.
+_SLOT_STATS = ("memory_free", "utilization", "memory_total")
+
 _INDEXES = {
     "rooms": [([("token_hash", ASCENDING)], True)],
-    "clients": [([("room_id", ASCENDING), ("_order", ASCENDING)], False), ([("_order", ASCENDING)], False)],
+    "clients": [([("room_id", ASCENDING), ("_order", ASCENDING)], False), ([("_order", ASCENDING)], False),
+                ([("doc.lost_after", ASCENDING)], False)],
     "slots": [([("room_id", ASCENDING), ("client_id", ASCENDING), ("index", ASCENDING)], False),
               ([("client_id", ASCENDING), ("index", ASCENDING)], False),
               ([("job_id", ASCENDING)], False)],
@@ -232,24 +236,39 @@ class MongoStore(Store):
         doc = self._clients.find_one({"_id": client_id})
         return doc["doc"] if doc else None
 
-    def list_clients(self, room_id: str | None) -> list[dict]:
+    def list_clients(self, room_id: str | None, lost_before: float | None = None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}
+        if lost_before is not None:
+            where["doc.lost_after"] = {"$lt": float(lost_before)}
         clients = [d["doc"] for d in self._clients.find(where).sort("_order", ASCENDING)]
-        return self._with_slots(clients, room_id)
+        return self._with_slots(clients, room_id, every=lost_before is None)
 
     def update_client(self, client_id: str, changes: dict) -> None:
         if changes:
             self._clients.update_one({"_id": client_id},
                                      {"$set": {f"doc.{k}": v for k, v in _plain(changes).items()}})
 
-    def update_slot_stats(self, client_id: str, stats: list[dict]) -> None:
-        for stat in stats:
-            fields = {f"doc.{k}": stat[k] for k in ("memory_free", "utilization", "memory_total") if k in stat}
+    def touch_client(self, client_id: str, changes: dict, stats: list[dict],
+                     expect_status: str | None = None) -> bool:
+        where = {"_id": client_id, **({"doc.status": expect_status} if expect_status is not None else {})}
+        sets = {f"doc.{k}": v for k, v in _plain(changes).items()}
+        found = self._clients.update_one(where, {"$set": sets}).matched_count if sets else \
+            self._clients.find_one(where, {"_id": 1}) is not None
+        if not found:
+            return False
+        updates = []
+        for stat in _plain(stats):
+            fields = {f"doc.{k}": stat[k] for k in _SLOT_STATS if k in stat}
             if fields:
-                self._slots.update_one({"client_id": client_id, "index": stat["index"]}, {"$set": _plain(fields)})
+                updates.append(UpdateOne({"client_id": client_id, "index": stat["index"]}, {"$set": fields}))
+        if updates:  # one round trip for every slot
+            self._slots.bulk_write(updates, ordered=False)
+        return True
 
-    def list_slots(self, room_id: str | None) -> list[dict]:
+    def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}
+        if client_id is not None:
+            where["client_id"] = client_id
         order = [("client_id", ASCENDING), ("index", ASCENDING)]
         docs = list(self._slots.find(where).sort(order))
         stale = [d for d in docs if (d.get("_claimed_at") or _now()) < _now() - STALE_CLAIM_S]
@@ -323,6 +342,12 @@ class MongoStore(Store):
 
     def get_job(self, job_id: str) -> dict | None:
         return _public(self._jobs.find_one({"_id": job_id}))
+
+    def count_jobs(self, room_id: str, statuses, before_seq: int | None = None) -> int:
+        where = {"room_id": room_id, "status": {"$in": [_status(s) for s in statuses]}}
+        if before_seq is not None:
+            where["seq"] = {"$lt": int(before_seq)}
+        return self._jobs.count_documents(where)
 
     def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}

@@ -3,21 +3,30 @@
 Documents are kept as JSON next to the columns the server filters on. Writes that must be
 atomic run inside ``BEGIN IMMEDIATE`` transactions, which serialise writers across threads
 and processes that share the file.
+
+Connections come from a small pool: a call takes one (or opens one when every pooled one is
+in use), and gives it back when done; ``POOL_SIZE`` idle ones are kept. That serves OS threads
+and gevent's greenlets alike (a greenlet never holds one across a switch: SQLite calls do not
+yield to the hub), without a connection per thread or greenlet ever started.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sqlite3
-import threading
-import weakref
+from collections import deque
 from contextlib import contextmanager
+from typing import Iterable
 
 from ...errors import SchemaVersionError, StoreError
 from .base import SCHEMA_VERSION, Store
 
 log = logging.getLogger(__name__)
+
+#: Idle connections kept for the next call.
+POOL_SIZE = 8
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -43,6 +52,9 @@ CREATE INDEX IF NOT EXISTS artifacts_job ON artifacts (job_id, kind);
 #: Migrations from version N to N+1, each a list of SQL statements.
 MIGRATIONS: dict[int, list[str]] = {}
 
+#: What a heartbeat refreshes on a slot.
+_SLOT_STATS = ("memory_free", "utilization", "memory_total")
+
 
 def _set_path(doc: dict, dotted: str, value) -> None:
     """Set ``doc["a"]["b"] = value`` for ``"a.b"``, creating dicts on the way (as MongoDB's $set)."""
@@ -56,57 +68,79 @@ def _dump(doc: dict) -> str:
     return json.dumps(doc, separators=(",", ":"))
 
 
+def _json_set(fields: dict) -> tuple[str, tuple]:
+    """SQL that sets top-level fields of the ``doc`` column in place (SQLite's json_set, no
+    decoding in Python), and its arguments."""
+    return _json_set_sql(tuple(fields)), tuple(_dump(value) for value in fields.values())
+
+
+@functools.lru_cache(maxsize=64)
+def _json_set_sql(keys: tuple[str, ...]) -> str:
+    if not keys:
+        return "doc"
+    for key in keys:
+        if not key.isidentifier():
+            raise ValueError(f"cannot set field {key!r} in place")
+    return "json_set(doc, " + ", ".join(f"'$.{key}', json(?)" for key in keys) + ")"
+
+
 class SQLiteStore(Store):
     def __init__(self, path: str):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._local = threading.local()
-        # Every connection, weakly: one per thread (each HTTP request and Socket.IO connection
-        # has its thread); a finished thread's connection is closed when its thread-local goes.
-        self._all: weakref.WeakSet = weakref.WeakSet()
-        self._lock = threading.Lock()
-        conn = self._conn()
-        conn.executescript(_DDL)
-        self._check_schema(conn)
+        self._idle: deque[sqlite3.Connection] = deque()  # append and pop are atomic
+        with self._conn() as conn:
+            conn.executescript(_DDL)
+        self._check_schema()
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            try:
-                conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
-                                       check_same_thread=False, factory=_Connection)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-                conn.execute("PRAGMA busy_timeout=30000")
-            except sqlite3.Error as exc:
-                raise StoreError(f"cannot open the embedded store at {self.path}: {exc}") from exc
-            self._local.conn = conn
-            with self._lock:
-                self._all.add(conn)
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the embedded store at {self.path}: {exc}") from exc
         return conn
 
     @contextmanager
-    def _tx(self):
-        conn = self._conn()
+    def _conn(self):
+        """A connection of the pool for the length of one call."""
         try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise StoreError(f"embedded store busy or broken: {exc}") from exc
+            conn = self._idle.pop()
+        except IndexError:
+            conn = self._open()
         try:
             yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        else:
-            conn.execute("COMMIT")
+        finally:
+            if len(self._idle) < POOL_SIZE:
+                self._idle.append(conn)
+            else:
+                conn.close()
 
-    def _check_schema(self, conn) -> None:
-        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None:
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    @contextmanager
+    def _tx(self):
+        with self._conn() as conn:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"embedded store busy or broken: {exc}") from exc
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            else:
+                conn.execute("COMMIT")
+
+    def _check_schema(self) -> None:
+        rows = self._q("SELECT value FROM meta WHERE key='schema_version'")
+        if not rows:
+            with self._tx() as db:
+                db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             return
-        found = int(row[0])
+        found = int(rows[0][0])
         if found > SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"the store at {self.path} has schema version {found}, newer than this zwdx "
@@ -120,10 +154,11 @@ class SQLiteStore(Store):
             log.info("store: migrated %s to schema version %d", self.path, found)
 
     def _q(self, sql: str, args: tuple = ()) -> list:
-        try:
-            return self._conn().execute(sql, args).fetchall()
-        except sqlite3.Error as exc:
-            raise StoreError(f"embedded store query failed: {exc}") from exc
+        with self._conn() as conn:
+            try:
+                return conn.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"embedded store query failed: {exc}") from exc
 
     # -- lifecycle -------------------------------------------------------------------------
     def ping(self) -> bool:
@@ -137,14 +172,11 @@ class SQLiteStore(Store):
         return int(self._q("SELECT value FROM meta WHERE key='schema_version'")[0][0])
 
     def close(self) -> None:
-        with self._lock:
-            for conn in list(self._all):
-                try:
-                    conn.close()
-                except sqlite3.Error:
-                    pass
-            self._all.clear()
-        self._local = threading.local()
+        while self._idle:
+            try:
+                self._idle.pop().close()
+            except (IndexError, sqlite3.Error):
+                pass
 
     # -- rooms -----------------------------------------------------------------------------
     def create_room(self, room: dict) -> dict:
@@ -181,13 +213,14 @@ class SQLiteStore(Store):
         rows = self._q("SELECT doc FROM clients WHERE id=?", (client_id,))
         return json.loads(rows[0][0]) if rows else None
 
-    def list_clients(self, room_id: str | None) -> list[dict]:
-        if room_id is None:
-            rows = self._q("SELECT doc FROM clients ORDER BY rowid")
-        else:
-            rows = self._q("SELECT doc FROM clients WHERE room_id=? ORDER BY rowid", (room_id,))
-        clients = [json.loads(r[0]) for r in rows]
-        return self._with_slots(clients, room_id)
+    def list_clients(self, room_id: str | None, lost_before: float | None = None) -> list[dict]:
+        where, args = "WHERE 1=1", ()
+        if room_id is not None:
+            where, args = where + " AND room_id=?", args + (room_id,)
+        if lost_before is not None:  # json_extract in SQLite: no client decoded that is not asked for
+            where, args = where + " AND json_extract(doc, '$.lost_after') < ?", args + (float(lost_before),)
+        clients = [json.loads(r[0]) for r in self._q(f"SELECT doc FROM clients {where} ORDER BY rowid", args)]
+        return self._with_slots(clients, room_id, every=lost_before is None)
 
     def update_client(self, client_id: str, changes: dict) -> None:
         with self._tx() as db:
@@ -198,20 +231,29 @@ class SQLiteStore(Store):
             doc.update(changes)
             db.execute("UPDATE clients SET doc=? WHERE id=?", (_dump(doc), client_id))
 
-    def update_slot_stats(self, client_id: str, stats: list[dict]) -> None:
+    def touch_client(self, client_id: str, changes: dict, stats: list[dict],
+                     expect_status: str | None = None) -> bool:
+        set_client, args = _json_set(changes)
+        where = "id=?" + (" AND json_extract(doc, '$.status')=?" if expect_status is not None else "")
+        args += (client_id,) + ((expect_status,) if expect_status is not None else ())
         with self._tx() as db:
+            if db.execute(f"UPDATE clients SET doc={set_client} WHERE {where}", args).rowcount != 1:
+                return False
             for stat in stats:
-                row = db.execute("SELECT id, doc FROM slots WHERE client_id=? AND idx=?",
-                                 (client_id, stat["index"])).fetchone()
-                if row is None:
-                    continue
-                doc = json.loads(row[1])
-                doc.update({k: stat[k] for k in ("memory_free", "utilization", "memory_total") if k in stat})
-                db.execute("UPDATE slots SET doc=? WHERE id=?", (_dump(doc), row[0]))
+                fields = {k: stat[k] for k in _SLOT_STATS if k in stat}
+                if fields:
+                    set_slot, slot_args = _json_set(fields)
+                    db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
+                               (*slot_args, client_id, stat["index"]))
+        return True
 
-    def list_slots(self, room_id: str) -> list[dict]:
+    def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
         out = []
-        where, args = ("", ()) if room_id is None else ("WHERE room_id=?", (room_id,))
+        where, args = "WHERE 1=1", ()
+        if room_id is not None:
+            where, args = where + " AND room_id=?", args + (room_id,)
+        if client_id is not None:
+            where, args = where + " AND client_id=?", args + (client_id,)
         for doc, job_id, rank in self._q(
                 f"SELECT doc, job_id, rank FROM slots {where} ORDER BY client_id, idx", args):
             slot = json.loads(doc)
@@ -261,6 +303,15 @@ class SQLiteStore(Store):
     def get_job(self, job_id: str) -> dict | None:
         rows = self._q("SELECT doc FROM jobs WHERE id=?", (job_id,))
         return json.loads(rows[0][0]) if rows else None
+
+    def count_jobs(self, room_id: str, statuses: Iterable[str], before_seq: int | None = None) -> int:
+        statuses = [str(getattr(s, "value", s)) for s in statuses]
+        sql = f"SELECT COUNT(*) FROM jobs WHERE room_id=? AND status IN ({','.join('?' * len(statuses))})"
+        args = [room_id, *statuses]
+        if before_seq is not None:
+            sql += " AND seq<?"
+            args.append(int(before_seq))
+        return int(self._q(sql, tuple(args))[0][0])
 
     def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[dict]:
         sql, args = "SELECT doc FROM jobs WHERE 1=1", []
@@ -349,16 +400,6 @@ class SQLiteStore(Store):
     def delete_artifact(self, artifact_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM artifacts WHERE id=?", (artifact_id,))
-
-
-class _Connection(sqlite3.Connection):
-    """A connection that can be weakly referenced (and so closed when its thread is gone)."""
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class _Abort(Exception):
