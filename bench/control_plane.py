@@ -93,6 +93,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
         time.sleep(max(0.0, t0 - time.time()))
         cpu0, w0 = harness.cpu_seconds(server.pid), time.time()
         gen0 = sum(harness.cpu_seconds(g.pid) for g in gens)
+        mongo0 = harness.cpu_seconds(mongo.pid) if mongo else None
         if args.profile:
             spy = subprocess.Popen([py_spy(), "record", "--pid", str(server.pid), "--gil", "--rate", "50",
                                     "--duration", str(int(args.hold)), "--format", "raw", "--nonblocking",
@@ -102,6 +103,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
         window = time.time() - w0
         cpu = (harness.cpu_seconds(server.pid) - cpu0) / window
         gen_cpu = (sum(harness.cpu_seconds(g.pid) for g in gens) - gen0) / window
+        mongo_cpu = (harness.cpu_seconds(mongo.pid) - mongo0) / window if mongo else None
         status = proc_status(server.pid)
         mongo_status = proc_status(mongo.pid) if mongo else None
         online = None
@@ -142,7 +144,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
                 "ramp_s": ramp_s,
                 "held_ready": held_ready, "held": held, "online": online, "hold_s": args.hold,
                 "cpu": cpu, "gen_cpu": gen_cpu, "rss": status["VmRSS"], "hwm": status["VmHWM"], "threads": status["Threads"],
-                "mongo_hwm": mongo_status["VmHWM"] if mongo_status else None,
+                "mongo_hwm": mongo_status["VmHWM"] if mongo_status else None, "mongo_cpu": mongo_cpu,
                 "lat": {k: summarize(v) for k, v in lat.items()}, "errors": dict(errors), "counts": dict(counts),
                 "error_samples": samples[:10], "profile": profile}
     finally:
@@ -239,7 +241,8 @@ def report(results: list[dict], args) -> str:
                              f"{r['store']}, {r['clients']} clients, {r['users']} SDK users, {r['rooms']} room(s): "
                              f"every call in the {r['hold_s']:g} s window (ramp {r['ramp_s']:.0f} s, "
                              f"{r['threads']} server threads, RSS {r['rss'] / mib:,.0f} MiB at the end"
-                             + (f", nx-27017 peak {r['mongo_hwm'] / mib:,.0f} MiB" if r.get("mongo_hwm") else "")
+                             + (f", nx-27017 peak {r['mongo_hwm'] / mib:,.0f} MiB, CPU {100 * r['mongo_cpu']:.0f}%"
+                                if r.get("mongo_hwm") else "")
                              + ")"))
         if r.get("error_samples"):
             details.append("errors seen: " + " | ".join(r["error_samples"][:5]) + "\n")
