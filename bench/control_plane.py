@@ -38,6 +38,13 @@ SOCKET_KINDS = ("socket.io heartbeat", "socket.io register", "socket.io ranks_ex
 NOT_GATED = ("socket.io connect", "socket.io register", "job submit->completed", "metric -> dashboard")
 
 
+def level_database(uri: str, level_dir: str) -> str:
+    """``uri`` naming a database of this level's own (a real MongoDB's URI, given without one)."""
+    from urllib.parse import urlsplit, urlunsplit
+    parts = urlsplit(uri)
+    return urlunsplit(parts._replace(path="/" + os.path.basename(level_dir).replace("-", "_")))
+
+
 def run_level(args, store: str, clients: int, work: str) -> dict:
     import requests
     level_dir = tempfile.mkdtemp(prefix=f"zwdx-bench-{store}-{clients}-", dir=args.data_root or work)
@@ -48,12 +55,14 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
         if store == "mongo":
             if not harness.mongo_store_available():
                 return {"store": store, "clients": clients, "pending": "zwdx/server/store/mongo.py is not there yet"}
-            mongo = MongoProc(level_dir)
+            if not args.mongo_uri:
+                mongo = MongoProc(level_dir)
         env = {}
         if args.heartbeat_interval:
             env.update({"ZWDX_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                         "ZWDX_CLIENT_TIMEOUT": str(max(10.0, 5 * args.heartbeat_interval))})
-        server = ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo.uri if mongo else None,
+        mongo_uri = mongo.uri if mongo else (level_database(args.mongo_uri, level_dir) if store == "mongo" else None)
+        server = ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo_uri,
                             extra=["--async-mode", args.async_mode] if args.async_mode else None, env=env)
         async_mode = requests.get(f"{server.url}/health", timeout=10).json().get("async_mode", "threading")
         tokens = [requests.post(f"{server.url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()["token"]
@@ -274,6 +283,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="100,250,500,1000", help="levels of simulated GPU clients")
     parser.add_argument("--store", default="sqlite", help="sqlite, mongo or both (comma-separated)")
+    parser.add_argument("--mongo-uri", default=None,
+                        help="for --store mongo: this MongoDB (a database per level is made there) instead "
+                             "of an nx-27017 stand-in started by the script")
     parser.add_argument("--rooms", type=int, default=1, help="rooms the clients and users are spread over")
     parser.add_argument("--users-per-100", type=float, default=10, help="SDK users per 100 GPU clients")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per simulated job")
