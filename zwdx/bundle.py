@@ -156,11 +156,11 @@ class _Unpickler(cloudpickle.pickle.Unpickler):
             return self._made[index]
         start, end = self._offsets[index], self._offsets[index + 1]
         dt = getattr(torch, dtype)
-        size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-        flat = (torch.frombuffer(self._data, dtype=torch.uint8, count=size, offset=start) if size
-                else torch.empty(0, dtype=torch.uint8))
+        size = int(torch.Size(shape).numel()) * dt.itemsize
         if size > end - start:
             raise ValueError("bundle is truncated: a tensor's bytes are missing")
+        flat = (torch.frombuffer(self._data, dtype=torch.uint8, count=size, offset=start) if size
+                else torch.empty(0, dtype=torch.uint8))
         tensor = flat.view(dt).reshape(shape)
         tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter \
             else tensor.requires_grad_(requires_grad)
