@@ -16,7 +16,7 @@ FINGERPRINT_MAX_NUMEL = 200_000_000
 
 
 def wrap(model: torch.nn.Module, parallelism: str, device: torch.device) -> torch.nn.Module:
-    model = model.to(device)
+    """DDP or FSDP2 around ``model``, which is on ``device`` already."""
     if parallelism == "DDP":
         from torch.nn.parallel import DistributedDataParallel
         ids = [device.index] if device.type == "cuda" else None

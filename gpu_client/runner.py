@@ -355,8 +355,8 @@ def _warm_up(device, parts: set[str]) -> None:
 def standby(device: str) -> int:
     """A rank process started ahead of its job: torch imported, (on a GPU) its CUDA context
     made and first-use costs paid (``_warm_up``; ZWDX_STANDBY_WARMUP lists which, "none" skips
-    them) while the slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``, and then runs
-    that rank as ``main`` does. Saves seconds of every job's start."""
+    them) while the slot is idle. It waits for one line on stdin, ``{"env": {...}, "log": path}``,
+    and then runs that rank as ``main`` does. Saves seconds of every job's start."""
     _die_with_parent()
     import torch
     import torch.distributed  # noqa: F401
