@@ -21,6 +21,10 @@ from typing import Iterable
 SCHEMA_VERSION = 1
 
 
+#: What a heartbeat refreshes on a slot (``touch_client``).
+SLOT_STATS = ("memory_free", "utilization", "memory_total")
+
+
 class Store(abc.ABC):
     """Abstract store. Methods raise ``zwdx.errors.StoreError`` when the backend fails."""
 

@@ -37,7 +37,7 @@ from pymongo.database import Database
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from ...errors import SchemaVersionError, StoreError
-from .base import SCHEMA_VERSION, Store
+from .base import SCHEMA_VERSION, SLOT_STATS, Store
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,6 @@ _WAITING = ["queued", "resuming"]
 #: Fields the store keeps for itself; never returned.
 _INTERNAL = ("_id", "_rev", "_order", "_claim", "_claimed_at", "_fences", "_moved")
 
-#: What a heartbeat refreshes on a slot.
-_SLOT_STATS = ("memory_free", "utilization", "memory_total")
 
 _INDEXES = {
     "rooms": [([("token_hash", ASCENDING)], True)],
@@ -258,7 +256,7 @@ class MongoStore(Store):
             return False
         updates = []
         for stat in _plain(stats):
-            fields = {f"doc.{k}": stat[k] for k in _SLOT_STATS if k in stat}
+            fields = {f"doc.{k}": stat[k] for k in SLOT_STATS if k in stat}
             if fields:
                 updates.append(UpdateOne({"client_id": client_id, "index": stat["index"]}, {"$set": fields}))
         if updates:  # one round trip for every slot

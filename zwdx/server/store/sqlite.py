@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Iterable
 
 from ...errors import SchemaVersionError, StoreError
-from .base import SCHEMA_VERSION, Store
+from .base import SCHEMA_VERSION, SLOT_STATS, Store
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,6 @@ CREATE INDEX IF NOT EXISTS artifacts_job ON artifacts (job_id, kind);
 #: Migrations from version N to N+1, each a list of SQL statements.
 MIGRATIONS: dict[int, list[str]] = {}
 
-#: What a heartbeat refreshes on a slot.
-_SLOT_STATS = ("memory_free", "utilization", "memory_total")
 
 
 def _set_path(doc: dict, dotted: str, value) -> None:
@@ -240,7 +238,7 @@ class SQLiteStore(Store):
             if db.execute(f"UPDATE clients SET doc={set_client} WHERE {where}", args).rowcount != 1:
                 return False
             for stat in stats:
-                fields = {k: stat[k] for k in _SLOT_STATS if k in stat}
+                fields = {k: stat[k] for k in SLOT_STATS if k in stat}
                 if fields:
                     set_slot, slot_args = _json_set(fields)
                     db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
