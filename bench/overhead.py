@@ -99,7 +99,7 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
     marks = startup_marks(sdk.get_job_logs(res["job_id"], token))
     assigned = r["entered_at"] - marks["train_func"]  # the marks count from the job's arrival at rank 0's client
     at = {name: assigned + t for name, t in marks.items()}
-    joined = max(at["joined"], at["bundle_loaded"])
+    joined = max(at["joined"], at["bundle_loaded"])  # ready: in the group, with the bundle loaded
     b = {  # the way from submit to the first step, in seconds
         "pack+upload+create": job["created_at"] - submitted,
         "queued->placed": job["started_at"] - job["created_at"],
@@ -114,9 +114,10 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
         "train_func->step": r["first_step_start"] - r["entered_at"],
         "first step": r["first_step_done"] - r["first_step_start"],
         "total to first step": r["first_step_start"] - submitted,
-        # not a stage: how much later than rank 0 the last rank joined (DDP's wrap waits for it)
-        "(last rank joined later by)": max([(v or {}).get("started_at") or at["joined"]
-                                            for v in (job.get("ranks") or {}).values()] + [at["joined"]]) - at["joined"],
+        # not a stage: how much later than rank 0 the last rank was ready, joined with its bundle
+        # loaded (its "running" status; DDP's wrap waits for it)
+        "(last rank ready later by)": max([(v or {}).get("started_at") or joined
+                                           for v in (job.get("ranks") or {}).values()] + [joined]) - joined,
     }
     return {"side": "zwdx", "job_id": res["job_id"], "samples_per_s": r["samples_per_s"], "spread": _spread(r),
             "to_first_step": r["first_step_start"] - submitted, "first_step_done": r["first_step_done"] - submitted,
