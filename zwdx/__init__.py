@@ -6,13 +6,13 @@ The SDK (and with it requests, socket and ssl) is imported on first use of ``ZWD
 ``zwdx server`` can hand sockets and threads to gevent before anything imports them.
 """
 from .errors import (AuthError, BadRequest, Conflict, JobFailed, NotFound, RoomNotFound, ServerUnreachable,
-                     ZwdxError)
+                     Unschedulable, ZwdxError)
 from .protocol import JobStatus
 
 __version__ = "0.1.0"
 
 __all__ = ["ZWDX", "JobStatus", "ZwdxError", "AuthError", "BadRequest", "Conflict", "JobFailed", "NotFound",
-           "RoomNotFound", "ServerUnreachable", "__version__"]
+           "RoomNotFound", "ServerUnreachable", "Unschedulable", "__version__"]
 
 
 def __getattr__(name: str):

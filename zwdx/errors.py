@@ -9,6 +9,7 @@
     ├── NotFound                   unknown room, job or artifact (404)
     │   └── RoomNotFound
     ├── Conflict                   a state change that is no longer possible (409)
+    │   └── Unschedulable          a job the room cannot run as it is, refused on request
     ├── StoreError                 the store cannot be used (500)
     │   └── SchemaVersionError     the store was written by a newer zwdx
     ├── IntegrityError             an artifact whose sha256 does not match (422)
@@ -76,6 +77,13 @@ class Conflict(ZwdxError):
     http_status = 409
 
 
+class Unschedulable(Conflict):
+    """``submit_job(..., fail_if_unschedulable=True)`` for a job the room cannot run as it is
+    now (more ranks than its slots, more memory than any slot has): nothing was stored."""
+
+    code = "unschedulable"
+
+
 class StoreError(ZwdxError):
     code = "store_error"
     http_status = 500
@@ -109,7 +117,7 @@ class JobFailed(ZwdxError):
 
 
 _BY_CODE = {cls.code: cls for cls in (
-    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, RoomNotFound, Conflict,
+    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, RoomNotFound, Conflict, Unschedulable,
     StoreError, SchemaVersionError, IntegrityError)}
 
 

@@ -50,6 +50,14 @@ class ArtifactKind(str, Enum):
     CHECKPOINT = "checkpoint"
 
 
+# The named arguments zwdx offers the submitter's functions; each is called with those it
+# declares (the runner passes them, the SDK checks a function's signature against them at submit).
+LOADER_ARGS = ("rank", "world_size", "device")
+TRAIN_ARGS = ("model", "loader", "optimizer", "optim", "rank", "world_size", "epochs", "device", "eval_func",
+              "reporter", "start_epoch", "resume")
+EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")
+
+
 # Socket.IO events, GPU client namespace "/gpu".
 GPU_NAMESPACE = "/gpu"
 EV_REGISTER = "register"            # client -> server {client_id, hostname, slots, versions, advertise_addr}
