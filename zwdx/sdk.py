@@ -102,8 +102,8 @@ class ZWDX:
         token = token or self.room_token
         if not token:
             known = f" (no job {job_id} submitted to {self.server_url} is on record here)" if job_id else ""
-            raise BadRequest(f"a room token is needed{known}: pass room_token=... (from `zwdx room create`)",
-                             field="room_token")
+            raise BadRequest(f"a room token is needed{known}: pass room_token=... or --room-token (from "
+                             f"`zwdx room create`)", field="room_token")
         return token
 
     def _remember(self, what: str, *args) -> None:
