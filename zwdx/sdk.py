@@ -78,7 +78,7 @@ class ZWDX:
                             required=not env_token, default=env_token,
                             help="token of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
         parsed = parser.parse_args(args)
-        self.room_token = self.room_token or parsed.room_token
+        self.room_token = parsed.room_token or self.room_token
         return parsed
 
     def get_logger(self) -> logging.Logger:
