@@ -165,7 +165,7 @@ def test_an_unpicklable_closure_is_named_with_its_function_and_type():
         sdk.submit_job(torch.nn.Linear(4, 2), tiny_loader, train_locked)
     text = str(info.value)
     assert "train_func" in text and "train_locked" in text and "'lock'" in text and "_thread.lock" in text, text
-    assert info.value.variable == "lock" and info.value.field == "train_func"
+    assert info.value.variable == "lock" and info.value.variable_type == "_thread.lock" and info.value.field == "train_func"
     with pytest.raises(BadRequest) as info:
         sdk.submit_job(torch.nn.Linear(4, 2), tiny_loader, train_via_helper)
     assert "train_via_helper" in str(info.value) and "through helper" in str(info.value)

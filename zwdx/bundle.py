@@ -348,13 +348,13 @@ def _unpicklable_error(exc: BaseException, model, functions: dict) -> BadRequest
             via = f" (through {' -> '.join(path[:-1])})" if len(path) > 1 else ""
             return BadRequest(f"{what} {_fn_name(fn)!r} uses variable {path[-1]!r}{via} of type {kind}, which "
                               f"cannot be pickled to send to GPU clients ({error}); create it inside the "
-                              f"function instead", field=what, variable=path[-1], type=kind)
+                              f"function instead", field=what, variable=path[-1], variable_type=kind)
     found = _culprit(model)
     if found and found[0]:
         path, value, error = found
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
         return BadRequest(f"model attribute 'model.{'.'.join(path)}' of type {kind} cannot be pickled to send "
-                          f"to GPU clients ({error})", field="model", variable=".".join(path), type=kind)
+                          f"to GPU clients ({error})", field="model", variable=".".join(path), variable_type=kind)
     return BadRequest(f"the job (model, functions, optimizer) cannot be pickled to send to GPU clients: "
                       f"{type(exc).__name__}: {exc}")
 
