@@ -114,7 +114,8 @@ def train_positional(model, loader, /):
 
 
 @pytest.mark.parametrize("loader, train, message", [
-    (tiny_loader, train_needing_lr, "train_func 'train_needing_lr' declares argument 'lr', which zwdx does not provide"),
+    (tiny_loader, train_needing_lr,
+     "train_func 'train_needing_lr' declares argument 'lr', which zwdx does not provide"),
     (lambda rank, path: None, train_with_default, "data_loader_func '<lambda>' declares argument 'path'"),
     (tiny_loader, train_positional, "declares positional-only arguments 'model', 'loader'"),
 ])
@@ -165,7 +166,7 @@ def test_an_unpicklable_closure_is_named_with_its_function_and_type():
         sdk.submit_job(torch.nn.Linear(4, 2), tiny_loader, train_locked)
     text = str(info.value)
     assert "train_func" in text and "train_locked" in text and "'lock'" in text and "_thread.lock" in text, text
-    assert info.value.variable == "lock" and info.value.variable_type == "_thread.lock" and info.value.field == "train_func"
+    assert (info.value.field, info.value.variable, info.value.variable_type) == ("train_func", "lock", "_thread.lock")
     with pytest.raises(BadRequest) as info:
         sdk.submit_job(torch.nn.Linear(4, 2), tiny_loader, train_via_helper)
     assert "train_via_helper" in str(info.value) and "through helper" in str(info.value)
