@@ -264,7 +264,8 @@ class Agent:
                        "ZWDX_BUNDLE": bundle, "ZWDX_BUNDLE_PENDING": "1" if pending else "0",
                        "ZWDX_ASSIGNED_AT": repr(assigned_at), "ZWDX_BACKEND": data["backend"],
                        "ZWDX_DEVICE": f"cuda:{r['gpu_index']}" if r["kind"] == "cuda" else "cpu",
-                       "ZWDX_PARALLELISM": data["parallelism"], "ZWDX_EPOCHS": str(data["epochs"]),
+                       "ZWDX_PARALLELISM": data["parallelism"],
+                       "ZWDX_EPOCHS": "" if data.get("epochs") is None else str(data["epochs"]),  # "": its default
                        "ZWDX_COLLECTIVE_TIMEOUT": str(data["collective_timeout"]),
                        "ZWDX_ATTEMPT": str(data.get("attempt", 0)), "ZWDX_NUM_THREADS": str(threads),
                        "ZWDX_CHECKPOINT": json.dumps(data.get("checkpoint")),

@@ -10,6 +10,7 @@ A failure is reported with its traceback before the process exits non-zero.
 from __future__ import annotations
 
 import datetime
+import inspect
 import io
 import json
 import logging
@@ -153,6 +154,15 @@ def _is_collective_error(exc: BaseException) -> bool:
                                    "nccl", "timed out", "socket", "connection refused"))
 
 
+def _epochs(value: str | None, train_func) -> dict:
+    """``{"epochs": n}`` as submitted; none given: ``{}`` if train_func has a default for it
+    (its own default wins), else 1."""
+    if value:
+        return {"epochs": int(value)}
+    declared = inspect.signature(train_func).parameters.get("epochs")
+    return {} if declared is not None and declared.default is not declared.empty else {"epochs": 1}
+
+
 def _die_with_parent() -> None:
     """If the GPU client dies (SIGKILL, lost machine), its ranks die with it."""
     try:
@@ -277,15 +287,15 @@ def main() -> int:
             threading.Thread(target=_system_metrics, args=(reporter, loader, world, device, stop),
                              daemon=True).start()
         eval_func = bundle["eval_func"]
-        epochs = int(env.get("ZWDX_EPOCHS", "1"))
         startup.mark("train_func")
         if rank == 0:
             reporter.log(startup.line())
         started = time.time()
         train_out = call_with(bundle["train_func"], {
             "model": model, "loader": loader, "optimizer": optimizer, "optim": optimizer, "rank": rank,
-            "world_size": world, "epochs": epochs, "device": device, "eval_func": eval_func,
-            "reporter": reporter, "start_epoch": reporter.start_epoch, "resume": reporter.resume}, "train_func")
+            "world_size": world, **_epochs(env.get("ZWDX_EPOCHS"), bundle["train_func"]), "device": device,
+            "eval_func": eval_func, "reporter": reporter, "start_epoch": reporter.start_epoch,
+            "resume": reporter.resume}, "train_func")
         stop.set()
         if rank == 0 and loader.samples:  # mean throughput over the whole of training
             reporter.log_system(throughput=loader.samples * world / max(time.time() - started, 1e-9))

@@ -11,6 +11,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from procs import GpuClient, Server, wait_until  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def config_dir(tmp_path, monkeypatch):
+    """The SDK's credential store, in a temporary directory: tests never write the real home
+    (the variable reaches the processes a test starts too)."""
+    path = tmp_path / "zwdx-config"
+    monkeypatch.setenv("ZWDX_CONFIG_DIR", str(path))
+    return path
+
+
 @pytest.fixture
 def server(tmp_path):
     srv = Server(str(tmp_path / "server"))

@@ -21,6 +21,7 @@ import io
 import logging
 import mmap
 import os
+import pickle
 import struct
 import sys
 import sysconfig
@@ -29,13 +30,16 @@ import types
 import cloudpickle
 
 from .errors import BadRequest
-from .protocol import runtime_versions
+from .protocol import EVAL_ARGS, LOADER_ARGS, TRAIN_ARGS, runtime_versions
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2
 MAGIC = b"ZWDX-BUNDLE-2\n"
 _ALIGN = 64
+
+#: The named arguments offered to each of the submitter's functions: checked at submit, passed by the runner.
+OFFERED = {"data_loader_func": LOADER_ARGS, "train_func": TRAIN_ARGS, "eval_func": EVAL_ARGS}
 
 
 def _installed_roots() -> list[str]:
@@ -169,12 +173,17 @@ class _Unpickler(cloudpickle.pickle.Unpickler):
 
 
 def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) -> bytes:
-    """Cloudpickle what a rank needs into bytes (see the module's doc for the layout)."""
-    for name, fn in (("data_loader_func", data_loader_func), ("train_func", train_func)):
+    """Cloudpickle what a rank needs into bytes (see the module's doc for the layout). Checks
+    first what would otherwise fail only on the GPU clients: a function that declares an
+    argument zwdx does not offer, and anything that cannot be pickled (named)."""
+    functions = {"data_loader_func": data_loader_func, "train_func": train_func, "eval_func": eval_func}
+    for name, fn in functions.items():
+        if fn is None and name == "eval_func":
+            continue
         if not callable(fn):
-            raise BadRequest(f"{name} must be a function, got {type(fn).__name__}", field=name)
-    if eval_func is not None and not callable(eval_func):
-        raise BadRequest(f"eval_func must be a function or None, got {type(eval_func).__name__}", field="eval_func")
+            expected = "a function or None" if name == "eval_func" else "a function"
+            raise BadRequest(f"{name} must be {expected}, got {type(fn).__name__}", field=name)
+        check_signature(fn, name)
     if not hasattr(model, "state_dict") or not hasattr(model, "parameters"):
         raise BadRequest(f"model must be a torch.nn.Module, got {type(model).__name__}", field="model")
     found: dict[str, types.ModuleType] = {}
@@ -191,7 +200,10 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) ->
     try:
         head = io.BytesIO()
         pickler = _Pickler(head)
-        pickler.dump(payload)
+        try:
+            pickler.dump(payload)
+        except _PICKLE_ERRORS as exc:
+            raise _unpicklable_error(exc, model, functions) from None
     finally:
         for module in found.values():
             cloudpickle.unregister_pickle_by_value(module)
@@ -248,8 +260,111 @@ def load(path: str) -> dict:
     return unpack(mapped)
 
 
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def unmet_arguments(fn, offered) -> tuple[list[str], list[str]]:
+    """The arguments of ``fn`` that zwdx cannot fill by name from ``offered``: required ones it
+    does not offer, and required positional-only ones. A default, ``*args`` or ``**kwargs`` is fine."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return [], []
+    missing, positional = [], []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.kind is p.POSITIONAL_ONLY:
+            positional.append(p.name)
+        elif p.name not in offered:
+            missing.append(p.name)
+    return missing, positional
+
+
+def check_signature(fn, what: str) -> None:
+    """``BadRequest`` naming ``fn`` if a rank could not call it with the arguments zwdx offers."""
+    offered = OFFERED[what]
+    missing, positional = unmet_arguments(fn, offered)
+    if missing:
+        raise BadRequest(f"{what} {_fn_name(fn)!r} declares {_quoted(missing, 'argument')}, which zwdx does "
+                         f"not provide: give it a default, or declare only some of {', '.join(offered)}",
+                         field=what)
+    if positional:
+        raise BadRequest(f"{what} {_fn_name(fn)!r} declares {_quoted(positional, 'positional-only argument')}; "
+                         f"zwdx passes arguments by name", field=what)
+
+
+def _quoted(names: list[str], noun: str) -> str:
+    return f"{noun}{'s' if len(names) > 1 else ''} " + ", ".join(f"'{n}'" for n in names)
+
+
+# -- naming what cannot be pickled ---------------------------------------------------------------
+_PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError, ValueError, NotImplementedError, RecursionError)
+
+
+def _pickle_error(value) -> BaseException | None:
+    try:
+        cloudpickle.dumps(value, protocol=5)
+    except _PICKLE_ERRORS as exc:
+        return exc
+    return None
+
+
+def _inner(value) -> list[tuple[str, object]]:
+    """The named values that pickling ``value`` pickles too: a function's closure and globals,
+    a module's attributes (its parameters and buffers aside) and submodules."""
+    if isinstance(value, types.FunctionType):
+        try:
+            found = inspect.getclosurevars(value)
+        except ValueError:  # an empty closure cell
+            return []
+        return [*found.nonlocals.items(), *found.globals.items()]
+    if hasattr(value, "_modules") and hasattr(value, "_parameters"):  # a torch.nn.Module
+        plain = [(k, v) for k, v in vars(value).items() if not k.startswith("_")]
+        return [*plain, *value._modules.items()]
+    return []
+
+
+def _culprit(value, depth: int = 0) -> tuple[list[str], object, BaseException] | None:
+    """The path to the innermost named value under ``value`` that cannot be pickled."""
+    error = _pickle_error(value)
+    if error is None:
+        return None
+    if depth < 4:
+        for name, inner in _inner(value):
+            found = _culprit(inner, depth + 1)
+            if found is not None:
+                return [name, *found[0]], found[1], found[2]
+    return [], value, error
+
+
+def _unpicklable_error(exc: BaseException, model, functions: dict) -> BadRequest:
+    for what, fn in functions.items():
+        found = _culprit(fn) if fn is not None else None
+        if found and found[0]:
+            path, value, error = found
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            via = f" (through {' -> '.join(path[:-1])})" if len(path) > 1 else ""
+            return BadRequest(f"{what} {_fn_name(fn)!r} uses variable {path[-1]!r}{via} of type {kind}, which "
+                              f"cannot be pickled to send to GPU clients ({error}); create it inside the "
+                              f"function instead", field=what, variable=path[-1], variable_type=kind)
+    found = _culprit(model)
+    if found and found[0]:
+        path, value, error = found
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return BadRequest(f"model attribute 'model.{'.'.join(path)}' of type {kind} cannot be pickled to send "
+                          f"to GPU clients ({error})", field="model", variable=".".join(path), variable_type=kind)
+    return BadRequest(f"the job (model, functions, optimizer) cannot be pickled to send to GPU clients: "
+                      f"{type(exc).__name__}: {exc}")
+
+
 def call_with(fn, available: dict, what: str):
-    """Call ``fn`` with the named arguments it declares, taken from ``available``."""
+    """Call ``fn`` with the named arguments it declares, taken from ``available`` (the runner's
+    values of ``OFFERED[what]``; it may leave out one the function has a default for)."""
+    unknown = set(available) - set(OFFERED[what])
+    if unknown:
+        raise TypeError(f"zwdx offers {what} arguments that zwdx.protocol does not name: {sorted(unknown)}")
     sig = inspect.signature(fn)
     params = sig.parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "status", "logs", "cancel"])
     p.add_argument("job_id", nargs="?")
     p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None, help="the job's room (default: $ZWDX_ROOM_TOKEN)")
+    p.add_argument("--room-token", "-rt", default=None,
+                   help="the job's room (default: $ZWDX_ROOM_TOKEN, else the one remembered for the job)")
     p.set_defaults(func=_job)
     return parser
 

@@ -3,13 +3,20 @@
     from zwdx import ZWDX
     zwdx = ZWDX("http://localhost:4461")
     result = zwdx.submit_job(model=Net(), data_loader_func=..., train_func=..., room_token=token)
-    model = zwdx.get_trained_model(result["job_id"], Net())
+    model = zwdx.get_trained_model(result["job_id"], Net())   # later, in any process of this user
+
+Room tokens of the rooms this user created or submitted to are remembered per server URL
+(``zwdx.credentials``), so a job id alone opens its job. The earlier project's surface works
+as it did: ``parse_args()`` (``-rt/--room_token``), ``get_logger()`` and a result whose
+``status`` also equals "complete" and whose ``complete`` is a bool.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
+import sys
 import tempfile
 import time
 
@@ -17,39 +24,105 @@ import requests
 
 from . import defaults
 from .bundle import pack
-from .errors import BadRequest, JobFailed, ServerUnreachable, ZwdxError, from_response
-from .protocol import JobStatus, runtime_versions
+from .credentials import CredentialStore, remember_by_default
+from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
+from .protocol import WAITING, JobStatus, runtime_versions
 
 log = logging.getLogger(__name__)
 
 
+class ResultStatus(str):
+    """The status in a job's result: a plain string ("completed", "failed", "cancelled") that
+    also equals "complete", the earlier project's word for "completed", so code written for
+    either works. It serialises, prints and hashes as the string itself."""
+
+    _EARLIER = {"completed": "complete"}
+
+    def __eq__(self, other):
+        if isinstance(other, str) and self._EARLIER.get(str.__str__(self)) == str.__str__(other):
+            return True
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def _say(message: str) -> None:
+    """A line for the person at the terminal (stderr), never carrying a token."""
+    print(message, file=sys.stderr, flush=True)
+
+
 class ZWDX:
-    """A connection to one zwdx server. Room tokens are given per call or once here."""
+    """A connection to one zwdx server. Room tokens are given per call or once here; those of
+    rooms created or submitted to are remembered (``remember=False`` or ``ZWDX_REMEMBER=0``: not)."""
 
     def __init__(self, server_url: str = f"http://localhost:{defaults.PORT}", room_token: str | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, remember: bool | None = None):
         self.server_url = server_url.rstrip("/")
         self.room_token = room_token
         self.timeout = timeout
         self._session = requests.Session()
         self._job_tokens: dict[str, str] = {}
+        remember = remember_by_default() if remember is None else remember
+        self.credentials = CredentialStore() if remember else None
+
+    # -- the earlier project's surface -------------------------------------------------------
+    def parse_args(self, args: list[str] | None = None) -> argparse.Namespace:
+        """The earlier project's command line: ``-rt/--room_token`` (required unless
+        ``ZWDX_ROOM_TOKEN`` is set). The token becomes this object's default room token."""
+        env_token = os.environ.get("ZWDX_ROOM_TOKEN")
+        parser = argparse.ArgumentParser(description="zwdx user argument parser.")
+        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str,
+                            required=not env_token, default=env_token,
+                            help="token of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
+        parsed = parser.parse_args(args)
+        self.room_token = parsed.room_token or self.room_token
+        return parsed
+
+    def get_logger(self) -> logging.Logger:
+        """The "zwdx" logger, printing INFO lines to stderr (the SDK's own lines too). Calling
+        it again adds no second handler; its lines do not also go to the root logger."""
+        logger = logging.getLogger("zwdx")
+        logger.setLevel(logging.INFO)
+        if not any(getattr(h, "zwdx_handler", False) for h in logger.handlers):
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
+            handler.zwdx_handler = True
+            logger.addHandler(handler)
+        logger.propagate = False
+        return logger
 
     # -- plumbing ----------------------------------------------------------------------------
     def _token(self, room_token: str | None, job_id: str | None = None) -> str:
-        token = room_token or (self._job_tokens.get(job_id) if job_id else None) or self.room_token
+        token = room_token or (self._job_tokens.get(job_id) if job_id else None)
+        if not token and job_id and self.credentials is not None:
+            token = self.credentials.token_for_job(self.server_url, job_id)
+        token = token or self.room_token
         if not token:
-            raise BadRequest("a room token is needed: pass room_token=... (from `zwdx room create`)",
-                             field="room_token")
+            known = f" (no job {job_id} submitted to {self.server_url} is on record here)" if job_id else ""
+            raise BadRequest(f"a room token is needed{known}: pass room_token=... or --room-token (from "
+                             f"`zwdx room create`)", field="room_token")
         return token
 
-    def _request(self, method: str, path: str, token: str | None = None, **kwargs) -> requests.Response:
+    def _remember(self, what: str, *args) -> None:
+        if self.credentials is None:
+            return
+        try:
+            getattr(self.credentials, what)(self.server_url, *args)
+        except OSError as exc:  # a read-only home must not fail a submit
+            log.warning("zwdx: cannot write the credential store %s: %s", self.credentials.path, exc.strerror)
+
+    def _request(self, method: str, path: str, token: str | None = None, session: requests.Session | None = None,
+                 **kwargs) -> requests.Response:
         headers = kwargs.pop("headers", {})
         if token:
             headers[defaults.TOKEN_HEADER] = token
         url = f"{self.server_url}{path}"
         try:
-            resp = self._session.request(method, url, headers=headers, timeout=kwargs.pop("timeout", self.timeout),
-                                         **kwargs)
+            resp = (session or self._session).request(method, url, headers=headers,
+                                                      timeout=kwargs.pop("timeout", self.timeout), **kwargs)
         except requests.ConnectionError as exc:
             raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {exc}",
                                     server_url=self.server_url) from None
@@ -72,8 +145,11 @@ class ZWDX:
         return self._request("GET", "/health").json()
 
     def create_room(self, name: str = "") -> dict:
-        """A new room: ``{"id", "name", "token"}``. The token is shown only this once."""
-        return self._json("POST", "/rooms", json={"name": name})
+        """A new room: ``{"id", "name", "token"}``. The token is shown only this once (and
+        remembered in this user's credential store)."""
+        room = self._json("POST", "/rooms", json={"name": name})
+        self._remember("remember_room", room["id"], room["token"])
+        return room
 
     def get_room(self, room_token: str | None = None) -> dict:
         """The room of the token, with its GPU clients and their slots."""
@@ -82,13 +158,24 @@ class ZWDX:
     # -- jobs --------------------------------------------------------------------------------
     def submit_job(self, model, data_loader_func, train_func, eval_func=None, optimizer=None,
                    parallelism: str = "DDP", memory_required: int = 0, room_token: str | None = None,
-                   epochs: int = 1, world_size: int | None = None, wait: bool = True, progress: bool = True,
+                   epochs: int | None = None, world_size: int | None = None, wait: bool = True, progress: bool = True,
                    raise_on_failure: bool = True, name: str = "", collective_timeout: float | None = None,
                    timeout: float | None = None, min_world_size: int | None = None,
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
-                   checkpoint_every_epoch: bool = True):
+                   checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
+                   cancel_on_interrupt: bool = True):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once).
+
+        ``epochs`` is passed to ``train_func``; None (the default) leaves the function's own
+        default to win (1 if it declares none). ``name`` defaults to ``train_func``'s name.
+
+        A job the room cannot run as it is now (more ranks than its slots, more memory than any
+        slot has) waits for GPU clients to join, and a line says so; with
+        ``fail_if_unschedulable=True`` it is refused instead (``zwdx.Unschedulable``).
+
+        Ctrl-C while it blocks cancels the job and raises ``KeyboardInterrupt``;
+        ``cancel_on_interrupt=False`` leaves it running and says how to re-attach.
 
         If a GPU client of the job is lost, the job goes on from its last checkpoint, on the
         remaining clients if ``min_world_size`` allows or when a replacement joins, at most
@@ -97,6 +184,8 @@ class ZWDX:
         token = self._token(room_token)
         if str(parallelism).upper() not in ("DDP", "FSDP"):
             raise BadRequest(f"parallelism must be 'DDP' or 'FSDP', got {parallelism!r}", field="parallelism")
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+            raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer)
         sha = hashlib.sha256(blob).hexdigest()
         artifact = self._json("POST", "/artifacts", token, data=blob,
@@ -105,20 +194,54 @@ class ZWDX:
         job = self._json("POST", "/jobs", token, json={
             "bundle_artifact": artifact["id"], "parallelism": str(parallelism).upper(), "epochs": epochs,
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
-            "name": name, "collective_timeout": collective_timeout, "min_world_size": min_world_size,
-            "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
-            "checkpoint_every_epoch": checkpoint_every_epoch})
-        self._job_tokens[job["id"]] = token
-        log.info("job %s submitted (%d bytes bundle)", job["id"], len(blob))
-        if not wait:
-            return job["id"]
-        return self.wait(job["id"], room_token=token, progress=progress, raise_on_failure=raise_on_failure,
-                         timeout=timeout)
+            "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
+            "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
+            "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable})
+        try:  # from here on, Ctrl-C has a job to cancel
+            self._job_tokens[job["id"]] = token
+            self._remember("remember_job", job["id"], job["room_id"], token)
+            log.info("job %s submitted (%d bytes bundle)", job["id"], len(blob))
+            if job.get("unschedulable"):
+                _say(f"zwdx: job {job['id']} cannot run in this room as it is now: {job['unschedulable']}; it "
+                     f"waits for GPU clients that fit (submit_job(..., fail_if_unschedulable=True) refuses it)")
+            if not wait:
+                return job["id"]
+            return self._result(self._follow(job["id"], token, progress, timeout), raise_on_failure)
+        except KeyboardInterrupt:
+            if wait:
+                self._interrupted(job["id"], token, cancel_on_interrupt)
+            raise
 
     def wait(self, job_id: str, room_token: str | None = None, progress: bool = True,
-             raise_on_failure: bool = True, timeout: float | None = None) -> dict:
-        """Block until the job ends; show a progress bar with the latest metrics."""
+             raise_on_failure: bool = True, timeout: float | None = None, cancel_on_interrupt: bool = True) -> dict:
+        """Block until the job ends, with a progress bar of its latest metrics, log lines and,
+        while it waits for slots, why. Ctrl-C cancels the job (``cancel_on_interrupt=False``:
+        leaves it running) and raises ``KeyboardInterrupt``; a second Ctrl-C stops at once.
+
+        The result: ``{"job_id", "status", "complete", "results", "final_loss", "world_size",
+        "placement", "failures", "reason", "job"}``; ``status`` is a ``ResultStatus``."""
         token = self._token(room_token, job_id)
+        try:
+            job = self._follow(job_id, token, progress, timeout)
+        except KeyboardInterrupt:
+            self._interrupted(job_id, token, cancel_on_interrupt)
+            raise
+        return self._result(job, raise_on_failure)
+
+    @staticmethod
+    def _result(job: dict, raise_on_failure: bool) -> dict:
+        status = ResultStatus(job["status"])
+        result = {"job_id": job["id"], "status": status, "complete": status == JobStatus.COMPLETED.value,
+                  "results": job.get("results") or {}, "final_loss": job.get("final_loss"),
+                  "world_size": job.get("world_size"), "placement": job.get("placement"),
+                  "failures": job.get("failures") or {}, "reason": job.get("reason"), "job": job}
+        if job["status"] == JobStatus.FAILED.value and raise_on_failure:
+            raise JobFailed(f"job {job['id']} failed: {job.get('reason')}", job_id=job["id"],
+                            failures=job.get("failures"), reason=job.get("reason") or "", result=result)
+        return result
+
+    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None) -> dict:
+        """Poll the job until it ends; show its progress. Returns its last document."""
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -149,24 +272,38 @@ class ZWDX:
                     elif ev["kind"] == "log" and bar is not None:
                         bar.write(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}")
                 if bar is not None:
-                    bar.set_description(f"job {job_id} {job['status']}")
+                    waiting = JobStatus(job["status"]) in WAITING and job.get("waiting_reason")
+                    bar.set_description(f"job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                     bar.set_postfix({k: f"{v:.4g}" for k, v in list(latest.items())[:6]}, refresh=True)
                 if JobStatus(job["status"]).finished:
-                    break
+                    return job
                 if deadline and time.time() > deadline:
                     raise TimeoutError(f"job {job_id} still {job['status']} after {timeout} s")
                 time.sleep(defaults.POLL_INTERVAL)
         finally:
             if bar is not None:
                 bar.close()
-        result = {"job_id": job_id, "status": job["status"], "results": job.get("results") or {},
-                  "final_loss": job.get("final_loss"), "world_size": job.get("world_size"),
-                  "placement": job.get("placement"), "failures": job.get("failures") or {},
-                  "reason": job.get("reason"), "job": job}
-        if job["status"] == JobStatus.FAILED.value and raise_on_failure:
-            raise JobFailed(f"job {job_id} failed: {job.get('reason')}", job_id=job_id,
-                            failures=job.get("failures"), reason=job.get("reason") or "", result=result)
-        return result
+
+    def _interrupted(self, job_id: str, token: str, cancel: bool) -> None:
+        """Ctrl-C while waiting: cancel the job, or leave it running and say how to get back to it."""
+        server = f" --server {self.server_url}"
+        if not cancel:
+            _say(f"zwdx: stopped waiting; job {job_id} goes on running. Re-attach with zwdx.wait({job_id!r}) or "
+                 f"`zwdx job status {job_id}{server}`; cancel it with `zwdx job cancel {job_id}{server}`")
+            return
+        _say(f"zwdx: Ctrl-C: cancelling job {job_id} (Ctrl-C again to stop at once)")
+        try:
+            # A fresh session: the interrupted request may have left its connection half read.
+            with requests.Session() as session:
+                self._json("POST", f"/jobs/{job_id}/cancel", token, session=session, timeout=15)
+            _say(f"zwdx: job {job_id} cancelled")
+        except KeyboardInterrupt:
+            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx job cancel {job_id}{server}`")
+            raise
+        except Conflict as exc:
+            _say(f"zwdx: job {job_id} had already ended ({exc.context.get('status', 'finished')})")
+        except ZwdxError as exc:
+            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx job cancel {job_id}{server}`")
 
     def get_job(self, job_id: str, room_token: str | None = None) -> dict:
         return self._json("GET", f"/jobs/{job_id}", self._token(room_token, job_id))

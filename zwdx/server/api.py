@@ -142,9 +142,9 @@ def create_job():
     parallelism = _field(body, "parallelism", str, default="DDP").upper()
     if parallelism not in {p.value for p in Parallelism}:
         raise BadRequest(f"field 'parallelism' must be one of DDP, FSDP, got {parallelism!r}", field="parallelism")
-    epochs = _field(body, "epochs", int, default=1)
-    if epochs < 1:
-        raise BadRequest("field 'epochs' must be at least 1", field="epochs")
+    epochs = _field(body, "epochs", int)  # None: the train function's own default wins (1 if it has none)
+    if epochs is not None and epochs < 1:
+        raise BadRequest("field 'epochs' must be at least 1 or null", field="epochs")
     world_size = _field(body, "world_size", int)
     if world_size is not None and world_size < 1:
         raise BadRequest("field 'world_size' must be at least 1", field="world_size")

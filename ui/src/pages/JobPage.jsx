@@ -161,7 +161,7 @@ function Facts({ job, position }) {
   const facts = [
     ["Parallelism", spec.parallelism],
     ["World size", `${job.world_size ?? "—"} (requested ${spec.world_size ?? "all free"})`],
-    ["Epochs", spec.epochs],
+    ["Epochs", spec.epochs ?? "train_func's default"],
     ["Memory per rank", spec.memory_required ? formatBytes(spec.memory_required) : "any"],
     ["Backend", job.backend || "—"],
     ["Bundle", formatBytes(spec.bundle_size)],

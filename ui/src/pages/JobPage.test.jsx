@@ -46,6 +46,13 @@ describe("the job page", () => {
     expect(placement).toHaveTextContent("GPU 1");
   });
 
+  it("says the train function's default decides the epochs when none were submitted", async () => {
+    mockFetch(routes({ ...running, spec: { ...running.spec, epochs: null } }));
+    renderApp("/jobs/j1");
+    const epochs = (await screen.findByText("Epochs")).closest("div");
+    expect(epochs).toHaveTextContent("train_func's default");
+  });
+
   it("grows its charts from job_events pushed over Socket.IO", async () => {
     mockFetch(routes(running, [metric(1, 0, 0, { loss: 2.3, epoch: 0 }), metric(2, 1, 0, { loss: 2.4, epoch: 0 })]));
     renderApp("/jobs/j1");
