@@ -130,7 +130,10 @@ def sync_buffers(model: nn.Module) -> None:
     persistent = set(model.state_dict())  # only what the returned weights carry
     for name, buf in model.named_buffers():
         if name in persistent:
-            dist.broadcast(buf, src=0)
+            data = buf if buf.is_contiguous() else buf.contiguous()
+            dist.broadcast(data, src=0)
+            if data is not buf:
+                buf.copy_(data)
 
 
 def _plain_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

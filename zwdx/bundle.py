@@ -9,7 +9,9 @@ tensors on a GPU are copied to host memory as they are written.
 Code from the submitter's own modules (anything not installed in site-packages or the
 standard library) travels by value, so a GPU client needs the packages but not the
 submitter's source tree. The optimizer travels as its class and every param group's
-hyperparameters and is rebuilt on each rank over the wrapped model's parameters.
+hyperparameters and is rebuilt on each rank over the wrapped model's parameters; FSDP's
+``fsdp_units`` (module classes or a function) travel pickled beside the model, whose classes
+they name.
 
 Only GPU clients unpickle a bundle; the server stores and forwards its bytes untouched.
 """
