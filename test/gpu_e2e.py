@@ -71,8 +71,9 @@ def language_models(sdk, out, epochs: int = 3) -> None:
             here = models.local_eval_loss(trained, loss_fn)
             ranks = sdk.get_job(r["job_id"])["ranks"]
             same = {v["fingerprint"] for v in ranks.values()} == {fingerprint(trained.state_dict())}
-            out(f"| {par} | {kind} | {sum(p.numel() for p in model.parameters())} ({', '.join(map(str, held))}) | "
-                f"{per_step * 1000:.1f} | {r['results']['eval_loss']:.5f} | {here:.5f} | {same} | {models.tied(trained)} |")
+            total = sum(p.numel() for p in model.parameters())
+            out(f"| {par} | {kind} | {total} ({', '.join(map(str, held))}) | {per_step * 1000:.1f} | "
+                f"{r['results']['eval_loss']:.5f} | {here:.5f} | {same} | {models.tied(trained)} |")
 
 
 def main() -> None:

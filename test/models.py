@@ -162,11 +162,13 @@ def local_numel(model) -> int:
 
 
 def lm_train(loss_fn, pause: float = 0.0):
-    """A plain training loop. It reports the parameters each rank holds, the loss per step, and
-    the loss on a fixed batch after each epoch's last step (the weights the epoch's checkpoint
-    saves) and, resumed, before the first step (the weights restored); ``pause`` s per step."""
+    """A plain training loop. It reports the parameters each rank holds, its param groups, the loss
+    per step, and the loss on a fixed batch after each epoch's last step (the weights the epoch's
+    checkpoint saves) and, resumed, before the first step (the weights restored). ``pause``:
+    seconds of sleep per step, for a test that acts mid-job."""
     def train(model, loader, optimizer, rank, world_size, epochs, reporter, device):
-        reporter.log_metrics(local_params=local_numel(model), total_params=sum(p.numel() for p in model.parameters()))
+        reporter.log_metrics(local_params=local_numel(model), total_params=sum(p.numel() for p in model.parameters()),
+                             param_groups=len(optimizer.param_groups))
         if reporter.resume:
             reporter.log_metrics(probe_loss_resumed=probe_loss(model, loss_fn, device))
         model.train()

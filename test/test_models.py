@@ -129,6 +129,8 @@ def test_language_model_trains_and_comes_back_as_it_evaluated(pool, kind, parall
     series = pool.sdk.get_job_metrics(result["job_id"])
     total = sum(p.numel() for p in model.parameters())  # a tied weight counted once
     assert per_rank(series["total_params"]) == {0: total, 1: total}
+    groups = len(optimizer_for(model).param_groups)  # nanoGPT's decay and no-decay groups, rebuilt on each rank
+    assert per_rank(series["param_groups"]) == {0: groups, 1: groups} and groups == (2 if kind == "nanogpt" else 1)
     local = per_rank(series["local_params"])
     if parallelism == "FSDP":  # each rank holds its shard of every parameter, not a replica
         assert sum(local.values()) == total and max(local.values()) < 0.55 * total, (local, total)
@@ -142,7 +144,8 @@ def test_language_model_trains_and_comes_back_as_it_evaluated(pool, kind, parall
 def test_fsdp_units_given_as_a_function(pool):
     model = make("nanogpt")
     result = pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders,
-                                 train_func=models.lm_train(models.nano_loss), eval_func=models.lm_eval(models.nano_loss),
+                                 train_func=models.lm_train(models.nano_loss),
+                                 eval_func=models.lm_eval(models.nano_loss),
                                  optimizer=optimizer_for(model), parallelism="FSDP", epochs=1, world_size=2,
                                  fsdp_units=lambda m: isinstance(m, (models.MLP, nn.Embedding)),
                                  progress=False, timeout=300)
