@@ -1,6 +1,16 @@
 """Parallelism applied after the user's single-device model is built (torchtitan's habit):
-``wrap`` for DDP or FSDP, ``rebuild_optimizer`` over the wrapped parameters, and
-``full_state_dict`` to bring the trained weights back as one plain state dict."""
+``wrap`` for DDP or FSDP, ``rebuild_optimizer`` over the wrapped parameters, ``sync_buffers``
+after training, and ``full_state_dict`` to bring the trained weights back as one plain state dict.
+
+FSDP shards the model in units, each with its own ``fully_shard`` (one all-gather before its
+forward, freed after): ``fsdp_plan`` picks them. By default, as torchtitan does per transformer
+block: every module of a ModuleList or Sequential whose modules (two or more) are all of one
+class, wherever that list sits (the outermost such lists; a unit is not searched further), and
+the root last, holding whatever no unit holds. The submitter may name the units instead
+(``fsdp_units``: classes, or a predicate ``fn(module) -> bool``). Either way a module is never a
+unit of its own when it has no ``forward`` (ModuleDict, ModuleList), no parameters, or shares a
+parameter with a module outside it (tied embeddings): its parameters stay in the enclosing unit.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +18,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -15,8 +26,9 @@ log = logging.getLogger(__name__)
 FINGERPRINT_MAX_NUMEL = 200_000_000
 
 
-def wrap(model: torch.nn.Module, parallelism: str, device: torch.device) -> torch.nn.Module:
-    """DDP or FSDP2 around ``model``, which is on ``device`` already."""
+def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None) -> nn.Module:
+    """DDP or FSDP2 around ``model``, which is on ``device`` already. ``units``: the submitter's
+    ``fsdp_units`` (None: the automatic rule). ``report(line)``: rank 0 says what was sharded."""
     if parallelism == "DDP":
         from torch.nn.parallel import DistributedDataParallel
         ids = [device.index] if device.type == "cuda" else None
@@ -25,12 +37,103 @@ def wrap(model: torch.nn.Module, parallelism: str, device: torch.device) -> torc
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for child in model.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=mesh)
+        chosen, skipped = fsdp_plan(model, units)
+        line = describe_plan(model, chosen, skipped)  # before fully_shard renames the classes
+        for _, module in sorted(chosen, key=lambda unit: -_depth(unit[0])):  # inner units before outer
+            fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if dist.get_rank() == 0:
+            log.info("%s", line)
+            if report is not None:
+                report(line)
         return model
     raise ValueError(f"unknown parallelism {parallelism!r}: use DDP or FSDP")
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _repeated_blocks(module: nn.Module, path: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules of the outermost ModuleLists/Sequentials of two or more same-class modules."""
+    kids = list(module.named_children())
+    if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(kids) > 1 \
+            and len({type(kid) for _, kid in kids}) == 1 and _has_forward(kids[0][1]):
+        return [(f"{path}{name}", kid) for name, kid in kids]
+    found = []
+    for name, kid in kids:
+        found.extend(_repeated_blocks(kid, f"{path}{name}."))
+    return found
+
+
+def _selector(units):
+    """``fsdp_units`` as a predicate over modules: classes, one class, or a callable."""
+    if isinstance(units, type):
+        units = (units,)
+    if isinstance(units, (list, tuple)):
+        classes = tuple(units)
+        return lambda module: isinstance(module, classes)
+    return units
+
+
+def fsdp_plan(model: nn.Module, units=None) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+    """Which modules get their own ``fully_shard`` before the root's, in the model's order, and
+    which were picked but left to the enclosing unit, with why: ``([(name, module)], [(name, why)])``."""
+    if units is None:
+        picked = _repeated_blocks(model)
+    else:
+        select = _selector(units)
+        picked = [(name, m) for name, m in model.named_modules() if name and select(m)]
+    names: dict[int, list[str]] = {}  # every name of each parameter, a tied one has several
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    chosen, skipped = [], []
+    for name, module in picked:
+        params = list(module.parameters())
+        if not _has_forward(module):
+            skipped.append((name, f"{type(module).__name__} has no forward"))
+        elif not params:
+            continue
+        else:
+            outside = next((other for p in params for other in names[id(p)]
+                            if not other.startswith(name + ".")), None)
+            if outside is not None:
+                skipped.append((name, f"shares a parameter with {outside}"))
+            else:
+                chosen.append((name, module))
+    return chosen, skipped
+
+
+def describe_plan(model: nn.Module, chosen: list, skipped: list) -> str:
+    """One line for the job's log: the units, grouped by class, then the root."""
+    groups: dict[str, list[str]] = {}
+    for name, module in chosen:
+        groups.setdefault(type(module).__name__, []).append(name)
+    parts = [f"{len(names)} x {cls} ({names[0]}{', ' + names[1] if len(names) == 2 else ''}"
+             f"{' ... ' + names[-1] if len(names) > 2 else ''})" for cls, names in groups.items()]
+    line = f"FSDP units: {', '.join(parts) or 'none'}, then the root {type(model).__name__}"
+    if skipped:
+        line += "; left to the enclosing unit: " + ", ".join(f"{name} ({why})" for name, why in skipped)
+    return line
+
+
+def sync_buffers(model: nn.Module) -> None:
+    """Every rank takes rank 0's buffers (BatchNorm's running statistics), as DDP's
+    ``broadcast_buffers`` does: the ranks evaluate, and return, the same model. FSDP keeps buffers
+    unsharded and per rank; DDP updates them locally in each forward after its broadcast."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    persistent = set(model.state_dict())  # only what the returned weights carry
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            data = buf if buf.is_contiguous() else buf.contiguous()
+            dist.broadcast(data, src=0)
+            if data is not buf:
+                buf.copy_(data)
 
 
 def _plain_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

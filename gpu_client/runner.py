@@ -235,7 +235,7 @@ def main() -> int:
         import torch
         import torch.distributed as dist
 
-        from .parallel import fingerprint, full_state_dict, rebuild_optimizer, wrap
+        from .parallel import fingerprint, full_state_dict, rebuild_optimizer, sync_buffers, wrap
         torch.set_num_threads(int(env.get("ZWDX_NUM_THREADS", "1")))
         bundle_loader = _BundleLoader(env["ZWDX_BUNDLE"], env.get("ZWDX_BUNDLE_PENDING") == "1", startup)
         bundle_loader.start()
@@ -254,7 +254,7 @@ def main() -> int:
         parallelism = env.get("ZWDX_PARALLELISM", "DDP")
         model = bundle["model"].to(device)
         startup.mark("on_device")
-        model = wrap(model, parallelism, device)
+        model = wrap(model, parallelism, device, units=bundle.get("fsdp_units"), report=reporter.log)
         startup.mark("wrapped")
         optimizer = rebuild_optimizer(bundle["optimizer"], model)
         from .checkpoint import Checkpointer
@@ -297,6 +297,7 @@ def main() -> int:
             "eval_func": eval_func, "reporter": reporter, "start_epoch": reporter.start_epoch,
             "resume": reporter.resume}, "train_func")
         stop.set()
+        sync_buffers(model)  # rank 0's buffers on every rank, for eval_func and the weights
         if rank == 0 and loader.samples:  # mean throughput over the whole of training
             reporter.log_system(throughput=loader.samples * world / max(time.time() - started, 1e-9))
         eval_out = None

@@ -8,10 +8,16 @@ B: (3+ GPUs) SIGKILL one of three GPU clients mid-epoch, several times: time to 
    to training again, from the last checkpoint, on the other two.
 C: SIGKILL the server mid-job and restart it, several times: time until the GPU clients are
    back, and the metric series checked for gaps and duplicates.
+D: language models as users write them (test/models.py: a Hugging Face GPT-2 built from a
+   config, a model in nanoGPT's shape with tied embeddings and two param groups), DDP and FSDP
+   on 2 GPU clients: the eval loss the job reported against the one recomputed here on the
+   weights that came back, equal weights on every rank, tied weights still tied.
+   ``--lm-only`` runs D alone. Without transformers the GPT-2 rows say they were skipped.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import statistics
@@ -22,9 +28,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mnist  # noqa: E402
+import models  # noqa: E402
 from procs import Proc, Server, wait_until  # noqa: E402
 from workloads import slow_train  # noqa: E402
 
+from gpu_client.parallel import fingerprint  # noqa: E402
 from zwdx import ZWDX  # noqa: E402
 
 
@@ -39,11 +47,41 @@ def online(sdk, n):
                what=f"{n} gpu clients online")
 
 
+def language_models(sdk, out, epochs: int = 3) -> None:
+    out("## D. Language models as users write them, 2 GPU clients")
+    out("| parallelism | model | params (held per rank) | time per step (ms) | eval loss (job) | eval loss (here) "
+        "| equal weights | tied |")
+    out("|---|---|---|---|---|---|---|---|")
+    for kind, make, loss_fn in (("gpt2", models.gpt2, models.hf_loss), ("nanogpt", models.nanogpt, models.nano_loss)):
+        for par in ("DDP", "FSDP"):
+            if kind == "gpt2" and importlib.util.find_spec("transformers") is None:
+                out(f"| {par} | {kind} | skipped: transformers missing | | | | | |")
+                continue
+            model = make(0)
+            optimizer = (model.configure_optimizers() if isinstance(model, models.GPT)
+                         else torch.optim.AdamW(model.parameters(), lr=3e-3))
+            r = sdk.submit_job(model=model, data_loader_func=models.lm_loaders, train_func=models.lm_train(loss_fn),
+                               eval_func=models.lm_eval(loss_fn), optimizer=optimizer, parallelism=par, world_size=2,
+                               epochs=epochs, progress=False)
+            series = sdk.get_job_metrics(r["job_id"])
+            steps = sorted(p["ts"] for p in series["loss"] if p["rank"] == 0)
+            per_step = (steps[-1] - steps[0]) / max(len(steps) - 1, 1)
+            held = sorted(int(p["value"]) for p in series["local_params"])
+            trained = sdk.get_trained_model(r["job_id"], make(1))
+            here = models.local_eval_loss(trained, loss_fn)
+            ranks = sdk.get_job(r["job_id"])["ranks"]
+            same = {v["fingerprint"] for v in ranks.values()} == {fingerprint(trained.state_dict())}
+            total = sum(p.numel() for p in model.parameters())
+            out(f"| {par} | {kind} | {total} ({', '.join(map(str, held))}) | {per_step * 1000:.1f} | "
+                f"{r['results']['eval_loss']:.5f} | {here:.5f} | {same} | {models.tied(trained)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_e2e.md")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default="/tmp/zwdx-gpu-e2e")
+    parser.add_argument("--lm-only", action="store_true", help="run section D only")
     args = parser.parse_args()
     ngpu = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0) if ngpu else "none"
@@ -62,6 +100,9 @@ def main() -> None:
     clients = {g: gpu_client(server.url, token, g, os.path.join(args.work, f"c{g}")) for g in range(min(ngpu, 3))}
     try:
         online(sdk, len(clients))
+        if args.lm_only:
+            language_models(sdk, out)
+            return
         out("## A. MNIST example, 2 GPU clients")
         out("| parallelism | world size | backend | time per epoch (s) | final loss | eval accuracy | held-out accuracy | equal weights |")
         out("|---|---|---|---|---|---|---|---|")
@@ -76,6 +117,8 @@ def main() -> None:
             same = len({v["fingerprint"] for v in job["ranks"].values()}) == 1
             out(f"| {par} | {job['world_size']} | {job['backend']} | {per_epoch:.3f} | {r['final_loss']:.4f} | "
                 f"{r['results'].get('accuracy', 0):.3f} | {acc:.3f} | {same} |")
+        out("")
+        language_models(sdk, out)
 
         if len(clients) >= 3:
             out("")

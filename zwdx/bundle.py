@@ -9,7 +9,9 @@ tensors on a GPU are copied to host memory as they are written.
 Code from the submitter's own modules (anything not installed in site-packages or the
 standard library) travels by value, so a GPU client needs the packages but not the
 submitter's source tree. The optimizer travels as its class and every param group's
-hyperparameters and is rebuilt on each rank over the wrapped model's parameters.
+hyperparameters and is rebuilt on each rank over the wrapped model's parameters; FSDP's
+``fsdp_units`` (module classes or a function) travel pickled beside the model, whose classes
+they name.
 
 Only GPU clients unpickle a bundle; the server stores and forwards its bytes untouched.
 """
@@ -111,6 +113,29 @@ def optimizer_spec(optimizer, model) -> dict | None:
     return {"cls": type(optimizer), "groups": groups}
 
 
+def fsdp_units_spec(units, model):
+    """``fsdp_units`` as it travels: None (the automatic rule), a tuple of module classes, or a
+    callable ``fn(module) -> bool`` that the ranks call on every module of the model."""
+    if units is None:
+        return None
+    import torch
+    if isinstance(units, type):
+        units = [units]
+    if isinstance(units, (list, tuple)):
+        for unit in units:
+            if not (isinstance(unit, type) and issubclass(unit, torch.nn.Module)):
+                raise BadRequest(f"fsdp_units must be torch.nn.Module classes or a function fn(module) -> bool; "
+                                 f"{unit!r} is not a module class", field="fsdp_units")
+        if units and not any(isinstance(m, tuple(units)) for m in model.modules()):
+            raise BadRequest(f"fsdp_units: the model has no module of class "
+                             f"{', '.join(u.__name__ for u in units)}", field="fsdp_units")
+        return tuple(units)
+    if callable(units):
+        return units
+    raise BadRequest(f"fsdp_units must be a list of torch.nn.Module classes or a function fn(module) -> bool, "
+                     f"got {type(units).__name__}", field="fsdp_units")
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, plus two things. Modules whose type subclasses ModuleType (torch.backends.cudnn
     and its siblings replace themselves in sys.modules so) go by name, as plain modules go;
@@ -172,7 +197,7 @@ class _Unpickler(cloudpickle.pickle.Unpickler):
         return tensor
 
 
-def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) -> bytes:
+def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None, fsdp_units=None) -> bytes:
     """Cloudpickle what a rank needs into bytes (see the module's doc for the layout). Checks
     first what would otherwise fail only on the GPU clients: a function that declares an
     argument zwdx does not offer, and anything that cannot be pickled (named)."""
@@ -186,15 +211,17 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None) ->
         check_signature(fn, name)
     if not hasattr(model, "state_dict") or not hasattr(model, "parameters"):
         raise BadRequest(f"model must be a torch.nn.Module, got {type(model).__name__}", field="model")
+    units = fsdp_units_spec(fsdp_units, model)
     found: dict[str, types.ModuleType] = {}
     seen: set = set()
-    for obj in (data_loader_func, train_func, eval_func, *{type(m) for m in model.modules()}):
+    for obj in (data_loader_func, train_func, eval_func, *{type(m) for m in model.modules()},
+                *(units if isinstance(units, tuple) else (units,))):
         if obj is not None:
             _referenced(obj, seen, found)
     spec = optimizer_spec(optimizer, model)
     payload = {"format": FORMAT, "model": model, "data_loader_func": data_loader_func,
                "train_func": train_func, "eval_func": eval_func, "optimizer": spec,
-               "versions": runtime_versions()}
+               "fsdp_units": units, "versions": runtime_versions()}
     for module in found.values():
         cloudpickle.register_pickle_by_value(module)
     try:

@@ -163,7 +163,7 @@ class ZWDX:
                    timeout: float | None = None, min_world_size: int | None = None,
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
-                   cancel_on_interrupt: bool = True):
+                   cancel_on_interrupt: bool = True, fsdp_units=None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once).
 
@@ -180,13 +180,18 @@ class ZWDX:
         If a GPU client of the job is lost, the job goes on from its last checkpoint, on the
         remaining clients if ``min_world_size`` allows or when a replacement joins, at most
         ``max_restarts`` times. A checkpoint is saved at every epoch end unless
-        ``checkpoint_every_epoch=False``; the last ``keep_checkpoints`` are kept."""
+        ``checkpoint_every_epoch=False``; the last ``keep_checkpoints`` are kept.
+
+        ``fsdp_units`` (FSDP only): the modules to shard as units, as a list of classes or a
+        function ``fn(module) -> bool``; by default each block of a repeated ModuleList/Sequential."""
         token = self._token(room_token)
         if str(parallelism).upper() not in ("DDP", "FSDP"):
             raise BadRequest(f"parallelism must be 'DDP' or 'FSDP', got {parallelism!r}", field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
-        blob = pack(model, data_loader_func, train_func, eval_func, optimizer)
+        if fsdp_units is not None and str(parallelism).upper() != "FSDP":
+            raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
+        blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()
         artifact = self._json("POST", "/artifacts", token, data=blob,
                               headers={defaults.SHA256_HEADER: sha, "Content-Type": "application/octet-stream"},
