@@ -21,7 +21,7 @@ import time
 import traceback
 
 from zwdx import defaults
-from zwdx.bundle import call_with
+from zwdx.bundle import call_with, default_epochs
 from zwdx.bundle import load as load_bundle
 
 from .reporter import Reporter
@@ -277,7 +277,7 @@ def main() -> int:
             threading.Thread(target=_system_metrics, args=(reporter, loader, world, device, stop),
                              daemon=True).start()
         eval_func = bundle["eval_func"]
-        epochs = int(env.get("ZWDX_EPOCHS", "1"))
+        epochs = int(env["ZWDX_EPOCHS"]) if env.get("ZWDX_EPOCHS") else default_epochs(bundle["train_func"])
         startup.mark("train_func")
         if rank == 0:
             reporter.log(startup.line())

@@ -16,7 +16,7 @@ import time
 import requests
 
 from . import defaults
-from .bundle import pack
+from .bundle import pack, required_modules
 from .errors import BadRequest, JobFailed, ServerUnreachable, ZwdxError, from_response
 from .protocol import JobStatus, runtime_versions
 
@@ -107,7 +107,7 @@ class ZWDX:
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
             "name": name, "collective_timeout": collective_timeout, "min_world_size": min_world_size,
             "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
-            "checkpoint_every_epoch": checkpoint_every_epoch})
+            "checkpoint_every_epoch": checkpoint_every_epoch, "required_modules": required_modules(blob)})
         self._job_tokens[job["id"]] = token
         log.info("job %s submitted (%d bytes bundle)", job["id"], len(blob))
         if not wait:
