@@ -242,13 +242,13 @@ def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, s
     done = history_rows.filter(has_text="mnist-ddp")
     cells = done.locator("td").all_inner_texts()
     assert cells[2] == "completed" and cells[5] == "2" and cells[6] == "DDP"
-    assert cells[4] == f"{job['final_loss']:.4g}" and cells[7].endswith("samples/s")
+    assert cells[4] == f"loss {job['final_loss']:.4g}" and cells[7].endswith("samples/s")
     shot(page, "05-history")
     page.get_by_role("checkbox", name="cancelled").check()
     wait_until(lambda: history_rows.count() == 1, 5, what="the status filter")
     assert history_rows.first.get_attribute("data-status") == "cancelled"
     page.get_by_role("checkbox", name="cancelled").uncheck()
-    page.get_by_role("button", name="Final loss").click()  # descending: the job without a loss goes last
+    page.get_by_role("button", name="Result").click()  # descending: the job without a result goes last
     wait_until(lambda: history_rows.last.get_attribute("data-status") == "cancelled", 5, what="sorting")
 
     # 7. A GPU client that stops shows as offline, live.
