@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import os
 import pkgutil
 import socket
 import sys
+
+from zwdx import defaults
+
+log = logging.getLogger(__name__)
 
 #: Where the identity comes from, first found first: the kernel's boot id is the same for every
 #: process, container and network namespace of one machine (they share its RAM) and new at
@@ -37,12 +42,13 @@ def host_id() -> str:
     return hashlib.sha256(value.encode()).hexdigest()[:16]
 
 
-def importable_modules() -> list[str]:
+def importable_modules() -> list[str] | None:
     """Top-level module names this Python can import: what its path holds (packages, modules,
     namespace-package folders), what installed distributions declare in ``top_level.txt``
     (editable installs served by a finder), builtins and what is loaded already. Tens of
     milliseconds. A name missing here may still import through an unusual finder; the
-    scheduler only ever uses the list to keep jobs off clients that lack a name."""
+    scheduler only ever uses the list to keep jobs off clients that lack a name. None (not
+    checked) past the server's limit on the list's length."""
     names = set(sys.builtin_module_names) | {name.split(".")[0] for name in sys.modules}
     names.update(m.name for m in pkgutil.iter_modules())
     for entry in sys.path:
@@ -55,4 +61,9 @@ def importable_modules() -> list[str]:
             names.update((dist.read_text("top_level.txt") or "").split())
         except Exception:  # a broken distribution's metadata must not stop a GPU client
             continue
-    return sorted(n for n in names if n.isidentifier())
+    names = sorted(n for n in names if n.isidentifier() and len(n) <= defaults.MAX_MODULE_NAME)
+    if len(names) > defaults.MAX_CLIENT_MODULES:
+        log.warning("gpu-client: %d importable modules, more than the %d a server takes: jobs will not be "
+                    "checked for packages missing here", len(names), defaults.MAX_CLIENT_MODULES)
+        return None
+    return names

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -190,3 +192,19 @@ def test_a_package_missing_on_gpu_clients_is_named_and_the_job_goes_where_it_is(
     history = requests.get(f"{server.url}/api/v1/dashboard/history", headers={H: room["token"]}).json()["jobs"]
     assert [(j["name"], j["result"], j["final_loss"]) for j in history] == \
         [("with-extra", {"name": "accuracy", "value": 0.94}, None)]
+
+
+def test_a_gpu_client_reports_what_it_can_import_and_which_machine_it_is(tmp_path):
+    (tmp_path / "flat_mod.py").write_text("")
+    (tmp_path / "ns_pkg" / "part").mkdir(parents=True)  # a namespace package: no __init__.py
+    (tmp_path / "ns_pkg" / "part" / "__init__.py").write_text("")
+    ask = [sys.executable, "-c", "import json; from gpu_client import host; "
+                                 "print(json.dumps([host.host_id(), host.importable_modules()]))"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    first, modules = json.loads(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout)
+    assert {"flat_mod", "ns_pkg", "numpy", "json", "sys"} <= set(modules) and "zwdx_extra_pkg" not in modules
+    second, _ = json.loads(subprocess.run(ask, capture_output=True, text=True, check=True).stdout)
+    assert first == second  # another process of this machine: the same host
+    mine, _ = json.loads(subprocess.run(ask, env={**env, "ZWDX_HOST_ID": "box-7"}, capture_output=True, text=True,
+                                        check=True).stdout)
+    assert mine == "box-7"
