@@ -75,8 +75,9 @@ def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:
         names.setdefault(host, client.get("hostname") or client["id"])
         if slot.get("job_id"):
             taken[host] += int(held.get(slot["job_id"]) or 0)
-        if online(client):
-            free[host] = min(free.get(host, slot.get("memory_free") or 0), int(slot.get("memory_free") or 0))
+        if online(client):  # each of its GPU clients reports the same RAM: the least free, to be safe
+            slot_free = int(slot.get("memory_free") or 0)
+            free[host] = min(free.get(host, slot_free), slot_free)
             total[host] = max(total.get(host, 0), int(slot.get("memory_total") or 0))
     return {h: (free[h], total[h], taken[h], names[h]) for h in free}
 

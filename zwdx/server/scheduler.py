@@ -20,7 +20,7 @@ from .. import defaults
 from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus
 from . import lifecycle, notify, socketio
 from .auth import hash_secret, new_secret
-from .placement import plan, unschedulable  # noqa: F401  (unschedulable: the API's, at submit)
+from .placement import plan
 
 log = logging.getLogger(__name__)
 
