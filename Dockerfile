@@ -25,7 +25,7 @@ FROM ${SERVER_IMAGE} AS server
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONPATH=/opt/zwdx ZWDX_DATA_DIR=/data
 WORKDIR /opt/zwdx
 COPY requirements.txt ./
-RUN sed -E '/^(torch|pynvml)([=<>~ ]|$)/d' requirements.txt > /tmp/requirements.txt \
+RUN sed -E '/^(torch|nvidia-ml-py)([=<>~ ]|$)/d' requirements.txt > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin zwdx \

@@ -30,7 +30,7 @@ from zwdx import defaults
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                            EV_RESERVE_PORT, GPU_NAMESPACE, runtime_versions)
 
-from . import gpus
+from . import gpus, host
 from .reporter import http_session
 
 log = logging.getLogger("gpu_client.agent")
@@ -84,6 +84,8 @@ class Agent:
         self.token = room_token
         self.client_id = client_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.slots = gpus.discover(gpus_only, cpu)
+        self.host_id = host.host_id()                # GPU clients of one machine share its RAM
+        self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
         self.advertise_addr = advertise_addr
         self.threads = threads
         self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
@@ -118,9 +120,9 @@ class Agent:
     def _register(self):
         if self.advertise_addr is None:
             self.advertise_addr = reaching_address(self.server)
-        data = {"client_id": self.client_id, "hostname": socket.gethostname(), "slots": self.slots,
-                "versions": runtime_versions(), "advertise_addr": self.advertise_addr,
-                "running": self._running()}
+        data = {"client_id": self.client_id, "hostname": socket.gethostname(), "host_id": self.host_id,
+                "slots": self.slots, "versions": runtime_versions(), "modules": self.modules,
+                "advertise_addr": self.advertise_addr, "running": self._running()}
         try:
             answer = self.sio.call(EV_REGISTER, data, namespace=GPU_NAMESPACE, timeout=15)
         except Exception as exc:

@@ -2,7 +2,9 @@
 on 127.0.0.1 with free ports, stopped by the test that started them (by their pid)."""
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,12 +14,36 @@ import time
 import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UI = os.path.join(ROOT, "ui")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _newest_ui_source() -> float:
+    paths = [os.path.join(UI, name) for name in ("index.html", "package-lock.json", "vite.config.js")]
+    for folder in ("src", "public"):
+        for base, _, files in os.walk(os.path.join(UI, folder)):
+            paths += [os.path.join(base, f) for f in files]
+    return max(os.path.getmtime(p) for p in paths if os.path.exists(p))
+
+
+def build_ui() -> str:
+    """ui/dist, built (npm ci && npm run build) when it is missing or older than the sources."""
+    import pytest
+    index = os.path.join(UI, "dist", "index.html")
+    with open(os.path.join("/tmp", "zwdx-ui-build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # other test sessions may build at the same time
+        if not os.path.exists(index) or os.path.getmtime(index) < _newest_ui_source():
+            if not shutil.which("npm"):
+                pytest.fail("the dashboard is not built and npm is missing (Node 20 and npm build it)")
+            if not os.path.isdir(os.path.join(UI, "node_modules")):
+                subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=UI, check=True)
+            subprocess.run(["npm", "run", "build", "--silent"], cwd=UI, check=True)
+    return os.path.dirname(index)
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
@@ -33,10 +59,10 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
 class Proc:
     """A child process with its log file; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, args: list[str], log_path: str, env: dict | None = None):
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None, cwd: str = ROOT):
         self.args, self.log_path = args, log_path
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                       start_new_session=True)
 
@@ -69,7 +95,7 @@ class Proc:
 
 class Server(Proc):
     def __init__(self, data_dir: str, port: int | None = None, extra: list[str] | None = None,
-                 env: dict | None = None, host: str = "127.0.0.1"):
+                 env: dict | None = None, host: str = "127.0.0.1", cwd: str = ROOT):
         self.port = port or free_port()
         self.host = host
         self.url = f"http://{host}:{self.port}"
@@ -77,7 +103,7 @@ class Server(Proc):
         os.makedirs(data_dir, exist_ok=True)
         super().__init__([sys.executable, "-m", "zwdx.cli", "server", "--host", host, "--port", str(self.port),
                           "--data-dir", data_dir, *(extra or [])],
-                         os.path.join(data_dir, f"server-{self.port}.log"), env)
+                         os.path.join(data_dir, f"server-{self.port}.log"), env, cwd)
         wait_until(self.healthy, 30, what=f"server on {self.url}\n{self.output()}")
 
     def healthy(self) -> bool:

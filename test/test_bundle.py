@@ -2,7 +2,7 @@
 import torch
 import pytest
 
-from zwdx.bundle import load, pack, unpack
+from zwdx.bundle import load, pack, required_modules, unpack
 
 
 class Tied(torch.nn.Module):
@@ -84,3 +84,25 @@ def test_a_damaged_bundle_is_refused_with_a_reason(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
         load(str(empty))
+
+
+def test_required_modules_are_the_installed_packages_the_pickle_refers_to():
+    import json
+    import numpy as np
+    import sklearn.linear_model
+    from sklearn.preprocessing import StandardScaler
+    import torch.nn.functional as F
+
+    def uses_packages(model, loader):  # numpy as a module, sklearn by a class and a submodule
+        json.dumps([np.pi, StandardScaler.__name__, sklearn.linear_model.__name__, F.relu.__name__])
+
+    def imports_in_its_body(model, loader):  # may never run: not required
+        import sklearn.cluster  # noqa: F401
+
+    array = np.arange(3)
+    assert required_modules(pack(Tied(), lambda rank: None, uses_packages)) == ["numpy", "sklearn"]
+    assert required_modules(pack(Tied(), lambda rank: None, lambda model: array.sum())) == ["numpy"]
+    assert required_modules(pack(Tied(), lambda rank: None, imports_in_its_body)) == []
+    with pytest.raises(ValueError, match="not a zwdx job bundle"):
+        required_modules(b"PK\x03\x04 a zip file")
+

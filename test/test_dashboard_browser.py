@@ -9,26 +9,23 @@ page are copied to docs/screenshots/ for the README when ZWDX_UPDATE_SCREENSHOTS
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import statistics
 import struct
-import subprocess
 
 import pytest
 import requests
 import torch
 
 import mnist
-from procs import ROOT, Server, wait_until
+from procs import ROOT, Server, build_ui, wait_until
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (./setup.sh --test)")
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-UI = os.path.join(ROOT, "ui")
 ARTIFACTS = os.path.join(ROOT, "test-artifacts", "dashboard")
 README_SHOTS = os.path.join(ROOT, "docs", "screenshots")
 TOKEN_HEADER = "X-Zwdx-Room-Token"
@@ -52,27 +49,10 @@ new MutationObserver(() => {
 """
 
 
-def _newest_source_mtime() -> float:
-    paths = [os.path.join(UI, name) for name in ("index.html", "package-lock.json", "vite.config.js")]
-    for folder in ("src", "public"):
-        for base, _, files in os.walk(os.path.join(UI, folder)):
-            paths += [os.path.join(base, f) for f in files]
-    return max(os.path.getmtime(p) for p in paths if os.path.exists(p))
-
-
 @pytest.fixture(scope="session")
 def ui_dist():
-    """ui/dist, built (npm ci && npm run build) when it is missing or older than the sources."""
-    index = os.path.join(UI, "dist", "index.html")
-    with open(os.path.join("/tmp", "zwdx-ui-build.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # other test sessions may build at the same time
-        if not os.path.exists(index) or os.path.getmtime(index) < _newest_source_mtime():
-            if not shutil.which("npm"):
-                pytest.fail("the dashboard is not built and npm is missing (Node 20 and npm build it)")
-            if not os.path.isdir(os.path.join(UI, "node_modules")):
-                subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=UI, check=True)
-            subprocess.run(["npm", "run", "build", "--silent"], cwd=UI, check=True)
-    return os.path.dirname(index)
+    """ui/dist, built when it is missing or older than the sources."""
+    return build_ui()
 
 
 @pytest.fixture(scope="session")
@@ -242,13 +222,13 @@ def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, s
     done = history_rows.filter(has_text="mnist-ddp")
     cells = done.locator("td").all_inner_texts()
     assert cells[2] == "completed" and cells[5] == "2" and cells[6] == "DDP"
-    assert cells[4] == f"{job['final_loss']:.4g}" and cells[7].endswith("samples/s")
+    assert cells[4] == f"loss {job['final_loss']:.4g}" and cells[7].endswith("samples/s")
     shot(page, "05-history")
     page.get_by_role("checkbox", name="cancelled").check()
     wait_until(lambda: history_rows.count() == 1, 5, what="the status filter")
     assert history_rows.first.get_attribute("data-status") == "cancelled"
     page.get_by_role("checkbox", name="cancelled").uncheck()
-    page.get_by_role("button", name="Final loss").click()  # descending: the job without a loss goes last
+    page.get_by_role("button", name="Result").click()  # descending: the job without a result goes last
     wait_until(lambda: history_rows.last.get_attribute("data-status") == "cancelled", 5, what="sorting")
 
     # 7. A GPU client that stops shows as offline, live.

@@ -14,6 +14,9 @@ hyperparameters and is rebuilt on each rank over the wrapped model's parameters;
 they name.
 
 Only GPU clients unpickle a bundle; the server stores and forwards its bytes untouched.
+``required_modules`` reads which installed packages a bundle refers to from its pickle's
+opcodes, running none of it, so that the scheduler can keep the job off GPU clients that
+lack one.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import logging
 import mmap
 import os
 import pickle
+import pickletools
 import struct
 import sys
 import sysconfig
@@ -248,6 +252,68 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None, fs
     head_len = len(MAGIC) + 16 + len(pickled) + 8 * len(table)
     return b"".join([MAGIC, struct.pack("<QQ", len(pickled), len(table)), pickled,
                      struct.pack(f"<{len(table)}Q", *table), bytes(-head_len % _ALIGN), *parts])
+
+
+#: Top-level modules every GPU client has (it runs them), left out of ``required_modules``.
+_ALWAYS_THERE = frozenset({"zwdx", "gpu_client", "torch", "cloudpickle", "__main__", "builtins"})
+#: Globals that import the module named by the string they are called with (cloudpickle pickles
+#: a module so, and ``_Pickler.reducer_override`` its ModuleType subclasses).
+_IMPORTERS = frozenset({("cloudpickle.cloudpickle", "subimport"), ("cloudpickle.cloudpickle_fast", "subimport"),
+                        ("importlib", "import_module")})
+_STRINGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+                      "BINSTRING", "STRING"})
+
+
+def _pickled(data) -> memoryview:
+    view = memoryview(data)
+    if bytes(view[:len(MAGIC)]) != MAGIC:
+        raise ValueError("not a zwdx job bundle of a format this gpu client understands "
+                         "(submitted from another zwdx version?)")
+    (pickle_len,) = struct.unpack_from("<Q", view, len(MAGIC))
+    start = len(MAGIC) + 16
+    return view[start:start + pickle_len]
+
+
+def required_modules(data) -> list[str]:
+    """The top-level modules a bundle (``pack``'s bytes) imports by reference, leaving out the
+    standard library and what every GPU client runs (zwdx, torch, cloudpickle): the packages a
+    GPU client must have installed to load it. Read from the pickle's opcodes without running
+    them: GLOBAL and STACK_GLOBAL name a module, and the importers (cloudpickle's ``subimport``)
+    take one as the string they are called with. Modules that functions import in their body
+    are not counted (such an import may never run)."""
+    found: set[str] = set()
+    memo: dict[int, object] = {}
+    recent: list = [None, None]  # what the last two pushing opcodes pushed: a str, a global or None
+    importing = False            # an importer was just pushed: the next string names a module
+    for op, arg, _ in pickletools.genops(io.BytesIO(_pickled(data))):
+        name = op.name
+        if name == "MEMOIZE":
+            memo[len(memo)] = recent[-1]
+            continue
+        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[int(arg)] = recent[-1]
+            continue
+        value = None
+        if name in _STRINGS:
+            value = arg.decode("latin-1") if isinstance(arg, bytes) else arg
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            value = memo.get(int(arg))
+        elif name == "GLOBAL":
+            value = tuple(arg.split(" ", 1))
+        elif name == "STACK_GLOBAL" and all(isinstance(v, str) for v in recent):
+            value = (recent[0], recent[1])
+        if isinstance(value, tuple):
+            found.add(value[0])
+            importing = value in _IMPORTERS
+        elif isinstance(value, str) and importing:
+            found.add(value)
+            importing = False
+        else:
+            importing = False
+        recent = [recent[-1], value]
+    tops = {module.split(".")[0] for module in found}
+    return sorted(m for m in tops if m.isidentifier() and m not in _ALWAYS_THERE
+                  and m not in sys.stdlib_module_names)
 
 
 def unpack(data) -> dict:

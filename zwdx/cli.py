@@ -37,6 +37,8 @@ def _server(args) -> int:
         config["MAX_ARTIFACT_BYTES"] = args.max_artifact_bytes
     if args.client_timeout:
         config["CLIENT_TIMEOUT"] = args.client_timeout
+    if args.ui_dir:
+        config["UI_DIR"] = args.ui_dir
     app = create_app(config)
     print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']}, "
           f"{socketio.async_mode})", flush=True)
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-mode", choices=ASYNC_MODES, default=os.environ.get("ZWDX_ASYNC_MODE", "gevent"),
                    help="gevent: every connection a greenlet (default); threading: an OS thread per "
                         "connection (default: $ZWDX_ASYNC_MODE or %(default)s)")
+    p.add_argument("--ui-dir", default=os.environ.get("ZWDX_UI_DIR"),
+                   help="serve the dashboard from this build folder (default: $ZWDX_UI_DIR, else the one "
+                        "installed with zwdx)")
     p.set_defaults(func=_server)
 
     p = sub.add_parser("room", help="rooms")

@@ -35,3 +35,8 @@ SYSTEM_METRICS_INTERVAL = 2.0
 MAX_RESTARTS = 3
 #: Seconds a rank or the SDK keeps retrying while the server is unreachable (a server restart).
 OUTAGE_TOLERANCE = 600.0
+#: Most top-level module names a job may require (``required_modules``) and a GPU client may
+#: report it can import (at registration), and the longest such name.
+MAX_REQUIRED_MODULES = 1000
+MAX_CLIENT_MODULES = 50000
+MAX_MODULE_NAME = 200

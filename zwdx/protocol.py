@@ -60,7 +60,8 @@ EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")
 
 # Socket.IO events, GPU client namespace "/gpu".
 GPU_NAMESPACE = "/gpu"
-EV_REGISTER = "register"            # client -> server {client_id, hostname, slots, versions, advertise_addr}
+EV_REGISTER = "register"            # client -> server {client_id, hostname, host_id, slots, versions, modules,
+                                    #                   advertise_addr, running}
 EV_HEARTBEAT = "heartbeat"          # client -> server {slots, running}
 EV_RESERVE_PORT = "reserve_port"    # server -> rank-0 client (call) {job_id} -> {addr, port}
 EV_JOB_ASSIGN = "job_assign"        # server -> client {job_id, job_key, ranks, master_addr, ...}

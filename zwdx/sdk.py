@@ -23,7 +23,7 @@ import time
 import requests
 
 from . import defaults
-from .bundle import pack
+from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
 from .protocol import WAITING, JobStatus, runtime_versions
@@ -201,7 +201,8 @@ class ZWDX:
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
-            "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable})
+            "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
+            "required_modules": required_modules(blob)})
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
             self._remember("remember_job", job["id"], job["room_id"], token)

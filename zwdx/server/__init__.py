@@ -68,8 +68,7 @@ def create_app(config: dict | None = None) -> Flask:
         CLIENT_TIMEOUT=defaults.CLIENT_TIMEOUT,
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
-        UI_DIST=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))), "ui", "dist"),
+        UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
     )
     app.config.from_prefixed_env("ZWDX")
     if config:
@@ -83,6 +82,8 @@ def create_app(config: dict | None = None) -> Flask:
                     "does); serving with threads instead")
         mode = app.config["ASYNC_MODE"] = "threading"
 
+    from .ui import find_dashboard
+    app.config["UI_DIR"] = find_dashboard(app.config["UI_DIR"])
     ctx = ServerContext(app)
     app.extensions["zwdx"] = ctx
 
@@ -95,8 +96,8 @@ def create_app(config: dict | None = None) -> Flask:
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024)
     events.register(socketio)
     ctx.scheduler.start(app)
-    log.info("server: store %s, data dir %s, async mode %s", type(ctx.store).__name__, app.config["DATA_DIR"],
-             mode)
+    log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
+             app.config["DATA_DIR"], mode, app.config["UI_DIR"])
     return app
 
 

@@ -14,9 +14,10 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from .. import defaults
-from ..errors import BadRequest, Conflict, NotFound, ZwdxError
+from ..errors import BadRequest, Conflict, NotFound, Unschedulable, ZwdxError
 from ..protocol import ACTIVE, ArtifactKind, EventKind, JobStatus, Parallelism
 from . import lifecycle, notify
+from .placement import room_totals, unschedulable
 from .auth import hash_secret, job_in_room, new_secret, request_job_key, request_room
 from .views import client_view, job_view, room_view
 
@@ -67,6 +68,10 @@ def _field(body: dict, name: str, kind, required: bool = False, default=None):
     return value
 
 
+def _module_name(name) -> bool:
+    return isinstance(name, str) and len(name) <= defaults.MAX_MODULE_NAME and name.isidentifier()
+
+
 # -- health -----------------------------------------------------------------------------------
 @bp.get("/health")
 def health():
@@ -95,8 +100,8 @@ def create_room():
 @bp.get(f"{P}/room")
 def get_room():
     room = request_room()
-    clients = [client_view(c) for c in ctx().store.list_clients(room["id"])]
-    return jsonify({**room_view(room), "clients": clients})
+    clients = ctx().store.list_clients(room["id"])
+    return jsonify({**room_view(room), "clients": [client_view(c) for c in clients], "totals": room_totals(clients)})
 
 
 # -- artifacts --------------------------------------------------------------------------------
@@ -174,6 +179,11 @@ def create_job():
         raise BadRequest("field 'keep_checkpoints' must be at least 1", field="keep_checkpoints")
     every_epoch = _field(body, "checkpoint_every_epoch", bool, default=True)
     name = _field(body, "name", str, default="")
+    required = _field(body, "required_modules", list, default=[])
+    if len(required) > defaults.MAX_REQUIRED_MODULES or not all(_module_name(m) for m in required):
+        raise BadRequest(f"field 'required_modules' must be a list of at most {defaults.MAX_REQUIRED_MODULES} "
+                         f"top-level module names (Python identifiers)", field="required_modules")
+    refuse = _field(body, "fail_if_unschedulable", bool, default=False)
     now = time.time()
     job = {"id": uuid.uuid4().hex[:12], "room_id": room["id"], "status": JobStatus.QUEUED.value,
            "name": name[:100], "created_at": now,
@@ -181,15 +191,22 @@ def create_job():
                     "memory_required": memory, "versions": versions, "bundle_artifact": bundle_id,
                     "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"],
                     "collective_timeout": timeout, "min_world_size": min_world, "max_restarts": max_restarts,
-                    "keep_checkpoints": keep, "checkpoint_every_epoch": every_epoch},
+                    "keep_checkpoints": keep, "checkpoint_every_epoch": every_epoch,
+                    "required_modules": sorted(set(required))},
            "timeline": [{"status": JobStatus.QUEUED.value, "at": now}], "world_size": None}
+    reason = unschedulable(job["spec"], ctx().store.list_clients(room["id"]))
+    if reason and refuse:  # nothing stored: not the job, not its bundle
+        ctx().artifacts.delete(bundle_id)
+        ctx().store.delete_artifact(bundle_id)
+        log.info("job refused in room %s: %s", room["id"], reason)
+        raise Unschedulable(f"the room cannot run this job as it is now: {reason}", reason=reason)
     job = ctx().store.create_job(job)
     ctx().store.update_artifact(bundle_id, {"job_id": job["id"]})
     log.info("job %s: queued in room %s (%s, world size %s)", job["id"], room["id"], parallelism,
              world_size or "all")
     notify.job_changed(job)
     ctx().scheduler.kick()
-    return jsonify(job_view(job)), 201
+    return jsonify({**job_view(job), "unschedulable": reason}), 201
 
 
 @bp.get(f"{P}/jobs")

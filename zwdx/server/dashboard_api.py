@@ -2,15 +2,19 @@
 
     GET /api/v1/dashboard/history[?status=completed,failed]
         -> {"jobs": [{id, name, status, created_at, started_at, running_at, ended_at, duration,
-                      final_loss, world_size, requested_world_size, parallelism, epochs,
+                      final_loss, result, world_size, requested_world_size, parallelism, epochs,
                       mean_throughput, reason}]}
 
 The history is the room's finished jobs (or those of the given statuses) in submission order.
 ``mean_throughput`` is the mean of the job's "throughput" metric events (samples/s, reported
 by rank 0), None when it reported none; ``duration`` runs from the first running moment (or
-the start) to the end.
+the start) to the end. ``result`` is the job's headline figure, ``{"name", "value"}``: its final
+loss when it has one, else the first number among its ``results`` (train_func's, then
+eval_func's), None when there is none; ``name`` is what the submitter named the job ("" if nothing).
 """
 from __future__ import annotations
+
+import math
 
 from flask import Blueprint, current_app, jsonify, request
 
@@ -41,6 +45,21 @@ def _cached_throughput(store, job: dict) -> float | None:
     return cache[job["id"]]
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def first_result(job: dict) -> dict | None:
+    """The final loss, else the first numeric result, as ``{"name", "value"}``; or None."""
+    if _number(job.get("final_loss")):
+        return {"name": "loss", "value": job["final_loss"]}
+    results = job.get("results")
+    for name, value in (results.items() if isinstance(results, dict) else ()):
+        if _number(value):
+            return {"name": name, "value": value}
+    return None
+
+
 def summary(store, job: dict) -> dict:
     start = job.get("running_at") or job.get("started_at")
     end = job.get("ended_at")
@@ -49,7 +68,7 @@ def summary(store, job: dict) -> dict:
             "created_at": job.get("created_at"), "started_at": job.get("started_at"),
             "running_at": job.get("running_at"), "ended_at": end,
             "duration": end - start if start and end else None,
-            "final_loss": job.get("final_loss"), "world_size": job.get("world_size"),
+            "final_loss": job.get("final_loss"), "result": first_result(job), "world_size": job.get("world_size"),
             "requested_world_size": spec.get("world_size"), "parallelism": spec.get("parallelism"),
             "epochs": spec.get("epochs"), "mean_throughput": _cached_throughput(store, job),
             "reason": job.get("reason")}

@@ -17,7 +17,6 @@ from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, 
                         UI_NAMESPACE, ClientStatus)
 from . import lifecycle, notify
 from .auth import room_for_token
-from .views import client_view
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,21 @@ def _room_from_auth(auth) -> dict:
         raise ConnectionRefusedError(err.message)
 
 
+def _host_fields_wrong(data: dict) -> str | None:
+    """What is wrong with a register payload's ``host_id`` and ``modules`` (both optional: a
+    client without them is its own host and is not checked for packages), or None."""
+    host_id = data.get("host_id")
+    if host_id is not None and not (isinstance(host_id, str) and 0 < len(host_id) <= 64):
+        return "field 'host_id' must be a string of 1 to 64 characters"
+    modules = data.get("modules")
+    if modules is not None and not (
+            isinstance(modules, list) and len(modules) <= defaults.MAX_CLIENT_MODULES
+            and all(isinstance(m, str) and len(m) <= defaults.MAX_MODULE_NAME and m.isidentifier() for m in modules)):
+        return (f"field 'modules' must be a list of at most {defaults.MAX_CLIENT_MODULES} top-level module names "
+                f"(Python identifiers)")
+    return None
+
+
 def register(socketio) -> None:
     # -- GPU clients -------------------------------------------------------------------------
     @socketio.on("connect", namespace=GPU_NAMESPACE)
@@ -51,6 +65,9 @@ def register(socketio) -> None:
             return {"ok": False, "error": "register needs a client_id after a connect with a room token"}
         ctx, now = _ctx(), time.time()
         client_id = data["client_id"]
+        wrong = _host_fields_wrong(data)
+        if wrong:
+            return {"ok": False, "error": f"register: {wrong}"}
         existing = ctx.store.get_client(client_id)
         if existing and existing["room_id"] != sess["room_id"]:
             return {"ok": False, "error": f"gpu client id {client_id} belongs to another room"}
@@ -61,7 +78,10 @@ def register(socketio) -> None:
                           "room_id": sess["room_id"], "index": int(s["index"]), "kind": s.get("kind", "cuda"),
                           "name": str(s.get("name", "")), "memory_total": int(s.get("memory_total") or 0),
                           "memory_free": int(s.get("memory_free") or 0), "utilization": s.get("utilization")})
+        modules = data.get("modules")
         client = {"id": client_id, "room_id": sess["room_id"], "hostname": str(data.get("hostname", "")),
+                  "host_id": data.get("host_id"),
+                  "modules": None if modules is None else " ".join(sorted(set(modules))),  # one string: cheap to read
                   "versions": data.get("versions") or {}, "advertise_addr": data.get("advertise_addr"),
                   "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
                   "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
@@ -144,5 +164,5 @@ def register(socketio) -> None:
     def ui_connect(auth=None):
         room = _room_from_auth(auth)
         join_room(notify.ui_room(room["id"]))
-        clients = [client_view(c) for c in _ctx().store.list_clients(room["id"])]
-        socketio.emit(EV_CLIENTS_UPDATE, {"clients": clients}, to=request.sid, namespace=UI_NAMESPACE)
+        socketio.emit(EV_CLIENTS_UPDATE, notify.clients_payload(_ctx(), room["id"]), to=request.sid,
+                      namespace=UI_NAMESPACE)

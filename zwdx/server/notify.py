@@ -16,6 +16,7 @@ import time
 
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
 from . import socketio
+from .placement import room_totals
 from .views import client_view, job_view
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ def events_added(job: dict, events: list[dict]) -> None:
 
 
 def clients_payload(ctx, room_id: str) -> dict:
-    return {"clients": [client_view(c) for c in ctx.store.list_clients(room_id)]}
+    """The room's GPU clients and what they offer in all (``room_totals``)."""
+    clients = ctx.store.list_clients(room_id)
+    return {"clients": [client_view(c) for c in clients], "totals": room_totals(clients)}
 
 
 def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:

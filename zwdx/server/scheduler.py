@@ -1,10 +1,10 @@
 """Gang scheduling inside a room.
 
-A job needs ``world_size`` slots (a GPU, or one CPU slot of a GPU client without GPUs), each
-with at least ``memory_required`` bytes free, on GPU clients that run the submitter's Python
-minor version (cloudpickled code needs it). Jobs start in FIFO order per room; one that does
-not fit waits and says why (``waiting_reason``). Reservation is one atomic store call, so two
-schedulers racing never give a slot two jobs.
+A job needs ``world_size`` slots (a GPU, or one CPU slot of a GPU client without GPUs) that
+can run it (placement.py says which: Python version, packages, memory, CPU slots of one host
+sharing its RAM). Jobs start in FIFO order per room; one that does not fit waits and says why
+(``waiting_reason``). Reservation is one atomic store call, so two schedulers racing never
+give a slot two jobs.
 
 After reserving, the rank-0 GPU client is asked for a rendezvous port on an address the
 others can reach; then every client gets its ranks.
@@ -14,80 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 from .. import defaults
-from ..protocol import (EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus,
-                        python_minor)
+from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus
 from . import lifecycle, notify, socketio
 from .auth import hash_secret, new_secret
+from .placement import plan
 
 log = logging.getLogger(__name__)
-
-
-def _eligible(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict], str]:
-    """Free slots that can run the job, and why others cannot."""
-    spec = job["spec"]
-    need_py = python_minor(spec["versions"]["python"])
-    mem = int(spec.get("memory_required") or 0)
-    ok, too_small, wrong_py, busy = [], 0, set(), 0
-    for slot in slots:
-        client = clients.get(slot["client_id"])
-        if client is None or client.get("status") != ClientStatus.ONLINE.value:
-            continue
-        have_py = python_minor((client.get("versions") or {}).get("python", "?"))
-        if have_py != need_py:
-            wrong_py.add(have_py)
-            continue
-        if mem and int(slot.get("memory_total") or 0) < mem:
-            too_small += 1
-            continue
-        if slot.get("job_id"):
-            busy += 1
-            continue
-        if mem and int(slot.get("memory_free") or 0) < mem:
-            busy += 1
-            continue
-        ok.append(slot)
-    why = []
-    if wrong_py:
-        why.append(f"{len(wrong_py)} version(s) of Python on GPU clients ({', '.join(sorted(wrong_py))}) "
-                   f"cannot load a bundle made with Python {need_py}")
-    if too_small:
-        why.append(f"{too_small} slot(s) have less than {mem} bytes of memory in all")
-    if busy:
-        why.append(f"{busy} slot(s) busy or short of free memory")
-    return ok, "; ".join(why)
-
-
-def plan(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict] | None, str]:
-    """Choose the slots for a job, rank order grouped by GPU client; or None and the reason."""
-    eligible, why = _eligible(job, slots, clients)
-    by_kind = defaultdict(list)
-    for slot in eligible:
-        by_kind[slot.get("kind", "cuda")].append(slot)
-    want = job["spec"].get("world_size")
-    least = job["spec"].get("min_world_size")
-    if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
-        want = job["world_size"]  # go on at the size it ran at, or at least min_world_size
-    for kind in ("cuda", "cpu"):
-        chosen = by_kind.get(kind) or []
-        if not chosen:
-            continue
-        if want is None:
-            return chosen, ""
-        if len(chosen) < want and least and len(chosen) >= least:
-            want = len(chosen)
-        if len(chosen) >= want:
-            # Fill whole clients first: fewer hosts, more ranks over local links.
-            per_client = Counter(s["client_id"] for s in chosen)
-            order = sorted(chosen, key=lambda s: (-per_client[s["client_id"]], s["client_id"], s["index"]))
-            picked = order[:want]
-            return sorted(picked, key=lambda s: (s["client_id"], s["index"])), ""
-    have = max((len(v) for v in by_kind.values()), default=0)
-    need = want or 1
-    reason = f"waiting for {need} free slot(s) with {job['spec'].get('memory_required') or 0} bytes free; {have} available"
-    return None, reason + (f" ({why})" if why else "")
 
 
 #: Seconds between two looks for GPU clients past their deadline and for jobs to settle (and
@@ -173,13 +108,24 @@ class Scheduler:
                 started += 1
         return started
 
+    def _held_memory(self, job: dict, slots: list[dict]) -> dict:
+        """Bytes per rank of the jobs on the room's CPU slots (job id -> memory_required), which
+        count against their hosts' RAM; asked only for a job that needs memory."""
+        if not int(job["spec"].get("memory_required") or 0):
+            return {}
+        held = {}
+        for job_id in {s["job_id"] for s in slots if s.get("job_id") and s.get("kind") == "cpu"}:
+            other = self.ctx.store.get_job(job_id)
+            held[job_id] = int(((other or {}).get("spec") or {}).get("memory_required") or 0)
+        return held
+
     def _try_start(self, job: dict) -> bool:
         store = self.ctx.store
         clients = {c["id"]: c for c in store.list_clients(job["room_id"])}  # each with its slots
         slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
         if any(s.get("job_id") == job["id"] for s in slots):
             return False  # ranks of its last attempt are still stopping
-        chosen, reason = plan(job, slots, clients)
+        chosen, reason = plan(job, slots, clients, self._held_memory(job, slots))
         if chosen is None:
             if job["status"] == JobStatus.RESUMING.value:
                 reason = f"resuming after: {job.get('restart_history', [{}])[-1].get('reason')}; {reason}"

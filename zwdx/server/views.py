@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 _JOB_HIDDEN = {"job_key_hash"}
-_CLIENT_HIDDEN = {"sid"}
+_CLIENT_HIDDEN = {"sid", "modules"}  # modules: hundreds of names, for the scheduler only
 
 
 def job_view(job: dict) -> dict:

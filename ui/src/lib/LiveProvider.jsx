@@ -41,7 +41,7 @@ export function LiveProvider({ token, onRefused, children }) {
 
   useEffect(() => {
     refreshJobs();
-    api.room().then((r) => dispatch({ type: "clients", clients: r.clients, at: Date.now() / 1000 }), () => {});
+    api.room().then((r) => dispatch({ type: "clients", clients: r.clients, totals: r.totals, at: Date.now() / 1000 }), () => {});
     const socket = io("/ui", { auth: { token }, reconnectionDelay: 500, reconnectionDelayMax: 3000 });
     let everConnected = false;
 
@@ -68,7 +68,9 @@ export function LiveProvider({ token, onRefused, children }) {
         dispatch({ type: "connection", status: everConnected ? "reconnecting" : "connecting", error: err.message });
       }
     });
-    socket.on("clients_update", (msg) => dispatch({ type: "clients", clients: msg.clients, at: Date.now() / 1000 }));
+    socket.on("clients_update", (msg) =>
+      dispatch({ type: "clients", clients: msg.clients, totals: msg.totals, at: Date.now() / 1000 }),
+    );
     socket.on("job_update", (job) => dispatch({ type: "job", job }));
     socket.on("job_events", (msg) => {
       eventListeners.current.get(msg.job_id)?.forEach((fn) => fn(msg.events));

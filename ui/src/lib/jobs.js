@@ -50,16 +50,24 @@ export const HISTORY_COLUMNS = [
   { key: "name", label: "Job" },
   { key: "status", label: "Status" },
   { key: "duration", label: "Duration" },
-  { key: "final_loss", label: "Final loss" },
+  { key: "result", label: "Result" },
   { key: "world_size", label: "World size" },
   { key: "parallelism", label: "Parallelism" },
   { key: "mean_throughput", label: "Mean throughput" },
 ];
 
+/** What a history row shows as its job: the name the submitter gave it, else its id. */
+export const jobLabel = (row) => row.name || row.id;
+
+/** A history row's headline figure, "accuracy 0.94": its final loss, else its first numeric result. */
+export function resultText(result, format = String) {
+  return result ? `${result.name} ${format(result.value)}` : "—";
+}
+
 /** History rows whose status is in `statuses` (all when empty), sorted by `key`; missing values last. */
 export function historyRows(rows, { statuses = [], key = "created_at", dir = "desc" } = {}) {
   const sign = dir === "asc" ? 1 : -1;
-  const value = (row) => (key === "name" ? row.name || row.id : row[key]);
+  const value = (row) => (key === "name" ? jobLabel(row) : key === "result" ? row.result?.value : row[key]);
   return rows
     .filter((row) => statuses.length === 0 || statuses.includes(row.status))
     .sort((x, y) => {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { historyRows, jobDuration, mergeJob, queueOf, queuePosition } from "./jobs.js";
+import { historyRows, jobDuration, mergeJob, queueOf, queuePosition, resultText } from "./jobs.js";
 
 const job = (id, seq, status, extra = {}) => ({ id, seq, status, created_at: seq, timeline: [{ status }], ...extra });
 
@@ -54,6 +54,17 @@ describe("history rows", () => {
     expect(historyRows(rows, { key: "final_loss", dir: "asc" }).map((r) => r.id)).toEqual(["c", "a", "b"]);
     expect(historyRows(rows, { key: "final_loss", dir: "desc" }).map((r) => r.id)).toEqual(["a", "c", "b"]);
     expect(historyRows(rows, { key: "mean_throughput", dir: "desc" }).map((r) => r.id)).toEqual(["a", "b", "c"]);
+  });
+
+  it("sorts by the result's value, and says what the result is", () => {
+    const results = [
+      { id: "x", result: { name: "loss", value: 0.4 } },
+      { id: "y", result: null },
+      { id: "z", result: { name: "accuracy", value: 0.94 } },
+    ];
+    expect(historyRows(results, { key: "result", dir: "desc" }).map((r) => r.id)).toEqual(["z", "x", "y"]);
+    expect(resultText(results[2].result)).toBe("accuracy 0.94");
+    expect(resultText(null)).toBe("—");
   });
 
   it("sorts by name, using the id for unnamed jobs", () => {

@@ -8,6 +8,7 @@ export const initialLive = {
   connection: "connecting", // connecting | online | reconnecting | refused
   error: null,
   clients: null, // null until the first answer: "loading", not "empty"
+  totals: null, // what the online GPU clients offer in all (a host's RAM counted once), from the server
   jobs: {}, // id -> job
   slotHistory: {}, // slot id -> {t: [], util: [], mem: []}
 };
@@ -29,7 +30,7 @@ export function liveReducer(state, action) {
         if (client.status !== "online") continue;
         for (const slot of client.slots || []) slotHistory[slot.id] = appendSample(slotHistory, slot, action.at);
       }
-      return { ...state, clients: action.clients, slotHistory };
+      return { ...state, clients: action.clients, totals: action.totals ?? null, slotHistory };
     }
     case "jobs": {
       const jobs = { ...state.jobs };

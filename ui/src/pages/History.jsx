@@ -1,9 +1,10 @@
-// Past jobs: duration, final loss, world size, parallelism, mean throughput; sortable, filterable.
+// Past jobs: name, duration, result (final loss, else the first numeric result), world size,
+// parallelism, mean throughput; sortable, filterable.
 import { useCallback, useEffect, useMemo, useState } from "react";
 import { Link } from "react-router-dom";
 import { api } from "../lib/api.js";
 import { formatDuration, formatNumber, formatTime } from "../lib/format.js";
-import { FINISHED, HISTORY_COLUMNS, historyRows, isFinished } from "../lib/jobs.js";
+import { FINISHED, HISTORY_COLUMNS, historyRows, isFinished, jobLabel, resultText } from "../lib/jobs.js";
 import { useLive } from "../lib/LiveProvider.jsx";
 import { Loading, Notice, StatusBadge } from "../components/bits.jsx";
 
@@ -12,15 +13,20 @@ function cell(row, key) {
     case "created_at":
       return formatTime(row.created_at);
     case "name":
-      return <Link to={`/jobs/${row.id}`}>{row.name || row.id}</Link>;
+      return (
+        <>
+          <Link to={`/jobs/${row.id}`}>{jobLabel(row)}</Link>
+          {row.name ? <span className="mono muted small job-id"> {row.id}</span> : null}
+        </>
+      );
     case "status":
       return <StatusBadge status={row.status} />;
     case "duration":
       return formatDuration(row.duration);
     case "mean_throughput":
       return row.mean_throughput == null ? "—" : `${formatNumber(row.mean_throughput)} samples/s`;
-    case "final_loss":
-      return formatNumber(row.final_loss);
+    case "result":
+      return resultText(row.result, formatNumber);
     default:
       return row[key] ?? "—";
   }

@@ -160,7 +160,7 @@ function Queue({ jobs }) {
 
 export default function Overview() {
   const { room } = useAuth();
-  const { clients, slotHistory, jobs } = useLive();
+  const { clients, totals, slotHistory, jobs } = useLive();
   const now = useNow();
   const online = (clients || []).filter((c) => c.status === "online").length;
   const slots = (clients || []).filter((c) => c.status === "online").flatMap((c) => c.slots || []);
@@ -182,6 +182,11 @@ export default function Overview() {
         <div className="stat">
           <b>{busy}</b> / {slots.length} slots busy
         </div>
+        {totals && (
+          <div className="stat" data-testid="stat-memory" title="GPU memory, plus the RAM of each host with CPU slots, counted once per host">
+            <b>{formatBytes(totals.memory_free)}</b> free of {formatBytes(totals.memory_total)} memory
+          </div>
+        )}
       </div>
       <section>
         <h2>GPU clients</h2>

@@ -43,6 +43,15 @@ describe("the room overview", () => {
     expect(idle).toHaveTextContent("idle");
   });
 
+  it("shows the memory the room offers, as the server counts it (a host's RAM once)", async () => {
+    const totals = { clients_online: 2, hosts: 1, slots: 2, slots_busy: 0, memory_total: 16 * GiB, memory_free: 12 * GiB };
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [], totals }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/");
+    expect(await screen.findByTestId("stat-memory")).toHaveTextContent("12.0 GiB free of 16.0 GiB");
+    act(() => sockets.at(-1).fire("clients_update", { clients: [], totals: { ...totals, memory_free: 10 * GiB } }));
+    expect(screen.getByTestId("stat-memory")).toHaveTextContent("10.0 GiB free of 16.0 GiB");
+  });
+
   it("updates utilisation and its sparkline from clients_update pushes", async () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");

@@ -1,0 +1,210 @@
+"""Where jobs may go, with a real server and real GPU-client processes: what a waiting job says,
+what the room cannot run at all (said at submit, refused on request), CPU slots of one host
+sharing its RAM, and packages missing on GPU clients."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import requests
+import torch
+
+import mnist
+from procs import wait_until
+from workloads import slow_train
+from zwdx.bundle import pack, required_modules
+from zwdx.protocol import runtime_versions
+
+H = "X-Zwdx-Room-Token"
+EXTRA = "zwdx_extra_pkg"  # a package only the test process (and GPU clients told so) can import
+
+
+def post_job(server, room, blob: bytes, **fields) -> requests.Response:
+    """Upload a bundle and create a job from it through the REST API, as the SDK does."""
+    headers = {H: room["token"]}
+    artifact = requests.post(f"{server.url}/api/v1/artifacts", data=blob,
+                             headers={**headers, "X-Zwdx-Sha256": hashlib.sha256(blob).hexdigest()})
+    assert artifact.status_code == 201, artifact.text
+    body = {"bundle_artifact": artifact.json()["id"], "versions": runtime_versions(),
+            "required_modules": required_modules(blob), **fields}
+    return requests.post(f"{server.url}/api/v1/jobs", json=body, headers=headers)
+
+
+def example() -> bytes:
+    model = mnist.Net()
+    return pack(model, mnist.create_loader, mnist.train, mnist.test, torch.optim.AdamW(model.parameters(), lr=3e-3))
+
+
+def jobs(server, room) -> list[dict]:
+    return requests.get(f"{server.url}/api/v1/jobs", headers={H: room["token"]}).json()["jobs"]
+
+
+def waiting_reason(sdk, room, job_id: str, *fragments: str) -> str:
+    return wait_until(lambda: (r := sdk.get_job(job_id, room["token"]).get("waiting_reason") or "") and
+                      all(f in r for f in fragments) and r, 30, what=f"a waiting reason with {fragments}")
+
+
+def test_a_room_without_gpu_clients_says_so_and_refuses_on_request(server, sdk, room):
+    resp = post_job(server, room, example(), world_size=2, memory_required=3 << 30)
+    assert resp.status_code == 201 and resp.json()["unschedulable"] == "the room has no GPU clients online"
+    assert waiting_reason(sdk, room, resp.json()["id"]) == "the room has no GPU clients online"
+
+    resp = post_job(server, room, example(), world_size=2, fail_if_unschedulable=True)
+    assert resp.status_code == 409, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "unschedulable" and "the room has no GPU clients online" in error["message"]
+    waiting = jobs(server, room)
+    assert len(waiting) == 1  # only the first job; the refused one's bundle is gone, bytes and metadata
+    assert os.listdir(os.path.join(server.data_dir, "artifacts")) == [waiting[0]["spec"]["bundle_artifact"]]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"fail_if_unschedulable": "yes"}, "'fail_if_unschedulable' must be bool"),
+    ({"required_modules": "numpy"}, "'required_modules' must be list"),
+    ({"required_modules": ["numpy", "not a module"]}, "'required_modules' must be a list of at most"),
+    ({"required_modules": [3]}, "'required_modules'"),
+    ({"epochs": 0}, "'epochs' must be at least 1"),
+])
+def test_bad_new_job_fields_get_400_and_change_nothing(server, room, fields, message):
+    resp = post_job(server, room, example(), **fields)
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+    assert jobs(server, room) == []
+
+
+def test_a_gpu_client_with_a_bad_module_list_is_refused_with_the_reason(server, room):
+    import socketio
+    sio = socketio.Client(reconnection=False)
+    sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["token"]}, transports=["websocket"])
+    try:
+        base = {"client_id": "bad", "hostname": "h", "versions": {"python": "3.11.7"},
+                "slots": [{"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 1000}]}
+        for wrong, field in [({"modules": "numpy"}, "modules"), ({"modules": ["os", "a b"]}, "modules"),
+                             ({"host_id": 7}, "host_id"), ({"host_id": "x" * 65}, "host_id")]:
+            answer = sio.call("register", {**base, **wrong}, namespace="/gpu", timeout=10)
+            assert not answer["ok"] and f"field '{field}'" in answer["error"], answer
+        answer = sio.call("register", {**base, "host_id": "h1", "modules": ["os", "numpy"]}, namespace="/gpu")
+        assert answer["ok"], answer
+        client = requests.get(f"{server.url}/api/v1/room", headers={H: room["token"]}).json()["clients"][0]
+        assert client["host_id"] == "h1" and "modules" not in client  # hundreds of names: not shown
+    finally:
+        sio.disconnect()
+
+
+def test_too_many_ranks_are_said_at_submit_and_the_job_runs_when_a_client_joins(server, sdk, room, start_client):
+    start_client("a")
+    resp = post_job(server, room, example(), world_size=2, epochs=1)
+    assert resp.status_code == 201
+    assert resp.json()["unschedulable"].startswith("world_size 2 is more than the 1 slot(s) this room could give")
+    assert waiting_reason(sdk, room, resp.json()["id"], "waiting for 2 free slot(s); 1 available")
+    refused = post_job(server, room, example(), world_size=2, fail_if_unschedulable=True)
+    assert refused.status_code == 409 and "world_size 2" in refused.json()["error"]["message"]
+    start_client("b")
+    result = sdk.wait(resp.json()["id"], room["token"], progress=False, timeout=240)
+    assert result["status"] == "completed" and result["world_size"] == 2
+
+
+def test_cpu_slots_of_one_host_share_its_ram(server, sdk, room, start_client):
+    start_client("a")
+    start_client("b")
+    info = sdk.get_room(room["token"])
+    assert len({c["host_id"] for c in info["clients"]}) == 1  # two GPU clients, one machine
+    slots = [s for c in info["clients"] for s in c["slots"]]
+    total, free = slots[0]["memory_total"], min(s["memory_free"] for s in slots)
+    assert info["totals"]["memory_total"] == total  # its RAM counted once, not once per GPU client
+    memory = total // 2 + (256 << 20)  # one rank fits this host, two never do
+    if memory > free * 0.9:
+        pytest.skip(f"this host has {free >> 20} MiB of RAM free; the test needs more than half of its RAM")
+
+    resp = post_job(server, room, example(), world_size=2, memory_required=memory)
+    assert "the 2 CPU slots of host" in resp.json()["unschedulable"]
+    assert waiting_reason(sdk, room, resp.json()["id"], "share its RAM", "1 available")
+    sdk.cancel_job(resp.json()["id"], room["token"])
+
+    # A rank of one job holds `memory` of this host: the other job waits, though a slot is idle.
+    holder = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
+                            room_token=room["token"], world_size=1, epochs=50, memory_required=memory,
+                            progress=False, wait=False)
+    wait_until(lambda: sdk.get_job(holder, room["token"])["status"] == "running", 60, what="the first job running")
+    second = post_job(server, room, example(), world_size=1, epochs=1, memory_required=memory)
+    assert second.json()["unschedulable"] is None  # it fits the room as such: it waits
+    reason = waiting_reason(sdk, room, second.json()["id"], "share its RAM")
+    assert "room for 0 rank(s)" in reason
+    sdk.cancel_job(holder, room["token"])
+    result = sdk.wait(second.json()["id"], room["token"], progress=False, timeout=240)
+    assert result["status"] == "completed" and result["world_size"] == 1
+
+
+@pytest.fixture
+def extra_package(tmp_path):
+    """A package installed in a site-packages folder that only this process has on its path."""
+    site = tmp_path / "site-packages"
+    (site / EXTRA).mkdir(parents=True)
+    (site / EXTRA / "__init__.py").write_text("def scale(x):\n    return 2 * x\n")
+    sys.path.insert(0, str(site))
+    try:
+        yield importlib.import_module(EXTRA), str(site)
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop(EXTRA, None)
+
+
+def train_with(extra):
+    def train(model, loader, optimizer, rank, epochs=2):  # no loss; zwdx's default epochs: this one's
+        for _ in range(epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        return {"accuracy": extra.scale(0.47), "epochs": epochs}
+    return train
+
+
+def test_a_package_missing_on_gpu_clients_is_named_and_the_job_goes_where_it_is(
+        server, sdk, room, start_client, extra_package):
+    extra, site = extra_package
+    start_client("a")
+    model = mnist.Net()
+    blob = pack(model, mnist.create_loader, train_with(extra), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert required_modules(blob) == [EXTRA]
+
+    refused = post_job(server, room, blob, world_size=1, fail_if_unschedulable=True)
+    assert refused.status_code == 409, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"gpu client client-a on host {socket.gethostname()} lacks package(s) {EXTRA}" in message
+    assert jobs(server, room) == [] and os.listdir(os.path.join(server.data_dir, "artifacts")) == []
+
+    resp = post_job(server, room, blob, world_size=1, name="with-extra")  # no epochs: train's default
+    assert EXTRA in resp.json()["unschedulable"]
+    reason = waiting_reason(sdk, room, resp.json()["id"], "client-a", socket.gethostname(), EXTRA)
+    assert reason.startswith("waiting for 1 free slot(s); 0 available")
+
+    start_client("b", env={"PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])})
+    result = sdk.wait(resp.json()["id"], room["token"], progress=False, timeout=240)
+    assert result["status"] == "completed" and result["placement"][0]["client_id"] == "client-b"
+    assert result["results"] == {"accuracy": 0.94, "epochs": 2}
+
+    history = requests.get(f"{server.url}/api/v1/dashboard/history", headers={H: room["token"]}).json()["jobs"]
+    assert [(j["name"], j["result"], j["final_loss"]) for j in history] == \
+        [("with-extra", {"name": "accuracy", "value": 0.94}, None)]
+
+
+def test_a_gpu_client_reports_what_it_can_import_and_which_machine_it_is(tmp_path):
+    (tmp_path / "flat_mod.py").write_text("")
+    (tmp_path / "ns_pkg" / "part").mkdir(parents=True)  # a namespace package: no __init__.py
+    (tmp_path / "ns_pkg" / "part" / "__init__.py").write_text("")
+    ask = [sys.executable, "-c", "import json; from gpu_client import host; "
+                                 "print(json.dumps([host.host_id(), host.importable_modules()]))"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    first, modules = json.loads(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout)
+    assert {"flat_mod", "ns_pkg", "numpy", "json", "sys"} <= set(modules) and "zwdx_extra_pkg" not in modules
+    second, _ = json.loads(subprocess.run(ask, capture_output=True, text=True, check=True).stdout)
+    assert first == second  # another process of this machine: the same host
+    mine, _ = json.loads(subprocess.run(ask, env={**env, "ZWDX_HOST_ID": "box-7"}, capture_output=True, text=True,
+                                        check=True).stdout)
+    assert mine == "box-7"

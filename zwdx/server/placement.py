@@ -1,0 +1,251 @@
+"""Which slots of a room can run a job, and what to tell its submitter when none can.
+
+Pure functions over plain documents: a job (its ``spec``) and the room's GPU clients, each
+with its ``slots`` as ``store.list_clients`` gives them. The scheduler asks ``plan`` at every
+pass; ``POST /api/v1/jobs`` asks ``unschedulable`` at submit.
+
+A slot can take a rank of a job when its GPU client is online, runs the submitter's Python
+minor version (cloudpickled code needs it), can import every package the bundle refers to
+(``required_modules``; a client that reported no module list is not checked), has
+``memory_required`` bytes in all and free, and holds no rank already. CPU slots of one host
+(GPU clients that report the same ``host_id``) share its RAM: the CPU ranks placed on a host
+need at most its free RAM, and with the ranks other jobs hold there, at most its total RAM.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from ..protocol import ClientStatus, JobStatus, python_minor
+
+GiB = 1024**3
+#: How many GPU clients a reason names before it says "and N more".
+NAMED = 3
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def host_of(client: dict) -> str:
+    """The machine a GPU client runs on (one of its own when it did not say)."""
+    return client.get("host_id") or f"client:{client['id']}"
+
+
+def online(client: dict | None) -> bool:
+    return bool(client) and client.get("status") == ClientStatus.ONLINE.value
+
+
+def no_clients(clients) -> str:
+    offline = sum(1 for c in clients if not online(c))
+    return "the room has no GPU clients online" + (f" ({offline} offline)" if offline else "")
+
+
+def missing_modules(spec: dict, client: dict) -> list[str]:
+    """The job's required modules the client cannot import (none when it did not say)."""
+    need = spec.get("required_modules") or []
+    if not need or client.get("modules") is None:
+        return []
+    have = set(client["modules"].split())
+    return [m for m in need if m not in have]
+
+
+def _lacking(clients: list[dict], missing: dict) -> str:
+    """'gpu client a on host x lacks package(s) foo; ...', grouped by what they lack."""
+    groups = defaultdict(list)
+    for c in clients:
+        if missing.get(c["id"]):
+            groups[tuple(missing[c["id"]])].append(f"{c['id']} on host {c.get('hostname') or '?'}")
+    parts = []
+    for lacks, names in groups.items():
+        who = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+        parts.append(f"gpu client{'s' if len(names) > 1 else ''} {who} lack{'' if len(names) > 1 else 's'} "
+                     f"package(s) {', '.join(lacks)}")
+    return "; ".join(parts)
+
+
+def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:
+    """host -> (free, total, held, hostname): the RAM of each host's CPU slots, counted once,
+    and what the ranks on them need (``held``: bytes per rank by job id)."""
+    free, total, taken, names = {}, {}, Counter(), {}
+    for slot in slots:
+        client = clients.get(slot["client_id"])
+        if client is None or slot.get("kind") != "cpu":
+            continue
+        host = host_of(client)
+        names.setdefault(host, client.get("hostname") or client["id"])
+        if slot.get("job_id"):
+            taken[host] += int(held.get(slot["job_id"]) or 0)
+        if online(client):  # each of its GPU clients reports the same RAM: the least free, to be safe
+            slot_free = int(slot.get("memory_free") or 0)
+            free[host] = min(free.get(host, slot_free), slot_free)
+            total[host] = max(total.get(host, 0), int(slot.get("memory_total") or 0))
+    return {h: (free[h], total[h], taken[h], names[h]) for h in free}
+
+
+def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
+    """Free slots that can run the job, and what keeps the others from it."""
+    need_py = python_minor(spec["versions"]["python"])
+    mem = int(spec.get("memory_required") or 0)
+    ok, too_small, busy, wrong_py, missing = [], 0, 0, Counter(), {}
+    for slot in slots:
+        client = clients.get(slot["client_id"])
+        if not online(client):
+            continue
+        have_py = python_minor((client.get("versions") or {}).get("python", "?"))
+        if have_py != need_py:
+            wrong_py[have_py] += 1
+            continue
+        if client["id"] not in missing:
+            missing[client["id"]] = missing_modules(spec, client)
+        if missing[client["id"]]:
+            continue
+        if mem and int(slot.get("memory_total") or 0) < mem:
+            too_small += 1
+        elif slot.get("job_id") or (mem and int(slot.get("memory_free") or 0) < mem):
+            busy += 1
+        else:
+            ok.append(slot)
+    why = []
+    if wrong_py:
+        why.append(f"{sum(wrong_py.values())} slot(s) on Python {', '.join(sorted(wrong_py))} cannot load "
+                   f"a bundle made with Python {need_py}")
+    if any(missing.values()):
+        why.append(_lacking([clients[i] for i in missing], missing))
+    if too_small:
+        why.append(f"{too_small} slot(s) have less than {gib(mem)} of memory in all")
+    if busy:
+        why.append(f"{busy} slot(s) busy or short of free memory")
+    return ok, why
+
+
+def _within_host_ram(order: list[dict], mem: int, hosts: dict, clients: dict) -> tuple[list[dict], list[str]]:
+    """The CPU slots of ``order`` that fit their host's RAM, in order, and which hosts fell short."""
+    count, kept, short = Counter(), [], {}
+    for slot in order:
+        host = host_of(clients[slot["client_id"]])
+        free, total, taken, name = hosts[host]
+        room = max(0, min(free, total - taken))
+        if (count[host] + 1) * mem <= room:
+            count[host] += 1
+            kept.append(slot)
+        else:
+            short[host] = (name, room)
+    why = [f"the CPU slots of host {name} share its RAM: {gib(room)} left, room for {room // mem} "
+           f"rank(s) of {gib(mem)}" for name, room in short.values()]
+    return kept, why
+
+
+def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None) -> tuple[list[dict] | None, str]:
+    """Choose the slots for a job, rank order grouped by GPU client; or None and the reason.
+    ``held``: bytes per rank of the jobs holding slots (those on CPU slots count against their
+    host's RAM)."""
+    spec = job["spec"]
+    if not any(online(c) for c in clients.values()):
+        return None, no_clients(clients.values())
+    eligible, why = _eligible(spec, slots, clients)
+    mem = int(spec.get("memory_required") or 0)
+    by_kind = defaultdict(list)
+    for slot in eligible:
+        by_kind[slot.get("kind", "cuda")].append(slot)
+    want = spec.get("world_size")
+    least = spec.get("min_world_size")
+    if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
+        want = job["world_size"]  # go on at the size it ran at, or at least min_world_size
+    have = 0
+    for kind in ("cuda", "cpu"):
+        chosen = by_kind.get(kind) or []
+        # Fill whole clients first: fewer hosts, more ranks over local links.
+        per_client = Counter(s["client_id"] for s in chosen)
+        chosen = sorted(chosen, key=lambda s: (-per_client[s["client_id"]], s["client_id"], s["index"]))
+        if kind == "cpu" and mem and chosen:
+            chosen, short = _within_host_ram(chosen, mem, _host_ram(slots, clients, held or {}), clients)
+            why += short
+        have = max(have, len(chosen))
+        if not chosen:
+            continue
+        if want is None:
+            return sorted(chosen, key=lambda s: (s["client_id"], s["index"])), ""
+        if len(chosen) < want and least and len(chosen) >= least:
+            want = len(chosen)
+        if len(chosen) >= want:
+            return sorted(chosen[:want], key=lambda s: (s["client_id"], s["index"])), ""
+    each = f" with {gib(mem)} free each" if mem else ""
+    reason = f"waiting for {want or 1} free slot(s){each}; {have} available"
+    return None, reason + (f" ({'; '.join(why)})" if why else "")
+
+
+def unschedulable(spec: dict, clients: list[dict]) -> str | None:
+    """Why the room as it is now could never run the job, even with every slot idle (more ranks
+    than its eligible slots, more memory than any slot has, no GPU client at all, none on the
+    submitter's Python, a package missing on every one); None when it could. Jobs wait anyway:
+    GPU clients may join."""
+    alive = [c for c in clients if online(c)]
+    if not alive:
+        return no_clients(clients)
+    need_py = python_minor(spec["versions"]["python"])
+    runs = [c for c in alive if python_minor((c.get("versions") or {}).get("python", "?")) == need_py]
+    if not runs:
+        theirs = sorted({python_minor((c.get("versions") or {}).get("python", "?")) for c in alive})
+        return (f"no GPU client online runs Python {need_py}, the submitter's (they run {', '.join(theirs)}); "
+                f"a bundle loads only on the Python minor version that made it")
+    missing = {c["id"]: missing_modules(spec, c) for c in runs}
+    fit = [c for c in runs if not missing[c["id"]]]
+    if not fit:
+        return f"no GPU client online can import the packages the job uses: {_lacking(runs, missing)}"
+    mem = int(spec.get("memory_required") or 0)
+    slots = [s for c in fit for s in c["slots"]]
+    big = [s for s in slots if int(s.get("memory_total") or 0) >= mem]
+    if not big:
+        largest = max((int(s.get("memory_total") or 0) for s in slots), default=0)
+        return (f"memory_required ({gib(mem)} per rank) is above every slot's total memory "
+                f"(the largest has {gib(largest)})")
+    gpus = sum(1 for s in big if s.get("kind", "cuda") == "cuda")
+    cpu_hosts = defaultdict(list)
+    by_id = {c["id"]: c for c in fit}
+    for s in big:
+        if s.get("kind") == "cpu":
+            cpu_hosts[host_of(by_id[s["client_id"]])].append(s)
+    cpus, shared = 0, []
+    for host, host_slots in cpu_hosts.items():
+        fits = len(host_slots)
+        if mem:
+            ram = max(int(s.get("memory_total") or 0) for s in host_slots)
+            fits = min(fits, ram // mem)
+            if fits < len(host_slots):
+                name = by_id[host_slots[0]["client_id"]].get("hostname") or host
+                shared.append(f"the {len(host_slots)} CPU slots of host {name} share its {gib(ram)} of RAM, "
+                              f"room for {fits} rank(s) of {gib(mem)}")
+        cpus += fits
+    field = "min_world_size" if spec.get("min_world_size") else "world_size"
+    need = spec.get(field) or 1
+    if max(gpus, cpus) >= need:
+        return None
+    kinds = [f"{n} {kind} slot(s)" for n, kind in ((gpus, "GPU"), (cpus, "CPU")) if n]
+    notes = shared + (["a job runs on GPU slots or on CPU slots, not both"] if len(kinds) == 2 else [])
+    return (f"{field} {need} is more than the {max(gpus, cpus)} slot(s) this room could give the job even with "
+            f"every slot idle ({' and '.join(kinds) or 'none'}{''.join('; ' + n for n in notes)})")
+
+
+def room_totals(clients: list[dict]) -> dict:
+    """What the room's online GPU clients offer: slots, busy slots, memory total and free, the
+    RAM of CPU slots counted once per host."""
+    slots = busy = total = free = 0
+    cpu_ram = {}
+    for client in clients:
+        if not online(client):
+            continue
+        for slot in client["slots"]:
+            slots += 1
+            busy += 1 if slot.get("job_id") else 0
+            slot_total, slot_free = int(slot.get("memory_total") or 0), int(slot.get("memory_free") or 0)
+            if slot.get("kind") == "cpu":  # one host's RAM, whichever of its GPU clients reports it
+                t, f = cpu_ram.get(host_of(client), (slot_total, slot_free))
+                cpu_ram[host_of(client)] = (max(t, slot_total), min(f, slot_free))
+            else:
+                total += slot_total
+                free += slot_free
+    for t, f in cpu_ram.values():
+        total += t
+        free += f
+    return {"clients_online": sum(1 for c in clients if online(c)), "slots": slots, "slots_busy": busy,
+            "memory_total": total, "memory_free": free, "hosts": len({host_of(c) for c in clients if online(c)})}
