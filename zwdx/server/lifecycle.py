@@ -1,8 +1,9 @@
 """How a job moves after it is placed: ranks start, finish, fail; clients vanish; users cancel.
 
 Every transition is a conditional ``update_job`` (expect_status), so two servers or two
-threads that race apply it at most once. Slots are freed only when the GPU client says its
-rank processes exited (or the client is gone), so no slot runs two jobs.
+threads that race apply it at most once. A job completes as soon as every rank reported
+completion; its slots are freed only when the GPU client says its rank processes exited (or
+the client is gone), so a rank's teardown is off the user's path and still no slot runs two jobs.
 
 Failures come in two kinds. A rank whose own code raised fails the job at once, with every
 failing rank's traceback. A rank that lost its peers (a collective broke, or its process died
@@ -153,8 +154,10 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
         return
     ctx.store.update_job(job_id, {f"exits.{rank}": code for rank, code in exits.items()}, expect_status=_ACTIVE)
     ctx.store.release_slots(job_id, client_id)
-    bad = {r: c for r, c in exits.items() if c != 0}
     job = ctx.store.get_job(job_id)
+    ranks = job.get("ranks") or {}
+    # A rank that reported completion is done, whatever its teardown returned.
+    bad = {r: c for r, c in exits.items() if c != 0 and (ranks.get(str(r)) or {}).get("status") != "completed"}
     if bad and job["status"] in _ACTIVE:
         unreported = {r: c for r, c in bad.items() if str(r) not in (job.get("failures") or {})}
         if unreported:
@@ -165,7 +168,6 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
             changes["suspect_reason"] = "rank process died (" + ", ".join(
                 f"rank {r} exit code {c}" for r, c in sorted(unreported.items())) + ")"
             ctx.store.update_job(job_id, changes, expect_status=_ACTIVE)
-    _maybe_finish(ctx, job_id)
     notify.clients_changed(ctx, job["room_id"])
     ctx.scheduler.kick(settle=bool(bad or job.get("failing_since") or job.get("suspect_since")))
 
@@ -206,9 +208,7 @@ def _maybe_finish(ctx, job_id: str) -> None:
     if job is None or job["status"] not in _ACTIVE:
         return
     ranks = job.get("ranks") or {}
-    world = job["world_size"]
-    done = all((ranks.get(str(r)) or {}).get("status") == "completed" for r in range(world))
-    if done and _all_exited(job):
+    if all((ranks.get(str(r)) or {}).get("status") == "completed" for r in range(job["world_size"])):
         updated = ctx.store.update_job(job_id, {"status": JobStatus.COMPLETED.value, "ended_at": _now()},
                                        expect_status=_ACTIVE,
                                        push={"timeline": _timeline(JobStatus.COMPLETED.value)})
