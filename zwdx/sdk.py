@@ -162,10 +162,11 @@ class ZWDX:
         result = {"job_id": job_id, "status": job["status"], "results": job.get("results") or {},
                   "final_loss": job.get("final_loss"), "world_size": job.get("world_size"),
                   "placement": job.get("placement"), "failures": job.get("failures") or {},
-                  "reason": job.get("reason"), "job": job}
+                  "failure_order": job.get("failure_order") or [], "reason": job.get("reason"), "job": job}
         if job["status"] == JobStatus.FAILED.value and raise_on_failure:
             raise JobFailed(f"job {job_id} failed: {job.get('reason')}", job_id=job_id,
-                            failures=job.get("failures"), reason=job.get("reason") or "", result=result)
+                            failures=job.get("failures"), reason=job.get("reason") or "", result=result,
+                            failure_order=job.get("failure_order"))
         return result
 
     def get_job(self, job_id: str, room_token: str | None = None) -> dict:
