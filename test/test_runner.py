@@ -2,12 +2,20 @@
 package a GPU client lacks, named with the client and its host."""
 from __future__ import annotations
 
+import hashlib
+import socket
+import sys
 import time
 
 import psutil
+import pytest
+import torch
 
 import mnist
 from procs import wait_until
+from zwdx import JobFailed, defaults
+from zwdx.bundle import pack
+from zwdx.protocol import runtime_versions
 
 
 def train_then_linger(model, loader, optimizer):
@@ -49,3 +57,70 @@ def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_t
     assert sdk.wait(second, progress=False, timeout=120)["status"] == "completed"
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
                30, what="the slot freed")
+
+
+def a_few_steps(model, loader, optimizer):
+    """Three steps: well under a second of training, less than the 2 s sampling interval."""
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if i == 2:
+            break
+    return loss.item()
+
+
+def test_metrics_always_have_the_platform_series_and_a_short_job_has_its_samples(sdk, room, start_client):
+    start_client("a")
+    model = mnist.Net()
+    short = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05), room_token=room["token"],
+                           world_size=1, progress=False, timeout=120)
+    metrics = sdk.get_job_metrics(short["job_id"])
+    assert metrics["gpu_utilization"] == []  # a CPU slot has no GPU to sample
+    assert len(metrics["throughput"]) >= 2, metrics["throughput"]  # after the first step, and at the end
+    assert all(p["value"] > 0 and p["rank"] == 0 for p in metrics["throughput"])
+
+    idle = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
+                          room_token=room["token"], world_size=1, progress=False, timeout=120)
+    assert sdk.get_job_metrics(idle["job_id"]) == {"throughput": [], "gpu_utilization": []}  # nothing to sample
+
+
+def _submit_as_is(sdk, token: str, train_func) -> str:
+    """Submit without the SDK's own checks (an older SDK): the bundle meets the GPU client as it is."""
+    blob = pack(mnist.Net(), mnist.create_loader, train_func)
+    artifact = sdk._json("POST", "/artifacts", token, data=blob,
+                         headers={defaults.SHA256_HEADER: hashlib.sha256(blob).hexdigest()})
+    return sdk._json("POST", "/jobs", token, json={"bundle_artifact": artifact["id"], "world_size": 1,
+                                                   "versions": runtime_versions()})["id"]
+
+
+def test_a_package_missing_on_the_gpu_client_is_named_with_the_client_and_its_host(sdk, room, start_client,
+                                                                                   tmp_path):
+    site = tmp_path / "site-packages"  # looks installed: the bundle refers to it by name
+    (site / "zwdx_absent_pkg").mkdir(parents=True)
+    (site / "zwdx_absent_pkg" / "__init__.py").write_text("def scale(x):\n    return 2 * x\n")
+    sys.path.insert(0, str(site))
+    try:
+        import zwdx_absent_pkg
+        start_client("a")
+
+        def train_with_it(model, loader):
+            return {"loss": zwdx_absent_pkg.scale(0.5)}
+        job_id = _submit_as_is(sdk, room["token"], train_with_it)  # unpickling its bundle imports the package
+        with pytest.raises(JobFailed) as info:
+            sdk.wait(job_id, room_token=room["token"], progress=False, timeout=120)
+        where = f"gpu client client-a on host {socket.gethostname()}"
+        assert f"{where} lacks package 'zwdx_absent_pkg'" in info.value.reason
+
+        def train_importing_it(model, loader):
+            import importlib
+            importlib.import_module("zwdx_absent_pkg")  # as the train function runs: no check can see it
+        with pytest.raises(JobFailed) as info:
+            sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_importing_it,
+                           room_token=room["token"], world_size=1, progress=False, timeout=120)
+        assert f"{where} lacks package 'zwdx_absent_pkg'" in info.value.reason
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("zwdx_absent_pkg", None)
