@@ -13,6 +13,7 @@ import torch
 
 import mnist
 from procs import wait_until
+from workloads import a_few_steps
 from zwdx import JobFailed, defaults
 from zwdx.bundle import pack
 from zwdx.protocol import runtime_versions
@@ -57,18 +58,6 @@ def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_t
     assert sdk.wait(second, progress=False, timeout=120)["status"] == "completed"
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
                30, what="the slot freed")
-
-
-def a_few_steps(model, loader, optimizer):
-    """Three steps: well under a second of training, less than the 2 s sampling interval."""
-    for i, (x, y) in enumerate(loader):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        if i == 2:
-            break
-    return loss.item()
 
 
 def test_metrics_always_have_the_platform_series_and_a_short_job_has_its_samples(sdk, room, start_client):
