@@ -107,10 +107,12 @@ class MissingPackage(ImportError):
 
 
 def _missing_package(exc: ImportError, where: str) -> MissingPackage:
-    name = (exc.name or "?").split(".")[0]
+    if not exc.name:
+        return MissingPackage(f"{where} cannot import what the job needs: {exc}")
+    name = exc.name.split(".")[0]
     if isinstance(exc, ModuleNotFoundError):
         return MissingPackage(f"{where} lacks package '{name}' (No module named '{exc.name}'); "
-                              f"install it there, or send that code by value", name=name)
+                              f"install it there", name=name)
     return MissingPackage(f"{where} cannot import from package '{name}': {exc} (another version of it "
                           f"than the submitter's?)", name=name)
 

@@ -72,7 +72,7 @@ def test_cancel_stops_the_ranks_and_frees_the_slots(sdk, room, start_client):
 
 
 def quick_train(model, loader):
-    return {"loss": 0.0}
+    return {"loss": 0.0, "pid": os.getpid()}
 
 
 def _standbys(client) -> list:
@@ -91,8 +91,10 @@ def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_g
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
                             room_token=room["token"], world_size=1, progress=False)
     assert result["status"] == "completed"
-    # the job's rank process was the slot's standby; the slot gets a new one, which stays
-    wait_until(lambda: len(_standbys(a)) == 1, 30, what="a new standby on the slot")
+    # the job's rank process was the slot's standby; once it is gone, the slot gets a new one, which stays
+    ran_in = result["results"]["pid"]
+    wait_until(lambda: not psutil.pid_exists(ran_in) and len(_standbys(a)) == 1, 30,
+               what="the job's rank process gone and a new standby on the slot")
     standby = _standbys(a)[0]
     time.sleep(2)
     assert standby.is_running() and standby.status() != psutil.STATUS_ZOMBIE
