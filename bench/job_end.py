@@ -9,7 +9,8 @@ arrived (``ranks.N.ended_at``) and the time the job became ``completed`` (``ende
 needs nothing else from the code it measures, so the same script measures older versions
 (copy it into their tree and run it there). Where the GPU clients' logs say when the ranks'
 processes exited ("ranks exited"), it also shows the last rank's report -> the last process
-exit seen by its GPU client: the teardown a rank does after reporting.
+exit seen by its GPU client: the teardown a rank does after reporting. And the last report ->
+``submit_job`` returned, which adds the SDK's polling (every ``POLL_INTERVAL``, 0.5 s).
 """
 from __future__ import annotations
 
@@ -87,33 +88,36 @@ def main() -> None:
         clients = [GpuClientProc(server.url, token, os.path.join(work, f"c{i}"), f"c{i}", None) for i in range(2)]
         harness.wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(token)["clients"]) == 2, 60,
                            "2 GPU clients online")
-        ids = []
+        returned = {}
         for n in range(args.jobs):
             time.sleep(args.settle)
             model = torch.nn.Linear(16, 4)
             result = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train,
                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), room_token=token,
                                     world_size=2, progress=False, timeout=120)
-            ids.append(result["job_id"])
+            returned[result["job_id"]] = time.time()
         time.sleep(3)  # let the GPU clients log the last exits
         seen = exits_seen(work)
-        rows, to_end, to_exit = [], [], []
-        for job_id in ids:
+        rows, to_end, to_exit, to_sdk = [], [], [], []
+        for job_id, back in returned.items():
             job = sdk.get_job(job_id, token)
             last = max(r["ended_at"] for r in job["ranks"].values())
             to_end.append(job["ended_at"] - last)
             exited = seen.get(job_id)
             to_exit.append(exited - last if exited else None)
-            rows.append([job_id, to_end[-1], to_exit[-1]])
-        exit_values = [v for v in to_exit if v is not None]
+            to_sdk.append(back - last)
+            rows.append([job_id, to_end[-1], to_exit[-1], to_sdk[-1]])
         summary = [[name, median(vals), percentile(vals, 90), max(vals, default=float("nan"))]
-                   for name, vals in (("report -> job completed", to_end), ("report -> processes exited", exit_values))]
+                   for name, vals in (("report -> job completed", to_end),
+                                      ("report -> processes exited", [v for v in to_exit if v is not None]),
+                                      ("report -> submit_job returned", to_sdk))]
         text = (f"{harness.machine()}; {args.jobs} jobs, world size 2, 2 GPU clients (CPU slots)\n\n"
-                + table(["job", "last report -> completed (s)", "last report -> processes exited (s)"], rows,
-                        digits=3)
+                + table(["job", "last report -> completed (s)", "-> processes exited (s)", "-> submit_job returned (s)"],
+                        rows, digits=3)
                 + "\n" + table(["interval", "median (s)", "p90 (s)", "max (s)"], summary, digits=3))
         print(text)
-        harness.write_out(args.out, text, {"jobs": args.jobs, "to_end": to_end, "to_exit": to_exit})
+        harness.write_out(args.out, text, {"jobs": args.jobs, "to_end": to_end, "to_exit": to_exit,
+                                           "to_sdk": to_sdk})
     finally:
         for c in clients:
             c.stop()
