@@ -19,6 +19,7 @@ Only GPU clients unpickle a bundle; the server stores and forwards its bytes unt
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import io
@@ -117,11 +118,6 @@ def optimizer_spec(optimizer, model) -> dict | None:
 _NO_FILE = "<dynamic-code>"
 
 
-def _code_in(code: types.CodeType, filename: str) -> types.CodeType:
-    """Unpickling: the submitter's code, with its file name back."""
-    return code.replace(co_filename=filename)
-
-
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, plus three things. Modules whose type subclasses ModuleType (torch.backends.cudnn
     and its siblings replace themselves in sys.modules so) go by name, as plain modules go;
@@ -140,9 +136,11 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
             return importlib.import_module, (obj.__name__,)
         if isinstance(obj, types.CodeType) and obj.co_filename != _NO_FILE:
-            # cloudpickle pickles the copy, naming it <dynamic-code>; the name is put back on load
+            # cloudpickle pickles the copy, naming it <dynamic-code>; loading puts the name back
+            # (with functools and CodeType only: GPU clients of older zwdx versions load it too)
             self.files.add(obj.co_filename)
-            return _code_in, (obj.replace(co_filename=_NO_FILE), obj.co_filename)
+            return (functools.partial(types.CodeType.replace, co_filename=obj.co_filename),
+                    (obj.replace(co_filename=_NO_FILE),))
         return super().reducer_override(obj)
 
     def persistent_id(self, obj):
