@@ -3,6 +3,7 @@ package a GPU client lacks, named with the client and its host."""
 from __future__ import annotations
 
 import hashlib
+import signal
 import socket
 import sys
 import time
@@ -32,6 +33,13 @@ def quick_train(model, loader):
     return {"loss": 0.0}
 
 
+def train_then_linger_on_rank_1(model, loader, rank):
+    import atexit
+    if rank == 1:
+        atexit.register(time.sleep, 30)
+    return {"loss": 0.0}
+
+
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -58,6 +66,21 @@ def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_t
     assert sdk.wait(second, progress=False, timeout=120)["status"] == "completed"
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
                30, what="the slot freed")
+
+
+def test_a_completed_job_stays_completed_when_its_lingering_rank_dies_with_its_gpu_client(sdk, room, start_client):
+    start_client("a")
+    b = start_client("b")
+    result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
+                            train_func=train_then_linger_on_rank_1, room_token=room["token"], world_size=2,
+                            progress=False, timeout=120)
+    assert result["status"] == "completed"
+    b.kill(signal.SIGKILL)  # rank 1 is still in its teardown there
+    wait_until(lambda: any(c["id"] == "client-b" and c.get("lost_at") for c in sdk.get_room(room["token"])["clients"]),
+               30, what="gpu client b declared lost")
+    job = sdk.get_job(result["job_id"])
+    assert job["status"] == "completed" and not job.get("restarts") and not job.get("failures"), job
+    assert [t["status"] for t in job["timeline"]][-1] == "completed"
 
 
 def test_metrics_always_have_the_platform_series_and_a_short_job_has_its_samples(sdk, room, start_client):
