@@ -263,6 +263,7 @@ class Agent:
                        "LOCAL_RANK": str(local_rank), "MASTER_ADDR": data["master_addr"],
                        "MASTER_PORT": str(data["master_port"]), "ZWDX_SERVER": self.server,
                        "ZWDX_ROOM_TOKEN": self.token, "ZWDX_JOB_ID": job.job_id, "ZWDX_JOB_KEY": data["job_key"],
+                       "ZWDX_CLIENT_ID": self.client_id, "ZWDX_HOSTNAME": socket.gethostname(),
                        "ZWDX_BUNDLE": bundle, "ZWDX_BUNDLE_PENDING": "1" if pending else "0",
                        "ZWDX_ASSIGNED_AT": repr(assigned_at), "ZWDX_BACKEND": data["backend"],
                        "ZWDX_DEVICE": f"cuda:{r['gpu_index']}" if r["kind"] == "cuda" else "cpu",

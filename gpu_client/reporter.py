@@ -55,8 +55,8 @@ class Reporter:
         self.start_epoch = 0
         #: None, or ``{"epoch", "step", "epoch_complete", "checkpoint"}`` of the checkpoint restored.
         self.resume: dict | None = None
-        self._checkpointer = None
-        self._epoch_in_progress = 0
+        self._checkpointer = None  # set by the runner: the job's Checkpointer
+        self._loader = None        # set by the runner: the CountingLoader given to train_func
         self._n = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -88,11 +88,25 @@ class Reporter:
         self._put("metric", {name: _number(v) for name, v in values.items()}, step)
 
     def checkpoint(self) -> int | None:
-        """Save a checkpoint now (model, optimizer, epoch, step). Every rank must call it at the
-        same point of training. Returns the checkpoint's number."""
+        """Save a checkpoint now (model, optimizer, tracked objects, epoch, step). Every rank must
+        call it at the same point of training. Returns the checkpoint's number."""
         if self._checkpointer is None:
             return None
-        return self._checkpointer.save(self._epoch_in_progress, self.step, epoch_complete=False)
+        passes = 0
+        if self._loader is not None:
+            self._loader.cancel_epoch_end()  # this one holds what the epoch's own would
+            passes = self._loader.epochs
+        return self._checkpointer.save(self.start_epoch + passes, self.step, epoch_complete=False)
+
+    def track(self, obj, name: str | None = None):
+        """Keep ``obj``'s state (anything with ``state_dict()`` and ``load_state_dict()``: an LR
+        scheduler, a GradScaler, your own counters) in every checkpoint; when the job resumes
+        from one, that state is loaded back into ``obj`` here, as you track it again. Objects
+        are told apart by ``name``, or by their type and the order you track them in.
+        Returns ``obj``."""
+        if self._checkpointer is None:
+            raise RuntimeError("reporter.track works inside a job's train_func")
+        return self._checkpointer.track(obj, name)
 
     def upload(self, path: str, file_path: str) -> dict:
         """PUT a file to ``<job url>/<path>``, streamed, with its sha256 for the server to check."""

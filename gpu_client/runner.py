@@ -22,49 +22,13 @@ import time
 import traceback
 
 from zwdx import defaults
-from zwdx.bundle import call_with
+from zwdx.bundle import call_with, register_sources
 from zwdx.bundle import load as load_bundle
 
+from .metrics import CountingLoader, SystemMetrics
 from .reporter import Reporter
 
 log = logging.getLogger("gpu_client.runner")
-
-
-class CountingLoader:
-    """The user's DataLoader, counting the samples it yields (for throughput). A full pass made
-    while the model is in training mode is an epoch: ``on_epoch_end`` is called after it."""
-
-    def __init__(self, loader, model=None, on_epoch_end=None):
-        self._loader = loader
-        self._model, self._on_epoch_end = model, on_epoch_end
-        self.samples = 0
-        self.epochs = 0
-
-    def __iter__(self):
-        training = self._model is None or self._model.training
-        for batch in self._loader:
-            self.samples += _batch_size(batch)
-            yield batch
-        if training and (self._model is None or self._model.training):
-            self.epochs += 1
-            if self._on_epoch_end is not None:
-                self._on_epoch_end(self.epochs)
-
-    def __len__(self):
-        return len(self._loader)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-def _batch_size(batch) -> int:
-    if hasattr(batch, "shape") and len(batch.shape):
-        return int(batch.shape[0])
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 1
 
 
 class _LogTee(io.TextIOBase):
@@ -84,22 +48,6 @@ class _LogTee(io.TextIOBase):
 
     def flush(self):
         self._stream.flush()
-
-
-def _system_metrics(reporter: Reporter, loader: CountingLoader, world: int, device, stop: threading.Event):
-    from .gpus import utilization
-    last_n, last_t = loader.samples, time.time()
-    while not stop.wait(defaults.SYSTEM_METRICS_INTERVAL):
-        now, n = time.time(), loader.samples
-        if n == last_n:
-            continue
-        values = {"throughput": (n - last_n) * world / (now - last_t)}
-        if device.type == "cuda":
-            util = utilization(device.index)
-            if util is not None:
-                values["gpu_utilization"] = util
-        reporter.log_system(**values)
-        last_n, last_t = n, now
 
 
 def _results(train_out, eval_out) -> tuple[dict, float | None]:
@@ -163,6 +111,22 @@ def _epochs(value: str | None, train_func) -> dict:
     return {} if declared is not None and declared.default is not declared.empty else {"epochs": 1}
 
 
+class MissingPackage(ImportError):
+    """The job's code imports a package that this GPU client does not have (or has in a
+    version without what the code needs)."""
+
+
+def _missing_package(exc: ImportError, where: str) -> MissingPackage:
+    if not exc.name:
+        return MissingPackage(f"{where} cannot import what the job needs: {exc}")
+    name = exc.name.split(".")[0]
+    if isinstance(exc, ModuleNotFoundError):
+        return MissingPackage(f"{where} lacks package '{name}' (No module named '{exc.name}'); "
+                              f"install it there", name=name)
+    return MissingPackage(f"{where} cannot import from package '{name}': {exc} (another version of it "
+                          f"than the submitter's?)", name=name)
+
+
 def _die_with_parent() -> None:
     """If the GPU client dies (SIGKILL, lost machine), its ranks die with it."""
     try:
@@ -195,9 +159,9 @@ class _BundleLoader(threading.Thread):
     ZWDX_BUNDLE_PENDING=1 the GPU client is still fetching it: a line on stdin says it has
     arrived (end of input: it could not be fetched)."""
 
-    def __init__(self, path: str, pending: bool, startup: _Startup):
+    def __init__(self, path: str, pending: bool, startup: _Startup, where: str):
         super().__init__(name="zwdx-bundle", daemon=True)
-        self.path, self.pending, self.startup = path, pending, startup
+        self.path, self.pending, self.startup, self.where = path, pending, startup, where
         self.bundle: dict | None = None
         self.error: BaseException | None = None
 
@@ -206,7 +170,11 @@ class _BundleLoader(threading.Thread):
             if self.pending and not sys.stdin.readline().strip():
                 raise RuntimeError("the GPU client could not fetch the job's bundle")
             self.startup.mark("bundle_fetched")
-            self.bundle = load_bundle(self.path)
+            try:
+                self.bundle = load_bundle(self.path)
+            except ImportError as exc:
+                raise _missing_package(exc, self.where) from exc
+            register_sources(self.bundle["sources"])
             self.startup.mark("bundle_loaded")
         except BaseException as exc:  # re-raised in the main thread
             self.error = exc
@@ -227,17 +195,18 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
     reporter = Reporter(env["ZWDX_SERVER"], env["ZWDX_ROOM_TOKEN"], env["ZWDX_JOB_ID"], env["ZWDX_JOB_KEY"],
                         rank, attempt=int(env.get("ZWDX_ATTEMPT", "0")))
-    stop = threading.Event()
+    where = f"gpu client {env.get('ZWDX_CLIENT_ID', '?')} on host {env.get('ZWDX_HOSTNAME', '?')}"
     sys.stdout = _LogTee(sys.stdout, reporter)
     joined = False
     code = 0
+    system = None
     try:
         import torch
         import torch.distributed as dist
 
         from .parallel import fingerprint, full_state_dict, rebuild_optimizer, sync_buffers, wrap
         torch.set_num_threads(int(env.get("ZWDX_NUM_THREADS", "1")))
-        bundle_loader = _BundleLoader(env["ZWDX_BUNDLE"], env.get("ZWDX_BUNDLE_PENDING") == "1", startup)
+        bundle_loader = _BundleLoader(env["ZWDX_BUNDLE"], env.get("ZWDX_BUNDLE_PENDING") == "1", startup, where)
         bundle_loader.start()
         device = torch.device(env.get("ZWDX_DEVICE", "cpu"))
         if device.type == "cuda":
@@ -269,37 +238,36 @@ def main() -> int:
                              f"step {latest.get('step')})")
         reporter._checkpointer = ckpt
         startup.mark("optimizer_checkpoint")
-        reporter._epoch_in_progress = reporter.start_epoch
         loaders = call_with(bundle["data_loader_func"], {"rank": rank, "world_size": world, "device": device},
                             "data_loader_func")
         train_loader, eval_loader = (loaders if isinstance(loaders, tuple) and len(loaders) == 2
                                      else (loaders, loaders))
         startup.mark("data_loader")
-        every_epoch = env.get("ZWDX_CHECKPOINT_EVERY_EPOCH", "1") == "1"
 
         def epoch_end(passes: int) -> None:
-            epoch = reporter.start_epoch + passes - 1
-            reporter._epoch_in_progress = epoch + 1
-            if every_epoch:
-                ckpt.save(epoch, reporter.step)
-        loader = CountingLoader(train_loader, model, epoch_end)
-        if rank == 0:
-            threading.Thread(target=_system_metrics, args=(reporter, loader, world, device, stop),
-                             daemon=True).start()
+            ckpt.save(reporter.start_epoch + passes - 1, reporter.step)
+        every_epoch = env.get("ZWDX_CHECKPOINT_EVERY_EPOCH", "1") == "1"
+        # a resumed rank's generators go back where the checkpoint found them: where it was taken,
+        # as the loader's next pass started (and before train_func, for code that ignores the loader)
+        loader = CountingLoader(train_loader, model, epoch_end if every_epoch else None,
+                                on_first_step=lambda: system.first_step(), on_first_pass=ckpt.restore_rng)
+        reporter._loader = loader
+        system = SystemMetrics(reporter, loader, rank, world, device)
         eval_func = bundle["eval_func"]
         startup.mark("train_func")
         if rank == 0:
             reporter.log(startup.line())
-        started = time.time()
+        ckpt.restore_rng()
+        if system.needed:
+            system.start()
         train_out = call_with(bundle["train_func"], {
             "model": model, "loader": loader, "optimizer": optimizer, "optim": optimizer, "rank": rank,
             "world_size": world, **_epochs(env.get("ZWDX_EPOCHS"), bundle["train_func"]), "device": device,
             "eval_func": eval_func, "reporter": reporter, "start_epoch": reporter.start_epoch,
             "resume": reporter.resume}, "train_func")
-        stop.set()
+        system.finish()
+        loader.finish()  # the last epoch's checkpoint, now that train_func is done with it
         sync_buffers(model)  # rank 0's buffers on every rank, for eval_func and the weights
-        if rank == 0 and loader.samples:  # mean throughput over the whole of training
-            reporter.log_system(throughput=loader.samples * world / max(time.time() - started, 1e-9))
         eval_out = None
         if eval_func is not None:
             eval_out = call_with(eval_func, {"model": model, "loader": eval_loader, "rank": rank,
@@ -314,13 +282,16 @@ def main() -> int:
         code = 1
         tb = traceback.format_exc()
         sys.__stderr__.write(tb)
+        if isinstance(exc, ImportError) and not isinstance(exc, MissingPackage):
+            exc = _missing_package(exc, where)  # the job's code imported it as it ran
         try:
             reporter.status("failed", error=f"{type(exc).__name__}: {exc}", traceback=tb,
                             collective=joined and _is_collective_error(exc))
         except Exception:
             log.exception("could not report the failure")
     finally:
-        stop.set()
+        if system is not None:
+            system.finish(sample=False)
         sys.stdout = sys.__stdout__
         reporter.close()
         if joined:

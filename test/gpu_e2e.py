@@ -13,6 +13,8 @@ D: language models as users write them (test/models.py: a Hugging Face GPT-2 bui
    on 2 GPU clients: the eval loss the job reported against the one recomputed here on the
    weights that came back, equal weights on every rank, tied weights still tied.
    ``--lm-only`` runs D alone. Without transformers the GPT-2 rows say they were skipped.
+E: a short DDP job (three steps) on 2 GPUs: every rank has gpu_utilization samples (after its
+   first step and at the end), rank 0 throughput samples. The script exits 1 if not.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mnist  # noqa: E402
 import models  # noqa: E402
 from procs import Proc, Server, wait_until  # noqa: E402
-from workloads import slow_train  # noqa: E402
+from workloads import a_few_steps, slow_train  # noqa: E402
 
 from gpu_client.parallel import fingerprint  # noqa: E402
 from zwdx import ZWDX  # noqa: E402
@@ -93,6 +95,7 @@ def main() -> None:
         with open(args.out, "w") as fh:
             fh.write("\n".join(lines) + "\n")
 
+    problems = []
     server = Server(os.path.join(args.work, "server"))
     sdk = ZWDX(server.url)
     token = sdk.create_room("gpu")["token"]
@@ -119,6 +122,23 @@ def main() -> None:
                 f"{r['results'].get('accuracy', 0):.3f} | {acc:.3f} | {same} |")
         out("")
         language_models(sdk, out)
+
+        out("")
+        out("## D. Platform metrics of a short DDP job (2 GPU clients, three steps)")
+        out("| rank | gpu_utilization samples | values (%) | throughput samples |")
+        out("|---|---|---|---|")
+        model = mnist.Net()
+        r = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05), world_size=2, progress=False)
+        metrics = sdk.get_job_metrics(r["job_id"])
+        for rank in (0, 1):
+            util = [p["value"] for p in metrics["gpu_utilization"] if p["rank"] == rank]
+            speed = [p for p in metrics["throughput"] if p["rank"] == rank]
+            out(f"| {rank} | {len(util)} | {', '.join(f'{v:g}' for v in util)} | {len(speed)} |")
+            if len(util) < 2:
+                problems.append(f"D: rank {rank} has {len(util)} gpu_utilization sample(s), expected 2 or more")
+        if len(metrics["throughput"]) < 2:
+            problems.append(f"D: {len(metrics['throughput'])} throughput sample(s), expected 2 or more")
 
         if len(clients) >= 3:
             out("")
@@ -176,6 +196,10 @@ def main() -> None:
         for c in clients.values():
             c.stop()
         server.stop()
+    if problems:
+        out("")
+        out("FAILED: " + "; ".join(problems))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

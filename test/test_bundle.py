@@ -106,3 +106,30 @@ def test_required_modules_are_the_installed_packages_the_pickle_refers_to():
     with pytest.raises(ValueError, match="not a zwdx job bundle"):
         required_modules(b"PK\x03\x04 a zip file")
 
+def test_code_sent_by_value_keeps_its_file_name_and_its_lines_travel_with_it(tmp_path):
+    import importlib
+    import os
+    import subprocess
+    import sys
+    source = tmp_path / "their_module.py"
+    source.write_text("def train(model, loader):\n    total = 0\n    raise RuntimeError('from their code')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        train = importlib.import_module("their_module").train
+        blob = pack(torch.nn.Linear(2, 2), lambda rank: None, train)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("their_module", None)
+    source.unlink()  # as on a GPU client, which has no copy of the submitter's files
+    (tmp_path / "job.zwdx").write_bytes(blob)
+    script = ("import traceback, sys\n"
+              "from zwdx.bundle import load, register_sources\n"
+              "bundle = load(sys.argv[1])\n"
+              "register_sources(bundle['sources'])\n"
+              "try:\n    bundle['train_func'](None, None)\n"
+              "except RuntimeError:\n    print(traceback.format_exc())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "job.zwdx")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, check=True).stdout
+    assert f'File "{source}", line 3, in train' in out
+    assert "raise RuntimeError('from their code')" in out

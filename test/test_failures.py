@@ -72,7 +72,7 @@ def test_cancel_stops_the_ranks_and_frees_the_slots(sdk, room, start_client):
 
 
 def quick_train(model, loader):
-    return {"loss": 0.0}
+    return {"loss": 0.0, "pid": os.getpid()}
 
 
 def _standbys(client) -> list:
@@ -91,8 +91,10 @@ def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_g
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
                             room_token=room["token"], world_size=1, progress=False)
     assert result["status"] == "completed"
-    # the job's rank process was the slot's standby; the slot gets a new one, which stays
-    wait_until(lambda: len(_standbys(a)) == 1, 30, what="a new standby on the slot")
+    # the job's rank process was the slot's standby; once it is gone, the slot gets a new one, which stays
+    ran_in = result["results"]["pid"]
+    wait_until(lambda: not psutil.pid_exists(ran_in) and len(_standbys(a)) == 1, 30,
+               what="the job's rank process gone and a new standby on the slot")
     standby = _standbys(a)[0]
     time.sleep(2)
     assert standby.is_running() and standby.status() != psutil.STATUS_ZOMBIE
@@ -105,3 +107,56 @@ def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_g
     assert "--standby" in standby.cmdline()
     a.kill()  # SIGKILL
     standby.wait(timeout=10)
+
+
+USER_CODE = '''\
+import torch.distributed as dist
+
+
+def train(rank):
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.barrier()  # rank 0 waits here for a peer that is gone
+'''
+
+
+def test_the_rank_whose_code_raised_comes_first_with_its_file_and_lines(sdk, room, start_client, tmp_path):
+    import importlib
+    import sys
+    import uuid
+    name = f"user_code_{uuid.uuid4().hex[:8]}"
+    source = tmp_path / f"{name}.py"
+    source.write_text(USER_CODE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        train = importlib.import_module(name).train
+        job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train,
+                                room_token=room["token"], world_size=2, wait=False)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+    source.unlink()  # the GPU clients have only what the bundle carries
+    start_client("a")
+    start_client("b")
+    with pytest.raises(JobFailed) as info:
+        sdk.wait(job_id, progress=False, timeout=120)
+    err, text = info.value, str(info.value)
+    assert err.failure_order[0] == "1", err.failure_order  # the cause first
+    assert text.index("--- rank 1 ---") < text.index("Traceback")
+    assert f'File "{source}", line 6, in train' in err.failures["1"]
+    assert 'raise ValueError("rank 1 gives up")' in err.failures["1"]
+    assert "<dynamic-code>" not in text
+    if "0" in err.failures:  # the rank that lost its peer, unless the job failed (and stopped it) before it told
+        assert err.failure_order == ["1", "0"] and text.index("--- rank 1 ---") < text.index("--- rank 0 ---")
+        assert f'File "{source}", line 7, in train' in err.failures["0"] and "dist.barrier()" in err.failures["0"]
+
+
+def test_failure_order_puts_ranks_whose_code_raised_before_those_that_lost_their_peers():
+    from zwdx.server.views import failure_order
+    job = {"failures": {"0": "...", "1": "...", "2": "...", "3": "..."},
+           "failure_info": {"0": {"at": 10.0, "kind": "collective"},  # heard of first, but only a knock-on
+                            "1": {"at": 12.0, "kind": "raised"},
+                            "2": {"at": 11.0, "kind": "exited"},
+                            "3": {"at": 11.5, "kind": "raised"}}}
+    assert failure_order(job) == ["3", "1", "0", "2"]
+    assert failure_order({"failures": {"1": "...", "0": "..."}}) == ["0", "1"]  # no times known: by rank

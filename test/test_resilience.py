@@ -2,15 +2,17 @@
 a SIGKILLed server, a cancel. Timings are printed (run with -s to see them)."""
 from __future__ import annotations
 
+import random
 import signal
 import time
 
 import psutil
+import pytest
 import torch
 
 import mnist
 from procs import Server, wait_until
-from workloads import slow_train
+from workloads import slow_train, tracked_train
 
 
 def submit(sdk, room, **kwargs):
@@ -124,3 +126,53 @@ def test_a_job_out_of_restarts_fails_with_the_reasons(sdk, room, start_client):
     result = sdk.wait(job_id, progress=False, timeout=60, raise_on_failure=False)
     assert result["status"] == "failed"
     assert "client-b" in result["reason"] and "gave up after 0 restart" in result["reason"]
+
+
+def reported_together(metrics: dict, names: list[str]) -> list[dict]:
+    """The values of ``names`` that one ``log_metrics`` call reported, one dict per call, in order."""
+    calls: dict = {}
+    for name in names:
+        for p in metrics.get(name, []):
+            calls.setdefault((p["rank"], p["ts"], p["step"]), {"rank": p["rank"], "ts": p["ts"]})[name] = p["value"]
+    return sorted(calls.values(), key=lambda call: call["ts"])
+
+
+@pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
+def test_a_resumed_job_gets_back_its_lr_scheduler_tracked_objects_and_random_generators(sdk, room, start_client,
+                                                                                       parallelism):
+    clients = [start_client(name) for name in ("a", "b", "c")]
+    model, lr = mnist.Net(), 0.02
+    job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=tracked_train,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=lr), room_token=room["token"],
+                            parallelism=parallelism, world_size=3, min_world_size=2, epochs=5, progress=False,
+                            wait=False)
+    job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
+                     j["latest_checkpoint"]["epoch"] >= 1 and j, 120, what="checkpoint of epoch 1")
+    next(c for c in clients if c.client_id == job["placement"][2]["client_id"]).kill(signal.SIGKILL)
+    result = sdk.wait(job_id, progress=False, timeout=300)
+    assert result["status"] == "completed", result["reason"]
+    job = sdk.get_job(job_id)
+    assert job["restarts"] == 1 and job["world_size"] == 2
+    start = job["restart_history"][0]["from_checkpoint"]["epoch"] + 1
+    metrics = sdk.get_job_metrics(job_id)
+
+    # the first epoch after the resume sees scheduler and counter where the epochs before left them
+    epochs = reported_together(metrics, ["epoch_start", "lr", "counted_steps", "counted_epochs", "resumed"])
+    first = next(e for e in epochs if e["resumed"] == 1.0 and e["rank"] == 0)
+    assert first["epoch_start"] == start
+    assert first["lr"] == pytest.approx(lr * 0.5 ** start)  # StepLR halved it once per epoch done
+    assert first["counted_epochs"] == start
+    assert first["counted_steps"] == start * 16  # 500 samples a rank at world size 3, batches of 32
+
+    # each rank's generators go on from where they were: Python's draws follow the seeded stream
+    draws = reported_together(metrics, ["draw_index", "py_draw", "torch_draw", "resumed"])
+    for rank in (0, 1):
+        stream = random.Random(100 + rank)
+        expected = [stream.random() for _ in range(1000)]
+        mine = [d for d in draws if d["rank"] == rank and "py_draw" in d]
+        assert any(d["resumed"] == 1.0 for d in mine)
+        assert all(d["py_draw"] == expected[int(d["draw_index"])] for d in mine), rank
+        # and torch's do not start over from the seed
+        before = [d["torch_draw"] for d in mine if d["resumed"] == 0.0][:3]
+        after = [d["torch_draw"] for d in mine if d["resumed"] == 1.0][:3]
+        assert before != after, rank

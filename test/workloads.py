@@ -7,6 +7,19 @@ import torch
 import torch.nn.functional as F
 
 
+def a_few_steps(model, loader, optimizer):
+    """Three steps: well under a second of training, less than the 2 s sampling interval."""
+    for i, (x, y) in enumerate(loader):
+        x, y = x.to(next(model.parameters()).device), y.to(next(model.parameters()).device)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if i == 2:
+            break
+    return loss.item()
+
+
 def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, device):
     """The MNIST loop, slowed down so that a test can act mid-epoch; it follows the resume
     pattern: start at reporter.start_epoch, with model and optimizer already restored."""
@@ -21,4 +34,46 @@ def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, dev
             optimizer.step()
             reporter.log_metrics(loss=loss.item(), epoch=epoch)
             time.sleep(0.04)
+    return loss.item()
+
+
+class StepCounter:
+    """The user's own state, kept in checkpoints through ``reporter.track``."""
+
+    def __init__(self):
+        self.steps, self.epochs = 0, 0
+
+    def state_dict(self):
+        return {"steps": self.steps, "epochs": self.epochs}
+
+    def load_state_dict(self, state):
+        self.steps, self.epochs = state["steps"], state["epochs"]
+
+
+def tracked_train(model, loader, optimizer, rank, epochs, reporter, device):
+    """``slow_train`` with a StepLR scheduler and a StepCounter tracked, and random draws from
+    generators seeded per rank; it reports what it sees at each epoch's start and each step."""
+    import random
+    random.seed(100 + rank)
+    torch.manual_seed(100 + rank)
+    scheduler = reporter.track(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+    counter = reporter.track(StepCounter())
+    resumed = float(reporter.resume is not None)
+    loss = torch.tensor(0.0)
+    for epoch in range(reporter.start_epoch, epochs):
+        reporter.log_metrics(epoch_start=epoch, lr=scheduler.get_last_lr()[0], counted_steps=counter.steps,
+                             counted_epochs=counter.epochs, resumed=resumed)
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item(), draw_index=counter.steps, py_draw=random.random(),
+                                 torch_draw=torch.rand(1).item(), resumed=resumed)
+            counter.steps += 1
+            time.sleep(0.04)
+        scheduler.step()
+        counter.epochs += 1
     return loss.item()

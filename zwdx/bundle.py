@@ -4,12 +4,16 @@ Layout: a magic line, the pickle's length, the pickle, then every tensor's bytes
 aligned). Tensors leave the pickle as references into that data (pickle's persistent ids), so
 a 500 MB model is written with one copy and read back straight from a memory map, instead of
 torch pickling each storage into a zip of its own. The submitter's model is never changed:
-tensors on a GPU are copied to host memory as they are written.
+tensors on a GPU are copied to host memory as they are written. After the pickle, inside the
+length given, comes a JSON object: the source text of the code sent by value, by file name.
 
 Code from the submitter's own modules (anything not installed in site-packages or the
-standard library) travels by value, so a GPU client needs the packages but not the
-submitter's source tree. The optimizer travels as its class and every param group's
-hyperparameters and is rebuilt on each rank over the wrapped model's parameters; FSDP's
+standard library) and from ``__main__`` travels by value, so a GPU client needs the packages
+but not the submitter's source tree. Its code keeps its file names (cloudpickle would write
+``<dynamic-code>``) and its files' text travels with it: ``register_sources`` hands that to
+``linecache``, so a traceback on a GPU client names the submitter's file and shows its lines.
+The optimizer travels as its class and every param group's hyperparameters and is rebuilt on
+each rank over the wrapped model's parameters; FSDP's
 ``fsdp_units`` (module classes or a function) travel pickled beside the model, whose classes
 they name.
 
@@ -20,9 +24,12 @@ lack one.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import io
+import json
+import linecache
 import logging
 import mmap
 import os
@@ -140,21 +147,33 @@ def fsdp_units_spec(units, model):
                      f"got {type(units).__name__}", field="fsdp_units")
 
 
+#: The file name cloudpickle gives the code it sends by value.
+_NO_FILE = "<dynamic-code>"
+
+
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus two things. Modules whose type subclasses ModuleType (torch.backends.cudnn
+    """cloudpickle, plus three things. Modules whose type subclasses ModuleType (torch.backends.cudnn
     and its siblings replace themselves in sys.modules so) go by name, as plain modules go;
     without it a train_func that sets ``torch.backends.cudnn.benchmark`` cannot be submitted.
+    Code sent by value keeps its file name, and the names are collected in ``self.files``.
     Plain tensors and parameters go out of the pickle, into ``self.tensors``."""
 
     def __init__(self, file):
         super().__init__(file, protocol=5)
         self.tensors: list = []           # CPU, contiguous, in the order of their ids
+        self.files: set[str] = set()      # file names of the code sent by value
         self._ids: dict[int, tuple] = {}  # id(tensor) -> its persistent id (a tied weight stays one)
         self._keep: list = []             # the originals, so that no id is reused while pickling
 
     def reducer_override(self, obj):
         if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
             return importlib.import_module, (obj.__name__,)
+        if isinstance(obj, types.CodeType) and obj.co_filename != _NO_FILE:
+            # cloudpickle pickles the copy, naming it <dynamic-code>; loading puts the name back
+            # (with functools and CodeType only: GPU clients of older zwdx versions load it too)
+            self.files.add(obj.co_filename)
+            return (functools.partial(types.CodeType.replace, co_filename=obj.co_filename),
+                    (obj.replace(co_filename=_NO_FILE),))
         return super().reducer_override(obj)
 
     def persistent_id(self, obj):
@@ -238,6 +257,7 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None, fs
     finally:
         for module in found.values():
             cloudpickle.unregister_pickle_by_value(module)
+    head.write(json.dumps(_sources(pickler.files)).encode())
     import torch
     pickled = head.getbuffer()
     table, offset, parts = [], 0, []
@@ -336,10 +356,31 @@ def unpack(data) -> dict:
         tensors = memoryview(bytearray(tensors))
     if len(tensors) < offsets[-1]:
         raise ValueError("bundle is truncated: its tensor data is shorter than its index says")
-    payload = _Unpickler(io.BytesIO(pickled), tensors, offsets).load()
+    stream = io.BytesIO(pickled)
+    payload = _Unpickler(stream, tensors, offsets).load()
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError("not a zwdx job bundle of a format this gpu client understands")
+    rest = stream.read()  # the pickle ends where the sources begin
+    payload["sources"] = json.loads(rest) if rest else {}
     return payload
+
+
+def _sources(files) -> dict[str, str]:
+    """The text of each file (what ``linecache`` has: a file on disk, or a notebook's cell)."""
+    sources = {}
+    for name in sorted(files):
+        lines = linecache.getlines(name)
+        if lines:
+            sources[name] = "".join(lines)
+    return sources
+
+
+def register_sources(sources: dict[str, str]) -> None:
+    """Give ``linecache`` the submitter's source text (GPU clients, before running the code), so
+    tracebacks and ``inspect.getsource`` show it whether or not such a file exists here. An
+    entry without a modification time is never checked against the disk."""
+    for name, text in sources.items():
+        linecache.cache[name] = (len(text), None, text.splitlines(True), name)
 
 
 def load(path: str) -> dict:

@@ -99,20 +99,25 @@ class IntegrityError(ZwdxError):
 
 
 class JobFailed(ZwdxError):
-    """A job that ended failed. ``failures`` maps rank -> traceback text."""
+    """A job that ended failed. ``failures`` maps rank -> traceback text; ``failure_order``
+    lists those ranks first failure first (a rank whose own code raised before the ranks that
+    only lost their peers), the order ``str()`` shows them in."""
 
     code = "job_failed"
     http_status = 200
 
     def __init__(self, message: str, job_id: str = "", failures: dict | None = None,
-                 reason: str = "", result: dict | None = None):
-        super().__init__(message, job_id=job_id, failures=failures or {}, reason=reason)
+                 reason: str = "", result: dict | None = None, failure_order: list | None = None):
+        failures = {str(rank): tb for rank, tb in (failures or {}).items()}
+        order = [str(r) for r in failure_order or [] if str(r) in failures]
+        order += sorted((str(r) for r in failures if str(r) not in order), key=lambda r: (len(r), r))
+        super().__init__(message, job_id=job_id, failures=failures, reason=reason, failure_order=order)
         self.result = result or {}
 
     def __str__(self) -> str:
         parts = [self.message]
-        for rank, tb in sorted(self.failures.items(), key=lambda kv: str(kv[0])):
-            parts.append(f"--- rank {rank} ---\n{tb}")
+        for rank in self.failure_order:
+            parts.append(f"--- rank {rank} ---\n{self.failures[rank]}")
         return "\n".join(parts)
 
 

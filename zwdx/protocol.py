@@ -44,6 +44,17 @@ class EventKind(str, Enum):
     STATUS = "status"
 
 
+class FailureKind(str, Enum):
+    """How a rank failed; a job's ``failure_order`` lists the ranks whose own code raised first."""
+    RAISED = "raised"            # its own code (or its start) raised
+    COLLECTIVE = "collective"    # a torch.distributed call broke: it lost its peers
+    EXITED = "exited"            # its process died without a word
+
+
+#: Metric series zwdx records itself; ``GET /jobs/<id>/metrics`` always has them (maybe empty).
+SYSTEM_METRICS = ("throughput", "gpu_utilization")
+
+
 class ArtifactKind(str, Enum):
     BUNDLE = "bundle"
     WEIGHTS = "weights"

@@ -240,10 +240,12 @@ class ZWDX:
         result = {"job_id": job["id"], "status": status, "complete": status == JobStatus.COMPLETED.value,
                   "results": job.get("results") or {}, "final_loss": job.get("final_loss"),
                   "world_size": job.get("world_size"), "placement": job.get("placement"),
-                  "failures": job.get("failures") or {}, "reason": job.get("reason"), "job": job}
+                  "failures": job.get("failures") or {}, "failure_order": job.get("failure_order") or [],
+                  "reason": job.get("reason"), "job": job}
         if job["status"] == JobStatus.FAILED.value and raise_on_failure:
             raise JobFailed(f"job {job['id']} failed: {job.get('reason')}", job_id=job["id"],
-                            failures=job.get("failures"), reason=job.get("reason") or "", result=result)
+                            failures=job.get("failures"), reason=job.get("reason") or "", result=result,
+                            failure_order=job.get("failure_order"))
         return result
 
     def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None) -> dict:

@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import defaults
 from ..errors import BadRequest, Conflict, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, ArtifactKind, EventKind, JobStatus, Parallelism
+from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, FailureKind, JobStatus, Parallelism
 from . import lifecycle, notify
 from .placement import room_totals, unschedulable
 from .auth import hash_secret, job_in_room, new_secret, request_job_key, request_room
@@ -258,7 +258,7 @@ def get_events(job_id: str):
 @bp.get(f"{P}/jobs/<job_id>/metrics")
 def get_metrics(job_id: str):
     job = job_in_room(job_id, request_room())
-    series: dict[str, list] = {}
+    series: dict[str, list] = {name: [] for name in SYSTEM_METRICS}
     for ev in ctx().store.get_events(job["id"], kind=EventKind.METRIC.value):
         for name, value in (ev.get("data") or {}).items():
             series.setdefault(name, []).append({"step": ev.get("step"), "value": value, "rank": ev.get("rank"),
@@ -316,7 +316,8 @@ def post_rank_status(job_id: str, rank: int):
         raise BadRequest(f"rank {rank} is not part of job {job_id}")
     if status == "failed" and job["status"] == JobStatus.FAILED.value:
         tb = _field(body, "traceback", str, default="(no traceback)")
-        ctx().store.update_job(job["id"], {f"failures.{rank}": tb})  # every failing rank's traceback
+        kind = FailureKind.COLLECTIVE if body.get("collective") else FailureKind.RAISED
+        ctx().store.update_job(job["id"], lifecycle.failure(rank, tb, kind))  # every failing rank's traceback
         return jsonify({"ok": True})
     if job["status"] not in {s.value for s in ACTIVE}:
         return jsonify({"ok": False, "ignored": f"job is {job['status']}"})

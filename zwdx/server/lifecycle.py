@@ -1,11 +1,13 @@
 """How a job moves after it is placed: ranks start, finish, fail; clients vanish; users cancel.
 
 Every transition is a conditional ``update_job`` (expect_status), so two servers or two
-threads that race apply it at most once. Slots are freed only when the GPU client says its
-rank processes exited (or the client is gone), so no slot runs two jobs.
+threads that race apply it at most once. A job completes as soon as every rank reported
+completion; its slots are freed only when the GPU client says its rank processes exited (or
+the client is gone), so a rank's teardown is off the user's path and still no slot runs two jobs.
 
 Failures come in two kinds. A rank whose own code raised fails the job at once, with every
-failing rank's traceback. A rank that lost its peers (a collective broke, or its process died
+failing rank's traceback (``failures``; ``failure_info`` says when and how each failed, and the
+job's view lists them first failure first, see ``views.failure_order``). A rank that lost its peers (a collective broke, or its process died
 without a word) makes the job *suspect*: if a GPU client of the job is found lost within
 ``CLIENT_TIMEOUT`` the job goes back to the queue as ``resuming`` and restarts from its last
 checkpoint (up to ``max_restarts`` times); otherwise it fails.
@@ -16,7 +18,7 @@ import logging
 import time
 
 from .. import defaults
-from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus
+from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, FailureKind, JobStatus
 from . import notify, socketio
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,11 @@ def tell_clients(ctx, job: dict, event: str, payload: dict, only: set | None = N
         client = ctx.store.get_client(client_id)
         if client and client.get("sid") and client.get("status") == ClientStatus.ONLINE.value:
             socketio.emit(event, payload, to=client["sid"], namespace=GPU_NAMESPACE)
+
+
+def failure(rank, tb: str, kind: FailureKind) -> dict:
+    """The changes that record a rank's failure: its traceback, and when and how it failed."""
+    return {f"failures.{rank}": tb, f"failure_info.{rank}": {"at": _now(), "kind": kind.value}}
 
 
 def rank_started(ctx, job: dict, rank: int) -> None:
@@ -68,12 +75,12 @@ def rank_failed(ctx, job: dict, rank: int, error: str, tb: str, collective: bool
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
     probably gone), so wait to see whether a GPU client was lost before failing the job."""
     if collective:
-        ctx.store.update_job(job["id"], {f"failures.{rank}": tb, "suspect_since": job.get("suspect_since") or _now()},
-                             expect_status=_ACTIVE)
+        ctx.store.update_job(job["id"], {**failure(rank, tb, FailureKind.COLLECTIVE),
+                                         "suspect_since": job.get("suspect_since") or _now()}, expect_status=_ACTIVE)
         log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job["id"], rank, error)
         return
     # The job fails; other ranks failing at the same point get FAILURE_GRACE to report theirs.
-    updated = ctx.store.update_job(job["id"], {f"failures.{rank}": tb}, expect_status=_ACTIVE)
+    updated = ctx.store.update_job(job["id"], failure(rank, tb, FailureKind.RAISED), expect_status=_ACTIVE)
     if updated and not updated.get("failing_since"):
         ctx.store.update_job(job["id"], {"failing_since": _now(), "failing_reason": f"rank {rank} failed: {error}"},
                              expect_status=_ACTIVE)
@@ -127,6 +134,7 @@ def interrupt(ctx, job_id: str, reason: str) -> dict | None:
     ckpt = job.get("latest_checkpoint")
     updated = ctx.store.update_job(job_id, {
         "status": JobStatus.RESUMING.value, "restarts": restarts + 1, "suspect_since": None, "failures": {},
+        "failure_info": {},
         "waiting_reason": reason, "ranks": {}, "exits": {}},
         expect_status=_ACTIVE,
         push={"timeline": _timeline(JobStatus.RESUMING.value, reason,
@@ -153,19 +161,21 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
         return
     ctx.store.update_job(job_id, {f"exits.{rank}": code for rank, code in exits.items()}, expect_status=_ACTIVE)
     ctx.store.release_slots(job_id, client_id)
-    bad = {r: c for r, c in exits.items() if c != 0}
     job = ctx.store.get_job(job_id)
+    ranks = job.get("ranks") or {}
+    # A rank that reported completion is done, whatever its teardown returned.
+    bad = {r: c for r, c in exits.items() if c != 0 and (ranks.get(str(r)) or {}).get("status") != "completed"}
     if bad and job["status"] in _ACTIVE:
         unreported = {r: c for r, c in bad.items() if str(r) not in (job.get("failures") or {})}
         if unreported:
             # Died without a word: maybe its peer vanished, maybe it crashed. Suspect, then decide.
-            changes = {f"failures.{r}": f"rank process exited with code {c} before reporting"
-                       for r, c in unreported.items()}
+            changes = {}
+            for r, c in unreported.items():
+                changes.update(failure(r, f"rank process exited with code {c} before reporting", FailureKind.EXITED))
             changes["suspect_since"] = job.get("suspect_since") or _now()
             changes["suspect_reason"] = "rank process died (" + ", ".join(
                 f"rank {r} exit code {c}" for r, c in sorted(unreported.items())) + ")"
             ctx.store.update_job(job_id, changes, expect_status=_ACTIVE)
-    _maybe_finish(ctx, job_id)
     notify.clients_changed(ctx, job["room_id"])
     ctx.scheduler.kick(settle=bool(bad or job.get("failing_since") or job.get("suspect_since")))
 
@@ -206,9 +216,7 @@ def _maybe_finish(ctx, job_id: str) -> None:
     if job is None or job["status"] not in _ACTIVE:
         return
     ranks = job.get("ranks") or {}
-    world = job["world_size"]
-    done = all((ranks.get(str(r)) or {}).get("status") == "completed" for r in range(world))
-    if done and _all_exited(job):
+    if all((ranks.get(str(r)) or {}).get("status") == "completed" for r in range(job["world_size"])):
         updated = ctx.store.update_job(job_id, {"status": JobStatus.COMPLETED.value, "ended_at": _now()},
                                        expect_status=_ACTIVE,
                                        push={"timeline": _timeline(JobStatus.COMPLETED.value)})

@@ -38,6 +38,17 @@ export function queuePosition(jobs, jobId) {
   return queueOf(jobs).find((j) => j.id === jobId)?.position ?? null;
 }
 
+/**
+ * The failing ranks' [rank, traceback] pairs, first failure first: the server's failure_order
+ * (ranks whose own code raised before those that only lost their peers), then any others by rank.
+ */
+export function failuresInOrder(job) {
+  const failures = job.failures || {};
+  const order = (job.failure_order || []).map(String).filter((rank) => rank in failures);
+  const rest = Object.keys(failures).filter((rank) => !order.includes(rank)).sort((a, b) => Number(a) - Number(b));
+  return [...order, ...rest].map((rank) => [rank, failures[rank]]);
+}
+
 /** How long a job ran: from its first running moment (or its start) to its end (or now). */
 export function jobDuration(job, now = Date.now() / 1000) {
   const start = job.running_at || job.started_at;

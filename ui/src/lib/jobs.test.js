@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { historyRows, jobDuration, mergeJob, queueOf, queuePosition, resultText } from "./jobs.js";
+import { failuresInOrder, historyRows, jobDuration, mergeJob, queueOf, queuePosition, resultText } from "./jobs.js";
 
 const job = (id, seq, status, extra = {}) => ({ id, seq, status, created_at: seq, timeline: [{ status }], ...extra });
 
@@ -82,5 +82,14 @@ describe("job duration", () => {
     expect(jobDuration({ started_at: 10, running_at: 12, ended_at: 20 })).toBe(8);
     expect(jobDuration({ started_at: 10, running_at: 12 }, 15)).toBe(3);
     expect(jobDuration({ status: "queued" })).toBe(null);
+  });
+});
+
+describe("failures", () => {
+  it("come in the server's order, first failure first, then any others by rank", () => {
+    const job = { failures: { 10: "c", 2: "b", 0: "a", 3: "d" }, failure_order: ["3", "2", "7"] };
+    expect(failuresInOrder(job).map(([rank]) => rank)).toEqual(["3", "2", "0", "10"]);
+    expect(failuresInOrder({ failures: { 1: "x", 0: "y" } })).toEqual([["0", "y"], ["1", "x"]]);
+    expect(failuresInOrder({})).toEqual([]);
   });
 });

@@ -4,7 +4,7 @@ import { Link, useParams } from "react-router-dom";
 import { api } from "../lib/api.js";
 import { lastSeq } from "../lib/events.js";
 import { formatBytes, formatDuration, formatNumber, formatTime } from "../lib/format.js";
-import { WAITING, isFinished, jobDuration, queuePosition } from "../lib/jobs.js";
+import { WAITING, failuresInOrder, isFinished, jobDuration, queuePosition } from "../lib/jobs.js";
 import { useLive } from "../lib/LiveProvider.jsx";
 import { chartData, hasEpochs, latestValues, metricLabel, metricNames, metricPoints } from "../lib/metrics.js";
 import { useJobEvents } from "../lib/useJobEvents.js";
@@ -78,7 +78,7 @@ function Metrics({ events }) {
 }
 
 function Failure({ job }) {
-  const failures = Object.entries(job.failures || {}).sort(([a], [b]) => Number(a) - Number(b));
+  const failures = failuresInOrder(job);
   if (job.status !== "failed" && !failures.length) return null;
   return (
     <section className="card failure" data-testid="failure">

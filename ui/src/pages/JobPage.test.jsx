@@ -84,10 +84,15 @@ describe("the job page", () => {
     expect(screen.getByTestId("download-weights")).toBeInTheDocument();
   });
 
-  it("shows every failing rank's traceback", async () => {
+  it("shows every failing rank's traceback, the first failure first", async () => {
     const failed = {
       ...running, status: "failed", ended_at: 1700000009, reason: "rank 1 failed: ValueError: bad batch",
-      failures: { 1: "Traceback (most recent call last):\nValueError: bad batch", 0: "rank process exited with code 1" },
+      failures: {
+        1: "Traceback (most recent call last):\nValueError: bad batch",
+        0: "RuntimeError: Connection closed by peer",
+        2: "rank process exited with code 1",
+      },
+      failure_order: ["1", "0", "2"],
       timeline: [...running.timeline, { status: "failed", at: 1700000009, reason: "rank 1 failed" }],
     };
     mockFetch(routes(failed));
@@ -95,8 +100,8 @@ describe("the job page", () => {
     const failure = await screen.findByTestId("failure");
     expect(failure).toHaveTextContent("rank 1 failed: ValueError: bad batch");
     const ranks = within(failure).getAllByRole("group"); // <details>
-    expect(ranks.map((d) => d.querySelector("summary").textContent)).toEqual(["rank 0", "rank 1"]);
-    expect(ranks[1]).toHaveTextContent("ValueError: bad batch");
+    expect(ranks.map((d) => d.querySelector("summary").textContent)).toEqual(["rank 1", "rank 0", "rank 2"]);
+    expect(ranks[0]).toHaveTextContent("ValueError: bad batch");
   });
 
   it("cancels after a confirmation", async () => {

@@ -1,0 +1,138 @@
+"""What a user sees around a running job: when it ends, the metric series it always has, and the
+package a GPU client lacks, named with the client and its host."""
+from __future__ import annotations
+
+import hashlib
+import signal
+import socket
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import mnist
+from procs import wait_until
+from workloads import a_few_steps
+from zwdx import JobFailed, defaults
+from zwdx.bundle import pack
+from zwdx.protocol import runtime_versions
+
+
+def train_then_linger(model, loader, optimizer):
+    """Done at once, but its process takes 20 s more to exit (an atexit hook, as some libraries
+    register to flush their buffers)."""
+    import atexit
+    import os
+    atexit.register(time.sleep, 20)
+    return {"pid": os.getpid()}
+
+
+def quick_train(model, loader):
+    return {"loss": 0.0}
+
+
+def train_then_linger_on_rank_1(model, loader, rank):
+    import atexit
+    if rank == 1:
+        atexit.register(time.sleep, 30)
+    return {"loss": 0.0}
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_the_exit(sdk, room, start_client):
+    start_client("a")
+    first = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_then_linger,
+                           room_token=room["token"], world_size=1, progress=False, timeout=120)
+    assert first["status"] == "completed"
+    rank = psutil.Process(first["results"]["pid"])
+    assert _alive(rank), "the job should complete on its rank's report, not wait for the process to exit"
+
+    second = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
+                            room_token=room["token"], world_size=1, wait=False)
+    while True:  # the slot stays the lingering process's until it is gone
+        status = sdk.get_job(second)["status"]
+        if status != "queued":
+            assert not _alive(rank), f"the next job went {status} while the last one's rank process still ran"
+            break
+        time.sleep(0.2)
+    assert sdk.wait(second, progress=False, timeout=120)["status"] == "completed"
+    wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
+               30, what="the slot freed")
+
+
+def test_a_completed_job_stays_completed_when_its_lingering_rank_dies_with_its_gpu_client(sdk, room, start_client):
+    start_client("a")
+    b = start_client("b")
+    result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
+                            train_func=train_then_linger_on_rank_1, room_token=room["token"], world_size=2,
+                            progress=False, timeout=120)
+    assert result["status"] == "completed"
+    b.kill(signal.SIGKILL)  # rank 1 is still in its teardown there
+    wait_until(lambda: any(c["id"] == "client-b" and c.get("lost_at") for c in sdk.get_room(room["token"])["clients"]),
+               30, what="gpu client b declared lost")
+    job = sdk.get_job(result["job_id"])
+    assert job["status"] == "completed" and not job.get("restarts") and not job.get("failures"), job
+    assert [t["status"] for t in job["timeline"]][-1] == "completed"
+
+
+def test_metrics_always_have_the_platform_series_and_a_short_job_has_its_samples(sdk, room, start_client):
+    start_client("a")
+    model = mnist.Net()
+    short = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05), room_token=room["token"],
+                           world_size=1, progress=False, timeout=120)
+    metrics = sdk.get_job_metrics(short["job_id"])
+    assert metrics["gpu_utilization"] == []  # a CPU slot has no GPU to sample
+    assert len(metrics["throughput"]) >= 2, metrics["throughput"]  # after the first step, and at the end
+    assert all(p["value"] > 0 and p["rank"] == 0 for p in metrics["throughput"])
+
+    idle = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
+                          room_token=room["token"], world_size=1, progress=False, timeout=120)
+    assert sdk.get_job_metrics(idle["job_id"]) == {"throughput": [], "gpu_utilization": []}  # nothing to sample
+
+
+def _submit_as_is(sdk, token: str, train_func) -> str:
+    """Submit without the SDK's own checks (an older SDK): the bundle meets the GPU client as it is."""
+    blob = pack(mnist.Net(), mnist.create_loader, train_func)
+    artifact = sdk._json("POST", "/artifacts", token, data=blob,
+                         headers={defaults.SHA256_HEADER: hashlib.sha256(blob).hexdigest()})
+    return sdk._json("POST", "/jobs", token, json={"bundle_artifact": artifact["id"], "world_size": 1,
+                                                   "versions": runtime_versions()})["id"]
+
+
+def test_a_package_missing_on_the_gpu_client_is_named_with_the_client_and_its_host(sdk, room, start_client,
+                                                                                   tmp_path):
+    site = tmp_path / "site-packages"  # looks installed: the bundle refers to it by name
+    (site / "zwdx_absent_pkg").mkdir(parents=True)
+    (site / "zwdx_absent_pkg" / "__init__.py").write_text("def scale(x):\n    return 2 * x\n")
+    sys.path.insert(0, str(site))
+    try:
+        import zwdx_absent_pkg
+        start_client("a")
+
+        def train_with_it(model, loader):
+            return {"loss": zwdx_absent_pkg.scale(0.5)}
+        job_id = _submit_as_is(sdk, room["token"], train_with_it)  # unpickling its bundle imports the package
+        with pytest.raises(JobFailed) as info:
+            sdk.wait(job_id, room_token=room["token"], progress=False, timeout=120)
+        where = f"gpu client client-a on host {socket.gethostname()}"
+        assert f"{where} lacks package 'zwdx_absent_pkg'" in info.value.reason
+
+        def train_importing_it(model, loader):
+            import importlib
+            importlib.import_module("zwdx_absent_pkg")  # as the train function runs: no check can see it
+        with pytest.raises(JobFailed) as info:
+            sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_importing_it,
+                           room_token=room["token"], world_size=1, progress=False, timeout=120)
+        assert f"{where} lacks package 'zwdx_absent_pkg'" in info.value.reason
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("zwdx_absent_pkg", None)
