@@ -109,7 +109,7 @@ def test_unschedulable_names_what_the_room_can_never_give():
     assert unschedulable(spec(world_size=2), room(cl, slots)) is None  # busy slots free up
     why = unschedulable(spec(world_size=3), room(cl, slots))
     assert why.startswith("world_size 3 is more than the 2 slot(s)") and "(2 GPU slot(s))" in why
-    assert unschedulable(spec(world_size=3, min_world_size=2), room(cl, slots)) is None
+    assert unschedulable(spec(world_size=3, min_world_size=2), room(cl, slots))  # a new job needs world_size
     why = unschedulable(spec(world_size=1, memory=40 * GiB), room(cl, slots))
     assert "40.0 GiB per rank" in why and "the largest has 24.0 GiB" in why
     assert unschedulable(spec(world_size=2, memory=20 * GiB), room(cl, slots)).startswith("world_size 2")

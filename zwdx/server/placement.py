@@ -148,9 +148,9 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None) 
     for slot in eligible:
         by_kind[slot.get("kind", "cuda")].append(slot)
     want = spec.get("world_size")
-    least = spec.get("min_world_size")
+    least = None  # a new job waits for its world size; one resuming may go on with min_world_size
     if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
-        want = job["world_size"]  # go on at the size it ran at, or at least min_world_size
+        want, least = job["world_size"], spec.get("min_world_size")  # the size it ran at, or at least that
     have = 0
     for kind in ("cuda", "cpu"):
         chosen = by_kind.get(kind) or []
@@ -216,13 +216,12 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
                 shared.append(f"the {len(host_slots)} CPU slots of host {name} share its {gib(ram)} of RAM, "
                               f"room for {fits} rank(s) of {gib(mem)}")
         cpus += fits
-    field = "min_world_size" if spec.get("min_world_size") else "world_size"
-    need = spec.get(field) or 1
+    need = spec.get("world_size") or 1  # min_world_size only lets a resumed job go on with fewer ranks
     if max(gpus, cpus) >= need:
         return None
     kinds = [f"{n} {kind} slot(s)" for n, kind in ((gpus, "GPU"), (cpus, "CPU")) if n]
     notes = shared + (["a job runs on GPU slots or on CPU slots, not both"] if len(kinds) == 2 else [])
-    return (f"{field} {need} is more than the {max(gpus, cpus)} slot(s) this room could give the job even with "
+    return (f"world_size {need} is more than the {max(gpus, cpus)} slot(s) this room could give the job even with "
             f"every slot idle ({' and '.join(kinds) or 'none'}{''.join('; ' + n for n in notes)})")
 
 
