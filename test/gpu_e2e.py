@@ -124,7 +124,7 @@ def main() -> None:
         language_models(sdk, out)
 
         out("")
-        out("## D. Platform metrics of a short DDP job (2 GPU clients, three steps)")
+        out("## E. Platform metrics of a short DDP job (2 GPU clients, three steps)")
         out("| rank | gpu_utilization samples | values (%) | throughput samples |")
         out("|---|---|---|---|")
         model = mnist.Net()
@@ -136,9 +136,9 @@ def main() -> None:
             speed = [p for p in metrics["throughput"] if p["rank"] == rank]
             out(f"| {rank} | {len(util)} | {', '.join(f'{v:g}' for v in util)} | {len(speed)} |")
             if len(util) < 2:
-                problems.append(f"D: rank {rank} has {len(util)} gpu_utilization sample(s), expected 2 or more")
+                problems.append(f"E: rank {rank} has {len(util)} gpu_utilization sample(s), expected 2 or more")
         if len(metrics["throughput"]) < 2:
-            problems.append(f"D: {len(metrics['throughput'])} throughput sample(s), expected 2 or more")
+            problems.append(f"E: {len(metrics['throughput'])} throughput sample(s), expected 2 or more")
 
         if len(clients) >= 3:
             out("")
