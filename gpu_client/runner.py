@@ -22,7 +22,8 @@ import time
 import traceback
 
 from zwdx import defaults
-from zwdx.bundle import call_with, register_sources
+from zwdx.bundle import register_sources
+from zwdx.checks import call_with
 from zwdx.bundle import load as load_bundle
 
 from .metrics import CountingLoader, SystemMetrics

@@ -18,7 +18,7 @@ import torch
 import mnist
 from procs import ROOT, wait_until
 from zwdx import ZWDX, BadRequest, JobStatus, Unschedulable
-from zwdx.bundle import OFFERED, call_with
+from zwdx.checks import OFFERED, call_with
 from zwdx.credentials import CredentialStore
 from zwdx.sdk import ResultStatus
 

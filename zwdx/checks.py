@@ -1,0 +1,166 @@
+"""What the SDK checks before it uploads a job, and how a rank calls the submitter's functions.
+
+Each of the submitter's functions is called with the named arguments it declares, out of those
+zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuses at submit a
+function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
+the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
+from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
+``fsdp_units``. Every refusal is a ``BadRequest`` naming the field.
+"""
+from __future__ import annotations
+
+import inspect
+import pickle
+import types
+
+import cloudpickle
+
+from .errors import BadRequest
+from .protocol import EVAL_ARGS, LOADER_ARGS, TRAIN_ARGS
+
+#: The named arguments offered to each of the submitter's functions: checked at submit, passed by the runner.
+OFFERED = {"data_loader_func": LOADER_ARGS, "train_func": TRAIN_ARGS, "eval_func": EVAL_ARGS}
+
+
+def fsdp_units_spec(units, model):
+    """``fsdp_units`` as it travels: None (the automatic rule), a tuple of module classes, or a
+    callable ``fn(module) -> bool`` that the ranks call on every module of the model."""
+    if units is None:
+        return None
+    import torch
+    if isinstance(units, type):
+        units = [units]
+    if isinstance(units, (list, tuple)):
+        for unit in units:
+            if not (isinstance(unit, type) and issubclass(unit, torch.nn.Module)):
+                raise BadRequest(f"fsdp_units must be torch.nn.Module classes or a function fn(module) -> bool; "
+                                 f"{unit!r} is not a module class", field="fsdp_units")
+        if units and not any(isinstance(m, tuple(units)) for m in model.modules()):
+            raise BadRequest(f"fsdp_units: the model has no module of class "
+                             f"{', '.join(u.__name__ for u in units)}", field="fsdp_units")
+        return tuple(units)
+    if callable(units):
+        return units
+    raise BadRequest(f"fsdp_units must be a list of torch.nn.Module classes or a function fn(module) -> bool, "
+                     f"got {type(units).__name__}", field="fsdp_units")
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def unmet_arguments(fn, offered) -> tuple[list[str], list[str]]:
+    """The arguments of ``fn`` that zwdx cannot fill by name from ``offered``: required ones it
+    does not offer, and required positional-only ones. A default, ``*args`` or ``**kwargs`` is fine."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return [], []
+    missing, positional = [], []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.kind is p.POSITIONAL_ONLY:
+            positional.append(p.name)
+        elif p.name not in offered:
+            missing.append(p.name)
+    return missing, positional
+
+
+def check_signature(fn, what: str) -> None:
+    """``BadRequest`` naming ``fn`` if a rank could not call it with the arguments zwdx offers."""
+    offered = OFFERED[what]
+    missing, positional = unmet_arguments(fn, offered)
+    if missing:
+        raise BadRequest(f"{what} {_fn_name(fn)!r} declares {_quoted(missing, 'argument')}, which zwdx does "
+                         f"not provide: give it a default, or declare only some of {', '.join(offered)}",
+                         field=what)
+    if positional:
+        raise BadRequest(f"{what} {_fn_name(fn)!r} declares {_quoted(positional, 'positional-only argument')}; "
+                         f"zwdx passes arguments by name", field=what)
+
+
+def _quoted(names: list[str], noun: str) -> str:
+    return f"{noun}{'s' if len(names) > 1 else ''} " + ", ".join(f"'{n}'" for n in names)
+
+
+# -- naming what cannot be pickled ---------------------------------------------------------------
+pickle_errors = (pickle.PicklingError, TypeError, AttributeError, ValueError, NotImplementedError, RecursionError)
+
+
+def _pickle_error(value) -> BaseException | None:
+    try:
+        cloudpickle.dumps(value, protocol=5)
+    except pickle_errors as exc:
+        return exc
+    return None
+
+
+def _inner(value) -> list[tuple[str, object]]:
+    """The named values that pickling ``value`` pickles too: a function's closure and globals,
+    a module's attributes (its parameters and buffers aside) and submodules."""
+    if isinstance(value, types.FunctionType):
+        try:
+            found = inspect.getclosurevars(value)
+        except ValueError:  # an empty closure cell
+            return []
+        return [*found.nonlocals.items(), *found.globals.items()]
+    if hasattr(value, "_modules") and hasattr(value, "_parameters"):  # a torch.nn.Module
+        plain = [(k, v) for k, v in vars(value).items() if not k.startswith("_")]
+        return [*plain, *value._modules.items()]
+    return []
+
+
+def _culprit(value, depth: int = 0) -> tuple[list[str], object, BaseException] | None:
+    """The path to the innermost named value under ``value`` that cannot be pickled."""
+    error = _pickle_error(value)
+    if error is None:
+        return None
+    if depth < 4:
+        for name, inner in _inner(value):
+            found = _culprit(inner, depth + 1)
+            if found is not None:
+                return [name, *found[0]], found[1], found[2]
+    return [], value, error
+
+
+def unpicklable_error(exc: BaseException, model, functions: dict) -> BadRequest:
+    for what, fn in functions.items():
+        found = _culprit(fn) if fn is not None else None
+        if found and found[0]:
+            path, value, error = found
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            via = f" (through {' -> '.join(path[:-1])})" if len(path) > 1 else ""
+            return BadRequest(f"{what} {_fn_name(fn)!r} uses variable {path[-1]!r}{via} of type {kind}, which "
+                              f"cannot be pickled to send to GPU clients ({error}); create it inside the "
+                              f"function instead", field=what, variable=path[-1], variable_type=kind)
+    found = _culprit(model)
+    if found and found[0]:
+        path, value, error = found
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return BadRequest(f"model attribute 'model.{'.'.join(path)}' of type {kind} cannot be pickled to send "
+                          f"to GPU clients ({error})", field="model", variable=".".join(path), variable_type=kind)
+    return BadRequest(f"the job (model, functions, optimizer) cannot be pickled to send to GPU clients: "
+                      f"{type(exc).__name__}: {exc}")
+
+
+def call_with(fn, available: dict, what: str):
+    """Call ``fn`` with the named arguments it declares, taken from ``available`` (the runner's
+    values of ``OFFERED[what]``; it may leave out one the function has a default for)."""
+    unknown = set(available) - set(OFFERED[what])
+    if unknown:
+        raise TypeError(f"zwdx offers {what} arguments that zwdx.protocol does not name: {sorted(unknown)}")
+    sig = inspect.signature(fn)
+    params = sig.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return fn(**available)
+    kwargs = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in available:
+            kwargs[p.name] = available[p.name]
+        elif p.default is p.empty:
+            raise TypeError(f"{what} declares argument '{p.name}', which zwdx does not provide; "
+                            f"it provides {', '.join(sorted(available))}")
+    return fn(**kwargs)
