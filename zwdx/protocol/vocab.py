@@ -1,7 +1,9 @@
-"""The vocabulary shared by the SDK, the server and the GPU client.
+"""The words every side uses: statuses and kinds as ``str`` enums (their values are what is
+stored and sent), the groups of job statuses, the arguments offered to the submitter's
+functions, and the versions that decide where a bundle can load.
 
-Event names, the job state machine and the shapes of the messages. Nothing here imports
-the server or torch, so every side can depend on it.
+The dashboard uses the same enums: ``ui/src/lib/protocol.js`` is generated from this module
+(``python -m zwdx.protocol.js``), and a test fails when the two differ.
 """
 from __future__ import annotations
 
@@ -31,6 +33,25 @@ WAITING = frozenset({JobStatus.QUEUED, JobStatus.RESUMING})
 class Parallelism(str, Enum):
     DDP = "DDP"
     FSDP = "FSDP"
+
+
+class RankStatus(str, Enum):
+    """What a rank last reported of itself."""
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class SlotKind(str, Enum):
+    """What a slot of a GPU client is: one GPU, or the CPU of a client without GPUs."""
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class CheckpointFormat(str, Enum):
+    """How a checkpoint's files were written; the server decides it from the job's parallelism."""
+    TORCH = "torch"   # DDP: one file from rank 0, read with torch.load(weights_only=True)
+    DCP = "dcp"       # FSDP: torch.distributed.checkpoint, one shard per rank
 
 
 class ClientStatus(str, Enum):
@@ -69,23 +90,6 @@ TRAIN_ARGS = ("model", "loader", "optimizer", "optim", "rank", "world_size", "ep
 EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")
 
 
-# Socket.IO events, GPU client namespace "/gpu".
-GPU_NAMESPACE = "/gpu"
-EV_REGISTER = "register"            # client -> server {client_id, hostname, host_id, slots, versions, modules,
-                                    #                   advertise_addr, running}
-EV_HEARTBEAT = "heartbeat"          # client -> server {slots, running}
-EV_RESERVE_PORT = "reserve_port"    # server -> rank-0 client (call) {job_id} -> {addr, port}
-EV_JOB_ASSIGN = "job_assign"        # server -> client {job_id, job_key, ranks, master_addr, ...}
-EV_RANKS_EXITED = "ranks_exited"    # client -> server {job_id, exits: {rank: returncode}}
-EV_JOB_CANCEL = "job_cancel"        # server -> client {job_id, reason}
-
-# Socket.IO events, dashboard namespace "/ui" (connect with auth {token}; server -> browser).
-UI_NAMESPACE = "/ui"
-EV_JOB_UPDATE = "job_update"        # server -> browser: a job document
-EV_JOB_EVENTS = "job_events"        # server -> browser {job_id, events: [...]}
-EV_CLIENTS_UPDATE = "clients_update"  # server -> browser {clients: [...]}
-
-
 def runtime_versions() -> dict:
     """Versions that decide whether cloudpickled code can be loaded here."""
     versions = {"python": platform.python_version()}
@@ -105,3 +109,5 @@ def runtime_versions() -> dict:
 def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
+
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

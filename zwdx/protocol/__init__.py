@@ -1,0 +1,14 @@
+"""The protocol shared by the SDK, the server, the GPU client and the dashboard.
+
+    vocab.py    statuses and kinds (str enums), job status groups, the arguments offered to the
+                submitter's functions, runtime versions
+    events.py   Socket.IO namespaces and event names
+
+Nothing here imports the server or torch, so every side can depend on it.
+"""
+from .events import *  # noqa: F401,F403
+from .events import __all__ as _events_all
+from .vocab import *  # noqa: F401,F403
+from .vocab import __all__ as _vocab_all
+
+__all__ = [*_vocab_all, *_events_all]
