@@ -3,6 +3,12 @@
     vocab.py    statuses and kinds (str enums), job status groups, the arguments offered to the
                 submitter's functions, runtime versions
     events.py   Socket.IO namespaces and event names
+    base.py     how messages are declared (pydantic v2) and checked: Message, Answer, parse
+    gpu.py      the /gpu namespace's payloads: Register, Heartbeat, RanksExited, JobAssign, ...
+    job.py      the parts of a job's record that cross processes: CheckpointEntry
+
+Import the message modules by name (``from zwdx.protocol.gpu import Register``); the package
+itself re-exports the vocabulary only, which needs nothing beyond the standard library.
 
 Nothing here imports the server or torch, so every side can depend on it.
 """

@@ -1,0 +1,77 @@
+"""How messages are declared and checked: pydantic v2 models, validated once at the edge.
+
+Why pydantic: its models give JSON Schema (the OpenAPI spec is generated from them), errors
+that carry the path of the field that was wrong, strict checking of JSON types, and it is the
+most widely known validation library in Python; the control plane's messages are small, so
+its speed is plenty (about a microsecond a field).
+
+- ``Message``: what a peer sends us. Strict (no "1" for 1, no true for 1), unknown fields
+  refused (a typo is an error, not a silent default), no NaN or Infinity.
+- ``Answer``: what we send back. Unknown fields ignored, so an older peer reads a newer answer.
+- ``parse(Model, data)``: the one way in; a ``ValidationError`` becomes ``BadRequest`` whose
+  message and ``field`` name the path of the first wrong field (``slots.0.index``).
+"""
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError
+
+from ..errors import BadRequest
+
+#: Counts, steps, epochs, ranks: whole numbers a JSON reader keeps exact (2**53) and a store's
+#: 64-bit integer holds.
+Count = Annotated[int, Field(ge=0, le=2**53)]
+#: Sizes in bytes.
+Bytes = Annotated[int, Field(ge=0, le=2**62)]
+#: Seconds since the epoch, or durations in seconds.
+Seconds = Annotated[float, Field(ge=0, le=1e11)]
+#: Ids the server or a GPU client made: letters, digits and ``._:-``, as used in URLs and keys.
+Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+#: A rank, as a JSON object key (JSON keys are strings).
+RankKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,6}$")]
+#: Free text shown to people: a name, a host name, a reason.
+Text = Annotated[str, StringConstraints(max_length=1000)]
+#: A traceback or a log line.
+LongText = Annotated[str, StringConstraints(max_length=200_000)]
+
+
+#: Put on an enum field of a ``Message``: its value as a string is accepted (strict mode alone
+#: would want the Python enum member, which JSON cannot carry).
+ByValue = Strict(False)
+
+
+class Message(BaseModel):
+    """A message a peer sends: checked strictly."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=False)
+
+
+class Answer(BaseModel):
+    """A message we send: a peer of an older version ignores what it does not know."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def field_path(loc) -> str:
+    """``('slots', 0, 'index')`` -> ``'slots.0.index'``."""
+    return ".".join(str(part) for part in loc if part not in ("[key]",)) or "body"
+
+
+def parse(model: type[M], data, what: str = "") -> M:
+    """``data`` (already decoded JSON) as ``model``, or ``BadRequest`` naming the first wrong field."""
+    where = f"{what}: " if what else ""
+    if not isinstance(data, dict):
+        raise BadRequest(f"{where}the body must be a JSON object, got {type(data).__name__}", field="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        path = field_path(first["loc"])
+        message = first["msg"][:1].lower() + first["msg"][1:]
+        raise BadRequest(f"{where}field '{path}': {message}", field=path,
+                         problems=[{"field": field_path(e["loc"]), "message": e["msg"]}
+                                   for e in exc.errors(include_url=False)[:20]]) from None

@@ -1,0 +1,139 @@
+"""What GPU clients and the server say to each other on the ``/gpu`` Socket.IO namespace.
+
+    client -> server   register (Register -> RegisterAnswer), heartbeat (Heartbeat -> Ack),
+                       ranks_exited (RanksExited -> Ack)
+    server -> client   reserve_port (ReservePort -> PortOffer, a call to the rank-0 client),
+                       job_assign (JobAssign), job_cancel (JobCancel)
+
+The GPU client builds and reads these types; the server checks every payload with ``parse``
+before a handler sees it, and answers a wrong one with ``Ack(ok=False, error=...)``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from .. import defaults
+from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
+from .job import CheckpointEntry
+from .vocab import Parallelism, SlotKind
+
+#: A top-level module name a GPU client can import.
+ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Percent = Annotated[float, Field(ge=0, le=100)]
+
+
+class Slot(Message):
+    """A GPU (or the CPU) a client offers, as it registers."""
+    index: Count
+    kind: Annotated[SlotKind, ByValue] = SlotKind.CUDA
+    name: Text = ""
+    memory_total: Bytes = 0
+    memory_free: Bytes = 0
+    utilization: Percent | None = None
+
+
+class SlotStats(Message):
+    """A slot's fresh figures, in every heartbeat."""
+    index: Count
+    memory_free: Bytes = 0
+    memory_total: Bytes | None = None
+    utilization: Percent | None = None
+
+
+class Running(Message):
+    """An attempt of a job whose ranks this client still runs."""
+    job_id: Id
+    attempt: Count = 0
+
+
+class Register(Message):
+    """The first thing a connected GPU client says (and again after every reconnect)."""
+    client_id: Id
+    hostname: Text = ""
+    #: The machine (GPU clients of one machine share its RAM); None: a host of its own.
+    host_id: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    slots: Annotated[list[Slot], Field(max_length=256)] = []
+    versions: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=64)]] = {}
+    #: Top-level modules it can import (None: not told, so not checked).
+    modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_CLIENT_MODULES)] | None = None
+    advertise_addr: Annotated[str, StringConstraints(max_length=255)] | None = None
+    running: Annotated[list[Running], Field(max_length=1024)] = []
+
+
+class RegisterAnswer(Answer):
+    ok: bool
+    room_id: str | None = None
+    heartbeat_interval: float | None = None
+    error: str | None = None
+
+
+class Heartbeat(Message):
+    slots: Annotated[list[SlotStats], Field(max_length=256)] = []
+    running: Annotated[list[Running], Field(max_length=1024)] = []
+
+
+class Ack(Answer):
+    """The answer to a heartbeat or a report: ok, or why not."""
+    ok: bool
+    error: str | None = None
+
+
+class RanksExited(Message):
+    """The client's rank processes of one attempt of a job are gone: rank -> exit code."""
+    job_id: Id
+    attempt: Count = 0
+    exits: dict[RankKey, Annotated[int, Field(ge=-255, le=255)]]
+
+
+class ReservePort(Answer):
+    """Asked of the rank-0 client: a port for the job's rendezvous."""
+    job_id: str
+
+
+class PortOffer(Message):
+    """Its answer: where the other ranks reach rank 0."""
+    addr: Annotated[str, StringConstraints(min_length=1, max_length=255)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
+class RankPlace(Answer):
+    """One of the job's ranks that a client runs, and on which of its slots."""
+    rank: int
+    gpu_index: int
+    kind: SlotKind = SlotKind.CUDA
+
+
+class JobAssign(Answer):
+    """Everything a GPU client needs to start its ranks of one attempt of a job; every value
+    decided by the server (defaults resolved), so the client derives nothing."""
+    job_id: str
+    job_key: str
+    attempt: int = 0
+    ranks: list[RankPlace]
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: Literal["nccl", "gloo"]
+    bundle_artifact: str
+    bundle_sha256: str
+    parallelism: Parallelism
+    #: None: the train function's own default (1 if it has none).
+    epochs: int | None = None
+    checkpoint: CheckpointEntry | None = None
+    keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
+    checkpoint_every_epoch: bool = True
+    collective_timeout: float = defaults.COLLECTIVE_TIMEOUT
+
+
+class JobCancel(Answer):
+    """Stop the ranks of this job (of this attempt only, when given)."""
+    job_id: str
+    attempt: int | None = None
+    reason: str = ""
+
+
+__all__ = ["Slot", "SlotStats", "Running", "Register", "RegisterAnswer", "Heartbeat", "Ack", "RanksExited",
+           "ReservePort", "PortOffer", "RankPlace", "JobAssign", "JobCancel", "Seconds"]
