@@ -18,7 +18,8 @@ from collections import defaultdict
 
 from .. import defaults
 from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus
-from . import lifecycle, notify, socketio
+from . import lifecycle, notify
+from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .placement import plan
 
