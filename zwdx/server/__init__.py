@@ -58,6 +58,15 @@ class ServerContext:
         #: token hash -> room, for the rooms callers named (rooms are never changed or deleted)
         self.rooms: dict[str, dict] = {}
 
+    def close(self) -> None:
+        """Stop the background loops and release the store (an app in a test, at its end)."""
+        self.stopping.set()
+        self.scheduler.stop()
+        self.store.close()
+        close = getattr(self.artifacts, "close", None)
+        if close:
+            close()
+
 
 def create_app(config: dict | None = None) -> Flask:
     app = Flask(__name__, static_folder=None)

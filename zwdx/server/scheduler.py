@@ -55,6 +55,13 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, args=(app,), name="zwdx-scheduler", daemon=True)
         self._thread.start()
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop (the server's ``stopping`` is set) and wait for its pass to finish."""
+        self.ctx.stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def _loop(self, app) -> None:
         next_round = 0.0
         with app.app_context():
