@@ -1,6 +1,6 @@
 """The import contracts of pyproject.toml ([tool.importlinter]) hold: the SDK side and the GPU
 client never import the server, the protocol imports nothing of zwdx beyond errors and
-defaults, and server modules import only downward (edges, rest, job lifecycle, rules and
+defaults, and server modules import only downward (edges, http, job lifecycle, rules and
 views, storage), never the zwdx.server package that builds the app from them."""
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_import_contracts_hold():
 
 
 @pytest.mark.parametrize("path, line, says", [
-    ("gpu_client/gpus.py", "from zwdx.server import rest", "gpu_client is not allowed to import zwdx.server"),
+    ("gpu_client/gpus.py", "from zwdx.server import http", "gpu_client is not allowed to import zwdx.server"),
     ("zwdx/protocol/job.py", "from .. import credentials", "zwdx.protocol is not allowed to import zwdx.credentials"),
     ("zwdx/server/notify.py", "from . import api", "zwdx.server.notify is not allowed to import zwdx.server.api"),
     ("zwdx/server/checkpoints.py", "from .api import bp", "zwdx.server.checkpoints is not allowed to import "

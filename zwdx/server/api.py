@@ -19,7 +19,7 @@ from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, FailureK
 from . import lifecycle, notify
 from .placement import room_totals, unschedulable
 from .auth import hash_secret, job_in_room, new_secret, request_room
-from .rest import P, ctx, field, json_body, rank_job, save_artifact, stream
+from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
 from .views import client_view, job_view, room_view
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from ..errors import BadRequest, NotFound
 from ..protocol import ArtifactKind
 from . import notify
 from .auth import job_in_room, request_room
-from .rest import P, ctx, field, json_body, rank_job, save_artifact, stream
+from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
 
 log = logging.getLogger(__name__)
 

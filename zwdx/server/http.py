@@ -1,4 +1,4 @@
-"""What the REST blueprints share: the server's context, the request's JSON body and its typed
+"""What the HTTP routes share: the server's context, the request's JSON body and its typed
 fields, artifact bytes in and out, and the job a rank process writes into.
 
     ctx()                       -> ServerContext of the current app (config, store, artifacts, scheduler)
