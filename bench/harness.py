@@ -1,6 +1,6 @@
 """What every benchmark shares: the zwdx server and GPU clients as child processes (started
-and stopped by pid, never by name), free ports, a process's CPU time and memory, percentiles
-and plain-text tables.
+and stopped by pid, never by name: zwdx/testing.py's, as the tests use), free ports, a
+process's CPU time and memory, percentiles and plain-text tables.
 
 The benchmarks are run from the repository root (``python bench/NAME.py``); this module puts
 the root on ``sys.path`` so zwdx imports without being installed.
@@ -11,9 +11,6 @@ import importlib.util
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +18,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# The child processes (any command, the server, GPU clients, nx-27017) and waiting for them are
+# zwdx/testing.py's, which the test suite uses too.
+from zwdx.testing import Child, GpuClientProc, MongoProc, ServerProc, free_port, wait_until  # noqa: E402,F401
 
 #: What the server and a GPU client need, by import name (the wheels to carry to a bare host).
 SERVER_MODULES = ["flask", "flask_socketio", "socketio", "engineio", "simple_websocket", "gevent", "requests"]
@@ -47,127 +48,6 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError):
             return soft
     return want
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-
-
-# -- child processes ----------------------------------------------------------------------------
-class Child:
-    """A child process in its own session with its output in a log file; ``stop()`` ends it and
-    everything it started (SIGTERM to its process group, SIGKILL after a grace period)."""
-
-    def __init__(self, args: list[str], log_path: str, env: dict | None = None, cwd: str = ROOT):
-        self.args, self.log_path = args, log_path
-        self.started_at = time.time()
-        with open(log_path, "ab") as log:
-            self.popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                          start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.popen.wait(timeout)
-
-    def stop(self, grace: float = 15.0) -> int | None:
-        if self.alive():
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.popen.wait()
-        return self.popen.returncode
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as fh:
-                return "\n".join(fh.read().decode(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-class ServerProc(Child):
-    """``python -m zwdx.cli server`` on 127.0.0.1 and a free port; ``extra`` adds arguments."""
-
-    def __init__(self, data_dir: str, mongo_uri: str | None = None, port: int | None = None,
-                 extra: list[str] | None = None, env: dict | None = None):
-        import requests
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        os.makedirs(data_dir, exist_ok=True)
-        args = [sys.executable, "-m", "zwdx.cli", "server", "--host", "127.0.0.1",
-                "--port", str(self.port), "--data-dir", data_dir, *(extra or [])]
-        if mongo_uri:
-            args += ["--mongo-uri", mongo_uri]
-        super().__init__(args, os.path.join(data_dir, "server.log"), env)
-
-        def healthy():
-            if not self.alive():
-                raise RuntimeError(f"zwdx server exited:\n{self.tail()}")
-            try:
-                return requests.get(f"{self.url}/health", timeout=1).status_code == 200
-            except requests.RequestException:
-                return False
-        wait_until(healthy, 60, f"the zwdx server on {self.url}")
-
-
-class GpuClientProc(Child):
-    """``python -m zwdx.cli gpu-client``: one GPU (``gpu=i``) or one CPU slot (``gpu=None``)."""
-
-    def __init__(self, server_url: str, token: str, work_dir: str, client_id: str, gpu: int | None,
-                 threads: int = 1, env: dict | None = None):
-        os.makedirs(work_dir, exist_ok=True)
-        self.client_id = client_id
-        slot = ["--gpus", str(gpu)] if gpu is not None else ["--cpu"]
-        super().__init__([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", server_url,
-                          "--room-token", token, *slot, "--threads", str(threads), "--client-id", client_id,
-                          "--work-dir", work_dir], os.path.join(work_dir, "gpu-client.log"), env)
-
-
-class MongoProc(Child):
-    """A MongoDB wire-protocol server in memory (``nx-27017``) for the MongoDB store."""
-
-    def __init__(self, log_dir: str):
-        if importlib.util.find_spec("nx_27017") is None:
-            raise RuntimeError("nx-27017 is not installed (pip install nx-27017)")
-        self.port = free_port()
-        self.uri = f"mongodb://127.0.0.1:{self.port}/bench"
-        # as a module, so that it runs from a --target install with no script on PATH
-        super().__init__([sys.executable, "-m", "nx_27017.nx_27017", "--db", "memory", "-p", str(self.port)],
-                         os.path.join(log_dir, "mongo.log"))
-
-        def up():
-            if not self.alive():
-                raise RuntimeError(f"nx-27017 exited:\n{self.tail()}")
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", self.port)) == 0
-        wait_until(up, 30, f"nx-27017 on port {self.port}")
 
 
 def mongo_store_available() -> bool:

@@ -1,26 +1,20 @@
-"""Real processes for tests: a zwdx server and GPU clients, each its own OS process,
-on 127.0.0.1 with free ports, stopped by the test that started them (by their pid)."""
+"""Real processes for tests: a zwdx server and GPU clients, each its own OS process, on
+127.0.0.1 with free ports, stopped by the test that started them (by their pid, with their
+process group). The processes themselves are zwdx.testing's, shared with the benchmarks; this
+module gives them the test suite's defaults and builds the dashboard for the browser tests."""
 from __future__ import annotations
 
 import fcntl
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 
-import requests
+from zwdx.testing import Child, GpuClientProc, ServerProc, free_port, wait_until
+
+__all__ = ["ROOT", "UI", "Proc", "Server", "GpuClient", "free_port", "wait_until", "build_ui"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UI = os.path.join(ROOT, "ui")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _newest_ui_source() -> float:
@@ -46,81 +40,26 @@ def build_ui() -> str:
     return os.path.dirname(index)
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-
-
-class Proc:
-    """A child process with its log file; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
+class Proc(Child):
+    """Any command as a child process (own session, output in ``log_path``, run in the
+    checkout); ``stop()`` ends it and its process group."""
 
     def __init__(self, args: list[str], log_path: str, env: dict | None = None, cwd: str = ROOT):
-        self.args, self.log_path = args, log_path
-        self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                      start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.alive():
-            os.kill(self.popen.pid, sig)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-        self._log.close()
-        return self.popen.returncode
-
-    def output(self) -> str:
-        with open(self.log_path, "rb") as fh:
-            return fh.read().decode(errors="replace")
+        super().__init__(args, log_path, env, cwd)
 
 
-class Server(Proc):
+class Server(ServerProc):
+    """A server process of this checkout on a free port (``url``), healthy when returned."""
+
     def __init__(self, data_dir: str, port: int | None = None, extra: list[str] | None = None,
                  env: dict | None = None, host: str = "127.0.0.1", cwd: str = ROOT):
-        self.port = port or free_port()
-        self.host = host
-        self.url = f"http://{host}:{self.port}"
-        self.data_dir = data_dir
-        os.makedirs(data_dir, exist_ok=True)
-        super().__init__([sys.executable, "-m", "zwdx.cli", "server", "--host", host, "--port", str(self.port),
-                          "--data-dir", data_dir, *(extra or [])],
-                         os.path.join(data_dir, f"server-{self.port}.log"), env, cwd)
-        wait_until(self.healthy, 30, what=f"server on {self.url}\n{self.output()}")
-
-    def healthy(self) -> bool:
-        if not self.alive():
-            raise RuntimeError(f"server exited:\n{self.output()}")
-        try:
-            return requests.get(f"{self.url}/health", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
+        super().__init__(data_dir, port, extra, env, host, cwd, timeout=30)
 
 
-class GpuClient(Proc):
+class GpuClient(GpuClientProc):
+    """A GPU-client process with one CPU slot and one thread (tests run without GPUs)."""
+
     def __init__(self, server_url: str, token: str, work_dir: str, client_id: str | None = None,
                  extra: list[str] | None = None, env: dict | None = None):
-        self.client_id = client_id or f"test-{os.path.basename(work_dir)}"
-        os.makedirs(work_dir, exist_ok=True)
-        super().__init__([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", server_url,
-                          "--room-token", token, "--cpu", "--threads", "1", "--client-id", self.client_id,
-                          "--work-dir", work_dir, *(extra or [])],
-                         os.path.join(work_dir, "gpu-client.log"), env)
+        super().__init__(server_url, token, work_dir, client_id or f"test-{os.path.basename(work_dir)}",
+                         extra=extra, env=env)

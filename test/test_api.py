@@ -1,93 +1,109 @@
-"""The REST API and SDK facing bad input and the wrong people: clear typed errors, nothing lost."""
+"""The REST API and the SDK facing bad input and the wrong people: clear typed errors naming the
+field, nothing stored on a refusal, no room seeing another's jobs.
+
+In-process (conftest's ``app``, ``client`` and ``api``: a fresh app per test), except the last
+section, where a process is the point: the CLI, a GPU client, the SDK over HTTP.
+"""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
-import requests
 
 import mnist
-from procs import Server
+from procs import GpuClient, free_port
 from zwdx import ZWDX, AuthError, BadRequest, NotFound, ServerUnreachable
 from zwdx.errors import IntegrityError, PayloadTooLarge
 
-H = "X-Zwdx-Room-Token"
+SHA = "X-Zwdx-Sha256"
 
 
-def api(server, path):
-    return f"{server.url}/api/v1{path}"
+def test_health(client):
+    resp = client.get("/health")
+    assert resp.status_code == 200 and resp.json["status"] == "ok"
 
 
-def test_health(server):
-    resp = requests.get(f"{server.url}/health")
-    assert resp.status_code == 200 and resp.json()["status"] == "ok"
-
-
-def test_room_token_is_shown_once_and_stored_hashed(server, sdk):
-    room = sdk.create_room("secret-room")
+def test_room_token_is_shown_once_and_stored_hashed(app, api):
+    room = api.create_room("secret-room").room
     assert room["token"].startswith("zr_") and len(room["token"]) > 40
-    seen = sdk.get_room(room["token"])
+    seen = api.as_(room["token"]).get("/room").json
     assert seen["name"] == "secret-room" and "token" not in seen and "token_hash" not in seen
     raw = b""
-    for name in os.listdir(server.data_dir):  # the database file and its write-ahead log
+    data_dir = app.config["DATA_DIR"]
+    for name in os.listdir(data_dir):  # the database file and its write-ahead log
         if name.startswith("zwdx.sqlite3"):
-            with open(os.path.join(server.data_dir, name), "rb") as fh:
+            with open(os.path.join(data_dir, name), "rb") as fh:
                 raw += fh.read()
     assert room["token"].encode() not in raw
     assert hashlib.sha256(room["token"].encode()).hexdigest().encode() in raw
 
 
-def test_room_create_cli_prints_the_token_last(server):
-    import json
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-m", "zwdx.cli", "room", "create", "--server", server.url, "--name", "x"],
-                         capture_output=True, text=True, check=True).stdout
-    token = out.strip().splitlines()[-1]
-    assert ZWDX(server.url).get_room(token)["name"] == "x"
-    out = subprocess.run([sys.executable, "-m", "zwdx.cli", "room", "create", "--server", server.url, "--json"],
-                         capture_output=True, text=True, check=True).stdout
-    assert json.loads(out)["token"].startswith("zr_")
+def _every_route(app) -> list[tuple[str, str]]:
+    """(method, path) of every REST route but creating a room, with made-up ids in it."""
+    routes = []
+    for rule in app.url_map.iter_rules():
+        if not rule.rule.startswith("/api/v1/") or rule.rule == "/api/v1/rooms":
+            continue
+        path = re.sub(r"<int:[a-z_]+>", "0", rule.rule)
+        path = re.sub(r"<[a-z_]+>", "abc", path)
+        routes += [(method, path) for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
+    return routes
 
 
-def test_wrong_or_missing_token_is_refused_everywhere(server, sdk, room):
-    with pytest.raises(AuthError, match="not recognised"):
-        sdk.list_jobs("zr_wrong")
-    with pytest.raises(AuthError, match="not recognised"):
-        sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                       room_token="zr_wrong", wait=False)
-    for method, path in [("get", "/room"), ("get", "/jobs"), ("post", "/artifacts"), ("post", "/jobs"),
-                         ("get", "/jobs/abc"), ("get", "/jobs/abc/metrics"), ("get", "/jobs/abc/weights"),
-                         ("post", "/jobs/abc/cancel"), ("post", "/jobs/abc/events"), ("get", "/artifacts/abc")]:
-        resp = getattr(requests, method)(api(server, path))
-        assert resp.status_code == 401, (method, path, resp.text)
-        assert resp.json()["error"]["code"] == "unauthorized"
+def test_wrong_or_missing_token_is_refused_everywhere_and_changes_nothing(app, api):
+    job_id = api.submit().json["id"]
+    routes = _every_route(app)
+    assert ("POST", "/api/v1/jobs") in routes and ("GET", "/api/v1/dashboard/history") in routes
+    assert len(routes) > 15
+    for token, says in [(None, "needs a room token"), ("zr_wrong", "not recognised")]:
+        for method, path in routes:
+            path = path.replace("/abc", f"/{job_id}") if "/jobs/" in path else path
+            resp = api.client.open(path, method=method, json={"status": "completed", "events": []},
+                                   headers={"X-Zwdx-Room-Token": token} if token else {})
+            assert resp.status_code == 401, (method, path, resp.text)
+            assert resp.json["error"]["code"] == "unauthorized" and says in resp.json["error"]["message"]
+    job = api.get(f"/jobs/{job_id}").json
+    assert job["status"] == "queued" and len(job["timeline"]) == 1
+    assert [j["id"] for j in api.jobs()] == [job_id]
+    assert api.get(f"/jobs/{job_id}/events").json["events"] == []
 
 
-def test_jobs_of_another_room_are_invisible(server, sdk, room, start_client):
-    job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                            room_token=room["token"], wait=False)
-    other = sdk.create_room("other")
-    with pytest.raises(NotFound):
-        sdk.get_job(job_id, other["token"])
-    with pytest.raises(NotFound):
-        sdk.cancel_job(job_id, other["token"])
-    assert sdk.list_jobs(other["token"]) == []
-    assert [j["id"] for j in sdk.list_jobs(room["token"])] == [job_id]
-    assert "job_key_hash" not in sdk.get_job(job_id, room["token"])
+def test_jobs_of_another_room_are_invisible(api):
+    job = api.submit().json
+    other = api.create_room("other")
+    for method, path in [("GET", f"/jobs/{job['id']}"), ("POST", f"/jobs/{job['id']}/cancel"),
+                         ("GET", f"/jobs/{job['id']}/events"), ("GET", f"/jobs/{job['id']}/metrics"),
+                         ("GET", f"/jobs/{job['id']}/checkpoints"), ("GET", f"/jobs/{job['id']}/weights"),
+                         ("GET", f"/artifacts/{job['spec']['bundle_artifact']}")]:
+        resp = other.request(method, path)
+        assert resp.status_code == 404 and resp.json["error"]["code"] == "not_found", (method, path, resp.text)
+    assert other.jobs() == []
+    assert [j["id"] for j in api.jobs()] == [job["id"]]
+    mine = api.get(f"/jobs/{job['id']}").json
+    assert mine["status"] == "queued" and "job_key_hash" not in mine
+    taken = other.post("/jobs", json={"bundle_artifact": job["spec"]["bundle_artifact"],
+                                      "versions": {"python": "3.11.7"}})
+    assert taken.status_code == 400 and taken.json["error"]["field"] == "bundle_artifact"
 
 
-def test_rank_writes_need_the_job_key(server, sdk, room):
-    job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                            room_token=room["token"], wait=False)
-    headers = {H: room["token"]}
-    resp = requests.post(api(server, f"/jobs/{job_id}/events"), json={"events": []}, headers=headers)
-    assert resp.status_code == 401 and "job key" in resp.json()["error"]["message"]
-    resp = requests.post(api(server, f"/jobs/{job_id}/ranks/0"), json={"status": "completed"},
-                         headers={**headers, "X-Zwdx-Job-Key": "jk_forged"})
-    assert resp.status_code == 403
-    assert sdk.get_job(job_id)["status"] == "queued"
+def test_rank_writes_need_the_job_key(api):
+    job_id = api.submit().json["id"]
+    resp = api.post(f"/jobs/{job_id}/events", json={"events": [{"kind": "log", "data": "x"}]})
+    assert resp.status_code == 401 and "job key" in resp.json["error"]["message"]
+    for method, path, body in [("POST", f"/jobs/{job_id}/ranks/0", {"status": "completed"}),
+                               ("POST", f"/jobs/{job_id}/events", {"events": [{"kind": "log", "data": "x"}]}),
+                               ("PUT", f"/jobs/{job_id}/weights", None),
+                               ("GET", f"/jobs/{job_id}/bundle", None)]:
+        resp = api.as_(api.token, job_key="jk_forged").request(method, path, json=body)
+        assert resp.status_code == 403 and resp.json["error"]["code"] == "forbidden", (method, path, resp.text)
+    job = api.get(f"/jobs/{job_id}").json
+    assert job["status"] == "queued" and job.get("weights_artifact") is None
+    assert api.get(f"/jobs/{job_id}/events").json["events"] == []
 
 
 @pytest.mark.parametrize("body, field", [
@@ -102,71 +118,110 @@ def test_rank_writes_need_the_job_key(server, sdk, room):
     ({"versions": {"python": "3.11.7"}, "bundle_artifact": "x", "world_size": -1}, "'world_size'"),
     ({"versions": {"python": "3.11.7"}, "bundle_artifact": "x", "memory_required": True}, "'memory_required'"),
 ])
-def test_malformed_job_bodies_get_400_naming_the_field(server, room, body, field):
-    headers = {H: room["token"]}
+def test_malformed_job_bodies_get_400_naming_the_field(api, body, field):
     if isinstance(body, str):
-        resp = requests.post(api(server, "/jobs"), data=body, headers={**headers, "Content-Type": "application/json"})
+        resp = api.post("/jobs", data=body, content_type="application/json")
     else:
-        resp = requests.post(api(server, "/jobs"), json=body, headers=headers)
+        resp = api.post("/jobs", json=body)
     assert resp.status_code == 400, resp.text
-    assert field in resp.json()["error"]["message"]
-    assert requests.get(api(server, "/jobs"), headers=headers).json()["jobs"] == []
+    assert field in resp.json["error"]["message"]
+    assert api.jobs() == []
 
 
-def test_sdk_checks_its_arguments(sdk, room):
-    with pytest.raises(BadRequest, match="parallelism"):
-        sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                       parallelism="TP", room_token=room["token"])
-    with pytest.raises(BadRequest, match="train_func must be a function"):
-        sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=42,
-                       room_token=room["token"])
-    with pytest.raises(BadRequest, match="model must be a torch.nn.Module"):
-        sdk.submit_job(model="net", data_loader_func=mnist.create_loader, train_func=mnist.train,
-                       room_token=room["token"])
-    with pytest.raises(BadRequest, match="room token"):
-        sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train)
+def test_artifacts_are_checked_by_sha256_and_size(api, make_app, room_api):
+    resp = api.post("/artifacts", data=b"abc", headers={SHA: "0" * 64})
+    assert resp.status_code == 422 and resp.json["error"]["code"] == IntegrityError.code
+    good = hashlib.sha256(b"abc").hexdigest()
+    resp = api.post("/artifacts", data=b"abc", headers={SHA: good})
+    assert resp.status_code == 201 and resp.json["sha256"] == good and resp.json["size"] == 3
+    back = api.get(f"/artifacts/{resp.json['id']}")
+    assert back.data == b"abc" and back.headers[SHA] == good
+
+    small = make_app(MAX_ARTIFACT_BYTES=1000)
+    room = room_api(app=small)
+    resp = room.post("/artifacts", data=b"x" * 5000)
+    assert resp.status_code == 413 and resp.json["error"]["code"] == PayloadTooLarge.code
+    assert os.listdir(os.path.join(small.config["DATA_DIR"], "artifacts")) == []  # nothing half-written is kept
+
+
+def test_job_with_its_new_events_in_one_call(api):
+    job_id = api.submit().json["id"]
+    resp = api.get(f"/jobs/{job_id}?events_after=0")
+    assert resp.status_code == 200 and resp.json["events"] == [] and resp.json["id"] == job_id
+    assert "events" not in api.get(f"/jobs/{job_id}").json
+    resp = api.get(f"/jobs/{job_id}?events_after=x")
+    assert resp.status_code == 400 and "events_after" in resp.json["error"]["message"]
+
+
+@pytest.mark.parametrize("namespace", ["/gpu", "/ui"])
+def test_socketio_refuses_a_missing_or_wrong_token(api, socket_client, namespace):
+    assert not socket_client(namespace).is_connected(namespace)
+    assert not socket_client(namespace, "zr_wrong").is_connected(namespace)
+    assert socket_client(namespace, api.token).is_connected(namespace)
+
+
+def test_a_dashboard_gets_the_rooms_gpu_clients_when_it_connects(api, socket_client):
+    gpu = socket_client("/gpu", api.token)
+    answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": "3.11.7"},
+                                   "slots": [{"index": 0, "kind": "cpu", "memory_total": 10, "memory_free": 10}]},
+                      namespace="/gpu", callback=True)
+    assert answer["ok"] and answer["room_id"] == api.room["id"], answer
+    ui = socket_client("/ui", api.token)
+    pushed = [m for m in ui.get_received("/ui") if m["name"] == "clients_update"]
+    assert [c["id"] for c in pushed[0]["args"][0]["clients"]] == ["c1"]
+    other = socket_client("/ui", api.create_room("other").token)
+    pushed = [m for m in other.get_received("/ui") if m["name"] == "clients_update"]
+    assert pushed[0]["args"][0]["clients"] == []  # another room's dashboard sees none of them
+
+
+def test_history_names_a_wrong_status_and_starts_empty(api):
+    resp = api.get("/dashboard/history?status=done")
+    assert resp.status_code == 400
+    assert resp.json["error"]["field"] == "status" and "done" in resp.json["error"]["message"]
+    assert api.as_(None).get("/dashboard/history").status_code == 401
+    assert api.get("/dashboard/history").json == {"jobs": []}
+
+
+def test_the_sdk_checks_its_arguments_before_it_calls_the_server():
+    sdk = ZWDX(f"http://127.0.0.1:{free_port()}", remember=False)  # nothing listens there
+    fine = dict(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train, room_token="zr_x")
+    for wrong, message in [({"parallelism": "TP"}, "parallelism"), ({"train_func": 42}, "train_func must be a function"),
+                           ({"model": "net"}, "model must be a torch.nn.Module"),
+                           ({"room_token": None}, "room token")]:
+        with pytest.raises(BadRequest, match=message):
+            sdk.submit_job(**{**fine, **wrong})
 
 
 def test_unreachable_server_is_a_typed_error():
-    from procs import free_port
     with pytest.raises(ServerUnreachable, match="cannot reach"):
         ZWDX(f"http://127.0.0.1:{free_port()}").list_jobs("zr_x")
 
 
-def test_artifacts_are_checked_by_sha256_and_size(server, room, tmp_path):
-    headers = {H: room["token"]}
-    resp = requests.post(api(server, "/artifacts"), data=b"abc", headers={**headers, "X-Zwdx-Sha256": "0" * 64})
-    assert resp.status_code == 422 and resp.json()["error"]["code"] == IntegrityError.code
-    good = hashlib.sha256(b"abc").hexdigest()
-    resp = requests.post(api(server, "/artifacts"), data=b"abc", headers={**headers, "X-Zwdx-Sha256": good})
-    assert resp.status_code == 201 and resp.json()["sha256"] == good and resp.json()["size"] == 3
-    back = requests.get(api(server, f"/artifacts/{resp.json()['id']}"), headers=headers)
-    assert back.content == b"abc"
+# -- real processes: the SDK over HTTP, the CLI, a GPU client -----------------------------------------
+def test_the_sdk_raises_typed_errors_for_the_wrong_token_and_unknown_jobs(server, sdk, room):
+    with pytest.raises(AuthError, match="not recognised"):
+        sdk.list_jobs("zr_wrong")
+    with pytest.raises(AuthError, match="not recognised"):
+        sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                       room_token="zr_wrong", wait=False)
+    with pytest.raises(NotFound, match="no job nope"):
+        sdk.get_job("nope", room["token"])
+    with pytest.raises(NotFound):
+        sdk.cancel_job("nope", room["token"])
+    assert sdk.list_jobs(room["token"]) == []
 
-    small = Server(str(tmp_path / "small"), extra=["--max-artifact-bytes", "1000"])
-    try:
-        token = ZWDX(small.url).create_room()["token"]
-        resp = requests.post(f"{small.url}/api/v1/artifacts", data=b"x" * 5000, headers={H: token})
-        assert resp.status_code == 413 and resp.json()["error"]["code"] == PayloadTooLarge.code
-        leftovers = os.listdir(os.path.join(small.data_dir, "artifacts"))
-        assert leftovers == []  # nothing half-written is kept
-    finally:
-        small.stop()
+
+def test_room_create_cli_prints_the_token_last(server):
+    out = subprocess.run([sys.executable, "-m", "zwdx.cli", "room", "create", "--server", server.url, "--name", "x"],
+                         capture_output=True, text=True, check=True).stdout
+    token = out.strip().splitlines()[-1]
+    assert ZWDX(server.url).get_room(token)["name"] == "x"
+    out = subprocess.run([sys.executable, "-m", "zwdx.cli", "room", "create", "--server", server.url, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["token"].startswith("zr_")
 
 
 def test_gpu_client_with_a_bad_token_exits_with_a_clear_message(server, tmp_path):
-    from procs import GpuClient
     client = GpuClient(server.url, "zr_bad", str(tmp_path / "bad"))
     assert client.popen.wait(30) == 2
     assert "room token not recognised" in client.output()
-
-
-def test_job_with_its_new_events_in_one_call(server, sdk, room):
-    job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                            room_token=room["token"], wait=False)
-    headers = {H: room["token"]}
-    resp = requests.get(api(server, f"/jobs/{job_id}"), params={"events_after": 0}, headers=headers)
-    assert resp.status_code == 200 and resp.json()["events"] == [] and resp.json()["id"] == job_id
-    assert "events" not in requests.get(api(server, f"/jobs/{job_id}"), headers=headers).json()
-    resp = requests.get(api(server, f"/jobs/{job_id}"), params={"events_after": "x"}, headers=headers)
-    assert resp.status_code == 400 and "events_after" in resp.json()["error"]["message"]

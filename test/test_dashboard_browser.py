@@ -283,12 +283,3 @@ def test_dashboard_reconnects_after_the_server_restarts(server, room, page):
         assert page.get_by_test_id("room-name").inner_text() == "test-room"
     finally:
         again.stop()
-
-
-def test_history_api_names_a_wrong_status_and_starts_empty(server, room):
-    headers = {TOKEN_HEADER: room["token"]}
-    resp = requests.get(f"{server.url}/api/v1/dashboard/history?status=done", headers=headers, timeout=10)
-    assert resp.status_code == 400
-    assert resp.json()["error"]["field"] == "status" and "done" in resp.json()["error"]["message"]
-    assert requests.get(f"{server.url}/api/v1/dashboard/history", timeout=10).status_code == 401
-    assert api(server, room, "/dashboard/history").json() == {"jobs": []}

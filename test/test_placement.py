@@ -1,6 +1,6 @@
-"""Where jobs may go, with a real server and real GPU-client processes: what a waiting job says,
-what the room cannot run at all (said at submit, refused on request), CPU slots of one host
-sharing its RAM, and packages missing on GPU clients."""
+"""Where jobs may go, with a real server and real GPU-client processes (in-process where no GPU
+client is needed): what a waiting job says, what the room cannot run at all (said at submit,
+refused on request), CPU slots of one host sharing its RAM, and packages missing on GPU clients."""
 from __future__ import annotations
 
 import hashlib
@@ -50,18 +50,21 @@ def waiting_reason(sdk, room, job_id: str, *fragments: str) -> str:
                       all(f in r for f in fragments) and r, 30, what=f"a waiting reason with {fragments}")
 
 
-def test_a_room_without_gpu_clients_says_so_and_refuses_on_request(server, sdk, room):
-    resp = post_job(server, room, example(), world_size=2, memory_required=3 << 30)
-    assert resp.status_code == 201 and resp.json()["unschedulable"] == "the room has no GPU clients online"
-    assert waiting_reason(sdk, room, resp.json()["id"]) == "the room has no GPU clients online"
+@pytest.mark.app_config(SCHEDULER=True)  # in-process; the scheduler writes the waiting reason
+def test_a_room_without_gpu_clients_says_so_and_refuses_on_request(app, api):
+    resp = api.submit(world_size=2, memory_required=3 << 30)
+    assert resp.status_code == 201 and resp.json["unschedulable"] == "the room has no GPU clients online"
+    job_id = resp.json["id"]
+    assert wait_until(lambda: api.get(f"/jobs/{job_id}").json.get("waiting_reason"), 30,
+                      what="a waiting reason") == "the room has no GPU clients online"
 
-    resp = post_job(server, room, example(), world_size=2, fail_if_unschedulable=True)
+    resp = api.submit(world_size=2, fail_if_unschedulable=True)
     assert resp.status_code == 409, resp.text
-    error = resp.json()["error"]
+    error = resp.json["error"]
     assert error["code"] == "unschedulable" and "the room has no GPU clients online" in error["message"]
-    waiting = jobs(server, room)
+    waiting = api.jobs()
     assert len(waiting) == 1  # only the first job; the refused one's bundle is gone, bytes and metadata
-    assert os.listdir(os.path.join(server.data_dir, "artifacts")) == [waiting[0]["spec"]["bundle_artifact"]]
+    assert os.listdir(os.path.join(app.config["DATA_DIR"], "artifacts")) == [waiting[0]["spec"]["bundle_artifact"]]
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -71,29 +74,27 @@ def test_a_room_without_gpu_clients_says_so_and_refuses_on_request(server, sdk, 
     ({"required_modules": [3]}, "'required_modules'"),
     ({"epochs": 0}, "'epochs' must be at least 1"),
 ])
-def test_bad_new_job_fields_get_400_and_change_nothing(server, room, fields, message):
-    resp = post_job(server, room, example(), **fields)
-    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
-    assert jobs(server, room) == []
+def test_bad_new_job_fields_get_400_and_change_nothing(api, fields, message):
+    resp = api.submit(**fields)
+    assert resp.status_code == 400 and message in resp.json["error"]["message"], resp.text
+    assert api.jobs() == []
 
 
-def test_a_gpu_client_with_a_bad_module_list_is_refused_with_the_reason(server, room):
-    import socketio
-    sio = socketio.Client(reconnection=False)
-    sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["token"]}, transports=["websocket"])
-    try:
-        base = {"client_id": "bad", "hostname": "h", "versions": {"python": "3.11.7"},
-                "slots": [{"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 1000}]}
-        for wrong, field in [({"modules": "numpy"}, "modules"), ({"modules": ["os", "a b"]}, "modules"),
-                             ({"host_id": 7}, "host_id"), ({"host_id": "x" * 65}, "host_id")]:
-            answer = sio.call("register", {**base, **wrong}, namespace="/gpu", timeout=10)
-            assert not answer["ok"] and f"field '{field}'" in answer["error"], answer
-        answer = sio.call("register", {**base, "host_id": "h1", "modules": ["os", "numpy"]}, namespace="/gpu")
-        assert answer["ok"], answer
-        client = requests.get(f"{server.url}/api/v1/room", headers={H: room["token"]}).json()["clients"][0]
-        assert client["host_id"] == "h1" and "modules" not in client  # hundreds of names: not shown
-    finally:
-        sio.disconnect()
+def test_a_gpu_client_with_a_bad_module_list_is_refused_with_the_reason(api, socket_client):
+    sio = socket_client("/gpu", api.token)
+    assert sio.is_connected("/gpu")
+    base = {"client_id": "bad", "hostname": "h", "versions": {"python": "3.11.7"},
+            "slots": [{"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 1000}]}
+    for wrong, field in [({"modules": "numpy"}, "modules"), ({"modules": ["os", "a b"]}, "modules"),
+                         ({"host_id": 7}, "host_id"), ({"host_id": "x" * 65}, "host_id")]:
+        answer = sio.emit("register", {**base, **wrong}, namespace="/gpu", callback=True)
+        assert not answer["ok"] and f"field '{field}'" in answer["error"], answer
+    assert api.get("/room").json["clients"] == []  # a refused registration stores nothing
+    answer = sio.emit("register", {**base, "host_id": "h1", "modules": ["os", "numpy"]}, namespace="/gpu",
+                      callback=True)
+    assert answer["ok"], answer
+    client = api.get("/room").json["clients"][0]
+    assert client["host_id"] == "h1" and "modules" not in client  # hundreds of names: not shown
 
 
 def test_too_many_ranks_are_said_at_submit_and_the_job_runs_when_a_client_joins(server, sdk, room, start_client):

@@ -20,13 +20,17 @@ import sys
 import threading
 
 from flask import Flask
-from flask_socketio import SocketIO
 
 from .. import defaults
+from . import api, checkpoints, dashboard_api, events, ui
+from .artifacts import FileArtifactStore
+from .extensions import socketio
+from .scheduler import Scheduler
+from .store import open_store
+
+__all__ = ["create_app", "serve", "socketio", "ServerContext"]
 
 log = logging.getLogger(__name__)
-
-socketio = SocketIO()
 
 ASYNC_MODES = ("gevent", "threading")
 
@@ -41,21 +45,27 @@ class ServerContext:
     """What every part of the server shares: config, store, artifact bytes, scheduler."""
 
     def __init__(self, app: Flask):
-        from .artifacts import FileArtifactStore
-        from .store import open_store
         cfg = app.config
         self.config = cfg
         self.store = open_store(cfg["DATA_DIR"], cfg.get("MONGO_URI"))
         if cfg.get("MONGO_URI"):
-            from .store.gridfs import GridFSArtifactStore
+            from .store.gridfs import GridFSArtifactStore  # pymongo, imported only when used
             self.artifacts = GridFSArtifactStore(cfg["MONGO_URI"])
         else:
             self.artifacts = FileArtifactStore(os.path.join(cfg["DATA_DIR"], "artifacts"))
-        from .scheduler import Scheduler
         self.scheduler = Scheduler(self)
         self.stopping = threading.Event()
         #: token hash -> room, for the rooms callers named (rooms are never changed or deleted)
         self.rooms: dict[str, dict] = {}
+
+    def close(self) -> None:
+        """Stop the background loops and release the store (an app in a test, at its end)."""
+        self.stopping.set()
+        self.scheduler.stop()
+        self.store.close()
+        close = getattr(self.artifacts, "close", None)
+        if close:
+            close()
 
 
 def create_app(config: dict | None = None) -> Flask:
@@ -82,12 +92,10 @@ def create_app(config: dict | None = None) -> Flask:
                     "does); serving with threads instead")
         mode = app.config["ASYNC_MODE"] = "threading"
 
-    from .ui import find_dashboard
-    app.config["UI_DIR"] = find_dashboard(app.config["UI_DIR"])
+    app.config["UI_DIR"] = ui.find_dashboard(app.config["UI_DIR"])
     ctx = ServerContext(app)
     app.extensions["zwdx"] = ctx
 
-    from . import api, checkpoints, dashboard_api, events, ui
     app.register_blueprint(api.bp)
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from .. import defaults
@@ -18,17 +18,13 @@ from ..errors import BadRequest, Conflict, NotFound, Unschedulable, ZwdxError
 from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, FailureKind, JobStatus, Parallelism
 from . import lifecycle, notify
 from .placement import room_totals, unschedulable
-from .auth import hash_secret, job_in_room, new_secret, request_job_key, request_room
+from .auth import hash_secret, job_in_room, new_secret, request_room
+from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
 from .views import client_view, job_view, room_view
 
 log = logging.getLogger(__name__)
 
 bp = Blueprint("api", __name__)
-P = defaults.API_PREFIX
-
-
-def ctx():
-    return current_app.extensions["zwdx"]
 
 
 def register_error_handlers(app) -> None:
@@ -49,25 +45,6 @@ def register_error_handlers(app) -> None:
         return jsonify({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}), 500
 
 
-def json_body() -> dict:
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-def _field(body: dict, name: str, kind, required: bool = False, default=None):
-    value = body.get(name, default)
-    if value is None:
-        if required:
-            raise BadRequest(f"field '{name}' is required", field=name)
-        return default
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise BadRequest(f"field '{name}' must be {expected}, got {type(value).__name__}", field=name)
-    return value
-
-
 def _module_name(name) -> bool:
     return isinstance(name, str) and len(name) <= defaults.MAX_MODULE_NAME and name.isidentifier()
 
@@ -86,7 +63,7 @@ def create_room():
     body = request.get_json(silent=True) or {}
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    name = _field(body, "name", str, default="") or f"room-{uuid.uuid4().hex[:6]}"
+    name = field(body, "name", str, default="") or f"room-{uuid.uuid4().hex[:6]}"
     if len(name) > 100:
         raise BadRequest("field 'name' must be at most 100 characters", field="name")
     token = new_secret("zr")
@@ -105,29 +82,11 @@ def get_room():
 
 
 # -- artifacts --------------------------------------------------------------------------------
-def _save_artifact(room: dict, kind: str, job_id: str | None = None) -> dict:
-    artifact_id = uuid.uuid4().hex
-    size, sha = ctx().artifacts.save(artifact_id, request.stream, int(current_app.config["MAX_ARTIFACT_BYTES"]),
-                                     request.headers.get(defaults.SHA256_HEADER))
-    artifact = {"id": artifact_id, "room_id": room["id"], "kind": kind, "size": size, "sha256": sha,
-                "job_id": job_id, "created_at": time.time()}
-    return ctx().store.add_artifact(artifact)
-
-
 @bp.post(f"{P}/artifacts")
 def upload_bundle():
     """A job bundle, uploaded by the SDK before it creates the job."""
     room = request_room()
-    return jsonify(_save_artifact(room, ArtifactKind.BUNDLE.value)), 201
-
-
-def _stream(artifact: dict) -> Response:
-    try:
-        chunks = ctx().artifacts.open(artifact["id"])
-    except (FileNotFoundError, KeyError):
-        raise NotFound(f"artifact {artifact['id']} has no bytes on this server", artifact_id=artifact["id"])
-    headers = {"Content-Length": str(artifact["size"]), defaults.SHA256_HEADER: artifact["sha256"]}
-    return Response(chunks, mimetype="application/octet-stream", headers=headers)
+    return jsonify(save_artifact(room, ArtifactKind.BUNDLE.value)), 201
 
 
 @bp.get(f"{P}/artifacts/<artifact_id>")
@@ -136,7 +95,7 @@ def download_artifact(artifact_id: str):
     artifact = ctx().store.get_artifact(artifact_id)
     if artifact is None or artifact["room_id"] != room["id"]:
         raise NotFound(f"no artifact {artifact_id} in this room", artifact_id=artifact_id)
-    return _stream(artifact)
+    return stream(artifact)
 
 
 # -- jobs -------------------------------------------------------------------------------------
@@ -144,46 +103,46 @@ def download_artifact(artifact_id: str):
 def create_job():
     room = request_room()
     body = json_body()
-    parallelism = _field(body, "parallelism", str, default="DDP").upper()
+    parallelism = field(body, "parallelism", str, default="DDP").upper()
     if parallelism not in {p.value for p in Parallelism}:
         raise BadRequest(f"field 'parallelism' must be one of DDP, FSDP, got {parallelism!r}", field="parallelism")
-    epochs = _field(body, "epochs", int)  # None: the train function's own default wins (1 if it has none)
+    epochs = field(body, "epochs", int)  # None: the train function's own default wins (1 if it has none)
     if epochs is not None and epochs < 1:
         raise BadRequest("field 'epochs' must be at least 1 or null", field="epochs")
-    world_size = _field(body, "world_size", int)
+    world_size = field(body, "world_size", int)
     if world_size is not None and world_size < 1:
         raise BadRequest("field 'world_size' must be at least 1", field="world_size")
-    memory = _field(body, "memory_required", int, default=0)
+    memory = field(body, "memory_required", int, default=0)
     if memory < 0:
         raise BadRequest("field 'memory_required' must be >= 0 bytes", field="memory_required")
-    versions = _field(body, "versions", dict, required=True)
+    versions = field(body, "versions", dict, required=True)
     if not isinstance(versions.get("python"), str):
         raise BadRequest("field 'versions.python' (the submitter's Python version) is required",
                          field="versions.python")
-    bundle_id = _field(body, "bundle_artifact", str, required=True)
+    bundle_id = field(body, "bundle_artifact", str, required=True)
     bundle = ctx().store.get_artifact(bundle_id)
     if bundle is None or bundle["room_id"] != room["id"] or bundle["kind"] != ArtifactKind.BUNDLE.value:
         raise BadRequest(f"field 'bundle_artifact': no uploaded bundle {bundle_id} in this room",
                          field="bundle_artifact")
     if bundle.get("job_id"):
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
-    timeout = _field(body, "collective_timeout", (int, float))
-    min_world = _field(body, "min_world_size", int)
+    timeout = field(body, "collective_timeout", (int, float))
+    min_world = field(body, "min_world_size", int)
     if min_world is not None and (min_world < 1 or (world_size is not None and min_world > world_size)):
         raise BadRequest("field 'min_world_size' must be at least 1 and at most world_size", field="min_world_size")
-    max_restarts = _field(body, "max_restarts", int, default=defaults.MAX_RESTARTS)
+    max_restarts = field(body, "max_restarts", int, default=defaults.MAX_RESTARTS)
     if max_restarts < 0:
         raise BadRequest("field 'max_restarts' must be >= 0", field="max_restarts")
-    keep = _field(body, "keep_checkpoints", int, default=defaults.KEEP_CHECKPOINTS)
+    keep = field(body, "keep_checkpoints", int, default=defaults.KEEP_CHECKPOINTS)
     if keep < 1:
         raise BadRequest("field 'keep_checkpoints' must be at least 1", field="keep_checkpoints")
-    every_epoch = _field(body, "checkpoint_every_epoch", bool, default=True)
-    name = _field(body, "name", str, default="")
-    required = _field(body, "required_modules", list, default=[])
+    every_epoch = field(body, "checkpoint_every_epoch", bool, default=True)
+    name = field(body, "name", str, default="")
+    required = field(body, "required_modules", list, default=[])
     if len(required) > defaults.MAX_REQUIRED_MODULES or not all(_module_name(m) for m in required):
         raise BadRequest(f"field 'required_modules' must be a list of at most {defaults.MAX_REQUIRED_MODULES} "
                          f"top-level module names (Python identifiers)", field="required_modules")
-    refuse = _field(body, "fail_if_unschedulable", bool, default=False)
+    refuse = field(body, "fail_if_unschedulable", bool, default=False)
     now = time.time()
     job = {"id": uuid.uuid4().hex[:12], "room_id": room["id"], "status": JobStatus.QUEUED.value,
            "name": name[:100], "created_at": now,
@@ -273,25 +232,19 @@ def get_weights(job_id: str):
     if not artifact_id:
         raise NotFound(f"job {job_id} has no trained weights (status {job['status']})", job_id=job_id,
                        status=job["status"])
-    return _stream(ctx().store.get_artifact(artifact_id))
+    return stream(ctx().store.get_artifact(artifact_id))
 
 
 # -- written by the rank processes of a job (room token + job key) ------------------------------
-def _rank_job(job_id: str) -> dict:
-    job = job_in_room(job_id, request_room())
-    request_job_key(job)
-    return job
-
-
 @bp.get(f"{P}/jobs/<job_id>/bundle")
 def get_bundle(job_id: str):
-    job = _rank_job(job_id)
-    return _stream(ctx().store.get_artifact(job["spec"]["bundle_artifact"]))
+    job = rank_job(job_id)
+    return stream(ctx().store.get_artifact(job["spec"]["bundle_artifact"]))
 
 
 @bp.post(f"{P}/jobs/<job_id>/events")
 def post_events(job_id: str):
-    job = _rank_job(job_id)
+    job = rank_job(job_id)
     body = json_body()
     events = body.get("events")
     if not isinstance(events, list):
@@ -309,13 +262,13 @@ def post_events(job_id: str):
 
 @bp.post(f"{P}/jobs/<job_id>/ranks/<int:rank>")
 def post_rank_status(job_id: str, rank: int):
-    job = _rank_job(job_id)
+    job = rank_job(job_id)
     body = json_body()
-    status = _field(body, "status", str, required=True)
+    status = field(body, "status", str, required=True)
     if job.get("world_size") is None or not 0 <= rank < job["world_size"]:
         raise BadRequest(f"rank {rank} is not part of job {job_id}")
     if status == "failed" and job["status"] == JobStatus.FAILED.value:
-        tb = _field(body, "traceback", str, default="(no traceback)")
+        tb = field(body, "traceback", str, default="(no traceback)")
         kind = FailureKind.COLLECTIVE if body.get("collective") else FailureKind.RAISED
         ctx().store.update_job(job["id"], lifecycle.failure(rank, tb, kind))  # every failing rank's traceback
         return jsonify({"ok": True})
@@ -326,7 +279,7 @@ def post_rank_status(job_id: str, rank: int):
     elif status == "completed":
         lifecycle.rank_completed(ctx(), job, rank, body)
     elif status == "failed":
-        tb = _field(body, "traceback", str, default="(no traceback)")
+        tb = field(body, "traceback", str, default="(no traceback)")
         lifecycle.rank_failed(ctx(), job, rank, str(body.get("error") or "error"), tb, bool(body.get("collective")))
     else:
         raise BadRequest("field 'status' must be running, completed or failed", field="status")
@@ -335,7 +288,7 @@ def post_rank_status(job_id: str, rank: int):
 
 @bp.put(f"{P}/jobs/<job_id>/weights")
 def put_weights(job_id: str):
-    job = _rank_job(job_id)
-    artifact = _save_artifact({"id": job["room_id"]}, ArtifactKind.WEIGHTS.value, job["id"])
+    job = rank_job(job_id)
+    artifact = save_artifact({"id": job["room_id"]}, ArtifactKind.WEIGHTS.value, job["id"])
     return jsonify(artifact), 201
 

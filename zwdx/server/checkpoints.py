@@ -11,8 +11,8 @@ from .. import defaults
 from ..errors import BadRequest, NotFound
 from ..protocol import ArtifactKind
 from . import notify
-from .api import P, _field, _rank_job, _save_artifact, _stream, ctx, json_body
 from .auth import job_in_room, request_room
+from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ def _file_name(name: str) -> str:
 @bp.put(f"{P}/jobs/<job_id>/checkpoints/<int:n>/<name>")
 def put_checkpoint_file(job_id: str, n: int, name: str):
     """One file of checkpoint ``n`` (a rank's shard, or the whole state for DDP)."""
-    job = _rank_job(job_id)
-    artifact = _save_artifact({"id": job["room_id"]}, ArtifactKind.CHECKPOINT.value, job["id"])
+    job = rank_job(job_id)
+    artifact = save_artifact({"id": job["room_id"]}, ArtifactKind.CHECKPOINT.value, job["id"])
     ctx().store.update_artifact(artifact["id"], {"checkpoint": n, "name": _file_name(name)})
     return jsonify(artifact), 201
 
@@ -40,9 +40,9 @@ def put_checkpoint_file(job_id: str, n: int, name: str):
 def commit_checkpoint(job_id: str, n: int):
     """Rank 0, once every rank uploaded its files: checkpoint ``n`` is complete. Older ones
     beyond the job's ``keep_checkpoints`` are deleted."""
-    job = _rank_job(job_id)
+    job = rank_job(job_id)
     body = json_body()
-    names = _field(body, "files", list, required=True)
+    names = field(body, "files", list, required=True)
     files = {}
     for artifact in ctx().store.list_artifacts(job["id"], ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n:
@@ -79,5 +79,5 @@ def get_checkpoint_file(job_id: str, n: int, name: str):
     job = job_in_room(job_id, request_room())
     for artifact in ctx().store.list_artifacts(job["id"], ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n and artifact.get("name") == name:
-            return _stream(artifact)
+            return stream(artifact)
     raise NotFound(f"job {job_id} has no checkpoint {n} file {name}", job_id=job_id)

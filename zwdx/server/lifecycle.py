@@ -19,7 +19,8 @@ import time
 
 from .. import defaults
 from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, FailureKind, JobStatus
-from . import notify, socketio
+from . import notify
+from .extensions import socketio
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
-from . import socketio
+from .extensions import socketio
 from .placement import room_totals
 from .views import client_view, job_view
 

@@ -18,7 +18,8 @@ from collections import defaultdict
 
 from .. import defaults
 from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus
-from . import lifecycle, notify, socketio
+from . import lifecycle, notify
+from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .placement import plan
 
@@ -53,6 +54,13 @@ class Scheduler:
         self.grace_after_restart()
         self._thread = threading.Thread(target=self._loop, args=(app,), name="zwdx-scheduler", daemon=True)
         self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop (the server's ``stopping`` is set) and wait for its pass to finish."""
+        self.ctx.stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _loop(self, app) -> None:
         next_round = 0.0

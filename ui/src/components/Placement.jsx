@@ -1,4 +1,6 @@
 // Which rank runs where: one box per GPU client, one tile per GPU with its rank.
+import { SlotKind } from "../lib/protocol.js";
+
 export function groupPlacement(placement) {
   const clients = new Map();
   for (const p of placement || []) {
@@ -24,7 +26,7 @@ export default function Placement({ placement }) {
               <div className={`placement-gpu kind-${g.kind}`} key={`${g.gpu_index}-${g.rank}`}>
                 <span className="rank-tag">rank {g.rank}</span>
                 <span>
-                  {g.kind === "cpu" ? "CPU" : "GPU"} {g.gpu_index}
+                  {g.kind === SlotKind.CPU ? "CPU" : "GPU"} {g.gpu_index}
                 </span>
                 <span className="muted small">{g.gpu_name}</span>
               </div>

@@ -6,8 +6,9 @@ import { io } from "socket.io-client";
 import { api } from "./api.js";
 import { isFinished } from "./jobs.js";
 import { initialLive, liveReducer } from "./live.js";
+import { ACTIVE, UI_NAMESPACE, UiEvent, WAITING } from "./protocol.js";
 
-const UNFINISHED = ["queued", "resuming", "starting", "running"];
+const UNFINISHED = [...WAITING, ...ACTIVE];
 
 const LiveContext = createContext(null);
 
@@ -42,7 +43,7 @@ export function LiveProvider({ token, onRefused, children }) {
   useEffect(() => {
     refreshJobs();
     api.room().then((r) => dispatch({ type: "clients", clients: r.clients, totals: r.totals, at: Date.now() / 1000 }), () => {});
-    const socket = io("/ui", { auth: { token }, reconnectionDelay: 500, reconnectionDelayMax: 3000 });
+    const socket = io(UI_NAMESPACE, { auth: { token }, reconnectionDelay: 500, reconnectionDelayMax: 3000 });
     let everConnected = false;
 
     socket.on("connect", () => {
@@ -68,11 +69,11 @@ export function LiveProvider({ token, onRefused, children }) {
         dispatch({ type: "connection", status: everConnected ? "reconnecting" : "connecting", error: err.message });
       }
     });
-    socket.on("clients_update", (msg) =>
+    socket.on(UiEvent.CLIENTS_UPDATE, (msg) =>
       dispatch({ type: "clients", clients: msg.clients, totals: msg.totals, at: Date.now() / 1000 }),
     );
-    socket.on("job_update", (job) => dispatch({ type: "job", job }));
-    socket.on("job_events", (msg) => {
+    socket.on(UiEvent.JOB_UPDATE, (job) => dispatch({ type: "job", job }));
+    socket.on(UiEvent.JOB_EVENTS, (msg) => {
       eventListeners.current.get(msg.job_id)?.forEach((fn) => fn(msg.events));
     });
     return () => {

@@ -1,8 +1,8 @@
 // Jobs as the dashboard sees them: which are finished, the queue, merging live updates, history.
 
-export const FINISHED = ["completed", "failed", "cancelled"];
-/** Statuses of jobs that wait for slots ("resuming": lost a GPU client, waits to go on). */
-export const WAITING = ["queued", "resuming"];
+import { FINISHED, WAITING } from "./protocol.js";
+
+export { FINISHED, WAITING };
 
 export const isFinished = (job) => FINISHED.includes(job?.status);
 

@@ -1,5 +1,6 @@
 // The room's live state, fed by Socket.IO (namespace /ui) and the REST answers that seed it.
 import { mergeJob } from "./jobs.js";
+import { ClientStatus } from "./protocol.js";
 
 /** Samples kept per slot for its sparkline (the server pushes about one every 2 s). */
 export const SPARK_SAMPLES = 60;
@@ -27,7 +28,7 @@ export function liveReducer(state, action) {
     case "clients": {
       const slotHistory = { ...state.slotHistory };
       for (const client of action.clients) {
-        if (client.status !== "online") continue;
+        if (client.status !== ClientStatus.ONLINE) continue;
         for (const slot of client.slots || []) slotHistory[slot.id] = appendSample(slotHistory, slot, action.at);
       }
       return { ...state, clients: action.clients, totals: action.totals ?? null, slotHistory };

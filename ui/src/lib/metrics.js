@@ -4,9 +4,10 @@
 // chart, each rank one line. Against steps a point is the value at that step; against epochs it
 // is the mean of the values reported during that epoch. An event's epoch is its own "epoch"
 // value, or the last one that rank reported (platform metrics carry none).
+import { EventKind, SYSTEM_METRICS } from "./protocol.js";
 
 /** Metrics the platform reports itself, shown after the job's own. */
-export const PLATFORM_METRICS = ["throughput", "gpu_utilization"];
+export const PLATFORM_METRICS = SYSTEM_METRICS;
 /** Values that are axes, not curves. */
 const AXES = new Set(["epoch", "step"]);
 
@@ -15,7 +16,7 @@ export function metricPoints(events) {
   const byName = new Map();
   const epochOf = new Map();
   for (const ev of events) {
-    if (ev.kind !== "metric" || !ev.data) continue;
+    if (ev.kind !== EventKind.METRIC || !ev.data) continue;
     const rank = ev.rank ?? 0;
     if (typeof ev.data.epoch === "number") epochOf.set(rank, ev.data.epoch);
     const epoch = epochOf.get(rank);

@@ -5,6 +5,7 @@ import { api } from "../lib/api.js";
 import { lastSeq } from "../lib/events.js";
 import { formatBytes, formatDuration, formatNumber, formatTime } from "../lib/format.js";
 import { WAITING, failuresInOrder, isFinished, jobDuration, queuePosition } from "../lib/jobs.js";
+import { EventKind, JobStatus } from "../lib/protocol.js";
 import { useLive } from "../lib/LiveProvider.jsx";
 import { chartData, hasEpochs, latestValues, metricLabel, metricNames, metricPoints } from "../lib/metrics.js";
 import { useJobEvents } from "../lib/useJobEvents.js";
@@ -79,7 +80,7 @@ function Metrics({ events }) {
 
 function Failure({ job }) {
   const failures = failuresInOrder(job);
-  if (job.status !== "failed" && !failures.length) return null;
+  if (job.status !== JobStatus.FAILED && !failures.length) return null;
   return (
     <section className="card failure" data-testid="failure">
       <h2>Failure</h2>
@@ -190,8 +191,8 @@ export default function JobPage() {
   const { jobs, putJob } = useLive();
   const [loadError, setLoadError] = useState(null);
   const { events, error: eventsError } = useJobEvents(jobId);
-  const logs = useMemo(() => events.filter((e) => e.kind === "log"), [events]);
-  const metricEvents = useMemo(() => events.filter((e) => e.kind === "metric"), [events]);
+  const logs = useMemo(() => events.filter((e) => e.kind === EventKind.LOG), [events]);
+  const metricEvents = useMemo(() => events.filter((e) => e.kind === EventKind.METRIC), [events]);
 
   useEffect(() => {
     setLoadError(null);
@@ -219,7 +220,7 @@ export default function JobPage() {
         <span className="mono muted">{job.id}</span>
       </header>
       {waiting && (
-        <Notice kind="info" title={`${job.status === "queued" ? "Queued" : "Resuming"}${position ? `, position ${position} in the queue` : ""}`}>
+        <Notice kind="info" title={`${job.status === JobStatus.QUEUED ? "Queued" : "Resuming"}${position ? `, position ${position} in the queue` : ""}`}>
           {job.waiting_reason || "Waiting for free slots."}
         </Notice>
       )}

@@ -5,6 +5,7 @@ import { useAuth } from "../lib/auth.jsx";
 import { useLive } from "../lib/LiveProvider.jsx";
 import { formatAgo, formatBytes, formatNumber, formatTime } from "../lib/format.js";
 import { queueOf } from "../lib/jobs.js";
+import { ClientStatus, SlotKind } from "../lib/protocol.js";
 import Sparkline from "../components/Sparkline.jsx";
 import { Loading, Notice, StatusBadge } from "../components/bits.jsx";
 
@@ -25,7 +26,7 @@ function SlotRow({ slot, history, jobs }) {
   return (
     <tr data-testid="slot">
       <td className="mono">
-        {slot.kind === "cpu" ? "cpu" : "gpu"} {slot.index}
+        {slot.kind === SlotKind.CPU ? "cpu" : "gpu"} {slot.index}
       </td>
       <td>{slot.name || "—"}</td>
       <td>
@@ -76,7 +77,7 @@ function Clients({ clients, slotHistory, jobs, now }) {
       </Notice>
     );
   }
-  const sorted = [...clients].sort((a, b) => (a.status === b.status ? a.id.localeCompare(b.id) : a.status === "online" ? -1 : 1));
+  const sorted = [...clients].sort((a, b) => (a.status === b.status ? a.id.localeCompare(b.id) : a.status === ClientStatus.ONLINE ? -1 : 1));
   return sorted.map((c) => (
     <div className={`card client client-${c.status}`} key={c.id} data-testid="client" data-status={c.status}>
       <div className="client-head">
@@ -162,8 +163,8 @@ export default function Overview() {
   const { room } = useAuth();
   const { clients, totals, slotHistory, jobs } = useLive();
   const now = useNow();
-  const online = (clients || []).filter((c) => c.status === "online").length;
-  const slots = (clients || []).filter((c) => c.status === "online").flatMap((c) => c.slots || []);
+  const online = (clients || []).filter((c) => c.status === ClientStatus.ONLINE).length;
+  const slots = (clients || []).filter((c) => c.status === ClientStatus.ONLINE).flatMap((c) => c.slots || []);
   const busy = slots.filter((s) => s.job_id).length;
   return (
     <div data-testid="overview">

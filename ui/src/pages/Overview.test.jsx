@@ -3,7 +3,7 @@ import { describe, expect, it, vi } from "vitest";
 import { FakeSocket, mockFetch, sockets } from "../test/fakes.js";
 import { ROOM, renderApp } from "../test/render.jsx";
 
-vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new FakeSocket(opts)) - 1] }));
+vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new FakeSocket(opts, url)) - 1] }));
 
 const GiB = 1024 ** 3;
 const gpuClient = (id, status, slots) => ({ id, hostname: `host-${id}`, status, last_seen: Date.now() / 1000, versions: { python: "3.11.7" }, slots });
@@ -41,6 +41,21 @@ describe("the room overview", () => {
     expect(within(busy).getByRole("link")).toHaveAttribute("href", "/jobs/j1");
     expect(busy).toHaveTextContent("job-j1 rank 0");
     expect(idle).toHaveTextContent("idle");
+  });
+
+  it("names a GPU slot gpu and the CPU slot of a client without GPUs cpu, and counts only online clients", async () => {
+    const clients = [
+      gpuClient("a", "online", [slot("a", 0)]),
+      gpuClient("c", "online", [slot("c", 0, { kind: "cpu", name: "cpu", utilization: null })]),
+      gpuClient("z", "offline", [slot("z", 0)]),
+    ];
+    mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [] } });
+    renderApp("/");
+    const cards = await screen.findAllByTestId("client");
+    expect(cards.map((c) => c.dataset.status)).toEqual(["online", "online", "offline"]);
+    expect(within(cards[0]).getByTestId("slot")).toHaveTextContent(/^gpu 0/);
+    expect(within(cards[1]).getByTestId("slot")).toHaveTextContent(/^cpu 0/);
+    expect(screen.getByTestId("stat-online")).toHaveTextContent("2 GPU clients online");
   });
 
   it("shows the memory the room offers, as the server counts it (a host's RAM once)", async () => {
@@ -81,6 +96,8 @@ describe("the room overview", () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");
     await screen.findByTestId("no-jobs");
+    expect(sockets.at(-1).url).toBe("/ui");
+    expect(sockets.at(-1).opts.auth).toEqual({ token: "zr_good" });
     act(() => sockets.at(-1).fire("job_update", job("new", 1, "queued")));
     expect(await screen.findByTestId("queue-row")).toHaveTextContent("job-new");
   });

@@ -39,8 +39,9 @@ function response(code, body) {
 }
 
 export class FakeSocket {
-  constructor(opts) {
+  constructor(opts, url) {
     this.opts = opts;
+    this.url = url;
     this.handlers = new Map();
     this.active = true;
     this.connected = false;

@@ -1,0 +1,56 @@
+"""The import contracts of pyproject.toml ([tool.importlinter]) hold: the SDK side and the GPU
+client never import the server, the protocol imports nothing of zwdx beyond errors and
+defaults, and server modules import only downward (edges, http, job lifecycle, rules and
+views, storage), never the zwdx.server package that builds the app from them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+
+try:
+    import importlinter  # noqa: F401
+except ImportError:  # CI installs the test extra, so there a missing linter is a failure
+    message = "import-linter is missing: pip install -e '.[test]'"
+    pytest.fail(message, pytrace=False) if os.environ.get("CI") else pytest.skip(message, allow_module_level=True)
+
+
+def lint(root: str) -> subprocess.CompletedProcess:
+    """lint-imports on the tree at ``root`` (its pyproject.toml, its packages first on sys.path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_import_contracts_hold():
+    done = lint(ROOT)
+    assert done.returncode == 0, f"an import breaks a contract of pyproject.toml:\n{done.stdout}\n{done.stderr}"
+    assert "0 broken" in done.stdout
+
+
+@pytest.mark.parametrize("path, line, says", [
+    ("gpu_client/gpus.py", "from zwdx.server import http", "gpu_client is not allowed to import zwdx.server"),
+    ("zwdx/protocol/job.py", "from .. import credentials", "zwdx.protocol is not allowed to import zwdx.credentials"),
+    ("zwdx/server/notify.py", "from . import api", "zwdx.server.notify is not allowed to import zwdx.server.api"),
+    ("zwdx/server/checkpoints.py", "from .api import bp", "zwdx.server.checkpoints is not allowed to import "
+                                                          "zwdx.server.api"),
+    ("zwdx/server/lifecycle.py", "from . import create_app", "zwdx.server.lifecycle is not allowed to import "
+                                                              "zwdx.server"),
+])
+def test_a_bad_import_breaks_a_contract(tmp_path, path, line, says):
+    """The same contracts on a copy of the tree with one import that breaks them."""
+    for name in ("zwdx", "gpu_client"):
+        shutil.copytree(os.path.join(ROOT, name), tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "ui_dist"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    with open(tmp_path / path, "a") as fh:
+        fh.write(f"\n{line}\n")
+    done = lint(str(tmp_path))
+    assert done.returncode != 0, done.stdout
+    assert says in " ".join(done.stdout.split()), done.stdout

@@ -1,0 +1,180 @@
+"""zwdx's processes as children of a test or a benchmark: a server, GPU clients, a MongoDB
+wire-protocol server, each its own OS process on 127.0.0.1 and a free port, started and
+stopped by pid (never by name). The test suite (test/procs.py) and the benchmarks
+(bench/harness.py) both build on this module.
+
+    free_port() -> int                      wait_until(predicate, timeout, what=...)
+    Child(args, log_path, env)              any command: own session, output in a log file
+    ServerProc(data_dir, ...)               ``python -m zwdx.cli server``, waited for until healthy
+    GpuClientProc(server_url, token, ...)   ``python -m zwdx.cli gpu-client``
+    MongoProc(log_dir)                      nx-27017, in memory
+
+A child starts in its own session (so its process group is everything it started that did not
+leave it), in the directory that holds the zwdx package this process imported (so it runs the
+same zwdx), and without this process's ``ZWDX_*`` variables (a developer's ``ZWDX_MONGO_URI``
+must not move a test's server to MongoDB) except ``ZWDX_CONFIG_DIR`` and those passed in
+``env``. ``stop()`` ends the whole group: SIGTERM, then after a grace period SIGKILL, which
+is sent in any case to whatever of the group is left after its leader exited.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+#: The directory holding the zwdx package this process imported (a checkout's root, or
+#: site-packages): children run there, so ``python -m zwdx.cli`` is this same zwdx.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: ``ZWDX_*`` variables children get from this process: where the SDK keeps credentials (a
+#: test points it at a temporary directory so that nothing writes the real home).
+INHERITED = ("ZWDX_CONFIG_DIR",)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
+    """The first truthy value of ``predicate()``, asked every ``interval`` seconds; TimeoutError
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def child_env(env: dict | None = None) -> dict:
+    """This process's environment without its ``ZWDX_*`` variables (but ``INHERITED``), with
+    unbuffered Python output and ``env`` on top."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ZWDX_") or k in INHERITED}
+    return {**base, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+class Child:
+    """A child process in its own session with its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None, cwd: str = PACKAGE_PARENT):
+        self.args, self.log_path = args, log_path
+        self.started_at = time.time()
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(env),
+                                          start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """Send ``sig`` to the process alone (not its group): a crash, as a test stages one."""
+        if self.alive():
+            os.kill(self.popen.pid, sig)
+
+    def _signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """End the process and its group: SIGTERM, SIGKILL after ``grace`` seconds, and SIGKILL
+        to what is left of the group once the process exited. Returns its exit status."""
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)
+        self.popen.wait()
+        return self.popen.returncode
+
+    def output(self) -> str:
+        """Everything the process wrote so far."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                return fh.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.output().splitlines()[-n:])
+
+
+class ServerProc(Child):
+    """``python -m zwdx.cli server`` on ``host`` and a free port (``url``); ``extra`` adds
+    arguments, ``mongo_uri`` picks the MongoDB store. Returns once ``/health`` answers."""
+
+    def __init__(self, data_dir: str, port: int | None = None, extra: list[str] | None = None,
+                 env: dict | None = None, host: str = "127.0.0.1", cwd: str = PACKAGE_PARENT,
+                 mongo_uri: str | None = None, timeout: float = 60.0):
+        self.port = port or free_port()
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
+        self.data_dir = data_dir
+        os.makedirs(data_dir, exist_ok=True)
+        args = [sys.executable, "-m", "zwdx.cli", "server", "--host", host, "--port", str(self.port),
+                "--data-dir", data_dir, *(extra or [])]
+        if mongo_uri:
+            args += ["--mongo-uri", mongo_uri]
+        super().__init__(args, os.path.join(data_dir, f"server-{self.port}.log"), env, cwd)
+        wait_until(self.healthy, timeout, what=f"the zwdx server on {self.url}\n{self.output()}")
+
+    def healthy(self) -> bool:
+        import requests
+        if not self.alive():
+            raise RuntimeError(f"zwdx server exited:\n{self.output()}")
+        try:
+            return requests.get(f"{self.url}/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+
+class GpuClientProc(Child):
+    """``python -m zwdx.cli gpu-client`` in the room of ``token``: one CPU slot (``gpu=None``)
+    or the GPUs listed (``gpu=0``, ``gpu="0,1"``); ``extra`` adds arguments."""
+
+    def __init__(self, server_url: str, token: str, work_dir: str, client_id: str, gpu: int | str | None = None,
+                 threads: int = 1, extra: list[str] | None = None, env: dict | None = None):
+        os.makedirs(work_dir, exist_ok=True)
+        self.client_id = client_id
+        slots = ["--gpus", str(gpu)] if gpu is not None else ["--cpu"]
+        super().__init__([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", server_url,
+                          "--room-token", token, *slots, "--threads", str(threads), "--client-id", client_id,
+                          "--work-dir", work_dir, *(extra or [])], os.path.join(work_dir, "gpu-client.log"), env)
+
+
+class MongoProc(Child):
+    """A MongoDB wire-protocol server in memory (``nx-27017``) for the MongoDB store (``uri``)."""
+
+    def __init__(self, log_dir: str, database: str = "zwdx"):
+        if importlib.util.find_spec("nx_27017") is None:
+            raise RuntimeError("nx-27017 is not installed (pip install nx-27017)")
+        self.port = free_port()
+        self.uri = f"mongodb://127.0.0.1:{self.port}/{database}"
+        # as a module, so that it runs from a --target install with no script on PATH
+        super().__init__([sys.executable, "-m", "nx_27017.nx_27017", "--db", "memory", "-p", str(self.port)],
+                         os.path.join(log_dir, "mongo.log"))
+        wait_until(self._up, 30, what=f"nx-27017 on port {self.port}")
+
+    def _up(self) -> bool:
+        if not self.alive():
+            raise RuntimeError(f"nx-27017 exited:\n{self.tail()}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
