@@ -198,7 +198,6 @@ def failure_order(failures: dict[str, RankFailure]) -> list[str]:
 
 class JobView(JobFields):
     """A job as the REST API, the SDK and the dashboard see it."""
-    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants")
 
     #: rank -> traceback
     failures: dict[str, str] = Field(default_factory=dict)

@@ -65,7 +65,9 @@ def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective:
     ctx.scheduler.kick(settle=True)  # fails the job as soon as every rank reported
 
 
-def _ended(ctx, handle: Job, reason: str) -> JobRecord:
+def _announce(ctx, handle: Job, reason: str) -> JobRecord:
+    """The job stopped running (failed, cancelled, interrupted): stop its ranks, show it, and
+    let the scheduler use its slots once they are free."""
     _stop_ranks(ctx, handle.record, reason)
     notify.job_changed(handle.record)
     ctx.scheduler.kick()
@@ -78,7 +80,7 @@ def fail(ctx, job_id: str, reason: str) -> JobRecord | None:
     if handle is None or not handle.fail(reason):
         return None
     log.warning("job %s: failed: %s", job_id, reason)
-    return _ended(ctx, handle, reason)
+    return _announce(ctx, handle, reason)
 
 
 def cancel(ctx, job_id: str, reason: str = "cancelled by the submitter") -> JobRecord | None:
@@ -86,7 +88,7 @@ def cancel(ctx, job_id: str, reason: str = "cancelled by the submitter") -> JobR
     if handle is None or not handle.cancel(reason):
         return None
     log.info("job %s: cancelled", job_id)
-    return _ended(ctx, handle, reason)
+    return _announce(ctx, handle, reason)
 
 
 def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
@@ -99,11 +101,11 @@ def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
     record = handle.record
     if moved == JobStatus.FAILED:
         log.warning("job %s: failed: %s", job_id, record.reason)
-        return _ended(ctx, handle, record.reason)
+        return _announce(ctx, handle, record.reason)
     ckpt = record.latest_checkpoint
     log.warning("job %s: interrupted (%s); resuming from %s", job_id, reason,
                 f"checkpoint {ckpt.n} (epoch {ckpt.epoch})" if ckpt else "the start")
-    return _ended(ctx, handle, f"job interrupted: {reason}")
+    return _announce(ctx, handle, f"job interrupted: {reason}")
 
 
 def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0) -> None:
@@ -132,8 +134,8 @@ def settle_suspects(ctx) -> None:
             offline = {p.client_id for p in record.placement or []
                        if (ctx.store.get_client(p.client_id) or {}).get("status") != ClientStatus.ONLINE.value}
         reason = handle.overdue(offline, float(ctx.config["CLIENT_TIMEOUT"]), assign_timeout)
-        if reason is not None and fail(ctx, record.id, reason) and record.status == JobStatus.STARTING:
-            ctx.store.release_slots(record.id)  # no GPU client was told: none will say its ranks exited
+        if reason is not None and fail(ctx, record.id, reason) and record.master is None:
+            ctx.store.release_slots(record.id)  # no GPU client was told of it: none will say its ranks exited
 
 
 def client_lost(ctx, client_id: str, reason: str) -> None:
