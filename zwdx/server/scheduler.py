@@ -49,7 +49,10 @@ class PortRequest:
     client_id: str
     deadline: float
     answered: bool = False
+    #: What the client acknowledged with (checked as a ``PortOffer`` by the scheduler).
     answer: object = None
+    #: Why it could not be asked.
+    error: str | None = None
 
 
 class Scheduler:
@@ -183,14 +186,14 @@ class Scheduler:
         def answered(*answer):
             request.answer, request.answered = (answer[0] if answer else None), True
             self.kick()
-        if not client.get("sid"):
-            answered("the gpu client is not connected")
-            return
         try:
+            if not client.get("sid"):
+                raise ConnectionError("the gpu client is not connected")
             socketio.emit(EV_RESERVE_PORT, ReservePort(job_id=job.id).model_dump(mode="json"), to=client["sid"],
                           namespace=GPU_NAMESPACE, callback=answered)
         except Exception as exc:  # the connection went away as we wrote
-            answered(repr(exc))
+            request.error, request.answered = repr(exc), True
+            self.kick()
 
     def finish_placements(self) -> int:
         """Finish the placements whose rank-0 GPU client answered, and fail those it did not
@@ -210,14 +213,15 @@ class Scheduler:
         if job.status != JobStatus.STARTING:
             self._let_go(job)  # cancelled, failed or interrupted while it waited
             return False
+        offer, error = None, request.error
         if not request.answered:
             timeout = float(self.ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT))
             error = f"no answer within {timeout:g} s"
-        else:
+        elif error is None:
             try:
-                offer, error = parse(PortOffer, request.answer, "reserve_port answer"), None
+                offer = parse(PortOffer, request.answer, "its answer")
             except BadRequest as exc:
-                error = exc.message if isinstance(request.answer, dict) else str(request.answer)
+                error = exc.message
         if error is not None:
             lifecycle.fail(self.ctx, job.id, f"rank-0 gpu client {request.client_id} did not offer a rendezvous "
                                              f"address: {error}")
