@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from procs import free_port, wait_until  # noqa: E402
 
 __all__ = ["MONGO_ENV", "Backend", "ArtifactBackend", "open_spec", "mongo_server", "mongo_uri", "backend",
-           "store", "artifact_store", "missing_tool"]
+           "store", "artifact_store", "missing_tool", "job_record"]
 
 #: A MongoDB URI to run the store tests against instead of nx-27017.
 MONGO_ENV = "ZWDX_TEST_MONGO_URI"
@@ -129,6 +129,15 @@ def open_spec(spec: tuple[str, str]):
     return open_store(where, None) if kind == "sqlite" else open_store("", where)
 
 
+def job_record(job_id: str, room_id: str = "r1", status: str = "queued", world_size: int | None = 2, **fields):
+    """A job's record as the server submits it (``zwdx.protocol.job.Job``), with ``fields`` on top."""
+    from zwdx.protocol.job import Job, JobSpec, TimelineEntry
+    spec = JobSpec(world_size=world_size, versions={"python": "3.11"}, bundle_artifact=f"bundle-{job_id}",
+                   bundle_sha256="ab" * 32)
+    return Job(**{"id": job_id, "room_id": room_id, "status": status, "name": job_id, "created_at": 2.0, "spec": spec,
+                  "timeline": [TimelineEntry(status=status, at=2.0)], **fields})
+
+
 class Backend:
     """One store location of one backend; ``open()`` gives as many Store objects on it as
     a test wants (as several server processes would have)."""
@@ -149,8 +158,38 @@ class Backend:
 
     @property
     def module(self):
-        from zwdx.server.store import mongo, sqlite
-        return sqlite if self.name == "sqlite" else mongo
+        """The backend's database module: its ``MIGRATIONS``."""
+        from zwdx.server.store import mongo_db, sqlite_db
+        return sqlite_db if self.name == "sqlite" else mongo_db
+
+    def write_raw(self, rooms: list[dict], jobs: list[dict], schema_version: int) -> None:
+        """Write rooms and job documents as they are, in a store of that schema version, as an
+        older zwdx left them (the tables and collections this zwdx creates, no migration)."""
+        if self.name == "sqlite":
+            import json
+            import sqlite3
+            from zwdx.server.store.sqlite_db import DDL
+            os.makedirs(self.where, exist_ok=True)
+            conn = sqlite3.connect(os.path.join(self.where, "zwdx.sqlite3"))
+            with conn:
+                conn.executescript(DDL)
+                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(schema_version),))
+                for room in rooms:
+                    conn.execute("INSERT INTO rooms VALUES (?, ?, ?)", (room["id"], room["token_hash"], json.dumps(room)))
+                for job in jobs:
+                    conn.execute("INSERT INTO jobs (seq, id, room_id, status, doc) VALUES (?, ?, ?, ?, ?)",
+                                 (job["seq"], job["id"], job["room_id"], job["status"], json.dumps(job)))
+            conn.close()
+        else:
+            from pymongo import MongoClient
+            client = MongoClient(self.where)
+            db = client.get_default_database()
+            db.meta.insert_one({"_id": "schema", "version": schema_version})
+            for room in rooms:
+                db.rooms.insert_one({**room, "_id": room["id"]})
+            for job in jobs:
+                db.jobs.insert_one({**job, "_id": job["id"], "_rev": 0})
+            client.close()
 
     def set_schema_version(self, version: int) -> None:
         """Write a schema version into the store, as another zwdx would have."""
@@ -187,7 +226,8 @@ class Backend:
     def migration_probe(self):
         """A migration step in this backend's form, and a check that it ran."""
         if self.name == "sqlite":
-            step = ["INSERT INTO meta VALUES ('probe', 'migrated')"]
+            def step(db):
+                db.execute("INSERT INTO meta VALUES ('probe', 'migrated')")
 
             def ran():
                 import sqlite3

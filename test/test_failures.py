@@ -152,11 +152,11 @@ def test_the_rank_whose_code_raised_comes_first_with_its_file_and_lines(sdk, roo
 
 
 def test_failure_order_puts_ranks_whose_code_raised_before_those_that_lost_their_peers():
-    from zwdx.server.views import failure_order
-    job = {"failures": {"0": "...", "1": "...", "2": "...", "3": "..."},
-           "failure_info": {"0": {"at": 10.0, "kind": "collective"},  # heard of first, but only a knock-on
-                            "1": {"at": 12.0, "kind": "raised"},
-                            "2": {"at": 11.0, "kind": "exited"},
-                            "3": {"at": 11.5, "kind": "raised"}}}
-    assert failure_order(job) == ["3", "1", "0", "2"]
-    assert failure_order({"failures": {"1": "...", "0": "..."}}) == ["0", "1"]  # no times known: by rank
+    from zwdx.protocol.job import RankFailure, failure_order
+    failures = {"0": RankFailure(traceback="...", at=10.0, kind="collective"),  # heard of first, but only a knock-on
+                "1": RankFailure(traceback="...", at=12.0, kind="raised"),
+                "2": RankFailure(traceback="...", at=11.0, kind="exited"),
+                "3": RankFailure(traceback="...", at=11.5, kind="raised")}
+    assert failure_order(failures) == ["3", "1", "0", "2"]
+    unknown = {"1": RankFailure(traceback="..."), "0": RankFailure(traceback="...")}  # kept by an older zwdx
+    assert failure_order(unknown) == ["0", "1"]  # no times known: by rank

@@ -14,9 +14,11 @@ import tracemalloc
 import pytest
 
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, store, artifact_store)
-from zwdx.errors import IntegrityError, PayloadTooLarge, SchemaVersionError
+from store_backends import job_record
+from zwdx.errors import IntegrityError, PayloadTooLarge, SchemaVersionError, StoreError
 from zwdx.protocol import JobStatus
-from zwdx.server.store import SCHEMA_VERSION
+from zwdx.protocol.job import PlacementEntry
+from zwdx.server.store import SCHEMA_VERSION, base
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -34,10 +36,8 @@ def make_client(store, client_id="c1", room_id="r1", gpus=2, **extra):
     return client, slots
 
 
-def make_job(store, job_id, room_id="r1", status="queued"):
-    return store.create_job({"id": job_id, "room_id": room_id, "status": status, "name": job_id,
-                             "created_at": 2.0, "spec": {"world_size": 2, "versions": {"python": "3.11"}},
-                             "timeline": [{"status": status, "at": 2.0}], "world_size": None})
+def make_job(store, job_id, room_id="r1", status="queued", world_size=2):
+    return store.create_job(job_record(job_id, room_id, status, world_size))
 
 
 def held_by(store, room_id="r1"):
@@ -64,7 +64,7 @@ def test_an_older_store_is_migrated_to_the_current_version(backend, monkeypatch)
     make_room(first)
     first.close()
     step, ran = backend.migration_probe()
-    monkeypatch.setattr(backend.module, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setattr(base, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
     monkeypatch.setattr(backend.module, "MIGRATIONS", {SCHEMA_VERSION: step})
     store = backend.open()
     assert store.schema_version() == SCHEMA_VERSION + 1
@@ -97,8 +97,8 @@ def test_everything_written_is_there_when_the_store_is_opened_again(backend):
 
     again = backend.open()
     assert again.find_room_by_token_hash("h-r1")["id"] == "r1"
-    assert [j["id"] for j in again.list_jobs("r1", ["queued"])] == ["j2"]
-    assert again.get_job("j1")["status"] == "starting"
+    assert [j.id for j in again.list_jobs("r1", ["queued"])] == ["j2"]
+    assert again.get_job("j1").status == "starting"
     assert held_by(again)["c1:0"] == ("j1", 0)
     assert [e["data"] for e in again.get_events("j1")] == [{"loss": 1.0}]
     assert again.list_artifacts("j1")[0]["id"] == "a1"
@@ -129,6 +129,31 @@ def test_rooms_are_found_by_id_and_by_token_hash(store):
     assert store.find_room_by_token_hash("hash-2")["id"] == "r2"
     assert store.get_room("nope") is None
     assert store.find_room_by_token_hash("nope") is None
+
+
+def test_a_room_stored_twice_is_a_store_error_and_the_first_stays(store):
+    make_room(store, "r1", "hash-1")
+    with pytest.raises(StoreError):
+        make_room(store, "r1", "hash-2")
+    with pytest.raises(StoreError):
+        make_room(store, "r2", "hash-1")  # a token opens one room
+    assert store.find_room_by_token_hash("hash-1")["id"] == "r1"
+    assert store.find_room_by_token_hash("hash-2") is None and store.get_room("r2") is None
+
+
+def test_a_failed_statement_in_an_embedded_transaction_is_a_store_error_and_changes_nothing(tmp_path):
+    from zwdx.server.store.sqlite import SQLiteStore
+    store = SQLiteStore(str(tmp_path / "zwdx.sqlite3"))
+    with pytest.raises(StoreError) as err:
+        with store.db.tx() as db:
+            db.execute("INSERT INTO rooms VALUES ('r1', 'h', '{}')")
+            db.execute("INSERT INTO no_such_table VALUES (1)")
+    assert "no such table" in str(err.value)
+    assert store.get_room("r1") is None  # rolled back
+    with store.db.tx() as db:  # the pooled connection is fine afterwards
+        db.execute("INSERT INTO rooms VALUES ('r1', 'h', '{\"id\": \"r1\"}')")
+    assert store.get_room("r1") == {"id": "r1"}
+    store.close()
 
 
 # -- GPU clients and slots ---------------------------------------------------------------------
@@ -225,12 +250,12 @@ def test_reserve_slots_gives_the_slots_and_moves_the_job(store):
     make_client(store, "c1", gpus=2)
     make_client(store, "c2", gpus=1)
     make_job(store, "j1")
-    changes = {"status": "starting", "world_size": 3, "placement": [{"rank": 0, "client_id": "c1"}], "ranks": {}}
-    assert store.reserve_slots("j1", [("c1:0", 0), ("c1:1", 1), ("c2:0", 2)], changes) is True
+    placement = [PlacementEntry(rank=0, client_id="c1", gpu_index=0)]
+    fields = {"status": JobStatus.STARTING, "world_size": 3, "placement": placement, "ranks": {}}
+    assert store.reserve_slots("j1", [("c1:0", 0), ("c1:1", 1), ("c2:0", 2)], fields) is True
     assert held_by(store) == {"c1:0": ("j1", 0), "c1:1": ("j1", 1), "c2:0": ("j1", 2)}
     job = store.get_job("j1")
-    assert (job["status"], job["world_size"], job["placement"], job["ranks"]) == \
-        ("starting", 3, [{"rank": 0, "client_id": "c1"}], {})
+    assert (job.status, job.world_size, job.placement, job.ranks) == ("starting", 3, placement, {})
     assert store.list_jobs("r1", ["queued"]) == []
 
 
@@ -241,7 +266,7 @@ def test_reserve_slots_changes_nothing_when_one_slot_is_taken(store):
     assert store.reserve_slots("j1", [("c1:1", 0)], {"status": "starting"})
     assert store.reserve_slots("j2", [("c1:0", 0), ("c1:1", 1), ("c1:2", 2)], {"status": "starting"}) is False
     assert held_by(store) == {"c1:0": (None, None), "c1:1": ("j1", 0), "c1:2": (None, None)}
-    assert store.get_job("j2")["status"] == "queued"
+    assert store.get_job("j2").status == "queued"
 
 
 def test_reserve_slots_changes_nothing_when_the_job_is_not_queued(store):
@@ -250,14 +275,14 @@ def test_reserve_slots_changes_nothing_when_the_job_is_not_queued(store):
     assert store.reserve_slots("j1", [("c1:0", 0)], {"status": "starting"}) is False
     assert store.reserve_slots("nope", [("c1:1", 0)], {"status": "starting"}) is False
     assert held_by(store) == {"c1:0": (None, None), "c1:1": (None, None)}
-    assert store.get_job("j1")["status"] == "cancelled"
+    assert store.get_job("j1").status == "cancelled"
 
 
 def test_reserve_slots_takes_a_resuming_job_too(store):
     make_client(store)
     make_job(store, "j1", status="resuming")
     assert store.reserve_slots("j1", [("c1:1", 0)], {"status": "starting", "attempt": 1})
-    assert (store.get_job("j1")["status"], held_by(store)["c1:1"]) == ("starting", ("j1", 0))
+    assert (store.get_job("j1").status, held_by(store)["c1:1"]) == ("starting", ("j1", 0))
 
 
 def test_a_job_is_reserved_once(store):
@@ -280,73 +305,6 @@ def test_release_slots_frees_the_jobs_slots_or_one_clients(store):
     assert set(held_by(store).values()) == {(None, None)}
     make_job(store, "j2")
     assert store.reserve_slots("j2", [("c1:0", 0)], {"status": "starting"})  # free again
-
-
-# -- jobs --------------------------------------------------------------------------------------
-def test_jobs_get_increasing_queue_positions_and_list_in_submission_order(store):
-    seqs = [make_job(store, f"j{i}", room_id="r2" if i == 2 else "r1")["seq"] for i in range(5)]
-    assert seqs == sorted(seqs) and len(set(seqs)) == 5
-    assert [j["id"] for j in store.list_jobs("r1")] == ["j0", "j1", "j3", "j4"]
-    assert [j["id"] for j in store.list_jobs()] == ["j0", "j1", "j2", "j3", "j4"]
-    assert [j["id"] for j in store.list_jobs("r1", limit=2)] == ["j0", "j1"]
-    store.update_job("j1", {"status": "running"})
-    assert [j["id"] for j in store.list_jobs("r1", [JobStatus.QUEUED])] == ["j0", "j3", "j4"]
-    assert [j["id"] for j in store.list_jobs(None, iter(["running", "nope"]))] == ["j1"]
-    assert store.get_job("j2")["room_id"] == "r2"
-    assert store.get_job("nope") is None
-
-
-def test_count_jobs_gives_a_queued_jobs_place_in_line(store):
-    jobs = {f"j{i}": make_job(store, f"j{i}", room_id="r2" if i == 2 else "r1") for i in range(5)}
-    store.update_job("j1", {"status": "running"})
-    queued = [JobStatus.QUEUED]
-    assert store.count_jobs("r1", queued) == 3  # j0, j3, j4
-    assert [store.count_jobs("r1", queued, before_seq=jobs[j]["seq"]) for j in ("j0", "j3", "j4")] == [0, 1, 2]
-    assert store.count_jobs("r1", ["queued", "running"], before_seq=jobs["j3"]["seq"]) == 2
-    assert store.count_jobs("r2", queued) == 1
-    assert store.count_jobs("r3", queued) == 0
-    assert store.count_jobs("r1", []) == 0
-
-
-def test_a_job_document_round_trips_unchanged(store):
-    job = {"id": "j1", "room_id": "r1", "status": "queued", "name": "naïve — ünïcode ✓", "created_at": 1.25,
-           "spec": {"nested": {"list": [1, 2.5, None, True, "x", {"deep": []}]}, "memory_required": 2**40},
-           "timeline": [], "world_size": None}
-    created = store.create_job(job)
-    assert created == {**job, "seq": created["seq"]}
-    assert store.get_job("j1") == created
-
-
-def test_update_job_sets_dotted_paths_and_appends_to_lists(store):
-    make_job(store, "j1")
-    store.update_job("j1", {"ranks": {}, "exits": {}})
-    store.update_job("j1", {"ranks.0.status": "running", "ranks.0.started_at": 5.0})
-    job = store.update_job("j1", {"ranks.1.status": "running", "failures.1": "Traceback ..."},
-                           push={"timeline": {"status": "running", "at": 6.0}, "notes": "first"})
-    expected_ranks = {"0": {"status": "running", "started_at": 5.0}, "1": {"status": "running"}}
-    assert job["ranks"] == expected_ranks
-    assert job["failures"] == {"1": "Traceback ..."}
-    assert job["timeline"] == [{"status": "queued", "at": 2.0}, {"status": "running", "at": 6.0}]
-    assert job["notes"] == ["first"]
-    job = store.update_job("j1", {}, push={"timeline": {"status": "completed", "at": 7.0}})
-    assert [t["status"] for t in job["timeline"]] == ["queued", "running", "completed"]
-    assert store.get_job("j1") == job
-    assert store.update_job("nope", {"status": "running"}) is None
-
-
-def test_update_job_applies_only_in_an_expected_status(store):
-    make_job(store, "j1")
-    assert store.update_job("j1", {"status": "running"}, expect_status=["starting"]) is None
-    assert store.update_job("j1", {"status": "running"}, expect_status=["starting"],
-                            push={"timeline": {"status": "running"}}) is None
-    job = store.get_job("j1")
-    assert job["status"] == "queued" and len(job["timeline"]) == 1
-    moved = store.update_job("j1", {"status": "cancelled", "reason": "by user"},
-                             expect_status=[JobStatus.QUEUED, "starting"],
-                             push={"timeline": {"status": "cancelled"}})
-    assert (moved["status"], moved["reason"], len(moved["timeline"])) == ("cancelled", "by user", 2)
-    assert store.update_job("j1", {"status": "cancelled"}, expect_status=["queued"]) is None
-    assert [j["id"] for j in store.list_jobs(statuses=["cancelled"])] == ["j1"]
 
 
 # -- events ------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 no slot is ever given to two jobs, no job is reserved or started twice.
 
 Each worker plays a scheduler and a GPU client at once, on its own Store object:
-reserve_slots for queued jobs (any worker), starting -> running with expect_status (every
+reserve_slots for queued jobs (any worker), starting -> running guarded by its status (every
 worker tries, one must win), running -> completed and release_slots (the reserving worker).
 While a worker believes it holds a slot, it keeps a file named after the slot, created with
 O_EXCL: a slot given to two jobs shows up as a file that already exists.
@@ -21,8 +21,9 @@ import pytest
 import requests
 
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
-from store_backends import Backend, open_spec
+from store_backends import Backend, job_record, open_spec
 from procs import Server
+from zwdx.protocol.job import TimelineEntry
 from zwdx.server.store.sqlite import SQLiteStore
 
 ROOM = "r1"
@@ -39,8 +40,13 @@ def seed(store) -> None:
                             [{"id": f"{cid}:{i}", "client_id": cid, "room_id": ROOM, "index": i, "kind": "cuda"}
                              for i in range(GPUS)])
     for j in range(JOBS):
-        store.create_job({"id": f"j{j:02d}", "room_id": ROOM, "status": "queued", "timeline": [],
-                          "spec": {"world_size": 1 + j % 3}})
+        store.create_job(job_record(f"j{j:02d}", ROOM, world_size=1 + j % 3))
+
+
+def move(store, job_id: str, to: str, by: str, when: str):
+    """The job's status from ``when`` to ``to``, on its timeline, in one guarded write."""
+    return store.append_job(job_id, {"timeline": TimelineEntry(status=to, at=time.time(), reason=f"by {by}")},
+                            fields={"status": to}, when=[when])
 
 
 def hammer(store, name: str, ledger: str, seconds: float = 60.0) -> dict:
@@ -50,20 +56,20 @@ def hammer(store, name: str, ledger: str, seconds: float = 60.0) -> dict:
     rng = random.Random(name)
     deadline = time.time() + seconds
     while time.time() < deadline:
-        jobs = [j for j in store.list_jobs(ROOM) if j["status"] in ACTIVE]
+        jobs = [j for j in store.list_jobs(ROOM) if j.status in ACTIVE]
         if not jobs:
             break
         for job in jobs:
-            if job["status"] == "queued":
+            if job.status == "queued":
                 free = [s["id"] for s in store.list_slots(ROOM) if s["job_id"] is None]
-                need = job["spec"]["world_size"]
+                need = job.spec.world_size
                 if len(free) < need:
                     continue
                 picked = rng.sample(free, need)
-                if store.reserve_slots(job["id"], [(s, r) for r, s in enumerate(picked)],
-                                       {"status": "starting", "reserved_by": name, "slots": picked}):
-                    won["reserved"].append(job["id"])
-                    holding[job["id"]] = picked
+                if store.reserve_slots(job.id, [(s, r) for r, s in enumerate(picked)],
+                                       {"status": "starting", "world_size": need, "waiting_reason": None}):
+                    won["reserved"].append(job.id)
+                    holding[job.id] = picked
                     for slot in picked:
                         try:
                             os.close(os.open(os.path.join(ledger, slot), os.O_CREAT | os.O_EXCL))
@@ -71,22 +77,20 @@ def hammer(store, name: str, ledger: str, seconds: float = 60.0) -> dict:
                             won["doubles"] += 1
                 else:
                     won["lost"] += 1
-            elif job["status"] == "starting":
-                if store.update_job(job["id"], {"status": "running", "runner": name}, expect_status=["starting"],
-                                    push={"timeline": {"status": "running", "by": name}}):
-                    won["started"].append(job["id"])
+            elif job.status == "starting":
+                if move(store, job.id, "running", name, when="starting"):
+                    won["started"].append(job.id)
                 else:
                     won["lost"] += 1
-            elif job["status"] == "running" and job["id"] in holding:
+            elif job.status == "running" and job.id in holding:
                 slots = {s["id"]: s["job_id"] for s in store.list_slots(ROOM)}
-                won["overwritten"] += sum(slots[s] != job["id"] for s in holding[job["id"]])
-                for slot in holding.pop(job["id"]):
+                won["overwritten"] += sum(slots[s] != job.id for s in holding[job.id])
+                for slot in holding.pop(job.id):
                     with contextlib.suppress(FileNotFoundError):  # only when given twice
                         os.unlink(os.path.join(ledger, slot))
-                if store.update_job(job["id"], {"status": "completed"}, expect_status=["running"],
-                                    push={"timeline": {"status": "completed", "by": name}}):
-                    won["completed"].append(job["id"])
-                store.release_slots(job["id"])
+                if move(store, job.id, "completed", name, when="running"):
+                    won["completed"].append(job.id)
+                store.release_slots(job.id)
     won["left"] = sorted(holding)
     return won
 
@@ -131,9 +135,9 @@ def tally(backend_name: str, store, results: list[dict], workers: str) -> Counte
         slots_given_twice=sum(r["doubles"] + r["overwritten"] for r in results),
         jobs_reserved_twice=sum(n - 1 for n in reserved.values() if n > 1),
         jobs_started_twice=sum(n - 1 for n in started.values() if n > 1)
-        + sum(1 for j in jobs if [t["status"] for t in j["timeline"]].count("running") > 1),
+        + sum(1 for j in jobs if [t.status for t in j.timeline].count("running") > 1),
         jobs_completed_twice=sum(n - 1 for n in completed.values() if n > 1),
-        not_completed=sum(j["status"] != "completed" for j in jobs),
+        not_completed=sum(j.status != "completed" for j in jobs),
         slots_still_held=sum(s["job_id"] is not None for s in store.list_slots(ROOM)))
     print(f"\nrace [{backend_name}] {workers}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
     return figures
@@ -192,15 +196,15 @@ def test_processes_racing_never_give_a_slot_twice_or_start_a_job_twice(backend, 
 class CarelessStore(SQLiteStore):
     """reserve_slots as check-then-write, without the transaction: what the race test must catch."""
 
-    def reserve_slots(self, job_id, assignments, changes):
+    def reserve_slots(self, job_id, assignments, fields):
         free = {s["id"] for s in self.list_slots(None) if s["job_id"] is None}
-        if self.get_job(job_id)["status"] != "queued" or any(s not in free for s, _ in assignments):
+        if self.get_job(job_id).status != "queued" or any(s not in free for s, _ in assignments):
             return False
         time.sleep(0.002)
-        with self._tx() as db:
+        with self.db.tx() as db:
             for slot_id, rank in assignments:
                 db.execute("UPDATE slots SET job_id=?, rank=? WHERE id=?", (job_id, rank, slot_id))
-        self.update_job(job_id, changes)
+        self.set_job(job_id, fields)
         return True
 
 
@@ -234,12 +238,12 @@ def test_a_reservation_cut_short_by_a_killed_server_is_healed(mongo_uri):
     for slot, job in (("c0:0", "j00"), ("c0:1", "j03")):
         raw.slots.update_one({"_id": slot}, {"$set": {"job_id": job, "rank": 0, "_claim": f"dead-{job}",
                                                       "_claimed_at": time.time()}})
-    store.update_job("j03", {"status": "cancelled"})
+    store.set_job("j03", {"status": "cancelled"})
     assert store.reserve_slots("j01", [("c0:0", 0)], {"status": "starting"}) is False
     assert held()["c0:0"] == "j00"  # fresh: it may still be on its way
     raw.slots.update_many({"_claim": {"$in": ["dead-j00", "dead-j03"]}}, {"$set": {"_claimed_at": stale}})
     assert held() == {"c0:0": None, "c0:1": None, "c1:0": None, "c1:1": None}
-    assert store.get_job("j00")["status"] == "queued"
+    assert store.get_job("j00").status == "queued"
     # The killed reservation cannot move its job any more, were it only paused.
     assert raw.jobs.find_one({"_id": "j00"})["_fences"] == {"dead-j00": True}
     assert store.reserve_slots("j01", [("c0:0", 0)], {"status": "starting"}) is True

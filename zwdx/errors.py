@@ -7,7 +7,6 @@
     ├── AuthError                  missing or wrong room token / job key (401)
     ├── Forbidden                  the caller may not touch this object (403)
     ├── NotFound                   unknown room, job or artifact (404)
-    │   └── RoomNotFound
     ├── Conflict                   a state change that is no longer possible (409)
     │   └── Unschedulable          a job the room cannot run as it is, refused on request
     ├── StoreError                 the store cannot be used (500)
@@ -68,10 +67,6 @@ class NotFound(ZwdxError):
     http_status = 404
 
 
-class RoomNotFound(NotFound):
-    code = "room_not_found"
-
-
 class Conflict(ZwdxError):
     code = "conflict"
     http_status = 409
@@ -122,7 +117,7 @@ class JobFailed(ZwdxError):
 
 
 _BY_CODE = {cls.code: cls for cls in (
-    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, RoomNotFound, Conflict, Unschedulable,
+    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, Conflict, Unschedulable,
     StoreError, SchemaVersionError, IntegrityError)}
 
 

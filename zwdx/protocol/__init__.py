@@ -5,7 +5,8 @@
     events.py   Socket.IO namespaces and event names
     base.py     how messages are declared (pydantic v2) and checked: Message, Answer, parse
     gpu.py      the /gpu namespace's payloads: Register, Heartbeat, RanksExited, JobAssign, ...
-    job.py      the parts of a job's record that cross processes: CheckpointEntry
+    job.py      a job's record, declared once (Job, JobSpec, RankState, ...) and what is shown of it
+                (JobView)
     rest.py     the REST API's bodies, answers and queries (the OpenAPI spec is made from them)
 
 Import the message modules by name (``from zwdx.protocol.gpu import Register``); the package

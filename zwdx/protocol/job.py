@@ -1,14 +1,41 @@
-"""The parts of a job's record that cross process boundaries.
+"""A job's record, declared once: what the server stores and what everyone else is shown.
 
-``CheckpointEntry``: a committed checkpoint, as the job's record keeps it and as a resumed
-attempt's ``JobAssign`` hands it to the GPU clients.
+    JobSpec          what the submitter asked for; fixed at submit
+    PlacementEntry   one rank's slot, as the scheduler chose it
+    Master           where the ranks rendezvous (an address rank 0's GPU client offered)
+    RankState        what a rank last reported of itself
+    RankFailure      a failing rank's traceback, when the server heard of it and how it failed
+    TimelineEntry    one change of status
+    RestartEntry     one restart from a checkpoint, after a lost GPU client
+    CheckpointEntry  a committed checkpoint (also handed to a resumed attempt in ``JobAssign``)
+    Job              the record the store keeps, with the server-only ``job_key_hash``
+    JobView          what the REST API, the SDK and the dashboard get: the record without its
+                     secret, tracebacks by rank, ``failure_order``; ``queue_position`` while queued
+    Submitted        the answer to a submit: the view and ``unschedulable``
+
+The server moves a record through its statuses with ``zwdx.server.job.Job``; the store keeps
+it as JSON (``docs/store.md``). Records are read leniently (a field a newer server added is
+ignored) and may hold NaN and infinities (a diverged loss), which JSON carries as constants.
 """
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import defaults
 from .base import Answer
-from .vocab import CheckpointFormat
+from .vocab import CheckpointFormat, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
+
+
+def _absent(value) -> bool:
+    return value is None
+
+
+class Record(BaseModel):
+    """A stored record: unknown fields ignored, NaN and infinities kept."""
+
+    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants")
 
 
 class CheckpointEntry(Answer):
@@ -24,4 +51,178 @@ class CheckpointEntry(Answer):
     at: float | None = None
 
 
-__all__ = ["CheckpointEntry"]
+class JobSpec(Record):
+    parallelism: Parallelism = Parallelism.DDP
+    #: None: the train function's own default wins (1 if it has none).
+    epochs: int | None = None
+    #: None: every eligible idle slot.
+    world_size: int | None = None
+    #: Bytes of free memory every rank needs.
+    memory_required: int = 0
+    #: The submitter's runtime versions ("python" at least): where the bundle can load.
+    versions: dict[str, str]
+    bundle_artifact: str
+    bundle_sha256: str
+    bundle_size: int = 0
+    #: Seconds; None: the server's ``COLLECTIVE_TIMEOUT``.
+    collective_timeout: float | None = None
+    #: A resumed job may go on with this many ranks; a new one waits for ``world_size``.
+    min_world_size: int | None = None
+    max_restarts: int = defaults.MAX_RESTARTS
+    keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
+    checkpoint_every_epoch: bool = True
+    #: Top-level modules the bundle imports that every GPU client of the job must have.
+    required_modules: list[str] = Field(default_factory=list)
+
+
+class PlacementEntry(Record):
+    rank: int
+    client_id: str
+    hostname: str | None = None
+    gpu_index: int
+    gpu_name: str | None = None
+    kind: SlotKind = SlotKind.CUDA
+
+
+class Master(Record):
+    addr: str
+    port: int
+
+
+class RankState(Record):
+    """What a rank last reported; the optional parts appear once known."""
+    status: RankStatus
+    started_at: float | None = Field(default=None, exclude_if=_absent)
+    ended_at: float | None = Field(default=None, exclude_if=_absent)
+    #: sha256 of the rank's trained weights: equal on every rank after a correct run.
+    fingerprint: str | None = Field(default=None, exclude_if=_absent)
+
+
+class RankFailure(Record):
+    traceback: str
+    #: When the server heard of it (None: recorded by a zwdx that did not say).
+    at: float | None = None
+    kind: FailureKind | None = None
+
+
+class TimelineEntry(Record):
+    """A change of status; the optional parts appear only where they apply."""
+    status: JobStatus
+    at: float
+    reason: str | None = Field(default=None, exclude_if=_absent)
+    attempt: int | None = Field(default=None, exclude_if=_absent)
+    world_size: int | None = Field(default=None, exclude_if=_absent)
+    #: The checkpoint a resuming job goes on from.
+    checkpoint: int | None = Field(default=None, exclude_if=_absent)
+
+
+class RestartEntry(Record):
+    at: float
+    reason: str
+    #: The tracebacks of the attempt that was interrupted, by rank.
+    failures: dict[str, str] = Field(default_factory=dict)
+    from_checkpoint: CheckpointEntry | None = None
+
+
+class JobFields(Record):
+    """The fields a job's record and its view share."""
+    id: str
+    room_id: str
+    #: Its place in the submission order (the store assigns it).
+    seq: int | None = None
+    status: JobStatus
+    name: str = ""
+    created_at: float
+    spec: JobSpec
+    #: Ranks of the current (or last) attempt; None until placed.
+    world_size: int | None = None
+    timeline: list[TimelineEntry] = Field(default_factory=list)
+    #: Why a queued or resuming job waits, in words.
+    waiting_reason: str | None = None
+    # -- the current attempt (set when placed) ---------------------------------------------
+    attempt: int = 0
+    placement: list[PlacementEntry] | None = None
+    backend: Literal["nccl", "gloo"] | None = None
+    master: Master | None = None
+    started_at: float | None = None
+    running_at: float | None = None
+    #: rank -> what it last reported
+    ranks: dict[str, RankState] = Field(default_factory=dict)
+    #: rank -> exit code of its process, as its GPU client reported
+    exits: dict[str, int] = Field(default_factory=dict)
+    #: A rank lost its peers: failed unless a GPU client turns out lost (then resuming).
+    suspect_since: float | None = None
+    suspect_reason: str | None = None
+    #: A rank's own code raised: the job fails once every rank reported, or after a grace.
+    failing_since: float | None = None
+    failing_reason: str | None = None
+    # -- the end ---------------------------------------------------------------------------
+    ended_at: float | None = None
+    #: Why it failed or was cancelled.
+    reason: str | None = None
+    results: dict[str, Any] | None = None
+    final_loss: float | None = None
+    weights_artifact: str | None = None
+    # -- restarts and checkpoints ----------------------------------------------------------
+    restarts: int = 0
+    restart_history: list[RestartEntry] = Field(default_factory=list)
+    latest_checkpoint: CheckpointEntry | None = None
+    #: The last ``spec.keep_checkpoints`` committed, oldest first.
+    checkpoints: list[CheckpointEntry] = Field(default_factory=list)
+
+
+class Job(JobFields):
+    """The record the store keeps."""
+    #: rank -> its failure, this attempt
+    failures: dict[str, RankFailure] = Field(default_factory=dict)
+    #: sha256 of the job key the ranks of the current attempt hold (never shown).
+    job_key_hash: str | None = None
+
+
+class FailureInfo(Answer):
+    at: float | None = None
+    kind: FailureKind | None = None
+
+
+def failure_order(failures: dict[str, RankFailure]) -> list[str]:
+    """The failing ranks, first failure first: ranks whose own code raised before ranks that
+    only lost their peers (a collective broke, a process died without a word), then by when
+    the server heard of each, then by rank."""
+    def key(rank: str):
+        failure = failures[rank]
+        lost_peers = failure.kind != FailureKind.RAISED
+        at = failure.at if failure.at is not None else float("inf")
+        return lost_peers, at, int(rank) if rank.isdigit() else 0
+    return sorted(failures, key=key)
+
+
+class JobView(JobFields):
+    """A job as the REST API, the SDK and the dashboard see it."""
+
+    #: rank -> traceback
+    failures: dict[str, str] = Field(default_factory=dict)
+    #: rank -> when the server heard of its failure, and how it failed
+    failure_info: dict[str, FailureInfo] = Field(default_factory=dict)
+    #: The failing ranks, first failure first (see ``failure_order``).
+    failure_order: list[str] = Field(default_factory=list)
+    #: 1 for the head of the room's queue; only in ``GET /jobs/<id>`` of a queued job.
+    queue_position: int | None = Field(default=None, exclude_if=_absent)
+
+    @classmethod
+    def of(cls, job: Job, **extra) -> JobView:
+        fields = job.model_dump(exclude={"failures", "job_key_hash"})
+        return cls.model_validate({
+            **fields, **extra,
+            "failures": {rank: f.traceback for rank, f in job.failures.items()},
+            "failure_info": {rank: {"at": f.at, "kind": f.kind} for rank, f in job.failures.items()},
+            "failure_order": failure_order(job.failures)})
+
+
+class Submitted(JobView):
+    """The answer to ``POST /jobs``."""
+    #: Why the room as it is now could never run the job (it waits anyway); None when it could.
+    unschedulable: str | None = None
+
+
+__all__ = ["CheckpointEntry", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
+           "RestartEntry", "JobFields", "Job", "FailureInfo", "failure_order", "JobView", "Submitted"]

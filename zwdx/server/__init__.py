@@ -78,6 +78,7 @@ def create_app(config: dict | None = None) -> Flask:
         CLIENT_TIMEOUT=defaults.CLIENT_TIMEOUT,
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
+        RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
     )
     app.config.from_prefixed_env("ZWDX")

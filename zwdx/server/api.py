@@ -15,12 +15,15 @@ from werkzeug.exceptions import HTTPException
 
 from .. import defaults
 from ..errors import BadRequest, Conflict, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, FailureKind, JobStatus, Parallelism
+from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, JobStatus, Parallelism
+from ..protocol.base import parse
+from ..protocol.job import Job as JobRecord, JobSpec, TimelineEntry
 from . import lifecycle, notify
-from .placement import room_totals, unschedulable
 from .auth import hash_secret, job_in_room, new_secret, request_room
 from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
-from .views import client_view, job_view, room_view
+from .job import Job
+from .placement import room_totals, unschedulable
+from .views import client_view, job_view, room_view, submitted_view
 
 log = logging.getLogger(__name__)
 
@@ -144,28 +147,27 @@ def create_job():
                          f"top-level module names (Python identifiers)", field="required_modules")
     refuse = field(body, "fail_if_unschedulable", bool, default=False)
     now = time.time()
-    job = {"id": uuid.uuid4().hex[:12], "room_id": room["id"], "status": JobStatus.QUEUED.value,
-           "name": name[:100], "created_at": now,
-           "spec": {"parallelism": parallelism, "epochs": epochs, "world_size": world_size,
-                    "memory_required": memory, "versions": versions, "bundle_artifact": bundle_id,
-                    "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"],
-                    "collective_timeout": timeout, "min_world_size": min_world, "max_restarts": max_restarts,
-                    "keep_checkpoints": keep, "checkpoint_every_epoch": every_epoch,
-                    "required_modules": sorted(set(required))},
-           "timeline": [{"status": JobStatus.QUEUED.value, "at": now}], "world_size": None}
-    reason = unschedulable(job["spec"], ctx().store.list_clients(room["id"]))
+    spec = parse(JobSpec, {
+        "parallelism": parallelism, "epochs": epochs, "world_size": world_size, "memory_required": memory,
+        "versions": versions, "bundle_artifact": bundle_id, "bundle_sha256": bundle["sha256"],
+        "bundle_size": bundle["size"], "collective_timeout": timeout, "min_world_size": min_world,
+        "max_restarts": max_restarts, "keep_checkpoints": keep, "checkpoint_every_epoch": every_epoch,
+        "required_modules": sorted(set(required))})
+    job = JobRecord(id=uuid.uuid4().hex[:12], room_id=room["id"], status=JobStatus.QUEUED, name=name[:100],
+                    created_at=now, spec=spec, timeline=[TimelineEntry(status=JobStatus.QUEUED, at=now)])
+    reason = unschedulable(spec.model_dump(mode="json"), ctx().store.list_clients(room["id"]))
     if reason and refuse:  # nothing stored: not the job, not its bundle
         ctx().artifacts.delete(bundle_id)
         ctx().store.delete_artifact(bundle_id)
         log.info("job refused in room %s: %s", room["id"], reason)
         raise Unschedulable(f"the room cannot run this job as it is now: {reason}", reason=reason)
-    job = ctx().store.create_job(job)
-    ctx().store.update_artifact(bundle_id, {"job_id": job["id"]})
-    log.info("job %s: queued in room %s (%s, world size %s)", job["id"], room["id"], parallelism,
+    job = Job.submit(ctx().store, job).record
+    ctx().store.update_artifact(bundle_id, {"job_id": job.id})
+    log.info("job %s: queued in room %s (%s, world size %s)", job.id, room["id"], parallelism,
              world_size or "all")
     notify.job_changed(job)
     ctx().scheduler.kick()
-    return jsonify({**job_view(job), "unschedulable": reason}), 201
+    return jsonify(submitted_view(job, reason)), 201
 
 
 @bp.get(f"{P}/jobs")
@@ -179,25 +181,25 @@ def list_jobs():
 @bp.get(f"{P}/jobs/<job_id>")
 def get_job(job_id: str):
     job = job_in_room(job_id, request_room())
-    if job["status"] == JobStatus.QUEUED.value:  # 1 for the head of the room's queue
-        job["queue_position"] = ctx().store.count_jobs(job["room_id"], [JobStatus.QUEUED.value],
-                                                       before_seq=job["seq"]) + 1
-    view = job_view(job)
+    extra = {}
+    if job.status == JobStatus.QUEUED:  # 1 for the head of the room's queue
+        extra["queue_position"] = ctx().store.count_jobs(job.room_id, [JobStatus.QUEUED], before_seq=job.seq) + 1
+    view = job_view(job, **extra)
     if "events_after" in request.args:  # a waiting SDK: the job and its new events in one call
         try:
             after = int(request.args["events_after"])
         except ValueError:
             raise BadRequest("query 'events_after' must be an integer")
-        view["events"] = ctx().store.get_events(job["id"], after=after, limit=10000)
+        view["events"] = ctx().store.get_events(job.id, after=after, limit=10000)
     return jsonify(view)
 
 
 @bp.post(f"{P}/jobs/<job_id>/cancel")
 def cancel_job(job_id: str):
     job = job_in_room(job_id, request_room())
-    updated = lifecycle.cancel(ctx(), job["id"])
+    updated = lifecycle.cancel(ctx(), job.id)
     if updated is None:
-        raise Conflict(f"job {job_id} already {job['status']}", job_id=job_id, status=job["status"])
+        raise Conflict(f"job {job_id} already {job.status.value}", job_id=job_id, status=job.status.value)
     return jsonify(job_view(updated))
 
 
@@ -210,28 +212,28 @@ def get_events(job_id: str):
     except ValueError:
         raise BadRequest("query 'after' and 'limit' must be integers")
     kind = request.args.get("kind")
-    events = ctx().store.get_events(job["id"], after=after, kind=kind, limit=limit)
-    return jsonify({"job_id": job["id"], "events": events})
+    events = ctx().store.get_events(job.id, after=after, kind=kind, limit=limit)
+    return jsonify({"job_id": job.id, "events": events})
 
 
 @bp.get(f"{P}/jobs/<job_id>/metrics")
 def get_metrics(job_id: str):
     job = job_in_room(job_id, request_room())
     series: dict[str, list] = {name: [] for name in SYSTEM_METRICS}
-    for ev in ctx().store.get_events(job["id"], kind=EventKind.METRIC.value):
+    for ev in ctx().store.get_events(job.id, kind=EventKind.METRIC.value):
         for name, value in (ev.get("data") or {}).items():
             series.setdefault(name, []).append({"step": ev.get("step"), "value": value, "rank": ev.get("rank"),
                                                 "ts": ev.get("ts")})
-    return jsonify({"job_id": job["id"], "series": series})
+    return jsonify({"job_id": job.id, "series": series})
 
 
 @bp.get(f"{P}/jobs/<job_id>/weights")
 def get_weights(job_id: str):
     job = job_in_room(job_id, request_room())
-    artifact_id = job.get("weights_artifact")
+    artifact_id = job.weights_artifact
     if not artifact_id:
-        raise NotFound(f"job {job_id} has no trained weights (status {job['status']})", job_id=job_id,
-                       status=job["status"])
+        raise NotFound(f"job {job_id} has no trained weights (status {job.status.value})", job_id=job_id,
+                       status=job.status.value)
     return stream(ctx().store.get_artifact(artifact_id))
 
 
@@ -239,7 +241,7 @@ def get_weights(job_id: str):
 @bp.get(f"{P}/jobs/<job_id>/bundle")
 def get_bundle(job_id: str):
     job = rank_job(job_id)
-    return stream(ctx().store.get_artifact(job["spec"]["bundle_artifact"]))
+    return stream(ctx().store.get_artifact(job.spec.bundle_artifact))
 
 
 @bp.post(f"{P}/jobs/<job_id>/events")
@@ -255,7 +257,7 @@ def post_events(job_id: str):
             raise BadRequest("each event needs 'kind' (metric, log or status)")
         clean.append({"kind": ev["kind"], "rank": ev.get("rank"), "key": str(ev.get("key") or uuid.uuid4().hex),
                       "step": ev.get("step"), "data": ev.get("data"), "ts": ev.get("ts") or time.time()})
-    stored = ctx().store.add_events(job["id"], clean)
+    stored = ctx().store.add_events(job.id, clean)
     notify.events_added(job, stored)
     return jsonify({"stored": len(stored)})
 
@@ -265,19 +267,23 @@ def post_rank_status(job_id: str, rank: int):
     job = rank_job(job_id)
     body = json_body()
     status = field(body, "status", str, required=True)
-    if job.get("world_size") is None or not 0 <= rank < job["world_size"]:
+    if job.world_size is None or not 0 <= rank < job.world_size:
         raise BadRequest(f"rank {rank} is not part of job {job_id}")
-    if status == "failed" and job["status"] == JobStatus.FAILED.value:
+    if status == "failed" and job.status == JobStatus.FAILED:  # every failing rank's traceback
         tb = field(body, "traceback", str, default="(no traceback)")
-        kind = FailureKind.COLLECTIVE if body.get("collective") else FailureKind.RAISED
-        ctx().store.update_job(job["id"], lifecycle.failure(rank, tb, kind))  # every failing rank's traceback
+        lifecycle.rank_failed(ctx(), job, rank, str(body.get("error") or "error"), tb, bool(body.get("collective")))
         return jsonify({"ok": True})
-    if job["status"] not in {s.value for s in ACTIVE}:
-        return jsonify({"ok": False, "ignored": f"job is {job['status']}"})
+    if job.status not in ACTIVE:
+        return jsonify({"ok": False, "ignored": f"job is {job.status.value}"})
     if status == "running":
         lifecycle.rank_started(ctx(), job, rank)
     elif status == "completed":
-        lifecycle.rank_completed(ctx(), job, rank, body)
+        final_loss = body.get("final_loss")
+        if isinstance(final_loss, bool) or not isinstance(final_loss, (int, float)):
+            final_loss = None  # the loss is a number; anything else stays in results only
+        lifecycle.rank_completed(ctx(), job, rank, fingerprint=field(body, "fingerprint", str),
+                                 results=field(body, "results", dict, default={}), final_loss=final_loss,
+                                 weights_artifact=field(body, "weights_artifact", str))
     elif status == "failed":
         tb = field(body, "traceback", str, default="(no traceback)")
         lifecycle.rank_failed(ctx(), job, rank, str(body.get("error") or "error"), tb, bool(body.get("collective")))
@@ -289,6 +295,6 @@ def post_rank_status(job_id: str, rank: int):
 @bp.put(f"{P}/jobs/<job_id>/weights")
 def put_weights(job_id: str):
     job = rank_job(job_id)
-    artifact = save_artifact({"id": job["room_id"]}, ArtifactKind.WEIGHTS.value, job["id"])
+    artifact = save_artifact({"id": job.room_id}, ArtifactKind.WEIGHTS.value, job.id)
     return jsonify(artifact), 201
 

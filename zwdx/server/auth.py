@@ -10,6 +10,7 @@ from flask import current_app, request
 
 from .. import defaults
 from ..errors import AuthError, Forbidden, NotFound
+from ..protocol.job import Job as JobRecord
 
 
 def new_secret(prefix: str) -> str:
@@ -46,19 +47,19 @@ def request_room() -> dict:
     return room_for_token(token)
 
 
-def job_in_room(job_id: str, room: dict) -> dict:
+def job_in_room(job_id: str, room: dict) -> JobRecord:
     """The job, if it belongs to the room; NotFound otherwise (never leak other rooms' jobs)."""
     job = current_app.extensions["zwdx"].store.get_job(job_id)
-    if job is None or job["room_id"] != room["id"]:
+    if job is None or job.room_id != room["id"]:
         raise NotFound(f"no job {job_id} in this room", job_id=job_id)
     return job
 
 
-def request_job_key(job: dict) -> None:
+def request_job_key(job: JobRecord) -> None:
     """Check the job key on the current request (GPU clients writing into a job)."""
     key = request.headers.get(defaults.JOB_KEY_HEADER)
     if not key:
         raise AuthError(f"this call needs the job key in the {defaults.JOB_KEY_HEADER} header",
-                        job_id=job["id"])
-    if not job.get("job_key_hash") or not hmac.compare_digest(hash_secret(key), job["job_key_hash"]):
-        raise Forbidden("job key does not match this job", job_id=job["id"])
+                        job_id=job.id)
+    if not job.job_key_hash or not hmac.compare_digest(hash_secret(key), job.job_key_hash):
+        raise Forbidden("job key does not match this job", job_id=job.id)

@@ -7,12 +7,14 @@ import time
 
 from flask import Blueprint, jsonify
 
-from .. import defaults
 from ..errors import BadRequest, NotFound
 from ..protocol import ArtifactKind
+from ..protocol.base import parse
+from ..protocol.job import CheckpointEntry
 from . import notify
 from .auth import job_in_room, request_room
 from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
+from .job import Job
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ def _file_name(name: str) -> str:
 def put_checkpoint_file(job_id: str, n: int, name: str):
     """One file of checkpoint ``n`` (a rank's shard, or the whole state for DDP)."""
     job = rank_job(job_id)
-    artifact = save_artifact({"id": job["room_id"]}, ArtifactKind.CHECKPOINT.value, job["id"])
+    artifact = save_artifact({"id": job.room_id}, ArtifactKind.CHECKPOINT.value, job.id)
     ctx().store.update_artifact(artifact["id"], {"checkpoint": n, "name": _file_name(name)})
     return jsonify(artifact), 201
 
@@ -44,40 +46,37 @@ def commit_checkpoint(job_id: str, n: int):
     body = json_body()
     names = field(body, "files", list, required=True)
     files = {}
-    for artifact in ctx().store.list_artifacts(job["id"], ArtifactKind.CHECKPOINT.value):
+    for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n:
             files[artifact["name"]] = artifact["id"]  # a re-upload of a name wins
     missing = [name for name in names if name not in files]
     if missing:
-        raise BadRequest(f"checkpoint {n} lacks uploaded file(s) {', '.join(missing)}", missing=missing)
-    entry = {"n": n, "epoch": body.get("epoch"), "step": body.get("step"), "format": body.get("format"),
-             "epoch_complete": bool(body.get("epoch_complete", True)),
-             "world_size": job.get("world_size"), "attempt": job.get("attempt", 0),
-             "files": {name: files[name] for name in names}, "at": time.time()}
-    updated = ctx().store.update_job(job["id"], {"latest_checkpoint": entry}, push={"checkpoints": entry})
-    keep = int(job["spec"].get("keep_checkpoints") or defaults.KEEP_CHECKPOINTS)
-    kept = {c["n"] for c in (updated.get("checkpoints") or [])[-keep:]}
-    for artifact in ctx().store.list_artifacts(job["id"], ArtifactKind.CHECKPOINT.value):
+        raise BadRequest(f"checkpoint {n} lacks uploaded file(s) {', '.join(map(str, missing))}", missing=missing)
+    entry = parse(CheckpointEntry, {
+        "n": n, "epoch": body.get("epoch"), "step": body.get("step"), "format": body.get("format"),
+        "epoch_complete": bool(body.get("epoch_complete", True)), "world_size": job.world_size,
+        "attempt": job.attempt, "files": {name: files[name] for name in names}, "at": time.time()}, "checkpoint")
+    handle = Job(ctx().store, job)
+    kept = {c.n for c in handle.checkpoint_committed(entry)}
+    for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") not in kept:
             ctx().artifacts.delete(artifact["id"])
             ctx().store.delete_artifact(artifact["id"])
-    if len(updated.get("checkpoints") or []) > keep:
-        ctx().store.update_job(job["id"], {"checkpoints": updated["checkpoints"][-keep:]})
-    log.info("job %s: checkpoint %d committed (epoch %s, step %s)", job["id"], n, entry["epoch"], entry["step"])
-    notify.job_changed(ctx().store.get_job(job["id"]))
-    return jsonify(entry), 201
+    log.info("job %s: checkpoint %d committed (epoch %s, step %s)", job.id, n, entry.epoch, entry.step)
+    notify.job_changed(handle.record)
+    return jsonify(entry.model_dump(mode="json")), 201
 
 
 @bp.get(f"{P}/jobs/<job_id>/checkpoints")
 def list_checkpoints(job_id: str):
     job = job_in_room(job_id, request_room())
-    return jsonify({"job_id": job["id"], "checkpoints": job.get("checkpoints") or []})
+    return jsonify({"job_id": job.id, "checkpoints": [c.model_dump(mode="json") for c in job.checkpoints]})
 
 
 @bp.get(f"{P}/jobs/<job_id>/checkpoints/<int:n>/<name>")
 def get_checkpoint_file(job_id: str, n: int, name: str):
     job = job_in_room(job_id, request_room())
-    for artifact in ctx().store.list_artifacts(job["id"], ArtifactKind.CHECKPOINT.value):
+    for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n and artifact.get("name") == name:
             return stream(artifact)
     raise NotFound(f"job {job_id} has no checkpoint {n} file {name}", job_id=job_id)

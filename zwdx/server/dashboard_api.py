@@ -21,6 +21,7 @@ from flask import Blueprint, current_app, jsonify, request
 from .. import defaults
 from ..errors import BadRequest
 from ..protocol import FINISHED, EventKind, JobStatus
+from ..protocol.job import Job as JobRecord
 from .auth import request_room
 
 bp = Blueprint("dashboard_api", __name__)
@@ -30,48 +31,46 @@ P = defaults.API_PREFIX
 _CACHE_KEY = "zwdx.dashboard.throughput"
 
 
-def mean_throughput(store, job: dict) -> float | None:
-    values = [ev["data"]["throughput"] for ev in store.get_events(job["id"], kind=EventKind.METRIC.value)
+def mean_throughput(store, job: JobRecord) -> float | None:
+    values = [ev["data"]["throughput"] for ev in store.get_events(job.id, kind=EventKind.METRIC.value)
               if isinstance(ev.get("data"), dict) and isinstance(ev["data"].get("throughput"), (int, float))]
     return sum(values) / len(values) if values else None
 
 
-def _cached_throughput(store, job: dict) -> float | None:
-    if JobStatus(job["status"]) not in FINISHED:
+def _cached_throughput(store, job: JobRecord) -> float | None:
+    if job.status not in FINISHED:
         return mean_throughput(store, job)
     cache = current_app.extensions.setdefault(_CACHE_KEY, {})
-    if job["id"] not in cache:
-        cache[job["id"]] = mean_throughput(store, job)
-    return cache[job["id"]]
+    if job.id not in cache:
+        cache[job.id] = mean_throughput(store, job)
+    return cache[job.id]
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def first_result(job: dict) -> dict | None:
+def first_result(job: JobRecord) -> dict | None:
     """The final loss, else the first numeric result, as ``{"name", "value"}``; or None."""
-    if _number(job.get("final_loss")):
-        return {"name": "loss", "value": job["final_loss"]}
-    results = job.get("results")
-    for name, value in (results.items() if isinstance(results, dict) else ()):
+    if _number(job.final_loss):
+        return {"name": "loss", "value": job.final_loss}
+    for name, value in (job.results or {}).items():
         if _number(value):
             return {"name": name, "value": value}
     return None
 
 
-def summary(store, job: dict) -> dict:
-    start = job.get("running_at") or job.get("started_at")
-    end = job.get("ended_at")
-    spec = job.get("spec") or {}
-    return {"id": job["id"], "name": job.get("name") or "", "status": job["status"],
-            "created_at": job.get("created_at"), "started_at": job.get("started_at"),
-            "running_at": job.get("running_at"), "ended_at": end,
+def summary(store, job: JobRecord) -> dict:
+    start = job.running_at or job.started_at
+    end = job.ended_at
+    return {"id": job.id, "name": job.name, "status": job.status.value,
+            "created_at": job.created_at, "started_at": job.started_at,
+            "running_at": job.running_at, "ended_at": end,
             "duration": end - start if start and end else None,
-            "final_loss": job.get("final_loss"), "result": first_result(job), "world_size": job.get("world_size"),
-            "requested_world_size": spec.get("world_size"), "parallelism": spec.get("parallelism"),
-            "epochs": spec.get("epochs"), "mean_throughput": _cached_throughput(store, job),
-            "reason": job.get("reason")}
+            "final_loss": job.final_loss, "result": first_result(job), "world_size": job.world_size,
+            "requested_world_size": job.spec.world_size, "parallelism": job.spec.parallelism.value,
+            "epochs": job.spec.epochs, "mean_throughput": _cached_throughput(store, job),
+            "reason": job.reason}
 
 
 @bp.get(f"{P}/dashboard/history")

@@ -96,12 +96,12 @@ def register(socketio) -> None:
             if slot["job_id"] and slot["job_id"] not in running:
                 job = ctx.store.get_job(slot["job_id"])
                 lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1},
-                                       (job or {}).get("attempt", 0))
+                                       job.attempt if job else 0)
         # Ranks it still runs of jobs that went on without it (or ended): stop them.
         for job_id, attempt in running.items():
             job = ctx.store.get_job(job_id)
-            mine = job and job["status"] in {s.value for s in ACTIVE} and job.get("attempt", 0) == attempt and \
-                any(p["client_id"] == client_id for p in job.get("placement") or [])
+            mine = job and job.status in ACTIVE and job.attempt == attempt and \
+                any(p.client_id == client_id for p in job.placement or [])
             if not mine:
                 socketio.emit(EV_JOB_CANCEL, {"job_id": job_id, "attempt": attempt,
                                               "reason": "the job went on without this gpu client"},
@@ -137,10 +137,10 @@ def register(socketio) -> None:
             return {"ok": False}
         ctx = _ctx()
         job = ctx.store.get_job(str(data.get("job_id")))
-        if job is None or job["room_id"] != sess["room_id"]:
+        if job is None or job.room_id != sess["room_id"]:
             return {"ok": False, "error": "no such job in this room"}
         exits = {str(k): int(v) for k, v in (data.get("exits") or {}).items()}
-        lifecycle.ranks_exited(ctx, sess["client_id"], job["id"], exits, int(data.get("attempt") or 0))
+        lifecycle.ranks_exited(ctx, sess["client_id"], job.id, exits, int(data.get("attempt") or 0))
         return {"ok": True}
 
     @socketio.on("disconnect", namespace=GPU_NAMESPACE)

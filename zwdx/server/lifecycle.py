@@ -1,16 +1,11 @@
-"""How a job moves after it is placed: ranks start, finish, fail; clients vanish; users cancel.
+"""How a job moves after it is placed, and who is told: ranks start, finish, fail; clients
+vanish; users cancel.
 
-Every transition is a conditional ``update_job`` (expect_status), so two servers or two
-threads that race apply it at most once. A job completes as soon as every rank reported
-completion; its slots are freed only when the GPU client says its rank processes exited (or
-the client is gone), so a rank's teardown is off the user's path and still no slot runs two jobs.
-
-Failures come in two kinds. A rank whose own code raised fails the job at once, with every
-failing rank's traceback (``failures``; ``failure_info`` says when and how each failed, and the
-job's view lists them first failure first, see ``views.failure_order``). A rank that lost its peers (a collective broke, or its process died
-without a word) makes the job *suspect*: if a GPU client of the job is found lost within
-``CLIENT_TIMEOUT`` the job goes back to the queue as ``resuming`` and restarts from its last
-checkpoint (up to ``max_restarts`` times); otherwise it fails.
+Each function makes one move of ``job.Job`` (which writes it, once, however many servers or
+threads race), then tells the GPU clients (``job_cancel``), the dashboards (``notify``) and
+the scheduler (``kick``). A job completes as soon as every rank reported completion; its slots
+are freed only when the GPU client says its rank processes exited (or the client is gone),
+so a rank's teardown is off the user's path and still no slot runs two jobs.
 """
 from __future__ import annotations
 
@@ -18,26 +13,18 @@ import logging
 import time
 
 from .. import defaults
-from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, FailureKind, JobStatus
+from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus
+from ..protocol.gpu import JobCancel
+from ..protocol.job import Job as JobRecord
 from . import notify
 from .extensions import socketio
+from .job import Job
 
 log = logging.getLogger(__name__)
 
-_ACTIVE = [s.value for s in ACTIVE]
-_WAITING = [JobStatus.QUEUED.value, JobStatus.RESUMING.value]
 
-
-def _now() -> float:
-    return time.time()
-
-
-def _timeline(status: str, reason: str = "", **extra) -> dict:
-    return {"status": status, "at": _now(), **({"reason": reason} if reason else {}), **extra}
-
-
-def tell_clients(ctx, job: dict, event: str, payload: dict, only: set | None = None) -> None:
-    for client_id in {p["client_id"] for p in job.get("placement") or []}:
+def tell_clients(ctx, job: JobRecord, event: str, payload: dict, only: set | None = None) -> None:
+    for client_id in {p.client_id for p in job.placement or []}:
         if only is not None and client_id not in only:
             continue
         client = ctx.store.get_client(client_id)
@@ -45,186 +32,111 @@ def tell_clients(ctx, job: dict, event: str, payload: dict, only: set | None = N
             socketio.emit(event, payload, to=client["sid"], namespace=GPU_NAMESPACE)
 
 
-def failure(rank, tb: str, kind: FailureKind) -> dict:
-    """The changes that record a rank's failure: its traceback, and when and how it failed."""
-    return {f"failures.{rank}": tb, f"failure_info.{rank}": {"at": _now(), "kind": kind.value}}
+def _stop_ranks(ctx, job: JobRecord, reason: str) -> None:
+    tell_clients(ctx, job, EV_JOB_CANCEL, JobCancel(job_id=job.id, reason=reason).model_dump(mode="json"))
 
 
-def rank_started(ctx, job: dict, rank: int) -> None:
-    ctx.store.update_job(job["id"], {f"ranks.{rank}.status": "running", f"ranks.{rank}.started_at": _now()})
-    updated = ctx.store.update_job(job["id"], {"status": JobStatus.RUNNING.value, "running_at": _now()},
-                                   expect_status=[JobStatus.STARTING.value],
-                                   push={"timeline": _timeline(JobStatus.RUNNING.value,
-                                                               attempt=job.get("attempt", 0))})
-    if updated:
-        log.info("job %s: running (world size %d, attempt %d)", job["id"], updated["world_size"],
-                 updated.get("attempt", 0))
-        notify.job_changed(updated)
+def rank_started(ctx, job: JobRecord, rank: int) -> None:
+    handle = Job(ctx.store, job)
+    if handle.rank_running(rank):
+        log.info("job %s: running (world size %d, attempt %d)", job.id, handle.record.world_size,
+                 handle.record.attempt)
+        notify.job_changed(handle.record)
 
 
-def rank_completed(ctx, job: dict, rank: int, report: dict) -> None:
-    changes = {f"ranks.{rank}.status": "completed", f"ranks.{rank}.fingerprint": report.get("fingerprint"),
-               f"ranks.{rank}.ended_at": _now()}
-    if rank == 0:
-        changes.update({"results": report.get("results") or {}, "final_loss": report.get("final_loss"),
-                        "weights_artifact": report.get("weights_artifact")})
-    ctx.store.update_job(job["id"], changes)
-    _maybe_finish(ctx, job["id"])
+def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,
+                   final_loss: float | None = None, weights_artifact: str | None = None) -> None:
+    handle = Job(ctx.store, job)
+    if handle.rank_completed(rank, fingerprint, results, final_loss, weights_artifact):
+        log.info("job %s: completed, final loss %s", job.id, handle.record.final_loss)
+        notify.job_changed(handle.record)
+        ctx.scheduler.kick()
 
 
-def rank_failed(ctx, job: dict, rank: int, error: str, tb: str, collective: bool) -> None:
+def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool) -> None:
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
     probably gone), so wait to see whether a GPU client was lost before failing the job."""
-    if collective:
-        ctx.store.update_job(job["id"], {**failure(rank, tb, FailureKind.COLLECTIVE),
-                                         "suspect_since": job.get("suspect_since") or _now()}, expect_status=_ACTIVE)
-        log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job["id"], rank, error)
+    handle = Job(ctx.store, job)
+    if not handle.rank_failed(rank, error, tb, collective) or job.status not in ACTIVE:
         return
-    # The job fails; other ranks failing at the same point get FAILURE_GRACE to report theirs.
-    updated = ctx.store.update_job(job["id"], failure(rank, tb, FailureKind.RAISED), expect_status=_ACTIVE)
-    if updated and not updated.get("failing_since"):
-        ctx.store.update_job(job["id"], {"failing_since": _now(), "failing_reason": f"rank {rank} failed: {error}"},
-                             expect_status=_ACTIVE)
-    log.warning("job %s: rank %d failed: %s", job["id"], rank, error)
+    if collective:
+        log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job.id, rank, error)
+        return
+    log.warning("job %s: rank %d failed: %s", job.id, rank, error)
     ctx.scheduler.kick(settle=True)  # fails the job as soon as every rank reported
 
 
-def fail(ctx, job_id: str, reason: str, failures: dict | None = None) -> dict | None:
-    """Fail an active or waiting job, keep each rank's traceback, stop the other ranks."""
-    changes = {"status": JobStatus.FAILED.value, "ended_at": _now(), "reason": reason}
-    for rank, tb in (failures or {}).items():
-        changes[f"failures.{rank}"] = tb
-    job = ctx.store.update_job(job_id, changes, expect_status=_ACTIVE + _WAITING,
-                               push={"timeline": _timeline(JobStatus.FAILED.value, reason)})
-    if job is None:  # already finished: still keep the traceback
-        if failures:
-            ctx.store.update_job(job_id, {f"failures.{r}": tb for r, tb in failures.items()})
+def _announce(ctx, handle: Job, reason: str) -> JobRecord:
+    """The job stopped running (failed, cancelled, interrupted): stop its ranks, show it, and
+    let the scheduler use its slots once they are free."""
+    _stop_ranks(ctx, handle.record, reason)
+    notify.job_changed(handle.record)
+    ctx.scheduler.kick()
+    return handle.record
+
+
+def fail(ctx, job_id: str, reason: str) -> JobRecord | None:
+    """Fail an active or waiting job and stop its ranks; None if it had ended already."""
+    handle = Job.load(ctx.store, job_id)
+    if handle is None or not handle.fail(reason):
         return None
     log.warning("job %s: failed: %s", job_id, reason)
-    tell_clients(ctx, job, EV_JOB_CANCEL, {"job_id": job_id, "reason": reason})
-    notify.job_changed(job)
-    ctx.scheduler.kick()
-    return job
+    return _announce(ctx, handle, reason)
 
 
-def cancel(ctx, job_id: str, reason: str = "cancelled by the submitter") -> dict | None:
-    job = ctx.store.update_job(job_id, {"status": JobStatus.CANCELLED.value, "ended_at": _now(), "reason": reason},
-                               expect_status=_ACTIVE + _WAITING,
-                               push={"timeline": _timeline(JobStatus.CANCELLED.value, reason)})
-    if job is None:
+def cancel(ctx, job_id: str, reason: str = "cancelled by the submitter") -> JobRecord | None:
+    handle = Job.load(ctx.store, job_id)
+    if handle is None or not handle.cancel(reason):
         return None
     log.info("job %s: cancelled", job_id)
-    tell_clients(ctx, job, EV_JOB_CANCEL, {"job_id": job_id, "reason": reason})
-    notify.job_changed(job)
-    ctx.scheduler.kick()
-    return job
+    return _announce(ctx, handle, reason)
 
 
-def interrupt(ctx, job_id: str, reason: str) -> dict | None:
+def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
     """A GPU client of the running job is gone: stop the other ranks and queue the job again
     as ``resuming`` (it goes on from its last checkpoint), or fail it after too many restarts."""
-    job = ctx.store.get_job(job_id)
-    if job is None or job["status"] not in _ACTIVE:
+    handle = Job.load(ctx.store, job_id)
+    moved = handle and handle.interrupt(reason)
+    if moved is None:
         return None
-    restarts = int(job.get("restarts") or 0)
-    limit = int(job["spec"].get("max_restarts", defaults.MAX_RESTARTS))
-    if restarts >= limit:
-        history = "; ".join(r.get("reason", "") for r in job.get("restart_history") or [])
-        return fail(ctx, job_id, f"{reason}; gave up after {restarts} restart(s)" + (f" ({history})" if history else ""),
-                    None)
-    ckpt = job.get("latest_checkpoint")
-    updated = ctx.store.update_job(job_id, {
-        "status": JobStatus.RESUMING.value, "restarts": restarts + 1, "suspect_since": None, "failures": {},
-        "failure_info": {},
-        "waiting_reason": reason, "ranks": {}, "exits": {}},
-        expect_status=_ACTIVE,
-        push={"timeline": _timeline(JobStatus.RESUMING.value, reason,
-                                    checkpoint=(ckpt or {}).get("n")),
-              "restart_history": {"at": _now(), "reason": reason, "failures": job.get("failures") or {},
-                                  "from_checkpoint": ckpt}})
-    if updated is None:
-        return None
+    record = handle.record
+    if moved == JobStatus.FAILED:
+        log.warning("job %s: failed: %s", job_id, record.reason)
+        return _announce(ctx, handle, record.reason)
+    ckpt = record.latest_checkpoint
     log.warning("job %s: interrupted (%s); resuming from %s", job_id, reason,
-                f"checkpoint {ckpt['n']} (epoch {ckpt.get('epoch')})" if ckpt else "the start")
-    tell_clients(ctx, job, EV_JOB_CANCEL, {"job_id": job_id, "reason": f"job interrupted: {reason}"})
-    notify.job_changed(updated)
-    ctx.scheduler.kick()
-    return updated
+                f"checkpoint {ckpt.n} (epoch {ckpt.epoch})" if ckpt else "the start")
+    return _announce(ctx, handle, f"job interrupted: {reason}")
 
 
 def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0) -> None:
     """A GPU client says its rank processes of this job (this attempt) are gone; free its slots."""
-    job = ctx.store.get_job(job_id)
-    if job is None:
+    handle = Job.load(ctx.store, job_id)
+    if handle is None:
         return
-    if int(job.get("attempt") or 0) != attempt:
+    if handle.record.attempt != attempt:
         log.info("job %s: late exits of attempt %d from gpu-client %s ignored", job_id, attempt, client_id)
         return
-    ctx.store.update_job(job_id, {f"exits.{rank}": code for rank, code in exits.items()}, expect_status=_ACTIVE)
+    bad = handle.ranks_exited(exits)
     ctx.store.release_slots(job_id, client_id)
-    job = ctx.store.get_job(job_id)
-    ranks = job.get("ranks") or {}
-    # A rank that reported completion is done, whatever its teardown returned.
-    bad = {r: c for r, c in exits.items() if c != 0 and (ranks.get(str(r)) or {}).get("status") != "completed"}
-    if bad and job["status"] in _ACTIVE:
-        unreported = {r: c for r, c in bad.items() if str(r) not in (job.get("failures") or {})}
-        if unreported:
-            # Died without a word: maybe its peer vanished, maybe it crashed. Suspect, then decide.
-            changes = {}
-            for r, c in unreported.items():
-                changes.update(failure(r, f"rank process exited with code {c} before reporting", FailureKind.EXITED))
-            changes["suspect_since"] = job.get("suspect_since") or _now()
-            changes["suspect_reason"] = "rank process died (" + ", ".join(
-                f"rank {r} exit code {c}" for r, c in sorted(unreported.items())) + ")"
-            ctx.store.update_job(job_id, changes, expect_status=_ACTIVE)
-    notify.clients_changed(ctx, job["room_id"])
-    ctx.scheduler.kick(settle=bool(bad or job.get("failing_since") or job.get("suspect_since")))
-
-
-#: Seconds the other ranks of a job get to report their own failure after the first one.
-FAILURE_GRACE = 2.0
+    record = handle.record
+    notify.clients_changed(ctx, record.room_id)
+    ctx.scheduler.kick(settle=bool(bad or record.failing_since or record.suspect_since))
 
 
 def settle_suspects(ctx) -> None:
-    """Fail jobs whose ranks raised (once every rank reported or the grace is over), and jobs
-    whose ranks broke when no GPU client turned out lost within the timeout."""
-    deadline = _now() - float(ctx.config["CLIENT_TIMEOUT"]) - 1.0
-    for job in ctx.store.list_jobs(statuses=_ACTIVE):
-        if job.get("failing_since"):
-            failures, exits = job.get("failures") or {}, job.get("exits") or {}
-            heard = all(str(r) in failures or str(r) in exits for r in range(job.get("world_size") or 0))
-            if heard or job["failing_since"] < _now() - FAILURE_GRACE:
-                fail(ctx, job["id"], job.get("failing_reason") or "a rank failed")
-            continue
-        since = job.get("suspect_since")
-        if not since:
-            continue
-        lost = [p["client_id"] for p in job.get("placement") or []
-                if (ctx.store.get_client(p["client_id"]) or {}).get("status") != ClientStatus.ONLINE.value]
-        if lost:
-            continue  # the reaper will declare them lost and interrupt the job
-        if since < deadline or _all_exited(job):
-            fail(ctx, job["id"], job.get("suspect_reason") or "a rank lost its peers and no GPU client was lost")
-
-
-def _all_exited(job: dict) -> bool:
-    exits = job.get("exits") or {}
-    return all(str(r) in exits for r in range(job.get("world_size") or 0))
-
-
-def _maybe_finish(ctx, job_id: str) -> None:
-    job = ctx.store.get_job(job_id)
-    if job is None or job["status"] not in _ACTIVE:
-        return
-    ranks = job.get("ranks") or {}
-    if all((ranks.get(str(r)) or {}).get("status") == "completed" for r in range(job["world_size"])):
-        updated = ctx.store.update_job(job_id, {"status": JobStatus.COMPLETED.value, "ended_at": _now()},
-                                       expect_status=_ACTIVE,
-                                       push={"timeline": _timeline(JobStatus.COMPLETED.value)})
-        if updated:
-            log.info("job %s: completed, final loss %s", job_id, updated.get("final_loss"))
-            notify.job_changed(updated)
-            ctx.scheduler.kick()
+    """Fail the active jobs that are overdue (``Job.overdue``): their ranks raised and every
+    rank reported, or their ranks lost their peers and no GPU client turned out lost."""
+    assign_timeout = 2 * float(ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT)) + 5.0
+    for record in ctx.store.list_jobs(statuses=list(ACTIVE)):
+        handle = Job(ctx.store, record)
+        offline = set()
+        if record.suspect_since is not None:
+            offline = {p.client_id for p in record.placement or []
+                       if (ctx.store.get_client(p.client_id) or {}).get("status") != ClientStatus.ONLINE.value}
+        reason = handle.overdue(offline, float(ctx.config["CLIENT_TIMEOUT"]), assign_timeout)
+        if reason is not None and fail(ctx, record.id, reason) and record.master is None:
+            ctx.store.release_slots(record.id)  # no GPU client was told of it: none will say its ranks exited
 
 
 def client_lost(ctx, client_id: str, reason: str) -> None:
@@ -233,7 +145,7 @@ def client_lost(ctx, client_id: str, reason: str) -> None:
     if client is None:
         return
     ctx.store.update_client(client_id, {"status": ClientStatus.OFFLINE.value, "sid": None, "lost_after": None,
-                                        "lost_at": _now()})
+                                        "lost_at": time.time()})
     log.warning("gpu-client %s: lost (%s)", client_id, reason)
     for job_id in {s["job_id"] for s in ctx.store.list_slots(client["room_id"], client_id) if s["job_id"]}:
         interrupt(ctx, job_id, f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}")

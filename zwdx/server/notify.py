@@ -15,6 +15,7 @@ import threading
 import time
 
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
+from ..protocol.job import Job as JobRecord
 from .extensions import socketio
 from .placement import room_totals
 from .views import client_view, job_view
@@ -38,14 +39,14 @@ def watched(room_id: str) -> bool:
     return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
 
 
-def job_changed(job: dict) -> None:
-    socketio.emit(EV_JOB_UPDATE, job_view(job), to=ui_room(job["room_id"]), namespace=UI_NAMESPACE)
+def job_changed(job: JobRecord) -> None:
+    socketio.emit(EV_JOB_UPDATE, job_view(job), to=ui_room(job.room_id), namespace=UI_NAMESPACE)
 
 
-def events_added(job: dict, events: list[dict]) -> None:
+def events_added(job: JobRecord, events: list[dict]) -> None:
     if events:
-        socketio.emit(EV_JOB_EVENTS, {"job_id": job["id"], "events": events},
-                      to=ui_room(job["room_id"]), namespace=UI_NAMESPACE)
+        socketio.emit(EV_JOB_EVENTS, {"job_id": job.id, "events": events},
+                      to=ui_room(job.room_id), namespace=UI_NAMESPACE)
 
 
 def clients_payload(ctx, room_id: str) -> dict:

@@ -3,11 +3,14 @@
 A job needs ``world_size`` slots (a GPU, or one CPU slot of a GPU client without GPUs) that
 can run it (placement.py says which: Python version, packages, memory, CPU slots of one host
 sharing its RAM). Jobs start in FIFO order per room; one that does not fit waits and says why
-(``waiting_reason``). Reservation is one atomic store call, so two schedulers racing never
-give a slot two jobs.
+(``waiting_reason``). Reservation is one atomic store call (``Job.start``), so two schedulers
+racing never give a slot two jobs.
 
 After reserving, the rank-0 GPU client is asked for a rendezvous port on an address the
-others can reach; then every client gets its ranks.
+others can reach (``reserve_port``, answered by a Socket.IO acknowledgement); the scheduler
+never waits for it. The answer finishes the placement on the next pass: every client gets
+its ranks (``JobAssign``). No answer within ``RESERVE_TIMEOUT`` fails the job and frees its
+slots, so a dead GPU client delays nothing but its own job.
 """
 from __future__ import annotations
 
@@ -15,12 +18,18 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from .. import defaults
-from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus
+from ..errors import BadRequest
+from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus, SlotKind
+from ..protocol.base import parse
+from ..protocol.gpu import JobAssign, PortOffer, RankPlace, ReservePort
+from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
+from .job import Job
 from .placement import plan
 
 log = logging.getLogger(__name__)
@@ -29,6 +38,22 @@ log = logging.getLogger(__name__)
 #: Seconds between two looks for GPU clients past their deadline and for jobs to settle (and
 #: the longest a pass waits for a kick).
 REAP_INTERVAL = 1.0
+
+
+@dataclass
+class PortRequest:
+    """A placed job waiting for its rank-0 GPU client's rendezvous address."""
+    job_id: str
+    attempt: int
+    #: The secret its ranks will hold: only its hash is stored, so it lives here until assigned.
+    job_key: str
+    client_id: str
+    deadline: float
+    answered: bool = False
+    #: What the client acknowledged with (checked as a ``PortOffer`` by the scheduler).
+    answer: object = None
+    #: Why it could not be asked.
+    error: str | None = None
 
 
 class Scheduler:
@@ -40,6 +65,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._settle = False
         self._thread: threading.Thread | None = None
+        self._asked: dict[str, PortRequest] = {}  # job id -> the port request of its placement
+        self._asked_lock = threading.Lock()
 
     def kick(self, settle: bool = False) -> None:
         """Look again soon: place queued jobs, and with ``settle`` first settle the jobs whose
@@ -76,6 +103,7 @@ class Scheduler:
                         settle = True
                     if settle:
                         lifecycle.settle_suspects(self.ctx)
+                    self.finish_placements()
                     self.schedule_once()
                 except Exception:  # keep scheduling whatever one pass hit
                     log.exception("scheduler: pass failed")
@@ -102,90 +130,139 @@ class Scheduler:
 
     # -- placing jobs ----------------------------------------------------------------------
     def schedule_once(self) -> int:
-        """One pass over every room's queue. Returns how many jobs were started."""
-        store, started = self.ctx.store, 0
-        queued = store.list_jobs(statuses=[JobStatus.QUEUED.value, JobStatus.RESUMING.value])
+        """One pass over every room's queue. Returns how many jobs were placed."""
+        started = 0
         rooms = defaultdict(list)
-        for job in queued:
-            rooms[job["room_id"]].append(job)
+        for job in self.ctx.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RESUMING]):
+            rooms[job.room_id].append(job)
         for room_id, jobs in rooms.items():
             for job in jobs:  # FIFO: the head of the queue goes first, the rest wait behind it
-                placed = self._try_start(job)
-                if not placed:
+                if not self._try_start(job):
                     break
                 started += 1
         return started
 
-    def _held_memory(self, job: dict, slots: list[dict]) -> dict:
+    def _held_memory(self, job: JobRecord, slots: list[dict]) -> dict:
         """Bytes per rank of the jobs on the room's CPU slots (job id -> memory_required), which
         count against their hosts' RAM; asked only for a job that needs memory."""
-        if not int(job["spec"].get("memory_required") or 0):
+        if not job.spec.memory_required:
             return {}
         held = {}
-        for job_id in {s["job_id"] for s in slots if s.get("job_id") and s.get("kind") == "cpu"}:
+        for job_id in {s["job_id"] for s in slots if s.get("job_id") and s.get("kind") == SlotKind.CPU.value}:
             other = self.ctx.store.get_job(job_id)
-            held[job_id] = int(((other or {}).get("spec") or {}).get("memory_required") or 0)
+            held[job_id] = other.spec.memory_required if other else 0
         return held
 
-    def _try_start(self, job: dict) -> bool:
+    def _try_start(self, record: JobRecord) -> bool:
         store = self.ctx.store
-        clients = {c["id"]: c for c in store.list_clients(job["room_id"])}  # each with its slots
+        clients = {c["id"]: c for c in store.list_clients(record.room_id)}  # each with its slots
         slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
-        if any(s.get("job_id") == job["id"] for s in slots):
+        if any(s.get("job_id") == record.id for s in slots):
             return False  # ranks of its last attempt are still stopping
-        chosen, reason = plan(job, slots, clients, self._held_memory(job, slots))
+        asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
+                 "world_size": record.world_size}
+        chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
+        job = Job(store, record)
         if chosen is None:
-            if job["status"] == JobStatus.RESUMING.value:
-                reason = f"resuming after: {job.get('restart_history', [{}])[-1].get('reason')}; {reason}"
-            if job.get("waiting_reason") != reason:
-                updated = store.update_job(job["id"], {"waiting_reason": reason},
-                                           expect_status=[job["status"]])
-                if updated:
-                    notify.job_changed(updated)
+            if record.status == JobStatus.RESUMING:
+                last = record.restart_history[-1].reason if record.restart_history else None
+                reason = f"resuming after: {last}; {reason}"
+            if job.wait(reason):
+                notify.job_changed(job.record)
             return False
-        placement = []
-        for rank, slot in enumerate(chosen):
-            client = clients[slot["client_id"]]
-            placement.append({"rank": rank, "client_id": slot["client_id"], "hostname": client.get("hostname"),
-                              "gpu_index": slot["index"], "gpu_name": slot.get("name"), "kind": slot.get("kind")})
+        placement = [PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
+            "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
+            for rank, slot in enumerate(chosen)]
         job_key = new_secret("jk")
-        now = time.time()
-        attempt = int(job.get("restarts") or 0)
-        changes = {"status": JobStatus.STARTING.value, "placement": placement, "world_size": len(chosen),
-                   "attempt": attempt, "suspect_since": None, "failing_since": None, "failures": {},
-                   "backend": "nccl" if chosen[0].get("kind") == "cuda" else "gloo",
-                   "job_key_hash": hash_secret(job_key), "waiting_reason": None, "started_at": now,
-                   "ranks": {}, "exits": {}}
-        if not store.reserve_slots(job["id"], [(s["id"], r) for r, s in enumerate(chosen)], changes):
+        if not job.start(placement, [s["id"] for s in chosen], hash_secret(job_key)):
             return False  # another scheduler got there first; look again next pass
-        job = store.update_job(job["id"], {}, push={"timeline": {"status": JobStatus.STARTING.value, "at": now,
-                                                                  "attempt": attempt, "world_size": len(chosen)}})
-        log.info("job %s: placed on %d slot(s): %s", job["id"], len(chosen),
-                 ", ".join(f"rank {p['rank']}@{p['hostname']}:{p['gpu_index']}" for p in placement))
-        master = clients[placement[0]["client_id"]]
-        try:
-            answer = socketio.call(EV_RESERVE_PORT, {"job_id": job["id"]}, to=master["sid"],
-                                   namespace=GPU_NAMESPACE, timeout=defaults.RESERVE_TIMEOUT)
-            addr, port = answer["addr"], int(answer["port"])
-        except Exception as exc:
-            lifecycle.fail(self.ctx, job["id"], f"rank-0 gpu client {master['id']} did not offer a "
-                           f"rendezvous address: {exc!r}")
-            store.release_slots(job["id"])
-            return True
-        job = store.update_job(job["id"], {"master": {"addr": addr, "port": port}})
-        notify.job_changed(job)
-        notify.clients_changed(self.ctx, job["room_id"])
-        spec = job["spec"]
-        for client_id in dict.fromkeys(p["client_id"] for p in placement):
-            ranks = [{"rank": p["rank"], "gpu_index": p["gpu_index"], "kind": p["kind"]}
-                     for p in placement if p["client_id"] == client_id]
-            socketio.emit(EV_JOB_ASSIGN, {
-                "job_id": job["id"], "job_key": job_key, "ranks": ranks, "world_size": job["world_size"],
-                "master_addr": addr, "master_port": port, "backend": job["backend"],
-                "bundle_artifact": spec["bundle_artifact"], "bundle_sha256": spec["bundle_sha256"],
-                "parallelism": spec["parallelism"], "epochs": spec["epochs"], "attempt": attempt,
-                "checkpoint": job.get("latest_checkpoint"), "keep_checkpoints": spec.get("keep_checkpoints"),
-                "checkpoint_every_epoch": spec.get("checkpoint_every_epoch", True),
-                "collective_timeout": spec.get("collective_timeout") or self.ctx.config["COLLECTIVE_TIMEOUT"],
-            }, to=clients[client_id]["sid"], namespace=GPU_NAMESPACE)
+        log.info("job %s: placed on %d slot(s): %s", job.id, len(chosen),
+                 ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement))
+        self._ask_port(job.record, job_key, clients[placement[0].client_id])
+        notify.job_changed(job.record)
+        notify.clients_changed(self.ctx, job.record.room_id)
         return True
+
+    def _ask_port(self, job: JobRecord, job_key: str, client: dict) -> None:
+        """Ask the rank-0 GPU client for a rendezvous address; its acknowledgement comes back on
+        a Socket.IO thread, which only notes it and wakes the scheduler."""
+        timeout = float(self.ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT))
+        request = PortRequest(job.id, job.attempt, job_key, client["id"], time.time() + timeout)
+        with self._asked_lock:
+            self._asked[job.id] = request
+
+        def answered(*answer):
+            request.answer, request.answered = (answer[0] if answer else None), True
+            self.kick()
+        try:
+            if not client.get("sid"):
+                raise ConnectionError("the gpu client is not connected")
+            socketio.emit(EV_RESERVE_PORT, ReservePort(job_id=job.id).model_dump(mode="json"), to=client["sid"],
+                          namespace=GPU_NAMESPACE, callback=answered)
+        except Exception as exc:  # the connection went away as we wrote
+            request.error, request.answered = repr(exc), True
+            self.kick()
+
+    def finish_placements(self) -> int:
+        """Finish the placements whose rank-0 GPU client answered, and fail those it did not
+        answer in time. Returns how many jobs were assigned to their GPU clients."""
+        now = time.time()
+        with self._asked_lock:
+            due = [r for r in self._asked.values() if r.answered or r.deadline <= now]
+            for request in due:
+                del self._asked[request.job_id]
+        return sum(self._finish(request) for request in due)
+
+    def _finish(self, request: PortRequest) -> bool:
+        store = self.ctx.store
+        job = Job.load(store, request.job_id)
+        if job is None or job.record.attempt != request.attempt:
+            return False
+        if job.status != JobStatus.STARTING:
+            self._let_go(job)  # cancelled, failed or interrupted while it waited
+            return False
+        offer, error = None, request.error
+        if not request.answered:
+            timeout = float(self.ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT))
+            error = f"no answer within {timeout:g} s"
+        elif error is None:
+            try:
+                offer = parse(PortOffer, request.answer, "its answer")
+            except BadRequest as exc:
+                error = exc.message
+        if error is not None:
+            lifecycle.fail(self.ctx, job.id, f"rank-0 gpu client {request.client_id} did not offer a rendezvous "
+                                             f"address: {error}")
+            store.release_slots(job.id)
+            return False
+        if not job.rendezvous(Master(addr=offer.addr, port=offer.port)):
+            self._let_go(job.refresh())  # it moved on as the answer came
+            return False
+        self._assign(job.record, request.job_key)
+        notify.job_changed(job.record)
+        return True
+
+    def _let_go(self, job: Job) -> None:
+        """Free the slots of a job that left ``starting`` before its GPU clients were told of it
+        (none of them will say its ranks exited)."""
+        self.ctx.store.release_slots(job.id)
+        notify.clients_changed(self.ctx, job.record.room_id)
+
+    def _assign(self, job: JobRecord, job_key: str) -> None:
+        """Tell every GPU client of the job its ranks, with every value the ranks need decided here."""
+        spec = job.spec
+        timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
+        for client_id in dict.fromkeys(p.client_id for p in job.placement):
+            client = self.ctx.store.get_client(client_id) or {}
+            if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
+                continue  # gone since it was placed: the reaper declares it lost and interrupts the job
+            assign = JobAssign(
+                job_id=job.id, job_key=job_key, attempt=job.attempt, world_size=job.world_size,
+                ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind)
+                       for p in job.placement if p.client_id == client_id],
+                master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
+                bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
+                parallelism=spec.parallelism, epochs=spec.epochs, checkpoint=job.latest_checkpoint,
+                keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
+                collective_timeout=timeout)
+            socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

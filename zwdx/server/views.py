@@ -1,29 +1,20 @@
-"""What the API shows of stored documents: secrets and internals removed, the order of failures added."""
+"""What the API shows of stored records: secrets and internals removed; a job's failures by
+rank with ``failure_order`` (``zwdx.protocol.job.JobView``)."""
 from __future__ import annotations
 
-from ..protocol import FailureKind
+from ..protocol.job import Job as JobRecord, JobView, Submitted
 
-_JOB_HIDDEN = {"job_key_hash"}
 _CLIENT_HIDDEN = {"sid", "modules"}  # modules: hundreds of names, for the scheduler only
 
 
-def failure_order(job: dict) -> list[str]:
-    """The failing ranks, first failure first: ranks whose own code raised before ranks that
-    only lost their peers (a collective broke, a process died without a word), then by when
-    the server heard of each."""
-    info = job.get("failure_info") or {}
-
-    def key(rank: str):
-        entry = info.get(rank) or {}
-        lost_peers = entry.get("kind") != FailureKind.RAISED.value
-        return lost_peers, entry.get("at", float("inf")), int(rank) if str(rank).isdigit() else 0
-    return sorted((str(r) for r in job.get("failures") or {}), key=key)
+def job_view(job: JobRecord, **extra) -> dict:
+    """The job as JSON for the REST API and the dashboards; ``extra``: ``queue_position``."""
+    return JobView.of(job, **extra).model_dump(mode="json")
 
 
-def job_view(job: dict) -> dict:
-    view = {k: v for k, v in job.items() if k not in _JOB_HIDDEN}
-    view["failure_order"] = failure_order(job)
-    return view
+def submitted_view(job: JobRecord, unschedulable: str | None) -> dict:
+    """The answer to a submit: the job, and why the room as it is could never run it (or None)."""
+    return Submitted.of(job, unschedulable=unschedulable).model_dump(mode="json")
 
 
 def client_view(client: dict) -> dict:

@@ -2,12 +2,22 @@
 
 Every backend (``sqlite.SQLiteStore``, the embedded default, and ``mongo.MongoStore``)
 implements these methods with the same behaviour; ``test/test_store_contract.py`` runs one
-suite against each. Documents are plain dicts with lowercase string keys; ids are strings.
+suite against each. Rooms, clients, slots, events and artifacts are plain dicts with lowercase
+string keys; a job is a typed record (``zwdx.protocol.job.Job``), written whole once and then
+through small verbs, each taking typed values of the fields it writes (``docs/store.md``):
 
-Atomicity promises (the scheduler relies on them, across threads and processes):
+    set_job(job_id, fields, when=..., unless_set=...)       top-level fields
+    put_job_entries(job_id, field, {rank: value}, when=...)  entries of a per-rank map
+    append_job(job_id, {field: item}, fields=..., when=..., keep_last=...)
+                                                             items of list fields (+ fields)
+    reserve_slots(job_id, [(slot_id, rank)], fields)         slots and fields, all or nothing
+
+Atomicity promises (the scheduler and ``zwdx.server.job.Job`` rely on them, across threads
+and processes):
 - ``reserve_slots`` gives a slot to at most one job and moves the job out of ``queued`` (or
   ``resuming``) at most once: all of it happens or none of it does.
-- ``update_job`` with ``expect_status`` changes a job only if it is still in one of those states.
+- Each job verb is one write that applies only while the job's status is one of ``when``:
+  a transition that two servers race for happens once.
 - ``touch_client`` changes a client only if it is still in ``expect_status``. On SQLite the
   client and its slots' stats change in one transaction; on MongoDB (single-document
   atomicity) the slots' stats follow the client's update in one more round trip.
@@ -15,14 +25,85 @@ Atomicity promises (the scheduler relies on them, across threads and processes):
 from __future__ import annotations
 
 import abc
-from typing import Iterable
+import functools
+import typing
+from typing import Any, Iterable, Mapping
 
-#: The layout version this code writes. Bump it and add a migration when the layout changes.
-SCHEMA_VERSION = 1
+from pydantic import ConfigDict, TypeAdapter
+from pydantic.errors import PydanticUserError
+
+from ...protocol.job import Job as JobRecord
+
+#: The layout version this code writes. Bump it and add a migration when the layout changes
+#: (``migrations.py``).
+SCHEMA_VERSION = 2
 
 
 #: What a heartbeat refreshes on a slot (``touch_client``).
 SLOT_STATS = ("memory_free", "utilization", "memory_total")
+
+#: A job's per-rank maps (``put_job_entries``) and its lists (``append_job``).
+MAP_FIELDS = ("ranks", "exits", "failures")
+LIST_FIELDS = ("timeline", "restart_history", "checkpoints")
+#: Fields no verb changes once the job is created.
+FIXED_FIELDS = ("id", "room_id", "seq")
+
+_CONFIG = ConfigDict(ser_json_inf_nan="constants")
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(name: str, part: str = "") -> TypeAdapter:
+    """Checks and dumps a value of a job's field ``name`` (``part``: "entry" of a map, "item" of a list)."""
+    if name not in JobRecord.model_fields or name in FIXED_FIELDS:
+        raise ValueError(f"a job has no field {name!r} that can be written")
+    kind = JobRecord.model_fields[name].annotation
+    if part:
+        wanted = MAP_FIELDS if part == "entry" else LIST_FIELDS
+        if name not in wanted:
+            raise ValueError(f"field {name!r} of a job is not one of {', '.join(wanted)}")
+        kind = typing.get_args(kind)[-1]
+    try:
+        return TypeAdapter(kind, config=_CONFIG)
+    except PydanticUserError:  # a model: it has its own config
+        return TypeAdapter(kind)
+
+
+def _json(name: str, value, part: str = ""):
+    adapter = _adapter(name, part)
+    return adapter.dump_python(adapter.validate_python(value), mode="json")
+
+
+def job_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Top-level fields of a job as the store keeps them (JSON values), each checked against
+    its declaration in ``Job``: a wrong name or value is a ``ValueError`` (a bug, not input)."""
+    return {name: _json(name, value) for name, value in fields.items()}
+
+
+def job_entries(field: str, entries: Mapping[str, Any]) -> dict[str, Any]:
+    """Entries of one of ``MAP_FIELDS``, by rank (as a string), as the store keeps them."""
+    return {str(rank): _json(field, value, "entry") for rank, value in entries.items()}
+
+
+def job_items(items: Mapping[str, Any]) -> dict[str, Any]:
+    """One item for each of ``LIST_FIELDS`` named, as the store keeps it."""
+    return {field: _json(field, item, "item") for field, item in items.items()}
+
+
+def field_name(name: str | None) -> str | None:
+    """``name`` if it is a field of ``Job`` (or None), else ``ValueError``."""
+    if name is not None and name not in JobRecord.model_fields:
+        raise ValueError(f"a job has no field {name!r}")
+    return name
+
+
+def job_doc(job: JobRecord) -> dict:
+    """A whole record as the store keeps it."""
+    return job.model_dump(mode="json")
+
+
+def status_values(when: Iterable | None) -> list[str] | None:
+    """Status values (``JobStatus`` members or strings) as stored, or None for any."""
+    return None if when is None else [str(getattr(s, "value", s)) for s in when]
 
 
 class Store(abc.ABC):
@@ -101,22 +182,23 @@ class Store(abc.ABC):
         it, with ``job_id`` and ``rank``, by client id and index."""
 
     @abc.abstractmethod
-    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], changes: dict) -> bool:
+    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any]) -> bool:
         """Atomically: if the job is ``queued`` or ``resuming`` and every slot in ``assignments``
-        (``(slot_id, rank)`` pairs) is free, give the slots to the job and apply ``changes``
-        to the job. Returns False, changing nothing, otherwise."""
+        (``(slot_id, rank)`` pairs) is free, give the slots to the job and set its top-level
+        ``fields`` (as ``set_job``). Returns False, changing nothing, otherwise."""
 
     @abc.abstractmethod
     def release_slots(self, job_id: str, client_id: str | None = None) -> int:
         """Free the job's slots (only that client's, if given). Returns how many."""
 
-    # -- jobs ------------------------------------------------------------------------------
+    # -- jobs: small verbs over the typed record ---------------------------------------------
     @abc.abstractmethod
-    def create_job(self, job: dict) -> dict:
-        """Insert a job; the store assigns ``seq``, its FIFO position. Returns it."""
+    def create_job(self, job: JobRecord) -> JobRecord:
+        """Insert a job; the store assigns ``seq``, its FIFO position. Returns it with its ``seq``.
+        A job id already stored is a ``StoreError``."""
 
     @abc.abstractmethod
-    def get_job(self, job_id: str) -> dict | None:
+    def get_job(self, job_id: str) -> JobRecord | None:
         """The job, or None."""
 
     @abc.abstractmethod
@@ -126,15 +208,30 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def list_jobs(self, room_id: str | None = None, statuses: Iterable[str] | None = None,
-                  limit: int | None = None) -> list[dict]:
+                  limit: int | None = None) -> list[JobRecord]:
         """Jobs of a room (every room when None), filtered by status, in submission order."""
 
     @abc.abstractmethod
-    def update_job(self, job_id: str, changes: dict, expect_status: Iterable[str] | None = None,
-                   push: dict | None = None) -> dict | None:
-        """Set ``changes`` (keys may be dotted paths, ``"ranks.0"``, as in MongoDB's $set;
-        and append each ``push`` value to its list field) if the job's
-        status is in ``expect_status`` (any status when None). Returns the new job or None."""
+    def set_job(self, job_id: str, fields: Mapping[str, Any], when: Iterable[str] | None = None,
+                unless_set: str | None = None) -> JobRecord | None:
+        """Set top-level fields (names of ``Job``'s fields, values of their types), if the
+        job's status is one of ``when`` (any when None) and, with ``unless_set``, that field
+        is still null. Returns the record after the write, or None: nothing changed."""
+
+    @abc.abstractmethod
+    def put_job_entries(self, job_id: str, field: str, entries: Mapping[str, Any],
+                        when: Iterable[str] | None = None) -> JobRecord | None:
+        """Set entries of one per-rank map (``ranks``, ``exits``, ``failures``: rank -> value),
+        keeping its other entries, if the job's status is one of ``when``. Returns the record
+        after, or None."""
+
+    @abc.abstractmethod
+    def append_job(self, job_id: str, items: Mapping[str, Any], fields: Mapping[str, Any] | None = None,
+                   when: Iterable[str] | None = None, keep_last: int | None = None) -> JobRecord | None:
+        """Append one item to each list field named in ``items`` (``timeline``,
+        ``restart_history``, ``checkpoints``), keeping only the last ``keep_last`` items of
+        each when given, and set the top-level ``fields`` in the same write, if the job's
+        status is one of ``when``. Returns the record after, or None."""
 
     # -- events (metrics and logs) ---------------------------------------------------------
     @abc.abstractmethod

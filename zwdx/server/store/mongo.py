@@ -1,8 +1,6 @@
 """The MongoDB store (pymongo) and artifact bytes in GridFS: chosen with ``zwdx server
---mongo-uri URI`` or ``ZWDX_MONGO_URI``. The database is the URI's path, or "zwdx".
-
-Collections: ``meta`` (the schema version), ``rooms``, ``clients``, ``slots``, ``jobs``,
-``events``, ``artifacts`` (metadata), ``counters``, and the GridFS bucket ``artifacts``.
+--mongo-uri URI`` or ``ZWDX_MONGO_URI``. Connecting, indexes and the schema version are in
+``mongo_db.py``.
 
 Every atomic step is one single-document operation with a precondition, so it holds on a
 standalone server without transactions, across threads and server processes:
@@ -14,36 +12,33 @@ standalone server without transactions, across threads and server processes:
   Each claim carries a token and stays pending until the job moved; a claim left pending by
   a server killed mid-reservation is fenced off its job and freed once it is
   ``STALE_CLAIM_S`` old (see ``_heal``).
-- Every write to a job bumps its ``_rev``. ``update_job`` with ``push`` reads the job and
-  writes it back only if ``_rev`` did not move (compare-and-set, retried): the appended
-  lists are written whole, which also works on wire-compatible servers whose ``$push`` is
-  unreliable (nx-27017 0.8 turns existing list items into JSON strings).
+- A job's verbs are one ``find_one_and_update`` each, its status (and ``unless_set``) in the
+  filter; entries of a per-rank map are ``$set`` by path (``ranks.0``).
+- Every write to a job bumps its ``_rev``. ``append_job`` reads the job and writes its lists
+  back whole only if ``_rev`` did not move (compare-and-set, retried), which also works on
+  wire-compatible servers whose ``$push`` is unreliable (nx-27017 0.8 turns existing list
+  items into JSON strings).
 - Event and job ``seq`` numbers are the last one plus one, inserted under a unique index
   and retried on collision: they are gapless, and a reader that saw ``seq`` N has seen
   every smaller one (a counter handed out before the insert would not promise that).
 """
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import random
 import time
 import uuid
-from typing import Callable
+from typing import Any, Mapping
 
-from pymongo import ASCENDING, DESCENDING, MongoClient, ReturnDocument, UpdateOne, uri_parser
-from pymongo.database import Database
+from pymongo import ASCENDING, DESCENDING, MongoClient, ReturnDocument, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
-from ...errors import SchemaVersionError, StoreError
-from .base import SCHEMA_VERSION, SLOT_STATS, Store
+from ...errors import StoreError
+from ...protocol.job import Job as JobRecord
+from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
+from .mongo_db import connect, describe, guarded, plain, prepare, schema_version
 
 log = logging.getLogger(__name__)
-
-#: Migrations from version N to N+1: each takes the database and must be safe to run twice
-#: (two servers may start at once).
-MIGRATIONS: dict[int, Callable[[Database], None]] = {}
 
 #: A slot claim still pending after this long was left by a reservation that never finished
 #: (a killed server); ``list_slots`` settles it. Reservations take milliseconds.
@@ -55,53 +50,7 @@ _WAITING = ["queued", "resuming"]
 #: Fields the store keeps for itself; never returned.
 _INTERNAL = ("_id", "_rev", "_order", "_claim", "_claimed_at", "_fences", "_moved")
 
-
-_INDEXES = {
-    "rooms": [([("token_hash", ASCENDING)], True)],
-    "clients": [([("room_id", ASCENDING), ("_order", ASCENDING)], False), ([("_order", ASCENDING)], False),
-                ([("doc.lost_after", ASCENDING)], False)],
-    "slots": [([("room_id", ASCENDING), ("client_id", ASCENDING), ("index", ASCENDING)], False),
-              ([("client_id", ASCENDING), ("index", ASCENDING)], False),
-              ([("job_id", ASCENDING)], False)],
-    "jobs": [([("seq", ASCENDING)], True),
-             ([("room_id", ASCENDING), ("status", ASCENDING), ("seq", ASCENDING)], False),
-             ([("status", ASCENDING), ("seq", ASCENDING)], False)],
-    "events": [([("job_id", ASCENDING), ("seq", ASCENDING)], True),
-               ([("job_id", ASCENDING), ("rank", ASCENDING), ("key", ASCENDING)], True),
-               ([("job_id", ASCENDING), ("kind", ASCENDING), ("seq", ASCENDING)], False),
-               ([("job_id", ASCENDING), ("kind", ASCENDING), ("step", ASCENDING)], False)],
-    "artifacts": [([("job_id", ASCENDING), ("kind", ASCENDING), ("_order", ASCENDING)], False)],
-}
-
-
-def connect(uri: str, client: MongoClient | None = None) -> tuple[MongoClient, Database]:
-    """A client and the URI's database ("zwdx" when the URI names none), checked with a ping;
-    with ``client``, that client (shared by the store and GridFS) and its default database."""
-    if client is not None:
-        return client, client.get_default_database(default="zwdx")
-    where = describe(uri)
-    options = {} if "serverselectiontimeoutms" in uri.lower() else {"serverSelectionTimeoutMS": 5000}
-    try:
-        client = MongoClient(uri, **options)
-        client.admin.command("ping")
-    except (PyMongoError, ValueError) as exc:
-        raise StoreError(f"cannot reach MongoDB at {where}: {exc}", mongo=where) from exc
-    return client, client.get_default_database(default="zwdx")
-
-
-def describe(uri: str) -> str:
-    """``host:port/db`` of a URI, without the credentials it may hold."""
-    try:
-        parsed = uri_parser.parse_uri(uri)
-    except (ValueError, PyMongoError):
-        return "(unparsable MongoDB URI)"
-    hosts = ",".join(f"{h}:{p}" for h, p in parsed["nodelist"])
-    return f"{hosts}/{parsed.get('database') or 'zwdx'}"
-
-
-def _plain(value):
-    """The value as the embedded store keeps it: JSON types only (int keys become strings)."""
-    return json.loads(json.dumps(value))
+_AFTER = ReturnDocument.AFTER
 
 
 def _public(doc: dict | None, drop: tuple = ()) -> dict | None:
@@ -110,31 +59,15 @@ def _public(doc: dict | None, drop: tuple = ()) -> dict | None:
     return {k: v for k, v in doc.items() if k not in _INTERNAL and k not in drop}
 
 
+def _record(doc: dict | None) -> JobRecord | None:
+    return None if doc is None else JobRecord.model_validate(_public(doc))
+
+
 def _now() -> float:
     return time.time()
 
 
-def _status(value) -> str:
-    return str(getattr(value, "value", value))
-
-
-def _guarded(cls):
-    """Turn pymongo's errors, in every public method, into StoreError."""
-    def guard(fn):
-        @functools.wraps(fn)
-        def method(self, *args, **kwargs):
-            try:
-                return fn(self, *args, **kwargs)
-            except PyMongoError as exc:
-                raise StoreError(f"MongoDB {fn.__name__} failed: {exc}") from exc
-        return method
-    for name, fn in list(vars(cls).items()):
-        if callable(fn) and not name.startswith("_"):
-            setattr(cls, name, guard(fn))
-    return cls
-
-
-@_guarded
+@guarded
 class MongoStore(Store):
     """The Store in a MongoDB database; see the module's docstring for what keeps it atomic."""
 
@@ -144,36 +77,9 @@ class MongoStore(Store):
         db = self.db
         self._meta, self._rooms, self._clients, self._slots = db.meta, db.rooms, db.clients, db.slots
         self._jobs, self._events, self._artifacts, self._counters = db.jobs, db.events, db.artifacts, db.counters
-        try:
-            self._check_schema()
-            for name, indexes in _INDEXES.items():
-                for keys, unique in indexes:
-                    db[name].create_index(keys, unique=unique)
-        except PyMongoError as exc:
-            raise StoreError(f"cannot prepare the MongoDB store at {self.where}: {exc}") from exc
+        prepare(db, self.where)
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _check_schema(self) -> None:
-        doc = self._meta.find_one({"_id": "schema"})
-        if doc is None:
-            try:
-                self._meta.insert_one({"_id": "schema", "version": SCHEMA_VERSION})
-            except DuplicateKeyError:
-                pass  # another server created it first
-            doc = self._meta.find_one({"_id": "schema"})
-        found = int(doc["version"])
-        if found > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"the store at {self.where} has schema version {found}, newer than this zwdx "
-                f"understands ({SCHEMA_VERSION}); upgrade zwdx", found=found, supported=SCHEMA_VERSION)
-        while found < SCHEMA_VERSION:
-            step = MIGRATIONS.get(found)
-            if step is not None:
-                step(self.db)
-            self._meta.update_one({"_id": "schema", "version": found}, {"$set": {"version": found + 1}})
-            found += 1
-            log.info("store: migrated %s to schema version %d", self.where, found)
-
     def _next(self, name: str) -> int:
         doc = self._counters.find_one_and_update({"_id": name}, {"$inc": {"n": 1}}, upsert=True,
                                                  return_document=ReturnDocument.AFTER)
@@ -192,14 +98,14 @@ class MongoStore(Store):
             return False
 
     def schema_version(self) -> int:
-        return int(self._meta.find_one({"_id": "schema"})["version"])
+        return schema_version(self.db)
 
     def close(self) -> None:
         self._client.close()
 
     # -- rooms -----------------------------------------------------------------------------
     def create_room(self, room: dict) -> dict:
-        self._rooms.insert_one({**_plain(room), "_id": room["id"]})
+        self._rooms.insert_one({**plain(room), "_id": room["id"]})
         return room
 
     def get_room(self, room_id: str) -> dict | None:
@@ -212,7 +118,7 @@ class MongoStore(Store):
     # Clients and slots keep the caller's document whole under "doc" (replaced on upsert, as
     # the embedded store does); what the store queries and claims sits beside it.
     def upsert_client(self, client: dict, slots: list[dict]) -> None:
-        client, slots = _plain(client), _plain(slots)
+        client, slots = plain(client), plain(slots)
         cid, room_id = client["id"], client["room_id"]
         if not self._clients.update_one({"_id": cid}, {"$set": {"room_id": room_id, "doc": client}}).matched_count:
             try:
@@ -244,18 +150,18 @@ class MongoStore(Store):
     def update_client(self, client_id: str, changes: dict) -> None:
         if changes:
             self._clients.update_one({"_id": client_id},
-                                     {"$set": {f"doc.{k}": v for k, v in _plain(changes).items()}})
+                                     {"$set": {f"doc.{k}": v for k, v in plain(changes).items()}})
 
     def touch_client(self, client_id: str, changes: dict, stats: list[dict],
                      expect_status: str | None = None) -> bool:
         where = {"_id": client_id, **({"doc.status": expect_status} if expect_status is not None else {})}
-        sets = {f"doc.{k}": v for k, v in _plain(changes).items()}
+        sets = {f"doc.{k}": v for k, v in plain(changes).items()}
         found = self._clients.update_one(where, {"$set": sets}).matched_count if sets else \
             self._clients.find_one(where, {"_id": 1}) is not None
         if not found:
             return False
         updates = []
-        for stat in _plain(stats):
+        for stat in plain(stats):
             fields = {f"doc.{k}": stat[k] for k in SLOT_STATS if k in stat}
             if fields:
                 updates.append(UpdateOne({"client_id": client_id, "index": stat["index"]}, {"$set": fields}))
@@ -274,7 +180,8 @@ class MongoStore(Store):
             docs = list(self._slots.find(where).sort(order))
         return [{**d["doc"], "job_id": d.get("job_id"), "rank": d.get("rank")} for d in docs]
 
-    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], changes: dict) -> bool:
+    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any]) -> bool:
+        values = job_fields(fields)
         if self._jobs.find_one({"_id": job_id, "status": {"$in": _WAITING}}, {"_id": 1}) is None:
             return False
         token, claimed = uuid.uuid4().hex, []
@@ -287,7 +194,7 @@ class MongoStore(Store):
                 claimed.append(slot_id)
             moved = self._jobs.find_one_and_update(
                 {"_id": job_id, "status": {"$in": _WAITING}, f"_fences.{token}": {"$exists": False}},
-                {"$set": {**_plain(changes), f"_moved.{token}": True}, "$inc": {"_rev": 1}})
+                {"$set": {**values, f"_moved.{token}": True}, "$inc": {"_rev": 1}})
             if moved is None:
                 return False
             kept, claimed = claimed, []  # the job owns them now: no longer a pending claim
@@ -326,69 +233,76 @@ class MongoStore(Store):
         return self._free(where)
 
     # -- jobs ------------------------------------------------------------------------------
-    def create_job(self, job: dict) -> dict:
-        job = _plain(job)
+    def create_job(self, job: JobRecord) -> JobRecord:
+        doc = job_doc(job)
         for _ in range(1000):
             seq = self._last_seq(self._jobs, {}) + 1
             try:
-                self._jobs.insert_one({**job, "seq": seq, "_id": job["id"], "_rev": 0})
-                return {**job, "seq": seq}
+                self._jobs.insert_one({**doc, "seq": seq, "_id": job.id, "_rev": 0})
+                return JobRecord.model_validate({**doc, "seq": seq})
             except DuplicateKeyError:
-                if self._jobs.find_one({"_id": job["id"]}, {"_id": 1}) is not None:
-                    raise StoreError(f"job {job['id']} already exists", job_id=job["id"])
-        raise StoreError(f"could not give job {job['id']} a queue position", job_id=job["id"])
+                if self._jobs.find_one({"_id": job.id}, {"_id": 1}) is not None:
+                    raise StoreError(f"job {job.id} already exists", job_id=job.id)
+        raise StoreError(f"could not give job {job.id} a queue position", job_id=job.id)
 
-    def get_job(self, job_id: str) -> dict | None:
-        return _public(self._jobs.find_one({"_id": job_id}))
+    def get_job(self, job_id: str) -> JobRecord | None:
+        return _record(self._jobs.find_one({"_id": job_id}))
 
     def count_jobs(self, room_id: str, statuses, before_seq: int | None = None) -> int:
-        where = {"room_id": room_id, "status": {"$in": [_status(s) for s in statuses]}}
+        where = {"room_id": room_id, "status": {"$in": status_values(statuses)}}
         if before_seq is not None:
             where["seq"] = {"$lt": int(before_seq)}
         return self._jobs.count_documents(where)
 
-    def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[dict]:
+    def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[JobRecord]:
         where = {} if room_id is None else {"room_id": room_id}
         if statuses is not None:
-            where["status"] = {"$in": [_status(s) for s in statuses]}
+            where["status"] = {"$in": status_values(statuses)}
         cursor = self._jobs.find(where).sort("seq", ASCENDING)
         if limit:
             cursor = cursor.limit(int(limit))
-        return [_public(d) for d in cursor]
+        return [_record(d) for d in cursor]
 
-    def update_job(self, job_id, changes, expect_status=None, push=None) -> dict | None:
-        changes, push = _plain(changes), _plain(push or {})
+    @staticmethod
+    def _where(job_id: str, when, unless_set: str | None = None) -> dict:
         where = {"_id": job_id}
-        if expect_status is not None:
-            where["status"] = {"$in": [_status(s) for s in expect_status]}
-        if not push:
-            update = {"$inc": {"_rev": 1}, **({"$set": changes} if changes else {})}
-            return _public(self._jobs.find_one_and_update(where, update, return_document=ReturnDocument.AFTER))
+        if when is not None:
+            where["status"] = {"$in": status_values(when)}
+        if unless_set is not None:
+            where[unless_set] = None  # null or absent
+        return where
+
+    def _update(self, where: dict, sets: dict) -> JobRecord | None:
+        update = {"$inc": {"_rev": 1}, **({"$set": sets} if sets else {})}
+        return _record(self._jobs.find_one_and_update(where, update, return_document=_AFTER))
+
+    def set_job(self, job_id, fields, when=None, unless_set=None) -> JobRecord | None:
+        return self._update(self._where(job_id, when, field_name(unless_set)), job_fields(fields))
+
+    def put_job_entries(self, job_id, field, entries, when=None) -> JobRecord | None:
+        values = job_entries(field, entries)
+        return self._update(self._where(job_id, when), {f"{field}.{rank}": v for rank, v in values.items()})
+
+    def append_job(self, job_id, items, fields=None, when=None, keep_last=None) -> JobRecord | None:
+        lists, values = job_items(items), job_fields(fields or {})
+        where = self._where(job_id, when)
         for attempt in range(200):
             current = self._jobs.find_one(where)
             if current is None:
                 return None
-            after = json.loads(json.dumps(current, default=str))
-            for key, value in changes.items():
-                *parents, last = key.split(".")
-                node = after
-                for part in parents:
-                    node = node.setdefault(part, {})
-                node[last] = value
-            sets = dict(changes)
-            for key, value in push.items():
-                sets[key] = [*(after.get(key) or []), value]
-            done = self._jobs.find_one_and_update({**where, "_rev": current.get("_rev", 0)},
-                                                  {"$set": sets, "$inc": {"_rev": 1}},
-                                                  return_document=ReturnDocument.AFTER)
+            sets = dict(values)
+            for field, item in lists.items():
+                kept = [*(current.get(field) or []), item]
+                sets[field] = kept[-keep_last:] if keep_last else kept
+            done = self._update({**where, "_rev": current.get("_rev", 0)}, sets)
             if done is not None:
-                return _public(done)
+                return done
             time.sleep(random.uniform(0, 0.001 * min(attempt + 1, 20)))  # another writer won; again
-        raise StoreError(f"job {job_id} kept changing; update not applied", job_id=job_id)
+        raise StoreError(f"job {job_id} kept changing; nothing appended", job_id=job_id)
 
     # -- events ----------------------------------------------------------------------------
     def add_events(self, job_id: str, events: list[dict]) -> list[dict]:
-        events = _plain(events)
+        events = plain(events)
         if not events:
             return []
         held = {(d.get("rank"), d.get("key")) for d in self._events.find(
@@ -432,7 +346,7 @@ class MongoStore(Store):
 
     # -- artifacts' metadata ---------------------------------------------------------------
     def add_artifact(self, artifact: dict) -> dict:
-        self._artifacts.insert_one({**_plain(artifact), "_id": artifact["id"], "_order": self._next("artifacts")})
+        self._artifacts.insert_one({**plain(artifact), "_id": artifact["id"], "_order": self._next("artifacts")})
         return artifact
 
     def get_artifact(self, artifact_id: str) -> dict | None:
@@ -440,7 +354,7 @@ class MongoStore(Store):
 
     def update_artifact(self, artifact_id: str, changes: dict) -> None:
         if changes:
-            self._artifacts.update_one({"_id": artifact_id}, {"$set": _plain(changes)})
+            self._artifacts.update_one({"_id": artifact_id}, {"$set": plain(changes)})
 
     def list_artifacts(self, job_id: str, kind: str | None = None) -> list[dict]:
         where = {"job_id": job_id, **({"kind": kind} if kind else {})}

@@ -1,0 +1,256 @@
+"""A job as the server holds it: its record and every move the server makes it through
+(rq's ``Job``). The record is ``zwdx.protocol.job.Job`` (``JobRecord`` here); each move is a
+store write of typed values, guarded by the statuses it may happen from, so two servers or
+threads that race apply it at most once. A move that does not apply changes nothing and says
+so (False or None). Moves only write: the caller (``lifecycle.py``, ``scheduler.py``) tells
+the GPU clients and the dashboards.
+
+    queued|resuming --start--> starting --rank_running--> running --complete--> completed
+    queued|resuming|starting|running --fail--> failed      ... --cancel--> cancelled
+    starting|running --interrupt--> resuming (restarts left) or failed
+
+Failures come in two kinds. A rank whose own code raised makes the job *failing*: it fails
+once every rank reported (or ``FAILURE_GRACE`` is over), with every failing rank's traceback.
+A rank that lost its peers (a collective broke, or its process died without a word) makes
+the job *suspect*: if a GPU client of the job turns out lost, the job is interrupted (it goes
+on from its last checkpoint, up to ``max_restarts`` times); if none is lost within
+``CLIENT_TIMEOUT`` (or every rank exited), it fails. ``overdue`` says when.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Collection
+
+from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
+from ..protocol.job import CheckpointEntry, Job as JobRecord, Master, PlacementEntry, RankFailure, RankState, \
+    RestartEntry, TimelineEntry
+from .store import Store
+
+#: Seconds the other ranks of a failing job get to report their own failure after the first one.
+FAILURE_GRACE = 2.0
+
+_ACTIVE = tuple(ACTIVE)
+_OPEN = (*ACTIVE, *WAITING)
+
+
+class Job:
+    """One job's record and the store it lives in; ``clock`` tells the time (tests pass a fake)."""
+
+    def __init__(self, store: Store, record: JobRecord, clock: Callable[[], float] = time.time):
+        self.store, self.record, self.clock = store, record, clock
+
+    @classmethod
+    def load(cls, store: Store, job_id: str, clock: Callable[[], float] = time.time) -> Job | None:
+        record = store.get_job(job_id)
+        return None if record is None else cls(store, record, clock)
+
+    @classmethod
+    def submit(cls, store: Store, record: JobRecord, clock: Callable[[], float] = time.time) -> Job:
+        """Store a new job (``queued``); the store gives it its place in line."""
+        return cls(store, store.create_job(record), clock)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def status(self) -> JobStatus:
+        return self.record.status
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.status.value} attempt {self.record.attempt}>"
+
+    def refresh(self) -> Job:
+        self.record = self.store.get_job(self.id) or self.record
+        return self
+
+    def _took(self, record: JobRecord | None) -> bool:
+        """Keep the store's answer to a write; False when the write did not apply."""
+        if record is None:
+            return False
+        self.record = record
+        return True
+
+    def append_timeline(self, entry: TimelineEntry, when: Collection[JobStatus] | None = None) -> bool:
+        return self._took(self.store.append_job(self.id, {"timeline": entry}, when=when))
+
+    def _move(self, to: JobStatus, when: Collection[JobStatus], at: float, fields: dict | None = None,
+              history: RestartEntry | None = None, **entry) -> bool:
+        """Change the status (and ``fields``) and record it on the timeline, in one write."""
+        items = {"timeline": TimelineEntry(status=to, at=at, **entry)}
+        if history is not None:
+            items["restart_history"] = history
+        return self._took(self.store.append_job(self.id, items, fields={"status": to, **(fields or {})}, when=when))
+
+    # -- placing -------------------------------------------------------------------------------
+    def wait(self, reason: str) -> bool:
+        """A waiting job's ``waiting_reason`` changed (written only when it did)."""
+        if self.status not in WAITING or self.record.waiting_reason == reason:
+            return False
+        return self._took(self.store.set_job(self.id, {"waiting_reason": reason}, when=[self.status]))
+
+    def start(self, placement: list[PlacementEntry], slot_ids: list[str], job_key_hash: str) -> bool:
+        """queued|resuming -> starting: the slots (one per rank, in rank order) are the job's,
+        and the new attempt starts with nothing heard from its ranks. False: a slot or the job
+        was taken meanwhile (nothing changed)."""
+        now, attempt, size = self.clock(), self.record.restarts, len(placement)
+        fields = {"status": JobStatus.STARTING, "placement": placement, "world_size": size, "attempt": attempt,
+                  "backend": "nccl" if placement[0].kind == SlotKind.CUDA else "gloo",
+                  "job_key_hash": job_key_hash, "started_at": now, "waiting_reason": None, "master": None,
+                  "ranks": {}, "exits": {}, "failures": {}, "suspect_since": None, "suspect_reason": None,
+                  "failing_since": None, "failing_reason": None}
+        if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):
+            return False
+        entry = TimelineEntry(status=JobStatus.STARTING, at=now, attempt=attempt, world_size=size)
+        if not self.append_timeline(entry, when=[JobStatus.STARTING]):
+            self.refresh()  # cancelled in between: it keeps its slots until the caller lets go
+        return True
+
+    def rendezvous(self, master: Master) -> bool:
+        """Rank 0's GPU client offered where the ranks meet; only a job still starting takes it."""
+        return self._took(self.store.set_job(self.id, {"master": master}, when=[JobStatus.STARTING]))
+
+    # -- what ranks report -----------------------------------------------------------------
+    def rank_running(self, rank: int) -> bool:
+        """A rank started; the first one moves the job starting -> running (True then)."""
+        now = self.clock()
+        entry = RankState(status=RankStatus.RUNNING, started_at=now)
+        if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
+            return False
+        return self._move(JobStatus.RUNNING, [JobStatus.STARTING], now, {"running_at": now},
+                          attempt=self.record.attempt)
+
+    def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
+                       final_loss: float | None = None, weights_artifact: str | None = None) -> bool:
+        """A rank reported its result (rank 0's carries the job's); the job completes when every
+        rank has (True then)."""
+        now = self.clock()
+        if rank == 0:
+            self._took(self.store.set_job(self.id, {"results": results or {}, "final_loss": final_loss,
+                                                    "weights_artifact": weights_artifact}, when=_ACTIVE))
+        before = self.record.ranks.get(str(rank))
+        entry = RankState(status=RankStatus.COMPLETED, started_at=before.started_at if before else None,
+                          ended_at=now, fingerprint=fingerprint)
+        if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
+            return False
+        return self.complete()
+
+    def complete(self) -> bool:
+        """starting|running -> completed, once every rank reported completion."""
+        r = self.record
+        done = r.world_size and all((state := r.ranks.get(str(i))) is not None and state.status == RankStatus.COMPLETED
+                                    for i in range(r.world_size))
+        if r.status not in _ACTIVE or not done:
+            return False
+        now = self.clock()
+        return self._move(JobStatus.COMPLETED, _ACTIVE, now, {"ended_at": now})
+
+    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool) -> bool:
+        """A rank reported an exception. Its own (``collective`` False): the job is failing.
+        From torch.distributed (a peer probably gone): the job is suspect. On a job that
+        failed already, the traceback is kept too. False: the job was not in a state to
+        record it."""
+        now = self.clock()
+        failure = RankFailure(traceback=traceback, at=now,
+                              kind=FailureKind.COLLECTIVE if collective else FailureKind.RAISED)
+        if self.status == JobStatus.FAILED:
+            return self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=[JobStatus.FAILED]))
+        if not self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=_ACTIVE)):
+            return False
+        if collective:
+            self._took(self.store.set_job(self.id, {"suspect_since": now}, when=_ACTIVE, unless_set="suspect_since"))
+        else:
+            self._took(self.store.set_job(self.id, {"failing_since": now, "failing_reason": f"rank {rank} failed: {error}"},
+                                          when=_ACTIVE, unless_set="failing_since"))
+        return True
+
+    def ranks_exited(self, exits: dict) -> bool:
+        """A GPU client's rank processes exited (rank -> exit code). A rank that exited badly
+        without reporting a failure (nor its completion) makes the job suspect. True when a
+        rank exited badly."""
+        exits = {str(rank): int(code) for rank, code in exits.items()}
+        self._took(self.store.put_job_entries(self.id, "exits", exits, when=_ACTIVE))
+        r = self.record
+        bad = {rank: code for rank, code in exits.items() if code != 0 and
+               not ((state := r.ranks.get(rank)) is not None and state.status == RankStatus.COMPLETED)}
+        unreported = {rank: code for rank, code in bad.items() if rank not in r.failures}
+        if unreported and r.status in _ACTIVE:
+            now = self.clock()
+            failures = {rank: RankFailure(traceback=f"rank process exited with code {code} before reporting", at=now,
+                                          kind=FailureKind.EXITED) for rank, code in unreported.items()}
+            reason = "rank process died (" + ", ".join(
+                f"rank {rank} exit code {code}" for rank, code in sorted(unreported.items())) + ")"
+            if self._took(self.store.put_job_entries(self.id, "failures", failures, when=_ACTIVE)):
+                self._took(self.store.set_job(self.id, {"suspect_since": now}, when=_ACTIVE, unless_set="suspect_since"))
+                self._took(self.store.set_job(self.id, {"suspect_reason": reason}, when=_ACTIVE))
+        return bool(bad)
+
+    # -- the end ---------------------------------------------------------------------------
+    def fail(self, reason: str) -> bool:
+        """queued|resuming|starting|running -> failed."""
+        now = self.clock()
+        return self._move(JobStatus.FAILED, _OPEN, now, {"ended_at": now, "reason": reason}, reason=reason)
+
+    def cancel(self, reason: str) -> bool:
+        """queued|resuming|starting|running -> cancelled."""
+        now = self.clock()
+        return self._move(JobStatus.CANCELLED, _OPEN, now, {"ended_at": now, "reason": reason}, reason=reason)
+
+    def interrupt(self, reason: str) -> JobStatus | None:
+        """A GPU client of the running job is gone: starting|running -> resuming (it goes on
+        from its last checkpoint), or -> failed once it used its ``max_restarts``. The status
+        it moved to, or None."""
+        r = self.record
+        if r.status not in _ACTIVE:
+            return None
+        if r.restarts >= r.spec.max_restarts:
+            history = "; ".join(h.reason for h in r.restart_history)
+            why = f"{reason}; gave up after {r.restarts} restart(s)" + (f" ({history})" if history else "")
+            return JobStatus.FAILED if self.fail(why) else None
+        now, checkpoint = self.clock(), r.latest_checkpoint
+        history = RestartEntry(at=now, reason=reason, from_checkpoint=checkpoint,
+                               failures={rank: f.traceback for rank, f in r.failures.items()})
+        fields = {"restarts": r.restarts + 1, "waiting_reason": reason, "ranks": {}, "exits": {}, "failures": {},
+                  "suspect_since": None, "suspect_reason": None, "failing_since": None, "failing_reason": None}
+        moved = self._move(JobStatus.RESUMING, _ACTIVE, now, fields, history, reason=reason,
+                           checkpoint=checkpoint.n if checkpoint else None)
+        return JobStatus.RESUMING if moved else None
+
+    def overdue(self, offline: Collection[str], client_timeout: float, assign_timeout: float) -> str | None:
+        """Why this active job should fail now, or None:
+        - a rank raised, and every rank reported (or exited), or ``FAILURE_GRACE`` is over;
+        - a rank lost its peers, none of the job's GPU clients is ``offline`` (else it waits
+          for them to be declared lost, and is interrupted), and ``client_timeout`` passed or
+          every rank exited;
+        - it is starting and no GPU client was told where to meet ``assign_timeout`` after it
+          was placed (the server that placed it stopped)."""
+        r, now = self.record, self.clock()
+        if r.status not in _ACTIVE:
+            return None
+        if r.failing_since is not None:
+            if self.all_heard(r.failures) or r.failing_since < now - FAILURE_GRACE:
+                return r.failing_reason or "a rank failed"
+            return None
+        if r.suspect_since is not None:
+            if any(p.client_id in offline for p in r.placement or []):
+                return None
+            if r.suspect_since < now - client_timeout - 1.0 or self.all_heard({}):
+                return r.suspect_reason or "a rank lost its peers and no GPU client was lost"
+            return None
+        if r.status == JobStatus.STARTING and r.master is None and (r.started_at or now) < now - assign_timeout:
+            return "no rendezvous address came from rank 0's gpu client (the server that placed the job stopped)"
+        return None
+
+    def all_heard(self, failures: dict) -> bool:
+        """Every rank of the attempt exited, or is in ``failures``."""
+        r = self.record
+        return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry]:
+        """Rank 0 committed a checkpoint: it is the latest, and the job keeps the last
+        ``keep_checkpoints``. Returns those kept."""
+        keep = self.record.spec.keep_checkpoints
+        self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
+                                         keep_last=keep))
+        return self.record.checkpoints

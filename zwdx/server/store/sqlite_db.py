@@ -1,0 +1,162 @@
+"""The embedded store's database file: connections, transactions, tables, schema version.
+
+Connections come from a small pool: a call takes one (or opens one when every pooled one is
+in use), and gives it back when done; ``POOL_SIZE`` idle ones are kept. That serves OS threads
+and gevent's greenlets alike (a greenlet never holds one across a switch: SQLite calls do not
+yield to the hub), without a connection per thread or greenlet ever started.
+
+Writes that must be atomic run inside ``BEGIN IMMEDIATE`` transactions (``Database.tx``),
+which serialise writers across threads and processes that share the file. Whatever SQLite
+raises inside one, the transaction is rolled back and the caller gets ``StoreError``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable
+
+from ...errors import SchemaVersionError, StoreError
+from . import base
+from .migrations import job_1_to_2
+
+log = logging.getLogger(__name__)
+
+#: Idle connections kept for the next call.
+POOL_SIZE = 8
+
+DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rooms (id TEXT PRIMARY KEY, token_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, room_id TEXT NOT NULL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS clients_room ON clients (room_id);
+CREATE TABLE IF NOT EXISTS slots (id TEXT PRIMARY KEY, client_id TEXT NOT NULL, room_id TEXT NOT NULL,
+    idx INTEGER NOT NULL, job_id TEXT, rank INTEGER, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS slots_room ON slots (room_id, client_id, idx);
+CREATE INDEX IF NOT EXISTS slots_job ON slots (job_id);
+CREATE TABLE IF NOT EXISTS jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,
+    room_id TEXT NOT NULL, status TEXT NOT NULL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_room_status ON jobs (room_id, status, seq);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
+CREATE TABLE IF NOT EXISTS events (job_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL,
+    rank INTEGER, key TEXT, doc TEXT NOT NULL, PRIMARY KEY (job_id, seq));
+CREATE UNIQUE INDEX IF NOT EXISTS events_dedup ON events (job_id, rank, key);
+CREATE INDEX IF NOT EXISTS events_kind ON events (job_id, kind, seq);
+CREATE TABLE IF NOT EXISTS artifacts (id TEXT PRIMARY KEY, job_id TEXT, kind TEXT, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS artifacts_job ON artifacts (job_id, kind);
+"""
+
+
+def dump(doc) -> str:
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _jobs_1_to_2(db: sqlite3.Connection) -> None:
+    for job_id, doc in db.execute("SELECT id, doc FROM jobs").fetchall():
+        db.execute("UPDATE jobs SET doc=? WHERE id=?", (dump(job_1_to_2(json.loads(doc))), job_id))
+
+
+#: Migrations from version N to N+1: each a function of the connection, run inside the
+#: transaction that records version N+1.
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _jobs_1_to_2}
+
+
+class Database:
+    """One SQLite file: a pool of connections, transactions, and the layout's version."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._idle: deque[sqlite3.Connection] = deque()  # append and pop are atomic
+        with self.conn() as conn:
+            try:
+                conn.executescript(DDL)
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot prepare the embedded store at {path}: {exc}") from exc
+        self._check_schema()
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the embedded store at {self.path}: {exc}") from exc
+        return conn
+
+    @contextmanager
+    def conn(self):
+        """A connection of the pool for the length of one call."""
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            conn = self._open()
+        try:
+            yield conn
+        finally:
+            if len(self._idle) < POOL_SIZE:
+                self._idle.append(conn)
+            else:
+                conn.close()
+
+    @contextmanager
+    def tx(self):
+        """A write transaction: committed when the block ends, rolled back when it raises;
+        SQLite's errors (a constraint, a full disk, a broken file) come out as StoreError."""
+        with self.conn() as conn:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"embedded store busy or broken: {exc}") from exc
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # SQLite rolled back already (a full disk, an I/O error)
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"embedded store write failed, nothing changed: {exc}") from exc
+                raise
+
+    def query(self, sql: str, args: tuple = ()) -> list:
+        with self.conn() as conn:
+            try:
+                return conn.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"embedded store query failed: {exc}") from exc
+
+    def schema_version(self) -> int:
+        return int(self.query("SELECT value FROM meta WHERE key='schema_version'")[0][0])
+
+    def _check_schema(self) -> None:
+        rows = self.query("SELECT value FROM meta WHERE key='schema_version'")
+        if not rows:
+            with self.tx() as db:
+                db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(base.SCHEMA_VERSION),))
+            return
+        found = int(rows[0][0])
+        if found > base.SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"the store at {self.path} has schema version {found}, newer than this zwdx "
+                f"understands ({base.SCHEMA_VERSION}); upgrade zwdx", found=found, supported=base.SCHEMA_VERSION)
+        while found < base.SCHEMA_VERSION:
+            with self.tx() as db:
+                step = MIGRATIONS.get(found)
+                if step is not None:
+                    step(db)
+                found += 1
+                db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(found),))
+            log.info("store: migrated %s to schema version %d", self.path, found)
+
+    def close(self) -> None:
+        while self._idle:
+            try:
+                self._idle.pop().close()
+            except (IndexError, sqlite3.Error):
+                pass
