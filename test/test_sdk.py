@@ -250,10 +250,10 @@ def test_the_train_function_default_wins_when_no_epochs_are_given(sdk, room, sta
     assert job["spec"]["epochs"] is None and runs["given"]["job"]["spec"]["epochs"] == 2
     assert job["name"] == "train_with_default"
     model = torch.nn.Linear(4, 2)
-    # the long-standing positional order: model, loader, train, eval, optimizer, parallelism,
-    # memory_required, room_token, epochs, world_size, wait, progress
+    # the earlier project's positional order: model, loader, train, eval, optimizer, parallelism,
+    # memory_required; the rest by name
     result = sdk.submit_job(model, tiny_loader, train_without_default, None, torch.optim.SGD(model.parameters(), 0.1),
-                            "DDP", 0, room["token"], 3, 1, True, False, name="named")
+                            "DDP", 0, room_token=room["token"], epochs=3, world_size=1, progress=False, name="named")
     assert result["results"]["epochs_run"] == 3 and result["job"]["name"] == "named"
     assert result["status"] == "completed" and result["complete"] is True
 
