@@ -6,6 +6,7 @@
     base.py     how messages are declared (pydantic v2) and checked: Message, Answer, parse
     gpu.py      the /gpu namespace's payloads: Register, Heartbeat, RanksExited, JobAssign, ...
     job.py      the parts of a job's record that cross processes: CheckpointEntry
+    rank.py     what a GPU client hands each rank process, once, on its stdin: RankSpec
 
 Import the message modules by name (``from zwdx.protocol.gpu import Register``); the package
 itself re-exports the vocabulary only, which needs nothing beyond the standard library.
