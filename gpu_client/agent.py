@@ -148,7 +148,11 @@ class Agent:
         log.warning("gpu-client %s: disconnected from %s; reconnecting", self.client_id, self.server)
 
     def _on_reserve_port(self, data):
-        ask = parse(ReservePort, data, EV_RESERVE_PORT)
+        try:
+            ask = parse(ReservePort, data, EV_RESERVE_PORT)
+        except BadRequest as err:  # answered, so the server need not wait for its timeout
+            log.error("gpu-client %s: %s", self.client_id, err)
+            return Ack(ok=False, error=err.message).model_dump()
         port = free_port(self.advertise_addr if self.advertise_addr != "0.0.0.0" else "")
         log.info("gpu-client %s: job %s rendezvous at %s:%d", self.client_id, ask.job_id, self.advertise_addr, port)
         return PortOffer(addr=self.advertise_addr, port=port).model_dump()
