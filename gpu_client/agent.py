@@ -2,20 +2,18 @@
 
 It connects to the server's /gpu Socket.IO namespace with the room token, registers its
 slots, sends heartbeats, reconnects by itself (with backoff) when the server goes away and
-re-registers with the jobs it still runs. Each rank runs in its own process group, so a job
-that crashes never takes the agent down and a cancel can kill everything a rank started.
+re-registers with the jobs it still runs. What it says and hears are the types of
+``zwdx.protocol.gpu``: it builds ``Register``, ``Heartbeat`` and ``RanksExited``, and reads
+``JobAssign``, ``JobCancel`` and ``ReservePort`` through them. Each rank of a job it is
+assigned gets one ``RankSpec`` and runs in its own process (``launcher.py``).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -27,17 +25,22 @@ import requests
 import socketio
 
 from zwdx import defaults
+from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
-                           EV_RESERVE_PORT, GPU_NAMESPACE, runtime_versions)
+                           EV_RESERVE_PORT, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
+from zwdx.protocol.base import parse
+from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, RankPlace, RanksExited, Register,
+                               RegisterAnswer, ReservePort, Running)
+from zwdx.protocol.rank import RankSpec
 
 from . import gpus, host
+from .launcher import Launcher, RunningJob
 from .reporter import http_session
 
 log = logging.getLogger("gpu_client.agent")
 
-
-class FatalError(Exception):
-    """The server refused this client for good (bad token...)."""
+#: The exit code recorded for a rank whose process could not be started.
+NOT_STARTED = 97
 
 
 def reaching_address(server_url: str) -> str:
@@ -53,16 +56,6 @@ def free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-class RunningJob:
-    """The ranks of one attempt of one job on this GPU client."""
-
-    def __init__(self, job_id: str, attempt: int):
-        self.job_id, self.attempt = job_id, attempt
-        self.key = f"{job_id}:{attempt}"
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.cancelled = threading.Event()
 
 
 def interface_of(addr: str) -> str | None:
@@ -83,6 +76,7 @@ class Agent:
         self.server = server.rstrip("/")
         self.token = room_token
         self.client_id = client_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.hostname = socket.gethostname()
         self.slots = gpus.discover(gpus_only, cpu)
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
@@ -91,10 +85,7 @@ class Agent:
         self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
-        self.use_standby = standby
-        self.standby: dict[int, subprocess.Popen] = {}  # slot index -> rank process waiting for a job
-        self._standby_lock = threading.Lock()
-        self._standby_wanted: queue.Queue[int] = queue.Queue()  # slots whose standby the main thread starts
+        self.launcher = Launcher(self.work_dir, standby)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
@@ -120,25 +111,30 @@ class Agent:
     def _register(self):
         if self.advertise_addr is None:
             self.advertise_addr = reaching_address(self.server)
-        data = {"client_id": self.client_id, "hostname": socket.gethostname(), "host_id": self.host_id,
-                "slots": self.slots, "versions": runtime_versions(), "modules": self.modules,
-                "advertise_addr": self.advertise_addr, "running": self._running()}
+        iface = interface_of(self.advertise_addr)
+        if iface:  # ranks talk over the interface that reaches the server, not the hostname's
+            self.launcher.network = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
+                                     "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
+        hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
+                         versions=runtime_versions(), modules=self.modules, advertise_addr=self.advertise_addr,
+                         running=self._running())
         try:
-            answer = self.sio.call(EV_REGISTER, data, namespace=GPU_NAMESPACE, timeout=15)
+            data = self.sio.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=15)
         except Exception as exc:
             log.warning("gpu-client %s: register failed: %s", self.client_id, exc)
             return
-        if not answer or not answer.get("ok"):
-            self.fatal = (answer or {}).get("error", "register refused")
+        answer = _answer(RegisterAnswer, data)
+        if not answer.ok:
+            self.fatal = answer.error or "register refused"
             log.error("gpu-client %s: %s", self.client_id, self.fatal)
             self.stop.set()
             return
-        self.heartbeat_interval = float(answer.get("heartbeat_interval", self.heartbeat_interval))
+        self.heartbeat_interval = answer.heartbeat_interval or self.heartbeat_interval
         self._registered.set()
         for slot in self.slots:
-            self._spawn_standby(slot["index"])
-        log.info("gpu-client %s: registered in room %s with %d slot(s): %s", self.client_id, answer["room_id"],
-                 len(self.slots), ", ".join(s["name"] for s in self.slots))
+            self._want_standby(slot.index)
+        log.info("gpu-client %s: registered in room %s with %d slot(s): %s", self.client_id, answer.room_id,
+                 len(self.slots), ", ".join(s.name for s in self.slots))
 
     def _on_connect_error(self, data=None):
         message = data.get("message") if isinstance(data, dict) else str(data)
@@ -152,85 +148,77 @@ class Agent:
         log.warning("gpu-client %s: disconnected from %s; reconnecting", self.client_id, self.server)
 
     def _on_reserve_port(self, data):
+        try:
+            ask = parse(ReservePort, data, EV_RESERVE_PORT)
+        except BadRequest as err:  # answered, so the server need not wait for its timeout
+            log.error("gpu-client %s: %s", self.client_id, err)
+            return Ack(ok=False, error=err.message).model_dump()
         port = free_port(self.advertise_addr if self.advertise_addr != "0.0.0.0" else "")
-        log.info("gpu-client %s: job %s rendezvous at %s:%d", self.client_id, data.get("job_id"),
-                 self.advertise_addr, port)
-        return {"addr": self.advertise_addr, "port": port}
+        log.info("gpu-client %s: job %s rendezvous at %s:%d", self.client_id, ask.job_id, self.advertise_addr, port)
+        return PortOffer(addr=self.advertise_addr, port=port).model_dump()
 
-    def _running(self) -> list[dict]:
-        return [{"job_id": j.job_id, "attempt": j.attempt} for j in list(self.jobs.values())]
+    def _running(self) -> list[Running]:
+        return [Running(job_id=j.job_id, attempt=j.attempt) for j in list(self.jobs.values())]
 
     def _on_assign(self, data):
-        job = RunningJob(data["job_id"], int(data.get("attempt") or 0))
+        assigned_at = time.time()
+        try:
+            assign = parse(JobAssign, data, EV_JOB_ASSIGN)
+        except BadRequest as err:
+            self._refuse_assign(data, err)
+            return
+        job = RunningJob(assign.job_id, assign.attempt)
         self.jobs[job.key] = job
-        threading.Thread(target=self._run_job, args=(job, data, time.time()), name=f"job-{job.job_id}",
+        threading.Thread(target=self._run_job, args=(job, assign, assigned_at), name=f"job-{job.job_id}",
                          daemon=True).start()
 
     def _on_cancel(self, data):
+        try:
+            cancel = parse(JobCancel, data, EV_JOB_CANCEL)
+        except BadRequest as err:
+            log.error("gpu-client %s: %s", self.client_id, err)
+            return
         for job in list(self.jobs.values()):
-            if job.job_id != data.get("job_id") or data.get("attempt") not in (None, job.attempt):
+            if job.job_id != cancel.job_id or cancel.attempt not in (None, job.attempt):
                 continue
             log.info("gpu-client %s: job %s (attempt %d) stopping: %s", self.client_id, job.job_id, job.attempt,
-                     data.get("reason"))
-            job.cancelled.set()
-            threading.Thread(target=self._kill, args=(job,), daemon=True).start()
+                     cancel.reason)
+            threading.Thread(target=self.launcher.kill, args=(job,), daemon=True).start()
 
     # -- running ranks ---------------------------------------------------------------------
     def _threads(self, ranks: int) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
 
-    def _spawn_standby(self, index: int) -> None:
-        """Have the next rank process of a slot started ahead of time (see runner.standby), by
-        the main thread: a rank dies with the thread that started it (PR_SET_PDEATHSIG is a
-        thread's, not a process's), so a standby started by a short-lived thread could be
-        killed when that thread ended."""
-        if self.use_standby and not self.stop.is_set():
-            self._standby_wanted.put(index)
+    def _device(self, index: int, kind: SlotKind) -> str:
+        return f"cuda:{index}" if kind == SlotKind.CUDA else "cpu"
 
-    def _start_standby(self, index: int) -> None:
-        if self.stop.is_set():
-            return
-        with self._standby_lock:
-            if index in self.standby and self.standby[index].poll() is None:
-                return
-            slot = next(s for s in self.slots if s["index"] == index)
-            device = f"cuda:{index}" if slot["kind"] == "cuda" else "cpu"
-            folder = os.path.join(self.work_dir, "standby")
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
-                threads = str(self._threads(len(self.slots)))
-                self.standby[index] = subprocess.Popen(
-                    [sys.executable, "-m", "gpu_client.runner", "--standby", device], stdin=subprocess.PIPE,
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"})
+    def _want_standby(self, index: int) -> None:
+        slot = next((s for s in self.slots if s.index == index), None)
+        if slot is not None and not self.stop.is_set():
+            self.launcher.want_standby(index, self._device(index, slot.kind), self._threads(len(self.slots)))
 
-    def _start_rank(self, index: int, env: dict, log_path: str) -> subprocess.Popen:
-        """Hand the rank to the slot's standby process, or start a fresh one. Either reads a
-        line on stdin once the bundle is here when ``ZWDX_BUNDLE_PENDING`` is set."""
-        with self._standby_lock:
-            proc = self.standby.pop(index, None)
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.stdin.write((json.dumps({"env": {k: v for k, v in env.items() if os.environ.get(k) != v},
-                                              "log": log_path}) + "\n").encode())
-                proc.stdin.flush()
-                return proc
-            except OSError:
-                proc.kill()
-        if self.use_standby:
-            log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", self.client_id, index)
-        with open(log_path, "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], env=env, stdin=subprocess.PIPE,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, bundle: str, pending: bool,
+                   assigned_at: float) -> RankSpec:
+        logs = os.path.join(self.work_dir, "jobs", assign.job_id)
+        os.makedirs(logs, exist_ok=True)
+        return RankSpec(
+            job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
+            world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
+            backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
+            epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
+            checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
+            bundle_path=bundle, bundle_pending=pending, assigned_at=assigned_at, server=self.server,
+            client_id=self.client_id, hostname=self.hostname, room_token=self.token, job_key=assign.job_key,
+            log_path=os.path.join(logs, f"rank{place.rank}.log"))
 
-    def _bundle_path(self, data) -> str:
-        return os.path.join(self.work_dir, "bundles", f"{data['bundle_sha256']}.zwdx")
+    def _bundle_path(self, assign: JobAssign) -> str:
+        return os.path.join(self.work_dir, "bundles", f"{assign.bundle_sha256}.zwdx")
 
-    def _fetch_bundle(self, data) -> None:
-        path = self._bundle_path(data)
+    def _fetch_bundle(self, assign: JobAssign) -> None:
+        path = self._bundle_path(assign)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        session = http_session(self.token, data["job_key"])
-        url = f"{self.server}{defaults.API_PREFIX}/jobs/{data['job_id']}/bundle"
+        session = http_session(self.token, assign.job_key)
+        url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
         digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
             resp.raise_for_status()
@@ -238,125 +226,95 @@ class Agent:
                 for block in resp.iter_content(defaults.CHUNK_BYTES):
                     digest.update(block)
                     fh.write(block)
-        if digest.hexdigest() != data["bundle_sha256"]:
+        if digest.hexdigest() != assign.bundle_sha256:
             os.unlink(tmp)
-            raise IOError(f"bundle of job {data['job_id']} arrived corrupted (sha256 mismatch)")
+            raise IOError(f"bundle of job {assign.job_id} arrived corrupted (sha256 mismatch)")
         os.replace(tmp, path)
 
-    def _run_job(self, job: RunningJob, data: dict, assigned_at: float) -> None:
+    def _run_job(self, job: RunningJob, assign: JobAssign, assigned_at: float) -> None:
         """Start the job's ranks at once, so that they join their process group while the
         bundle downloads; tell them when it is here."""
         exits: dict[str, int] = {}
         try:
-            bundle = self._bundle_path(data)
+            bundle = self._bundle_path(assign)
             pending = not os.path.exists(bundle)
-            threads = self._threads(len(data["ranks"]))
-            iface = interface_of(self.advertise_addr)
-            net = {}
-            if iface:  # ranks talk over the interface that reaches the server, not the hostname's
-                net = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
-                       "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
-            logs = os.path.join(self.work_dir, "jobs", job.job_id)
-            os.makedirs(logs, exist_ok=True)
-            for local_rank, r in enumerate(data["ranks"]):
-                env = {**os.environ, "RANK": str(r["rank"]), "WORLD_SIZE": str(data["world_size"]),
-                       "LOCAL_RANK": str(local_rank), "MASTER_ADDR": data["master_addr"],
-                       "MASTER_PORT": str(data["master_port"]), "ZWDX_SERVER": self.server,
-                       "ZWDX_ROOM_TOKEN": self.token, "ZWDX_JOB_ID": job.job_id, "ZWDX_JOB_KEY": data["job_key"],
-                       "ZWDX_CLIENT_ID": self.client_id, "ZWDX_HOSTNAME": socket.gethostname(),
-                       "ZWDX_BUNDLE": bundle, "ZWDX_BUNDLE_PENDING": "1" if pending else "0",
-                       "ZWDX_ASSIGNED_AT": repr(assigned_at), "ZWDX_BACKEND": data["backend"],
-                       "ZWDX_DEVICE": f"cuda:{r['gpu_index']}" if r["kind"] == "cuda" else "cpu",
-                       "ZWDX_PARALLELISM": data["parallelism"],
-                       "ZWDX_EPOCHS": "" if data.get("epochs") is None else str(data["epochs"]),  # "": its default
-                       "ZWDX_COLLECTIVE_TIMEOUT": str(data["collective_timeout"]),
-                       "ZWDX_ATTEMPT": str(data.get("attempt", 0)), "ZWDX_NUM_THREADS": str(threads),
-                       "ZWDX_CHECKPOINT": json.dumps(data.get("checkpoint")),
-                       "ZWDX_CHECKPOINT_EVERY_EPOCH": "1" if data.get("checkpoint_every_epoch", True) else "0",
-                       "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **net}
-                job.procs[r["rank"]] = self._start_rank(r["gpu_index"], env,
-                                                        os.path.join(logs, f"rank{r['rank']}.log"))
-                log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id,
-                         r["rank"], job.procs[r["rank"]].pid)
+            for local_rank, place in enumerate(assign.ranks):
+                spec = self._rank_spec(assign, place, local_rank, bundle, pending, assigned_at)
+                job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
+                log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
+                         job.procs[place.rank].pid)
             if pending:
-                self._fetch_bundle(data)
-            for proc in job.procs.values():  # the bundle is here (or was already)
-                try:
-                    if pending:
-                        proc.stdin.write(b"ready\n")
-                    proc.stdin.close()
-                except OSError:
-                    pass  # the rank is gone already; its exit code says so
+                self._fetch_bundle(assign)
+            self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
         except Exception as exc:
             log.exception("gpu-client %s: job %s could not start", self.client_id, job.job_id)
-            self._report_start_failure(data, exc)
-            self._kill(job)
-            for r in data["ranks"]:
-                exits.setdefault(str(r["rank"]), job.procs[r["rank"]].wait() if r["rank"] in job.procs else 97)
+            self._report_start_failure(assign.job_id, assign.job_key, [r.rank for r in assign.ranks], exc)
+            self.launcher.kill(job)
+            for r in assign.ranks:
+                exits.setdefault(str(r.rank), job.procs[r.rank].wait() if r.rank in job.procs else NOT_STARTED)
         log.info("gpu-client %s: job %s (attempt %d) ranks exited: %s", self.client_id, job.job_id, job.attempt,
                  exits)
         self._send_exits(job, exits)
         self.jobs.pop(job.key, None)
-        for r in data["ranks"]:
-            self._spawn_standby(r["gpu_index"])
+        for r in assign.ranks:
+            self._want_standby(r.gpu_index)
         self.finished += 1
         if self.max_jobs is not None and self.finished >= self.max_jobs:
             self.stop.set()
 
-    def _report_start_failure(self, data, exc) -> None:
-        session = http_session(self.token, data["job_key"])
-        for r in data["ranks"]:
+    def _refuse_assign(self, data, err: BadRequest) -> None:
+        """A ``job_assign`` this client cannot read (a server of another version?): fail its ranks
+        with the reason, if the payload says which, so the job does not wait for them forever."""
+        log.error("gpu-client %s: %s", self.client_id, err)
+        try:
+            ranks = [int(r["rank"]) for r in data["ranks"]]
+            job = RunningJob(str(data["job_id"]), int(data.get("attempt") or 0))
+            self._report_start_failure(job.job_id, str(data["job_key"]), ranks, err)
+        except Exception:
+            return
+        threading.Thread(target=self._send_exits, args=(job, {str(r): NOT_STARTED for r in ranks}),
+                         daemon=True).start()
+
+    def _report_start_failure(self, job_id: str, job_key: str, ranks: list[int], exc: BaseException) -> None:
+        session = http_session(self.token, job_key)
+        for rank in ranks:
             try:
-                session.post(f"{self.server}{defaults.API_PREFIX}/jobs/{data['job_id']}/ranks/{r['rank']}",
-                             json={"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                                   "traceback": traceback.format_exc()}, timeout=30)
+                session.post(f"{self.server}{defaults.API_PREFIX}/jobs/{job_id}/ranks/{rank}",
+                             json={"status": RankStatus.FAILED.value, "error": f"{type(exc).__name__}: {exc}",
+                                   "traceback": "".join(traceback.format_exception(exc))}, timeout=30)
             except requests.RequestException:
                 pass
 
     def _send_exits(self, job: RunningJob, exits: dict) -> None:
+        message = RanksExited(job_id=job.job_id, attempt=job.attempt, exits=exits).model_dump()
         while not self.stop.is_set() or self.sio.connected:
             try:
                 if self.sio.connected and self._registered.wait(5):
-                    self.sio.call(EV_RANKS_EXITED, {"job_id": job.job_id, "attempt": job.attempt, "exits": exits},
-                                  namespace=GPU_NAMESPACE, timeout=15)
+                    self.sio.call(EV_RANKS_EXITED, message, namespace=GPU_NAMESPACE, timeout=15)
                     return
             except Exception as exc:
                 log.warning("gpu-client %s: cannot report exits of job %s yet: %s", self.client_id, job.job_id, exc)
             time.sleep(1)
-
-    def _kill(self, job: RunningJob, grace: float = 3.0) -> None:
-        for proc in list(job.procs.values()):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + grace
-        for proc in list(job.procs.values()):
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     # -- main loop -------------------------------------------------------------------------
     def _heartbeats(self) -> None:
         while not self.stop.wait(self.heartbeat_interval):
             if not self._registered.is_set():
                 continue
+            beat = Heartbeat(slots=gpus.stats(self.slots), running=self._running())
             try:
-                answer = self.sio.call(EV_HEARTBEAT, {"slots": gpus.stats(self.slots), "running": self._running()},
-                                       namespace=GPU_NAMESPACE, timeout=10)
-                if answer and not answer.get("ok"):
-                    log.warning("gpu-client %s: %s", self.client_id, answer.get("error"))
-                    self._registered.clear()
-                    threading.Thread(target=self._register, daemon=True).start()
+                data = self.sio.call(EV_HEARTBEAT, beat.model_dump(mode="json", exclude_unset=True),
+                                     namespace=GPU_NAMESPACE, timeout=10)
             except Exception as exc:
                 log.debug("gpu-client %s: heartbeat failed: %s", self.client_id, exc)
+                continue
+            answer = _answer(Ack, data)
+            if not answer.ok:
+                log.warning("gpu-client %s: %s", self.client_id, answer.error)
+                self._registered.clear()
+                threading.Thread(target=self._register, daemon=True).start()
 
     def run(self) -> int:
         """Serve until stopped (SIGINT/SIGTERM, burst done, or refused). Returns an exit code."""
@@ -374,10 +332,7 @@ class Agent:
                 self.stop.wait(backoff)
                 backoff = min(backoff * 2, 10)
         while not self.stop.is_set():
-            try:
-                self._start_standby(self._standby_wanted.get(timeout=0.5))
-            except queue.Empty:
-                pass
+            self.launcher.start_wanted(timeout=0.5)
         self.shutdown()
         if self.fatal:
             log.error("gpu-client %s: stopped: %s", self.client_id, self.fatal)
@@ -386,16 +341,9 @@ class Agent:
 
     def shutdown(self) -> None:
         self.stop.set()
-        with self._standby_lock:
-            for proc in self.standby.values():
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-            self.standby.clear()
+        self.launcher.shutdown()
         for job in list(self.jobs.values()):
-            self._kill(job)
+            self.launcher.kill(job)
         deadline = time.time() + 10
         while self.jobs and time.time() < deadline:  # let job threads report the exits
             time.sleep(0.1)
@@ -403,6 +351,14 @@ class Agent:
             self.sio.disconnect()
         except Exception:
             pass
+
+
+def _answer(model, data):
+    """The server's answer as ``model``; one that is not (no answer, another shape) as a refusal."""
+    try:
+        return parse(model, data)
+    except BadRequest as err:
+        return model(ok=False, error=f"the server's answer could not be read: {err}")
 
 
 def serve(**kwargs) -> int:

@@ -22,7 +22,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from zwdx import defaults
+from zwdx.protocol.job import CheckpointEntry
+from zwdx.protocol.vocab import CheckpointFormat, Parallelism
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,12 @@ EXTRA = "extra.pt"
 
 
 class Checkpointer:
-    def __init__(self, reporter, model, optimizer, parallelism: str, rank: int, world: int, device,
-                 latest: dict | None = None):
+    def __init__(self, reporter, model, optimizer, parallelism: Parallelism, rank: int, world: int, device,
+                 latest: CheckpointEntry | None = None):
         self.reporter, self.model, self.optimizer = reporter, model, optimizer
         self.parallelism, self.rank, self.world, self.device = parallelism, rank, world, device
-        self.latest = latest
-        self.next_n = (latest["n"] + 1) if latest else 0
-        self.saved = 0
+        self.latest = latest  # the checkpoint this attempt goes on from
+        self.next_n = (latest.n + 1) if latest else 0
         self.tracked: dict[str, object] = {}  # name -> object with state_dict()/load_state_dict()
         self.tracked_state: dict = {}         # name -> its state in the checkpoint restored
         self.rng_state: dict | None = None    # this rank's generators in the checkpoint restored
@@ -55,7 +55,7 @@ class Checkpointer:
         if key in self.tracked_state:
             obj.load_state_dict(self.tracked_state[key])
         elif self.latest and self.rank == 0:
-            self.reporter.log(f"checkpoint {self.latest['n']} holds no state for {key!r}: it starts afresh")
+            self.reporter.log(f"checkpoint {self.latest.n} holds no state for {key!r}: it starts afresh")
         return obj
 
     def restore_rng(self) -> None:
@@ -68,15 +68,15 @@ class Checkpointer:
     def start_epoch(self) -> int:
         if not self.latest:
             return 0
-        epoch = int(self.latest.get("epoch") or 0)
-        return epoch + 1 if self.latest.get("epoch_complete", True) else epoch
+        epoch = int(self.latest.epoch or 0)
+        return epoch + 1 if self.latest.epoch_complete else epoch
 
     @property
     def resume(self) -> dict | None:
         if not self.latest:
             return None
-        return {"epoch": self.latest.get("epoch"), "step": self.latest.get("step"),
-                "epoch_complete": self.latest.get("epoch_complete", True), "checkpoint": self.latest["n"]}
+        return {"epoch": self.latest.epoch, "step": self.latest.step, "epoch_complete": self.latest.epoch_complete,
+                "checkpoint": self.latest.n}
 
     # -- saving ------------------------------------------------------------------------------
     def _upload(self, n: int, path: str) -> str:
@@ -90,14 +90,14 @@ class Checkpointer:
         self.next_n += 1
         folder = tempfile.mkdtemp(prefix=f"zwdx-ckpt-{n}-r{self.rank}-")
         try:
-            if self.parallelism == "FSDP":
+            if self.parallelism == Parallelism.FSDP:
                 import torch.distributed.checkpoint as dcp
                 from torch.distributed.checkpoint.state_dict import get_state_dict
                 model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
                 dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(folder))
-                fmt = "dcp"
+                fmt = CheckpointFormat.DCP
             else:
-                fmt = "torch"
+                fmt = CheckpointFormat.TORCH
                 if self.rank == 0:
                     state = {"model": self.model.module.state_dict(),
                              "optimizer": self.optimizer.state_dict() if self.optimizer else None}
@@ -108,11 +108,8 @@ class Checkpointer:
             dist.all_gather_object(everyone, mine)  # also: every rank's files are in the artifact store
             names = sorted({name for names in everyone for name in names})
             if self.rank == 0:
-                self.reporter.flush()
-                resp = self.reporter.session.post(f"{self.reporter.base}/checkpoints/{n}/commit", timeout=60, json={
-                    "files": names, "epoch": epoch, "step": step, "format": fmt, "epoch_complete": epoch_complete})
-                resp.raise_for_status()
-            self.saved += 1
+                self.reporter.commit_checkpoint(n, names, epoch=epoch, step=step, format=fmt.value,
+                                                epoch_complete=epoch_complete)
             log.info("rank %d: checkpoint %d saved (epoch %d, step %d)", self.rank, n, epoch, step)
             return n
         finally:
@@ -137,19 +134,14 @@ class Checkpointer:
         entry = self.latest
         if not entry:
             return
-        folder = tempfile.mkdtemp(prefix=f"zwdx-restore-{entry['n']}-r{self.rank}-")
+        folder = tempfile.mkdtemp(prefix=f"zwdx-restore-{entry.n}-r{self.rank}-")
         rng = f"rng-{self.rank}.pt"
         try:
-            for name in entry["files"]:
+            for name in entry.files:
                 if name.startswith("rng-") and name != rng:
                     continue  # another rank's generators
-                url = f"{self.reporter.base}/checkpoints/{entry['n']}/{name}"
-                with self.reporter.session.get(url, stream=True, timeout=600) as resp:
-                    resp.raise_for_status()
-                    with open(os.path.join(folder, name), "wb") as fh:
-                        for block in resp.iter_content(defaults.CHUNK_BYTES):
-                            fh.write(block)
-            if entry.get("format") == "dcp":
+                self.reporter.download(f"checkpoints/{entry.n}/{name}", os.path.join(folder, name))
+            if entry.format == CheckpointFormat.DCP:
                 import torch.distributed.checkpoint as dcp
                 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
                 model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
@@ -163,13 +155,13 @@ class Checkpointer:
                 target.load_state_dict(state["model"])
                 if self.optimizer is not None and state.get("optimizer"):
                     self.optimizer.load_state_dict(state["optimizer"])
-            if EXTRA in entry["files"]:
+            if EXTRA in entry.files:
                 extra = torch.load(os.path.join(folder, EXTRA), map_location="cpu", weights_only=True)
                 self.tracked_state = extra.get("tracked") or {}
-            if rng in entry["files"]:
+            if rng in entry.files:
                 self.rng_state = torch.load(os.path.join(folder, rng), map_location="cpu", weights_only=True)
-            log.info("rank %d: restored checkpoint %d (epoch %s, step %s)", self.rank, entry["n"],
-                     entry.get("epoch"), entry.get("step"))
+            log.info("rank %d: restored checkpoint %d (epoch %s, step %s)", self.rank, entry.n, entry.epoch,
+                     entry.step)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -1,8 +1,12 @@
-"""What a GPU client offers: its GPUs through pynvml, or one CPU slot."""
+"""What a GPU client offers: its GPUs through pynvml, or one CPU slot, as the ``Slot`` and
+``SlotStats`` messages it registers and heartbeats with."""
 from __future__ import annotations
 
 import logging
 import os
+
+from zwdx.protocol.gpu import Slot, SlotStats
+from zwdx.protocol.vocab import SlotKind
 
 log = logging.getLogger(__name__)
 
@@ -17,18 +21,18 @@ def _nvml():
         return None
 
 
-def cpu_slot() -> dict:
+def cpu_slot() -> Slot:
     try:
         with open("/proc/meminfo") as fh:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
         total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
     except OSError:
         total = free = 0
-    return {"index": 0, "kind": "cpu", "name": f"CPU ({os.cpu_count()} cores)", "memory_total": total,
-            "memory_free": free, "utilization": None}
+    return Slot(index=0, kind=SlotKind.CPU, name=f"CPU ({os.cpu_count()} cores)", memory_total=total,
+                memory_free=free, utilization=None)
 
 
-def discover(only: list[int] | None = None, cpu: bool = False) -> list[dict]:
+def discover(only: list[int] | None = None, cpu: bool = False) -> list[Slot]:
     """One slot per visible GPU (optionally only those indices), or one CPU slot."""
     if cpu:
         return [cpu_slot()]
@@ -44,7 +48,7 @@ def discover(only: list[int] | None = None, cpu: bool = False) -> list[dict]:
     return slots
 
 
-def read(index: int, nvml=None) -> dict:
+def read(index: int, nvml=None) -> Slot:
     nvml = nvml or _nvml()
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     mem = nvml.nvmlDeviceGetMemoryInfo(handle)
@@ -53,29 +57,25 @@ def read(index: int, nvml=None) -> dict:
         util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
     except Exception:
         util = None
-    return {"index": index, "kind": "cuda", "name": name.decode() if isinstance(name, bytes) else name,
-            "memory_total": int(mem.total), "memory_free": int(mem.free), "utilization": util}
+    return Slot(index=index, kind=SlotKind.CUDA, name=name.decode() if isinstance(name, bytes) else name,
+                memory_total=int(mem.total), memory_free=int(mem.free), utilization=util)
 
 
-def stats(slots: list[dict]) -> list[dict]:
+def stats(slots: list[Slot]) -> list[SlotStats]:
     """Fresh free memory and utilisation of the slots offered."""
     out = []
     for slot in slots:
-        if slot.get("kind") == "cpu":
-            fresh = cpu_slot()
-            out.append({"index": slot["index"], "memory_free": fresh["memory_free"], "utilization": None})
-            continue
         try:
-            fresh = read(slot["index"])
-            out.append({"index": slot["index"], "memory_free": fresh["memory_free"],
-                        "utilization": fresh["utilization"]})
+            fresh = cpu_slot() if slot.kind == SlotKind.CPU else read(slot.index)
         except Exception as exc:
-            log.debug("gpus: cannot read GPU %s: %s", slot["index"], exc)
+            log.debug("gpus: cannot read GPU %s: %s", slot.index, exc)
+            continue
+        out.append(SlotStats(index=slot.index, memory_free=fresh.memory_free, utilization=fresh.utilization))
     return out
 
 
 def utilization(index: int) -> float | None:
     try:
-        return float(read(index)["utilization"])
+        return float(read(index).utilization)
     except Exception:
         return None

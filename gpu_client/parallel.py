@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .failures import watch_gradients
+
 log = logging.getLogger(__name__)
 
 #: Below this many parameters every rank gathers the full weights to fingerprint them.
@@ -32,7 +34,10 @@ def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, r
     if parallelism == "DDP":
         from torch.nn.parallel import DistributedDataParallel
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        model = DistributedDataParallel(model, device_ids=ids)
+        if device.type == "cpu":  # so that a lost peer in backward() is told from the user's own error
+            watch_gradients(model)
+        return model
     if parallelism == "FSDP":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

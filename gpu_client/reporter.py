@@ -55,8 +55,8 @@ class Reporter:
         self.start_epoch = 0
         #: None, or ``{"epoch", "step", "epoch_complete", "checkpoint"}`` of the checkpoint restored.
         self.resume: dict | None = None
-        self._checkpointer = None  # set by the runner: the job's Checkpointer
-        self._loader = None        # set by the runner: the CountingLoader given to train_func
+        self._checkpointer = None  # the job's Checkpointer (attach)
+        self._loader = None        # the CountingLoader given to train_func (attach)
         self._n = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -66,6 +66,29 @@ class Reporter:
         self._delivered = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._send_loop, name="zwdx-reporter", daemon=True)
         self._thread.start()
+
+    # -- the runner's side -----------------------------------------------------------------
+    def attach(self, checkpointer, loader=None) -> None:
+        """Give ``checkpoint()`` and ``track()`` the job's Checkpointer and the loader given to
+        ``train_func``; go on from the checkpoint it restored (its epoch and step), if any."""
+        self._checkpointer, self._loader = checkpointer, loader
+        self.start_epoch, self.resume = checkpointer.start_epoch, checkpointer.resume
+        if checkpointer.latest is not None:
+            self.step = int(checkpointer.latest.step or 0)
+
+    def commit_checkpoint(self, n: int, files: list[str], **fields) -> None:
+        """Rank 0: checkpoint ``n`` is complete (every rank uploaded ``files``); the server keeps it."""
+        self.flush()
+        resp = self.session.post(f"{self.base}/checkpoints/{n}/commit", json={"files": files, **fields}, timeout=60)
+        resp.raise_for_status()
+
+    def download(self, path: str, file_path: str) -> None:
+        """GET ``<job url>/<path>`` into ``file_path``, streamed."""
+        with self.session.get(f"{self.base}/{path}", stream=True, timeout=600) as resp:
+            resp.raise_for_status()
+            with open(file_path, "wb") as fh:
+                for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    fh.write(block)
 
     # -- the user's side -------------------------------------------------------------------
     def log_metrics(self, step: int | None = None, **values) -> None:

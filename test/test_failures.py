@@ -151,6 +151,29 @@ def test_the_rank_whose_code_raised_comes_first_with_its_file_and_lines(sdk, roo
         assert f'File "{source}", line 7, in train' in err.failures["0"] and "dist.barrier()" in err.failures["0"]
 
 
+def train_that_times_out_on_its_own(rank):
+    import torch.distributed as dist
+    if rank == 1:
+        raise TimeoutError("timed out reading data")  # the user's own timeout, not a lost peer
+    dist.barrier()  # rank 0 waits here for a peer that is gone: it lost its peer
+
+
+def test_a_users_own_timeout_error_fails_the_job_as_raised_not_as_a_lost_peer(sdk, room, start_client):
+    start_client("a")
+    start_client("b")
+    result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
+                            train_func=train_that_times_out_on_its_own, room_token=room["token"], world_size=2,
+                            progress=False, raise_on_failure=False, timeout=120)
+    job = result["job"]
+    assert result["status"] == "failed"
+    assert "rank 1 failed: TimeoutError: timed out reading data" in result["reason"], result["reason"]
+    assert job["failure_info"]["1"]["kind"] == "raised"
+    assert result["failure_order"][0] == "1"
+    assert "TimeoutError: timed out reading data" in result["failures"]["1"]
+    if "0" in job["failure_info"]:  # unless the job failed (and stopped it) before it told
+        assert job["failure_info"]["0"]["kind"] == "collective" and result["failure_order"] == ["1", "0"]
+
+
 def test_failure_order_puts_ranks_whose_code_raised_before_those_that_lost_their_peers():
     from zwdx.protocol.job import RankFailure, failure_order
     failures = {"0": RankFailure(traceback="...", at=10.0, kind="collective"),  # heard of first, but only a knock-on

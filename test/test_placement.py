@@ -85,7 +85,7 @@ def test_a_gpu_client_with_a_bad_module_list_is_refused_with_the_reason(api, soc
     assert sio.is_connected("/gpu")
     base = {"client_id": "bad", "hostname": "h", "versions": {"python": "3.11.7"},
             "slots": [{"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 1000}]}
-    for wrong, field in [({"modules": "numpy"}, "modules"), ({"modules": ["os", "a b"]}, "modules"),
+    for wrong, field in [({"modules": "numpy"}, "modules"), ({"modules": ["os", "a b"]}, "modules.1"),
                          ({"host_id": 7}, "host_id"), ({"host_id": "x" * 65}, "host_id")]:
         answer = sio.emit("register", {**base, **wrong}, namespace="/gpu", callback=True)
         assert not answer["ok"] and f"field '{field}'" in answer["error"], answer

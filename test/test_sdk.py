@@ -250,12 +250,43 @@ def test_the_train_function_default_wins_when_no_epochs_are_given(sdk, room, sta
     assert job["spec"]["epochs"] is None and runs["given"]["job"]["spec"]["epochs"] == 2
     assert job["name"] == "train_with_default"
     model = torch.nn.Linear(4, 2)
-    # the long-standing positional order: model, loader, train, eval, optimizer, parallelism,
-    # memory_required, room_token, epochs, world_size, wait, progress
+    # the earlier project's positional order: model, loader, train, eval, optimizer, parallelism,
+    # memory_required; the rest by name
     result = sdk.submit_job(model, tiny_loader, train_without_default, None, torch.optim.SGD(model.parameters(), 0.1),
-                            "DDP", 0, room["token"], 3, 1, True, False, name="named")
+                            "DDP", 0, room_token=room["token"], epochs=3, world_size=1, progress=False, name="named")
     assert result["results"]["epochs_run"] == 3 and result["job"]["name"] == "named"
     assert result["status"] == "completed" and result["complete"] is True
+
+
+def test_submit_job_takes_seven_arguments_by_position_and_the_rest_by_name():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(TypeError) as info:  # room_token by position: refused before anything is sent
+        ZWDX(NOWHERE).submit_job(model, tiny_loader, train_with_default, None, None, "DDP", 0, "zr_x")
+    message = str(info.value)
+    assert "submit_job() takes at most 7 positional arguments" in message and "8 were given" in message
+    assert "model, data_loader_func, train_func, eval_func, optimizer, parallelism, memory_required" in message
+    assert "room_token=" in message
+    with pytest.raises(Exception) as info:  # seven by position pass: it fails only at the (absent) server
+        ZWDX(NOWHERE, room_token="zr_x").submit_job(model, tiny_loader, train_with_default, None,
+                                                     torch.optim.SGD(model.parameters(), lr=0.1), "DDP", 0)
+    assert type(info.value).__name__ == "ServerUnreachable"
+
+
+def _connections_to(port: int) -> list:
+    import psutil
+    return [c for c in psutil.Process().net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED]
+
+
+def test_zwdx_as_a_context_manager_closes_its_connections_to_the_server(server):
+    with ZWDX(server.url) as sdk:
+        assert sdk.health()["status"] == "ok"
+        assert len(_connections_to(server.port)) == 1  # kept alive for the next call
+    wait_until(lambda: not _connections_to(server.port), 10, what="the connection closed")
+    assert sdk.health()["status"] == "ok"  # still usable: a new connection
+    sdk.close()
+    sdk.close()  # twice is fine
+    wait_until(lambda: not _connections_to(server.port), 10, what="the connection closed again")
 
 
 # -- Ctrl-C ---------------------------------------------------------------------------------------

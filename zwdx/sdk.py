@@ -13,6 +13,7 @@ as it did: ``parse_args()`` (``-rt/--room_token``), ``get_logger()`` and a resul
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
@@ -49,6 +50,26 @@ class ResultStatus(str):
     __hash__ = str.__hash__
 
 
+#: ``submit_job``'s arguments that may be given by position, in the earlier project's order.
+SUBMIT_POSITIONAL = ("model", "data_loader_func", "train_func", "eval_func", "optimizer", "parallelism",
+                     "memory_required")
+
+
+def _positional_at_most(names: tuple[str, ...]):
+    """Refuse more positional arguments than ``names`` with a TypeError that says what to do
+    (Python's own would count ``self`` and name no argument)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if len(args) > len(names):
+                raise TypeError(f"{method.__name__}() takes at most {len(names)} positional arguments "
+                                f"({', '.join(names)}) but {len(args)} were given; pass the others by name, "
+                                f"e.g. room_token=...")
+            return method(self, *args, **kwargs)
+        return call
+    return decorate
+
+
 def _say(message: str) -> None:
     """A line for the person at the terminal (stderr), never carrying a token."""
     print(message, file=sys.stderr, flush=True)
@@ -56,7 +77,10 @@ def _say(message: str) -> None:
 
 class ZWDX:
     """A connection to one zwdx server. Room tokens are given per call or once here; those of
-    rooms created or submitted to are remembered (``remember=False`` or ``ZWDX_REMEMBER=0``: not)."""
+    rooms created or submitted to are remembered (``remember=False`` or ``ZWDX_REMEMBER=0``: not).
+
+    A context manager: ``with ZWDX(url) as zwdx: ...`` closes its HTTP connections at the end
+    (as ``close()`` does)."""
 
     def __init__(self, server_url: str = f"http://localhost:{defaults.PORT}", room_token: str | None = None,
                  timeout: float = 30.0, remember: bool | None = None):
@@ -67,6 +91,17 @@ class ZWDX:
         self._job_tokens: dict[str, str] = {}
         remember = remember_by_default() if remember is None else remember
         self.credentials = CredentialStore() if remember else None
+
+    def close(self) -> None:
+        """Close the connections to the server this object holds open. It can still be used:
+        a later call opens a new one."""
+        self._session.close()
+
+    def __enter__(self) -> ZWDX:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- the earlier project's surface -------------------------------------------------------
     def parse_args(self, args: list[str] | None = None) -> argparse.Namespace:
@@ -156,8 +191,9 @@ class ZWDX:
         return self._json("GET", "/room", self._token(room_token))
 
     # -- jobs --------------------------------------------------------------------------------
+    @_positional_at_most(SUBMIT_POSITIONAL)
     def submit_job(self, model, data_loader_func, train_func, eval_func=None, optimizer=None,
-                   parallelism: str = "DDP", memory_required: int = 0, room_token: str | None = None,
+                   parallelism: str = "DDP", memory_required: int = 0, *, room_token: str | None = None,
                    epochs: int | None = None, world_size: int | None = None, wait: bool = True, progress: bool = True,
                    raise_on_failure: bool = True, name: str = "", collective_timeout: float | None = None,
                    timeout: float | None = None, min_world_size: int | None = None,
@@ -165,7 +201,8 @@ class ZWDX:
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
-        result (``wait=False``: returns the job id at once).
+        result (``wait=False``: returns the job id at once). The first seven arguments may be
+        given by position, in this order; the others only by name.
 
         ``epochs`` is passed to ``train_func``; None (the default) leaves the function's own
         default to win (1 if it declares none). ``name`` defaults to ``train_func``'s name.

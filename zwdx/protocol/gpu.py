@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StringConstraints, field_validator
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
@@ -55,12 +55,20 @@ class Register(Message):
     #: The machine (GPU clients of one machine share its RAM); None: a host of its own.
     host_id: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
     slots: Annotated[list[Slot], Field(max_length=256)] = []
-    versions: dict[Annotated[str, StringConstraints(max_length=64)],
-                   Annotated[str, StringConstraints(max_length=64)]] = {}
+    versions: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[str, StringConstraints(max_length=64)]], Field(max_length=64)] = {}
     #: Top-level modules it can import (None: not told, so not checked).
     modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_CLIENT_MODULES)] | None = None
     advertise_addr: Annotated[str, StringConstraints(max_length=255)] | None = None
     running: Annotated[list[Running], Field(max_length=1024)] = []
+
+    @field_validator("slots")
+    @classmethod
+    def _one_slot_per_index(cls, slots: list[Slot]) -> list[Slot]:
+        indexes = [s.index for s in slots]
+        if len(set(indexes)) != len(indexes):
+            raise ValueError(f"each slot needs its own index, got {indexes}")
+        return slots
 
 
 class RegisterAnswer(Answer):
@@ -85,7 +93,7 @@ class RanksExited(Message):
     """The client's rank processes of one attempt of a job are gone: rank -> exit code."""
     job_id: Id
     attempt: Count = 0
-    exits: dict[RankKey, Annotated[int, Field(ge=-255, le=255)]]
+    exits: Annotated[dict[RankKey, Annotated[int, Field(ge=-255, le=255)]], Field(min_length=1, max_length=1024)]
 
 
 class ReservePort(Answer):
@@ -108,7 +116,9 @@ class RankPlace(Answer):
 
 class JobAssign(Answer):
     """Everything a GPU client needs to start its ranks of one attempt of a job; every value
-    decided by the server (defaults resolved), so the client derives nothing."""
+    decided by the server (defaults resolved), so the client derives nothing: the fields the
+    ranks need have no default here. The agent turns it into one ``RankSpec`` per rank
+    (``zwdx.protocol.rank``)."""
     job_id: str
     job_key: str
     attempt: int = 0
@@ -124,8 +134,8 @@ class JobAssign(Answer):
     epochs: int | None = None
     checkpoint: CheckpointEntry | None = None
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
-    checkpoint_every_epoch: bool = True
-    collective_timeout: float = defaults.COLLECTIVE_TIMEOUT
+    checkpoint_every_epoch: bool
+    collective_timeout: Annotated[float, Field(gt=0)]
 
 
 class JobCancel(Answer):

@@ -2,19 +2,30 @@
 
 Both namespaces refuse a connection whose ``auth`` lacks a valid room token; a GPU client
 then only ever touches its own room's slots and jobs.
+
+Every /gpu payload is checked once, against its type in ``zwdx.protocol.gpu`` (``Register``,
+``Heartbeat``, ``RanksExited``), before its handler sees it: a wrong one is answered
+``Ack(ok=False, error=...)`` naming the field and what was expected, and changes nothing. The
+handlers receive typed messages and answer typed answers; none raises (an unexpected error is
+logged and answered as a refusal). They sit at module level (Flask-SocketIO-Chat's habit);
+``register(socketio)`` binds them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 from flask import current_app, request
 from flask_socketio import ConnectionRefusedError, join_room
+from pydantic import BaseModel
 
 from .. import defaults
-from ..errors import AuthError
-from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER, GPU_NAMESPACE,
-                        UI_NAMESPACE, ClientStatus)
+from ..errors import AuthError, BadRequest
+from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
+                        GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
+from ..protocol.base import parse
+from ..protocol.gpu import Ack, Heartbeat, JobCancel, RanksExited, Register, RegisterAnswer
 from . import lifecycle, notify
 from .auth import room_for_token
 
@@ -28,127 +39,140 @@ def _ctx():
     return current_app.extensions["zwdx"]
 
 
+def _socketio():
+    return current_app.extensions["socketio"]
+
+
 def _room_from_auth(auth) -> dict:
     token = auth.get("token") if isinstance(auth, dict) else None
     try:
-        return room_for_token(token)
+        return room_for_token(token if isinstance(token, str) else None)
     except AuthError as err:
         raise ConnectionRefusedError(err.message)
 
 
-def _host_fields_wrong(data: dict) -> str | None:
-    """What is wrong with a register payload's ``host_id`` and ``modules`` (both optional: a
-    client without them is its own host and is not checked for packages), or None."""
-    host_id = data.get("host_id")
-    if host_id is not None and not (isinstance(host_id, str) and 0 < len(host_id) <= 64):
-        return "field 'host_id' must be a string of 1 to 64 characters"
-    modules = data.get("modules")
-    if modules is not None and not (
-            isinstance(modules, list) and len(modules) <= defaults.MAX_CLIENT_MODULES
-            and all(isinstance(m, str) and len(m) <= defaults.MAX_MODULE_NAME and m.isidentifier() for m in modules)):
-        return (f"field 'modules' must be a list of at most {defaults.MAX_CLIENT_MODULES} top-level module names "
-                f"(Python identifiers)")
-    return None
+def checked(event: str, model: type[BaseModel]):
+    """A /gpu handler that receives ``event``'s payload as ``model``, once it is one, and whose
+    answer goes back as JSON. A payload that is not gets ``Ack(ok=False)`` with the field and
+    what was expected; a handler that fails gets it too, with the error logged."""
+    def decorate(handler):
+        @functools.wraps(handler)
+        def on_event(*args):
+            try:
+                if len(args) != 1:
+                    raise BadRequest(f"{event}: send one JSON object, got {len(args)} argument(s)")
+                message = parse(model, args[0], event)
+            except BadRequest as err:
+                return Ack(ok=False, error=err.message).model_dump(exclude_none=True)
+            try:
+                answer = handler(message)
+            except Exception:
+                log.exception("gpu-client event %s: handler failed", event)
+                answer = Ack(ok=False, error=f"{event}: the server could not handle it (see its log)")
+            return answer.model_dump(mode="json", exclude_none=True)
+        return on_event
+    return decorate
 
 
-def register(socketio) -> None:
-    # -- GPU clients -------------------------------------------------------------------------
-    @socketio.on("connect", namespace=GPU_NAMESPACE)
-    def gpu_connect(auth=None):
-        room = _room_from_auth(auth)
-        _sessions[request.sid] = {"room_id": room["id"], "client_id": None}
+def _session() -> dict | None:
+    """The registered GPU client on this connection, or None."""
+    sess = _sessions.get(request.sid)
+    return sess if sess and sess["client_id"] else None
 
-    @socketio.on(EV_REGISTER, namespace=GPU_NAMESPACE)
-    def gpu_register(data):
-        sess = _sessions.get(request.sid)
-        if sess is None or not isinstance(data, dict) or not isinstance(data.get("client_id"), str):
-            return {"ok": False, "error": "register needs a client_id after a connect with a room token"}
-        ctx, now = _ctx(), time.time()
-        client_id = data["client_id"]
-        wrong = _host_fields_wrong(data)
-        if wrong:
-            return {"ok": False, "error": f"register: {wrong}"}
-        existing = ctx.store.get_client(client_id)
-        if existing and existing["room_id"] != sess["room_id"]:
-            return {"ok": False, "error": f"gpu client id {client_id} belongs to another room"}
-        sess["client_id"] = client_id
-        slots = []
-        for s in data.get("slots") or []:
-            slots.append({"id": f"{client_id}:{int(s['index'])}", "client_id": client_id,
-                          "room_id": sess["room_id"], "index": int(s["index"]), "kind": s.get("kind", "cuda"),
-                          "name": str(s.get("name", "")), "memory_total": int(s.get("memory_total") or 0),
-                          "memory_free": int(s.get("memory_free") or 0), "utilization": s.get("utilization")})
-        modules = data.get("modules")
-        client = {"id": client_id, "room_id": sess["room_id"], "hostname": str(data.get("hostname", "")),
-                  "host_id": data.get("host_id"),
-                  "modules": None if modules is None else " ".join(sorted(set(modules))),  # one string: cheap to read
-                  "versions": data.get("versions") or {}, "advertise_addr": data.get("advertise_addr"),
-                  "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
-                  "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
-                  "connected_at": now, "registered_at": (existing or {}).get("registered_at", now)}
-        ctx.store.upsert_client(client, slots)
-        running = {}  # job id -> attempt this client still runs ranks of
-        for item in data.get("running") or []:
-            if isinstance(item, dict):
-                running[str(item.get("job_id"))] = int(item.get("attempt") or 0)
-        # Slots the store thinks are busy with jobs this client no longer runs: those ranks are gone.
-        for slot in ctx.store.list_slots(sess["room_id"], client_id):
-            if slot["job_id"] and slot["job_id"] not in running:
-                job = ctx.store.get_job(slot["job_id"])
-                lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1},
-                                       job.attempt if job else 0)
-        # Ranks it still runs of jobs that went on without it (or ended): stop them.
-        for job_id, attempt in running.items():
-            job = ctx.store.get_job(job_id)
-            mine = job and job.status in ACTIVE and job.attempt == attempt and \
-                any(p.client_id == client_id for p in job.placement or [])
-            if not mine:
-                socketio.emit(EV_JOB_CANCEL, {"job_id": job_id, "attempt": attempt,
-                                              "reason": "the job went on without this gpu client"},
-                              to=request.sid, namespace=GPU_NAMESPACE)
-        log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
-                 len(slots), client["hostname"])
-        notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
-        ctx.scheduler.kick()
-        return {"ok": True, "room_id": sess["room_id"],
-                "heartbeat_interval": current_app.config["HEARTBEAT_INTERVAL"]}
 
-    @socketio.on(EV_HEARTBEAT, namespace=GPU_NAMESPACE)
-    def gpu_heartbeat(data):
-        sess = _sessions.get(request.sid)
-        if not sess or not sess["client_id"]:
-            return {"ok": False, "error": "heartbeat before register"}
-        ctx, now = _ctx(), time.time()
-        stats = data.get("slots") if isinstance(data, dict) else None
-        stats = [s for s in stats if isinstance(s, dict) and isinstance(s.get("index"), int)] \
-            if isinstance(stats, list) else []
-        # One store write: the client's deadline and its slots' stats, if it is still online.
-        if not ctx.store.touch_client(sess["client_id"], {
-                "last_seen": now, "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"])}, stats,
-                expect_status=ClientStatus.ONLINE.value):
-            return {"ok": False, "error": "unknown or lost gpu client: register again"}
-        notify.clients_changed(ctx, sess["room_id"])
-        return {"ok": True}
+# -- GPU clients -------------------------------------------------------------------------------
+def on_gpu_connect(auth=None):
+    room = _room_from_auth(auth)
+    _sessions[request.sid] = {"room_id": room["id"], "client_id": None}
 
-    @socketio.on(EV_RANKS_EXITED, namespace=GPU_NAMESPACE)
-    def gpu_ranks_exited(data):
-        sess = _sessions.get(request.sid)
-        if not sess or not sess["client_id"] or not isinstance(data, dict):
-            return {"ok": False}
-        ctx = _ctx()
-        job = ctx.store.get_job(str(data.get("job_id")))
-        if job is None or job.room_id != sess["room_id"]:
-            return {"ok": False, "error": "no such job in this room"}
-        exits = {str(k): int(v) for k, v in (data.get("exits") or {}).items()}
-        lifecycle.ranks_exited(ctx, sess["client_id"], job.id, exits, int(data.get("attempt") or 0))
-        return {"ok": True}
 
-    @socketio.on("disconnect", namespace=GPU_NAMESPACE)
-    def gpu_disconnect(*_):
-        sess = _sessions.pop(request.sid, None)
-        if not sess or not sess["client_id"]:
-            return
-        ctx = _ctx()
+@checked(EV_REGISTER, Register)
+def on_register(hello: Register) -> RegisterAnswer:
+    sess = _sessions.get(request.sid)
+    if sess is None:
+        return RegisterAnswer(ok=False, error="register needs a connect with a room token first")
+    ctx, now, client_id = _ctx(), time.time(), hello.client_id
+    existing = ctx.store.get_client(client_id)
+    if existing and existing["room_id"] != sess["room_id"]:
+        return RegisterAnswer(ok=False, error=f"gpu client id {client_id} belongs to another room")
+    sess["client_id"] = client_id
+    slots = [{"id": f"{client_id}:{s.index}", "client_id": client_id, "room_id": sess["room_id"], "index": s.index,
+              "kind": s.kind.value, "name": s.name, "memory_total": s.memory_total, "memory_free": s.memory_free,
+              "utilization": s.utilization} for s in hello.slots]
+    client = {"id": client_id, "room_id": sess["room_id"], "hostname": hello.hostname, "host_id": hello.host_id,
+              # one string: cheap to read
+              "modules": None if hello.modules is None else " ".join(sorted(set(hello.modules))),
+              "versions": hello.versions, "advertise_addr": hello.advertise_addr,
+              "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
+              "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
+              "connected_at": now, "registered_at": (existing or {}).get("registered_at", now)}
+    ctx.store.upsert_client(client, slots)
+    running = {r.job_id: r.attempt for r in hello.running}  # the jobs it still runs ranks of
+    _forget_ranks_gone(ctx, sess["room_id"], client_id, running)
+    _stop_ranks_not_wanted(ctx, client_id, running)
+    log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
+             len(slots), client["hostname"])
+    notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
+    ctx.scheduler.kick()
+    return RegisterAnswer(ok=True, room_id=sess["room_id"],
+                          heartbeat_interval=current_app.config["HEARTBEAT_INTERVAL"])
+
+
+def _forget_ranks_gone(ctx, room_id: str, client_id: str, running: dict[str, int]) -> None:
+    """Slots the store thinks are busy with jobs this client no longer runs: those ranks are gone."""
+    for slot in ctx.store.list_slots(room_id, client_id):
+        if slot["job_id"] and slot["job_id"] not in running:
+            job = ctx.store.get_job(slot["job_id"])
+            lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1},
+                                   job.attempt if job else 0)
+
+
+def _stop_ranks_not_wanted(ctx, client_id: str, running: dict[str, int]) -> None:
+    """Ranks it still runs of jobs that went on without it (or ended): stop them."""
+    for job_id, attempt in running.items():
+        job = ctx.store.get_job(job_id)
+        mine = job and job.status in ACTIVE and job.attempt == attempt and \
+            any(p.client_id == client_id for p in job.placement or [])
+        if not mine:
+            cancel = JobCancel(job_id=job_id, attempt=attempt, reason="the job went on without this gpu client")
+            _socketio().emit(EV_JOB_CANCEL, cancel.model_dump(), to=request.sid, namespace=GPU_NAMESPACE)
+
+
+@checked(EV_HEARTBEAT, Heartbeat)
+def on_heartbeat(beat: Heartbeat) -> Ack:
+    sess = _session()
+    if sess is None:
+        return Ack(ok=False, error="heartbeat before register")
+    ctx, now = _ctx(), time.time()
+    stats = [s.model_dump(exclude_unset=True) for s in beat.slots]  # only the figures it sent
+    # One store write: the client's deadline and its slots' stats, if it is still online.
+    if not ctx.store.touch_client(sess["client_id"], {
+            "last_seen": now, "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"])}, stats,
+            expect_status=ClientStatus.ONLINE.value):
+        return Ack(ok=False, error="unknown or lost gpu client: register again")
+    notify.clients_changed(ctx, sess["room_id"])
+    return Ack(ok=True)
+
+
+@checked(EV_RANKS_EXITED, RanksExited)
+def on_ranks_exited(report: RanksExited) -> Ack:
+    sess = _session()
+    if sess is None:
+        return Ack(ok=False, error="ranks_exited before register")
+    ctx = _ctx()
+    job = ctx.store.get_job(report.job_id)
+    if job is None or job.room_id != sess["room_id"]:
+        return Ack(ok=False, error="no such job in this room")
+    lifecycle.ranks_exited(ctx, sess["client_id"], job.id, dict(report.exits), report.attempt)
+    return Ack(ok=True)
+
+
+def on_gpu_disconnect(*_):
+    sess = _sessions.pop(request.sid, None)
+    if not sess or not sess["client_id"]:
+        return
+    ctx = _ctx()
+    try:
         client = ctx.store.get_client(sess["client_id"])
         if client and client.get("sid") == request.sid:
             # Not lost yet: a client that comes back within the timeout keeps its ranks.
@@ -158,11 +182,21 @@ def register(socketio) -> None:
                                                         "lost_after": now + defaults.DISCONNECT_GRACE})
             log.info("gpu-client %s: disconnected", sess["client_id"])
             notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
+    except Exception:  # the reaper declares it lost on the clock anyway
+        log.exception("gpu-client %s: disconnect not recorded", sess["client_id"])
 
-    # -- dashboards --------------------------------------------------------------------------
-    @socketio.on("connect", namespace=UI_NAMESPACE)
-    def ui_connect(auth=None):
-        room = _room_from_auth(auth)
-        join_room(notify.ui_room(room["id"]))
-        socketio.emit(EV_CLIENTS_UPDATE, notify.clients_payload(_ctx(), room["id"]), to=request.sid,
-                      namespace=UI_NAMESPACE)
+
+# -- dashboards --------------------------------------------------------------------------------
+def on_ui_connect(auth=None):
+    room = _room_from_auth(auth)
+    join_room(notify.ui_room(room["id"]))
+    _socketio().emit(EV_CLIENTS_UPDATE, notify.clients_payload(_ctx(), room["id"]), to=request.sid,
+                     namespace=UI_NAMESPACE)
+
+
+def register(socketio) -> None:
+    """Bind the handlers to ``socketio`` (the app's Flask-SocketIO)."""
+    for event, handler in (("connect", on_gpu_connect), (EV_REGISTER, on_register), (EV_HEARTBEAT, on_heartbeat),
+                           (EV_RANKS_EXITED, on_ranks_exited), ("disconnect", on_gpu_disconnect)):
+        socketio.on_event(event, handler, namespace=GPU_NAMESPACE)
+    socketio.on_event("connect", on_ui_connect, namespace=UI_NAMESPACE)

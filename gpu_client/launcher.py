@@ -1,0 +1,155 @@
+"""The rank processes of a GPU client: one standby per slot, started ahead, and the ranks of jobs.
+
+Every rank runs ``python -m gpu_client.runner`` in its own process group (so a cancel can kill
+everything it started, and a crashing job never takes the agent down). It gets its ``RankSpec``
+(``zwdx.protocol.rank``) once, as one JSON line on stdin, whether it was a standby waiting for
+a job or is started fresh; while the job's bundle is still being fetched a second line,
+``ready``, tells it the bundle is on disk.
+
+Only what libraries read themselves is in a rank's environment (``OMP_NUM_THREADS``,
+``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, ``PYTHONUNBUFFERED``); the room token is taken
+out of the environment it inherits, and travels in the spec only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from zwdx.protocol.rank import RankSpec
+
+log = logging.getLogger("gpu_client.launcher")
+
+#: Secrets a GPU client may have been given in its environment: never a rank's.
+SECRET_VARIABLES = ("ZWDX_ROOM_TOKEN", "ZWDX_JOB_KEY")
+
+
+class RunningJob:
+    """The rank processes of one attempt of one job on this GPU client."""
+
+    def __init__(self, job_id: str, attempt: int):
+        self.job_id, self.attempt = job_id, attempt
+        self.key = f"{job_id}:{attempt}"
+        self.procs: dict[int, subprocess.Popen] = {}
+
+
+def rank_environ(threads: int, network: dict[str, str]) -> dict[str, str]:
+    """A rank process's environment: this one's, without its secrets, with what libraries read."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **network})
+    return env
+
+
+class Launcher:
+    """Starts, hands out and stops rank processes. ``network``: the socket interface variables
+    for gloo and NCCL (set once the agent knows which interface reaches the server)."""
+
+    def __init__(self, work_dir: str, standby: bool = True):
+        self.work_dir = work_dir
+        self.use_standby = standby
+        self.network: dict[str, str] = {}
+        self.standby: dict[int, subprocess.Popen] = {}  # slot index -> rank process waiting for a job
+        self._lock = threading.Lock()
+        self._wanted: queue.Queue[tuple[int, str, int]] = queue.Queue()
+        self.stopping = threading.Event()
+
+    # -- standby processes -------------------------------------------------------------------------
+    def want_standby(self, index: int, device: str, threads: int) -> None:
+        """Have the next rank process of a slot started ahead of time (see ``runner.standby``), by
+        the thread that calls ``start_wanted``: a rank dies with the thread that started it
+        (PR_SET_PDEATHSIG is a thread's, not a process's), so a standby started by a short-lived
+        thread could be killed when that thread ended."""
+        if self.use_standby and not self.stopping.is_set():
+            self._wanted.put((index, device, threads))
+
+    def start_wanted(self, timeout: float) -> None:
+        """Start the standby processes asked for (the agent's main thread calls it in a loop)."""
+        try:
+            index, device, threads = self._wanted.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if self.stopping.is_set():
+            return
+        with self._lock:
+            if index in self.standby and self.standby[index].poll() is None:
+                return
+            folder = os.path.join(self.work_dir, "standby")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
+                self.standby[index] = subprocess.Popen(
+                    [sys.executable, "-m", "gpu_client.runner", "--standby", device], stdin=subprocess.PIPE,
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=rank_environ(threads, self.network))
+
+    # -- ranks ---------------------------------------------------------------------------------------
+    def start(self, index: int, spec: RankSpec, client_id: str = "") -> subprocess.Popen:
+        """Hand the rank to slot ``index``'s standby process, or start a fresh one; either gets
+        ``spec`` as its first line on stdin."""
+        with self._lock:
+            proc = self.standby.pop(index, None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.write(spec.line())
+                proc.stdin.flush()
+                return proc
+            except OSError:
+                proc.kill()
+        if self.use_standby:
+            log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", client_id, index)
+        with open(spec.log_path, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], stdin=subprocess.PIPE,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=rank_environ(spec.threads, self.network))
+        try:
+            proc.stdin.write(spec.line())
+            proc.stdin.flush()
+        except OSError:
+            pass  # it died at once; its exit code says so
+        return proc
+
+    @staticmethod
+    def ready(job: RunningJob, pending: bool) -> None:
+        """The bundle is on disk: tell the ranks that wait for it, and close their stdin."""
+        for proc in job.procs.values():
+            try:
+                if pending:
+                    proc.stdin.write(b"ready\n")
+                proc.stdin.close()
+            except OSError:
+                pass  # the rank is gone already; its exit code says so
+
+    @staticmethod
+    def kill(job: RunningJob, grace: float = 3.0) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds."""
+        for proc in list(job.procs.values()):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + grace
+        for proc in list(job.procs.values()):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def shutdown(self) -> None:
+        """Kill the standby processes; start no more."""
+        self.stopping.set()
+        with self._lock:
+            for proc in self.standby.values():
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            self.standby.clear()
