@@ -8,15 +8,18 @@ record and view are in ``zwdx.protocol.job``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StringConstraints, field_validator, model_validator
+from typing_extensions import TypeAliasType
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
+                      model_validator)
 
 from .. import defaults
-from .base import Answer, Bytes, ByValue, Count, Id, LongText, Message, Text
+from .base import Answer, Bytes, ByValue, Count, Id, Message
 from .gpu import ModuleName
-from .job import CheckpointEntry
-from .vocab import ArtifactKind, CheckpointFormat, EventKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .job import CheckpointEntry, JobView
+from .vocab import ArtifactKind, CheckpointFormat, ClientStatus, EventKind, JobStatus, Parallelism, RankStatus, SlotKind
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -27,6 +30,24 @@ def _not_dots(name: str) -> str:
         raise ValueError("a file name cannot be . or ..")
     return name
 
+
+#: A number the ranks reported: NaN and infinities are numbers here (a loss that diverged).
+Reported = Annotated[float, Field(allow_inf_nan=True)]
+
+
+def _clip(limit: int, keep: str = "head"):
+    """Text cut to ``limit`` characters (the head, or the tail of a traceback) instead of refused:
+    a rank's failure is recorded however long its message."""
+    def clip(text: str) -> str:
+        if len(text) <= limit:
+            return text
+        return text[:limit] if keep == "head" else "..." + text[-(limit - 3):]
+    return AfterValidator(clip)
+
+
+#: A JSON value that a rank measured or returned: its numbers may be NaN or infinite.
+Measured = TypeAliasType("Measured", Union[int, Reported, str, bool, None, list["Measured"],
+                                           dict[str, "Measured"]])
 
 #: A checkpoint file's name: letters, digits and ``._-``, not ``.`` or ``..``.
 FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$"),
@@ -41,6 +62,7 @@ class Query(BaseModel):
 
 # -- health and rooms ----------------------------------------------------------------------------
 class Health(Answer):
+    """``GET /health``: "ok", or "store unavailable" (with 503)."""
     status: str
     store: str
     async_mode: str
@@ -80,7 +102,7 @@ class ClientView(Answer):
     room_id: str
     hostname: str = ""
     host_id: str | None = None
-    status: str
+    status: ClientStatus
     versions: dict[str, str] = {}
     advertise_addr: str | None = None
     last_seen: float | None = None
@@ -127,17 +149,27 @@ class ArtifactView(Answer):
 
 # -- jobs ----------------------------------------------------------------------------------------
 class Versions(Message):
-    """The submitter's runtime: its Python minor version decides where the bundle can load."""
+    """The submitter's runtime: its Python minor version decides where the bundle can load;
+    other entries (``torch``, ``cloudpickle``, ...) are names and version strings."""
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[str, StringConstraints(max_length=64)]]
     python: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[0-9]+\.[0-9]+")]
     torch: Annotated[str, StringConstraints(max_length=64)] | None = None
     cloudpickle: Annotated[str, StringConstraints(max_length=64)] | None = None
 
+    @model_validator(mode="after")
+    def _few(self):
+        if len(self.__pydantic_extra__ or {}) > 64:
+            raise ValueError("at most 64 versions")
+        return self
+
 
 class SubmitJob(Message):
     """``POST /api/v1/jobs``: a job over an uploaded bundle."""
-    bundle_artifact: Id
     versions: Versions
+    #: The id of the bundle uploaded with ``POST /api/v1/artifacts``.
+    bundle_artifact: Id
     parallelism: Annotated[Parallelism, ByValue] = Parallelism.DDP
     #: None: the train function's own default (1 if it declares none).
     epochs: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
@@ -145,7 +177,8 @@ class SubmitJob(Message):
     world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     #: Bytes of free memory needed on every slot.
     memory_required: Bytes = 0
-    name: Name = ""
+    #: The job's name (cut to 100 characters); "": the SDK names it after train_func.
+    name: Annotated[str, _clip(100)] = ""
     collective_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
     min_world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = defaults.MAX_RESTARTS
@@ -159,11 +192,29 @@ class SubmitJob(Message):
     def _upper(cls, value):
         return value.upper() if isinstance(value, str) else value
 
-    @model_validator(mode="after")
-    def _min_at_most_world(self):
-        if self.min_world_size is not None and self.world_size is not None and self.min_world_size > self.world_size:
-            raise ValueError("min_world_size must be at most world_size")
-        return self
+    @field_validator("required_modules", mode="wrap")
+    @classmethod
+    def _modules(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if exc.errors()[0]["type"] == "list_type":
+                raise
+            raise ValueError(f"must be a list of at most {defaults.MAX_REQUIRED_MODULES} top-level module names "
+                             f"(Python identifiers)") from None
+
+    @field_validator("min_world_size")
+    @classmethod
+    def _min_at_most_world(cls, value, info):
+        world_size = info.data.get("world_size")
+        if value is not None and world_size is not None and value > world_size:
+            raise ValueError(f"must be at most world_size ({world_size})")
+        return value
+
+
+class JobList(Answer):
+    """``GET /api/v1/jobs``: the room's jobs in submission order."""
+    jobs: list[JobView]
 
 
 class JobsQuery(Query):
@@ -183,13 +234,14 @@ class JobQuery(Query):
 
 # -- events (metrics and log lines) ---------------------------------------------------------------
 class EventIn(Message):
-    """One metric or log event a rank reports."""
+    """One metric or log event a rank reports; a metric's values are numbers (NaN and
+    infinities too: a loss that diverged) or null."""
     kind: Annotated[EventKind, ByValue]
     rank: Annotated[int, Field(ge=0, le=100_000)] | None = None
     #: Unique per job and rank: a batch sent twice is stored once.
     key: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
     step: Count | None = None
-    data: dict[Key, JsonValue]
+    data: dict[Key, Measured]
     ts: Annotated[float, Field(ge=0, le=1e11)] | None = None
 
     @model_validator(mode="after")
@@ -225,6 +277,11 @@ class EventView(Answer):
     data: dict[str, Any] = {}
     ts: float | None = None
 
+    @field_validator("data", mode="before")
+    @classmethod
+    def _object(cls, value):
+        return value if isinstance(value, dict) else {} if value is None else {"value": value}
+
 
 class EventsQuery(Query):
     after: Count = 0
@@ -241,9 +298,14 @@ class JobEvents(EventsAnswer):
     """``job_events`` on the ``/ui`` namespace."""
 
 
+class JobDetail(JobView):
+    """``GET /api/v1/jobs/<id>``: the job; with ``?events_after=N`` its events after ``seq`` N too."""
+    events: list[EventView] | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
 class MetricPoint(Answer):
     step: int | None = None
-    value: float | None = None
+    value: Reported | None = None
     rank: int | None = None
     ts: float | None = None
 
@@ -258,12 +320,16 @@ class MetricsAnswer(Answer):
 class RankReport(Message):
     """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""
     status: Annotated[RankStatus, ByValue]
-    results: Annotated[dict[Key, JsonValue], Field(max_length=200)] | None = None
-    final_loss: float | None = None
+    #: What train_func and eval_func returned (rank 0's are the job's).
+    results: Annotated[dict[Key, Measured], Field(max_length=200)] | None = None
+    final_loss: Reported | None = None
+    #: sha256 of the rank's trained weights.
     fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+    #: Rank 0: the id of the weights it uploaded (``PUT /jobs/<id>/weights``), an artifact of
+    #: this job; anything else is refused.
     weights_artifact: Id | None = None
-    error: Text | None = None
-    traceback: LongText | None = None
+    error: Annotated[str, _clip(1000)] | None = None
+    traceback: Annotated[str, _clip(200_000, keep="tail")] | None = None
     #: The failure came from torch.distributed (the rank lost its peers).
     collective: bool = False
 
@@ -298,6 +364,12 @@ class HistoryQuery(Query):
         return _statuses(value)
 
 
+class Headline(Answer):
+    """A job's headline figure: its final loss, else the first number among its results."""
+    name: str
+    value: Reported
+
+
 class HistoryRow(Answer):
     id: str
     name: str = ""
@@ -307,18 +379,27 @@ class HistoryRow(Answer):
     running_at: float | None = None
     ended_at: float | None = None
     duration: float | None = None
-    final_loss: float | None = None
-    result: str | None = None
+    final_loss: Reported | None = None
+    result: Headline | None = None
     world_size: int | None = None
     requested_world_size: int | None = None
     parallelism: str | None = None
     epochs: int | None = None
-    mean_throughput: float | None = None
+    mean_throughput: Reported | None = None
     reason: str | None = None
 
 
 class HistoryAnswer(Answer):
     jobs: list[HistoryRow]
+
+
+# -- the API's own description -------------------------------------------------------------------
+class OpenApiDocument(Answer):
+    """``GET /api/v1/openapi.json``: this API as an OpenAPI 3.1 document."""
+    model_config = ConfigDict(extra="allow")
+    openapi: str
+    info: dict[str, Any]
+    paths: dict[str, Any]
 
 
 # -- errors ----------------------------------------------------------------------------------------
