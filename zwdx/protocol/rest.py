@@ -335,8 +335,9 @@ class RankReport(Message):
 
 
 class RankReportAnswer(Answer):
+    """``ok``; or ``ok: false`` and why the report was ``ignored`` (the job is no longer active)."""
     ok: bool
-    ignored: str | None = None
+    ignored: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class CheckpointCommit(Message):
