@@ -51,6 +51,13 @@ def register_error_handlers(app) -> None:
         return jsonify({"error": {"code": "internal", "message": f"{type(err).__name__}: {err}"}}), 500
 
 
+@bp.route(f"{P}/<path:rest>", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+def no_route(rest: str):
+    """Any other path under the API, or a method a path does not have: not found (the
+    dashboard's routes, which take every other GET, stay out of the API)."""
+    raise NotFound(f"no API route {request.method} {P}/{rest}")
+
+
 # -- health -----------------------------------------------------------------------------------
 @operation(bp, "GET", "/health", "Whether the server and its store answer", auth=Auth.NONE, answer=Health,
            answers={503: Health}, prefix="", tag="server")
@@ -225,7 +232,7 @@ def post_events(job: JobRecord, body: EventsBatch):
     return Stored(stored=len(stored))
 
 
-@operation(bp, "POST", "/jobs/<job_id>/ranks/<int:rank>", "Report a rank's start, result or failure",
+@operation(bp, "POST", "/jobs/<job_id>/ranks/<rank>", "Report a rank's start, result or failure",
            auth=Auth.JOB, body=RankReport, answer=RankReportAnswer, tag="ranks")
 def post_rank_status(job: JobRecord, rank: int, body: RankReport):
     """A report on a job that is no longer active is answered ``ok: false`` and ignored, but a

@@ -34,7 +34,7 @@ def _file_name(name: str) -> str:
     return name
 
 
-@operation(bp, "PUT", "/jobs/<job_id>/checkpoints/<int:n>/<name>", "Upload one file of checkpoint n",
+@operation(bp, "PUT", "/jobs/<job_id>/checkpoints/<n>/<name>", "Upload one file of checkpoint n",
            auth=Auth.JOB, body=OCTET, answer=ArtifactView, status=201, errors=(400, 413, 422), tag="checkpoints")
 def put_checkpoint_file(job: JobRecord, n: int, name: str):
     """A rank's shard (FSDP), or the whole state (DDP). Sent again, the later file wins."""
@@ -42,7 +42,7 @@ def put_checkpoint_file(job: JobRecord, n: int, name: str):
     return save_artifact({"id": job.room_id}, ArtifactKind.CHECKPOINT.value, job.id, checkpoint=n, name=name), 201
 
 
-@operation(bp, "POST", "/jobs/<job_id>/checkpoints/<int:n>/commit", "Commit checkpoint n (rank 0)",
+@operation(bp, "POST", "/jobs/<job_id>/checkpoints/<n>/commit", "Commit checkpoint n (rank 0)",
            auth=Auth.JOB, body=CheckpointCommit, answer=CheckpointEntry, status=201, tag="checkpoints")
 def commit_checkpoint(job: JobRecord, n: int, body: CheckpointCommit):
     """Once every rank uploaded its files, checkpoint ``n`` is complete; older ones beyond the
@@ -76,7 +76,7 @@ def list_checkpoints(job: JobRecord):
     return CheckpointList(job_id=job.id, checkpoints=job.checkpoints)
 
 
-@operation(bp, "GET", "/jobs/<job_id>/checkpoints/<int:n>/<name>", "Download one file of checkpoint n",
+@operation(bp, "GET", "/jobs/<job_id>/checkpoints/<n>/<name>", "Download one file of checkpoint n",
            answer=OCTET, tag="checkpoints")
 def get_checkpoint_file(job: JobRecord, n: int, name: str):
     for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):

@@ -51,7 +51,7 @@ MAX_JSON_BYTES = 32 * 1024**2
 #: Deepest nesting of a JSON body: a deeper one is refused before anything parses it further
 #: (MongoDB keeps documents 100 levels deep; Python's parser stops near 1,000).
 MAX_JSON_DEPTH = 32
-#: Largest integer in a path (a rank, a checkpoint's number): what JSON readers keep exact.
+#: Largest count in a path (a rank, a checkpoint's number): what JSON readers keep exact.
 MAX_PATH_INT = 2**53
 
 #: Body and answer of an operation that carries an artifact's bytes.
@@ -81,19 +81,19 @@ class Operation:
     answers: dict[int, type[BaseModel] | str] = field(default_factory=dict)
     #: statuses of errors it may answer (``ErrorAnswer``)
     errors: tuple[int, ...] = ()
-
-    @property
-    def path_params(self) -> list[tuple[str, str]]:
-        """``[(name, converter)]`` of the rule: ``("n", "int")``, ``("job_id", "")``."""
-        return [(name, conv or "") for conv, name in re.findall(r"<(?:([a-z]+)(?:\([^)]*\))?:)?([a-z_]+)>", self.rule)]
+    #: the path's parameters, in order: name -> ``int`` (a count: a rank, a checkpoint's number) or ``str``
+    path: dict[str, type] = field(default_factory=dict)
 
 
-def _errors(auth: Auth, rule: str, checks_input: bool, more: tuple[int, ...]) -> tuple[int, ...]:
-    """The error statuses an operation may answer: 400 when it reads input, 401 with a token,
-    403 with a job key, 404 when its path names a job or an artifact, and ``more``."""
+def _errors(auth: Auth, rule: str, checks_input: bool, json_body: bool, more: tuple[int, ...]) -> tuple[int, ...]:
+    """The error statuses an operation may answer: 400 when it reads input (413 when that is a
+    JSON body), 401 with a token, 403 with a job key, 404 when its path names a job or an
+    artifact, and ``more``."""
     out = set(more)
     if checks_input:
         out.add(400)
+    if json_body:
+        out.add(413)
     if auth is not Auth.NONE:
         out.add(401)
     if auth is Auth.JOB:
@@ -112,11 +112,16 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
     full = prefix + rule
 
     def decorate(handler):
-        wants = set(inspect.signature(handler).parameters)
-        op = Operation(name=handler.__name__, method=method.upper(), rule=full, summary=summary, auth=auth, tag=tag or bp.name,
-                       description=inspect.cleandoc(handler.__doc__ or ""), body=body, query=query,
-                       answers={status: answer, **(answers or {})},
-                       errors=_errors(auth, full, bool(body and body != OCTET or query or "<int:" in full), errors))
+        signature = inspect.signature(handler, eval_str=True)
+        wants = set(signature.parameters)
+        path_types = {name: int if name in wants and signature.parameters[name].annotation is int else str
+                      for name in re.findall(r"<([a-z_]+)>", full)}
+        json_in = isinstance(body, type)
+        op = Operation(name=handler.__name__, method=method.upper(), rule=full, summary=summary, auth=auth,
+                       tag=tag or bp.name, description=inspect.cleandoc(handler.__doc__ or ""), body=body,
+                       query=query, answers={status: answer, **(answers or {})}, path=path_types,
+                       errors=_errors(auth, full, bool(json_in or query or int in path_types.values()), json_in,
+                                      errors))
 
         @functools.wraps(handler)
         def view(**path):
@@ -128,9 +133,9 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
                 if "job_id" in path:
                     args["job"] = job_in_room(path["job_id"], room)
                 args["room"] = room
-            for name, value in path.items():
-                if isinstance(value, int) and value > MAX_PATH_INT:
-                    raise BadRequest(f"path '{name}' must be at most {MAX_PATH_INT}, got {value}", field=name)
+            for name, kind in path_types.items():
+                if kind is int:
+                    args[name] = path_count(name, path[name])
             if query is not None:
                 args["query"] = parse(query, request.args.to_dict(), "query")
             if body is not None and body != OCTET:
@@ -141,6 +146,14 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
         bp.add_url_rule(full, endpoint=handler.__name__, view_func=view, methods=[op.method])
         return view
     return decorate
+
+
+def path_count(name: str, text: str) -> int:
+    """A count in the path (a rank, a checkpoint's number): digits, at most ``MAX_PATH_INT``."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 16 or int(text) > MAX_PATH_INT:
+        raise BadRequest(f"path '{name}' must be a whole number from 0 to {MAX_PATH_INT}, got {text[:50]!r}",
+                         field=name)
+    return int(text)
 
 
 def _answer(op: Operation, out):

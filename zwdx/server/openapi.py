@@ -66,12 +66,12 @@ def operations(app) -> list[Operation]:
 
 
 def _path(rule: str) -> str:
-    """Flask's ``/jobs/<job_id>/ranks/<int:rank>`` -> OpenAPI's ``/jobs/{job_id}/ranks/{rank}``."""
-    return re.sub(r"<(?:[a-z]+(?:\([^)]*\))?:)?([a-z_]+)>", r"{\1}", rule)
+    """Flask's ``/jobs/<job_id>/ranks/<rank>`` -> OpenAPI's ``/jobs/{job_id}/ranks/{rank}``."""
+    return re.sub(r"<([a-z_]+)>", r"{\1}", rule)
 
 
-def _path_schema(name: str, converter: str) -> dict:
-    if converter == "int":
+def _path_schema(name: str, kind: type) -> dict:
+    if kind is int:
         return {"type": "integer", "minimum": 0, "maximum": 2**53}
     if name == "name":
         return {"type": "string", "pattern": "^[A-Za-z0-9._-]+$", "minLength": 1, "maxLength": 200}
@@ -82,7 +82,7 @@ def _not_null(schema: dict) -> dict:
     """A query parameter's schema without the ``null`` a ``str | None`` field carries (absent is None)."""
     choices = [s for s in schema.get("anyOf", []) if s.get("type") != "null"]
     if len(choices) == 1:
-        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        rest = {k: v for k, v in schema.items() if k != "anyOf" and not (k == "default" and v is None)}
         return {**rest, **choices[0]}
     return schema
 
@@ -111,8 +111,8 @@ def _content(answer, refs: dict) -> dict:
 
 
 def _describe(op: Operation, refs: dict, schemas: dict) -> dict:
-    params = [{"name": name, "in": "path", "required": True, "schema": _path_schema(name, conv)}
-              for name, conv in op.path_params]
+    params = [{"name": name, "in": "path", "required": True, "schema": _path_schema(name, kind)}
+              for name, kind in op.path.items()]
     if op.query is not None:
         params += _query_params(op.query, schemas)
     if op.body == OCTET:
