@@ -37,6 +37,11 @@ const el = (tag, attrs = {}, ...kids) => {
   return node;
 };
 const refName = (ref) => ref.split("/").pop();
+const prose = (text) => {  // `code` in a description as <code>
+  const span = el("span");
+  String(text || "").split("`").forEach((part, i) => span.append(i % 2 ? el("code", {}, part) : part));
+  return span;
+};
 function type(s) {
   if (!s) return "any";
   if (s.$ref) return el("a", {href: "#schema-" + refName(s.$ref)}, refName(s.$ref));
@@ -67,20 +72,20 @@ function props(schema) {
   const required = new Set(schema.required || []);
   for (const [name, p] of Object.entries(schema.properties || {})) {
     table.append(el("tr", {}, el("td", {}, el("code", {}, name), required.has(name) ? el("span", {class: "req"}, " *") : ""),
-      el("td", {}, type(p)), el("td", {}, el("div", {}, p.description || ""), el("div", {class: "note"}, limits(p)))));
+      el("td", {}, type(p)), el("td", {}, el("div", {}, prose(p.description)), el("div", {class: "note"}, limits(p)))));
   }
   return table;
 }
 function operation(path, method, op) {
   const auth = (op.security || []).map((s) => Object.keys(s).join(" + ")).join(" or ") || "none";
   const body = el("div", {class: "body"});
-  if (op.description) body.append(el("p", {}, op.description));
+  if (op.description) body.append(el("p", {}, prose(op.description)));
   body.append(el("p", {}, "Authentication: ", el("span", {class: "auth"}, auth)));
   if (op.parameters && op.parameters.length) {
     const t = el("table", {}, el("tr", {}, el("th", {}, "parameter"), el("th", {}, "in"), el("th", {}, "type"), el("th", {}, "notes")));
     for (const p of op.parameters)
       t.append(el("tr", {}, el("td", {}, el("code", {}, p.name), p.required ? el("span", {class: "req"}, " *") : ""),
-        el("td", {}, p.in), el("td", {}, type(p.schema)), el("td", {}, el("div", {}, p.description || ""), el("div", {class: "note"}, limits(p.schema)))));
+        el("td", {}, p.in), el("td", {}, type(p.schema)), el("td", {}, el("div", {}, prose(p.description)), el("div", {class: "note"}, limits(p.schema)))));
     body.append(t);
   }
   if (op.requestBody) {
@@ -91,7 +96,7 @@ function operation(path, method, op) {
   for (const [status, r] of Object.entries(op.responses)) {
     const c = Object.entries(r.content || {})[0];
     answers.append(el("tr", {}, el("td", {class: status >= 400 ? "err" : ""}, status),
-      el("td", {}, c ? type(c[1].schema) : ""), el("td", {}, r.description || "")));
+      el("td", {}, c ? type(c[1].schema) : ""), el("td", {}, prose(r.description))));
   }
   body.append(answers);
   return el("details", {id: op.operationId},
@@ -100,7 +105,7 @@ function operation(path, method, op) {
 }
 fetch("openapi.json").then((r) => r.json()).then((doc) => {
   document.getElementById("title").textContent = doc.info.title + " API " + doc.info.version;
-  document.getElementById("intro").textContent = doc.info.description || "";
+  document.getElementById("intro").replaceChildren(prose(doc.info.description));
   const byTag = {};
   for (const [path, item] of Object.entries(doc.paths))
     for (const [method, op] of Object.entries(item)) (byTag[(op.tags || ["other"])[0]] ||= []).push([path, method, op]);
@@ -112,7 +117,7 @@ fetch("openapi.json").then((r) => r.json()).then((doc) => {
   const schemas = document.getElementById("schemas");
   for (const [name, s] of Object.entries(doc.components.schemas)) {
     const body = el("div", {class: "body"});
-    if (s.description) body.append(el("p", {}, s.description));
+    if (s.description) body.append(el("p", {}, prose(s.description)));
     body.append(s.properties ? props(s) : el("p", {}, type(s)));
     schemas.append(el("details", {id: "schema-" + name}, el("summary", {}, el("code", {}, name)), body));
   }

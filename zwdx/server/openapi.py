@@ -59,6 +59,11 @@ _BINARY = {"type": "string", "contentMediaType": OCTET}
 _SHA256 = {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"}
 
 
+def _text(doc: str) -> str:
+    """A docstring as the document's text: reST's ````code```` as Markdown's ```code```."""
+    return doc.replace("``", "`")
+
+
 def operations(app) -> list[Operation]:
     """Every declared operation of the app, in the order the routes were registered."""
     return [op for rule in app.url_map.iter_rules()
@@ -120,7 +125,7 @@ def _describe(op: Operation, refs: dict, schemas: dict) -> dict:
                        "description": "The bytes' sha256 (hex): the server refuses them (422) if they differ."})
     out = {"operationId": op.name, "summary": op.summary, "tags": [op.tag], "security": _SECURITY[op.auth]}
     if op.description:
-        out["description"] = op.description
+        out["description"] = _text(op.description)
     if params:
         out["parameters"] = params
     if op.body == OCTET:
@@ -136,7 +141,7 @@ def _describe(op: Operation, refs: dict, schemas: dict) -> dict:
             response["headers"] = {defaults.SHA256_HEADER: {"schema": _SHA256, "description": "The bytes' sha256."}}
         responses[str(status)] = response
     for status in op.errors:
-        responses[str(status)] = {"description": _ERRORS.get(status, "An error."),
+        responses[str(status)] = {"description": _text(_ERRORS.get(status, "An error.")),
                                   "content": {"application/json": {"schema": refs[(ErrorAnswer, "serialization")]}}}
     out["responses"] = responses
     return out
@@ -148,7 +153,7 @@ def _answer_description(answer) -> str:
     if answer == HTML:
         return "A page."
     doc = (answer.__doc__ or "").strip().split("\n\n")[0]
-    return " ".join(doc.split()) or answer.__name__
+    return _text(" ".join(doc.split())) or answer.__name__
 
 
 def document(app) -> dict:
@@ -163,7 +168,8 @@ def document(app) -> dict:
             models.add((op.body, "validation"))
         models |= {(answer, "serialization") for answer in op.answers.values() if isinstance(answer, type)}
     refs, top = models_json_schema(sorted(models, key=lambda m: (m[0].__name__, m[1])), ref_template=_REF)
-    schemas = dict(top.get("$defs", {}))
+    schemas = {name: {**schema, "description": _text(schema["description"])} if "description" in schema else schema
+               for name, schema in top.get("$defs", {}).items()}
     paths: dict[str, dict] = {}
     for op in ops:
         paths.setdefault(_path(op.rule), {})[op.method.lower()] = _describe(op, refs, schemas)
@@ -175,7 +181,7 @@ def document(app) -> dict:
                                 "`Authorization: Bearer`); the rank processes of a job add its job key in "
                                 f"`{defaults.JOB_KEY_HEADER}`. Errors are `{{\"error\": {{\"code\", \"message\", "
                                 "...}}}` with the matching status. Socket.IO events: docs/events.md."},
-        "paths": paths,
+        "paths": dict(sorted(paths.items())),
         "components": {
             "schemas": dict(sorted(schemas.items())),
             "securitySchemes": {
