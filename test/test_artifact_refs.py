@@ -4,21 +4,15 @@ job's weights are read only from an artifact of that job. Over both stores (SQLi
 MongoDB over its wire protocol), with the attacks of the trust issue: an operator document
 (``{"$gt": ""}``) as an id, and another room's artifact id.
 
-In-process apps; the job is placed with ``zwdx.server.job.Job.start`` (what the scheduler
-does), under a job key the test holds, so the test speaks as the job's rank 0.
+In-process apps; the job is placed as the scheduler would (conftest's ``placed_job``), under a
+job key the test holds, so the test speaks as the job's rank 0.
 """
 from __future__ import annotations
 
-import platform
-
 import pytest
 
-from conftest import Api
+from conftest import placed_job
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
-from zwdx.protocol import SlotKind
-from zwdx.protocol.job import PlacementEntry
-from zwdx.server.auth import hash_secret
-from zwdx.server.job import Job
 
 
 @pytest.fixture
@@ -27,23 +21,6 @@ def backend_app(backend, make_app, tmp_path):
     if backend.name == "sqlite":
         return make_app(DATA_DIR=backend.where)
     return make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
-
-
-def placed_job(app, name: str) -> tuple[Api, Api, dict]:
-    """A room with one job placed on one CPU slot: the room's Api, its rank 0's Api (token and
-    job key), and the job as submitted."""
-    room = Api(app.test_client()).create_room(name)
-    bundle = room.upload(f"bundle of {name}".encode())
-    job = room.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
-                                   "world_size": 1}).json
-    ctx, key = app.extensions["zwdx"], f"jk_{name}"
-    client_id = f"gpu-{name}"
-    ctx.store.upsert_client({"id": client_id, "room_id": room.room["id"], "hostname": name, "status": "online"},
-                            [{"id": f"{client_id}:0", "client_id": client_id, "room_id": room.room["id"], "index": 0,
-                              "kind": "cpu"}])
-    placement = [PlacementEntry(rank=0, client_id=client_id, gpu_index=0, kind=SlotKind.CPU)]
-    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:0"], hash_secret(key))
-    return room, room.as_(room.token, job_key=key), job
 
 
 def test_a_rank_can_name_only_its_own_jobs_weights(backend_app):
