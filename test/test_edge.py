@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from zwdx.protocol.rest import RankReport
+from zwdx.protocol.report import RankReport
 from zwdx.server.http import MAX_JSON_BYTES, MAX_JSON_DEPTH
 
 

@@ -4,54 +4,25 @@ Bodies a caller sends are ``Message`` (strict, unknown fields refused); answers 
 (a client of an older version ignores fields it does not know); queries are ``Query`` (strings
 from the URL, converted; unknown parameters ignored, as browsers and proxies add their own).
 The OpenAPI spec (``GET /api/v1/openapi.json``) is generated from these models. The job's own
-record and view are in ``zwdx.protocol.job``.
+record and view are in ``zwdx.protocol.job``; what a job's rank processes report (events, their
+status, checkpoints) in ``zwdx.protocol.report``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
-from typing_extensions import TypeAliasType
-
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
                       model_validator)
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
-from .vocab import ArtifactKind, CheckpointFormat, ClientStatus, EventKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .report import Reported, clipped
+from .vocab import ArtifactKind, ClientStatus, EventKind, JobStatus, Parallelism, SlotKind
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
-#: A metric's or a result's name.
-Key = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-def _not_dots(name: str) -> str:
-    if name in (".", ".."):
-        raise ValueError("a file name cannot be . or ..")
-    return name
-
-
-#: A number the ranks reported: NaN and infinities are numbers here (a loss that diverged).
-Reported = Annotated[float, Field(allow_inf_nan=True)]
-
-
-def _clip(limit: int, keep: str = "head"):
-    """Text cut to ``limit`` characters (the head, or the tail of a traceback) instead of refused:
-    a rank's failure is recorded however long its message."""
-    def clip(text: str) -> str:
-        if len(text) <= limit:
-            return text
-        return text[:limit] if keep == "head" else "..." + text[-(limit - 3):]
-    return AfterValidator(clip)
-
-
-#: A JSON value that a rank measured or returned: its numbers may be NaN or infinite.
-Measured = TypeAliasType("Measured", Union[int, Reported, str, bool, None, list["Measured"],
-                                           dict[str, "Measured"]])
-
-#: A checkpoint file's name: letters, digits and ``._-``, not ``.`` or ``..``.
-FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$"),
-                     AfterValidator(_not_dots)]
 
 
 class Query(BaseModel):
@@ -178,7 +149,7 @@ class SubmitJob(Message):
     #: Bytes of free memory needed on every slot.
     memory_required: Bytes = 0
     #: The job's name (cut to 100 characters); "": the SDK names it after train_func.
-    name: Annotated[str, _clip(100)] = ""
+    name: Annotated[str, clipped(100)] = ""
     collective_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
     min_world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = defaults.MAX_RESTARTS
@@ -233,41 +204,6 @@ class JobQuery(Query):
 
 
 # -- events (metrics and log lines) ---------------------------------------------------------------
-class EventIn(Message):
-    """One metric or log event a rank reports; a metric's values are numbers (NaN and
-    infinities too: a loss that diverged) or null."""
-    kind: Annotated[EventKind, ByValue]
-    rank: Annotated[int, Field(ge=0, le=100_000)] | None = None
-    #: Unique per job and rank: a batch sent twice is stored once.
-    key: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
-    step: Count | None = None
-    data: dict[Key, Measured]
-    ts: Annotated[float, Field(ge=0, le=1e11)] | None = None
-
-    @model_validator(mode="after")
-    def _shape(self):
-        if self.kind is EventKind.METRIC:
-            if len(self.data) > 200:
-                raise ValueError("a metric event holds at most 200 values")
-            for name, value in self.data.items():
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise ValueError(f"metric {name!r} must be a number or null, got {type(value).__name__}")
-        elif self.kind is EventKind.LOG:
-            if set(self.data) != {"text"} or not isinstance(self.data["text"], str) or \
-                    len(self.data["text"]) > 100_000:
-                raise ValueError("a log event's data is {\"text\": a string of at most 100000 characters}")
-        return self
-
-
-class EventsBatch(Message):
-    """``POST /api/v1/jobs/<id>/events`` (job key)."""
-    events: Annotated[list[EventIn], Field(max_length=1000)]
-
-
-class Stored(Answer):
-    stored: int
-
-
 class EventView(Answer):
     seq: int
     kind: EventKind
@@ -314,39 +250,6 @@ class MetricsAnswer(Answer):
     """Every metric series of a job; ``throughput`` and ``gpu_utilization`` always there."""
     job_id: str
     series: dict[str, list[MetricPoint]]
-
-
-# -- what ranks report (job key) -------------------------------------------------------------------
-class RankReport(Message):
-    """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""
-    status: Annotated[RankStatus, ByValue]
-    #: What train_func and eval_func returned (rank 0's are the job's).
-    results: Annotated[dict[Key, Measured], Field(max_length=200)] | None = None
-    final_loss: Reported | None = None
-    #: sha256 of the rank's trained weights.
-    fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
-    #: Rank 0: the id of the weights it uploaded (``PUT /jobs/<id>/weights``), an artifact of
-    #: this job; anything else is refused.
-    weights_artifact: Id | None = None
-    error: Annotated[str, _clip(1000)] | None = None
-    traceback: Annotated[str, _clip(200_000, keep="tail")] | None = None
-    #: The failure came from torch.distributed (the rank lost its peers).
-    collective: bool = False
-
-
-class RankReportAnswer(Answer):
-    """``ok``; or ``ok: false`` and why the report was ``ignored`` (the job is no longer active)."""
-    ok: bool
-    ignored: str | None = Field(default=None, exclude_if=lambda value: value is None)
-
-
-class CheckpointCommit(Message):
-    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, job key)."""
-    files: Annotated[list[FileName], Field(min_length=1, max_length=4096)]
-    epoch: Count | None = None
-    step: Count | None = None
-    format: Annotated[CheckpointFormat, ByValue] | None = None
-    epoch_complete: bool = True
 
 
 class CheckpointList(Answer):

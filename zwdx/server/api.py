@@ -18,9 +18,9 @@ from werkzeug.exceptions import HTTPException
 from ..errors import BadRequest, Conflict, NotFound, Unschedulable, ZwdxError
 from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, JobStatus, RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
-from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsBatch, EventsQuery, Health, JobDetail,
-                             JobList, JobQuery, JobsQuery, MetricsAnswer, RankReport, RankReportAnswer, RoomCreated,
-                             RoomDetail, Stored, SubmitJob)
+from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
+from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
+                             JobsQuery, MetricsAnswer, RoomCreated, RoomDetail, SubmitJob)
 from . import lifecycle, notify
 from .auth import hash_secret, new_secret
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream

@@ -11,7 +11,8 @@ from pydantic import TypeAdapter, ValidationError
 from ..errors import BadRequest, NotFound
 from ..protocol import ArtifactKind, CheckpointFormat, Parallelism
 from ..protocol.job import CheckpointEntry, Job as JobRecord
-from ..protocol.rest import ArtifactView, CheckpointCommit, CheckpointList, FileName
+from ..protocol.report import CheckpointCommit, FileName
+from ..protocol.rest import ArtifactView, CheckpointList
 from . import notify
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
 from .job import Job
