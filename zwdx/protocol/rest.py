@@ -307,12 +307,23 @@ class OpenApiDocument(Answer):
 
 
 # -- errors ----------------------------------------------------------------------------------------
+class Problem(Answer):
+    """One wrong field of a bad request."""
+    field: str
+    message: str
+
+
 class ErrorDetail(Answer):
+    """What went wrong; other fields give its context (``job_id``, ``status``, ``limit``, ``missing``, ...)."""
     model_config = ConfigDict(extra="allow")
+    #: ``bad_request``, ``unauthorized``, ``forbidden``, ``not_found``, ``conflict``, ``unschedulable``,
+    #: ``payload_too_large``, ``integrity_error``, ...
     code: str
     message: str
     #: The path of the field that was wrong (``slots.0.index``), for a bad request.
     field: str | None = None
+    #: Every wrong field (up to 20), for a body or a query that is not its type.
+    problems: list[Problem] | None = None
 
 
 class ErrorAnswer(Answer):

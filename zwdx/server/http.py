@@ -139,7 +139,7 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
             if query is not None:
                 args["query"] = parse(query, request.args.to_dict(), "query")
             if body is not None and body != OCTET:
-                args["body"] = parse(body, json_body())
+                args["body"] = parse(body, _json_body())
             return _answer(op, handler(**{k: v for k, v in args.items() if k in wants}))
 
         view.operation = op
@@ -168,7 +168,7 @@ def _answer(op: Operation, out):
     return jsonify(out.model_dump(mode="json")), status
 
 
-def json_body():
+def _json_body():
     """The request's body, decoded as JSON (an empty body is ``{}``), within ``MAX_JSON_BYTES``
     and ``MAX_JSON_DEPTH``; ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
     if (request.content_length or 0) > MAX_JSON_BYTES:
