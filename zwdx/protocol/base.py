@@ -66,7 +66,7 @@ _BOUNDS = {"greater_than_equal": "must be at least {ge}", "less_than_equal": "mu
            "string_too_short": "must be at least {min_length} characters long",
            "string_too_long": "must be at most {max_length} characters long",
            "too_short": "must have at least {min_length} item(s)", "too_long": "must have at most {max_length} item(s)",
-           "string_pattern_mismatch": "must match {pattern}", "missing": "is required",
+           "string_pattern_mismatch": "must match {pattern}",
            "extra_forbidden": "is not a field of this message"}
 
 
