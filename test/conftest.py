@@ -4,7 +4,8 @@
   scheduler off; ``@pytest.mark.app_config(SCHEDULER=True)`` or ``make_app(**config)`` for
   another config), ``client`` (``app.test_client()``), ``api`` (the REST API as the holder of
   a fresh room's token; ``room_api()`` for another room), ``socket_client`` (Flask-SocketIO's
-  test client on /gpu or /ui). For validation, authorization and state transitions. Socket.IO
+  test client on /gpu or /ui), ``placed_job(app, name)`` (a room with a job placed under a job
+  key the test holds). For validation, authorization and state transitions. Socket.IO
   is bound to the app made last (one ``socketio`` per process, as in the server).
 - Real processes, for what needs them: ``server`` (a server process and its data dir), ``sdk``,
   ``room``, ``start_client`` (GPU-client processes).
@@ -122,6 +123,28 @@ class Api:
         resp = self.get("/jobs")
         assert resp.status_code == 200, resp.text
         return resp.json["jobs"]
+
+
+def placed_job(app, name: str) -> tuple[Api, Api, dict]:
+    """A new room of ``app`` with one job placed on one CPU slot of a GPU client (as the
+    scheduler places it: ``zwdx.server.job.Job.start``) under a job key the test holds: the
+    room's Api, its rank 0's Api (token and job key), and the job as submitted."""
+    from zwdx.protocol import SlotKind
+    from zwdx.protocol.job import PlacementEntry
+    from zwdx.server.auth import hash_secret
+    from zwdx.server.job import Job
+    room = Api(app.test_client()).create_room(name)
+    bundle = room.upload(f"bundle of {name}".encode())
+    job = room.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
+                                   "world_size": 1}).json
+    ctx, key = app.extensions["zwdx"], f"jk_{name}"
+    client_id = f"gpu-{name}"
+    ctx.store.upsert_client({"id": client_id, "room_id": room.room["id"], "hostname": name, "status": "online"},
+                            [{"id": f"{client_id}:0", "client_id": client_id, "room_id": room.room["id"], "index": 0,
+                              "kind": "cpu"}])
+    placement = [PlacementEntry(rank=0, client_id=client_id, gpu_index=0, kind=SlotKind.CPU)]
+    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:0"], hash_secret(key))
+    return room, room.as_(room.token, job_key=key), job
 
 
 @pytest.fixture

@@ -28,6 +28,8 @@ from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
 from .protocol import WAITING, JobStatus, runtime_versions
+from .protocol.base import parse
+from .protocol.rest import SubmitJob
 
 log = logging.getLogger(__name__)
 
@@ -233,13 +235,14 @@ class ZWDX:
         artifact = self._json("POST", "/artifacts", token, data=blob,
                               headers={defaults.SHA256_HEADER: sha, "Content-Type": "application/octet-stream"},
                               timeout=max(self.timeout, 600))
-        job = self._json("POST", "/jobs", token, json={
+        submit = parse(SubmitJob, {  # the server's own check, here first: a BadRequest naming the field
             "bundle_artifact": artifact["id"], "parallelism": str(parallelism).upper(), "epochs": epochs,
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
             "required_modules": required_modules(blob)})
+        job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
             self._remember("remember_job", job["id"], job["room_id"], token)

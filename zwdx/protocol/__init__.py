@@ -8,7 +8,9 @@
     job.py      a job's record, declared once (Job, JobSpec, RankState, ...) and what is shown of it
                 (JobView)
     rest.py     the REST API's bodies, answers and queries (the OpenAPI spec is made from them)
+    report.py   what a job's rank processes report over REST: events, their status, checkpoints
     rank.py     what a GPU client hands each rank process, once, on its stdin: RankSpec
+    catalog.py  every Socket.IO event with its payload and answer types (docs/events.md)
 
 Import the message modules by name (``from zwdx.protocol.gpu import Register``); the package
 itself re-exports the vocabulary only, which needs nothing beyond the standard library.

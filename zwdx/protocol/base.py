@@ -56,6 +56,38 @@ class Answer(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
+#: pydantic's error types for a value of the wrong JSON type -> the type wanted, by its Python name.
+_EXPECTED = {"int_type": "int", "int_parsing": "int", "int_from_float": "int", "float_type": "float",
+             "float_parsing": "float", "string_type": "str", "bool_type": "bool", "bool_parsing": "bool",
+             "dict_type": "dict", "model_type": "dict", "model_attributes_type": "dict", "list_type": "list"}
+#: pydantic's error types for a value out of bounds -> how to say it (with the error's ``ctx``).
+_BOUNDS = {"greater_than_equal": "must be at least {ge}", "less_than_equal": "must be at most {le}",
+           "greater_than": "must be more than {gt}", "less_than": "must be less than {lt}",
+           "string_too_short": "must be at least {min_length} characters long",
+           "string_too_long": "must be at most {max_length} characters long",
+           "too_short": "must have at least {min_length} item(s)", "too_long": "must have at most {max_length} item(s)",
+           "string_pattern_mismatch": "must match {pattern}",
+           "extra_forbidden": "is not a field of this message"}
+
+
+def say(error: dict) -> str:
+    """One of pydantic's errors in words, after ``field 'path'``: ``must be int, got str``."""
+    kind, ctx, msg = error["type"], error.get("ctx") or {}, error["msg"]
+    if kind in _EXPECTED:
+        return f"must be {_EXPECTED[kind]}, got {type(error['input']).__name__}"
+    if kind in _BOUNDS:
+        try:
+            return _BOUNDS[kind].format(**ctx)
+        except KeyError:
+            pass
+    if kind == "value_error" and msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        return msg if msg.startswith("must ") else f": {msg}"
+    if msg.startswith("Input should be "):
+        return "must be " + msg[len("Input should be "):]
+    return f": {msg[:1].lower() + msg[1:]}"
+
+
 def field_path(loc) -> str:
     """``('slots', 0, 'index')`` -> ``'slots.0.index'``."""
     return ".".join(str(part) for part in loc if part not in ("[key]",)) or "body"
@@ -71,7 +103,7 @@ def parse(model: type[M], data, what: str = "") -> M:
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         path = field_path(first["loc"])
-        message = first["msg"][:1].lower() + first["msg"][1:]
-        raise BadRequest(f"{where}field '{path}': {message}", field=path,
+        words = say(first)
+        raise BadRequest(f"{where}field '{path}'{'' if words.startswith(':') else ' '}{words}", field=path,
                          problems=[{"field": field_path(e["loc"]), "message": e["msg"]}
                                    for e in exc.errors(include_url=False)[:20]]) from None

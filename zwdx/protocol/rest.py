@@ -4,33 +4,25 @@ Bodies a caller sends are ``Message`` (strict, unknown fields refused); answers 
 (a client of an older version ignores fields it does not know); queries are ``Query`` (strings
 from the URL, converted; unknown parameters ignored, as browsers and proxies add their own).
 The OpenAPI spec (``GET /api/v1/openapi.json``) is generated from these models. The job's own
-record and view are in ``zwdx.protocol.job``.
+record and view are in ``zwdx.protocol.job``; what a job's rank processes report (events, their
+status, checkpoints) in ``zwdx.protocol.report``.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StringConstraints, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
+                      model_validator)
 
 from .. import defaults
-from .base import Answer, Bytes, ByValue, Count, Id, LongText, Message, Text
+from .base import Answer, Bytes, ByValue, Count, Id, Message
 from .gpu import ModuleName
-from .job import CheckpointEntry
-from .vocab import ArtifactKind, CheckpointFormat, EventKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .job import CheckpointEntry, JobView
+from .report import Reported, clipped
+from .vocab import ArtifactKind, ClientStatus, EventKind, JobStatus, Parallelism, SlotKind
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
-#: A metric's or a result's name.
-Key = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-def _not_dots(name: str) -> str:
-    if name in (".", ".."):
-        raise ValueError("a file name cannot be . or ..")
-    return name
-
-
-#: A checkpoint file's name: letters, digits and ``._-``, not ``.`` or ``..``.
-FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$"),
-                     AfterValidator(_not_dots)]
 
 
 class Query(BaseModel):
@@ -41,6 +33,7 @@ class Query(BaseModel):
 
 # -- health and rooms ----------------------------------------------------------------------------
 class Health(Answer):
+    """``GET /health``: "ok", or "store unavailable" (with 503)."""
     status: str
     store: str
     async_mode: str
@@ -80,7 +73,7 @@ class ClientView(Answer):
     room_id: str
     hostname: str = ""
     host_id: str | None = None
-    status: str
+    status: ClientStatus
     versions: dict[str, str] = {}
     advertise_addr: str | None = None
     last_seen: float | None = None
@@ -127,17 +120,27 @@ class ArtifactView(Answer):
 
 # -- jobs ----------------------------------------------------------------------------------------
 class Versions(Message):
-    """The submitter's runtime: its Python minor version decides where the bundle can load."""
+    """The submitter's runtime: its Python minor version decides where the bundle can load;
+    other entries (``torch``, ``cloudpickle``, ...) are names and version strings."""
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[str, StringConstraints(max_length=64)]]
     python: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[0-9]+\.[0-9]+")]
     torch: Annotated[str, StringConstraints(max_length=64)] | None = None
     cloudpickle: Annotated[str, StringConstraints(max_length=64)] | None = None
 
+    @model_validator(mode="after")
+    def _few(self):
+        if len(self.__pydantic_extra__ or {}) > 64:
+            raise ValueError("at most 64 versions")
+        return self
+
 
 class SubmitJob(Message):
     """``POST /api/v1/jobs``: a job over an uploaded bundle."""
-    bundle_artifact: Id
     versions: Versions
+    #: The id of the bundle uploaded with ``POST /api/v1/artifacts``.
+    bundle_artifact: Id
     parallelism: Annotated[Parallelism, ByValue] = Parallelism.DDP
     #: None: the train function's own default (1 if it declares none).
     epochs: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
@@ -145,7 +148,8 @@ class SubmitJob(Message):
     world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     #: Bytes of free memory needed on every slot.
     memory_required: Bytes = 0
-    name: Name = ""
+    #: The job's name (cut to 100 characters); "": the SDK names it after train_func.
+    name: Annotated[str, clipped(100)] = ""
     collective_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
     min_world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = defaults.MAX_RESTARTS
@@ -159,11 +163,29 @@ class SubmitJob(Message):
     def _upper(cls, value):
         return value.upper() if isinstance(value, str) else value
 
-    @model_validator(mode="after")
-    def _min_at_most_world(self):
-        if self.min_world_size is not None and self.world_size is not None and self.min_world_size > self.world_size:
-            raise ValueError("min_world_size must be at most world_size")
-        return self
+    @field_validator("required_modules", mode="wrap")
+    @classmethod
+    def _modules(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if exc.errors()[0]["type"] == "list_type":
+                raise
+            raise ValueError(f"must be a list of at most {defaults.MAX_REQUIRED_MODULES} top-level module names "
+                             f"(Python identifiers)") from None
+
+    @field_validator("min_world_size")
+    @classmethod
+    def _min_at_most_world(cls, value, info):
+        world_size = info.data.get("world_size")
+        if value is not None and world_size is not None and value > world_size:
+            raise ValueError(f"must be at most world_size ({world_size})")
+        return value
+
+
+class JobList(Answer):
+    """``GET /api/v1/jobs``: the room's jobs in submission order."""
+    jobs: list[JobView]
 
 
 class JobsQuery(Query):
@@ -182,40 +204,6 @@ class JobQuery(Query):
 
 
 # -- events (metrics and log lines) ---------------------------------------------------------------
-class EventIn(Message):
-    """One metric or log event a rank reports."""
-    kind: Annotated[EventKind, ByValue]
-    rank: Annotated[int, Field(ge=0, le=100_000)] | None = None
-    #: Unique per job and rank: a batch sent twice is stored once.
-    key: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
-    step: Count | None = None
-    data: dict[Key, JsonValue]
-    ts: Annotated[float, Field(ge=0, le=1e11)] | None = None
-
-    @model_validator(mode="after")
-    def _shape(self):
-        if self.kind is EventKind.METRIC:
-            if len(self.data) > 200:
-                raise ValueError("a metric event holds at most 200 values")
-            for name, value in self.data.items():
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise ValueError(f"metric {name!r} must be a number or null, got {type(value).__name__}")
-        elif self.kind is EventKind.LOG:
-            if set(self.data) != {"text"} or not isinstance(self.data["text"], str) or \
-                    len(self.data["text"]) > 100_000:
-                raise ValueError("a log event's data is {\"text\": a string of at most 100000 characters}")
-        return self
-
-
-class EventsBatch(Message):
-    """``POST /api/v1/jobs/<id>/events`` (job key)."""
-    events: Annotated[list[EventIn], Field(max_length=1000)]
-
-
-class Stored(Answer):
-    stored: int
-
-
 class EventView(Answer):
     seq: int
     kind: EventKind
@@ -224,6 +212,11 @@ class EventView(Answer):
     step: int | None = None
     data: dict[str, Any] = {}
     ts: float | None = None
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _object(cls, value):
+        return value if isinstance(value, dict) else {} if value is None else {"value": value}
 
 
 class EventsQuery(Query):
@@ -241,9 +234,14 @@ class JobEvents(EventsAnswer):
     """``job_events`` on the ``/ui`` namespace."""
 
 
+class JobDetail(JobView):
+    """``GET /api/v1/jobs/<id>``: the job; with ``?events_after=N`` its events after ``seq`` N too."""
+    events: list[EventView] | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
 class MetricPoint(Answer):
     step: int | None = None
-    value: float | None = None
+    value: Reported | None = None
     rank: int | None = None
     ts: float | None = None
 
@@ -252,34 +250,6 @@ class MetricsAnswer(Answer):
     """Every metric series of a job; ``throughput`` and ``gpu_utilization`` always there."""
     job_id: str
     series: dict[str, list[MetricPoint]]
-
-
-# -- what ranks report (job key) -------------------------------------------------------------------
-class RankReport(Message):
-    """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""
-    status: Annotated[RankStatus, ByValue]
-    results: Annotated[dict[Key, JsonValue], Field(max_length=200)] | None = None
-    final_loss: float | None = None
-    fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
-    weights_artifact: Id | None = None
-    error: Text | None = None
-    traceback: LongText | None = None
-    #: The failure came from torch.distributed (the rank lost its peers).
-    collective: bool = False
-
-
-class RankReportAnswer(Answer):
-    ok: bool
-    ignored: str | None = None
-
-
-class CheckpointCommit(Message):
-    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, job key)."""
-    files: Annotated[list[FileName], Field(min_length=1, max_length=4096)]
-    epoch: Count | None = None
-    step: Count | None = None
-    format: Annotated[CheckpointFormat, ByValue] | None = None
-    epoch_complete: bool = True
 
 
 class CheckpointList(Answer):
@@ -298,6 +268,12 @@ class HistoryQuery(Query):
         return _statuses(value)
 
 
+class Headline(Answer):
+    """A job's headline figure: its final loss, else the first number among its results."""
+    name: str
+    value: Reported
+
+
 class HistoryRow(Answer):
     id: str
     name: str = ""
@@ -307,13 +283,13 @@ class HistoryRow(Answer):
     running_at: float | None = None
     ended_at: float | None = None
     duration: float | None = None
-    final_loss: float | None = None
-    result: str | None = None
+    final_loss: Reported | None = None
+    result: Headline | None = None
     world_size: int | None = None
     requested_world_size: int | None = None
     parallelism: str | None = None
     epochs: int | None = None
-    mean_throughput: float | None = None
+    mean_throughput: Reported | None = None
     reason: str | None = None
 
 
@@ -321,13 +297,33 @@ class HistoryAnswer(Answer):
     jobs: list[HistoryRow]
 
 
-# -- errors ----------------------------------------------------------------------------------------
-class ErrorDetail(Answer):
+# -- the API's own description -------------------------------------------------------------------
+class OpenApiDocument(Answer):
+    """``GET /api/v1/openapi.json``: this API as an OpenAPI 3.1 document."""
     model_config = ConfigDict(extra="allow")
+    openapi: str
+    info: dict[str, Any]
+    paths: dict[str, Any]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+class Problem(Answer):
+    """One wrong field of a bad request."""
+    field: str
+    message: str
+
+
+class ErrorDetail(Answer):
+    """What went wrong; other fields give its context (``job_id``, ``status``, ``limit``, ``missing``, ...)."""
+    model_config = ConfigDict(extra="allow")
+    #: ``bad_request``, ``unauthorized``, ``forbidden``, ``not_found``, ``conflict``, ``unschedulable``,
+    #: ``payload_too_large``, ``integrity_error``, ...
     code: str
     message: str
     #: The path of the field that was wrong (``slots.0.index``), for a bad request.
     field: str | None = None
+    #: Every wrong field (up to 20), for a body or a query that is not its type.
+    problems: list[Problem] | None = None
 
 
 class ErrorAnswer(Answer):

@@ -22,7 +22,7 @@ import threading
 from flask import Flask
 
 from .. import defaults
-from . import api, checkpoints, dashboard_api, events, ui
+from . import api, checkpoints, dashboard_api, events, openapi, ui
 from .artifacts import FileArtifactStore
 from .extensions import socketio
 from .scheduler import Scheduler
@@ -100,6 +100,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
+    app.register_blueprint(openapi.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024)

@@ -5,57 +5,61 @@ from __future__ import annotations
 import logging
 import time
 
-from flask import Blueprint, jsonify
+from flask import Blueprint
+from pydantic import TypeAdapter, ValidationError
 
 from ..errors import BadRequest, NotFound
-from ..protocol import ArtifactKind
-from ..protocol.base import parse
-from ..protocol.job import CheckpointEntry
+from ..protocol import ArtifactKind, CheckpointFormat, Parallelism
+from ..protocol.job import CheckpointEntry, Job as JobRecord
+from ..protocol.report import CheckpointCommit, FileName
+from ..protocol.rest import ArtifactView, CheckpointList
 from . import notify
-from .auth import job_in_room, request_room
-from .http import P, ctx, field, json_body, rank_job, save_artifact, stream
+from .http import OCTET, Auth, ctx, operation, save_artifact, stream
 from .job import Job
 
 log = logging.getLogger(__name__)
 
 bp = Blueprint("checkpoints", __name__)
 
-_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+_FILE_NAME = TypeAdapter(FileName)
 
 
 def _file_name(name: str) -> str:
-    if not name or len(name) > 200 or set(name) - _NAME_OK or name in (".", ".."):
-        raise BadRequest(f"bad checkpoint file name {name!r}")
+    """``name`` if it is a checkpoint file's name (``FileName``), else BadRequest naming ``name``."""
+    try:
+        _FILE_NAME.validate_python(name)
+    except ValidationError:
+        raise BadRequest(f"path 'name': bad checkpoint file name {name!r} (letters, digits and ._-, at most 200)",
+                         field="name") from None
     return name
 
 
-@bp.put(f"{P}/jobs/<job_id>/checkpoints/<int:n>/<name>")
-def put_checkpoint_file(job_id: str, n: int, name: str):
-    """One file of checkpoint ``n`` (a rank's shard, or the whole state for DDP)."""
-    job = rank_job(job_id)
-    artifact = save_artifact({"id": job.room_id}, ArtifactKind.CHECKPOINT.value, job.id)
-    ctx().store.update_artifact(artifact["id"], {"checkpoint": n, "name": _file_name(name)})
-    return jsonify(artifact), 201
+@operation(bp, "PUT", "/jobs/<job_id>/checkpoints/<n>/<name>", "Upload one file of checkpoint n",
+           auth=Auth.JOB, body=OCTET, answer=ArtifactView, status=201, errors=(400, 413, 422), tag="checkpoints")
+def put_checkpoint_file(job: JobRecord, n: int, name: str):
+    """A rank's shard (FSDP), or the whole state (DDP). Sent again, the later file wins."""
+    _file_name(name)
+    return save_artifact({"id": job.room_id}, ArtifactKind.CHECKPOINT.value, job.id, checkpoint=n, name=name), 201
 
 
-@bp.post(f"{P}/jobs/<job_id>/checkpoints/<int:n>/commit")
-def commit_checkpoint(job_id: str, n: int):
-    """Rank 0, once every rank uploaded its files: checkpoint ``n`` is complete. Older ones
-    beyond the job's ``keep_checkpoints`` are deleted."""
-    job = rank_job(job_id)
-    body = json_body()
-    names = field(body, "files", list, required=True)
+@operation(bp, "POST", "/jobs/<job_id>/checkpoints/<n>/commit", "Commit checkpoint n (rank 0)",
+           auth=Auth.JOB, body=CheckpointCommit, answer=CheckpointEntry, status=201, tag="checkpoints")
+def commit_checkpoint(job: JobRecord, n: int, body: CheckpointCommit):
+    """Once every rank uploaded its files, checkpoint ``n`` is complete; older ones beyond the
+    job's ``keep_checkpoints`` are deleted. A file named in ``files`` that was not uploaded is
+    a 400 listing them (``missing``)."""
     files = {}
     for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n:
             files[artifact["name"]] = artifact["id"]  # a re-upload of a name wins
-    missing = [name for name in names if name not in files]
+    missing = [name for name in body.files if name not in files]
     if missing:
-        raise BadRequest(f"checkpoint {n} lacks uploaded file(s) {', '.join(map(str, missing))}", missing=missing)
-    entry = parse(CheckpointEntry, {
-        "n": n, "epoch": body.get("epoch"), "step": body.get("step"), "format": body.get("format"),
-        "epoch_complete": bool(body.get("epoch_complete", True)), "world_size": job.world_size,
-        "attempt": job.attempt, "files": {name: files[name] for name in names}, "at": time.time()}, "checkpoint")
+        raise BadRequest(f"checkpoint {n} lacks uploaded file(s) {', '.join(missing)}", field="files", missing=missing)
+    fmt = body.format or (CheckpointFormat.DCP if job.spec.parallelism == Parallelism.FSDP else CheckpointFormat.TORCH)
+    entry = CheckpointEntry.model_validate({
+        **body.model_dump(exclude={"files", "format"}, exclude_none=True), "format": fmt, "n": n, "world_size": job.world_size,
+        "attempt": job.attempt, "files": {name: files[name] for name in body.files}, "at": time.time()})
     handle = Job(ctx().store, job)
     kept = {c.n for c in handle.checkpoint_committed(entry)}
     for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
@@ -64,19 +68,19 @@ def commit_checkpoint(job_id: str, n: int):
             ctx().store.delete_artifact(artifact["id"])
     log.info("job %s: checkpoint %d committed (epoch %s, step %s)", job.id, n, entry.epoch, entry.step)
     notify.job_changed(handle.record)
-    return jsonify(entry.model_dump(mode="json")), 201
+    return entry, 201
 
 
-@bp.get(f"{P}/jobs/<job_id>/checkpoints")
-def list_checkpoints(job_id: str):
-    job = job_in_room(job_id, request_room())
-    return jsonify({"job_id": job.id, "checkpoints": [c.model_dump(mode="json") for c in job.checkpoints]})
+@operation(bp, "GET", "/jobs/<job_id>/checkpoints", "A job's committed checkpoints", answer=CheckpointList,
+           tag="checkpoints")
+def list_checkpoints(job: JobRecord):
+    return CheckpointList(job_id=job.id, checkpoints=job.checkpoints)
 
 
-@bp.get(f"{P}/jobs/<job_id>/checkpoints/<int:n>/<name>")
-def get_checkpoint_file(job_id: str, n: int, name: str):
-    job = job_in_room(job_id, request_room())
+@operation(bp, "GET", "/jobs/<job_id>/checkpoints/<n>/<name>", "Download one file of checkpoint n",
+           answer=OCTET, tag="checkpoints")
+def get_checkpoint_file(job: JobRecord, n: int, name: str):
     for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n and artifact.get("name") == name:
             return stream(artifact)
-    raise NotFound(f"job {job_id} has no checkpoint {n} file {name}", job_id=job_id)
+    raise NotFound(f"job {job.id} has no checkpoint {n} file {name}", job_id=job.id)

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import math
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, current_app
 
-from .. import defaults
-from ..errors import BadRequest
-from ..protocol import FINISHED, EventKind, JobStatus
+from ..protocol import FINISHED, EventKind
 from ..protocol.job import Job as JobRecord
-from .auth import request_room
+from ..protocol.rest import HistoryAnswer, HistoryQuery
+from .http import ctx, operation
 
 bp = Blueprint("dashboard_api", __name__)
-P = defaults.API_PREFIX
 
 #: Mean throughput of finished jobs (they report no more), per server process.
 _CACHE_KEY = "zwdx.dashboard.throughput"
@@ -61,6 +59,7 @@ def first_result(job: JobRecord) -> dict | None:
 
 
 def summary(store, job: JobRecord) -> dict:
+    """A finished job's row of the history (``HistoryRow``)."""
     start = job.running_at or job.started_at
     end = job.ended_at
     return {"id": job.id, "name": job.name, "status": job.status.value,
@@ -73,15 +72,10 @@ def summary(store, job: JobRecord) -> dict:
             "reason": job.reason}
 
 
-@bp.get(f"{P}/dashboard/history")
-def history():
-    room = request_room()
-    known = {s.value for s in JobStatus}
-    asked = request.args.get("status")
-    statuses = [s for s in asked.split(",") if s] if asked else [s.value for s in FINISHED]
-    wrong = [s for s in statuses if s not in known]
-    if wrong:
-        raise BadRequest(f"query 'status' must be a comma-separated list of {', '.join(sorted(known))}; "
-                         f"got {', '.join(wrong)}", field="status")
-    store = current_app.extensions["zwdx"].store
-    return jsonify({"jobs": [summary(store, job) for job in store.list_jobs(room["id"], statuses)]})
+@operation(bp, "GET", "/dashboard/history", "The room's finished jobs, for the dashboard", query=HistoryQuery,
+           answer=HistoryAnswer, tag="dashboard")
+def history(room: dict, query: HistoryQuery):
+    """Every finished status by default; ``status`` picks others (comma-separated)."""
+    statuses = [s for s in query.status.split(",") if s] if query.status else [s.value for s in FINISHED]
+    store = ctx().store
+    return HistoryAnswer.model_validate({"jobs": [summary(store, job) for job in store.list_jobs(room["id"], statuses)]})

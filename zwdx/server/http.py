@@ -1,26 +1,211 @@
-"""What the HTTP routes share: the server's context, the request's JSON body and its typed
-fields, artifact bytes in and out, and the job a rank process writes into.
+"""What the REST routes share: one decorator that declares an operation and checks its input
+once, at the edge (FastAPI's habit, applied to Flask), and the helpers handlers call.
+
+    @operation(bp, "POST", "/jobs", "Submit a job", body=SubmitJob, answer=Submitted, status=201)
+    def create_job(room: dict, body: SubmitJob) -> Submitted: ...
+
+``operation`` registers the route on the blueprint and, before the handler runs:
+1. checks who asks (``auth``): ``Auth.ROOM`` a room token (``room``; ``job`` instead when the
+   path names a job, which must be the room's: other rooms' jobs are "not found"),
+   ``Auth.JOB`` the room token and the job's key (``job``), ``Auth.NONE`` nothing;
+2. checks the path's integers, then the query as ``query`` (a ``zwdx.protocol.rest.Query``)
+   and the JSON body as ``body`` (a ``Message``), each through ``parse``: a wrong one is a 400
+   whose ``field`` names its path, and nothing is changed;
+3. passes the handler the arguments it declares of ``room``, ``job``, ``body``, ``query`` and
+   the path's values, and turns its answer (a declared ``Answer``; ``(answer, status)`` for
+   another status it declares) into JSON, or passes a ``Response`` (an artifact's bytes) through.
+
+The operation is kept on the view function (``view.operation``), where ``openapi.py`` reads
+the route table to describe the API.
 
     ctx()                       -> ServerContext of the current app (config, store, artifacts, scheduler)
-    json_body()                 -> the body as a dict, or BadRequest
-    field(body, name, kind)     -> one field of the body, type-checked, or BadRequest naming it
     save_artifact(room, kind)   -> stores the request's streamed bytes (size and sha256 checked)
     stream(artifact)            -> a streamed response of an artifact's bytes
-    rank_job(job_id)            -> the job, after the room token and the job key are checked
+    job_artifact(job, id, kind) -> the artifact, if it is the job's and of that kind
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import json
+import re
 import time
 import uuid
+from dataclasses import dataclass, field
+from enum import Enum
 
-from flask import Response, current_app, request
+from flask import Response, current_app, jsonify, request
+from pydantic import BaseModel
 
 from .. import defaults
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, NotFound, PayloadTooLarge
+from ..protocol.base import parse
+from ..protocol.rest import ArtifactView
 from .auth import job_in_room, request_job_key, request_room
 
 #: Where every REST route lives.
 P = defaults.API_PREFIX
+
+#: Largest JSON body a route reads (artifact bytes stream apart, with their own limit).
+MAX_JSON_BYTES = 32 * 1024**2
+#: Deepest nesting of a JSON body: a deeper one is refused before anything parses it further
+#: (MongoDB keeps documents 100 levels deep; Python's parser stops near 1,000).
+MAX_JSON_DEPTH = 32
+#: Largest count in a path (a rank, a checkpoint's number): what JSON readers keep exact.
+MAX_PATH_INT = 2**53
+
+#: Body and answer of an operation that carries an artifact's bytes.
+OCTET = "application/octet-stream"
+
+
+class Auth(str, Enum):
+    """What an operation needs of its caller."""
+    NONE = "none"    # nothing
+    ROOM = "room"    # a room token (X-Zwdx-Room-Token)
+    JOB = "job"      # a room token and the job's key (X-Zwdx-Job-Key): the rank processes of a job
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One REST operation as declared: what ``openapi.py`` describes and ``operation`` checks."""
+    name: str                                     # the handler's name: the endpoint, the operationId
+    method: str
+    rule: str                                     # Flask's rule, under the API prefix
+    summary: str
+    description: str
+    auth: Auth
+    tag: str
+    body: type[BaseModel] | str | None            # a Message, OCTET, or None
+    query: type[BaseModel] | None
+    #: status -> an Answer model, OCTET, or "text/html"; the first is the usual answer
+    answers: dict[int, type[BaseModel] | str] = field(default_factory=dict)
+    #: statuses of errors it may answer (``ErrorAnswer``)
+    errors: tuple[int, ...] = ()
+    #: the path's parameters, in order: name -> ``int`` (a count: a rank, a checkpoint's number) or ``str``
+    path: dict[str, type] = field(default_factory=dict)
+
+
+def _errors(auth: Auth, rule: str, checks_input: bool, json_body: bool, more: tuple[int, ...]) -> tuple[int, ...]:
+    """The error statuses an operation may answer: 400 when it reads input (413 when that is a
+    JSON body), 401 with a token, 403 with a job key, 404 when its path names a job or an
+    artifact, and ``more``."""
+    out = set(more)
+    if checks_input:
+        out.add(400)
+    if json_body:
+        out.add(413)
+    if auth is not Auth.NONE:
+        out.add(401)
+    if auth is Auth.JOB:
+        out.add(403)
+    if "<job_id>" in rule or "<artifact_id>" in rule:
+        out.add(404)
+    return tuple(sorted(out))
+
+
+def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROOM, body=None, query=None,
+              answer=None, status: int = 200, answers: dict | None = None, errors: tuple[int, ...] = (),
+              tag: str = "", prefix: str = P):
+    """Declare a REST operation on ``bp`` (see the module's docstring). ``answer`` is the model
+    of the ``status`` answer; ``answers`` adds other statuses; ``errors`` adds error statuses
+    to those implied."""
+    full = prefix + rule
+
+    def decorate(handler):
+        signature = inspect.signature(handler, eval_str=True)
+        wants = set(signature.parameters)
+        path_types = {name: int if name in wants and signature.parameters[name].annotation is int else str
+                      for name in re.findall(r"<([a-z_]+)>", full)}
+        json_in = isinstance(body, type)
+        op = Operation(name=handler.__name__, method=method.upper(), rule=full, summary=summary, auth=auth,
+                       tag=tag or bp.name, description=inspect.cleandoc(handler.__doc__ or ""), body=body,
+                       query=query, answers={status: answer, **(answers or {})}, path=path_types,
+                       errors=_errors(auth, full, bool(json_in or query or int in path_types.values()), json_in,
+                                      errors))
+
+        @functools.wraps(handler)
+        def view(**path):
+            args = dict(path)
+            if auth is Auth.JOB:
+                args["job"] = rank_job(path["job_id"])
+            elif auth is Auth.ROOM:
+                room = request_room()
+                if "job_id" in path:
+                    args["job"] = job_in_room(path["job_id"], room)
+                args["room"] = room
+            for name, kind in path_types.items():
+                if kind is int:
+                    args[name] = path_count(name, path[name])
+            if query is not None:
+                args["query"] = parse(query, request.args.to_dict(), "query")
+            if body is not None and body != OCTET:
+                args["body"] = parse(body, _json_body())
+            return _answer(op, handler(**{k: v for k, v in args.items() if k in wants}))
+
+        view.operation = op
+        bp.add_url_rule(full, endpoint=handler.__name__, view_func=view, methods=[op.method])
+        return view
+    return decorate
+
+
+def path_count(name: str, text: str) -> int:
+    """A count in the path (a rank, a checkpoint's number): digits, at most ``MAX_PATH_INT``."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 16 or int(text) > MAX_PATH_INT:
+        raise BadRequest(f"path '{name}' must be a whole number from 0 to {MAX_PATH_INT}, got {text[:50]!r}",
+                         field=name)
+    return int(text)
+
+
+def _answer(op: Operation, out):
+    """The handler's answer as the response: a declared model as JSON, a ``Response`` as is."""
+    if isinstance(out, Response):
+        return out
+    out, status = out if isinstance(out, tuple) else (out, next(iter(op.answers)))
+    declared = op.answers.get(status)
+    if not (isinstance(declared, type) and isinstance(out, declared)):
+        raise TypeError(f"{op.method} {op.rule} answered {type(out).__name__} with {status}, "
+                        f"which it does not declare")
+    return jsonify(out.model_dump(mode="json")), status
+
+
+def _json_body():
+    """The request's body, decoded as JSON (an empty body is ``{}``), within ``MAX_JSON_BYTES``
+    and ``MAX_JSON_DEPTH``; ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
+    if (request.content_length or 0) > MAX_JSON_BYTES:
+        raise PayloadTooLarge(f"a JSON body is at most {MAX_JSON_BYTES} bytes", limit=MAX_JSON_BYTES)
+    raw = request.stream.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise PayloadTooLarge(f"a JSON body is at most {MAX_JSON_BYTES} bytes", limit=MAX_JSON_BYTES)
+    if not raw.strip():
+        return {}
+    if _depth(raw) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels", field="body")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the body must be a JSON object; it is not JSON ({str(exc)[:100]})", field="body")
+
+
+def _depth(raw: bytes) -> int:
+    """How deep the brackets of a JSON text nest (outside strings), without parsing it."""
+    deepest = depth = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def ctx():
@@ -28,49 +213,40 @@ def ctx():
     return current_app.extensions["zwdx"]
 
 
-def json_body() -> dict:
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-def field(body: dict, name: str, kind, required: bool = False, default=None):
-    """``body[name]`` if it is a ``kind`` (a type or a tuple of types; a bool is no int), the
-    ``default`` when it is missing or null; BadRequest naming the field otherwise."""
-    value = body.get(name, default)
-    if value is None:
-        if required:
-            raise BadRequest(f"field '{name}' is required", field=name)
-        return default
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise BadRequest(f"field '{name}' must be {expected}, got {type(value).__name__}", field=name)
-    return value
-
-
-def save_artifact(room: dict, kind: str, job_id: str | None = None) -> dict:
+def save_artifact(room: dict, kind: str, job_id: str | None = None, **fields) -> ArtifactView:
     """Store the request's body as an artifact of the room (and the job): streamed to the
     artifact store within ``MAX_ARTIFACT_BYTES``, checked against the sha256 header if sent."""
     artifact_id = uuid.uuid4().hex
     size, sha = ctx().artifacts.save(artifact_id, request.stream, int(current_app.config["MAX_ARTIFACT_BYTES"]),
                                      request.headers.get(defaults.SHA256_HEADER))
     artifact = {"id": artifact_id, "room_id": room["id"], "kind": kind, "size": size, "sha256": sha,
-                "job_id": job_id, "created_at": time.time()}
-    return ctx().store.add_artifact(artifact)
+                "job_id": job_id, "created_at": time.time(), **fields}
+    return ArtifactView.model_validate(ctx().store.add_artifact(artifact))
 
 
 def stream(artifact: dict) -> Response:
     """The artifact's bytes as a streamed response, with their size and sha256 in the headers."""
     try:
         chunks = ctx().artifacts.open(artifact["id"])
-    except (FileNotFoundError, KeyError):
+    except (FileNotFoundError, KeyError, ValueError):
         raise NotFound(f"artifact {artifact['id']} has no bytes on this server", artifact_id=artifact["id"])
     headers = {"Content-Length": str(artifact["size"]), defaults.SHA256_HEADER: artifact["sha256"]}
-    return Response(chunks, mimetype="application/octet-stream", headers=headers)
+    return Response(chunks, mimetype=OCTET, headers=headers)
 
 
-def rank_job(job_id: str) -> dict:
+def job_artifact(job, artifact_id: str, kind: str) -> dict | None:
+    """The artifact ``artifact_id``, if it belongs to ``job`` (and its room) and is a ``kind``;
+    None otherwise. Ids are plain strings here (``Id``-checked at the edge)."""
+    if not isinstance(artifact_id, str):
+        return None
+    artifact = ctx().store.get_artifact(artifact_id)
+    if artifact is None or artifact.get("job_id") != job.id or artifact.get("room_id") != job.room_id \
+            or artifact.get("kind") != kind:
+        return None
+    return artifact
+
+
+def rank_job(job_id: str):
     """The job a rank process writes into: it must be in the token's room, and the request must
     carry the job's key."""
     job = job_in_room(job_id, request_room())

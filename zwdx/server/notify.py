@@ -7,6 +7,9 @@ heartbeat figures (free memory, utilisation, last seen) and slots taken or freed
 (which ``job_update`` already told) within one heartbeat interval, the pace the figures change
 at. A room's list costs the same to send whatever part of it changed, so in a busy room this
 is about one list per heartbeat interval, whatever the number of GPU clients and jobs.
+
+Each payload is a declared answer (``docs/events.md``): ``job_update`` a ``JobView``,
+``job_events`` a ``JobEvents``, ``clients_update`` a ``ClientsUpdate``.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
 from ..protocol.job import Job as JobRecord
+from ..protocol.rest import ClientsUpdate, JobEvents
 from .extensions import socketio
 from .placement import room_totals
 from .views import client_view, job_view
@@ -40,19 +44,23 @@ def watched(room_id: str) -> bool:
 
 
 def job_changed(job: JobRecord) -> None:
-    socketio.emit(EV_JOB_UPDATE, job_view(job), to=ui_room(job.room_id), namespace=UI_NAMESPACE)
+    socketio.emit(EV_JOB_UPDATE, job_view(job).model_dump(mode="json"), to=ui_room(job.room_id),
+                  namespace=UI_NAMESPACE)
 
 
 def events_added(job: JobRecord, events: list[dict]) -> None:
     if events:
-        socketio.emit(EV_JOB_EVENTS, {"job_id": job.id, "events": events},
-                      to=ui_room(job.room_id), namespace=UI_NAMESPACE)
+        payload = JobEvents.model_validate({"job_id": job.id, "events": events})
+        socketio.emit(EV_JOB_EVENTS, payload.model_dump(mode="json"), to=ui_room(job.room_id), namespace=UI_NAMESPACE)
 
 
 def clients_payload(ctx, room_id: str) -> dict:
-    """The room's GPU clients and what they offer in all (``room_totals``)."""
+    """The room's GPU clients and what they offer in all (``room_totals``): a ``ClientsUpdate``,
+    as JSON."""
     clients = ctx.store.list_clients(room_id)
-    return {"clients": [client_view(c) for c in clients], "totals": room_totals(clients)}
+    payload = ClientsUpdate.model_validate({"clients": [client_view(c) for c in clients],
+                                            "totals": room_totals(clients)})
+    return payload.model_dump(mode="json")
 
 
 def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:

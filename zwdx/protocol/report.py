@@ -1,0 +1,122 @@
+"""What a job's rank processes report over REST, with the job's key: metric and log events,
+their start, result or failure, and the checkpoints they commit (``zwdx.protocol.rest`` has the
+rest of the API). The numbers a rank measured may be NaN or infinite (a loss that diverged):
+they are kept as they are.
+
+    EventsBatch of EventIn -> Stored            POST /api/v1/jobs/<id>/events
+    RankReport -> RankReportAnswer              POST /api/v1/jobs/<id>/ranks/<rank>
+    CheckpointCommit -> CheckpointEntry         POST /api/v1/jobs/<id>/checkpoints/<n>/commit
+"""
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
+from typing_extensions import TypeAliasType
+
+from .base import Answer, ByValue, Count, Id, Message
+from .vocab import CheckpointFormat, EventKind, RankStatus
+
+#: A metric's or a result's name.
+Key = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+def _not_dots(name: str) -> str:
+    if name in (".", ".."):
+        raise ValueError("a file name cannot be . or ..")
+    return name
+
+
+#: A number the ranks reported: NaN and infinities are numbers here (a loss that diverged).
+Reported = Annotated[float, Field(allow_inf_nan=True)]
+
+
+def clipped(limit: int, keep: str = "head"):
+    """Text cut to ``limit`` characters (the head, or the tail of a traceback) instead of refused:
+    a rank's failure is recorded however long its message."""
+    def clip(text: str) -> str:
+        if len(text) <= limit:
+            return text
+        return text[:limit] if keep == "head" else "..." + text[-(limit - 3):]
+    return AfterValidator(clip)
+
+
+#: A JSON value that a rank measured or returned: its numbers may be NaN or infinite.
+Measured = TypeAliasType("Measured", Union[int, Reported, str, bool, None, list["Measured"],
+                                           dict[str, "Measured"]])
+
+#: A checkpoint file's name: letters, digits and ``._-``, not ``.`` or ``..``.
+FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$"),
+                     AfterValidator(_not_dots)]
+
+
+class EventIn(Message):
+    """One metric or log event a rank reports; a metric's values are numbers (NaN and
+    infinities too: a loss that diverged) or null."""
+    kind: Annotated[EventKind, ByValue]
+    rank: Annotated[int, Field(ge=0, le=100_000)] | None = None
+    #: Unique per job and rank: a batch sent twice is stored once.
+    key: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
+    step: Count | None = None
+    data: dict[Key, Measured]
+    ts: Annotated[float, Field(ge=0, le=1e11)] | None = None
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.kind is EventKind.METRIC:
+            if len(self.data) > 200:
+                raise ValueError("a metric event holds at most 200 values")
+            for name, value in self.data.items():
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise ValueError(f"metric {name!r} must be a number or null, got {type(value).__name__}")
+        elif self.kind is EventKind.LOG:
+            if set(self.data) != {"text"} or not isinstance(self.data["text"], str) or \
+                    len(self.data["text"]) > 100_000:
+                raise ValueError("a log event's data is {\"text\": a string of at most 100000 characters}")
+        return self
+
+
+class EventsBatch(Message):
+    """``POST /api/v1/jobs/<id>/events``: up to 1,000 events."""
+    events: Annotated[list[EventIn], Field(max_length=1000)]
+
+
+class Stored(Answer):
+    """How many of the batch's events were new (a batch sent twice is stored once)."""
+    stored: int
+
+
+class RankReport(Message):
+    """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""
+    status: Annotated[RankStatus, ByValue]
+    #: What train_func and eval_func returned (rank 0's are the job's).
+    results: Annotated[dict[Key, Measured], Field(max_length=200)] | None = None
+    final_loss: Reported | None = None
+    #: sha256 of the rank's trained weights.
+    fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+    #: Rank 0: the id of the weights it uploaded (``PUT /jobs/<id>/weights``), an artifact of
+    #: this job; anything else is refused.
+    weights_artifact: Id | None = None
+    error: Annotated[str, clipped(1000)] | None = None
+    traceback: Annotated[str, clipped(200_000, keep="tail")] | None = None
+    #: The failure came from torch.distributed (the rank lost its peers).
+    collective: bool = False
+
+
+class RankReportAnswer(Answer):
+    """``ok``; or ``ok: false`` and why the report was ``ignored`` (the job is no longer active)."""
+    ok: bool
+    ignored: str | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class CheckpointCommit(Message):
+    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, job key)."""
+    files: Annotated[list[FileName], Field(min_length=1, max_length=4096)]
+    epoch: Count | None = None
+    step: Count | None = None
+    format: Annotated[CheckpointFormat, ByValue] | None = None
+    epoch_complete: bool = True
+
+
+__all__ = ["Key", "Reported", "clipped", "Measured", "FileName", "EventIn", "EventsBatch", "Stored", "RankReport",
+           "RankReportAnswer", "CheckpointCommit"]
