@@ -21,6 +21,8 @@ from gpu_client.parallel import describe_plan, fingerprint, fsdp_plan
 from procs import GpuClient, Server, wait_until
 from zwdx import ZWDX, BadRequest
 
+pytestmark = pytest.mark.slow  # a server, GPU clients and language-model jobs
+
 LM = {"gpt2": (models.gpt2, models.hf_loss), "nanogpt": (models.nanogpt, models.nano_loss)}
 
 

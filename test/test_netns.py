@@ -1,9 +1,8 @@
 """Across real networks: the server and each GPU client in its own network namespace, with its
 own address, joined by veth pairs to a bridge; the server is reached by its address, never
-localhost. Skipped (saying why) where network namespaces cannot be created."""
+localhost. Needs root and iproute2 (needs.py: skipped saying why elsewhere, a failure under CI)."""
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -14,9 +13,12 @@ import requests
 import torch
 
 import mnist
+import needs
 from procs import Proc, free_port, wait_until
 from workloads import slow_train
 from zwdx import ZWDX
+
+pytestmark = pytest.mark.slow  # servers and GPU clients in network namespaces
 
 
 def sh(*args: str) -> None:
@@ -69,13 +71,13 @@ class Net:
 
 @pytest.fixture
 def net_hosts(request):
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root; this test says so and skips")
+    needs.root("network namespaces")
+    needs.tool("ip", "apt-get install iproute2 (./setup.sh --test)")
     try:
         net = Net(request.param)
-    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        err = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot create network namespaces here: {exc} {err.decode(errors='replace').strip()}")
+    except subprocess.CalledProcessError as exc:
+        needs.missing(f"network namespaces ({' '.join(exc.cmd)}: {exc.stderr.decode(errors='replace').strip()})",
+                      "a kernel and a container that allow them (CAP_NET_ADMIN; docker run --privileged)")
     yield net
     net.close()
 
