@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 import models
+import needs
 from gpu_client.parallel import describe_plan, fingerprint, fsdp_plan
 from procs import GpuClient, Server, wait_until
 from zwdx import ZWDX, BadRequest
@@ -53,7 +54,7 @@ def pool(tmp_path_factory):
 
 def make(kind: str, seed: int = 0):
     if kind == "gpt2":
-        pytest.importorskip("transformers")
+        needs.module("transformers", "pip install transformers (pip install -e '.[test]')")
     return LM[kind][0](seed)
 
 

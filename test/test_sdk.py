@@ -361,14 +361,10 @@ def test_the_progress_bar_says_why_a_job_waits_and_ctrl_c_cancels_it_there(sdk, 
 def test_an_unschedulable_job_is_said_at_submit_and_refused_on_request(sdk, room, start_client, capfd):
     start_client("a")
     model = torch.nn.Linear(4, 2)
-    try:
-        refused = sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3,
-                                 wait=False, fail_if_unschedulable=True)
-    except Unschedulable as exc:
-        assert str(exc)  # the server's reason
-    else:
-        sdk.cancel_job(refused, room["token"])
-        pytest.skip("this server does not refuse unschedulable jobs yet (the scheduler's side of the contract)")
+    with pytest.raises(Unschedulable) as refused:
+        sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3, wait=False,
+                       fail_if_unschedulable=True)
+    assert "world_size 3" in str(refused.value)  # the server's reason
     assert sdk.list_jobs(room["token"]) == []  # nothing stored
     capfd.readouterr()
     job_id = sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3,
