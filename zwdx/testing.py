@@ -66,7 +66,14 @@ def _port_range() -> range:
 def _lock(port: int) -> bool:
     global _locks_fd
     if _locks_fd is None:
-        _locks_fd = os.open(PORT_LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            _locks_fd = os.open(PORT_LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                os.fchmod(_locks_fd, 0o666)  # every user's test runs share it (the umask took bits away)
+            except OSError:
+                pass  # another user's file: theirs to set
+        except PermissionError:  # another user's file that we may not write: a file of our own
+            _locks_fd = os.open(f"{PORT_LOCKS}.{os.getuid()}", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.lockf(_locks_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
         return True
