@@ -2,19 +2,43 @@
 # ./run_all.sh           install, bring up a zwdx server on the embedded store with two local GPU
 #                        clients (CPU slots when there is no GPU), run the MNIST example job to the
 #                        end, print its results, and stop everything.
-# ./run_all.sh --tests   install the test tools and run the whole test suite.
+# ./run_all.sh --tests   install the test tools and run the whole test suite: the dashboard's
+#                        component tests, the fast lane, then the slow lane; each lane's time
+#                        and the total are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
 if [[ "${1:-}" == "--tests" ]]; then
-    ./setup.sh --test
+    # Lanes, each timed: setup, the dashboard's component tests, the fast lane (in-process, no
+    # process started), then the slow lane (real servers, GPU clients, browser). The first lane
+    # that fails stops the run. Arguments after --tests go to both pytest lanes.
+    timings=()
+    started=$SECONDS
+    summary() {
+        echo "== test times: ${timings[*]:-} total $((SECONDS - started)) s"
+    }
+    trap summary EXIT
+    lane() {  # lane NAME COMMAND...: run it, note its time
+        local name=$1 t0=$SECONDS status=0
+        shift
+        echo "== $name"
+        "$@" || status=$?
+        # a narrowed run (-k, a path) may leave a lane with nothing to run: pytest's 5 is fine then
+        if (( status == 5 )) && (( ${#extra[@]} )); then status=0; fi
+        local took="$name $((SECONDS - t0)) s"
+        if (( status )); then took+=" (failed)"; fi
+        timings+=("$took;")
+        return $status
+    }
+    extra=("${@:2}")
+    lane setup ./setup.sh --test
     if [[ -f ui/package.json ]]; then
-        echo "== dashboard component tests (vitest)"
-        (cd ui && npm test --silent)
+        lane "dashboard (vitest)" bash -c "cd ui && npm test --silent"
     fi
-    echo "== test suite (pytest)"
-    exec "$PY" -m pytest "${@:2}"
+    lane "fast lane (pytest -m 'not slow')" "$PY" -m pytest -m "not slow" "${extra[@]}"
+    lane "slow lane (pytest -m slow)" "$PY" -m pytest -m slow "${extra[@]}"
+    exit 0
 fi
 
 ./setup.sh

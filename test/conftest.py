@@ -7,8 +7,14 @@
   test client on /gpu or /ui), ``placed_job(app, name)`` (a room with a job placed under a job
   key the test holds). For validation, authorization and state transitions. Socket.IO
   is bound to the app made last (one ``socketio`` per process, as in the server).
-- Real processes, for what needs them: ``server`` (a server process and its data dir), ``sdk``,
-  ``room``, ``start_client`` (GPU-client processes).
+- Real processes, for what needs them: ``server`` (a server process and its data dir;
+  ``@pytest.mark.server_args("--client-timeout", "5")`` adds arguments), ``sdk``, ``room``,
+  ``start_client`` (GPU-client processes); and ``cluster``: one server and two GPU clients
+  shared by a module's tests, for those that leave it as they found it.
+
+Two lanes: a test that starts processes is ``slow`` (the process fixtures mark it so; a module
+that starts its own says ``pytestmark = pytest.mark.slow``), the rest is the fast lane
+(``-m "not slow"``). Under ``CI`` a run that skipped anything fails (see needs.py).
 """
 from __future__ import annotations
 
@@ -20,12 +26,67 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from needs import in_ci  # noqa: E402
 from procs import GpuClient, Server, wait_until  # noqa: E402
+
+#: Fixtures that start processes: a test using one is in the slow lane.
+PROCESS_FIXTURES = {"server", "sdk", "room", "start_client", "cluster", "shared_cluster"}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "app_config(**config): the config of the in-process `app` fixture "
                                        "(e.g. SCHEDULER=True)")
+    config.addinivalue_line("markers", "server_args(*args): more arguments for the `server` fixture's process")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m picks the lane
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+# -- under CI, nothing may be skipped ---------------------------------------------------------------
+#: "node id: reason" of each test (or module) that was skipped in this session.
+SKIPPED: list[str] = []
+
+
+def _note(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):  # an xfail ran; a skip did not
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        SKIPPED.append(f"{report.nodeid or '(collection)'}: {reason}")
+
+
+def pytest_runtest_logreport(report):
+    _note(report)
+
+
+def pytest_collectreport(report):
+    _note(report)
+
+
+def pytest_sessionfinish(session):
+    if in_ci() and SKIPPED and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if in_ci() and SKIPPED:
+        terminalreporter.section("skipped under CI: the run fails", red=True, bold=True)
+        for line in SKIPPED:
+            terminalreporter.line(line)
+        terminalreporter.line("CI runs every test; make what each needs available (./setup.sh --test) "
+                              "or fix the test (needs.py says how a test asks for what it needs).")
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same random state: the models it builds here (shipped to the
+    GPU clients as they are) start from the same weights on every run, so an accuracy or loss
+    threshold is a property of the code, not of the draw. (Python's own ``random`` stays
+    unseeded: tests draw names from it that concurrent runs must not share.)"""
+    if "torch" in sys.modules:  # a test module that builds models imported it
+        sys.modules["torch"].manual_seed(0)
 
 
 @pytest.fixture(autouse=True)
@@ -183,8 +244,11 @@ def socket_client(app):
 
 # -- real processes --------------------------------------------------------------------------------
 @pytest.fixture
-def server(tmp_path):
-    srv = Server(str(tmp_path / "server"))
+def server(request, tmp_path):
+    """A server process on a free port, its data dir under tmp_path; ``@pytest.mark.server_args(...)``
+    adds command-line arguments (a shorter ``--client-timeout``)."""
+    marker = request.node.get_closest_marker("server_args")
+    srv = Server(str(tmp_path / "server"), extra=list(marker.args) if marker else None)
     yield srv
     srv.stop()
 
@@ -220,3 +284,68 @@ def start_client(server, room, tmp_path):
     yield start
     for client in started:
         client.stop()
+
+
+class Cluster:
+    """One server and two GPU clients (``client-a``, ``client-b``, one CPU slot each) in one room,
+    started once for a module: ``server``, ``sdk`` (holding the room's token), ``room`` (its
+    ``token``), ``clients``. GPU clients serve one room, so the module's tests share it; each
+    starts as if alone: ``ready()`` waits until both clients are online with every slot free
+    (starting again a client a test left dead), and ``tidy()`` cancels what a test left
+    unfinished. Tests that kill a client or need another room size start their own."""
+
+    NAMES = ("a", "b")
+
+    def __init__(self, base):
+        from zwdx import ZWDX
+        self.base = base
+        self.server = Server(str(base / "server"))
+        self.sdk = ZWDX(self.server.url, remember=False)
+        self.room = self.sdk.create_room("cluster")
+        self.sdk.room_token = self.room["token"]
+        self.clients = [self._start(name) for name in self.NAMES]
+        self.ready()
+
+    def _start(self, name: str) -> GpuClient:
+        return GpuClient(self.server.url, self.room["token"], str(self.base / name), client_id=f"client-{name}")
+
+    def _state(self) -> dict:
+        return {c["id"]: c for c in self.sdk.get_room()["clients"]}
+
+    def ready(self, timeout: float = 60) -> None:
+        for i, client in enumerate(self.clients):
+            if not client.alive():
+                client.stop()
+                self.clients[i] = self._start(self.NAMES[i])
+
+        def idle() -> bool:
+            state = self._state()
+            return all(c.client_id in state and state[c.client_id]["status"] == "online"
+                       and all(s["job_id"] is None for s in state[c.client_id]["slots"]) for c in self.clients)
+        wait_until(idle, timeout, what=f"the cluster's GPU clients online and idle: {self._state()}")
+
+    def tidy(self) -> None:
+        from zwdx.protocol import FINISHED
+        for job in self.sdk.list_jobs():
+            if job["status"] not in FINISHED:
+                self.sdk.cancel_job(job["id"])
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.stop()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster(shared_cluster) -> Cluster:
+    """The module's Cluster, ready: both GPU clients online and idle, nothing queued."""
+    shared_cluster.ready()
+    yield shared_cluster
+    shared_cluster.tidy()

@@ -11,10 +11,13 @@ import subprocess
 
 from zwdx.testing import Child, GpuClientProc, ServerProc, free_port, wait_until
 
-__all__ = ["ROOT", "UI", "Proc", "Server", "GpuClient", "free_port", "wait_until", "build_ui"]
+__all__ = ["ROOT", "UI", "SLACK", "Proc", "Server", "GpuClient", "free_port", "wait_until", "build_ui"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UI = os.path.join(ROOT, "ui")
+#: Seconds a loaded machine (two cores, other test runs beside this one) may add to a timer of the
+#: system under test. A time limit is the configured timeout plus this, never a bare constant.
+SLACK = 5.0
 
 
 def _newest_ui_source() -> float:

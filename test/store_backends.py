@@ -12,7 +12,6 @@ fresh database (dropped afterwards). Import the fixtures into a test module with
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,22 +21,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import needs  # noqa: E402
 from procs import free_port, wait_until  # noqa: E402
 
 __all__ = ["MONGO_ENV", "Backend", "ArtifactBackend", "open_spec", "mongo_server", "mongo_uri", "backend",
-           "store", "artifact_store", "missing_tool", "job_record"]
+           "store", "artifact_store", "job_record"]
 
 #: A MongoDB URI to run the store tests against instead of nx-27017.
 MONGO_ENV = "ZWDX_TEST_MONGO_URI"
 BACKENDS = ["sqlite", "mongo"]
-
-
-def missing_tool(what: str) -> None:
-    """Skip the test, or fail it in CI (where ./setup.sh --test installs every tool)."""
-    message = f"{what} is not installed (./setup.sh --test installs it)"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 def with_database(uri: str, name: str) -> str:
@@ -60,9 +52,7 @@ class MongoServer:
         self.uri = os.environ.get(MONGO_ENV)
         if self.uri:
             return
-        exe = shutil.which("nx-27017")
-        if exe is None:
-            missing_tool("nx-27017 (a MongoDB wire-protocol server; pip install nx-27017)")
+        exe = needs.tool("nx-27017", "pip install nx-27017, a MongoDB wire-protocol server (./setup.sh --test)")
         port = free_port()
         self.log_path = os.path.join(workdir, "nx-27017.log")
         self._log = open(self.log_path, "ab")

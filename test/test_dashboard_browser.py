@@ -1,11 +1,13 @@
 """The dashboard end to end in real headless Chromium (Debian's, driven by playwright).
 
-A server and two GPU clients run as real processes; the browser signs in, the SDK submits the
-MNIST example, and the test watches the loss curve grow in the page, sees the job complete,
-downloads its weights, cancels a job that cannot fit, and reads the history. It measures the
+A server and two GPU clients run as real processes (conftest's ``cluster``, shared by the
+module's tests, each of which stands alone): the browser signs in, the SDK submits the MNIST
+example, and the tests watch the queue, the loss curve growing in the page while the job runs
+(the slow workload: it trains long enough to be watched), the finished job, its weights
+downloaded, a job that cannot fit cancelled, the history, and a GPU client going offline. The
 delay from a metric being reported on a GPU client (the event's ``ts``) to it appearing in the
-page, and prints it. Screenshots go to test-artifacts/dashboard/; the room overview and the job
-page are copied to docs/screenshots/ for the README when ZWDX_UPDATE_SCREENSHOTS=1.
+page is measured and printed. Screenshots go to test-artifacts/dashboard/; the room overview
+and the job page are copied to docs/screenshots/ for the README when ZWDX_UPDATE_SCREENSHOTS=1.
 """
 from __future__ import annotations
 
@@ -13,17 +15,22 @@ import os
 import shutil
 import statistics
 import struct
+import uuid
 
 import pytest
 import requests
 import torch
 
 import mnist
+import needs
 from procs import ROOT, Server, build_ui, wait_until
+from workloads import slow_train
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (./setup.sh --test)")
+pytestmark = pytest.mark.slow  # a browser, a server and GPU clients
 
-CHROMIUM = "/usr/bin/chromium"
+sync_api = needs.module("playwright.sync_api", "pip install playwright (./setup.sh --test); never "
+                                               "`playwright install`: the tests drive Debian's chromium")
+
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = os.path.join(ROOT, "test-artifacts", "dashboard")
@@ -57,10 +64,9 @@ def ui_dist():
 
 @pytest.fixture(scope="session")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium (./setup.sh --test)")
+    chromium_path = needs.tool("chromium", "apt-get install chromium (./setup.sh --test)")  # as setup.sh finds it
     with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        chromium = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
 
@@ -97,16 +103,40 @@ def sign_in(pg, url: str, token: str) -> None:
     pg.get_by_test_id("overview").wait_for()
 
 
-def submit(sdk, room, **kwargs) -> str:
-    return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+def submit(sdk, room, train_func=slow_train, **kwargs) -> str:
+    """The MNIST example, by default on the slow workload (about a second an epoch): a page has
+    time to watch it run."""
+    return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_func,
                           eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
                           room_token=room["token"], wait=False, progress=False, **kwargs)
+
+
+def unique(name: str) -> str:
+    """A job name no other test of the shared room uses."""
+    return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
 def api(server, room, path: str):
     resp = requests.get(f"{server.url}/api/v1{path}", headers={TOKEN_HEADER: room["token"]}, timeout=10)
     resp.raise_for_status()
     return resp
+
+
+def js_number(value: float) -> str:
+    """A number as the dashboard's formatNumber writes it: four significant digits."""
+    rounded = float(f"{value:.4g}")
+    return str(int(rounded)) if rounded.is_integer() else repr(rounded)
+
+
+@pytest.fixture(scope="module")
+def finished_job(shared_cluster):
+    """A job of the module's room that completed (the MNIST example, one epoch): its id."""
+    shared_cluster.ready()
+    job_id = submit(shared_cluster.sdk, shared_cluster.room, train_func=mnist.train, epochs=1, world_size=2,
+                    name=unique("finished"))
+    result = shared_cluster.sdk.wait(job_id, progress=False, timeout=240)
+    assert result["status"] == "completed", result.get("reason")
+    return job_id
 
 
 def live_delays(seen: list[dict], events: list[dict]) -> list[float]:
@@ -125,35 +155,39 @@ def live_delays(seen: list[dict], events: list[dict]) -> list[float]:
     return delays
 
 
-def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, start_client, page):
-    url = server.url
-    start_client("a")
-    client_b = start_client("b")
-
-    # 1. Signing in leads to the room overview with both GPU clients online.
-    sign_in(page, url, room["token"])
-    assert page.get_by_test_id("room-name").inner_text() == "test-room"
+def test_signing_in_opens_the_room_with_its_gpu_clients_online(cluster, page):
+    sign_in(page, cluster.server.url, cluster.room["token"])
+    assert page.get_by_test_id("room-name").inner_text() == "cluster"
     wait_until(lambda: page.locator('[data-testid="client"][data-status="online"]').count() == 2, 20,
                what="two GPU clients online in the page")
-    assert page.evaluate("sessionStorage.getItem('zwdx.roomToken')") == room["token"]
-    assert room["token"] not in page.url
+    assert page.evaluate("sessionStorage.getItem('zwdx.roomToken')") == cluster.room["token"]
+    assert cluster.room["token"] not in page.url
     shot(page, "01-overview-idle")
 
-    # 2. Submit through the SDK: the job appears in the queue and takes both slots, live;
-    #    a second job asks for more slots than the room has and waits behind it.
-    job_id = submit(sdk, room, epochs=3, world_size=2, name="mnist-ddp")
-    waiting_id = submit(sdk, room, epochs=1, world_size=3, name="too-big")
-    page.locator('[data-testid="slot"] a', has_text="mnist-ddp").first.wait_for()
+
+def test_the_queue_shows_a_running_job_in_its_slots_and_a_too_big_one_waiting_first_in_line(cluster, page):
+    sdk, room = cluster.sdk, cluster.room
+    sign_in(page, cluster.server.url, room["token"])
+    running, too_big = unique("mnist-ddp"), unique("too-big")
+    submit(sdk, room, epochs=50, world_size=2, name=running)  # runs until the test ends (cluster.tidy cancels it)
+    submit(sdk, room, epochs=1, world_size=3, name=too_big)
+    page.locator('[data-testid="slot"] a', has_text=running).first.wait_for(timeout=60_000)
     rows = page.get_by_test_id("queue-row")
-    rows.filter(has_text="too-big").wait_for()
-    rows.filter(has_text="mnist-ddp").locator(".badge-running").wait_for(timeout=120_000)
+    rows.filter(has_text=too_big).wait_for()
+    rows.filter(has_text=running).locator(".badge-running").wait_for(timeout=120_000)
     assert rows.count() == 2
-    assert rows.filter(has_text="too-big").locator("td").nth(0).inner_text() == "1"  # first in line
-    assert rows.filter(has_text="too-big").locator("td").nth(3).inner_text().startswith("3")
+    assert page.locator('[data-testid="slot"] a', has_text=running).count() == 2  # both slots
+    cells = rows.filter(has_text=too_big).locator("td")
+    assert cells.nth(0).inner_text() == "1"  # first in line
+    assert cells.nth(3).inner_text().startswith("3")  # the slots it asks for
     shot(page, "02-overview-running", readme="room-overview.png")
 
-    # 3. The job page: the loss curve grows while it runs, then it completes.
-    rows.filter(has_text="mnist-ddp").get_by_role("link").click()
+
+def test_the_job_page_grows_the_loss_curve_live_and_shows_the_finished_job(cluster, page):
+    sdk, room, url = cluster.sdk, cluster.room, cluster.server.url
+    sign_in(page, url, room["token"])
+    job_id = submit(sdk, room, epochs=3, world_size=2, name=unique("mnist-ddp"))
+    page.goto(f"{url}/jobs/{job_id}")  # open before it runs: every loss point arrives live
     page.get_by_test_id("job-page").wait_for()
     page.locator('[data-testid="chart-loss"]').wait_for(timeout=120_000)
     shot(page, "03-job-running")
@@ -164,9 +198,9 @@ def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, s
     assert len(set(p for p in growing if p)) >= 2, f"the loss curve never grew while running: {seen}"
     assert growing == sorted(growing), growing
 
-    job = sdk.get_job(job_id, room["token"])
+    job = sdk.get_job(job_id)
     assert job["status"] == "completed"
-    losses = sdk.get_job_metrics(job_id, room["token"])["loss"]
+    losses = sdk.get_job_metrics(job_id)["loss"]
     shown_points = int(page.get_by_test_id("chart-loss").get_attribute("data-points"))
     assert shown_points == len({(p["rank"], p["step"]) for p in losses})  # every reported loss, per rank
     for name in ("accuracy", "throughput"):
@@ -175,11 +209,13 @@ def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, s
         == ["queued", "starting", "running", "completed"]
     placement = page.get_by_test_id("placement").inner_text()
     assert "client-a" in placement and "client-b" in placement and "rank 0" in placement and "rank 1" in placement
-    assert f"{job['final_loss']:.4g}" in page.locator(".facts").inner_text()
-    assert "epoch 2: loss" in page.get_by_test_id("logs").inner_text()
+    last_line = [line["text"] for line in sdk.get_job_logs(job_id) if line["text"].startswith("epoch 2: loss ")]
+    assert last_line and "epoch 2: loss" in page.get_by_test_id("logs").inner_text()
+    # the final loss the page shows is the one the train function printed last (and returned)
+    assert js_number(float(last_line[-1].split()[-1])) in page.locator(".facts").inner_text()
     assert page.get_by_role("button", name="Cancel job").count() == 0
 
-    events = api(server, room, f"/jobs/{job_id}/events?kind=metric").json()["events"]
+    events = api(cluster.server, room, f"/jobs/{job_id}/events?kind=metric").json()["events"]
     delays = live_delays(seen, events)
     assert len(delays) >= 3, f"too few metric events reached the open page live: {seen}"
     delays_ms = sorted(d * 1000 for d in delays)
@@ -190,56 +226,77 @@ def test_dashboard_follows_a_job_from_submission_to_history(server, sdk, room, s
     # The 1 s target is reported above, not asserted: other test runs share these CPUs. A page
     # that only learned of metrics by reloading or slow polling would fail this.
     assert statistics.median(delays) < 3.0, delays_ms
+    shot(page, "04-job-completed", readme="job-page.png")
 
-    # 4. The trained weights download from the page (fetch with the token header, then a blob).
-    with page.expect_download() as download:
+
+def test_the_trained_weights_download_from_the_job_page(cluster, finished_job, page):
+    sign_in(page, cluster.server.url, cluster.room["token"])
+    page.goto(f"{cluster.server.url}/jobs/{finished_job}")
+    page.locator('[data-testid="job-page"][data-status="completed"]').wait_for()
+    with page.expect_download() as download:  # fetch with the token header, then a blob
         page.get_by_test_id("download-weights").click()
     with open(download.value.path(), "rb") as fh:
         blob = fh.read()
-    assert blob == api(server, room, f"/jobs/{job_id}/weights").content
+    assert blob == api(cluster.server, cluster.room, f"/jobs/{finished_job}/weights").content
     (header_len,) = struct.unpack("<Q", blob[:8])
     assert blob[8:9] == b"{" and b"fc2.weight" in blob[8:8 + header_len]  # a safetensors file of Net
-    shot(page, "04-job-completed", readme="job-page.png")
 
-    # 5. The job that cannot fit waits with a reason; the page cancels it.
-    page.get_by_role("link", name="Overview").click()
-    page.get_by_test_id("queue-row").filter(has_text="too-big").get_by_role("link").click()
+
+def test_a_job_that_cannot_fit_says_why_and_the_page_cancels_it(cluster, page):
+    sdk, room = cluster.sdk, cluster.room
+    sign_in(page, cluster.server.url, room["token"])
+    waiting_id = submit(sdk, room, epochs=1, world_size=3, name=unique("too-big"))
+    page.goto(f"{cluster.server.url}/jobs/{waiting_id}")
     page.locator('[data-testid="job-page"][data-status="queued"]').wait_for()
     assert "position 1" in page.get_by_role("status").filter(has_text="Queued").inner_text()
     page.get_by_text("waiting for 3 free slot(s)").wait_for()
     page.get_by_role("button", name="Cancel job").click()
+    assert sdk.get_job(waiting_id)["status"] == "queued"  # not before the confirmation
     page.get_by_role("button", name="Yes, cancel it").click()
     page.locator('[data-testid="job-page"][data-status="cancelled"]').wait_for()
-    assert sdk.get_job(waiting_id, room["token"])["status"] == "cancelled"
+    assert sdk.get_job(waiting_id)["status"] == "cancelled"
 
-    # 6. History: both jobs, with mean throughput from the job's throughput events; filter and sort.
-    page.get_by_role("link", name="History").click()
+
+def test_the_history_shows_each_jobs_result_and_mean_throughput_and_filters_and_sorts(cluster, finished_job, page):
+    sdk, room = cluster.sdk, cluster.room
+    cancelled = submit(sdk, room, epochs=1, world_size=3, name=unique("too-big"))
+    sdk.cancel_job(cancelled)
+    sign_in(page, cluster.server.url, room["token"])
+    page.get_by_role("link", name="History", exact=True).click()
     history_rows = page.get_by_test_id("history-row")
-    wait_until(lambda: history_rows.count() == 2, 10, what="two jobs in the history")
-    summary = {r["id"]: r for r in api(server, room, "/dashboard/history").json()["jobs"]}
-    throughput = [p["value"] for p in sdk.get_job_metrics(job_id, room["token"])["throughput"]]
-    assert summary[job_id]["mean_throughput"] == pytest.approx(statistics.mean(throughput))
-    done = history_rows.filter(has_text="mnist-ddp")
+    done, gone = history_rows.filter(has_text=finished_job), history_rows.filter(has_text=cancelled)
+    gone.wait_for()
+    job = sdk.get_job(finished_job)
+    throughput = [p["value"] for p in sdk.get_job_metrics(finished_job)["throughput"]]
     cells = done.locator("td").all_inner_texts()
     assert cells[2] == "completed" and cells[5] == "2" and cells[6] == "DDP"
-    assert cells[4] == f"loss {job['final_loss']:.4g}" and cells[7].endswith("samples/s")
+    assert cells[4] == f"loss {js_number(job['final_loss'])}"
+    assert cells[7] == f"{js_number(statistics.mean(throughput))} samples/s"  # the mean of what rank 0 reported
+    assert gone.locator("td").all_inner_texts()[2] == "cancelled"
     shot(page, "05-history")
     page.get_by_role("checkbox", name="cancelled").check()
-    wait_until(lambda: history_rows.count() == 1, 5, what="the status filter")
-    assert history_rows.first.get_attribute("data-status") == "cancelled"
+    wait_until(lambda: done.count() == 0, 5, what="the status filter")
+    assert set(history_rows.evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"cancelled"}
+    assert gone.count() == 1
     page.get_by_role("checkbox", name="cancelled").uncheck()
-    page.get_by_role("button", name="Result").click()  # descending: the job without a result goes last
+    page.get_by_role("button", name="Result").click()  # descending: the jobs without a result go last
     wait_until(lambda: history_rows.last.get_attribute("data-status") == "cancelled", 5, what="sorting")
+    statuses = history_rows.evaluate_all("rows => rows.map(r => r.dataset.status)")
+    assert statuses.index("cancelled") > statuses.index("completed"), statuses
 
-    # 7. A GPU client that stops shows as offline, live.
-    page.get_by_role("link", name="Overview").click()
-    client_b.stop()
+
+def test_a_gpu_client_that_stops_shows_as_offline_live(cluster, page):
+    sign_in(page, cluster.server.url, cluster.room["token"])
+    wait_until(lambda: page.locator('[data-testid="client"][data-status="online"]').count() == 2, 20,
+               what="two GPU clients online in the page")
+    cluster.clients[1].stop()  # the cluster starts it again for the next test
     page.locator('[data-testid="client"][data-status="offline"]', has_text="client-b").wait_for(timeout=20_000)
     assert "1 GPU client online" in page.get_by_test_id("stat-online").inner_text()
     shot(page, "06-overview-client-offline")
 
 
-def test_bad_token_and_new_room(server, page):
+def test_a_wrong_token_is_refused_and_a_room_made_in_the_page_opens(cluster, page):
+    server = cluster.server
     # A wrong token is refused with a message, and nothing is kept.
     page.goto(f"{server.url}/signin")
     page.get_by_label("Room token").fill("zr_this-is-not-a-room-token")

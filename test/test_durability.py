@@ -18,6 +18,8 @@ from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, 
 from zwdx import ZWDX, defaults
 from zwdx.server.store import SCHEMA_VERSION
 
+pytestmark = pytest.mark.slow  # servers killed and started again, GPU clients, a job
+
 
 def start_server(backend, tmp_path, n: int) -> Server:
     if backend.name == "sqlite":

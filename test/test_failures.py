@@ -1,12 +1,17 @@
-"""Jobs whose code fails: every failing rank's traceback comes back, GPU clients stay up."""
+"""Jobs whose code fails: every failing rank's traceback comes back, GPU clients stay up. The
+tests that leave their GPU clients up share conftest's ``cluster``."""
 from __future__ import annotations
 
 import os
+import time
 
+import psutil
 import pytest
 import torch
 
 import mnist
+from procs import wait_until
+from workloads import slow_train
 from zwdx import JobFailed
 
 
@@ -20,12 +25,11 @@ def train_that_raises(model, loader, optimizer, rank):
 def train_that_crashes(rank):
     if rank == 1:
         os._exit(3)  # the process dies without a word
-    import time
     time.sleep(60)
 
 
-def test_failing_train_func_returns_every_rank_traceback_and_clients_take_the_next_job(sdk, room, start_client):
-    a, b = start_client("a"), start_client("b")
+def test_failing_train_func_returns_every_rank_traceback_and_clients_take_the_next_job(cluster):
+    sdk, room, (a, b) = cluster.sdk, cluster.room, cluster.clients
     with pytest.raises(JobFailed) as info:
         sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_raises,
                        room_token=room["token"], world_size=2, progress=False)
@@ -46,24 +50,22 @@ def test_failing_train_func_returns_every_rank_traceback_and_clients_take_the_ne
     assert ok["status"] == "completed"
 
 
-def test_rank_process_that_dies_fails_the_job_quickly(sdk, room, start_client):
-    a, b = start_client("a"), start_client("b")
+def test_rank_process_that_dies_fails_the_job_quickly(cluster):
+    sdk, room, (a, b) = cluster.sdk, cluster.room, cluster.clients
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
                             room_token=room["token"], world_size=2, progress=False, raise_on_failure=False,
                             timeout=60)
     assert result["status"] == "failed"
     assert "rank process died" in result["reason"] and "exit code 3" in result["reason"]
     assert a.alive() and b.alive()
-    from procs import wait_until
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
                10, what="the other rank stopped and every slot freed")
 
 
-def test_cancel_stops_the_ranks_and_frees_the_slots(sdk, room, start_client):
-    start_client("a")
+def test_cancel_stops_the_ranks_and_frees_the_slots(cluster):
+    sdk, room = cluster.sdk, cluster.room
     job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
                             room_token=room["token"], world_size=1, wait=False)
-    from procs import wait_until
     wait_until(lambda: sdk.get_job(job_id)["status"] == "running", 60, what="job running")
     assert sdk.cancel_job(job_id)["status"] == "cancelled"
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
@@ -75,18 +77,16 @@ def quick_train(model, loader):
     return {"loss": 0.0, "pid": os.getpid()}
 
 
+def slow_train_saying_its_pid(model, loader, optimizer, rank, world_size, epochs, reporter, device):
+    reporter.log_metrics(pid=os.getpid())
+    return slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, device)
+
+
 def _standbys(client) -> list:
-    import psutil
     return [p for p in psutil.Process(client.pid).children() if "--standby" in p.cmdline()]
 
 
 def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_gpu_client(sdk, room, start_client):
-    import time
-
-    import psutil
-
-    from procs import wait_until
-    from workloads import slow_train
     a = start_client("a")
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
                             room_token=room["token"], world_size=1, progress=False)
@@ -100,11 +100,11 @@ def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_g
     assert standby.is_running() and standby.status() != psutil.STATUS_ZOMBIE
     # the next job runs in it, and it dies with its GPU client, even with no peer to notice
     model = mnist.Net()
-    job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
+    job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train_saying_its_pid,
                             optimizer=torch.optim.SGD(model.parameters(), lr=0.01), room_token=room["token"],
                             world_size=1, epochs=20, progress=False, wait=False)
-    wait_until(lambda: sdk.get_job_metrics(job_id).get("loss"), 60, what="the job training")
-    assert "--standby" in standby.cmdline()
+    said = wait_until(lambda: sdk.get_job_metrics(job_id).get("pid"), 60, what="the job training")
+    assert int(said[0]["value"]) == standby.pid, (said, standby.pid)  # the rank is the standby that waited
     a.kill()  # SIGKILL
     standby.wait(timeout=10)
 
@@ -158,9 +158,8 @@ def train_that_times_out_on_its_own(rank):
     dist.barrier()  # rank 0 waits here for a peer that is gone: it lost its peer
 
 
-def test_a_users_own_timeout_error_fails_the_job_as_raised_not_as_a_lost_peer(sdk, room, start_client):
-    start_client("a")
-    start_client("b")
+def test_a_users_own_timeout_error_fails_the_job_as_raised_not_as_a_lost_peer(cluster):
+    sdk, room = cluster.sdk, cluster.room
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
                             train_func=train_that_times_out_on_its_own, room_token=room["token"], world_size=2,
                             progress=False, raise_on_failure=False, timeout=120)

@@ -11,14 +11,12 @@ import sys
 
 import pytest
 
+import needs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
 
-try:
-    import importlinter  # noqa: F401
-except ImportError:  # CI installs the test extra, so there a missing linter is a failure
-    message = "import-linter is missing: pip install -e '.[test]'"
-    pytest.fail(message, pytrace=False) if os.environ.get("CI") else pytest.skip(message, allow_module_level=True)
+needs.module("importlinter", "pip install import-linter (pip install -e '.[test]')")
 
 
 def lint(root: str) -> subprocess.CompletedProcess:

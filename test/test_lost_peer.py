@@ -14,6 +14,8 @@ import pytest
 
 from procs import ROOT, free_port
 
+pytestmark = pytest.mark.slow  # real rank processes over gloo
+
 RANK = r'''
 import datetime, json, os, sys, time
 import torch, torch.distributed as dist

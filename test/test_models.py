@@ -17,9 +17,12 @@ import torch
 import torch.nn as nn
 
 import models
+import needs
 from gpu_client.parallel import describe_plan, fingerprint, fsdp_plan
 from procs import GpuClient, Server, wait_until
 from zwdx import ZWDX, BadRequest
+
+pytestmark = pytest.mark.slow  # a server, GPU clients and language-model jobs
 
 LM = {"gpt2": (models.gpt2, models.hf_loss), "nanogpt": (models.nanogpt, models.nano_loss)}
 
@@ -51,7 +54,7 @@ def pool(tmp_path_factory):
 
 def make(kind: str, seed: int = 0):
     if kind == "gpt2":
-        pytest.importorskip("transformers")
+        needs.module("transformers", "pip install transformers (pip install -e '.[test]')")
     return LM[kind][0](seed)
 
 

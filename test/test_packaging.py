@@ -15,6 +15,8 @@ import requests
 
 from procs import ROOT, Server, build_ui
 
+pytestmark = pytest.mark.slow  # builds a wheel, installs it, starts servers from it
+
 #: What a source checkout holds that a package build must not need.
 _NOT_SOURCE = shutil.ignore_patterns(".git", "node_modules", "build", "*.egg-info", "__pycache__", "zwdx-data",
                                      "test-artifacts", ".pytest_cache", ".venv")

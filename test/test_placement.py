@@ -16,6 +16,7 @@ import requests
 import torch
 
 import mnist
+import needs
 from procs import wait_until
 from workloads import slow_train
 from zwdx.bundle import pack, required_modules
@@ -120,7 +121,8 @@ def test_cpu_slots_of_one_host_share_its_ram(server, sdk, room, start_client):
     assert info["totals"]["memory_total"] == total  # its RAM counted once, not once per GPU client
     memory = total // 2 + (256 << 20)  # one rank fits this host, two never do
     if memory > free * 0.9:
-        pytest.skip(f"this host has {free >> 20} MiB of RAM free; the test needs more than half of its RAM")
+        needs.missing(f"free RAM (this host has {free >> 20} of {total >> 20} MiB free; the test needs more than "
+                      "half of it)", "run the suite on a host with more than half of its RAM free")
 
     resp = post_job(server, room, example(), world_size=2, memory_required=memory)
     assert "the 2 CPU slots of host" in resp.json()["unschedulable"]

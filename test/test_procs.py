@@ -1,12 +1,16 @@
 """The child processes of tests and benchmarks (zwdx/testing.py): stop() leaves nothing of the
-process group behind, and children do not inherit the caller's ZWDX_* settings unless asked."""
+process group behind, children do not inherit the caller's ZWDX_* settings unless asked, and a
+port from free_port() stays this process's, so a server restarts on it safely."""
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
-from zwdx.testing import Child, wait_until
+import pytest
+
+from zwdx.testing import Child, ServerProc, free_port, holds, wait_until
 
 
 def _gone(pid: int) -> bool:
@@ -47,3 +51,17 @@ def test_children_get_no_zwdx_settings_of_the_caller_unless_asked(tmp_path, monk
     seen = dict(line.split("=", 1) for line in child.output().splitlines() if line.startswith("ZWDX_"))
     assert seen == {"ZWDX_CONFIG_DIR": str(config_dir), "ZWDX_CLIENT_TIMEOUT": "7"}
     child.stop()
+
+
+def test_a_port_from_free_port_stays_held_and_a_server_restarts_only_on_a_held_one(tmp_path):
+    port = free_port()
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert port < low  # below the ephemeral range: no outgoing connection is given it meanwhile
+    # another process asking for that port finds it held (as its free_port() would)
+    probe = (f"import fcntl, os; from zwdx.testing import PORT_LOCKS; fd = os.open(PORT_LOCKS, os.O_RDWR)\n"
+             f"try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {port}); print('free')\n"
+             f"except OSError:\n    print('held')")
+    child = Child([sys.executable, "-c", probe], str(tmp_path / "probe.log"))
+    assert child.wait(30) == 0 and child.output().strip() == "held", child.output()
+    with pytest.raises(ValueError, match="not held by this process"):
+        ServerProc(str(tmp_path / "server"), port=port + 1 if not holds(port + 1) else port + 2)

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
-import pytest
-
+import needs
 from zwdx.protocol import ACTIVE, FINISHED, SYSTEM_METRICS, UI_NAMESPACE, WAITING, js, vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,14 +30,14 @@ def test_check_fails_on_a_stale_file_and_says_how_to_regenerate(tmp_path):
     assert stale.read_text() == js.render()
 
 
-@pytest.mark.skipif(not shutil.which("node"), reason="node runs the dashboard's module")
 def test_javascript_sees_every_enum_and_group_frozen():
     """What the module exports, as Node reads it: every enum of vocab.py with its values, the
     status groups, and all of them frozen."""
+    node = needs.tool("node", "install Node 20 (it builds the dashboard too)")
     script = ("import * as p from './ui/src/lib/protocol.js';"
               "const frozen = Object.fromEntries(Object.entries(p).map(([k, v]) => [k, Object.isFrozen(v)]));"
               "console.log(JSON.stringify({values: p, frozen}));")
-    done = subprocess.run(["node", "--input-type=module", "-e", script], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([node, "--input-type=module", "-e", script], cwd=ROOT, capture_output=True, text=True,
                           check=True)
     seen = json.loads(done.stdout)
     enums = [e for e in vars(vocab).values() if isinstance(e, type) and issubclass(e, vocab.Enum)

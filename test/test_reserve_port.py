@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import socketio
 import torch
 
@@ -13,6 +14,8 @@ from procs import GpuClient, Server, wait_until
 from workloads import a_few_steps
 from zwdx import ZWDX
 from zwdx.protocol import EV_HEARTBEAT, EV_REGISTER, EV_RESERVE_PORT, GPU_NAMESPACE, runtime_versions
+
+pytestmark = pytest.mark.slow  # a server and GPU-client processes
 
 
 class SilentClient(socketio.Client):

@@ -1,7 +1,9 @@
 """Jobs that survive failures, with real processes and real signals: a SIGKILLed GPU client,
-a SIGKILLed server, a cancel. Timings are printed (run with -s to see them)."""
+a SIGKILLed server, a cancel. Timings are printed (run with -s to see them); time limits are
+the configured timeouts plus procs.SLACK."""
 from __future__ import annotations
 
+import inspect
 import random
 import signal
 import time
@@ -11,8 +13,16 @@ import pytest
 import torch
 
 import mnist
-from procs import Server, wait_until
+from gpu_client.launcher import Launcher
+from procs import SLACK, Server, wait_until
 from workloads import slow_train, tracked_train
+from zwdx import defaults
+from zwdx.server.scheduler import REAP_INTERVAL
+
+#: A GPU client whose connection dropped is lost after the disconnect grace, at the next reaping.
+LOST_WITHIN = defaults.DISCONNECT_GRACE + REAP_INTERVAL + SLACK
+#: A cancelled job's ranks get SIGTERM, then SIGKILL after the GPU client's grace.
+KILL_GRACE = inspect.signature(Launcher.kill).parameters["grace"].default
 
 
 def submit(sdk, room, **kwargs):
@@ -51,7 +61,7 @@ def test_sigkill_one_of_three_gpu_clients_resumes_from_the_last_checkpoint(sdk, 
     assert "lost" in resumed["reason"] and resumed["from_checkpoint"]["epoch"] >= 1
     detected, running_again = at(job, "resuming"), at(job, "running", after=at(job, "resuming"))
     print(f"\nclient SIGKILL -> detected {detected - killed_at:.2f} s, -> training again {running_again - killed_at:.2f} s")
-    assert detected - killed_at < 10
+    assert detected - killed_at < LOST_WITHIN
 
     acc = mnist.held_out_accuracy(sdk.get_trained_model(job_id, mnist.Net()))
     assert acc > 0.8 and abs(acc - base_acc) < 0.08, (acc, base_acc)
@@ -86,8 +96,8 @@ def test_sigkill_server_mid_job_and_restart_loses_no_metric(tmp_path, start_clie
         again.stop()
 
 
-def test_cancel_mid_job_stops_every_rank_within_5_seconds(sdk, room, start_client):
-    a, b = start_client("a"), start_client("b")
+def test_cancel_mid_job_stops_every_rank_within_the_kill_grace(cluster):
+    sdk, room, (a, b) = cluster.sdk, cluster.room, cluster.clients
     job_id = submit(sdk, room, world_size=2, epochs=50, wait=False)
     wait_until(lambda: sdk.get_job(job_id)["status"] == "running" and rank_pids(a) and rank_pids(b), 60,
                what="ranks running")
@@ -95,10 +105,10 @@ def test_cancel_mid_job_stops_every_rank_within_5_seconds(sdk, room, start_clien
     t0 = time.time()
     sdk.cancel_job(job_id)
     wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                               for p in pids), 5, what="every rank process gone")
+                               for p in pids), KILL_GRACE + SLACK, what="every rank process gone")
     print(f"\ncancel -> every rank gone in {time.time() - t0:.2f} s")
-    wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]), 5,
-               what="slots freed")
+    wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
+               KILL_GRACE + SLACK, what="slots freed")
     assert sdk.get_job(job_id)["status"] == "cancelled"
 
 

@@ -236,8 +236,8 @@ def test_the_job_id_alone_opens_a_job_in_a_fresh_process(sdk, room, start_client
 
 
 # -- epochs, names --------------------------------------------------------------------------------
-def test_the_train_function_default_wins_when_no_epochs_are_given(sdk, room, start_client):
-    start_client("a")
+def test_the_train_function_default_wins_when_no_epochs_are_given(cluster):
+    sdk, room = cluster.sdk, cluster.room
     runs = {
         "own default": tiny(sdk, room, train_with_default),
         "none declared": tiny(sdk, room, train_without_default),
@@ -317,8 +317,8 @@ def _interrupt(proc, err) -> str:
     return err.read()
 
 
-def test_ctrl_c_cancels_the_job_it_started_or_detaches_on_request(sdk, room, start_client, tmp_path):
-    start_client("a")
+def test_ctrl_c_cancels_the_job_it_started_or_detaches_on_request(cluster, tmp_path):
+    sdk, room = cluster.sdk, cluster.room
     proc, err, job_id = _submit_in_background(sdk, room, tmp_path, "cancel")
     wait_until(lambda: sdk.get_job_metrics(job_id, room["token"]).get("loss"), 120, what="the job training")
     out = _interrupt(proc, err)
@@ -343,8 +343,8 @@ def test_ctrl_c_cancels_the_job_it_started_or_detaches_on_request(sdk, room, sta
     assert cancel.stdout.strip() == "cancelled", cancel.stderr
 
 
-def test_the_progress_bar_says_why_a_job_waits_and_ctrl_c_cancels_it_there(sdk, room, start_client, tmp_path):
-    start_client("a")
+def test_the_progress_bar_says_why_a_job_waits_and_ctrl_c_cancels_it_there(cluster, tmp_path):
+    sdk, room = cluster.sdk, cluster.room
     proc, err, job_id = _submit_in_background(sdk, room, tmp_path, "bar", world=3)
 
     def said() -> str:
@@ -361,14 +361,10 @@ def test_the_progress_bar_says_why_a_job_waits_and_ctrl_c_cancels_it_there(sdk, 
 def test_an_unschedulable_job_is_said_at_submit_and_refused_on_request(sdk, room, start_client, capfd):
     start_client("a")
     model = torch.nn.Linear(4, 2)
-    try:
-        refused = sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3,
-                                 wait=False, fail_if_unschedulable=True)
-    except Unschedulable as exc:
-        assert str(exc)  # the server's reason
-    else:
-        sdk.cancel_job(refused, room["token"])
-        pytest.skip("this server does not refuse unschedulable jobs yet (the scheduler's side of the contract)")
+    with pytest.raises(Unschedulable) as refused:
+        sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3, wait=False,
+                       fail_if_unschedulable=True)
+    assert "world_size 3" in str(refused.value)  # the server's reason
     assert sdk.list_jobs(room["token"]) == []  # nothing stored
     capfd.readouterr()
     job_id = sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import requests
 import socketio
 
@@ -78,6 +79,7 @@ def test_a_dashboard_upgrades_from_polling_to_a_websocket(server, room):
         ui.disconnect()
 
 
+@pytest.mark.slow  # starts its own servers
 def test_threading_mode_on_request_and_when_gevent_is_missing(tmp_path):
     srv = Server(str(tmp_path / "threads"), extra=["--async-mode", "threading"])
     try:

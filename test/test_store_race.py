@@ -26,6 +26,8 @@ from procs import Server
 from zwdx.protocol.job import TimelineEntry
 from zwdx.server.store.sqlite import SQLiteStore
 
+pytestmark = pytest.mark.slow  # schedulers racing in separate OS processes, server processes
+
 ROOM = "r1"
 JOBS = 36
 CLIENTS, GPUS = 2, 2

@@ -20,9 +20,11 @@ def a_few_steps(model, loader, optimizer):
     return loss.item()
 
 
-def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, device):
-    """The MNIST loop, slowed down so that a test can act mid-epoch; it follows the resume
-    pattern: start at reporter.start_epoch, with model and optimizer already restored."""
+def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, device, eval_func=None):
+    """The MNIST loop, slowed down so that a test can act mid-epoch (or a page watch it): a loss
+    each step, after each epoch ``eval_func``'s metrics and, on rank 0, a line ``epoch N: loss
+    L`` with the loss it will return in full. It follows the resume pattern: start at
+    reporter.start_epoch, with model and optimizer already restored."""
     loss = torch.tensor(0.0)
     for epoch in range(reporter.start_epoch, epochs):
         loader.sampler.set_epoch(epoch)
@@ -34,6 +36,11 @@ def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, dev
             optimizer.step()
             reporter.log_metrics(loss=loss.item(), epoch=epoch)
             time.sleep(0.04)
+        if eval_func is not None:
+            reporter.log_metrics(epoch=epoch, **eval_func(model, loader, rank, world_size))
+            model.train()
+        if rank == 0:
+            print(f"epoch {epoch}: loss {loss.item()!r}")
     return loss.item()
 
 

@@ -3,7 +3,8 @@ wire-protocol server, each its own OS process on 127.0.0.1 and a free port, star
 stopped by pid (never by name). The test suite (test/procs.py) and the benchmarks
 (bench/harness.py) both build on this module.
 
-    free_port() -> int                      wait_until(predicate, timeout, what=...)
+    free_port() -> int                      a port held for this process: a restart may reuse it
+    wait_until(predicate, timeout, what=...)
     Child(args, log_path, env)              any command: own session, output in a log file
     ServerProc(data_dir, ...)               ``python -m zwdx.cli server``, waited for until healthy
     GpuClientProc(server_url, token, ...)   ``python -m zwdx.cli gpu-client``
@@ -15,15 +16,23 @@ same zwdx), and without this process's ``ZWDX_*`` variables (a developer's ``ZWD
 must not move a test's server to MongoDB) except ``ZWDX_CONFIG_DIR`` and those passed in
 ``env``. ``stop()`` ends the whole group: SIGTERM, then after a grace period SIGKILL, which
 is sent in any case to whatever of the group is left after its leader exited.
+
+Ports: ``free_port()`` picks one below the kernel's ephemeral range (so no outgoing connection
+is ever given it) and locks it for this process's life in a file every zwdx test process on
+the machine shares (so no other one picks it). A server killed and started again on its port
+therefore finds it free: the port stays held while no process listens on it.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 #: The directory holding the zwdx package this process imported (a checkout's root, or
@@ -35,11 +44,71 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INHERITED = ("ZWDX_CONFIG_DIR",)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+#: The file whose bytes lock ports (byte N: port N), shared by every process on the machine
+#: that uses this module. POSIX record locks: held while the process lives, gone when it exits.
+PORT_LOCKS = os.path.join(tempfile.gettempdir(), "zwdx-test-ports.lock")
+_held: set[int] = set()
+_random = random.SystemRandom()  # not the random module: a seeded test must not make every process pick alike
+_locks_fd: int | None = None
+
+
+def _port_range() -> range:
+    """Ports free_port() picks from: below the kernel's ephemeral range, where connect() and
+    bind(0) never go, or above it where the range starts too low to leave room below."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+
+
+def _lock(port: int) -> bool:
+    global _locks_fd
+    if _locks_fd is None:
+        try:
+            _locks_fd = os.open(PORT_LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                os.fchmod(_locks_fd, 0o666)  # every user's test runs share it (the umask took bits away)
+            except OSError:
+                pass  # another user's file: theirs to set
+        except PermissionError:  # another user's file that we may not write: a file of our own
+            _locks_fd = os.open(f"{PORT_LOCKS}.{os.getuid()}", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(_locks_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+        return True
+    except OSError:
+        return False  # another process holds it
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no obstacle
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on, held by this process until it exits: a server of this
+    process may be stopped and started on it again without another process taking it meanwhile
+    (see the module's docstring)."""
+    ports = _port_range()
+    for _ in range(200):
+        port = _random.choice(ports)
+        if port not in _held and _lock(port):
+            if _bindable(port):
+                _held.add(port)
+                return port
+            fcntl.lockf(_locks_fd, fcntl.LOCK_UN, 1, port)
+    raise RuntimeError(f"no free port found in {ports.start}-{ports.stop - 1}")
+
+
+def holds(port: int) -> bool:
+    """Whether ``port`` came from this process's free_port() (and so is still held)."""
+    return port in _held
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
@@ -124,6 +193,10 @@ class ServerProc(Child):
     def __init__(self, data_dir: str, port: int | None = None, extra: list[str] | None = None,
                  env: dict | None = None, host: str = "127.0.0.1", cwd: str = PACKAGE_PARENT,
                  mongo_uri: str | None = None, timeout: float = 60.0):
+        if port is not None and not holds(port):
+            # a port freed by a stopped server may be taken by anyone before the new one binds it
+            raise ValueError(f"port {port} is not held by this process: restart a server only on a port "
+                             "from free_port()")
         self.port = port or free_port()
         self.host = host
         self.url = f"http://{host}:{self.port}"

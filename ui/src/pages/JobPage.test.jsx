@@ -105,17 +105,26 @@ describe("the job page", () => {
   });
 
   it("cancels after a confirmation", async () => {
-    const cancelled = {
-      ...running, status: "cancelled", ended_at: 1700000005, reason: "cancelled by the submitter",
-      timeline: [...running.timeline, { status: "cancelled", at: 1700000005, reason: "cancelled by the submitter" }],
-    };
-    const fetch = mockFetch(routes(running, [], { "POST /api/v1/jobs/j1/cancel": cancelled }));
+    let job = running; // the fake server's job: a POST to cancel cancels it
+    mockFetch({
+      ...routes(running),
+      "GET /api/v1/jobs/j1": () => job,
+      "POST /api/v1/jobs/j1/cancel": () => {
+        job = { ...running, status: "cancelled", ended_at: 1700000005, reason: "cancelled by the submitter",
+          timeline: [...running.timeline, { status: "cancelled", at: 1700000005, reason: "cancelled by the submitter" }] };
+        return job;
+      },
+    }, { token: "zr_good" });
     renderApp("/jobs/j1");
     await userEvent.click(await screen.findByRole("button", { name: "Cancel job" }));
-    expect(fetch.calls.some((c) => c.method === "POST")).toBe(false);
+    expect(screen.getByRole("button", { name: "Yes, cancel it" })).toBeInTheDocument();
+    expect(screen.getByTestId("job-page")).toHaveAttribute("data-status", "running");
+    expect(job.status).toBe("running"); // nothing sent before the confirmation
     await userEvent.click(screen.getByRole("button", { name: "Yes, cancel it" }));
     await waitFor(() => expect(screen.getByTestId("job-page")).toHaveAttribute("data-status", "cancelled"));
-    expect(fetch.calls.filter((c) => c.method === "POST").map((c) => c.path)).toEqual(["/api/v1/jobs/j1/cancel"]);
+    expect(screen.getByText("cancelled by the submitter")).toBeInTheDocument();
+    expect(screen.queryByRole("button", { name: "Cancel job" })).toBe(null);
+    expect(job.status).toBe("cancelled");
   });
 
   it("says when a job is not in this room", async () => {
@@ -128,10 +137,12 @@ describe("the job page", () => {
 
   it("fetches the events it missed after the connection comes back", async () => {
     let served = [metric(1, 0, 0, { loss: 2 })];
-    const fetch = mockFetch(routes(running, [], { "GET /api/v1/jobs/j1/events*": ({ path }) => {
+    const askedAfter = []; // what the fake server was asked for: events after this seq
+    mockFetch(routes(running, [], { "GET /api/v1/jobs/j1/events*": ({ path }) => {
       const after = Number(new URL(path, "http://x").searchParams.get("after"));
+      askedAfter.push(after);
       return { events: served.filter((e) => e.seq > after) };
-    } }));
+    } }), { token: "zr_good" });
     renderApp("/jobs/j1");
     const socket = sockets.at(-1);
     act(() => socket.fire("connect"));
@@ -142,8 +153,8 @@ describe("the job page", () => {
     act(() => socket.fire("connect"));
     await waitFor(() => expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "3"));
     expect(screen.queryByTestId("connection-lost")).toBe(null);
-    const eventCalls = fetch.calls.filter((c) => c.path.startsWith("/api/v1/jobs/j1/events")).map((c) => c.path);
-    expect(eventCalls.at(-1)).toContain("after=1");
+    expect(screen.getByTestId("latest-metrics").querySelector('[data-metric="loss"]')).toHaveTextContent("1.1");
+    expect(askedAfter.at(-1)).toBe(1); // only what it missed
   });
 
   it("learns that the job ended while the connection was down", async () => {

@@ -1,12 +1,11 @@
-import { screen, waitFor } from "@testing-library/react";
+import { act, screen, waitFor } from "@testing-library/react";
 import userEvent from "@testing-library/user-event";
 import { describe, expect, it, vi } from "vitest";
-import { FakeSocket, mockFetch, sockets, status } from "../test/fakes.js";
+import { FakeSocket, mockFetch, sockets } from "../test/fakes.js";
 import { ROOM, renderApp } from "../test/render.jsx";
 
 vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new FakeSocket(opts)) - 1] }));
 
-const refused = status(401, { error: { code: "unauthorized", message: "room token not recognised: no room has this token" } });
 
 describe("signing in", () => {
   it("sends a visitor without a token to the sign-in page", () => {
@@ -16,7 +15,7 @@ describe("signing in", () => {
   });
 
   it("shows an error for a bad token and keeps nothing", async () => {
-    mockFetch({ "GET /api/v1/room": refused });
+    mockFetch({ "GET /api/v1/room": { ...ROOM } }, { token: "zr_good" }); // the server knows another token
     renderApp("/signin", { token: null });
     await userEvent.type(screen.getByLabelText("Room token"), "zr_wrong");
     await userEvent.click(screen.getByRole("button", { name: "Sign in" }));
@@ -24,15 +23,16 @@ describe("signing in", () => {
     expect(window.sessionStorage.length).toBe(0);
   });
 
-  it("keeps a good token in the session and opens the room with it", async () => {
-    const fetch = mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] } });
+  it("keeps a good token in the session and opens the room and its live connection with it", async () => {
+    // the fake server answers only "zr_good", in the header: the room showing proves how it was sent
+    mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] } }, { token: "zr_good" });
     renderApp("/signin", { token: null });
     await userEvent.type(screen.getByLabelText("Room token"), "  zr_good {Enter}");
     expect(await screen.findByTestId("overview")).toBeInTheDocument();
-    expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe("zr_good");
-    expect(sockets.at(-1).opts.auth).toEqual({ token: "zr_good" });
-    expect(fetch.calls.every((c) => !c.path.includes("zr_good"))).toBe(true);
     expect(screen.getByTestId("room-name")).toHaveTextContent("lab");
+    expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe("zr_good");
+    act(() => sockets.at(-1).answer("zr_good")); // the /ui handshake, answered as the server does
+    expect(screen.getByTestId("connection-state")).toHaveTextContent("live");
   });
 
   it("creates a room and shows its token once, with a copy button", async () => {
@@ -41,14 +41,14 @@ describe("signing in", () => {
       "GET /api/v1/room": { ...ROOM, name: "new-lab" },
       "GET /api/v1/jobs": { jobs: [] },
     });
-    const writeText = vi.fn(async () => {});
-    Object.defineProperty(navigator, "clipboard", { value: { writeText }, configurable: true });
+    const clipboard = { text: "", writeText: async (text) => { clipboard.text = text; }, readText: async () => clipboard.text };
+    Object.defineProperty(navigator, "clipboard", { value: clipboard, configurable: true });
     renderApp("/signin", { token: null });
     await userEvent.type(screen.getByLabelText("Name"), "new-lab");
     await userEvent.click(screen.getByRole("button", { name: "Create room" }));
     expect(await screen.findByTestId("new-token")).toHaveTextContent("zr_fresh");
     await userEvent.click(screen.getByRole("button", { name: "Copy token" }));
-    expect(writeText).toHaveBeenCalledWith("zr_fresh");
+    expect(await navigator.clipboard.readText()).toBe("zr_fresh"); // what the user pastes
     expect(screen.getByRole("button", { name: "Copied" })).toBeInTheDocument();
     await userEvent.click(screen.getByRole("button", { name: "Open the room" }));
     expect(await screen.findByTestId("no-clients")).toBeInTheDocument();
@@ -59,9 +59,7 @@ describe("signing in", () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");
     await screen.findByTestId("overview");
-    const socket = sockets.at(-1);
-    socket.active = false; // what socket.io-client says after a refusal by the server
-    socket.fire("connect_error", new Error("room token not recognised: no room has this token"));
+    act(() => sockets.at(-1).answer("zr_another_rooms")); // the room's token changed hands: refused
     expect(await screen.findByText(/The server refused the room token/)).toBeInTheDocument();
     expect(screen.getByRole("heading", { name: "Sign in to a room" })).toBeInTheDocument();
     await waitFor(() => expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe(null));

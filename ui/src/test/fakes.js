@@ -1,14 +1,36 @@
-// Test doubles: a fetch that answers from a route table, and a Socket.IO client socket the test drives.
+// Test doubles: a fake server behind fetch that answers from a route table, and a Socket.IO client
+// socket the test drives. Tests assert what the page shows; the fake server may hold state (a job a
+// POST cancelled) and, given a room token, refuses requests as the real one does.
 import { vi } from "vitest";
 
+const TOKEN_HEADER = "X-Zwdx-Room-Token";
+const OPEN_ROUTES = ["POST /api/v1/rooms"]; // the only call the real server takes without a token
+
+/** The real server's answer to a request without the room `token` in its header (or with the
+ * token in the URL, which would end up in access logs): 401/400 as it words them, else null. */
+function refusal(token, method, path, headers) {
+  if (path.includes(token)) return status(400, { error: { code: "bad_request", message: "a room token in the URL" } });
+  if (OPEN_ROUTES.includes(`${method} ${path.split("?")[0]}`)) return null;
+  if (!headers[TOKEN_HEADER]) {
+    return status(401, { error: { code: "unauthorized", message: `this call needs a room token in the ${TOKEN_HEADER} header` } });
+  }
+  if (headers[TOKEN_HEADER] !== token) {
+    return status(401, { error: { code: "unauthorized", message: "room token not recognised: no room has this token" } });
+  }
+  return null;
+}
+
 /** routes: {"GET /api/v1/room": body | (request) => body | status(code, body)}; a route without
- * "?" matches any query, one ending in "*" any longer path. Returns the mock; .calls lists requests. */
-export function mockFetch(routes) {
+ * "?" matches any query, one ending in "*" any longer path. With `token`, the fake server opens
+ * its routes only to that room token, in the header. Returns the mock; .calls lists requests. */
+export function mockFetch(routes, { token = null } = {}) {
   const calls = [];
   const fetch = vi.fn(async (url, init = {}) => {
     const method = init.method || "GET";
     const path = String(url);
     calls.push({ method, path, headers: init.headers || {}, body: init.body });
+    const refused = token && refusal(token, method, path, init.headers || {});
+    if (refused) return response(refused.__status, refused.body);
     const key = Object.keys(routes).find((k) => {
       const [m, p] = k.split(" ");
       if (m !== method) return false;
@@ -55,6 +77,16 @@ export class FakeSocket {
     if (event === "connect") this.connected = true;
     if (event === "disconnect") this.connected = false;
     for (const fn of this.handlers.get(event) || []) fn(...args);
+  }
+  /** The server's answer to this socket's handshake, as the real one gives it: connected when
+   * its auth carries the room `token`, refused for good (socket.io-client stops retrying) if not. */
+  answer(token) {
+    if (this.opts?.auth?.token === token) {
+      this.fire("connect");
+    } else {
+      this.active = false;
+      this.fire("connect_error", new Error("room token not recognised: no room has this token"));
+    }
   }
   connect() {
     this.reconnectAsked = true;
