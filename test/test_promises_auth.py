@@ -15,6 +15,7 @@ test gets its rooms and job keys in well under a second, without a rank process.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -131,8 +132,8 @@ def a_job_with_data(server, room: Room, donors) -> dict:
     checkpoint_file = rank.put("/checkpoints/0/state.pt", state).json()["id"]
     assert rank.commit(0, ["state.pt"]).status_code == 201
     weights_id = rank.put("/weights", weights).json()["id"]
-    assert rank.status("completed", final_loss=0.25, results={"final_loss": 0.25}, fingerprint="f",
-                       weights_artifact=weights_id).status_code == 200
+    assert rank.status("completed", final_loss=0.25, results={"final_loss": 0.25},
+                       fingerprint=hashlib.sha256(weights).hexdigest(), weights_artifact=weights_id).status_code == 200
     donor.exited(job)
     assert room.job(job)["status"] == "completed"
     return {"id": job, "bundle": bundle, "weights": weights_id, "checkpoint_file": checkpoint_file,
