@@ -1,0 +1,59 @@
+"""A server and GPU-client processes (one CPU slot each) in one room, for the tests of a module
+whose jobs do not disturb each other: each process start imports torch, so a module starts
+them once.
+
+    pool = GpuPool(base_dir, clients=("a", "b"))    # healthy and online when returned
+    pool.sdk, pool.token, pool.server, pool.clients
+    pool.start("c")                                # one more GPU client, waited for until online
+    pool.stop()                                    # every process it started, by pid
+
+Its SDK remembers nothing (``remember=False``) and has the room's token as its default, so a
+module-scoped pool never writes a credential store.
+"""
+from __future__ import annotations
+
+import os
+
+from procs import GpuClient, Server, wait_until
+from zwdx import ZWDX
+
+
+class GpuPool:
+    def __init__(self, base: str, clients: tuple[str, ...] = ("a", "b"), server_extra: list[str] | None = None,
+                 server_env: dict | None = None):
+        self.base = base
+        self.server = Server(os.path.join(base, "server"), extra=server_extra, env=server_env)
+        self.clients: list[GpuClient] = []
+        try:
+            self.sdk = ZWDX(self.server.url, remember=False)
+            self.token = self.sdk.create_room("pool")["token"]
+            self.sdk.room_token = self.token
+            for name in clients:
+                self.start(name)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, name: str, **kwargs) -> GpuClient:
+        client = GpuClient(self.server.url, self.token, os.path.join(self.base, name), client_id=f"client-{name}",
+                           **kwargs)
+        self.clients.append(client)
+        wait_until(lambda: self.online(client), 60,
+                   what=f"gpu client {name} online\n{client.tail() if not client.alive() else ''}")
+        return client
+
+    def online(self, client: GpuClient) -> bool:
+        if not client.alive():
+            raise RuntimeError(f"gpu client {client.client_id} exited:\n{client.tail()}")
+        return any(c["id"] == client.client_id and c["status"] == "online" for c in self.sdk.get_room()["clients"])
+
+    def idle(self) -> bool:
+        """Every slot of the room free (the last job's rank processes gone)."""
+        return all(s["job_id"] is None for c in self.sdk.get_room()["clients"] for s in c["slots"])
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.stop()
+        self.server.stop()
+        if hasattr(self, "sdk"):
+            self.sdk.close()
