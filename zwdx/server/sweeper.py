@@ -75,7 +75,7 @@ class Sweeper:
         return True
 
     def sweep(self, now: float | None = None) -> Counter:
-        """One pass; returns how many of each were deleted (``unattached``, ``partial``,
+        """One pass; returns how many of each kind were deleted (``unattached``, ``partial``,
         ``orphaned``, ``unreferenced``, ``retention``)."""
         cfg, store, now = self.ctx.config, self.ctx.store, time.time() if now is None else now
         grace = float(cfg.get("UNATTACHED_GRACE") or 0)
@@ -102,4 +102,4 @@ class Sweeper:
             self._done[job.id] = expired
         if sum(gone.values()):
             log.info("sweeper: deleted %s", ", ".join(f"{n} {what}" for what, n in sorted(gone.items()) if n))
-        return gone
+        return +gone  # what was deleted, none of the zeros

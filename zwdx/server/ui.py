@@ -69,13 +69,14 @@ def dashboard(path: str = ""):
     if path.startswith("api/"):
         raise NotFound(f"no API route /{path}")
     inside = safe_join(dist, path) if path else None  # None: the path leaves the build
+    path = os.path.relpath(inside, dist).replace(os.sep, "/") if inside else ""  # as the build names it
     if inside is not None and os.path.isfile(inside):
         immutable = path.startswith("assets/")
         resp = send_from_directory(dist, path, max_age=_YEAR if immutable else 0)
         if immutable:
             resp.headers["Cache-Control"] = f"public, max-age={_YEAR}, immutable"
         return resp
-    if path.startswith("assets/") and inside is not None:
+    if path.startswith("assets/"):
         raise NotFound(f"no dashboard file /{path}: rebuild the dashboard (cd ui && npm run build)")
     if _built(dist):
         return _index(dist)
