@@ -403,3 +403,51 @@ def test_the_data_dir_and_the_store_file_are_private(make_app, tmp_path):
         if name.startswith("zwdx.sqlite3"):
             assert mode(data / name) == 0o600, name
     assert all(mode(data / "artifacts" / f) == 0o600 for f in os.listdir(data / "artifacts"))
+
+
+@pytest.mark.slow
+def test_the_built_dashboard_and_the_api_docs_work_under_their_csp(tmp_path):
+    """Real Chromium on a server process: sign in, the room overview, a job's page, the history,
+    the API's docs page; no Content-Security-Policy violation anywhere."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (./setup.sh --test)")
+    from procs import build_ui
+    if not os.path.exists("/usr/bin/chromium"):
+        pytest.skip("/usr/bin/chromium is missing: apt-get install chromium (./setup.sh --test)")
+    build_ui()
+    server = Server(str(tmp_path / "server"))
+    try:
+        room = requests.post(f"{server.url}/api/v1/rooms", json={"name": "csp"}, timeout=10).json()
+        headers = {defaults.TOKEN_HEADER: room["token"]}
+        bundle = requests.post(f"{server.url}/api/v1/artifacts", data=b"b", headers=headers, timeout=10).json()
+        job = requests.post(f"{server.url}/api/v1/jobs", headers=headers, timeout=10, json={
+            "bundle_artifact": bundle["id"], "versions": {"python": PY}, "world_size": 1}).json()
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium",
+                                         args=["--headless", "--no-sandbox", "--disable-gpu"])
+            context = browser.new_context()
+            context.add_init_script("window.__csp = []; document.addEventListener('securitypolicyviolation', "
+                                    "(e) => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));")
+            context.set_default_timeout(30_000)
+            page = context.new_page()
+            console = []
+            page.on("console", lambda msg: console.append(msg.text) if msg.type == "error" else None)
+            page.goto(server.url)
+            page.get_by_label("Room token").fill(room["token"])
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_test_id("overview").wait_for()
+            page.get_by_test_id("quota-jobs").wait_for()
+            violations = page.evaluate("window.__csp")
+            page.goto(f"{server.url}/jobs/{job['id']}")
+            page.get_by_test_id("job-page").wait_for()
+            violations += page.evaluate("window.__csp")
+            page.goto(f"{server.url}/history")
+            page.wait_for_load_state("networkidle")
+            violations += page.evaluate("window.__csp")
+            page.goto(f"{server.url}/api/v1/docs")
+            page.get_by_text("Submit a job over an uploaded bundle").first.wait_for()
+            violations += page.evaluate("window.__csp")
+            browser.close()
+        assert not violations, violations
+        assert not [m for m in console if "Content Security Policy" in m], console
+    finally:
+        server.stop()
