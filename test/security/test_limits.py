@@ -109,7 +109,7 @@ def test_a_job_the_room_could_never_run_holds_back_no_one(api, app):
     assert scheduler.schedule_once() == 1
     assert api.get(f"/jobs/{behind['id']}").json["status"] == "starting"
     waits = api.get(f"/jobs/{impossible['id']}").json
-    assert waits["status"] == "queued" and "could never run this job" in waits["waiting_reason"]
+    assert waits["status"] == "queued" and waits["waiting_reason"] == impossible["unschedulable"]
     # A job that could run but finds its slot busy still holds the queue behind it (FIFO).
     head, tail = api.submit(world_size=1).json, api.submit(world_size=1).json
     assert scheduler.schedule_once() == 0
@@ -140,6 +140,7 @@ def test_a_nan_loss_never_jams_the_reporter_and_comes_back_a_float(http_app):
     reporter.log_metrics(loss=float("inf"), accuracy=0.5)
     reporter.log_metrics(loss=-math.inf)
     reporter.log_metrics(loss=1.25)
+    reporter.log("NaN")  # a line of text that reads like a number stays text
     assert reporter.flush(timeout=30), "the reporter kept a batch it cannot send"
     reporter.status("completed", final_loss=float("nan"), results={"eval_loss": float("inf"), "curve": [1.0, -math.inf]})
     reporter.close()
@@ -148,6 +149,7 @@ def test_a_nan_loss_never_jams_the_reporter_and_comes_back_a_float(http_app):
     sdk = ZWDX(url, room_token=room.token, remember=False)
     loss = [p["value"] for p in sdk.get_job_metrics(job["id"])["loss"]]
     assert math.isnan(loss[0]) and loss[1:] == [math.inf, -math.inf, 1.25]
+    assert [line["text"] for line in sdk.get_job_logs(job["id"])] == ["NaN"]
     done = sdk.get_job(job["id"])
     assert done["status"] == "completed" and math.isnan(done["final_loss"])
     assert done["results"] == {"eval_loss": math.inf, "curve": [1.0, -math.inf]}

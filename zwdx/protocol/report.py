@@ -111,6 +111,9 @@ class EventIn(Message):
                     raise ValueError(f"metric {name!r} must be a number, \"NaN\", \"Infinity\", \"-Infinity\" "
                                      f"or null, got {type(value).__name__}")
         elif self.kind is EventKind.LOG:
+            text = self.data.get("text")
+            if isinstance(text, float) and not math.isfinite(text):  # a line that reads "NaN": text, not a number
+                self.data["text"] = to_wire(text)
             if set(self.data) != {"text"} or not isinstance(self.data["text"], str) or \
                     len(self.data["text"]) > 100_000:
                 raise ValueError("a log event's data is {\"text\": a string of at most 100000 characters}")

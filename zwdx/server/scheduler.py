@@ -224,8 +224,8 @@ class Scheduler:
         job = Job(store, record)
         if chosen is None:
             never = unschedulable(_least(record, asked["spec"]), list(clients.values()))
-            if never:
-                reason = f"the room as it is could never run this job, so the jobs behind it go first: {never}"
+            if never:  # it waits (GPU clients may join) for what the room cannot give now: say that
+                reason = never
             if record.status == JobStatus.RESUMING:
                 last = record.restart_history[-1].reason if record.restart_history else None
                 reason = f"resuming after: {last}; {reason}"

@@ -88,18 +88,24 @@ class Sweeper:
         for artifact_id in set(stored) - store.known_artifacts(stored):
             self.ctx.artifacts.delete(artifact_id)
             gone["orphaned"] += 1
-        for job in store.list_jobs(statuses=list(FINISHED)):
-            if self._done.get(job.id):
+        for room_id in store.job_rooms(FINISHED):  # room by room: one room's unreadable record stops no other's
+            try:
+                jobs = store.list_jobs(room_id, statuses=list(FINISHED))
+            except Exception:
+                log.exception("sweeper: the finished jobs of room %s not swept", room_id)
                 continue
-            ended = job.ended_at or now
-            expired = bool(retention) and ended < now - retention
-            if job.id in self._done and not expired and ended < now - grace:
-                continue  # swept since it ended, and too long ago for a late upload to come
-            keep = set() if expired else referenced(job)
-            for artifact in store.list_artifacts(job.id):
-                if artifact["id"] not in keep:
-                    gone["retention" if expired else "unreferenced"] += self._delete(artifact)
-            self._done[job.id] = expired
+            for job in jobs:
+                if self._done.get(job.id):
+                    continue
+                ended = job.ended_at or now
+                expired = bool(retention) and ended < now - retention
+                if job.id in self._done and not expired and ended < now - grace:
+                    continue  # swept since it ended, and too long ago for a late upload to come
+                keep = set() if expired else referenced(job)
+                for artifact in store.list_artifacts(job.id):
+                    if artifact["id"] not in keep:
+                        gone["retention" if expired else "unreferenced"] += self._delete(artifact)
+                self._done[job.id] = expired
         if sum(gone.values()):
             log.info("sweeper: deleted %s", ", ".join(f"{n} {what}" for what, n in sorted(gone.items()) if n))
         return +gone  # what was deleted, none of the zeros
