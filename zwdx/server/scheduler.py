@@ -94,6 +94,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._asked: dict[str, PortRequest] = {}  # job id -> the port request of its placement
         self._asked_lock = threading.Lock()
+        self._failing: dict[str, str] = {}  # room id -> the error that keeps its jobs from being placed
 
     def kick(self, settle: bool = False) -> None:
         """Look again soon: place queued jobs, and with ``settle`` first settle the jobs whose
@@ -170,8 +171,11 @@ class Scheduler:
         for room_id in self.ctx.store.job_rooms(WAITING):
             try:
                 started += self.schedule_room(room_id)
+                self._failing.pop(room_id, None)
             except Exception as exc:
-                log.exception("scheduler: room %s not placed", room_id)
+                if self._failing.get(room_id) != repr(exc):  # logged once per error, not at every pass
+                    self._failing[room_id] = repr(exc)
+                    log.exception("scheduler: room %s not placed", room_id)
                 _guarded(f"telling room {room_id}'s jobs", self._could_not_place, room_id, exc)
         return started
 
