@@ -227,9 +227,9 @@ class Scheduler:
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
         job = Job(store, record)
         if chosen is None:
+            # It waits either way (GPU clients may join), saying why; one the room as it is could
+            # never run holds back none of the jobs behind it.
             never = unschedulable(_least(record, asked["spec"]), list(clients.values()))
-            if never:  # it waits (GPU clients may join) for what the room cannot give now: say that
-                reason = never
             if record.status == JobStatus.RESUMING:
                 last = record.restart_history[-1].reason if record.restart_history else None
                 reason = f"resuming after: {last}; {reason}"
