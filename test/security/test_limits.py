@@ -356,6 +356,17 @@ def test_an_upload_cut_short_or_refused_leaves_nothing(http_app):
 
 
 # -- item 11 ---------------------------------------------------------------------------------------------
+def test_an_empty_commit_wipes_no_checkpoint(app):
+    room, rank0, job = placed_job(app, "ckpt")
+    rank0.put(f"/jobs/{job['id']}/checkpoints/0/state.pt", data=b"real")
+    assert rank0.post(f"/jobs/{job['id']}/checkpoints/0/commit", json={"files": ["state.pt"]}).status_code == 201
+    for n in (1, 2, 3):
+        resp = rank0.post(f"/jobs/{job['id']}/checkpoints/{n}/commit", json={"files": []})
+        assert resp.status_code == 400 and resp.json["error"]["field"] == "files"
+    assert [c["n"] for c in room.get(f"/jobs/{job['id']}/checkpoints").json["checkpoints"]] == [0]
+    assert room.get(f"/jobs/{job['id']}/checkpoints/0/state.pt").data == b"real"
+
+
 @pytest.fixture
 def ui_app(make_app, tmp_path):
     dist = tmp_path / "dist"
