@@ -1,8 +1,14 @@
 """What a rank tells the server: metrics, log lines, its start, result or failure.
 
-Events queue in memory and a sender thread posts them in batches. If the server is away,
-the batch is kept and retried with backoff until it is delivered, so nothing reported is lost;
-each event carries a key unique in its job and rank, so a batch sent twice is stored once.
+Events queue in memory and a sender thread posts them in batches (of at most ``BATCH_BYTES``).
+If the server is away, the batch is kept and retried with backoff until it is delivered, so
+nothing reported is lost; each event carries a key unique in its job and rank, so a batch sent
+twice is stored once. A batch the server refuses (4xx), or that cannot be written as JSON, is
+dropped with an error in the log, never retried.
+
+A NaN or infinite number (a loss that diverged) travels as the string "NaN", "Infinity" or
+"-Infinity" (``zwdx.protocol.report.to_wire``): JSON has no such numbers, and ``requests``
+refuses to send them.
 """
 from __future__ import annotations
 
@@ -18,8 +24,13 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from zwdx import defaults
+from zwdx.protocol.report import to_wire
 
 log = logging.getLogger(__name__)
+
+#: The most an events batch holds, in bytes of its events' text (well under the server's
+#: limit on a request body, ``MAX_REQUEST_BYTES``, 8 MiB by default).
+BATCH_BYTES = 1024 * 1024
 
 
 def http_session(room_token: str, job_key: str | None = None, retries: int = 5) -> requests.Session:
@@ -40,6 +51,11 @@ def _number(value):
     if isinstance(value, bool) or not isinstance(value, numbers.Number):
         raise TypeError(f"metric values must be numbers, got {type(value).__name__}")
     return float(value)
+
+
+def _size(event: dict) -> int:
+    """About how many bytes an event takes in a batch (its text; numbers are small)."""
+    return 200 + sum(len(v) if isinstance(v, str) else 24 for v in event["data"].values())
 
 
 class Reporter:
@@ -95,7 +111,7 @@ class Reporter:
         """Record metrics (loss=..., accuracy=...). ``step`` defaults to a running count."""
         if not values:
             return
-        data = {name: _number(v) for name, v in values.items()}
+        data = {name: to_wire(_number(v)) for name, v in values.items()}
         with self._lock:
             if step is None:
                 step = self.step
@@ -108,7 +124,7 @@ class Reporter:
         """Platform metrics (throughput, GPU utilisation) at the user's latest step."""
         with self._lock:
             step = max(self.step - 1, 0)
-        self._put("metric", {name: _number(v) for name, v in values.items()}, step)
+        self._put("metric", {name: to_wire(_number(v)) for name, v in values.items()}, step)
 
     def checkpoint(self) -> int | None:
         """Save a checkpoint now (model, optimizer, tracked objects, epoch, step). Every rank must
@@ -158,20 +174,33 @@ class Reporter:
     # -- delivery ----------------------------------------------------------------------------
     def _send_loop(self) -> None:
         pending: list[dict] = []
+        held = None  # the event that did not fit the last batch: the next one's first
         backoff = 0.2
         while True:
-            try:
-                pending.append(self._queue.get(timeout=self._flush_interval))
-                while len(pending) < 500:
-                    pending.append(self._queue.get_nowait())
-            except queue.Empty:
-                pass
+            if not pending:
+                size = 0
+                try:
+                    event = held if held is not None else self._queue.get(timeout=self._flush_interval)
+                    held = None
+                    while True:
+                        pending.append(event)
+                        size += _size(event)
+                        if len(pending) >= 500:
+                            break
+                        event = self._queue.get_nowait()
+                        if size + _size(event) > BATCH_BYTES:
+                            held = event
+                            break
+                except queue.Empty:
+                    pass
             if not pending:
                 if self._closed.is_set():
                     return
                 continue
             try:
                 resp = self.session.post(f"{self.base}/events", json={"events": pending}, timeout=30)
+                if resp.status_code == 429:  # too many requests from this address: later
+                    raise requests.RequestException(f"server busy (429): {resp.text[:200]}")
                 if 400 <= resp.status_code < 500:
                     # never retry what the server rejects as wrong
                     log.error("rank %d: server refused %d event(s): %s", self.rank, len(pending), resp.text[:200])
@@ -182,6 +211,12 @@ class Reporter:
                     self._delivered.notify_all()
                 pending = []
                 backoff = 0.2
+            except requests.exceptions.InvalidJSONError as exc:  # a bug of ours: sending it again would not help
+                log.error("rank %d: %d event(s) cannot be sent as JSON, dropped: %s", self.rank, len(pending), exc)
+                with self._delivered:
+                    self._outstanding -= len(pending)
+                    self._delivered.notify_all()
+                pending = []
             except requests.RequestException as exc:
                 log.warning("rank %d: server unreachable, keeping %d event(s): %s", self.rank, len(pending), exc)
                 time.sleep(backoff)
@@ -198,9 +233,9 @@ class Reporter:
         deadline = time.time() + defaults.OUTAGE_TOLERANCE
         while True:
             try:
-                resp = self.session.post(f"{self.base}/ranks/{self.rank}", json={"status": status, **fields},
+                resp = self.session.post(f"{self.base}/ranks/{self.rank}", json=to_wire({"status": status, **fields}),
                                          timeout=30)
-                if resp.status_code < 500:
+                if resp.status_code < 500 and resp.status_code != 429:
                     if resp.status_code >= 400:
                         log.error("rank %d: status %s refused: %s", self.rank, status, resp.text[:300])
                     return

@@ -39,6 +39,10 @@ def _server(args) -> int:
         config["CLIENT_TIMEOUT"] = args.client_timeout
     if args.ui_dir:
         config["UI_DIR"] = args.ui_dir
+    for name in ("max_request_bytes", "room_max_jobs", "room_max_artifact_bytes", "rate_limit_rooms",
+                 "rate_limit_auth_failures", "artifact_retention", "sweep_interval"):
+        if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
+            config[name.upper()] = getattr(args, name)
     app = create_app(config)
     print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']}, "
           f"{socketio.async_mode})", flush=True)
@@ -106,6 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ui-dir", default=os.environ.get("ZWDX_UI_DIR"),
                    help="serve the dashboard from this build folder (default: $ZWDX_UI_DIR, else the one "
                         "installed with zwdx)")
+    limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
+    limits.add_argument("--max-request-bytes", type=int, default=None,
+                        help=f"largest request body but an artifact's (default {defaults.MAX_REQUEST_BYTES})")
+    limits.add_argument("--room-max-jobs", type=int, default=None,
+                        help=f"jobs a room may have waiting or running, 0: no limit (default {defaults.ROOM_MAX_JOBS})")
+    limits.add_argument("--room-max-artifact-bytes", type=int, default=None,
+                        help=f"bytes of artifacts a room may keep, 0: no limit (default {defaults.ROOM_MAX_ARTIFACT_BYTES})")
+    limits.add_argument("--rate-limit-rooms", default=None,
+                        help=f"rooms one address may create (default '{defaults.RATE_LIMIT_ROOMS}')")
+    limits.add_argument("--rate-limit-auth-failures", default=None,
+                        help=f"wrong tokens one address may send before it is refused "
+                             f"(default '{defaults.RATE_LIMIT_AUTH_FAILURES}')")
+    limits.add_argument("--artifact-retention", type=float, default=None,
+                        help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
+    limits.add_argument("--sweep-interval", type=float, default=None,
+                        help=f"seconds between sweeps of unreferenced artifacts, 0: never (default {defaults.SWEEP_INTERVAL:g})")
     p.set_defaults(func=_server)
 
     p = sub.add_parser("room", help="rooms")

@@ -6,6 +6,23 @@ PORT = 4461
 API_PREFIX = "/api/v1"
 #: Largest artifact (bundle, checkpoint, weights) the server accepts, in bytes.
 MAX_ARTIFACT_BYTES = 8 * 1024**3
+#: Largest request body other than an artifact's bytes (every JSON body), in bytes.
+MAX_REQUEST_BYTES = 8 * 1024**2
+#: Jobs a room may have waiting or running at once (0: no limit).
+ROOM_MAX_JOBS = 100
+#: Bytes of artifacts (bundles, checkpoints, weights) a room may keep (0: no limit).
+ROOM_MAX_ARTIFACT_BYTES = 100 * 1024**3
+#: Rooms one address may create (a rate, as Flask-Limiter writes it).
+RATE_LIMIT_ROOMS = "20 per minute; 200 per day"
+#: Requests with a wrong room token or job key one address may make before it is refused (429)
+#: for the rest of the window.
+RATE_LIMIT_AUTH_FAILURES = "60 per minute"
+#: Seconds between two sweeps of unreferenced artifacts (0: never).
+SWEEP_INTERVAL = 300.0
+#: Seconds an uploaded bundle may wait for its job (and a half-written upload lie) before it is deleted.
+UNATTACHED_GRACE = 3600.0
+#: Seconds a finished job keeps its artifacts (bundle, checkpoints, weights; 0: for ever).
+ARTIFACT_RETENTION = 0.0
 #: Seconds between a GPU client's heartbeats.
 HEARTBEAT_INTERVAL = 2.0
 #: A GPU client silent for this long is declared lost (also the grace a restarted server gives

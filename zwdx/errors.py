@@ -9,6 +9,8 @@
     ├── NotFound                   unknown room, job or artifact (404)
     ├── Conflict                   a state change that is no longer possible (409)
     │   └── Unschedulable          a job the room cannot run as it is, refused on request
+    ├── RateLimited                too many requests from one address, or failed logins (429)
+    ├── QuotaExceeded              a room over its quota of jobs or artifact bytes (429)
     ├── StoreError                 the store cannot be used (500)
     │   └── SchemaVersionError     the store was written by a newer zwdx
     ├── IntegrityError             an artifact whose sha256 does not match (422)
@@ -79,6 +81,21 @@ class Unschedulable(Conflict):
     code = "unschedulable"
 
 
+class RateLimited(ZwdxError):
+    """Too many requests of a kind (rooms created, wrong tokens) from one address: wait and retry."""
+
+    code = "too_many_requests"
+    http_status = 429
+
+
+class QuotaExceeded(ZwdxError):
+    """The room holds as many jobs waiting or running, or as many artifact bytes, as the server
+    allows (``limit``, ``used``): nothing was stored."""
+
+    code = "quota_exceeded"
+    http_status = 429
+
+
 class StoreError(ZwdxError):
     code = "store_error"
     http_status = 500
@@ -117,8 +134,8 @@ class JobFailed(ZwdxError):
 
 
 _BY_CODE = {cls.code: cls for cls in (
-    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, Conflict, Unschedulable,
-    StoreError, SchemaVersionError, IntegrityError)}
+    BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, Conflict, Unschedulable, RateLimited,
+    QuotaExceeded, StoreError, SchemaVersionError, IntegrityError)}
 
 
 def from_response(status: int, body: dict | None) -> ZwdxError:
@@ -129,6 +146,6 @@ def from_response(status: int, body: dict | None) -> ZwdxError:
     cls = _BY_CODE.get(code)
     if cls is None:
         cls = {400: BadRequest, 401: AuthError, 403: Forbidden, 404: NotFound,
-               409: Conflict, 413: PayloadTooLarge, 422: IntegrityError}.get(status, ZwdxError)
+               409: Conflict, 413: PayloadTooLarge, 422: IntegrityError, 429: RateLimited}.get(status, ZwdxError)
     context = {k: v for k, v in err.items() if k not in ("code", "message")}
     return cls(message, **context)

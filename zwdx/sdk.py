@@ -29,6 +29,7 @@ from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
 from .protocol import WAITING, JobStatus, runtime_versions
 from .protocol.base import parse
+from .protocol.report import from_wire
 from .protocol.rest import SubmitJob
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,16 @@ def _positional_at_most(names: tuple[str, ...]):
             return method(self, *args, **kwargs)
         return call
     return decorate
+
+
+def _numbers(job: dict) -> dict:
+    """A job as the API answers it, with the non-finite numbers it reported (its final loss, its
+    results) as floats again: JSON carries them as "NaN", "Infinity", "-Infinity"."""
+    out = dict(job)
+    for name in ("final_loss", "results"):
+        if out.get(name) is not None:
+            out[name] = from_wire(out[name])
+    return out
 
 
 def _say(message: str) -> None:
@@ -276,6 +287,7 @@ class ZWDX:
 
     @staticmethod
     def _result(job: dict, raise_on_failure: bool) -> dict:
+        job = _numbers(job)
         status = ResultStatus(job["status"])
         result = {"job_id": job["id"], "status": status, "complete": status == JobStatus.COMPLETED.value,
                   "results": job.get("results") or {}, "final_loss": job.get("final_loss"),
@@ -314,7 +326,7 @@ class ZWDX:
                 for ev in events:
                     after = ev["seq"]
                     if ev["kind"] == "metric":
-                        latest.update(ev["data"])
+                        latest.update(from_wire(ev["data"]))
                         if bar is not None and ev.get("step") is not None:
                             bar.n = max(bar.n, ev["step"] + 1)
                     elif ev["kind"] == "log" and bar is not None:
@@ -354,11 +366,11 @@ class ZWDX:
             _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx job cancel {job_id}{server}`")
 
     def get_job(self, job_id: str, room_token: str | None = None) -> dict:
-        return self._json("GET", f"/jobs/{job_id}", self._token(room_token, job_id))
+        return _numbers(self._json("GET", f"/jobs/{job_id}", self._token(room_token, job_id)))
 
     def list_jobs(self, room_token: str | None = None, status: str | None = None) -> list[dict]:
         params = {"status": status} if status else None
-        return self._json("GET", "/jobs", self._token(room_token), params=params)["jobs"]
+        return [_numbers(j) for j in self._json("GET", "/jobs", self._token(room_token), params=params)["jobs"]]
 
     def cancel_job(self, job_id: str, room_token: str | None = None) -> dict:
         return self._json("POST", f"/jobs/{job_id}/cancel", self._token(room_token, job_id))
@@ -371,8 +383,10 @@ class ZWDX:
 
     def get_job_metrics(self, job_id: str, room_token: str | None = None) -> dict[str, list[dict]]:
         """Every metric series of the job: name -> ``[{"step", "value", "rank", "ts"}, ...]``;
-        "throughput" (samples/s) and, on GPUs, "gpu_utilization" come from the platform."""
-        return self._json("GET", f"/jobs/{job_id}/metrics", self._token(room_token, job_id))["series"]
+        "throughput" (samples/s) and, on GPUs, "gpu_utilization" come from the platform. A value
+        that was NaN or infinite is that float again (it travels as "NaN", "Infinity", "-Infinity")."""
+        series = self._json("GET", f"/jobs/{job_id}/metrics", self._token(room_token, job_id))["series"]
+        return {name: [{**p, "value": from_wire(p.get("value"))} for p in points] for name, points in series.items()}
 
     def get_trained_model(self, job_id: str, model, room_token: str | None = None):
         """Load the job's trained weights into ``model`` and return it. The weights arrive as

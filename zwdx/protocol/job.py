@@ -15,16 +15,18 @@
 
 The server moves a record through its statuses with ``zwdx.server.job.Job``; the store keeps
 it as JSON (``docs/store.md``). Records are read leniently (a field a newer server added is
-ignored) and may hold NaN and infinities (a diverged loss), which JSON carries as constants.
+ignored) and may hold NaN and infinities (a diverged loss), which JSON carries as the strings
+"NaN", "Infinity" and "-Infinity" (``zwdx.protocol.report.Reported``), in the store too.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import defaults
 from .base import Answer
+from .report import Measured, Reported
 from .vocab import CheckpointFormat, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
 
 
@@ -33,9 +35,9 @@ def _absent(value) -> bool:
 
 
 class Record(BaseModel):
-    """A stored record: unknown fields ignored, NaN and infinities kept."""
+    """A stored record: unknown fields ignored, NaN and infinities kept (as strings in JSON)."""
 
-    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants")
+    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="strings")
 
 
 class CheckpointEntry(Answer):
@@ -160,8 +162,8 @@ class JobFields(Record):
     ended_at: float | None = None
     #: Why it failed or was cancelled.
     reason: str | None = None
-    results: dict[str, Any] | None = None
-    final_loss: float | None = None
+    results: dict[str, Measured] | None = None
+    final_loss: Reported | None = None
     weights_artifact: str | None = None
     # -- restarts and checkpoints ----------------------------------------------------------
     restarts: int = 0

@@ -1,7 +1,8 @@
 """What a job's rank processes report over REST, with the job's key: metric and log events,
 their start, result or failure, and the checkpoints they commit (``zwdx.protocol.rest`` has the
 rest of the API). The numbers a rank measured may be NaN or infinite (a loss that diverged):
-they are kept as they are.
+they are kept as they are, and travel as the strings "NaN", "Infinity" and "-Infinity" (JSON
+has no such numbers; ``Reported``), in both directions, to the store and back.
 
     EventsBatch of EventIn -> Stored            POST /api/v1/jobs/<id>/events
     RankReport -> RankReportAnswer              POST /api/v1/jobs/<id>/ranks/<rank>
@@ -9,9 +10,11 @@ they are kept as they are.
 """
 from __future__ import annotations
 
+import math
 from typing import Annotated, Union
 
-from pydantic import AfterValidator, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, StringConstraints, WithJsonSchema, \
+    model_validator
 from typing_extensions import TypeAliasType
 
 from .base import Answer, ByValue, Count, Id, Message
@@ -27,8 +30,45 @@ def _not_dots(name: str) -> str:
     return name
 
 
-#: A number the ranks reported: NaN and infinities are numbers here (a loss that diverged).
-Reported = Annotated[float, Field(allow_inf_nan=True)]
+#: The numbers JSON cannot carry, as the strings that carry them: JavaScript's spelling
+#: (``String(NaN)``), which ``float()`` in Python and ``Number()`` in a browser read back.
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def from_wire(value):
+    """``value`` with the strings of ``NON_FINITE`` read back as floats, in lists and dicts too
+    (what the SDK does with the numbers a job reported)."""
+    if isinstance(value, str):
+        return NON_FINITE.get(value, value)
+    if isinstance(value, list):
+        return [from_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: from_wire(v) for k, v in value.items()}
+    return value
+
+
+def to_wire(value):
+    """``value`` with every NaN or infinite float written as its string of ``NON_FINITE``, in
+    lists and dicts too (what a rank sends: ``requests`` refuses NaN in JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _read_non_finite(value):
+    return NON_FINITE[value] if isinstance(value, str) and value in NON_FINITE else value
+
+
+#: A number the ranks reported: NaN and infinities are numbers here (a loss that diverged). In
+#: JSON a finite one is a number and the others are "NaN", "Infinity", "-Infinity" (a literal
+#: NaN in a request body is refused, as it is no JSON).
+Reported = Annotated[float, Field(allow_inf_nan=True), BeforeValidator(_read_non_finite),
+                     PlainSerializer(to_wire, when_used="json"),
+                     WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}]})]
 
 
 def clipped(limit: int, keep: str = "head"):
@@ -52,7 +92,7 @@ FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, patter
 
 class EventIn(Message):
     """One metric or log event a rank reports; a metric's values are numbers (NaN and
-    infinities too: a loss that diverged) or null."""
+    infinities too, as "NaN", "Infinity", "-Infinity": a loss that diverged) or null."""
     kind: Annotated[EventKind, ByValue]
     rank: Annotated[int, Field(ge=0, le=100_000)] | None = None
     #: Unique per job and rank: a batch sent twice is stored once.
@@ -68,8 +108,12 @@ class EventIn(Message):
                 raise ValueError("a metric event holds at most 200 values")
             for name, value in self.data.items():
                 if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise ValueError(f"metric {name!r} must be a number or null, got {type(value).__name__}")
+                    raise ValueError(f"metric {name!r} must be a number, \"NaN\", \"Infinity\", \"-Infinity\" "
+                                     f"or null, got {type(value).__name__}")
         elif self.kind is EventKind.LOG:
+            text = self.data.get("text")
+            if isinstance(text, float) and not math.isfinite(text):  # a line that reads "NaN": text, not a number
+                self.data["text"] = to_wire(text)
             if set(self.data) != {"text"} or not isinstance(self.data["text"], str) or \
                     len(self.data["text"]) > 100_000:
                 raise ValueError("a log event's data is {\"text\": a string of at most 100000 characters}")
@@ -118,5 +162,5 @@ class CheckpointCommit(Message):
     epoch_complete: bool = True
 
 
-__all__ = ["Key", "Reported", "clipped", "Measured", "FileName", "EventIn", "EventsBatch", "Stored", "RankReport",
+__all__ = ["NON_FINITE", "from_wire", "to_wire", "Key", "Reported", "clipped", "Measured", "FileName", "EventIn", "EventsBatch", "Stored", "RankReport",
            "RankReportAnswer", "CheckpointCommit"]

@@ -18,7 +18,7 @@ from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
-from .report import Reported, clipped
+from .report import Measured, Reported, clipped
 from .vocab import ArtifactKind, ClientStatus, EventKind, JobStatus, Parallelism, SlotKind
 
 #: A name a person gives (a room, a job).
@@ -94,9 +94,21 @@ class RoomTotals(Answer):
     hosts: int
 
 
+class RoomUsage(Answer):
+    """What the room uses of its quotas; a limit of 0 is none (``zwdx server --room-max-jobs``,
+    ``--room-max-artifact-bytes``)."""
+    #: Jobs waiting or running, and how many it may have at once.
+    jobs: int
+    jobs_limit: int
+    #: Bytes of its artifacts (bundles, checkpoints, weights), and how many it may keep.
+    artifact_bytes: int
+    artifact_bytes_limit: int
+
+
 class RoomDetail(RoomView):
     clients: list[ClientView]
     totals: RoomTotals
+    usage: RoomUsage | None = None
 
 
 class ClientsUpdate(Answer):
@@ -210,7 +222,8 @@ class EventView(Answer):
     rank: int | None = None
     key: str | None = None
     step: int | None = None
-    data: dict[str, Any] = {}
+    #: A metric's numbers: NaN and infinities as "NaN", "Infinity", "-Infinity".
+    data: dict[str, Measured] = {}
     ts: float | None = None
 
     @field_validator("data", mode="before")

@@ -14,19 +14,24 @@ store calls that either block the hub only briefly (SQLite) or yield to it (pymo
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import threading
+import types
 
 from flask import Flask
+from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
-from . import api, checkpoints, dashboard_api, events, openapi, ui
+from ..protocol.report import to_wire
+from . import api, checkpoints, dashboard_api, events, limits, openapi, ui
 from .artifacts import FileArtifactStore
 from .extensions import socketio
 from .scheduler import Scheduler
 from .store import open_store
+from .sweeper import Sweeper
 
 __all__ = ["create_app", "serve", "socketio", "ServerContext"]
 
@@ -41,12 +46,65 @@ def gevent_patched() -> bool:
     return bool(monkey and monkey.is_module_patched("socket"))
 
 
+#: Sent with every response. The dashboard's build loads its scripts and styles from this
+#: server only and talks to it alone (REST and Socket.IO); no page may be framed.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+                               "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
+                               "form-action 'self'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _security_headers(response):
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)  # a page with inline parts (the API's docs) sets its own CSP
+    return response
+
+
+class WireJSON(DefaultJSONProvider):
+    """JSON as zwdx answers it: a NaN or infinite number (a diverged loss, in a record an older
+    zwdx stored) goes out as the string "NaN", "Infinity" or "-Infinity", never as a bare token
+    that browsers cannot parse. The models write them so already; this is the net under them."""
+
+    def dumps(self, obj, **kwargs):
+        return wire_dumps(obj, **{"default": self.default, "ensure_ascii": self.ensure_ascii,
+                                  "sort_keys": self.sort_keys, **kwargs})
+
+
+def wire_dumps(obj, **kwargs) -> str:
+    """``json.dumps`` that writes non-finite numbers as strings (also Socket.IO's encoder)."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(to_wire(obj), allow_nan=False, **kwargs)
+
+
+#: What Socket.IO encodes its packets with (``json.loads`` reads them).
+SOCKET_JSON = types.SimpleNamespace(dumps=wire_dumps, loads=json.loads)
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` (0700), or make it private if it is not: the data dir holds the store and
+    every artifact."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
+        log.info("server: data dir %s made private (0700)", path)
+    return path
+
+
 class ServerContext:
-    """What every part of the server shares: config, store, artifact bytes, scheduler."""
+    """What every part of the server shares: config, store, artifact bytes, scheduler, sweeper,
+    rate limiter."""
 
     def __init__(self, app: Flask):
         cfg = app.config
         self.config = cfg
+        if not cfg.get("MONGO_URI"):
+            private_dir(cfg["DATA_DIR"])
         self.store = open_store(cfg["DATA_DIR"], cfg.get("MONGO_URI"))
         if cfg.get("MONGO_URI"):
             from .store.gridfs import GridFSArtifactStore  # pymongo, imported only when used
@@ -54,6 +112,8 @@ class ServerContext:
         else:
             self.artifacts = FileArtifactStore(os.path.join(cfg["DATA_DIR"], "artifacts"))
         self.scheduler = Scheduler(self)
+        self.sweeper = Sweeper(self)
+        self.limiter = None  # limits.init_app, once the routes are registered
         self.stopping = threading.Event()
         #: token hash -> room, for the rooms callers named (rooms are never changed or deleted)
         self.rooms: dict[str, dict] = {}
@@ -62,6 +122,7 @@ class ServerContext:
         """Stop the background loops and release the store (an app in a test, at its end)."""
         self.stopping.set()
         self.scheduler.stop()
+        self.sweeper.stop()
         self.store.close()
         close = getattr(self.artifacts, "close", None)
         if close:
@@ -75,6 +136,14 @@ def create_app(config: dict | None = None) -> Flask:
         MONGO_URI=None,
         ASYNC_MODE="threading",
         MAX_ARTIFACT_BYTES=defaults.MAX_ARTIFACT_BYTES,
+        MAX_REQUEST_BYTES=defaults.MAX_REQUEST_BYTES,
+        ROOM_MAX_JOBS=defaults.ROOM_MAX_JOBS,
+        ROOM_MAX_ARTIFACT_BYTES=defaults.ROOM_MAX_ARTIFACT_BYTES,
+        RATE_LIMIT_ROOMS=defaults.RATE_LIMIT_ROOMS,
+        RATE_LIMIT_AUTH_FAILURES=defaults.RATE_LIMIT_AUTH_FAILURES,
+        SWEEP_INTERVAL=defaults.SWEEP_INTERVAL,
+        UNATTACHED_GRACE=defaults.UNATTACHED_GRACE,
+        ARTIFACT_RETENTION=defaults.ARTIFACT_RETENTION,
         CLIENT_TIMEOUT=defaults.CLIENT_TIMEOUT,
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
@@ -84,7 +153,9 @@ def create_app(config: dict | None = None) -> Flask:
     app.config.from_prefixed_env("ZWDX")
     if config:
         app.config.update(config)
-    app.config["MAX_CONTENT_LENGTH"] = None  # artifacts stream; their own limit applies
+    # Every body but an artifact's (those stream within their own limit, ``http.save_artifact``).
+    app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_REQUEST_BYTES"])
+    app.json = WireJSON(app)
     mode = app.config["ASYNC_MODE"]
     if mode not in ASYNC_MODES:
         raise ValueError(f"ASYNC_MODE must be one of {', '.join(ASYNC_MODES)}, got {mode!r}")
@@ -103,9 +174,12 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(openapi.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
-    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024)
+    app.after_request(_security_headers)
+    ctx.limiter = limits.init_app(app)
+    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON)
     events.register(socketio)
     ctx.scheduler.start(app)
+    ctx.sweeper.start()
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
              app.config["DATA_DIR"], mode, app.config["UI_DIR"])
     return app

@@ -21,7 +21,8 @@ from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, Timeli
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, RoomCreated, RoomDetail, SubmitJob)
-from . import lifecycle, notify
+from ..protocol.report import NON_FINITE
+from . import limits, lifecycle, notify
 from .auth import hash_secret, new_secret
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job
@@ -70,9 +71,10 @@ def health():
 
 # -- rooms ------------------------------------------------------------------------------------
 @operation(bp, "POST", "/rooms", "Create a room", auth=Auth.NONE, body=CreateRoom, answer=RoomCreated, status=201,
-           tag="rooms")
+           errors=(429,), tag="rooms")
 def create_room(body: CreateRoom):
-    """The answer holds the room's token, shown this once: the server keeps only its sha256."""
+    """The answer holds the room's token, shown this once: the server keeps only its sha256.
+    One address may create ``RATE_LIMIT_ROOMS`` rooms (429 past it)."""
     name = body.name or f"room-{uuid.uuid4().hex[:6]}"
     token = new_secret("zr")
     room = {"id": uuid.uuid4().hex[:12], "name": name, "token_hash": hash_secret(token),
@@ -82,17 +84,17 @@ def create_room(body: CreateRoom):
     return RoomCreated(**room_view(room).model_dump(), token=token), 201
 
 
-@operation(bp, "GET", "/room", "The room of the token: its GPU clients and what they offer", answer=RoomDetail,
+@operation(bp, "GET", "/room", "The room of the token: its GPU clients, what they offer, its quotas", answer=RoomDetail,
            tag="rooms")
 def get_room(room: dict):
     clients = ctx().store.list_clients(room["id"])
     return RoomDetail.model_validate({**room_view(room).model_dump(), "clients": [client_view(c) for c in clients],
-                                      "totals": room_totals(clients)})
+                                      "totals": room_totals(clients), "usage": limits.usage(room["id"])})
 
 
 # -- artifacts --------------------------------------------------------------------------------
 @operation(bp, "POST", "/artifacts", "Upload a job's bundle", body=OCTET, answer=ArtifactView, status=201,
-           errors=(413, 422), tag="artifacts")
+           errors=(413, 422, 429), tag="artifacts")
 def upload_bundle(room: dict):
     """The SDK uploads the bundle before it creates the job; the server stores the bytes and
     never opens them."""
@@ -110,11 +112,12 @@ def download_artifact(room: dict, artifact_id: str):
 
 # -- jobs -------------------------------------------------------------------------------------
 @operation(bp, "POST", "/jobs", "Submit a job over an uploaded bundle", body=SubmitJob, answer=Submitted,
-           status=201, errors=(409,), tag="jobs")
+           status=201, errors=(409, 429), tag="jobs")
 def create_job(room: dict, body: SubmitJob):
     """The job waits in the room's queue until slots are free. ``unschedulable`` says why the
     room as it is now could never run it; with ``fail_if_unschedulable`` such a job is refused
-    (409) and nothing is stored, not even its bundle."""
+    (409) and nothing is stored, not even its bundle. A room with ``ROOM_MAX_JOBS`` jobs waiting
+    or running already is refused (429 ``quota_exceeded``)."""
     bundle_id = body.bundle_artifact
     bundle = ctx().store.get_artifact(bundle_id)
     if bundle is None or bundle["room_id"] != room["id"] or bundle["kind"] != ArtifactKind.BUNDLE.value:
@@ -122,6 +125,7 @@ def create_job(room: dict, body: SubmitJob):
                          field="bundle_artifact")
     if bundle.get("job_id"):
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
+    limits.check_job_quota(room)
     now = time.time()
     spec = JobSpec.model_validate({
         **body.model_dump(exclude={"name", "fail_if_unschedulable", "required_modules", "versions"}),
@@ -182,7 +186,9 @@ def get_events(job: JobRecord, query: EventsQuery):
 
 
 def _number(value) -> bool:
-    return value is None or isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A metric's value: a number, one of the strings of a non-finite one, or null."""
+    return value is None or isinstance(value, (int, float)) and not isinstance(value, bool) or \
+        isinstance(value, str) and value in NON_FINITE
 
 
 @operation(bp, "GET", "/jobs/<job_id>/metrics", "A job's metric series", answer=MetricsAnswer, tag="jobs")
@@ -226,7 +232,7 @@ def post_events(job: JobRecord, body: EventsBatch):
     """An event whose ``(rank, key)`` the job holds already is stored once: a batch sent twice
     counts once. ``stored`` says how many were new."""
     clean = [{"kind": ev.kind.value, "rank": ev.rank, "key": ev.key or uuid.uuid4().hex, "step": ev.step,
-              "data": ev.data, "ts": ev.ts or time.time()} for ev in body.events]
+              "data": ev.model_dump(mode="json")["data"], "ts": ev.ts or time.time()} for ev in body.events]
     stored = ctx().store.add_events(job.id, clean)
     notify.events_added(job, stored)
     return Stored(stored=len(stored))
@@ -261,7 +267,7 @@ def post_rank_status(job: JobRecord, rank: int, body: RankReport):
 
 
 @operation(bp, "PUT", "/jobs/<job_id>/weights", "Upload the trained weights (rank 0)", auth=Auth.JOB, body=OCTET,
-           answer=ArtifactView, status=201, errors=(413, 422), tag="ranks")
+           answer=ArtifactView, status=201, errors=(413, 422, 429), tag="ranks")
 def put_weights(job: JobRecord):
     """Safetensors bytes; the answer's ``id`` is what rank 0 reports as ``weights_artifact``."""
     return save_artifact({"id": job.room_id}, ArtifactKind.WEIGHTS.value, job.id), 201

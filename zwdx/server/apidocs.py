@@ -129,3 +129,17 @@ fetch("openapi.json").then((r) => r.json()).then((doc) => {
 }).catch((err) => { document.getElementById("intro").textContent = "Could not load openapi.json: " + err; });
 </script></body></html>
 """
+
+
+def _inline_hashes(tag: str) -> str:
+    """The CSP sources that allow the page's inline ``<tag>`` blocks, by their sha256."""
+    import base64
+    import hashlib
+    import re
+    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", PAGE, flags=re.S)
+    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
+
+
+#: The page's Content-Security-Policy: its own inline style and script, and openapi.json beside it.
+CSP = (f"default-src 'none'; script-src {_inline_hashes('script')}; style-src {_inline_hashes('style')}; "
+       f"connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

@@ -34,6 +34,14 @@ class ArtifactStore(abc.ABC):
     def delete(self, artifact_id: str) -> None:
         """Remove the bytes (no error if already gone)."""
 
+    @abc.abstractmethod
+    def stored(self, before: float) -> list[str]:
+        """The ids of the complete artifacts written before then (unix time)."""
+
+    @abc.abstractmethod
+    def discard_partial(self, before: float) -> int:
+        """Remove what uploads cut short before then left (a server killed mid-upload): how many."""
+
 
 def copy_hashed(stream: BinaryIO, sink: BinaryIO, max_bytes: int, expected_sha256: str | None,
                 chunk: int = defaults.CHUNK_BYTES) -> tuple[int, str]:
@@ -60,9 +68,12 @@ class FileArtifactStore(ArtifactStore):
     """One file per artifact under ``<data_dir>/artifacts``; written to a temporary file and
     renamed into place, so a half-received upload never looks complete."""
 
+    #: What a file being received is called until it is complete.
+    PARTIAL = ".upload-"
+
     def __init__(self, root: str):
         self.root = root
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=0o700, exist_ok=True)
 
     def _path(self, artifact_id: str) -> str:
         if not artifact_id.replace("-", "").isalnum():
@@ -70,7 +81,7 @@ class FileArtifactStore(ArtifactStore):
         return os.path.join(self.root, artifact_id)
 
     def save(self, artifact_id, stream, max_bytes, expected_sha256=None):
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=self.PARTIAL)
         try:
             with os.fdopen(fd, "wb") as sink:
                 result = copy_hashed(stream, sink, max_bytes, expected_sha256)
@@ -99,3 +110,28 @@ class FileArtifactStore(ArtifactStore):
             os.unlink(self._path(artifact_id))
         except FileNotFoundError:
             pass
+
+    def _files(self, before: float, partial: bool) -> list[str]:
+        out = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                try:
+                    if entry.name.startswith(self.PARTIAL) == partial and entry.is_file() and \
+                            entry.stat().st_mtime < before:
+                        out.append(entry.name)
+                except FileNotFoundError:
+                    pass  # deleted meanwhile
+        return out
+
+    def stored(self, before):
+        return self._files(before, partial=False)
+
+    def discard_partial(self, before):
+        gone = 0
+        for name in self._files(before, partial=True):
+            try:
+                os.unlink(os.path.join(self.root, name))
+                gone += 1
+            except FileNotFoundError:
+                pass
+        return gone

@@ -36,7 +36,7 @@ def _file_name(name: str) -> str:
 
 
 @operation(bp, "PUT", "/jobs/<job_id>/checkpoints/<n>/<name>", "Upload one file of checkpoint n",
-           auth=Auth.JOB, body=OCTET, answer=ArtifactView, status=201, errors=(400, 413, 422), tag="checkpoints")
+           auth=Auth.JOB, body=OCTET, answer=ArtifactView, status=201, errors=(400, 413, 422, 429), tag="checkpoints")
 def put_checkpoint_file(job: JobRecord, n: int, name: str):
     """A rank's shard (FSDP), or the whole state (DDP). Sent again, the later file wins."""
     _file_name(name)

@@ -21,12 +21,12 @@ from flask_socketio import ConnectionRefusedError, join_room
 from pydantic import BaseModel
 
 from .. import defaults
-from ..errors import AuthError, BadRequest
+from ..errors import AuthError, BadRequest, RateLimited
 from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                         GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
 from ..protocol.base import parse
 from ..protocol.gpu import Ack, Heartbeat, JobCancel, RanksExited, Register, RegisterAnswer
-from . import lifecycle, notify
+from . import limits, lifecycle, notify
 from .auth import room_for_token
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,14 @@ def _socketio():
 def _room_from_auth(auth) -> dict:
     token = auth.get("token") if isinstance(auth, dict) else None
     try:
-        return room_for_token(token if isinstance(token, str) else None)
+        limits.socket_auth()  # an address that failed too often is refused before its token is looked up
+        room = room_for_token(token if isinstance(token, str) else None)
     except AuthError as err:
+        limits.socket_auth(ok=False)
         raise ConnectionRefusedError(err.message)
+    except RateLimited as err:
+        raise ConnectionRefusedError(err.message)
+    return room
 
 
 def checked(event: str, model: type[BaseModel]):

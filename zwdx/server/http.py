@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import re
 import time
 import uuid
@@ -36,18 +37,21 @@ from enum import Enum
 
 from flask import Response, current_app, jsonify, request
 from pydantic import BaseModel
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from .. import defaults
 from ..errors import BadRequest, NotFound, PayloadTooLarge
 from ..protocol.base import parse
 from ..protocol.rest import ArtifactView
+from . import limits
 from .auth import job_in_room, request_job_key, request_room
 
 #: Where every REST route lives.
 P = defaults.API_PREFIX
 
-#: Largest JSON body a route reads (artifact bytes stream apart, with their own limit).
-MAX_JSON_BYTES = 32 * 1024**2
+#: Largest JSON body a route reads by default (config ``MAX_REQUEST_BYTES``; artifact bytes
+#: stream apart, with their own limit).
+MAX_JSON_BYTES = defaults.MAX_REQUEST_BYTES
 #: Deepest nesting of a JSON body: a deeper one is refused before anything parses it further
 #: (MongoDB keeps documents 100 levels deep; Python's parser stops near 1,000).
 MAX_JSON_DEPTH = 32
@@ -87,15 +91,15 @@ class Operation:
 
 def _errors(auth: Auth, rule: str, checks_input: bool, json_body: bool, more: tuple[int, ...]) -> tuple[int, ...]:
     """The error statuses an operation may answer: 400 when it reads input (413 when that is a
-    JSON body), 401 with a token, 403 with a job key, 404 when its path names a job or an
-    artifact, and ``more``."""
+    JSON body), 401 with a token (and 429 once its caller failed too often, ``limits.py``), 403
+    with a job key, 404 when its path names a job or an artifact, and ``more``."""
     out = set(more)
     if checks_input:
         out.add(400)
     if json_body:
         out.add(413)
     if auth is not Auth.NONE:
-        out.add(401)
+        out.update((401, 429))
     if auth is Auth.JOB:
         out.add(403)
     if "<job_id>" in rule or "<artifact_id>" in rule:
@@ -169,21 +173,36 @@ def _answer(op: Operation, out):
 
 
 def _json_body():
-    """The request's body, decoded as JSON (an empty body is ``{}``), within ``MAX_JSON_BYTES``
-    and ``MAX_JSON_DEPTH``; ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
-    if (request.content_length or 0) > MAX_JSON_BYTES:
-        raise PayloadTooLarge(f"a JSON body is at most {MAX_JSON_BYTES} bytes", limit=MAX_JSON_BYTES)
-    raw = request.stream.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise PayloadTooLarge(f"a JSON body is at most {MAX_JSON_BYTES} bytes", limit=MAX_JSON_BYTES)
+    """The request's body, decoded as JSON (an empty body is ``{}``), within ``MAX_REQUEST_BYTES``
+    and ``MAX_JSON_DEPTH``, with no NaN or Infinity in it (no JSON has them; a rank's non-finite
+    numbers are the strings "NaN", "Infinity", "-Infinity") and no number too large for a float;
+    ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
+    limit = int(current_app.config.get("MAX_REQUEST_BYTES") or MAX_JSON_BYTES)
+    if (request.content_length or 0) > limit:
+        raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
+    raw = request.stream.read(limit + 1)
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
     if not raw.strip():
         return {}
     if _depth(raw) > MAX_JSON_DEPTH:
         raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels", field="body")
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"the body must be a JSON object; it is not JSON ({str(exc)[:100]})", field="body")
+
+
+def _no_constant(name: str):
+    raise BadRequest(f"the body holds {name}, which is not JSON: send a non-finite number a job measured as the "
+                     f"string \"NaN\", \"Infinity\" or \"-Infinity\"", field="body")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"the body holds a number too large for a float ({text[:40]})", field="body")
+    return value
 
 
 def _depth(raw: bytes) -> int:
@@ -215,13 +234,30 @@ def ctx():
 
 def save_artifact(room: dict, kind: str, job_id: str | None = None, **fields) -> ArtifactView:
     """Store the request's body as an artifact of the room (and the job): streamed to the
-    artifact store within ``MAX_ARTIFACT_BYTES``, checked against the sha256 header if sent."""
+    artifact store within ``MAX_ARTIFACT_BYTES`` and the room's quota (``limits.py``), checked
+    against the sha256 header if sent. Refused, it leaves nothing behind."""
     artifact_id = uuid.uuid4().hex
-    size, sha = ctx().artifacts.save(artifact_id, request.stream, int(current_app.config["MAX_ARTIFACT_BYTES"]),
-                                     request.headers.get(defaults.SHA256_HEADER))
+    allowed, by_quota = limits.artifact_allowance(room["id"], int(current_app.config["MAX_ARTIFACT_BYTES"]))
+
+    def too_large(size: int | None = None) -> Exception:
+        if by_quota:
+            return limits.artifact_quota_exceeded(room["id"], size)
+        return PayloadTooLarge(f"artifact larger than the limit of {allowed} bytes", limit=allowed)
+    if request.content_length is not None and request.content_length > allowed:
+        raise too_large(request.content_length)
+    request.max_content_length = allowed + 1  # the bytes' own limit, not the JSON bodies': the copy stops first
+    try:
+        size, sha = ctx().artifacts.save(artifact_id, request.stream, allowed,
+                                         request.headers.get(defaults.SHA256_HEADER))
+    except (PayloadTooLarge, RequestEntityTooLarge):
+        raise too_large() from None
     artifact = {"id": artifact_id, "room_id": room["id"], "kind": kind, "size": size, "sha256": sha,
                 "job_id": job_id, "created_at": time.time(), **fields}
-    return ArtifactView.model_validate(ctx().store.add_artifact(artifact))
+    try:
+        return ArtifactView.model_validate(ctx().store.add_artifact(artifact))
+    except BaseException:
+        ctx().artifacts.delete(artifact_id)  # bytes no record names would never be read nor deleted
+        raise
 
 
 def stream(artifact: dict) -> Response:

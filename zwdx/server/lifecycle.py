@@ -124,11 +124,12 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
     ctx.scheduler.kick(settle=bool(bad or record.failing_since or record.suspect_since))
 
 
-def settle_suspects(ctx) -> None:
-    """Fail the active jobs that are overdue (``Job.overdue``): their ranks raised and every
-    rank reported, or their ranks lost their peers and no GPU client turned out lost."""
+def settle_suspects(ctx, room_id: str | None = None) -> None:
+    """Fail the active jobs (of the room, when given) that are overdue (``Job.overdue``): their
+    ranks raised and every rank reported, or their ranks lost their peers and no GPU client
+    turned out lost."""
     assign_timeout = 2 * float(ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT)) + 5.0
-    for record in ctx.store.list_jobs(statuses=list(ACTIVE)):
+    for record in ctx.store.list_jobs(room_id, statuses=list(ACTIVE)):
         handle = Job(ctx.store, record)
         offline = set()
         if record.suspect_since is not None:

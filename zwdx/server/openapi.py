@@ -203,7 +203,7 @@ def openapi_json():
 @operation(bp, "GET", "/docs", "This API as a page to read", auth=Auth.NONE, answer=HTML, tag="server")
 def docs():
     """Self-contained: it loads nothing from elsewhere."""
-    return Response(apidocs.PAGE, mimetype=HTML)
+    return Response(apidocs.PAGE, mimetype=HTML, headers={"Content-Security-Policy": apidocs.CSP})
 
 
 __all__ = ["bp", "document", "operations", "P"]

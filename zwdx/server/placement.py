@@ -22,6 +22,20 @@ GiB = 1024**3
 NAMED = 3
 
 
+def _n(value) -> int:
+    """A count from a record: a number a bug or an older zwdx stored as something else counts 0."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _python(client: dict) -> str:
+    """The Python version a GPU client reported ("?" if its record holds none)."""
+    versions = client.get("versions")
+    return str(versions.get("python", "?")) if isinstance(versions, dict) else "?"
+
+
 def gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
@@ -74,24 +88,24 @@ def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:
         host = host_of(client)
         names.setdefault(host, client.get("hostname") or client["id"])
         if slot.get("job_id"):
-            taken[host] += int(held.get(slot["job_id"]) or 0)
+            taken[host] += _n(held.get(slot["job_id"]))
         if online(client):  # each of its GPU clients reports the same RAM: the least free, to be safe
-            slot_free = int(slot.get("memory_free") or 0)
+            slot_free = _n(slot.get("memory_free"))
             free[host] = min(free.get(host, slot_free), slot_free)
-            total[host] = max(total.get(host, 0), int(slot.get("memory_total") or 0))
+            total[host] = max(total.get(host, 0), _n(slot.get("memory_total")))
     return {h: (free[h], total[h], taken[h], names[h]) for h in free}
 
 
 def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it."""
     need_py = python_minor(spec["versions"]["python"])
-    mem = int(spec.get("memory_required") or 0)
+    mem = _n(spec.get("memory_required"))
     ok, too_small, busy, wrong_py, missing = [], 0, 0, Counter(), {}
     for slot in slots:
         client = clients.get(slot["client_id"])
         if not online(client):
             continue
-        have_py = python_minor((client.get("versions") or {}).get("python", "?"))
+        have_py = python_minor(_python(client))
         if have_py != need_py:
             wrong_py[have_py] += 1
             continue
@@ -99,9 +113,9 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
             missing[client["id"]] = missing_modules(spec, client)
         if missing[client["id"]]:
             continue
-        if mem and int(slot.get("memory_total") or 0) < mem:
+        if mem and _n(slot.get("memory_total")) < mem:
             too_small += 1
-        elif slot.get("job_id") or (mem and int(slot.get("memory_free") or 0) < mem):
+        elif slot.get("job_id") or (mem and _n(slot.get("memory_free")) < mem):
             busy += 1
         else:
             ok.append(slot)
@@ -143,7 +157,7 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None) 
     if not any(online(c) for c in clients.values()):
         return None, no_clients(clients.values())
     eligible, why = _eligible(spec, slots, clients)
-    mem = int(spec.get("memory_required") or 0)
+    mem = _n(spec.get("memory_required"))
     by_kind = defaultdict(list)
     for slot in eligible:
         by_kind[slot.get("kind", "cuda")].append(slot)
@@ -183,20 +197,20 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     if not alive:
         return no_clients(clients)
     need_py = python_minor(spec["versions"]["python"])
-    runs = [c for c in alive if python_minor((c.get("versions") or {}).get("python", "?")) == need_py]
+    runs = [c for c in alive if python_minor(_python(c)) == need_py]
     if not runs:
-        theirs = sorted({python_minor((c.get("versions") or {}).get("python", "?")) for c in alive})
+        theirs = sorted({python_minor(_python(c)) for c in alive})
         return (f"no GPU client online runs Python {need_py}, the submitter's (they run {', '.join(theirs)}); "
                 f"a bundle loads only on the Python minor version that made it")
     missing = {c["id"]: missing_modules(spec, c) for c in runs}
     fit = [c for c in runs if not missing[c["id"]]]
     if not fit:
         return f"no GPU client online can import the packages the job uses: {_lacking(runs, missing)}"
-    mem = int(spec.get("memory_required") or 0)
+    mem = _n(spec.get("memory_required"))
     slots = [s for c in fit for s in c["slots"]]
-    big = [s for s in slots if int(s.get("memory_total") or 0) >= mem]
+    big = [s for s in slots if _n(s.get("memory_total")) >= mem]
     if not big:
-        largest = max((int(s.get("memory_total") or 0) for s in slots), default=0)
+        largest = max((_n(s.get("memory_total")) for s in slots), default=0)
         return (f"memory_required ({gib(mem)} per rank) is above every slot's total memory "
                 f"(the largest has {gib(largest)})")
     gpus = sum(1 for s in big if s.get("kind", "cuda") == "cuda")
@@ -209,7 +223,7 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     for host, host_slots in cpu_hosts.items():
         fits = len(host_slots)
         if mem:
-            ram = max(int(s.get("memory_total") or 0) for s in host_slots)
+            ram = max(_n(s.get("memory_total")) for s in host_slots)
             fits = min(fits, ram // mem)
             if fits < len(host_slots):
                 name = by_id[host_slots[0]["client_id"]].get("hostname") or host
@@ -236,7 +250,7 @@ def room_totals(clients: list[dict]) -> dict:
         for slot in client["slots"]:
             slots += 1
             busy += 1 if slot.get("job_id") else 0
-            slot_total, slot_free = int(slot.get("memory_total") or 0), int(slot.get("memory_free") or 0)
+            slot_total, slot_free = _n(slot.get("memory_total")), _n(slot.get("memory_free"))
             if slot.get("kind") == "cpu":  # one host's RAM, whichever of its GPU clients reports it
                 t, f = cpu_ram.get(host_of(client), (slot_total, slot_free))
                 cpu_ram[host_of(client)] = (max(t, slot_total), min(f, slot_free))

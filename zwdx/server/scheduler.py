@@ -3,8 +3,16 @@
 A job needs ``world_size`` slots (a GPU, or one CPU slot of a GPU client without GPUs) that
 can run it (placement.py says which: Python version, packages, memory, CPU slots of one host
 sharing its RAM). Jobs start in FIFO order per room; one that does not fit waits and says why
-(``waiting_reason``). Reservation is one atomic store call (``Job.start``), so two schedulers
-racing never give a slot two jobs.
+(``waiting_reason``), and the jobs behind it wait too, unless the room as it is could never
+run it (``placement.unschedulable``: more ranks than its eligible slots, ...): such a job
+keeps waiting, saying so, and holds back no one. Reservation is one atomic store call
+(``Job.start``), so two schedulers racing never give a slot two jobs.
+
+Rooms are placed one by one, each in isolation: whatever one room's records hold (a value a
+bug or an older zwdx stored, a job that does not read as one), the error is logged, the
+room's waiting jobs say so, and the other rooms are placed as ever. So are the other steps
+of a pass (lost GPU clients, settling failed jobs, finishing placements): a GPU client, a job
+or a room that fails one is logged and passed over.
 
 After reserving, the rank-0 GPU client is asked for a rendezvous port on an address the
 others can reach (``reserve_port``, answered by a Socket.IO acknowledgement); the scheduler
@@ -17,12 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import BadRequest
-from ..protocol import EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, ClientStatus, JobStatus, SlotKind
+from ..protocol import ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, SlotKind
 from ..protocol.base import parse
 from ..protocol.gpu import JobAssign, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
@@ -30,7 +37,7 @@ from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job
-from .placement import plan
+from .placement import plan, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,26 @@ log = logging.getLogger(__name__)
 #: Seconds between two looks for GPU clients past their deadline and for jobs to settle (and
 #: the longest a pass waits for a kick).
 REAP_INTERVAL = 1.0
+
+#: What became of a job the scheduler tried to start (``Scheduler._try_start``).
+_STARTED, _BLOCKED, _PASSED = "started", "blocked", "passed"
+
+
+def _guarded(what: str, step, *args):
+    """``step(*args)``, or None with the error logged: one step of a pass never stops the others."""
+    try:
+        return step(*args)
+    except Exception:
+        log.exception("scheduler: %s failed", what)
+        return None
+
+
+def _least(record: JobRecord, spec: dict) -> dict:
+    """The spec as ``unschedulable`` should judge it: a resuming job may go on with
+    ``min_world_size`` ranks (or the ranks it ran with)."""
+    if record.status == JobStatus.RESUMING and record.world_size:
+        return {**spec, "world_size": spec.get("min_world_size") or record.world_size}
+    return spec
 
 
 @dataclass
@@ -67,6 +94,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._asked: dict[str, PortRequest] = {}  # job id -> the port request of its placement
         self._asked_lock = threading.Lock()
+        self._failing: dict[str, str] = {}  # room id -> the error that keeps its jobs from being placed
 
     def kick(self, settle: bool = False) -> None:
         """Look again soon: place queued jobs, and with ``settle`` first settle the jobs whose
@@ -95,18 +123,15 @@ class Scheduler:
             while not self.ctx.stopping.is_set():
                 self._wake.wait(timeout=REAP_INTERVAL)
                 self._wake.clear()
-                try:
-                    settle, self._settle = self._settle, False
-                    if time.time() >= next_round:  # on the clock, not on every kick
-                        next_round = time.time() + REAP_INTERVAL
-                        self.reap_silent_clients()
-                        settle = True
-                    if settle:
-                        lifecycle.settle_suspects(self.ctx)
-                    self.finish_placements()
-                    self.schedule_once()
-                except Exception:  # keep scheduling whatever one pass hit
-                    log.exception("scheduler: pass failed")
+                settle, self._settle = self._settle, False
+                if time.time() >= next_round:  # on the clock, not on every kick
+                    next_round = time.time() + REAP_INTERVAL
+                    _guarded("reaping lost gpu clients", self.reap_silent_clients)
+                    settle = True
+                if settle:
+                    _guarded("settling failed jobs", self.settle)
+                _guarded("finishing placements", self.finish_placements)
+                _guarded("placing jobs", self.schedule_once)
 
     # -- lost clients ----------------------------------------------------------------------
     def reap_silent_clients(self) -> None:
@@ -114,10 +139,19 @@ class Scheduler:
         dropped connection and when this server starts; none once declared lost)."""
         now = time.time()
         for client in self.ctx.store.list_clients(None, lost_before=now):
-            holds_ranks = any(s.get("job_id") for s in client["slots"])
-            if client.get("status") == ClientStatus.ONLINE.value or holds_ranks:
-                why = ("connection dropped and not back" if client.get("disconnected_at") else "no heartbeat")
-                lifecycle.client_lost(self.ctx, client["id"], f"{why} for {now - client.get('last_seen', now):.1f} s")
+            try:
+                holds_ranks = any(s.get("job_id") for s in client["slots"])
+                if client.get("status") == ClientStatus.ONLINE.value or holds_ranks:
+                    why = ("connection dropped and not back" if client.get("disconnected_at") else "no heartbeat")
+                    lifecycle.client_lost(self.ctx, client["id"],
+                                          f"{why} for {now - float(client.get('last_seen') or now):.1f} s")
+            except Exception:  # one client's record never keeps the others from being declared lost
+                log.exception("scheduler: gpu client %s of room %s not reaped", client.get("id"), client.get("room_id"))
+
+    def settle(self) -> None:
+        """Settle the jobs whose ranks failed or lost their peers, room by room (``lifecycle``)."""
+        for room_id in self.ctx.store.job_rooms(ACTIVE):
+            _guarded(f"settling the jobs of room {room_id}", lifecycle.settle_suspects, self.ctx, room_id)
 
     def grace_after_restart(self) -> None:
         """A (re)started server gives every GPU client that was online or running ranks
@@ -130,17 +164,44 @@ class Scheduler:
 
     # -- placing jobs ----------------------------------------------------------------------
     def schedule_once(self) -> int:
-        """One pass over every room's queue. Returns how many jobs were placed."""
+        """One pass over every room's queue, each room in isolation (an error placing one room's
+        jobs is logged and told to them, and the next room is placed). Returns how many jobs
+        were placed."""
         started = 0
-        rooms = defaultdict(list)
-        for job in self.ctx.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RESUMING]):
-            rooms[job.room_id].append(job)
-        for room_id, jobs in rooms.items():
-            for job in jobs:  # FIFO: the head of the queue goes first, the rest wait behind it
-                if not self._try_start(job):
-                    break
-                started += 1
+        for room_id in self.ctx.store.job_rooms(WAITING):
+            try:
+                started += self.schedule_room(room_id)
+                self._failing.pop(room_id, None)
+            except Exception as exc:
+                if self._failing.get(room_id) != repr(exc):  # logged once per error, not at every pass
+                    self._failing[room_id] = repr(exc)
+                    log.exception("scheduler: room %s not placed", room_id)
+                _guarded(f"telling room {room_id}'s jobs", self._could_not_place, room_id, exc)
         return started
+
+    def schedule_room(self, room_id: str) -> int:
+        """Place the room's waiting jobs in FIFO order: the head of the queue goes first and the
+        rest wait behind it, except behind a job the room could never run. How many started."""
+        started = 0
+        for job in self.ctx.store.list_jobs(room_id, statuses=list(WAITING)):
+            outcome = self._try_start(job)
+            if outcome is _STARTED:
+                started += 1
+            elif outcome is _BLOCKED:
+                break
+        return started
+
+    def _could_not_place(self, room_id: str, exc: Exception) -> None:
+        """Tell the room's waiting jobs that read as jobs why none of them was placed."""
+        reason = f"the scheduler cannot place this room's jobs ({type(exc).__name__}: {str(exc)[:200]}); see the " \
+                 f"server's log"
+        for job_id in self.ctx.store.job_ids(room_id, WAITING):
+            try:
+                job = Job.load(self.ctx.store, job_id)
+            except Exception:
+                continue  # the job's own record is what does not read
+            if job is not None and job.wait(reason):
+                notify.job_changed(job.record)
 
     def _held_memory(self, job: JobRecord, slots: list[dict]) -> dict:
         """Bytes per rank of the jobs on the room's CPU slots (job id -> memory_required), which
@@ -153,35 +214,40 @@ class Scheduler:
             held[job_id] = other.spec.memory_required if other else 0
         return held
 
-    def _try_start(self, record: JobRecord) -> bool:
+    def _try_start(self, record: JobRecord):
+        """``_STARTED``; ``_BLOCKED`` (it waits, and the jobs behind it too); or ``_PASSED`` (it
+        waits for what the room could never give it now, and holds back no one)."""
         store = self.ctx.store
         clients = {c["id"]: c for c in store.list_clients(record.room_id)}  # each with its slots
         slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
         if any(s.get("job_id") == record.id for s in slots):
-            return False  # ranks of its last attempt are still stopping
+            return _BLOCKED  # ranks of its last attempt are still stopping
         asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
                  "world_size": record.world_size}
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
         job = Job(store, record)
         if chosen is None:
+            # It waits either way (GPU clients may join), saying why; one the room as it is could
+            # never run holds back none of the jobs behind it.
+            never = unschedulable(_least(record, asked["spec"]), list(clients.values()))
             if record.status == JobStatus.RESUMING:
                 last = record.restart_history[-1].reason if record.restart_history else None
                 reason = f"resuming after: {last}; {reason}"
             if job.wait(reason):
                 notify.job_changed(job.record)
-            return False
+            return _PASSED if never else _BLOCKED
         placement = [PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
             "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
             for rank, slot in enumerate(chosen)]
         job_key = new_secret("jk")
         if not job.start(placement, [s["id"] for s in chosen], hash_secret(job_key)):
-            return False  # another scheduler got there first; look again next pass
+            return _BLOCKED  # another scheduler got there first; look again next pass
         log.info("job %s: placed on %d slot(s): %s", job.id, len(chosen),
                  ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement))
         self._ask_port(job.record, job_key, clients[placement[0].client_id])
         notify.job_changed(job.record)
         notify.clients_changed(self.ctx, job.record.room_id)
-        return True
+        return _STARTED
 
     def _ask_port(self, job: JobRecord, job_key: str, client: dict) -> None:
         """Ask the rank-0 GPU client for a rendezvous address; its acknowledgement comes back on
@@ -211,7 +277,7 @@ class Scheduler:
             due = [r for r in self._asked.values() if r.answered or r.deadline <= now]
             for request in due:
                 del self._asked[request.job_id]
-        return sum(self._finish(request) for request in due)
+        return sum(bool(_guarded(f"finishing the placement of job {r.job_id}", self._finish, r)) for r in due)
 
     def _finish(self, request: PortRequest) -> bool:
         store = self.ctx.store

@@ -6,8 +6,10 @@ there when it builds the package); ``ui/dist`` beside the package, in a source c
 (``pip install -e .`` after ``./setup.sh``, or the Docker image).
 
 Files under /assets carry a content hash in their names and are cached for a year; any other
-path that is not a file is a client-side route and gets index.html (never cached, so a new
-build shows up at the next load).
+path that is not a file of the build is a client-side route and gets index.html (never
+cached, so a new build shows up at the next load). A path that would leave the build's folder
+(``..%2f``) is no file of it: it gets index.html too, whether something exists there or not,
+so the answer tells nothing about the server's files.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import logging
 import os
 
 from flask import Blueprint, current_app, send_from_directory
+from werkzeug.security import safe_join
 
 from ..errors import NotFound
 
@@ -65,7 +68,9 @@ def dashboard(path: str = ""):
     dist = current_app.config["UI_DIR"]
     if path.startswith("api/"):
         raise NotFound(f"no API route /{path}")
-    if path and os.path.isfile(os.path.join(dist, path)):
+    inside = safe_join(dist, path) if path else None  # None: the path leaves the build
+    path = os.path.relpath(inside, dist).replace(os.sep, "/") if inside else ""  # as the build names it
+    if inside is not None and os.path.isfile(inside):
         immutable = path.startswith("assets/")
         resp = send_from_directory(dist, path, max_age=_YEAR if immutable else 0)
         if immutable:

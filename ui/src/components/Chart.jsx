@@ -26,7 +26,7 @@ export default function Chart({ title, data, labels, xLabel = "step", height = 2
       ],
       series: [
         { label: xLabel },
-        ...labels.map((label, i) => ({ label, stroke: COLORS[i % COLORS.length], width: 1.75, spanGaps: true })),
+        ...labels.map((label, i) => ({ label, stroke: COLORS[i % COLORS.length], width: 1.75, spanGaps: false })),
       ],
     };
     const u = new uPlot(opts, latest.current, el);
@@ -44,7 +44,7 @@ export default function Chart({ title, data, labels, xLabel = "step", height = 2
     plot.current?.setData(data);
   }, [data]);
 
-  const points = data.slice(1).reduce((n, ys) => n + ys.filter((v) => v !== null).length, 0);
+  const points = data.slice(1).reduce((n, ys) => n + ys.filter((v) => v != null).length, 0);
   return (
     <figure className="chart" data-testid={testId} data-points={points}>
       <figcaption>{title}</figcaption>

@@ -21,15 +21,33 @@ describe("metric points and chart data", () => {
     expect(hasEpochs(points)).toBe(true);
   });
 
-  it("aligns ranks on the union of steps, with gaps where a rank reported nothing", () => {
+  it("aligns ranks on the union of steps, joining over a step a rank reported nothing at", () => {
     const { ranks, data, points } = chartData(metricPoints(events).get("loss"), "step");
     expect(ranks).toEqual([0, 1]);
     expect(data).toEqual([
       [0, 1, 2],
       [2.0, 1.0, 0.5],
-      [2.2, null, 0.7],
+      [2.2, undefined, 0.7],
     ]);
     expect(points).toBe(5);
+  });
+
+  it("shows a NaN or infinite value (sent as a string) as a gap, and keeps it as the latest value", () => {
+    const diverged = [
+      metric(0, 0, { loss: 2.0, epoch: 0 }),
+      metric(0, 1, { loss: "NaN", epoch: 0 }),
+      metric(0, 2, { loss: 1.0, epoch: 0 }),
+      metric(0, 3, { loss: "Infinity", epoch: 1 }),
+      metric(0, 4, { loss: "-Infinity", note: "text is no metric" }),
+    ];
+    const points = metricPoints(diverged);
+    expect(metricNames(points)).toEqual(["loss"]);
+    const { data, points: drawn } = chartData(points.get("loss"), "step");
+    expect(data).toEqual([[0, 1, 2, 3, 4], [2.0, null, 1.0, null, null]]);
+    expect(drawn).toBe(2);
+    expect(chartData(points.get("loss"), "epoch").data).toEqual([[0, 1], [1.5, null]]);
+    expect(latestValues(points).get("loss")).toMatchObject({ value: null, step: 4 });
+    expect(Object.is(latestValues(points).get("loss").reported, -Infinity)).toBe(true);
   });
 
   it("averages each epoch by rank when plotted against epochs", () => {

@@ -43,7 +43,7 @@ function Metrics({ events }) {
               return (
                 <tr key={n} data-metric={n} data-seq={p.seq}>
                   <td>{metricLabel(n)}</td>
-                  <td className="mono">{formatNumber(p.value)}</td>
+                  <td className="mono">{Number.isFinite(p.reported) ? formatNumber(p.reported) : String(p.reported)}</td>
                   <td>{p.step}</td>
                   <td>{p.rank}</td>
                   <td className="muted">{formatTime(p.ts)}</td>

@@ -1,6 +1,7 @@
 // The room at a glance: GPU clients and their slots (live), and the job queue.
 import { Link } from "react-router-dom";
 import { useEffect, useState } from "react";
+import { api } from "../lib/api.js";
 import { useAuth } from "../lib/auth.jsx";
 import { useLive } from "../lib/LiveProvider.jsx";
 import { formatAgo, formatBytes, formatNumber, formatTime } from "../lib/format.js";
@@ -159,9 +160,41 @@ function Queue({ jobs }) {
   );
 }
 
+/** What the room uses of its quotas (GET /room's `usage`), asked again whenever the number of
+ * its jobs waiting or running changes. */
+function useUsage(jobs) {
+  const open = queueOf(Object.values(jobs)).length;
+  const [usage, setUsage] = useState(null);
+  useEffect(() => {
+    let current = true;
+    api.room().then((r) => current && setUsage(r.usage ?? null), () => {});
+    return () => {
+      current = false;
+    };
+  }, [open]);
+  return usage;
+}
+
+const ofLimit = (used, limit, format) => (limit ? `${format(used)} / ${format(limit)}` : `${format(used)} (no limit)`);
+
+function Usage({ usage }) {
+  if (!usage) return null;
+  return (
+    <>
+      <div className="stat" data-testid="quota-jobs" title="jobs waiting or running, and the most this room may have at once">
+        <b>{ofLimit(usage.jobs, usage.jobs_limit, String)}</b> jobs
+      </div>
+      <div className="stat" data-testid="quota-artifacts" title="bundles, checkpoints and weights this room keeps, and its quota">
+        <b>{ofLimit(usage.artifact_bytes, usage.artifact_bytes_limit, formatBytes)}</b> stored
+      </div>
+    </>
+  );
+}
+
 export default function Overview() {
   const { room } = useAuth();
   const { clients, totals, slotHistory, jobs } = useLive();
+  const usage = useUsage(jobs);
   const now = useNow();
   const online = (clients || []).filter((c) => c.status === ClientStatus.ONLINE).length;
   const slots = (clients || []).filter((c) => c.status === ClientStatus.ONLINE).flatMap((c) => c.slots || []);
@@ -188,6 +221,7 @@ export default function Overview() {
             <b>{formatBytes(totals.memory_free)}</b> free of {formatBytes(totals.memory_total)} memory
           </div>
         )}
+        <Usage usage={usage} />
       </div>
       <section>
         <h2>GPU clients</h2>

@@ -17,6 +17,23 @@ const job = (id, seq, status, spec = {}) => ({
 });
 
 describe("the room overview", () => {
+  it("shows what the room uses of its quotas, and asks again when its jobs come and go", async () => {
+    let jobs = 3;
+    const fetch = mockFetch({
+      "GET /api/v1/room": () => ({ ...ROOM, clients: [], usage: { jobs, jobs_limit: 100, artifact_bytes: 2 * GiB,
+                                                                    artifact_bytes_limit: 0 } }),
+      "GET /api/v1/jobs": { jobs: [job("j1", 1, "queued")] },
+    });
+    renderApp("/");
+    expect(await screen.findByTestId("quota-jobs")).toHaveTextContent("3 / 100 jobs");
+    expect(screen.getByTestId("quota-artifacts")).toHaveTextContent("2.0 GiB (no limit) stored");
+    const asked = fetch.calls.filter((c) => c.path === "/api/v1/room").length;
+    jobs = 4;
+    await act(async () => sockets.at(-1).fire("job_update", job("j2", 2, "queued")));
+    expect(await screen.findByText("4 / 100")).toBeInTheDocument();
+    expect(fetch.calls.filter((c) => c.path === "/api/v1/room").length).toBeGreaterThan(asked);
+  });
+
   it("says what to do when the room has no GPU clients and no jobs", async () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");

@@ -48,7 +48,7 @@ LIST_FIELDS = ("timeline", "restart_history", "checkpoints")
 #: Fields no verb changes once the job is created.
 FIXED_FIELDS = ("id", "room_id", "seq")
 
-_CONFIG = ConfigDict(ser_json_inf_nan="constants")
+_CONFIG = ConfigDict(ser_json_inf_nan="strings")
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,6 +207,16 @@ class Store(abc.ABC):
         whose ``seq`` is ``before_seq``, when given): a queued job's place in line."""
 
     @abc.abstractmethod
+    def job_rooms(self, statuses: Iterable[str]) -> list[str]:
+        """The rooms that have jobs in one of ``statuses``, by their oldest such job; read from
+        what the store indexes, without reading the jobs (the scheduler places room by room, so
+        that one room's records never stop another's)."""
+
+    @abc.abstractmethod
+    def job_ids(self, room_id: str, statuses: Iterable[str]) -> list[str]:
+        """The ids of the room's jobs in one of ``statuses``, in submission order, without reading them."""
+
+    @abc.abstractmethod
     def list_jobs(self, room_id: str | None = None, statuses: Iterable[str] | None = None,
                   limit: int | None = None) -> list[JobRecord]:
         """Jobs of a room (every room when None), filtered by status, in submission order."""
@@ -263,5 +273,20 @@ class Store(abc.ABC):
         """The job's artifacts, oldest first."""
 
     @abc.abstractmethod
-    def delete_artifact(self, artifact_id: str) -> None:
-        """Forget an artifact's metadata."""
+    def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
+        """Forget an artifact's metadata (with ``if_unattached``, only while it belongs to no
+        job: one conditional write, so a submit that attaches it meanwhile wins). True if it was
+        forgotten."""
+
+    # -- quotas and garbage collection (``zwdx.server.limits``, ``zwdx.server.sweeper``) ----------
+    @abc.abstractmethod
+    def room_artifact_bytes(self, room_id: str) -> int:
+        """The sizes of the room's artifacts, added up."""
+
+    @abc.abstractmethod
+    def list_unattached_artifacts(self, created_before: float) -> list[dict]:
+        """Artifacts that belong to no job (bundles never submitted) created before then."""
+
+    @abc.abstractmethod
+    def known_artifacts(self, artifact_ids: Iterable[str]) -> set[str]:
+        """Which of these ids name an artifact's metadata (bytes without it are garbage)."""

@@ -97,6 +97,30 @@ class GridFSArtifactStore(ArtifactStore):
         except PyMongoError as exc:
             raise StoreError(f"cannot delete artifact {artifact_id} from GridFS: {exc}") from exc
 
+    def stored(self, before):
+        when = datetime.fromtimestamp(before, timezone.utc)
+        try:
+            return [d["_id"] for d in self._files.find({"uploadDate": {"$lt": when}}, {"_id": 1})]
+        except PyMongoError as exc:
+            raise StoreError(f"cannot list GridFS at {self.where}: {exc}") from exc
+
+    def discard_partial(self, before):
+        """Chunks whose ``files`` document never came, the last written before then (a chunk's
+        ObjectId says when it was made)."""
+        try:
+            started = {d["files_id"] for d in self._chunks.find({"n": 0}, {"files_id": 1})}
+            complete = {d["_id"] for d in self._files.find({"_id": {"$in": list(started)}}, {"_id": 1})}
+            gone = 0
+            for file_id in started - complete:
+                last = self._chunks.find_one({"files_id": file_id}, {"_id": 1}, sort=[("n", -1)])
+                made = getattr(last and last["_id"], "generation_time", None)
+                if last is not None and (made is None or made.timestamp() < before):
+                    self._chunks.delete_many({"files_id": file_id})
+                    gone += 1
+            return gone
+        except PyMongoError as exc:
+            raise StoreError(f"cannot clean GridFS at {self.where}: {exc}") from exc
+
     def close(self) -> None:
         self._client.close()
 

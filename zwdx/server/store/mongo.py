@@ -254,6 +254,15 @@ class MongoStore(Store):
             where["seq"] = {"$lt": int(before_seq)}
         return self._jobs.count_documents(where)
 
+    def job_rooms(self, statuses) -> list[str]:
+        where = {"status": {"$in": status_values(statuses)}}
+        rooms = (d.get("room_id") for d in self._jobs.find(where, {"room_id": 1}).sort("seq", ASCENDING))
+        return [r for r in dict.fromkeys(rooms) if isinstance(r, str)]
+
+    def job_ids(self, room_id: str, statuses) -> list[str]:
+        where = {"room_id": room_id, "status": {"$in": status_values(statuses)}}
+        return [d["_id"] for d in self._jobs.find(where, {"_id": 1}).sort("seq", ASCENDING)]
+
     def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[JobRecord]:
         where = {} if room_id is None else {"room_id": room_id}
         if statuses is not None:
@@ -360,5 +369,21 @@ class MongoStore(Store):
         where = {"job_id": job_id, **({"kind": kind} if kind else {})}
         return [_public(d) for d in self._artifacts.find(where).sort("_order", ASCENDING)]
 
-    def delete_artifact(self, artifact_id: str) -> None:
-        self._artifacts.delete_one({"_id": artifact_id})
+    def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
+        where = {"_id": artifact_id, **({"job_id": None} if if_unattached else {})}
+        return self._artifacts.delete_one(where).deleted_count == 1
+
+    # -- quotas and garbage collection -----------------------------------------------------------
+    def room_artifact_bytes(self, room_id: str) -> int:
+        # added up here: wire-compatible servers (nx-27017) lack parts of the aggregation language
+        return sum(int(d.get("size") or 0) for d in self._artifacts.find({"room_id": room_id}, {"size": 1}))
+
+    def list_unattached_artifacts(self, created_before: float) -> list[dict]:
+        where = {"job_id": None, "created_at": {"$lt": float(created_before)}}
+        return [_public(d) for d in self._artifacts.find(where).sort("_order", ASCENDING)]
+
+    def known_artifacts(self, artifact_ids) -> set[str]:
+        ids, known = list(artifact_ids), set()
+        for start in range(0, len(ids), 500):
+            known |= {d["_id"] for d in self._artifacts.find({"_id": {"$in": ids[start:start + 500]}}, {"_id": 1})}
+        return known

@@ -36,7 +36,8 @@ INDEXES = {
                ([("job_id", ASCENDING), ("rank", ASCENDING), ("key", ASCENDING)], True),
                ([("job_id", ASCENDING), ("kind", ASCENDING), ("seq", ASCENDING)], False),
                ([("job_id", ASCENDING), ("kind", ASCENDING), ("step", ASCENDING)], False)],
-    "artifacts": [([("job_id", ASCENDING), ("kind", ASCENDING), ("_order", ASCENDING)], False)],
+    "artifacts": [([("job_id", ASCENDING), ("kind", ASCENDING), ("_order", ASCENDING)], False),
+                  ([("room_id", ASCENDING)], False)],
 }
 
 

@@ -185,6 +185,18 @@ class SQLiteStore(Store):
             args.append(int(before_seq))
         return int(self.db.query(sql, tuple(args))[0][0])
 
+    def job_rooms(self, statuses: Iterable[str]) -> list[str]:
+        wanted = status_values(statuses)
+        rows = self.db.query(f"SELECT room_id, MIN(seq) FROM jobs WHERE status IN ({','.join('?' * len(wanted))}) "
+                             f"GROUP BY room_id ORDER BY 2", tuple(wanted))
+        return [r[0] for r in rows]
+
+    def job_ids(self, room_id: str, statuses: Iterable[str]) -> list[str]:
+        wanted = status_values(statuses)
+        rows = self.db.query(f"SELECT id FROM jobs WHERE room_id=? AND status IN ({','.join('?' * len(wanted))}) "
+                             f"ORDER BY seq", (room_id, *wanted))
+        return [r[0] for r in rows]
+
     def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[JobRecord]:
         sql, args = "SELECT doc FROM jobs WHERE 1=1", []
         if room_id is not None:
@@ -298,9 +310,29 @@ class SQLiteStore(Store):
             args.append(kind)
         return [json.loads(r[0]) for r in self.db.query(sql + " ORDER BY rowid", tuple(args))]
 
-    def delete_artifact(self, artifact_id: str) -> None:
+    def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         with self.db.tx() as db:
-            db.execute("DELETE FROM artifacts WHERE id=?", (artifact_id,))
+            sql = "DELETE FROM artifacts WHERE id=?" + (" AND job_id IS NULL" if if_unattached else "")
+            return db.execute(sql, (artifact_id,)).rowcount == 1
+
+    # -- quotas and garbage collection -----------------------------------------------------------
+    def room_artifact_bytes(self, room_id: str) -> int:
+        rows = self.db.query("SELECT COALESCE(SUM(json_extract(doc, '$.size')), 0) FROM artifacts "
+                             "WHERE json_extract(doc, '$.room_id')=?", (room_id,))
+        return int(rows[0][0])
+
+    def list_unattached_artifacts(self, created_before: float) -> list[dict]:
+        rows = self.db.query("SELECT doc FROM artifacts WHERE job_id IS NULL AND "
+                             "json_extract(doc, '$.created_at') < ? ORDER BY rowid", (float(created_before),))
+        return [json.loads(r[0]) for r in rows]
+
+    def known_artifacts(self, artifact_ids: Iterable[str]) -> set[str]:
+        ids, known = list(artifact_ids), set()
+        for start in range(0, len(ids), 500):
+            part = ids[start:start + 500]
+            known |= {r[0] for r in self.db.query(
+                f"SELECT id FROM artifacts WHERE id IN ({','.join('?' * len(part))})", tuple(part))}
+        return known
 
 
 class _Abort(Exception):

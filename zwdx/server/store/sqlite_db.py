@@ -47,6 +47,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS events_dedup ON events (job_id, rank, key);
 CREATE INDEX IF NOT EXISTS events_kind ON events (job_id, kind, seq);
 CREATE TABLE IF NOT EXISTS artifacts (id TEXT PRIMARY KEY, job_id TEXT, kind TEXT, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS artifacts_job ON artifacts (job_id, kind);
+CREATE INDEX IF NOT EXISTS artifacts_room ON artifacts (json_extract(doc, '$.room_id'));
 """
 
 
@@ -64,12 +65,25 @@ def _jobs_1_to_2(db: sqlite3.Connection) -> None:
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _jobs_1_to_2}
 
 
+def _private(path: str) -> None:
+    """The database file readable by its owner only (0600), created so before SQLite opens it;
+    SQLite gives its -wal and -shm files the database file's mode."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        for name in (path, f"{path}-wal", f"{path}-shm"):
+            if os.path.exists(name) and os.stat(name).st_mode & 0o077:
+                os.chmod(name, 0o600)
+    except OSError as exc:
+        log.warning("store: cannot make %s private: %s", path, exc)
+
+
 class Database:
     """One SQLite file: a pool of connections, transactions, and the layout's version."""
 
     def __init__(self, path: str):
         self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        _private(path)
         self._idle: deque[sqlite3.Connection] = deque()  # append and pop are atomic
         with self.conn() as conn:
             try:

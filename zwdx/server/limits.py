@@ -1,0 +1,115 @@
+"""What a caller may use of the server: request sizes, rate limits, and each room's quotas.
+
+- Sizes: every request body but an artifact's bytes is at most ``MAX_REQUEST_BYTES`` (Flask's
+  ``MAX_CONTENT_LENGTH``; ``http._json_body`` says it in words, 413); an artifact's bytes stream
+  within ``MAX_ARTIFACT_BYTES`` and what is left of the room's quota (``artifact_allowance``).
+- Rate limits, by the caller's address (Flask-Limiter; its storage is in memory unless
+  ``RATELIMIT_STORAGE_URI`` names a shared one, such as ``redis://``, for several server
+  processes; memory storage works under gevent):
+  - ``POST /api/v1/rooms``: ``RATE_LIMIT_ROOMS``;
+  - failed authentication: once an address made ``RATE_LIMIT_AUTH_FAILURES`` requests with a
+    wrong room token or job key (answered 401 or 403), every request it makes to a route that
+    authenticates is refused (429) until the window passes; Socket.IO connections with a wrong
+    token count alike (``socket_auth``).
+  A refused request is answered 429 (``too_many_requests``) and changes nothing.
+- Quotas per room (0: none): ``ROOM_MAX_JOBS`` jobs waiting or running at once
+  (``check_job_quota``, at submit), ``ROOM_MAX_ARTIFACT_BYTES`` bytes of artifacts. Over them:
+  429 ``quota_exceeded`` with ``limit`` and ``used``, and nothing stored. ``usage`` says where a
+  room stands (``GET /api/v1/room`` and the dashboard's room overview).
+"""
+from __future__ import annotations
+
+from flask import Flask, current_app, request
+from flask_limiter import ApplicationLimit, Limiter
+from flask_limiter.util import get_remote_address
+from limits import parse as parse_rate
+
+from ..errors import QuotaExceeded, RateLimited
+from ..protocol import ACTIVE, WAITING
+from ..protocol.rest import RoomUsage
+
+#: The route that creates rooms (anyone may call it): rate-limited per address.
+ROOM_CREATION = "api.create_room"
+#: Answers that mean the caller's token or job key was wrong.
+FAILED_AUTH = (401, 403)
+#: The statuses a job counts against its room's ``ROOM_MAX_JOBS`` in.
+OPEN = [*WAITING, *ACTIVE]
+
+
+def init_app(app: Flask) -> Limiter:
+    """The app's Flask-Limiter (kept as ``ServerContext.limiter``): failed authentication counted
+    per address over every route that authenticates, room creation limited per address. Call
+    after the blueprints are registered."""
+    app.config.setdefault("RATELIMIT_STORAGE_URI", "memory://")
+    limiter = Limiter(get_remote_address, app=app, application_limits=[ApplicationLimit(
+        lambda: current_app.config["RATE_LIMIT_AUTH_FAILURES"], scope="auth-failures",
+        deduct_when=lambda response: response.status_code in FAILED_AUTH, exempt_when=_not_authenticating,
+        error_message="too many requests with a wrong room token or job key from this address; wait and retry")])
+    view = app.view_functions[ROOM_CREATION]
+    app.view_functions[ROOM_CREATION] = limiter.limit(
+        lambda: current_app.config["RATE_LIMIT_ROOMS"], scope="rooms",
+        error_message="too many rooms created from this address; wait and retry")(view)
+    return limiter
+
+
+def _not_authenticating() -> bool:
+    """Whether the request's route asks for no token (those are not counted nor refused)."""
+    view = current_app.view_functions.get(request.endpoint or "")
+    operation = getattr(view, "operation", None)
+    return operation is None or operation.auth.value == "none"
+
+
+def socket_auth(ok: bool | None = None) -> None:
+    """A Socket.IO connection's token: before it is checked (``ok`` None), ``RateLimited`` if
+    the caller's address failed too often; afterwards, ``ok=False`` counts one failure."""
+    limiter = current_app.extensions["zwdx"].limiter
+    rate = parse_rate(current_app.config["RATE_LIMIT_AUTH_FAILURES"])
+    who = ("socket-auth-failures", request.remote_addr or "?")
+    if ok is None and not limiter.limiter.test(rate, *who):
+        raise RateLimited("too many connections with a wrong room token from this address; wait and retry")
+    if ok is False:
+        limiter.limiter.hit(rate, *who)
+
+
+# -- quotas --------------------------------------------------------------------------------------
+def _limit(name: str) -> int:
+    return int(current_app.config.get(name) or 0)
+
+
+def check_job_quota(room: dict) -> None:
+    """``QuotaExceeded`` if the room has ``ROOM_MAX_JOBS`` jobs waiting or running already."""
+    limit = _limit("ROOM_MAX_JOBS")
+    if not limit:
+        return
+    used = current_app.extensions["zwdx"].store.count_jobs(room["id"], OPEN)
+    if used >= limit:
+        raise QuotaExceeded(f"room {room['id']} has {used} job(s) waiting or running, its quota is {limit}: "
+                            f"wait for one to end (or cancel one)", limit=limit, used=used)
+
+
+def artifact_allowance(room_id: str, max_bytes: int) -> tuple[int, bool]:
+    """How many bytes an artifact of the room may have now: ``max_bytes``, or less when the
+    room's quota has less left; and whether the quota is what limits it."""
+    limit = _limit("ROOM_MAX_ARTIFACT_BYTES")
+    if not limit:
+        return max_bytes, False
+    left = max(0, limit - current_app.extensions["zwdx"].store.room_artifact_bytes(room_id))
+    return (left, True) if left < max_bytes else (max_bytes, False)
+
+
+def artifact_quota_exceeded(room_id: str, size: int | None = None) -> QuotaExceeded:
+    """The error for an artifact of ``size`` bytes (None: unknown, over what is left) that the room's quota has no room for."""
+    limit = _limit("ROOM_MAX_ARTIFACT_BYTES")
+    used = current_app.extensions["zwdx"].store.room_artifact_bytes(room_id)
+    what = f"an artifact of {size} bytes" if size is not None else "the artifact"
+    return QuotaExceeded(f"room {room_id} keeps {used} bytes of artifacts, its quota is {limit}: {what} does not "
+                         f"fit (finished jobs' artifacts go after the retention the server keeps)",
+                         limit=limit, used=used)
+
+
+def usage(room_id: str) -> RoomUsage:
+    """What the room uses of its quotas."""
+    store = current_app.extensions["zwdx"].store
+    return RoomUsage(jobs=store.count_jobs(room_id, OPEN), jobs_limit=_limit("ROOM_MAX_JOBS"),
+                     artifact_bytes=store.room_artifact_bytes(room_id),
+                     artifact_bytes_limit=_limit("ROOM_MAX_ARTIFACT_BYTES"))
