@@ -164,7 +164,8 @@ class Backend:
 
     def write_raw(self, rooms: list[dict], jobs: list[dict], schema_version: int) -> None:
         """Write rooms and job documents as they are, in a store of that schema version, as an
-        older zwdx left them (the tables and collections this zwdx creates, no migration)."""
+        older zwdx left them (the tables and collections this zwdx creates, no migration; before
+        layout 3, rooms with their token's hash, unique)."""
         if self.name == "sqlite":
             import json
             import sqlite3
@@ -172,10 +173,17 @@ class Backend:
             os.makedirs(self.where, exist_ok=True)
             conn = sqlite3.connect(os.path.join(self.where, "zwdx.sqlite3"))
             with conn:
+                if schema_version < 3:
+                    conn.execute("CREATE TABLE rooms (id TEXT PRIMARY KEY, token_hash TEXT UNIQUE NOT NULL, "
+                                 "doc TEXT NOT NULL)")
                 conn.executescript(DDL)
                 conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(schema_version),))
                 for room in rooms:
-                    conn.execute("INSERT INTO rooms VALUES (?, ?, ?)", (room["id"], room["token_hash"], json.dumps(room)))
+                    if schema_version < 3:
+                        conn.execute("INSERT INTO rooms VALUES (?, ?, ?)",
+                                     (room["id"], room["token_hash"], json.dumps(room)))
+                    else:
+                        conn.execute("INSERT INTO rooms VALUES (?, ?)", (room["id"], json.dumps(room)))
                 for job in jobs:
                     conn.execute("INSERT INTO jobs (seq, id, room_id, status, doc) VALUES (?, ?, ?, ?, ?)",
                                  (job["seq"], job["id"], job["room_id"], job["status"], json.dumps(job)))
@@ -185,6 +193,8 @@ class Backend:
             client = MongoClient(self.where)
             db = client.get_default_database()
             db.meta.insert_one({"_id": "schema", "version": schema_version})
+            if schema_version < 3:
+                db.rooms.create_index("token_hash", unique=True)
             for room in rooms:
                 db.rooms.insert_one({**room, "_id": room["id"]})
             for job in jobs:

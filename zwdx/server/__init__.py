@@ -22,8 +22,9 @@ import threading
 from flask import Flask
 
 from .. import defaults
-from . import api, checkpoints, dashboard_api, events, openapi, ui
+from . import api, checkpoints, dashboard_api, events, openapi, tokens, ui
 from .artifacts import FileArtifactStore
+from .auth import CredentialCache
 from .extensions import socketio
 from .scheduler import Scheduler
 from .store import open_store
@@ -55,8 +56,10 @@ class ServerContext:
             self.artifacts = FileArtifactStore(os.path.join(cfg["DATA_DIR"], "artifacts"))
         self.scheduler = Scheduler(self)
         self.stopping = threading.Event()
-        #: token hash -> room, for the rooms callers named (rooms are never changed or deleted)
-        self.rooms: dict[str, dict] = {}
+        #: token hash -> its credential and room, as read lately (``auth.CredentialCache``)
+        self.credentials = CredentialCache()
+        #: Socket.IO sid -> (namespace, credential id) of the connections to this process
+        self.connections: dict[str, tuple[str, str]] = {}
 
     def close(self) -> None:
         """Stop the background loops and release the store (an app in a test, at its end)."""
@@ -101,6 +104,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(tokens.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024)
