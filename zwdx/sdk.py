@@ -144,8 +144,8 @@ class ZWDX:
         token = token or self.room_token
         if not token:
             known = f" (no job {job_id} submitted to {self.server_url} is on record here)" if job_id else ""
-            raise BadRequest(f"a submitter token of the room is needed{known}: pass room_token=... or "
-                             f"--room-token (zs_..., printed by `zwdx room create`)", field="room_token")
+            raise BadRequest(f"a room token is needed{known}: a submitter token of the room (zs_..., printed by "
+                             f"`zwdx room create`), as room_token=... or --room-token", field="room_token")
         return token
 
     def _remember(self, what: str, *args) -> None:
