@@ -162,10 +162,11 @@ class Backend:
         from zwdx.server.store import mongo_db, sqlite_db
         return sqlite_db if self.name == "sqlite" else mongo_db
 
-    def write_raw(self, rooms: list[dict], jobs: list[dict], schema_version: int) -> None:
-        """Write rooms and job documents as they are, in a store of that schema version, as an
-        older zwdx left them (the tables and collections this zwdx creates, no migration; before
-        layout 3, rooms with their token's hash, unique)."""
+    def write_raw(self, rooms: list[dict], jobs: list[dict], schema_version: int, clients: list[dict] = (),
+                  slots: list[dict] = ()) -> None:
+        """Write rooms, job documents (and GPU clients and their slots) as they are, in a store
+        of that schema version, as an older zwdx left them (the tables and collections this zwdx
+        creates, no migration; before layout 3, rooms with their token's hash, unique)."""
         if self.name == "sqlite":
             import json
             import sqlite3
@@ -187,6 +188,14 @@ class Backend:
                 for job in jobs:
                     conn.execute("INSERT INTO jobs (seq, id, room_id, status, doc) VALUES (?, ?, ?, ?, ?)",
                                  (job["seq"], job["id"], job["room_id"], job["status"], json.dumps(job)))
+                for client in clients:
+                    conn.execute("INSERT INTO clients VALUES (?, ?, ?)", (client["id"], client["room_id"],
+                                                                         json.dumps(client)))
+                for slot in slots:
+                    doc = {k: v for k, v in slot.items() if k not in ("job_id", "rank")}
+                    conn.execute("INSERT INTO slots VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                 (slot["id"], slot["client_id"], slot["room_id"], slot["index"], slot.get("job_id"),
+                                  slot.get("rank"), json.dumps(doc)))
             conn.close()
         else:
             from pymongo import MongoClient
@@ -199,6 +208,15 @@ class Backend:
                 db.rooms.insert_one({**room, "_id": room["id"]})
             for job in jobs:
                 db.jobs.insert_one({**job, "_id": job["id"], "_rev": 0})
+            for order, gpu in enumerate(clients):
+                db.clients.insert_one({"_id": gpu["id"], "room_id": gpu["room_id"], "doc": gpu, "_order": order + 1})
+            if clients:
+                db.counters.insert_one({"_id": "clients", "n": len(clients)})
+            for slot in slots:
+                doc = {k: v for k, v in slot.items() if k not in ("job_id", "rank")}
+                db.slots.insert_one({"_id": slot["id"], "client_id": slot["client_id"], "room_id": slot["room_id"],
+                                     "index": slot["index"], "doc": doc, "job_id": slot.get("job_id"),
+                                     "rank": slot.get("rank")})
             client.close()
 
     def set_schema_version(self, version: int) -> None:
