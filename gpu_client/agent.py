@@ -1,11 +1,13 @@
 """The GPU client: joins a room, offers its slots, runs the ranks it is given.
 
-It connects to the server's /gpu Socket.IO namespace with the room token, registers its
-slots, sends heartbeats, reconnects by itself (with backoff) when the server goes away and
+It connects to the server's /gpu Socket.IO namespace with its room's donor token, registers
+its slots (with the client secret its first register was given, kept 0600 in the work dir:
+``secrets/<client id>.secret``), sends heartbeats, reconnects by itself (with backoff) when the server goes away and
 re-registers with the jobs it still runs. What it says and hears are the types of
 ``zwdx.protocol.gpu``: it builds ``Register``, ``Heartbeat`` and ``RanksExited``, and reads
 ``JobAssign``, ``JobCancel`` and ``ReservePort`` through them. Each rank of a job it is
-assigned gets one ``RankSpec`` and runs in its own process (``launcher.py``).
+assigned gets one ``RankSpec`` with that rank's key (and no other secret of the agent) and
+runs in its own process (``launcher.py``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import socket
 import threading
 import time
 import traceback
-import uuid
 from urllib.parse import urlparse
 
 import psutil
@@ -34,6 +35,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, 
 from zwdx.protocol.rank import RankSpec
 
 from . import gpus, host
+from .identity import Identity
 from .launcher import Launcher, RunningJob
 from .reporter import http_session
 
@@ -41,6 +43,9 @@ log = logging.getLogger("gpu_client.agent")
 
 #: The exit code recorded for a rank whose process could not be started.
 NOT_STARTED = 97
+
+#: ``RegisterAnswer.code`` of a register refused for its client secret.
+WRONG_SECRET = "client_secret"
 
 
 def reaching_address(server_url: str) -> str:
@@ -70,19 +75,21 @@ def interface_of(addr: str) -> str | None:
 
 
 class Agent:
+    """``room_token``: the room's donor token (a legacy room token works too)."""
+
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True):
         self.server = server.rstrip("/")
         self.token = room_token
-        self.client_id = client_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
+        self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.hostname = socket.gethostname()
         self.slots = gpus.discover(gpus_only, cpu)
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
         self.advertise_addr = advertise_addr
         self.threads = threads
-        self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
         self.launcher = Launcher(self.work_dir, standby)
@@ -94,6 +101,10 @@ class Agent:
         self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
                                    randomization_factor=0.5)
         self._bind()
+
+    @property
+    def client_id(self) -> str:
+        return self.identity.client_id
 
     # -- Socket.IO -------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -108,7 +119,7 @@ class Agent:
     def _on_connect(self):
         threading.Thread(target=self._register, daemon=True).start()
 
-    def _register(self):
+    def _register(self, again: bool = True):
         if self.advertise_addr is None:
             self.advertise_addr = reaching_address(self.server)
         iface = interface_of(self.advertise_addr)
@@ -117,18 +128,23 @@ class Agent:
                                      "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
                          versions=runtime_versions(), modules=self.modules, advertise_addr=self.advertise_addr,
-                         running=self._running())
+                         running=self._running(), client_secret=self.identity.secret)
         try:
             data = self.sio.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=15)
         except Exception as exc:
             log.warning("gpu-client %s: register failed: %s", self.client_id, exc)
             return
         answer = _answer(RegisterAnswer, data)
+        if not answer.ok and answer.code == WRONG_SECRET and again and not self.jobs:
+            self.identity.renew()
+            return self._register(again=False)
         if not answer.ok:
             self.fatal = answer.error or "register refused"
             log.error("gpu-client %s: %s", self.client_id, self.fatal)
             self.stop.set()
             return
+        if answer.client_secret:
+            self.identity.keep(answer.client_secret)
         self.heartbeat_interval = answer.heartbeat_interval or self.heartbeat_interval
         self._registered.set()
         for slot in self.slots:
@@ -208,7 +224,7 @@ class Agent:
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             bundle_path=bundle, bundle_pending=pending, assigned_at=assigned_at, server=self.server,
-            client_id=self.client_id, hostname=self.hostname, room_token=self.token, job_key=assign.job_key,
+            client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
             log_path=os.path.join(logs, f"rank{place.rank}.log"))
 
     def _bundle_path(self, assign: JobAssign) -> str:
@@ -217,7 +233,7 @@ class Agent:
     def _fetch_bundle(self, assign: JobAssign) -> None:
         path = self._bundle_path(assign)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        session = http_session(self.token, assign.job_key)
+        session = http_session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
         digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
@@ -250,7 +266,7 @@ class Agent:
                 exits[str(rank)] = proc.wait()
         except Exception as exc:
             log.exception("gpu-client %s: job %s could not start", self.client_id, job.job_id)
-            self._report_start_failure(assign.job_id, assign.job_key, [r.rank for r in assign.ranks], exc)
+            self._report_start_failure(assign.job_id, {r.rank: r.key for r in assign.ranks}, exc)
             self.launcher.kill(job)
             for r in assign.ranks:
                 exits.setdefault(str(r.rank), job.procs[r.rank].wait() if r.rank in job.procs else NOT_STARTED)
@@ -269,23 +285,26 @@ class Agent:
         with the reason, if the payload says which, so the job does not wait for them forever."""
         log.error("gpu-client %s: %s", self.client_id, err)
         try:
-            ranks = [int(r["rank"]) for r in data["ranks"]]
+            keys = {int(r["rank"]): str(r["key"]) for r in data["ranks"]}
             job = RunningJob(str(data["job_id"]), int(data.get("attempt") or 0))
-            self._report_start_failure(job.job_id, str(data["job_key"]), ranks, err)
+            self._report_start_failure(job.job_id, keys, err)
         except Exception:
             return
-        threading.Thread(target=self._send_exits, args=(job, {str(r): NOT_STARTED for r in ranks}),
+        threading.Thread(target=self._send_exits, args=(job, {str(r): NOT_STARTED for r in keys}),
                          daemon=True).start()
 
-    def _report_start_failure(self, job_id: str, job_key: str, ranks: list[int], exc: BaseException) -> None:
-        session = http_session(self.token, job_key)
-        for rank in ranks:
+    def _report_start_failure(self, job_id: str, keys: dict[int, str], exc: BaseException) -> None:
+        """Each rank's failure, reported with that rank's key."""
+        for rank, key in keys.items():
+            session = http_session(key)
             try:
                 session.post(f"{self.server}{defaults.API_PREFIX}/jobs/{job_id}/ranks/{rank}",
                              json={"status": RankStatus.FAILED.value, "error": f"{type(exc).__name__}: {exc}",
                                    "traceback": "".join(traceback.format_exception(exc))}, timeout=30)
             except requests.RequestException:
                 pass
+            finally:
+                session.close()
 
     def _send_exits(self, job: RunningJob, exits: dict) -> None:
         message = RanksExited(job_id=job.job_id, attempt=job.attempt, exits=exits).model_dump()

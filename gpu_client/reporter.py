@@ -1,10 +1,11 @@
 """What a rank tells the server: metrics, log lines, its start, result or failure.
 
-Events queue in memory and a sender thread posts them in batches (of at most ``BATCH_BYTES``).
-If the server is away, the batch is kept and retried with backoff until it is delivered, so
-nothing reported is lost; each event carries a key unique in its job and rank, so a batch sent
-twice is stored once. A batch the server refuses (4xx), or that cannot be written as JSON, is
-dropped with an error in the log, never retried.
+Every call carries the rank's key (``X-Zwdx-Rank-Key``), which speaks for this rank of this
+attempt only: no room token. Events queue in memory and a sender thread posts them in batches
+(of at most ``BATCH_BYTES``). If the server is away, the batch is kept and retried with backoff
+until it is delivered, so nothing reported is lost; each event carries a key unique in its job
+and rank, so a batch sent twice is stored once. A batch the server refuses (4xx), or that cannot
+be written as JSON, is dropped with an error in the log, never retried.
 
 A NaN or infinite number (a loss that diverged) travels as the string "NaN", "Infinity" or
 "-Infinity" (``zwdx.protocol.report.to_wire``): JSON has no such numbers, and ``requests``
@@ -33,15 +34,14 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 1024 * 1024
 
 
-def http_session(room_token: str, job_key: str | None = None, retries: int = 5) -> requests.Session:
+def http_session(rank_key: str, retries: int = 5) -> requests.Session:
+    """Calls to the server as the rank whose key this is (retried while the server is away)."""
     session = requests.Session()
     retry = Retry(total=retries, connect=retries, read=retries, backoff_factor=0.5,
                   status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)
     session.mount("http://", HTTPAdapter(max_retries=retry))
     session.mount("https://", HTTPAdapter(max_retries=retry))
-    session.headers[defaults.TOKEN_HEADER] = room_token
-    if job_key:
-        session.headers[defaults.JOB_KEY_HEADER] = job_key
+    session.headers[defaults.RANK_KEY_HEADER] = rank_key
     return session
 
 
@@ -61,10 +61,10 @@ def _size(event: dict) -> int:
 class Reporter:
     """Given to ``train_func`` as ``reporter``: ``log_metrics(**values)`` and ``log(text)``."""
 
-    def __init__(self, server: str, room_token: str, job_id: str, job_key: str, rank: int,
-                 attempt: int = 0, flush_interval: float = 0.2):
+    def __init__(self, server: str, rank_key: str, job_id: str, rank: int, attempt: int = 0,
+                 flush_interval: float = 0.2):
         self.base = f"{server.rstrip('/')}{defaults.API_PREFIX}/jobs/{job_id}"
-        self.session = http_session(room_token, job_key)
+        self.session = http_session(rank_key)
         self.job_id, self.rank, self.attempt = job_id, rank, attempt
         self.step = 0
         #: Where to go on from: the first epoch to run (0 unless resumed from a checkpoint).

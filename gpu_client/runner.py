@@ -44,8 +44,8 @@ class Trainer:
         self.spec = spec
         self.startup = Startup(spec.assigned_at)
         self.startup.mark("rank_process")
-        self.reporter = Reporter(spec.server, spec.room_token.get_secret_value(), spec.job_id,
-                                 spec.job_key.get_secret_value(), spec.rank, attempt=spec.attempt)
+        self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank,
+                                 attempt=spec.attempt)
         self.joined = False
         self.system: SystemMetrics | None = None
 

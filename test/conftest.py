@@ -3,14 +3,16 @@
 - In-process (flaskr's conftest), fast: ``app`` (``create_app`` on a temporary data dir, the
   scheduler off; ``@pytest.mark.app_config(SCHEDULER=True)`` or ``make_app(**config)`` for
   another config), ``client`` (``app.test_client()``), ``api`` (the REST API as the holder of
-  a fresh room's token; ``room_api()`` for another room), ``socket_client`` (Flask-SocketIO's
-  test client on /gpu or /ui), ``placed_job(app, name)`` (a room with a job placed under a job
-  key the test holds). For validation, authorization and state transitions. Socket.IO
+  a fresh room's submitter token, ``api.donor`` its donor token; ``room_api()`` for another
+  room), ``socket_client`` (Flask-SocketIO's test client on /gpu or /ui), ``placed_job(app,
+  name)`` (a room with a job placed under a rank key the test holds). For validation,
+  authorization and state transitions. Socket.IO
   is bound to the app made last (one ``socketio`` per process, as in the server).
 - Real processes, for what needs them: ``server`` (a server process and its data dir;
-  ``@pytest.mark.server_args("--client-timeout", "5")`` adds arguments), ``sdk``, ``room``,
-  ``start_client`` (GPU-client processes); and ``cluster``: one server and two GPU clients
-  shared by a module's tests, for those that leave it as they found it.
+  ``@pytest.mark.server_args("--client-timeout", "5")`` adds arguments), ``sdk``, ``room``
+  (``room["token"]`` its submitter token, ``room["donor_token"]``), ``start_client`` (GPU-client
+  processes, with the donor token); and ``cluster``: one server and two GPU clients shared by a
+  module's tests, for those that leave it as they found it.
 
 Two lanes: a test that starts processes is ``slow`` (the process fixtures mark it so; a module
 that starts its own says ``pytestmark = pytest.mark.slow``), the rest is the fast lane
@@ -132,22 +134,27 @@ def client(app):
 
 class Api:
     """The REST API of an in-process app as one caller uses it: paths under /api/v1, its room
-    token and job key (when it has them) in the headers. ``api.get("/jobs")`` -> the response."""
+    token and rank key (when it has them) in the headers. ``api.get("/jobs")`` -> the response."""
 
-    def __init__(self, client, token: str | None = None, job_key: str | None = None, room: dict | None = None):
-        self.client, self.token, self.job_key, self.room = client, token, job_key, room
+    def __init__(self, client, token: str | None = None, rank_key: str | None = None, room: dict | None = None):
+        self.client, self.token, self.rank_key, self.room = client, token, rank_key, room
 
-    def as_(self, token: str | None = None, job_key: str | None = None) -> "Api":
-        """The same app, called with another token (None: none) and job key."""
-        return Api(self.client, token, job_key)
+    def as_(self, token: str | None = None, rank_key: str | None = None) -> "Api":
+        """The same app, called with another token (None: none) and rank key."""
+        return Api(self.client, token, rank_key)
+
+    @property
+    def donor(self) -> str:
+        """The room's donor token (for GPU clients), from the answer that made the room."""
+        return self.room["donor_token"]
 
     def headers(self, extra: dict | None = None) -> dict:
         from zwdx import defaults
         out = {}
         if self.token is not None:
             out[defaults.TOKEN_HEADER] = self.token
-        if self.job_key is not None:
-            out[defaults.JOB_KEY_HEADER] = self.job_key
+        if self.rank_key is not None:
+            out[defaults.RANK_KEY_HEADER] = self.rank_key
         return {**out, **(extra or {})}
 
     def request(self, method: str, path: str, headers: dict | None = None, **kwargs):
@@ -165,7 +172,7 @@ class Api:
         return self.request("PUT", path, **kwargs)
 
     def create_room(self, name: str = "test-room") -> "Api":
-        """A new room; the Api of its token (``.room`` is the answer, token included)."""
+        """A new room; the Api of its submitter token (``.room`` is the answer, tokens included)."""
         resp = self.client.post("/api/v1/rooms", json={"name": name})
         assert resp.status_code == 201, resp.text
         return Api(self.client, resp.json["token"], room=resp.json)
@@ -188,8 +195,9 @@ class Api:
 
 def placed_job(app, name: str) -> tuple[Api, Api, dict]:
     """A new room of ``app`` with one job placed on one CPU slot of a GPU client (as the
-    scheduler places it: ``zwdx.server.job.Job.start``) under a job key the test holds: the
-    room's Api, its rank 0's Api (token and job key), and the job as submitted."""
+    scheduler places it: ``zwdx.server.job.Job.start``) under a rank key the test holds: the
+    room's Api, its rank 0's Api (the rank key alone, as a rank process calls), and the job as
+    submitted."""
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
@@ -198,14 +206,14 @@ def placed_job(app, name: str) -> tuple[Api, Api, dict]:
     bundle = room.upload(f"bundle of {name}".encode())
     job = room.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
                                    "world_size": 1}).json
-    ctx, key = app.extensions["zwdx"], f"jk_{name}"
+    ctx, key = app.extensions["zwdx"], f"rk_{name}"
     client_id = f"gpu-{name}"
     ctx.store.upsert_client({"id": client_id, "room_id": room.room["id"], "hostname": name, "status": "online"},
                             [{"id": f"{client_id}:0", "client_id": client_id, "room_id": room.room["id"], "index": 0,
                               "kind": "cpu"}])
     placement = [PlacementEntry(rank=0, client_id=client_id, gpu_index=0, kind=SlotKind.CPU)]
-    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:0"], hash_secret(key))
-    return room, room.as_(room.token, job_key=key), job
+    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:0"], {0: hash_secret(key)})
+    return room, room.as_(None, rank_key=key), job
 
 
 @pytest.fixture
@@ -266,12 +274,12 @@ def room(sdk):
 
 @pytest.fixture
 def start_client(server, room, tmp_path):
-    """start_client(name) -> GpuClient process registered in the test room."""
+    """start_client(name) -> GpuClient process registered in the test room (with its donor token)."""
     started = []
 
     def start(name: str = "", wait: bool = True, **kwargs) -> GpuClient:
         name = name or f"c{len(started)}"
-        client = GpuClient(server.url, room["token"], str(tmp_path / name), client_id=f"client-{name}", **kwargs)
+        client = GpuClient(server.url, room["donor_token"], str(tmp_path / name), client_id=f"client-{name}", **kwargs)
         started.append(client)
         if wait:
             from zwdx import ZWDX

@@ -152,9 +152,11 @@ class Backend:
         from zwdx.server.store import mongo_db, sqlite_db
         return sqlite_db if self.name == "sqlite" else mongo_db
 
-    def write_raw(self, rooms: list[dict], jobs: list[dict], schema_version: int) -> None:
-        """Write rooms and job documents as they are, in a store of that schema version, as an
-        older zwdx left them (the tables and collections this zwdx creates, no migration)."""
+    def write_raw(self, rooms: list[dict], jobs: list[dict], schema_version: int, clients: list[dict] = (),
+                  slots: list[dict] = ()) -> None:
+        """Write rooms, job documents (and GPU clients and their slots) as they are, in a store
+        of that schema version, as an older zwdx left them (the tables and collections this zwdx
+        creates, no migration; before layout 3, rooms with their token's hash, unique)."""
         if self.name == "sqlite":
             import json
             import sqlite3
@@ -162,23 +164,49 @@ class Backend:
             os.makedirs(self.where, exist_ok=True)
             conn = sqlite3.connect(os.path.join(self.where, "zwdx.sqlite3"))
             with conn:
+                if schema_version < 3:
+                    conn.execute("CREATE TABLE rooms (id TEXT PRIMARY KEY, token_hash TEXT UNIQUE NOT NULL, "
+                                 "doc TEXT NOT NULL)")
                 conn.executescript(DDL)
                 conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(schema_version),))
                 for room in rooms:
-                    conn.execute("INSERT INTO rooms VALUES (?, ?, ?)", (room["id"], room["token_hash"], json.dumps(room)))
+                    if schema_version < 3:
+                        conn.execute("INSERT INTO rooms VALUES (?, ?, ?)",
+                                     (room["id"], room["token_hash"], json.dumps(room)))
+                    else:
+                        conn.execute("INSERT INTO rooms VALUES (?, ?)", (room["id"], json.dumps(room)))
                 for job in jobs:
                     conn.execute("INSERT INTO jobs (seq, id, room_id, status, doc) VALUES (?, ?, ?, ?, ?)",
                                  (job["seq"], job["id"], job["room_id"], job["status"], json.dumps(job)))
+                for client in clients:
+                    conn.execute("INSERT INTO clients VALUES (?, ?, ?)", (client["id"], client["room_id"],
+                                                                         json.dumps(client)))
+                for slot in slots:
+                    doc = {k: v for k, v in slot.items() if k not in ("job_id", "rank")}
+                    conn.execute("INSERT INTO slots VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                 (slot["id"], slot["client_id"], slot["room_id"], slot["index"], slot.get("job_id"),
+                                  slot.get("rank"), json.dumps(doc)))
             conn.close()
         else:
             from pymongo import MongoClient
             client = MongoClient(self.where)
             db = client.get_default_database()
             db.meta.insert_one({"_id": "schema", "version": schema_version})
+            if schema_version < 3:
+                db.rooms.create_index("token_hash", unique=True)
             for room in rooms:
                 db.rooms.insert_one({**room, "_id": room["id"]})
             for job in jobs:
                 db.jobs.insert_one({**job, "_id": job["id"], "_rev": 0})
+            for order, gpu in enumerate(clients):
+                db.clients.insert_one({"_id": gpu["id"], "room_id": gpu["room_id"], "doc": gpu, "_order": order + 1})
+            if clients:
+                db.counters.insert_one({"_id": "clients", "n": len(clients)})
+            for slot in slots:
+                doc = {k: v for k, v in slot.items() if k not in ("job_id", "rank")}
+                db.slots.insert_one({"_id": slot["id"], "client_id": slot["client_id"], "room_id": slot["room_id"],
+                                     "index": slot["index"], "doc": doc, "job_id": slot.get("job_id"),
+                                     "rank": slot.get("rank")})
             client.close()
 
     def set_schema_version(self, version: int) -> None:

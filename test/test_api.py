@@ -18,7 +18,7 @@ import pytest
 import mnist
 from procs import GpuClient, free_port
 from zwdx import ZWDX, AuthError, BadRequest, NotFound, ServerUnreachable
-from zwdx.errors import IntegrityError, PayloadTooLarge
+from zwdx.errors import Forbidden, IntegrityError, PayloadTooLarge
 
 SHA = "X-Zwdx-Sha256"
 
@@ -28,19 +28,22 @@ def test_health(client):
     assert resp.status_code == 200 and resp.json["status"] == "ok"
 
 
-def test_room_token_is_shown_once_and_stored_hashed(app, api):
+def test_room_tokens_are_shown_once_and_stored_hashed(app, api):
     room = api.create_room("secret-room").room
-    assert room["token"].startswith("zr_") and len(room["token"]) > 40
+    assert room["submitter_token"].startswith("zs_") and len(room["submitter_token"]) > 40
+    assert room["donor_token"].startswith("zd_") and len(room["donor_token"]) > 40
+    assert room["token"] == room["submitter_token"]  # the name an earlier zwdx gave it
     seen = api.as_(room["token"]).get("/room").json
-    assert seen["name"] == "secret-room" and "token" not in seen and "token_hash" not in seen
+    assert seen["name"] == "secret-room" and not {"token", "token_hash", "submitter_token", "donor_token"} & set(seen)
     raw = b""
     data_dir = app.config["DATA_DIR"]
     for name in os.listdir(data_dir):  # the database file and its write-ahead log
         if name.startswith("zwdx.sqlite3"):
             with open(os.path.join(data_dir, name), "rb") as fh:
                 raw += fh.read()
-    assert room["token"].encode() not in raw
-    assert hashlib.sha256(room["token"].encode()).hexdigest().encode() in raw
+    for token in (room["submitter_token"], room["donor_token"]):
+        assert token.encode() not in raw
+        assert hashlib.sha256(token.encode()).hexdigest().encode() in raw
 
 
 #: The REST routes anyone may call: creating a room, the API's description.
@@ -78,7 +81,9 @@ def test_wrong_or_missing_token_is_refused_everywhere_and_changes_nothing(app, a
             resp = api.client.open(path, method=method, json={"status": "completed", "events": []},
                                    headers={"X-Zwdx-Room-Token": token} if token else {})
             assert resp.status_code == 401, (method, path, resp.text)
-            assert resp.json["error"]["code"] == "unauthorized" and says in resp.json["error"]["message"]
+            rank_route = "needs the rank's key" in resp.json["error"]["message"]  # a room token is no rank's key
+            assert resp.json["error"]["code"] == "unauthorized" and (says in resp.json["error"]["message"] or
+                                                                      rank_route), (method, path, resp.text)
     job = api.get(f"/jobs/{job_id}").json
     assert job["status"] == "queued" and len(job["timeline"]) == 1
     assert [j["id"] for j in api.jobs()] == [job_id]
@@ -103,15 +108,15 @@ def test_jobs_of_another_room_are_invisible(api):
     assert taken.status_code == 400 and taken.json["error"]["field"] == "bundle_artifact"
 
 
-def test_rank_writes_need_the_job_key(api):
+def test_rank_writes_need_the_ranks_key(api):
     job_id = api.submit().json["id"]
     resp = api.post(f"/jobs/{job_id}/events", json={"events": [{"kind": "log", "data": "x"}]})
-    assert resp.status_code == 401 and "job key" in resp.json["error"]["message"]
+    assert resp.status_code == 401 and "rank's key" in resp.json["error"]["message"]  # the room token is none
     for method, path, body in [("POST", f"/jobs/{job_id}/ranks/0", {"status": "completed"}),
                                ("POST", f"/jobs/{job_id}/events", {"events": [{"kind": "log", "data": "x"}]}),
                                ("PUT", f"/jobs/{job_id}/weights", None),
                                ("GET", f"/jobs/{job_id}/bundle", None)]:
-        resp = api.as_(api.token, job_key="jk_forged").request(method, path, json=body)
+        resp = api.as_(api.token, rank_key="rk_forged").request(method, path, json=body)
         assert resp.status_code == 403 and resp.json["error"]["code"] == "forbidden", (method, path, resp.text)
     job = api.get(f"/jobs/{job_id}").json
     assert job["status"] == "queued" and job.get("weights_artifact") is None
@@ -169,11 +174,13 @@ def test_job_with_its_new_events_in_one_call(api):
 def test_socketio_refuses_a_missing_or_wrong_token(api, socket_client, namespace):
     assert not socket_client(namespace).is_connected(namespace)
     assert not socket_client(namespace, "zr_wrong").is_connected(namespace)
-    assert socket_client(namespace, api.token).is_connected(namespace)
+    right, wrong_role = (api.donor, api.token) if namespace == "/gpu" else (api.token, api.donor)
+    assert not socket_client(namespace, wrong_role).is_connected(namespace)
+    assert socket_client(namespace, right).is_connected(namespace)
 
 
 def test_a_dashboard_gets_the_rooms_gpu_clients_when_it_connects(api, socket_client):
-    gpu = socket_client("/gpu", api.token)
+    gpu = socket_client("/gpu", api.donor)
     answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": "3.11.7"},
                                    "slots": [{"index": 0, "kind": "cpu", "memory_total": 10, "memory_free": 10}]},
                       namespace="/gpu", callback=True)
@@ -223,14 +230,20 @@ def test_the_sdk_raises_typed_errors_for_the_wrong_token_and_unknown_jobs(server
     assert sdk.list_jobs(room["token"]) == []
 
 
-def test_room_create_cli_prints_the_token_last(server):
+def test_room_create_cli_prints_each_token_after_what_it_is_for(server):
     out = subprocess.run([sys.executable, "-m", "zwdx.cli", "room", "create", "--server", server.url, "--name", "x"],
                          capture_output=True, text=True, check=True).stdout
-    token = out.strip().splitlines()[-1]
-    assert ZWDX(server.url).get_room(token)["name"] == "x"
+    lines = out.strip().splitlines()
+    submitter, donor = lines[-3], lines[-1]
+    assert lines[-4].startswith("submitter token") and lines[-2].startswith("donor token"), out
+    assert submitter.startswith("zs_") and donor.startswith("zd_")
+    assert ZWDX(server.url).get_room(submitter)["name"] == "x"
+    with pytest.raises(Forbidden, match="donor token"):
+        ZWDX(server.url).get_room(donor)
     out = subprocess.run([sys.executable, "-m", "zwdx.cli", "room", "create", "--server", server.url, "--json"],
                          capture_output=True, text=True, check=True).stdout
-    assert json.loads(out)["token"].startswith("zr_")
+    made = json.loads(out)
+    assert made["token"] == made["submitter_token"] and made["donor_token"].startswith("zd_")
 
 
 def test_gpu_client_with_a_bad_token_exits_with_a_clear_message(server, tmp_path):

@@ -5,7 +5,7 @@ MongoDB over its wire protocol), with the attacks of the trust issue: an operato
 (``{"$gt": ""}``) as an id, and another room's artifact id.
 
 In-process apps; the job is placed as the scheduler would (conftest's ``placed_job``), under a
-job key the test holds, so the test speaks as the job's rank 0.
+rank key the test holds, so the test speaks as the job's rank 0.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def backend_app(backend, make_app, tmp_path):
 
 def test_a_rank_can_name_only_its_own_jobs_weights(backend_app):
     room, rank0, job = placed_job(backend_app, "mine")
-    _, other_rank0, other_job = placed_job(backend_app, "other")
+    other_room, other_rank0, other_job = placed_job(backend_app, "other")
     theirs = other_rank0.put(f"/jobs/{other_job['id']}/weights", data=b"their weights").json
     checkpoint = rank0.put(f"/jobs/{job['id']}/checkpoints/0/state.pt", data=b"a checkpoint").json
     assert rank0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "running"}).json == {"ok": True}
@@ -48,7 +48,7 @@ def test_a_rank_can_name_only_its_own_jobs_weights(backend_app):
     assert done["status"] == "completed" and done["weights_artifact"] == mine["id"]
     assert room.get(f"/jobs/{job['id']}/weights").data == b"my weights"
     # The other job never heard of any of it.
-    assert other_rank0.get(f"/jobs/{other_job['id']}").json["status"] == "starting"
+    assert other_room.get(f"/jobs/{other_job['id']}").json["status"] == "starting"
 
 
 def test_weights_are_read_only_from_an_artifact_of_the_job(backend_app):

@@ -58,9 +58,10 @@ def test_everything_survives_sigterm_and_sigkill_of_the_server(backend, tmp_path
     clients = []
     try:
         sdk = ZWDX(server.url)
-        token = sdk.create_room("durable")["token"]
+        made = sdk.create_room("durable")
+        token = made["token"]
         for name in ("a", "b"):
-            clients.append(GpuClient(server.url, token, str(tmp_path / name), client_id=f"durable-{name}"))
+            clients.append(GpuClient(server.url, made["donor_token"], str(tmp_path / name), client_id=f"durable-{name}"))
         wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(token)["clients"]) == 2, 60,
                    what="two gpu clients online")
         result = sdk.submit_job(Net(), create_loader, train, eval_func=mnist.test,

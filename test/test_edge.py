@@ -90,7 +90,7 @@ def test_every_problem_is_listed(api):
 
 @pytest.mark.parametrize("rank", ["abc", "-1", "1e3", "99999999999999999999", "%C2%B2"])
 def test_a_rank_in_the_path_must_be_a_count(api, job, rank):
-    resp = api.as_(api.token, job_key="jk_forged").post(f"/jobs/{job['id']}/ranks/{rank}", json={"status": "running"})
+    resp = api.as_(None, rank_key="rk_forged").post(f"/jobs/{job['id']}/ranks/{rank}", json={"status": "running"})
     assert resp.status_code == 403  # who asks is checked first: nothing is read for a stranger
     error = bad(api.get(f"/jobs/{job['id']}/checkpoints/{rank}/state.pt"), "n")
     assert "whole number" in error["message"]
@@ -107,6 +107,6 @@ def test_a_route_the_api_does_not_have_is_404(api, method, path):
 def test_a_checkpoint_file_name_is_checked_before_anything_is_stored(api, app, job):
     ctx = app.extensions["zwdx"]
     before = ctx.store.list_artifacts(job["id"])
-    resp = api.as_(api.token, job_key="jk_forged").put(f"/jobs/{job['id']}/checkpoints/0/..", data=b"x")
+    resp = api.as_(None, rank_key="rk_forged").put(f"/jobs/{job['id']}/checkpoints/0/..", data=b"x")
     assert resp.status_code in (403, 404)
     assert ctx.store.list_artifacts(job["id"]) == before

@@ -48,7 +48,7 @@ def exactly(model, payload: dict) -> None:
 
 def test_what_dashboards_receive_is_the_declared_type(app, api, socket_client):
     ui = socket_client("/ui", api.token)
-    gpu = socket_client("/gpu", api.token)
+    gpu = socket_client("/gpu", api.donor)
     answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": "3.11.7"},
                                    "slots": [{"index": 0, "kind": "cpu", "memory_total": 10, "memory_free": 10}]},
                       namespace="/gpu", callback=True)

@@ -34,7 +34,7 @@ def server(tmp_path):
 @pytest.fixture
 def gpu(server, room):
     sio = socketio.Client(reconnection=False)
-    sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["token"]}, transports=["websocket"],
+    sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["donor_token"]}, transports=["websocket"],
                 wait_timeout=30)
     yield sio
     sio.disconnect()

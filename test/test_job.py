@@ -53,7 +53,7 @@ def submit(store, clock, job_id="j1", **spec) -> Job:
 def place(job: Job) -> bool:
     placement = [PlacementEntry(rank=rank, client_id=cid, hostname=f"host-{cid}", gpu_index=0, kind="cpu")
                  for rank, cid in enumerate(("c1", "c2"))]
-    return job.start(placement, ["c1:0", "c2:0"], "hash-of-key")
+    return job.start(placement, ["c1:0", "c2:0"], {0: "hash-of-key-0", 1: "hash-of-key-1"})
 
 
 def running(store, clock) -> Job:
@@ -85,8 +85,9 @@ def test_start_takes_the_slots_and_begins_an_attempt(store, clock):
     clock.advance(5)
     assert place(job)
     r = job.record
-    assert (r.status, r.world_size, r.attempt, r.backend, r.started_at, r.job_key_hash) == \
-        (JobStatus.STARTING, 2, 0, "gloo", 1005.0, "hash-of-key")
+    assert (r.status, r.world_size, r.attempt, r.backend, r.started_at) == (JobStatus.STARTING, 2, 0, "gloo", 1005.0)
+    assert {rank: (k.hash, k.client_id, k.attempt) for rank, k in r.rank_keys.items()} == \
+        {"0": ("hash-of-key-0", "c1", 0), "1": ("hash-of-key-1", "c2", 0)}
     assert [p.client_id for p in r.placement] == ["c1", "c2"] and r.master is None
     assert r.timeline[-1].model_dump(mode="json") == {"status": "starting", "at": 1005.0, "attempt": 0, "world_size": 2}
     assert held(store) == {"c1:0": "j1", "c2:0": "j1"}

@@ -32,11 +32,12 @@ def pool(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")
     server = Server(str(base / "server"))
     sdk = ZWDX(server.url)
-    sdk.room_token = sdk.create_room("models")["token"]
+    made = sdk.create_room("models")
+    sdk.room_token = made["token"]
     clients: list[GpuClient] = []
 
     def start(name: str) -> GpuClient:
-        client = GpuClient(server.url, sdk.room_token, str(base / name), client_id=f"client-{name}")
+        client = GpuClient(server.url, made["donor_token"], str(base / name), client_id=f"client-{name}")
         clients.append(client)
         wait_until(lambda: any(c["id"] == client.client_id and c["status"] == "online"
                                for c in sdk.get_room()["clients"]), 60, what=f"gpu client {name} online")

@@ -81,7 +81,7 @@ def test_the_docs_page_is_self_contained(client):
 # -- a live server, fuzzed --------------------------------------------------------------------------
 class PortOfferingClient(socketio.Client):
     """A GPU client as far as the server can tell: registers one CPU slot, heartbeats, offers a
-    port when asked, and keeps the ``job_assign`` it gets (with the job key); it starts no rank."""
+    port when asked, and keeps the ``job_assign`` it gets (with its rank keys); it starts no rank."""
 
     def __init__(self, url: str, token: str):
         super().__init__(reconnection=False)
@@ -111,7 +111,7 @@ class PortOfferingClient(socketio.Client):
 
 
 class Live:
-    """A server process with a room, and a job placed on a GPU client: its id and key."""
+    """A server process with a room, and a job placed on a GPU client: its id and its rank's key."""
 
     def __init__(self, data_dir: str):
         self.server = Server(data_dir)
@@ -122,12 +122,12 @@ class Live:
             self.token = room["token"]
             headers = {defaults.TOKEN_HEADER: self.token}
             bundle = requests.post(f"{self.url}/api/v1/artifacts", data=b"bundle", headers=headers, timeout=10).json()
-            self.gpu = PortOfferingClient(self.url, self.token)
+            self.gpu = PortOfferingClient(self.url, room["donor_token"])
             self.job_id = requests.post(f"{self.url}/api/v1/jobs", headers=headers, timeout=10, json={
                 "bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
                 "world_size": 1}).json()["id"]
             wait_until(lambda: self.gpu.assigned, 30, what="the job placed on the fuzzing GPU client")
-            self.job_key = self.gpu.assigned[0]["job_key"]
+            self.rank_key = self.gpu.assigned[0]["ranks"][0]["key"]
         except BaseException:
             self.stop()
             raise
@@ -173,9 +173,10 @@ else:
     @schema.parametrize()
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     def test_every_operation_fuzzed(case, live):
-        """Every operation, with a valid room token and job key; a path that names a job names
-        the live one three times in four (the others find nothing: 404)."""
+        """Every operation, with a valid submitter token and rank key; a path that names a job
+        names the live one three times in four (the others find nothing: 404, or 403 where a
+        rank key speaks)."""
         if "job_id" in (case.path_parameters or {}) and len(case.path_parameters["job_id"]) % 4:
             case.path_parameters["job_id"] = live.job_id
-        case.call_and_validate(headers={defaults.TOKEN_HEADER: live.token, defaults.JOB_KEY_HEADER: live.job_key},
+        case.call_and_validate(headers={defaults.TOKEN_HEADER: live.token, defaults.RANK_KEY_HEADER: live.rank_key},
                                checks=CHECKS, timeout=30)

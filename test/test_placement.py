@@ -82,7 +82,7 @@ def test_bad_new_job_fields_get_400_and_change_nothing(api, fields, message):
 
 
 def test_a_gpu_client_with_a_bad_module_list_is_refused_with_the_reason(api, socket_client):
-    sio = socket_client("/gpu", api.token)
+    sio = socket_client("/gpu", api.donor)
     assert sio.is_connected("/gpu")
     base = {"client_id": "bad", "hostname": "h", "versions": {"python": "3.11.7"},
             "slots": [{"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 1000}]}

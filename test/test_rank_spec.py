@@ -1,5 +1,5 @@
-"""The RankSpec a GPU client hands each rank process: decided values required, secrets kept out
-of its printed form, one JSON line that reads back the same."""
+"""The RankSpec a GPU client hands each rank process: decided values required, its one secret (the
+rank's key; no room token) kept out of its printed form, one JSON line that reads back the same."""
 from __future__ import annotations
 
 import io
@@ -16,7 +16,7 @@ SPEC = {"job_id": "j1", "attempt": 1, "rank": 1, "local_rank": 0, "world_size": 
                                                     "files": {"rng-0.pt": "a1"}},
         "checkpoint_every_epoch": True, "threads": 4, "bundle_path": "/tmp/b.zwdx", "bundle_pending": True,
         "assigned_at": 1700000000.5, "server": "http://10.0.0.1:4461", "client_id": "lab-2", "hostname": "gpu7",
-        "room_token": "zr_secret-token", "job_key": "jk_secret-key", "log_path": "/tmp/rank1.log"}
+        "rank_key": "rk_secret-key", "log_path": "/tmp/rank1.log"}
 
 
 def test_a_spec_travels_as_one_json_line_and_reads_back_the_same():
@@ -24,7 +24,7 @@ def test_a_spec_travels_as_one_json_line_and_reads_back_the_same():
     line = spec.line()
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     back = RankSpec.read(io.StringIO(line.decode() + "ready\n"))
-    assert back == spec and back.room_token.get_secret_value() == "zr_secret-token"
+    assert back == spec and back.rank_key.get_secret_value() == "rk_secret-key"
     assert back.checkpoint.n == 3 and back.parallelism == "FSDP" and back.epochs is None
     assert RankSpec.read(io.StringIO("")) is None  # end of input: no rank to run
 
@@ -33,11 +33,19 @@ def test_secrets_are_only_in_the_line_for_the_rank_process():
     spec = parse(RankSpec, SPEC)
     for shown in (repr(spec), str(spec), str(spec.model_dump())):
         assert "secret" not in shown
-    assert b"zr_secret-token" in spec.line() and b"jk_secret-key" in spec.line()
+    assert b"rk_secret-key" in spec.line()
+
+
+@pytest.mark.parametrize("name", ["room_token", "job_key"])
+def test_a_rank_holds_no_room_level_secret(name):
+    assert name not in RankSpec.model_fields
+    with pytest.raises(BadRequest) as info:
+        parse(RankSpec, {**SPEC, name: "zs_a-room-token"}, "rank spec")
+    assert info.value.field == name and "not a field" in info.value.message
 
 
 @pytest.mark.parametrize("name", ["collective_timeout", "backend", "device", "parallelism", "epochs",
-                                  "checkpoint_every_epoch", "job_key"])
+                                  "checkpoint_every_epoch", "rank_key"])
 def test_what_the_server_decided_must_be_given(name):
     with pytest.raises(BadRequest) as info:
         parse(RankSpec, {k: v for k, v in SPEC.items() if k != name}, "rank spec")

@@ -61,13 +61,14 @@ def test_a_gpu_client_that_never_answers_delays_no_other_rooms_job(tmp_path):
     silent, client = None, None
     try:
         sdk = ZWDX(server.url)
-        quiet, busy = sdk.create_room("quiet")["token"], sdk.create_room("busy")["token"]
-        silent = SilentClient(server.url, quiet, "silent-0")
+        quiet_room, busy_room = sdk.create_room("quiet"), sdk.create_room("busy")
+        quiet, busy = quiet_room["token"], busy_room["token"]
+        silent = SilentClient(server.url, quiet_room["donor_token"], "silent-0")
         stuck = submit(sdk, quiet, wait=False)
         assert silent.asked.wait(60), "the scheduler never asked the silent client for a port"
         assert sdk.get_job(stuck, quiet)["status"] == "starting"
 
-        client = GpuClient(server.url, busy, str(tmp_path / "busy"), client_id="busy-0")
+        client = GpuClient(server.url, busy_room["donor_token"], str(tmp_path / "busy"), client_id="busy-0")
         result = submit(sdk, busy, timeout=240)  # a scheduler waiting on the silent client would wait 600 s
         assert result["status"] == "completed", result["reason"]
         job = sdk.get_job(stuck, quiet)
@@ -84,8 +85,9 @@ def test_no_answer_in_time_fails_the_job_and_frees_its_slot(tmp_path):
     silent = None
     try:
         sdk = ZWDX(server.url)
-        token = sdk.create_room("quiet")["token"]
-        silent = SilentClient(server.url, token, "silent-0")
+        room = sdk.create_room("quiet")
+        token = room["token"]
+        silent = SilentClient(server.url, room["donor_token"], "silent-0")
         result = submit(sdk, token, timeout=120, raise_on_failure=False)
         assert silent.asked.is_set()
         assert result["status"] == "failed"

@@ -139,16 +139,17 @@ def test_a_package_missing_on_the_gpu_client_is_named_with_the_client_and_its_ho
 
 
 def test_a_rank_has_no_secret_in_its_environment_or_command_line(sdk, room, start_client):
-    token = room["token"]
-    start_client("a", env={"ZWDX_ROOM_TOKEN": token})  # as run_gpu_client.sh starts one: the token in its env
+    token, donor = room["token"], room["donor_token"]
+    start_client("a", env={"ZWDX_ROOM_TOKEN": donor})  # as run_gpu_client.sh starts one: the token in its env
 
     def train_looking_around(model, loader):
         import os
         with open("/proc/self/cmdline", "rb") as fh:
             cmdline = fh.read().decode(errors="replace")
         return {"zwdx_variables": sorted(k for k in os.environ if k.startswith("ZWDX_")),
-                "secrets": sorted(k for k, v in os.environ.items() if token in v or v.startswith("jk_")),
-                "in_cmdline": token in cmdline or "jk_" in cmdline,
+                "secrets": sorted(k for k, v in os.environ.items() if token in v or donor in v or "rk_" in v
+                                  or "zc_" in v),
+                "in_cmdline": token in cmdline or donor in cmdline or "rk_" in cmdline,
                 "torch": [os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]}
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_looking_around,
                             room_token=token, world_size=1, progress=False, timeout=120)

@@ -39,7 +39,7 @@ def test_the_server_holds_many_gpu_clients_on_one_os_thread(server, room):
 
     def connect(i):
         try:
-            clients[i] = gpu_client(server.url, room["token"], f"many-{i}")
+            clients[i] = gpu_client(server.url, room["donor_token"], f"many-{i}")
         except Exception as exc:  # reported below, not lost in a thread
             errors.append(repr(exc))
     starters = [threading.Thread(target=connect, args=(i,)) for i in range(CLIENTS)]

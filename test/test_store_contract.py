@@ -22,9 +22,8 @@ from zwdx.server.store import SCHEMA_VERSION, base
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def make_room(store, room_id="r1", token_hash=None):
-    return store.create_room({"id": room_id, "name": f"room {room_id}", "token_hash": token_hash or f"h-{room_id}",
-                              "created_at": 1.5})
+def make_room(store, room_id="r1"):
+    return store.create_room({"id": room_id, "name": f"room {room_id}", "created_at": 1.5})
 
 
 def make_client(store, client_id="c1", room_id="r1", gpus=2, **extra):
@@ -86,6 +85,8 @@ def test_an_unreachable_mongodb_is_a_clear_error_that_hides_the_password():
 def test_everything_written_is_there_when_the_store_is_opened_again(backend):
     store = backend.open()
     make_room(store)
+    store.add_credential({"id": "k1", "room_id": "r1", "role": "submitter", "name": "", "hash": "h-r1",
+                          "created_at": 1.5, "rotated_at": None, "revoked_at": None, "legacy": False})
     make_client(store)
     make_job(store, "j1")
     make_job(store, "j2")
@@ -96,7 +97,7 @@ def test_everything_written_is_there_when_the_store_is_opened_again(backend):
     store.close()
 
     again = backend.open()
-    assert again.find_room_by_token_hash("h-r1")["id"] == "r1"
+    assert again.get_room("r1")["name"] == "room r1" and again.find_credential("h-r1")["room_id"] == "r1"
     assert [j.id for j in again.list_jobs("r1", ["queued"])] == ["j2"]
     assert again.get_job("j1").status == "starting"
     assert held_by(again)["c1:0"] == ("j1", 0)
@@ -114,7 +115,8 @@ def test_what_the_server_asks_often_is_indexed(backend):
     assert covered("jobs", "room_id", "status")
     assert covered("events", "job_id", "kind")
     assert covered("events", "job_id", "rank", "key", unique=True)
-    assert covered("rooms", "token_hash", unique=True)
+    assert covered("credentials", "hash", unique=True)
+    assert covered("credentials", "room_id")
     assert covered("slots", "job_id")
     assert covered("artifacts", "job_id", "kind")
     if backend.name == "mongo":
@@ -122,23 +124,18 @@ def test_what_the_server_asks_often_is_indexed(backend):
 
 
 # -- rooms -------------------------------------------------------------------------------------
-def test_rooms_are_found_by_id_and_by_token_hash(store):
-    room = make_room(store, "r1", "hash-1")
-    make_room(store, "r2", "hash-2")
-    assert store.get_room("r1") == room
-    assert store.find_room_by_token_hash("hash-2")["id"] == "r2"
+def test_rooms_are_found_by_id(store):
+    room = make_room(store, "r1")
+    make_room(store, "r2")
+    assert store.get_room("r1") == room and store.get_room("r2")["name"] == "room r2"
     assert store.get_room("nope") is None
-    assert store.find_room_by_token_hash("nope") is None
 
 
 def test_a_room_stored_twice_is_a_store_error_and_the_first_stays(store):
-    make_room(store, "r1", "hash-1")
+    make_room(store, "r1")
     with pytest.raises(StoreError):
-        make_room(store, "r1", "hash-2")
-    with pytest.raises(StoreError):
-        make_room(store, "r2", "hash-1")  # a token opens one room
-    assert store.find_room_by_token_hash("hash-1")["id"] == "r1"
-    assert store.find_room_by_token_hash("hash-2") is None and store.get_room("r2") is None
+        store.create_room({"id": "r1", "name": "again", "created_at": 2.0})
+    assert store.get_room("r1")["name"] == "room r1"
 
 
 def test_a_failed_statement_in_an_embedded_transaction_is_a_store_error_and_changes_nothing(tmp_path):
@@ -146,12 +143,12 @@ def test_a_failed_statement_in_an_embedded_transaction_is_a_store_error_and_chan
     store = SQLiteStore(str(tmp_path / "zwdx.sqlite3"))
     with pytest.raises(StoreError) as err:
         with store.db.tx() as db:
-            db.execute("INSERT INTO rooms VALUES ('r1', 'h', '{}')")
+            db.execute("INSERT INTO rooms VALUES ('r1', '{}')")
             db.execute("INSERT INTO no_such_table VALUES (1)")
     assert "no such table" in str(err.value)
     assert store.get_room("r1") is None  # rolled back
     with store.db.tx() as db:  # the pooled connection is fine afterwards
-        db.execute("INSERT INTO rooms VALUES ('r1', 'h', '{\"id\": \"r1\"}')")
+        db.execute("INSERT INTO rooms VALUES ('r1', '{\"id\": \"r1\"}')")
     assert store.get_room("r1") == {"id": "r1"}
     store.close()
 

@@ -1,7 +1,8 @@
 """The store's job verbs, run against every backend (the embedded SQLite file and MongoDB
 over its wire protocol): typed records written whole once, then top-level fields, per-rank
 entries and list items, each write applying only in the statuses it names. And a store left
-by the previous layout (schema version 1) opens, migrated, and shows the same jobs.
+by an earlier layout (schema version 1) opens, migrated, and shows the same jobs; its room's
+token is the room's legacy credential.
 
     python -m pytest test/test_store_jobs.py -q
 """
@@ -172,7 +173,7 @@ def old_view(doc: dict) -> dict:
 def test_a_store_written_by_the_previous_layout_opens_migrated_and_shows_the_same_jobs(backend):
     with open(V1) as fh:
         v1 = json.load(fh)
-    assert v1["schema_version"] == 1 and SCHEMA_VERSION == 2
+    assert v1["schema_version"] == 1 and SCHEMA_VERSION == 3
     backend.write_raw(v1["rooms"], v1["jobs"], schema_version=1)
     store = backend.open()
     assert store.schema_version() == SCHEMA_VERSION
@@ -187,8 +188,11 @@ def test_a_store_written_by_the_previous_layout_opens_migrated_and_shows_the_sam
     assert JobView.of(failed).failure_order == ["1", "0"]  # rank 1 raised first
     resumed = jobs["resumed"]
     assert resumed.restarts == 1 and resumed.restart_history[0].from_checkpoint.format == "torch"
-    assert store.get_job(jobs["done"].id).job_key_hash == v1["jobs"][0]["job_key_hash"]
-    assert store.find_room_by_token_hash(v1["rooms"][0]["token_hash"])["id"] == v1["rooms"][0]["id"]
+    room = v1["rooms"][0]
+    legacy = store.find_credential(room["token_hash"])
+    assert (legacy["room_id"], legacy["role"], legacy["legacy"], legacy["revoked_at"]) == \
+        (room["id"], "submitter", True, None)
+    assert store.list_credentials(room["id"]) == [legacy] and "token_hash" not in store.get_room(room["id"])
     # The old jobs take new writes, and the queued one keeps its place in line.
     queued = jobs["queued"]
     assert store.count_jobs(queued.room_id, ["queued"], before_seq=queued.seq) == 0
@@ -198,3 +202,4 @@ def test_a_store_written_by_the_previous_layout_opens_migrated_and_shows_the_sam
     store.close()
     again = backend.open()  # opening it again migrates nothing twice
     assert again.schema_version() == SCHEMA_VERSION and again.get_job(failed.id) == failed
+    assert again.list_credentials(room["id"]) == [legacy]

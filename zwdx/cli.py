@@ -1,4 +1,8 @@
-"""The `zwdx` command: server, room create, gpu-client, job status/logs/cancel."""
+"""The `zwdx` command: server, room create, room tokens, gpu-client, job status/logs/cancel.
+
+Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx job``,
+``zwdx room tokens``, the SDK, the dashboard) and a donor token (``zd_``: ``zwdx gpu-client``).
+"""
 from __future__ import annotations
 
 import argparse
@@ -56,8 +60,35 @@ def _room_create(args) -> int:
     if args.json:
         print(json.dumps(room))
     else:
-        print(f"room {room['name']} ({room['id']}) created. Its token, shown only now:")
-        print(room["token"])
+        print(f"room {room['name']} ({room['id']}) created. Its tokens, shown only now (the server keeps "
+              f"their hashes only):")
+        print("submitter token: submits jobs, reads results, opens the dashboard, manages tokens (zwdx room tokens)")
+        print(room["submitter_token"])
+        print("donor token: for the GPU clients lent to the room (zwdx gpu-client), nothing else")
+        print(room["donor_token"])
+    return 0
+
+
+def _room_tokens(args) -> int:
+    from .sdk import ZWDX
+    tokens = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")).tokens
+    if args.tokens_action == "list":
+        shown = tokens.list()
+    elif args.tokens_action == "create":
+        shown = [tokens.create(args.role, args.name or "")]
+    elif args.tokens_action == "revoke":
+        shown = [tokens.revoke(args.token_id)]
+    else:
+        shown = tokens.rotate(args.token_id)
+    if args.json:
+        print(json.dumps(shown if args.tokens_action in ("list", "rotate") else shown[0]))
+        return 0
+    for token in shown:
+        role = token["role"] + (" (legacy: also a donor token; rotate it)" if token.get("legacy") else "")
+        state = "revoked" if token.get("revoked_at") else "active"
+        print(f"{token['id']}  {role:<10} {state:<8} {token.get('name') or '-'}" + ("  (this one)" if token.get("own") else ""))
+        if token.get("token"):
+            print(f"  its secret, shown only now: {token['token']}")
     return 0
 
 
@@ -65,7 +96,8 @@ def _gpu_client(args) -> int:
     from gpu_client.agent import serve
     token = args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")
     if not token:
-        print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN) is required", file=sys.stderr)
+        print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN), the room's donor token, is required",
+              file=sys.stderr)
         return 2
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
@@ -130,15 +162,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("room", help="rooms")
     rsub = p.add_subparsers(dest="action", required=True)
-    c = rsub.add_parser("create", help="create a room and print its token (shown once)")
+    c = rsub.add_parser("create", help="create a room and print its submitter and donor tokens (shown once)")
     c.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
     c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
     c.set_defaults(func=_room_create)
+    t = rsub.add_parser("tokens", help="list, make, revoke or rotate the room's tokens (with a submitter token)")
+    tsub = t.add_subparsers(dest="tokens_action", required=True)
+    for action, what in (("list", "every token of the room by name and role"),
+                         ("create", "make a token (its secret is shown once)"),
+                         ("revoke", "revoke a token: it opens nothing from now on"),
+                         ("rotate", "give a token a new secret (a legacy token becomes a submitter and a donor token)")):
+        a = tsub.add_parser(action, help=what)
+        if action in ("revoke", "rotate"):
+            a.add_argument("token_id", help="the token's id (zwdx room tokens list)")
+        if action == "create":
+            a.add_argument("--role", choices=["submitter", "donor"], required=True)
+            a.add_argument("--name", default="", help="what the token is for (\"lab-3 GPUs\")")
+        a.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+        a.add_argument("--room-token", "-rt", default=None,
+                       help="a submitter token of the room (default: $ZWDX_ROOM_TOKEN)")
+        a.add_argument("--json", action="store_true", help="print JSON")
+        a.set_defaults(func=_room_tokens)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
     p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None, help="the room to join (default: $ZWDX_ROOM_TOKEN)")
+    p.add_argument("--room-token", "-rt", default=None,
+                   help="the room's donor token, zd_... (default: $ZWDX_ROOM_TOKEN)")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
     p.add_argument("--advertise-addr", default=None,
@@ -156,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id", nargs="?")
     p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
     p.add_argument("--room-token", "-rt", default=None,
-                   help="the job's room (default: $ZWDX_ROOM_TOKEN, else the one remembered for the job)")
+                   help="a submitter token of the job's room, zs_... (default: $ZWDX_ROOM_TOKEN, else the one "
+                        "remembered for the job)")
     p.set_defaults(func=_job)
     return parser
 

@@ -1,6 +1,7 @@
 """The submitter's credential store: which room token opens which of their jobs.
 
-The SDK remembers, per server URL, the token of every room it created or submitted to, and
+The SDK remembers, per server URL, the submitter token of every room it created or submitted
+to (never a donor token: those go to GPU clients), and
 the room of every job it submitted, so that in a fresh process the job id is enough:
 
     ZWDX("http://server:4461").get_trained_model(job_id, Net())
@@ -86,6 +87,13 @@ class CredentialStore:
         with self._update(server_url) as server:
             server["rooms"][room_id] = token
             server["jobs"][job_id] = room_id
+
+    def replace_token(self, server_url: str, old: str, new: str) -> None:
+        """A token was rotated: the rooms that held ``old`` hold ``new`` from now on."""
+        with self._update(server_url) as server:
+            for room_id, token in list(server["rooms"].items()):
+                if token == old:
+                    server["rooms"][room_id] = new
 
     @contextmanager
     def _update(self, server_url: str):

@@ -40,10 +40,17 @@ RESERVE_TIMEOUT = 10.0
 POLL_INTERVAL = 0.5
 #: Chunk size for streaming artifacts.
 CHUNK_BYTES = 1024 * 1024
-#: Header that carries a room token.
+#: Header that carries a room token (a submitter token on REST; see zwdx.protocol.tokens).
 TOKEN_HEADER = "X-Zwdx-Room-Token"
-#: Header that carries a job key (held by the GPU clients running the job).
-JOB_KEY_HEADER = "X-Zwdx-Job-Key"
+#: Header that carries a rank key (held by one rank process of a running job).
+RANK_KEY_HEADER = "X-Zwdx-Rank-Key"
+#: Seconds a server process trusts what it read of a token before it asks the store again: a
+#: token revoked or rotated on another server process stops working within this time (at once
+#: on the process that did it).
+CREDENTIAL_CACHE_S = 2.0
+#: Seconds after a job failed during which its ranks may still report their own failure and
+#: their last log lines (the traceback of a rank that lost its peers as the job failed).
+FAILURE_REPORT_GRACE = 60.0
 #: Header that carries an artifact's sha256 on upload.
 SHA256_HEADER = "X-Zwdx-Sha256"
 #: Seconds between reports of throughput and GPU utilisation by rank 0.

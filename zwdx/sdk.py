@@ -5,8 +5,11 @@
     result = zwdx.submit_job(model=Net(), data_loader_func=..., train_func=..., room_token=token)
     model = zwdx.get_trained_model(result["job_id"], Net())   # later, in any process of this user
 
-Room tokens of the rooms this user created or submitted to are remembered per server URL
-(``zwdx.credentials``), so a job id alone opens its job. The earlier project's surface works
+``room_token`` is always a submitter token of the room (``zs_...``, from ``zwdx room create``;
+the room's donor token, ``zd_...``, is for GPU clients and opens nothing here). The submitter
+tokens of the rooms this user created or submitted to are remembered per server URL
+(``zwdx.credentials``), so a job id alone opens its job. ``zwdx.tokens`` manages a room's tokens
+(``zwdx.room_tokens``). The earlier project's surface works
 as it did: ``parse_args()`` (``-rt/--room_token``), ``get_logger()`` and a result whose
 ``status`` also equals "complete" and whose ``complete`` is a bool.
 """
@@ -89,8 +92,9 @@ def _say(message: str) -> None:
 
 
 class ZWDX:
-    """A connection to one zwdx server. Room tokens are given per call or once here; those of
-    rooms created or submitted to are remembered (``remember=False`` or ``ZWDX_REMEMBER=0``: not).
+    """A connection to one zwdx server. Submitter tokens are given per call (``room_token=``) or
+    once here; those of rooms created or submitted to are remembered (``remember=False`` or
+    ``ZWDX_REMEMBER=0``: not).
 
     A context manager: ``with ZWDX(url) as zwdx: ...`` closes its HTTP connections at the end
     (as ``close()`` does)."""
@@ -119,12 +123,13 @@ class ZWDX:
     # -- the earlier project's surface -------------------------------------------------------
     def parse_args(self, args: list[str] | None = None) -> argparse.Namespace:
         """The earlier project's command line: ``-rt/--room_token`` (required unless
-        ``ZWDX_ROOM_TOKEN`` is set). The token becomes this object's default room token."""
+        ``ZWDX_ROOM_TOKEN`` is set), a submitter token of the room. It becomes this object's
+        default room token."""
         env_token = os.environ.get("ZWDX_ROOM_TOKEN")
         parser = argparse.ArgumentParser(description="zwdx user argument parser.")
         parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str,
                             required=not env_token, default=env_token,
-                            help="token of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
+                            help="a submitter token (zs_...) of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
         parsed = parser.parse_args(args)
         self.room_token = parsed.room_token or self.room_token
         return parsed
@@ -150,8 +155,8 @@ class ZWDX:
         token = token or self.room_token
         if not token:
             known = f" (no job {job_id} submitted to {self.server_url} is on record here)" if job_id else ""
-            raise BadRequest(f"a room token is needed{known}: pass room_token=... or --room-token (from "
-                             f"`zwdx room create`)", field="room_token")
+            raise BadRequest(f"a room token is needed{known}: a submitter token of the room (zs_..., printed by "
+                             f"`zwdx room create`), as room_token=... or --room-token", field="room_token")
         return token
 
     def _remember(self, what: str, *args) -> None:
@@ -193,15 +198,24 @@ class ZWDX:
         return self._request("GET", "/health").json()
 
     def create_room(self, name: str = "") -> dict:
-        """A new room: ``{"id", "name", "token"}``. The token is shown only this once (and
-        remembered in this user's credential store)."""
+        """A new room: ``{"id", "name", "created_at", "submitter_token", "donor_token", "token"}``.
+        The submitter token submits jobs and reads them (``token`` is the same one, under its
+        earlier name); the donor token is for GPU clients (``zwdx gpu-client``). Both are shown
+        only this once; the submitter token is remembered in this user's credential store."""
         room = self._json("POST", "/rooms", json={"name": name})
-        self._remember("remember_room", room["id"], room["token"])
+        self._remember("remember_room", room["id"], room["submitter_token"])
         return room
 
     def get_room(self, room_token: str | None = None) -> dict:
         """The room of the token, with its GPU clients and their slots."""
         return self._json("GET", "/room", self._token(room_token))
+
+    @property
+    def tokens(self):
+        """The room's tokens: ``zwdx.tokens.list()``, ``.create(role, name)``, ``.revoke(id)``,
+        ``.rotate(id)`` (``zwdx.room_tokens.RoomTokens``)."""
+        from .room_tokens import RoomTokens
+        return RoomTokens(self)
 
     # -- jobs --------------------------------------------------------------------------------
     @_positional_at_most(SUBMIT_POSITIONAL)

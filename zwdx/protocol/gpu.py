@@ -7,6 +7,10 @@
 
 The GPU client builds and reads these types; the server checks every payload with ``parse``
 before a handler sees it, and answers a wrong one with ``Ack(ok=False, error=...)``.
+
+Credentials (``zwdx.protocol.tokens``): a GPU client connects with its room's donor token;
+its first ``register`` is answered with a client secret, which every later ``register`` of that
+client id must present; each ``JobAssign`` carries one rank key per rank it gives the client.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pydantic import Field, StringConstraints, field_validator
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
+from .tokens import Secret
 from .job import CheckpointEntry
 from .vocab import Parallelism, SlotKind
 
@@ -61,6 +66,8 @@ class Register(Message):
     modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_CLIENT_MODULES)] | None = None
     advertise_addr: Annotated[str, StringConstraints(max_length=255)] | None = None
     running: Annotated[list[Running], Field(max_length=1024)] = []
+    #: The secret the first ``register`` of this client id was answered with; None the first time.
+    client_secret: Secret | None = None
 
     @field_validator("slots")
     @classmethod
@@ -75,7 +82,13 @@ class RegisterAnswer(Answer):
     ok: bool
     room_id: str | None = None
     heartbeat_interval: float | None = None
+    #: Issued at the client id's first register, shown only here: keep it (file 0600) and send it
+    #: with every later register of this id.
+    client_secret: str | None = None
     error: str | None = None
+    #: Why it was refused, for the agent: ``client_secret`` when the id is registered already
+    #: and the secret sent is not its own (an agent that lost its secret registers under a new id).
+    code: str | None = None
 
 
 class Heartbeat(Message):
@@ -108,10 +121,13 @@ class PortOffer(Message):
 
 
 class RankPlace(Answer):
-    """One of the job's ranks that a client runs, and on which of its slots."""
+    """One of the job's ranks that a client runs, on which of its slots, and its rank key: the
+    rank's only credential, good for this rank of this attempt from this client while the job
+    runs (the agent hands it to the rank process in its ``RankSpec``)."""
     rank: int
     gpu_index: int
     kind: SlotKind = SlotKind.CUDA
+    key: str
 
 
 class JobAssign(Answer):
@@ -120,7 +136,6 @@ class JobAssign(Answer):
     ranks need have no default here. The agent turns it into one ``RankSpec`` per rank
     (``zwdx.protocol.rank``)."""
     job_id: str
-    job_key: str
     attempt: int = 0
     ranks: list[RankPlace]
     world_size: int

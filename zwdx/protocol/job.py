@@ -8,7 +8,8 @@
     TimelineEntry    one change of status
     RestartEntry     one restart from a checkpoint, after a lost GPU client
     CheckpointEntry  a committed checkpoint (also handed to a resumed attempt in ``JobAssign``)
-    Job              the record the store keeps, with the server-only ``job_key_hash``
+    RankCredential   the hash of one rank's key and what it is bound to (server-only)
+    Job              the record the store keeps, with the server-only ``rank_keys``
     JobView          what the REST API, the SDK and the dashboard get: the record without its
                      secret, tracebacks by rank, ``failure_order``; ``queue_position`` while queued
     Submitted        the answer to a submit: the view and ``unschedulable``
@@ -118,6 +119,14 @@ class TimelineEntry(Record):
     checkpoint: int | None = Field(default=None, exclude_if=_absent)
 
 
+class RankCredential(Record):
+    """One rank's key of the current attempt: only its sha256, and the GPU client it was sent to.
+    A request that carries the key speaks for this rank, of this attempt, while the job runs."""
+    hash: str
+    client_id: str
+    attempt: int
+
+
 class RestartEntry(Record):
     at: float
     reason: str
@@ -177,8 +186,8 @@ class Job(JobFields):
     """The record the store keeps."""
     #: rank -> its failure, this attempt
     failures: dict[str, RankFailure] = Field(default_factory=dict)
-    #: sha256 of the job key the ranks of the current attempt hold (never shown).
-    job_key_hash: str | None = None
+    #: rank -> the key its rank process holds, this attempt (never shown; replaced at each start).
+    rank_keys: dict[str, RankCredential] = Field(default_factory=dict)
 
 
 class FailureInfo(Answer):
@@ -212,7 +221,7 @@ class JobView(JobFields):
 
     @classmethod
     def of(cls, job: Job, **extra) -> JobView:
-        fields = job.model_dump(exclude={"failures", "job_key_hash"})
+        fields = job.model_dump(exclude={"failures", "rank_keys"})
         return cls.model_validate({
             **fields, **extra,
             "failures": {rank: f.traceback for rank, f in job.failures.items()},
@@ -227,4 +236,4 @@ class Submitted(JobView):
 
 
 __all__ = ["CheckpointEntry", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
-           "RestartEntry", "JobFields", "Job", "FailureInfo", "failure_order", "JobView", "Submitted"]
+           "RankCredential", "RestartEntry", "JobFields", "Job", "FailureInfo", "failure_order", "JobView", "Submitted"]

@@ -9,9 +9,12 @@ only what libraries read themselves (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME``
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the spec for libraries
 that read them.
 
-The room token and the job key travel only here, on stdin: never in an environment or on a
-command line, where other processes of the machine could read them. They are ``SecretStr``s, so
-a spec printed or logged shows ``**********``; only its JSON line carries them.
+A rank holds one secret, its rank key (``zwdx.protocol.tokens``): bound to this rank of this
+attempt of the job and to this GPU client, good only while the job runs. No room token, no
+client secret: job code that reads its own spec can speak for its own rank and nothing else.
+The key travels only here, on stdin: never in an environment or on a command line, where other
+processes of the machine could read it. It is a ``SecretStr``, so a spec printed or logged
+shows ``**********``; only its JSON line carries it.
 
 Every value the server decided comes resolved (``JobAssign``): the rank process derives no
 default of its own.
@@ -69,14 +72,14 @@ class RankSpec(Message):
     server: Annotated[str, StringConstraints(min_length=1, max_length=2048)]
     client_id: Id
     hostname: Text
-    room_token: SecretStr
-    job_key: SecretStr
+    #: The rank's credential on every call it makes (``X-Zwdx-Rank-Key``).
+    rank_key: SecretStr
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
 
-    @field_serializer("room_token", "job_key", when_used="json")
+    @field_serializer("rank_key", when_used="json")
     def _reveal(self, secret: SecretStr) -> str:
-        """The JSON line for the rank process carries the secrets; ``repr`` and ``model_dump`` do not."""
+        """The JSON line for the rank process carries the secret; ``repr`` and ``model_dump`` do not."""
         return secret.get_secret_value()
 
     def line(self) -> bytes:

@@ -50,7 +50,11 @@ class RoomView(Answer):
 
 
 class RoomCreated(RoomView):
-    """The room and its token: shown only in this answer."""
+    """The room and its first two tokens, shown only in this answer (``zwdx.protocol.tokens``):
+    ``submitter_token`` submits jobs and opens the dashboard, ``donor_token`` connects GPU
+    clients. ``token`` is the submitter token again, under the name an older zwdx used."""
+    submitter_token: str
+    donor_token: str
     token: str
 
 

@@ -54,6 +54,13 @@ class CheckpointFormat(str, Enum):
     DCP = "dcp"       # FSDP: torch.distributed.checkpoint, one shard per rank
 
 
+class CredentialRole(str, Enum):
+    """What a room's token may do: a submitter's submits and reads jobs, a donor's connects GPU
+    clients (``zwdx.protocol.tokens``)."""
+    SUBMITTER = "submitter"
+    DONOR = "donor"
+
+
 class ClientStatus(str, Enum):
     ONLINE = "online"
     OFFLINE = "offline"
@@ -110,4 +117,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

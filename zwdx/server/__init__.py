@@ -26,8 +26,9 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
 from ..protocol.report import to_wire
-from . import api, checkpoints, dashboard_api, events, limits, openapi, ui
+from . import api, checkpoints, dashboard_api, events, limits, openapi, tokens, ui
 from .artifacts import FileArtifactStore
+from .auth import CredentialCache
 from .extensions import socketio
 from .scheduler import Scheduler
 from .store import open_store
@@ -115,8 +116,10 @@ class ServerContext:
         self.sweeper = Sweeper(self)
         self.limiter = None  # limits.init_app, once the routes are registered
         self.stopping = threading.Event()
-        #: token hash -> room, for the rooms callers named (rooms are never changed or deleted)
-        self.rooms: dict[str, dict] = {}
+        #: token hash -> its credential and room, as read lately (``auth.CredentialCache``)
+        self.credentials = CredentialCache()
+        #: Socket.IO sid -> (namespace, credential id) of the connections to this process
+        self.connections: dict[str, tuple[str, str]] = {}
 
     def close(self) -> None:
         """Stop the background loops and release the store (an app in a test, at its end)."""
@@ -172,6 +175,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(tokens.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
     app.after_request(_security_headers)

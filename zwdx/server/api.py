@@ -1,7 +1,8 @@
 """The REST API under /api/v1, for the SDK, the dashboard and GPU clients' rank processes.
 
-Callers prove who they are with a room token (header X-Zwdx-Room-Token); rank processes
-writing into a job add its job key (X-Zwdx-Job-Key). Every route is an ``operation``
+Submitters prove who they are with a submitter token of the room (header X-Zwdx-Room-Token; a
+donor token opens no route); the rank processes of a running job with their rank's key
+(X-Zwdx-Rank-Key), which speaks for that rank only (``auth.py``). Every route is an ``operation``
 (``http.py``): its body and query arrive checked, as the models of ``zwdx.protocol.rest``, and
 it answers one of them; ``GET /api/v1/openapi.json`` describes them all. Errors come back as
 ``{"error": {"code", "message", ...}}`` with the matching HTTP status.
@@ -15,15 +16,15 @@ import uuid
 from flask import Blueprint, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from ..errors import BadRequest, Conflict, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, EventKind, JobStatus, RankStatus
+from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
+from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobStatus, RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, RoomCreated, RoomDetail, SubmitJob)
 from ..protocol.report import NON_FINITE
 from . import limits, lifecycle, notify
-from .auth import hash_secret, new_secret
+from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job
 from .placement import room_totals, unschedulable
@@ -73,15 +74,17 @@ def health():
 @operation(bp, "POST", "/rooms", "Create a room", auth=Auth.NONE, body=CreateRoom, answer=RoomCreated, status=201,
            errors=(429,), tag="rooms")
 def create_room(body: CreateRoom):
-    """The answer holds the room's token, shown this once: the server keeps only its sha256.
+    """The answer holds the room's first submitter token and donor token, shown this once: the
+    server keeps only their sha256 (``GET /room/tokens`` lists them by name; more are made there).
     One address may create ``RATE_LIMIT_ROOMS`` rooms (429 past it)."""
     name = body.name or f"room-{uuid.uuid4().hex[:6]}"
-    token = new_secret("zr")
-    room = {"id": uuid.uuid4().hex[:12], "name": name, "token_hash": hash_secret(token),
-            "created_at": time.time()}
+    room = {"id": uuid.uuid4().hex[:12], "name": name, "created_at": time.time()}
     ctx().store.create_room(room)
+    _, submitter = issue_credential(ctx().store, room["id"], CredentialRole.SUBMITTER, "made with the room")
+    _, donor = issue_credential(ctx().store, room["id"], CredentialRole.DONOR, "made with the room")
     log.info("room %s (%s): created", room["id"], name)
-    return RoomCreated(**room_view(room).model_dump(), token=token), 201
+    return RoomCreated(**room_view(room).model_dump(), submitter_token=submitter, donor_token=donor,
+                       token=submitter), 201
 
 
 @operation(bp, "GET", "/room", "The room of the token: its GPU clients, what they offer, its quotas", answer=RoomDetail,
@@ -216,10 +219,11 @@ def get_weights(job: JobRecord):
     return stream(artifact)
 
 
-# -- written by the rank processes of a job (room token + job key) ------------------------------
+# -- written by the rank processes of a job (a rank's key: that rank only) ------------------------
 @operation(bp, "GET", "/jobs/<job_id>/bundle", "Download the job's bundle (its rank processes)", auth=Auth.JOB,
            answer=OCTET, tag="ranks")
 def get_bundle(job: JobRecord):
+    """Any rank's key of the job's current attempt (a GPU client fetches it once for its ranks)."""
     artifact = ctx().store.get_artifact(job.spec.bundle_artifact)
     if artifact is None or artifact.get("room_id") != job.room_id:
         raise NotFound(f"job {job.id} has no bundle on this server", job_id=job.id)
@@ -227,11 +231,16 @@ def get_bundle(job: JobRecord):
 
 
 @operation(bp, "POST", "/jobs/<job_id>/events", "Report metric and log events", auth=Auth.JOB, body=EventsBatch,
-           answer=Stored, tag="ranks")
-def post_events(job: JobRecord, body: EventsBatch):
-    """An event whose ``(rank, key)`` the job holds already is stored once: a batch sent twice
-    counts once. ``stored`` says how many were new."""
-    clean = [{"kind": ev.kind.value, "rank": ev.rank, "key": ev.key or uuid.uuid4().hex, "step": ev.step,
+           answer=Stored, tag="ranks", late=True)
+def post_events(job: JobRecord, sender: Sender, body: EventsBatch):
+    """A rank reports its own events only: an event of another rank is refused (403) and none
+    of the batch is stored. An event whose ``(rank, key)`` the job holds already is stored
+    once: a batch sent twice counts once. ``stored`` says how many were new."""
+    others = sorted({ev.rank for ev in body.events if ev.rank not in (None, sender.rank)})
+    if others:
+        raise Forbidden(f"rank {sender.rank}'s key reports rank {sender.rank}'s events only, not rank(s) "
+                        f"{', '.join(map(str, others))}'s", job_id=job.id, rank=sender.rank)
+    clean = [{"kind": ev.kind.value, "rank": sender.rank, "key": ev.key or uuid.uuid4().hex, "step": ev.step,
               "data": ev.model_dump(mode="json")["data"], "ts": ev.ts or time.time()} for ev in body.events]
     stored = ctx().store.add_events(job.id, clean)
     notify.events_added(job, stored)
@@ -239,14 +248,18 @@ def post_events(job: JobRecord, body: EventsBatch):
 
 
 @operation(bp, "POST", "/jobs/<job_id>/ranks/<rank>", "Report a rank's start, result or failure",
-           auth=Auth.JOB, body=RankReport, answer=RankReportAnswer, tag="ranks")
-def post_rank_status(job: JobRecord, rank: int, body: RankReport):
-    """A report on a job that is no longer active is answered ``ok: false`` and ignored, but a
-    failing rank's traceback is kept on a failed job. ``weights_artifact`` must name weights
-    uploaded for this job (``PUT /jobs/<id>/weights``): anything else is refused (400) and
-    nothing is recorded."""
+           auth=Auth.JOB, body=RankReport, answer=RankReportAnswer, tag="ranks", late=True)
+def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport):
+    """Only the rank's own key reports for it (403 otherwise). Once the job failed, a rank may
+    still report its own failure for a moment (its traceback is kept); nothing else.
+    ``weights_artifact`` must name weights uploaded for this job (``PUT /jobs/<id>/weights``):
+    anything else is refused (400) and nothing is recorded."""
     if job.world_size is None or not 0 <= rank < job.world_size:
         raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")
+    only_rank(sender, rank, f"a report for rank {rank}", job.id)
+    if not sender.live and body.status != RankStatus.FAILED:
+        raise Forbidden(f"job {job.id} is {job.status.value}: its ranks may only report their failure now",
+                        job_id=job.id, status=job.status.value)
     if body.weights_artifact is not None and \
             job_artifact(job, body.weights_artifact, ArtifactKind.WEIGHTS.value) is None:
         raise BadRequest(f"field 'weights_artifact': no weights {body.weights_artifact} uploaded for job {job.id}",
@@ -268,6 +281,8 @@ def post_rank_status(job: JobRecord, rank: int, body: RankReport):
 
 @operation(bp, "PUT", "/jobs/<job_id>/weights", "Upload the trained weights (rank 0)", auth=Auth.JOB, body=OCTET,
            answer=ArtifactView, status=201, errors=(413, 422, 429), tag="ranks")
-def put_weights(job: JobRecord):
-    """Safetensors bytes; the answer's ``id`` is what rank 0 reports as ``weights_artifact``."""
+def put_weights(job: JobRecord, sender: Sender):
+    """Safetensors bytes, from rank 0's key only; the answer's ``id`` is what rank 0 reports as
+    ``weights_artifact``."""
+    only_rank(sender, 0, "uploading the weights", job.id)
     return save_artifact({"id": job.room_id}, ArtifactKind.WEIGHTS.value, job.id), 201

@@ -1,5 +1,6 @@
-"""Checkpoints of a job: files uploaded by its ranks (job key), committed by rank 0, the
-last ``keep_checkpoints`` kept, read back by resumed ranks and the submitter (room token)."""
+"""Checkpoints of a job: files uploaded by the ranks of its current attempt (each with its rank
+key, recorded with the file), committed by rank 0 (its key), the last ``keep_checkpoints``
+kept, read back by resumed ranks (their keys) and the submitter (a submitter token)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from ..protocol.job import CheckpointEntry, Job as JobRecord
 from ..protocol.report import CheckpointCommit, FileName
 from ..protocol.rest import ArtifactView, CheckpointList
 from . import notify
+from .auth import Sender, only_rank
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
 from .job import Job
 
@@ -37,21 +39,25 @@ def _file_name(name: str) -> str:
 
 @operation(bp, "PUT", "/jobs/<job_id>/checkpoints/<n>/<name>", "Upload one file of checkpoint n",
            auth=Auth.JOB, body=OCTET, answer=ArtifactView, status=201, errors=(400, 413, 422, 429), tag="checkpoints")
-def put_checkpoint_file(job: JobRecord, n: int, name: str):
-    """A rank's shard (FSDP), or the whole state (DDP). Sent again, the later file wins."""
+def put_checkpoint_file(job: JobRecord, sender: Sender, n: int, name: str):
+    """A rank's shard (FSDP), or the whole state (DDP). Sent again, the later file wins. The
+    rank and the attempt whose key sent it are kept with it."""
     _file_name(name)
-    return save_artifact({"id": job.room_id}, ArtifactKind.CHECKPOINT.value, job.id, checkpoint=n, name=name), 201
+    return save_artifact({"id": job.room_id}, ArtifactKind.CHECKPOINT.value, job.id, checkpoint=n, name=name,
+                         rank=sender.rank, attempt=sender.attempt), 201
 
 
 @operation(bp, "POST", "/jobs/<job_id>/checkpoints/<n>/commit", "Commit checkpoint n (rank 0)",
            auth=Auth.JOB, body=CheckpointCommit, answer=CheckpointEntry, status=201, tag="checkpoints")
-def commit_checkpoint(job: JobRecord, n: int, body: CheckpointCommit):
-    """Once every rank uploaded its files, checkpoint ``n`` is complete; older ones beyond the
-    job's ``keep_checkpoints`` are deleted. A file named in ``files`` that was not uploaded is
-    a 400 listing them (``missing``)."""
+def commit_checkpoint(job: JobRecord, sender: Sender, n: int, body: CheckpointCommit):
+    """Rank 0's key only. Once every rank uploaded its files, checkpoint ``n`` is complete;
+    older ones beyond the job's ``keep_checkpoints`` are deleted. Only files the ranks of the
+    current attempt uploaded count: a file named in ``files`` that they did not upload is a 400
+    listing them (``missing``)."""
+    only_rank(sender, 0, "committing a checkpoint", job.id)
     files = {}
     for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
-        if artifact.get("checkpoint") == n:
+        if artifact.get("checkpoint") == n and artifact.get("attempt") == job.attempt:
             files[artifact["name"]] = artifact["id"]  # a re-upload of a name wins
     missing = [name for name in body.files if name not in files]
     if missing:
@@ -78,8 +84,10 @@ def list_checkpoints(job: JobRecord):
 
 
 @operation(bp, "GET", "/jobs/<job_id>/checkpoints/<n>/<name>", "Download one file of checkpoint n",
-           answer=OCTET, tag="checkpoints")
+           auth=Auth.ROOM_OR_JOB, answer=OCTET, tag="checkpoints")
 def get_checkpoint_file(job: JobRecord, n: int, name: str):
+    """A submitter token of the room, or a rank key of the job (a resumed rank reads the
+    checkpoint it goes on from)."""
     for artifact in ctx().store.list_artifacts(job.id, ArtifactKind.CHECKPOINT.value):
         if artifact.get("checkpoint") == n and artifact.get("name") == name:
             return stream(artifact)

@@ -1,7 +1,10 @@
 """Socket.IO: GPU clients on /gpu (register, heartbeat, ranks exited) and dashboards on /ui.
 
-Both namespaces refuse a connection whose ``auth`` lacks a valid room token; a GPU client
-then only ever touches its own room's slots and jobs.
+A GPU client connects to /gpu with a donor token of its room, a dashboard to /ui with a
+submitter token (``auth.py``); any other connection is refused, saying which token it takes.
+A GPU client then only ever touches its own room's slots and jobs: its first ``register`` of
+a client id is answered with a client secret, which every later one must present (a register
+without it changes nothing), and its ``ranks_exited`` speaks only for ranks placed on it.
 
 Every /gpu payload is checked once, against its type in ``zwdx.protocol.gpu`` (``Register``,
 ``Heartbeat``, ``RanksExited``), before its handler sees it: a wrong one is answered
@@ -13,6 +16,7 @@ logged and answered as a refusal). They sit at module level (Flask-SocketIO-Chat
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
 
@@ -21,18 +25,22 @@ from flask_socketio import ConnectionRefusedError, join_room
 from pydantic import BaseModel
 
 from .. import defaults
-from ..errors import AuthError, BadRequest, RateLimited
+from ..errors import AuthError, BadRequest, Forbidden, RateLimited
 from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                         GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
 from ..protocol.base import parse
 from ..protocol.gpu import Ack, Heartbeat, JobCancel, RanksExited, Register, RegisterAnswer
+from ..protocol.tokens import CLIENT_SECRET_PREFIX
 from . import limits, lifecycle, notify
-from .auth import room_for_token
+from .auth import Caller, donor, hash_secret, new_secret, submitter
 
 log = logging.getLogger(__name__)
 
 #: sid -> {"client_id", "room_id"} for connected GPU clients of this server process.
 _sessions: dict[str, dict] = {}
+
+#: Why a register is refused, for the agent (``RegisterAnswer.code``).
+WRONG_SECRET = "client_secret"
 
 
 def _ctx():
@@ -43,17 +51,21 @@ def _socketio():
     return current_app.extensions["socketio"]
 
 
-def _room_from_auth(auth) -> dict:
+def _caller_from_auth(auth, namespace: str) -> Caller:
+    """The token of a connection's ``auth``, which must be a donor's on /gpu and a submitter's on
+    /ui; the connection is refused with the reason otherwise. It is noted in
+    ``ServerContext.connections`` (revoking the token closes it)."""
     token = auth.get("token") if isinstance(auth, dict) else None
     try:
         limits.socket_auth()  # an address that failed too often is refused before its token is looked up
-        room = room_for_token(token if isinstance(token, str) else None)
-    except AuthError as err:
+        caller = (donor if namespace == GPU_NAMESPACE else submitter)(token if isinstance(token, str) else None)
+    except (AuthError, Forbidden) as err:
         limits.socket_auth(ok=False)
         raise ConnectionRefusedError(err.message)
     except RateLimited as err:
         raise ConnectionRefusedError(err.message)
-    return room
+    _ctx().connections[request.sid] = (namespace, caller.credential["id"])
+    return caller
 
 
 def checked(event: str, model: type[BaseModel]):
@@ -87,20 +99,39 @@ def _session() -> dict | None:
 
 # -- GPU clients -------------------------------------------------------------------------------
 def on_gpu_connect(auth=None):
-    room = _room_from_auth(auth)
+    room = _caller_from_auth(auth, GPU_NAMESPACE).room
     _sessions[request.sid] = {"room_id": room["id"], "client_id": None}
+
+
+def _client_secret(hello: Register, existing: dict | None, sess: dict) -> tuple[str | None, str | None, str | None]:
+    """``(secret_hash, new_secret, refusal)`` for this register: the hash the client keeps, the
+    secret to hand out (its first register, or one of a client registered before secrets), or
+    why it is refused. A connection that registered this id already needs no secret again."""
+    held = (existing or {}).get("secret_hash")
+    if held:
+        proven = sess["client_id"] == hello.client_id
+        if not proven and not (hello.client_secret and hmac.compare_digest(hash_secret(hello.client_secret), held)):
+            return None, None, (f"gpu client id {hello.client_id} is registered already, and this register does "
+                                f"not carry its client secret: an agent that lost its secret registers under a "
+                                f"new id")
+        return held, None, None
+    secret = new_secret(CLIENT_SECRET_PREFIX)
+    return hash_secret(secret), secret, None
 
 
 @checked(EV_REGISTER, Register)
 def on_register(hello: Register) -> RegisterAnswer:
     sess = _sessions.get(request.sid)
     if sess is None:
-        return RegisterAnswer(ok=False, error="register needs a connect with a room token first")
+        return RegisterAnswer(ok=False, error="register needs a connect with a donor token first")
     ctx, now, client_id = _ctx(), time.time(), hello.client_id
     existing = ctx.store.get_client(client_id)
     if existing and existing["room_id"] != sess["room_id"]:
         return RegisterAnswer(ok=False, error=f"gpu client id {client_id} belongs to another room")
-    sess["client_id"] = client_id
+    secret_hash, secret, refusal = _client_secret(hello, existing, sess)
+    if refusal is not None:
+        log.warning("gpu-client %s: register refused in room %s: no right client secret", client_id, sess["room_id"])
+        return RegisterAnswer(ok=False, error=refusal, code=WRONG_SECRET)
     slots = [{"id": f"{client_id}:{s.index}", "client_id": client_id, "room_id": sess["room_id"], "index": s.index,
               "kind": s.kind.value, "name": s.name, "memory_total": s.memory_total, "memory_free": s.memory_free,
               "utilization": s.utilization} for s in hello.slots]
@@ -110,8 +141,12 @@ def on_register(hello: Register) -> RegisterAnswer:
               "versions": hello.versions, "advertise_addr": hello.advertise_addr,
               "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
               "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
-              "connected_at": now, "registered_at": (existing or {}).get("registered_at", now)}
-    ctx.store.upsert_client(client, slots)
+              "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),
+              "secret_hash": secret_hash}
+    if not ctx.store.upsert_client(client, slots):  # registered meanwhile, by another connection
+        return RegisterAnswer(ok=False, error=f"gpu client id {client_id} was registered by another connection "
+                                              f"just now: register under a new id", code=WRONG_SECRET)
+    sess["client_id"] = client_id
     running = {r.job_id: r.attempt for r in hello.running}  # the jobs it still runs ranks of
     _forget_ranks_gone(ctx, sess["room_id"], client_id, running)
     _stop_ranks_not_wanted(ctx, client_id, running)
@@ -119,8 +154,8 @@ def on_register(hello: Register) -> RegisterAnswer:
              len(slots), client["hostname"])
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
     ctx.scheduler.kick()
-    return RegisterAnswer(ok=True, room_id=sess["room_id"],
-                          heartbeat_interval=current_app.config["HEARTBEAT_INTERVAL"])
+    return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=current_app.config["HEARTBEAT_INTERVAL"],
+                          client_secret=secret)
 
 
 def _forget_ranks_gone(ctx, room_id: str, client_id: str, running: dict[str, int]) -> None:
@@ -168,11 +203,21 @@ def on_ranks_exited(report: RanksExited) -> Ack:
     job = ctx.store.get_job(report.job_id)
     if job is None or job.room_id != sess["room_id"]:
         return Ack(ok=False, error="no such job in this room")
-    lifecycle.ranks_exited(ctx, sess["client_id"], job.id, dict(report.exits), report.attempt)
+    exits = {str(int(rank)): code for rank, code in report.exits.items()}
+    if report.attempt == job.attempt:  # an older attempt's exits change nothing (lifecycle ignores them)
+        placed = {str(p.rank): p.client_id for p in job.placement or []}
+        foreign = sorted((r for r in exits if placed.get(r) != sess["client_id"]), key=int)
+        if foreign:
+            log.warning("gpu-client %s: ranks_exited for rank(s) %s of job %s refused: not placed on it",
+                        sess["client_id"], ", ".join(foreign), job.id)
+            return Ack(ok=False, error=f"rank(s) {', '.join(foreign)} of job {job.id} (attempt {job.attempt}) are "
+                                       f"not placed on this gpu client")
+    lifecycle.ranks_exited(ctx, sess["client_id"], job.id, exits, report.attempt)
     return Ack(ok=True)
 
 
 def on_gpu_disconnect(*_):
+    _ctx().connections.pop(request.sid, None)
     sess = _sessions.pop(request.sid, None)
     if not sess or not sess["client_id"]:
         return
@@ -193,10 +238,14 @@ def on_gpu_disconnect(*_):
 
 # -- dashboards --------------------------------------------------------------------------------
 def on_ui_connect(auth=None):
-    room = _room_from_auth(auth)
+    room = _caller_from_auth(auth, UI_NAMESPACE).room
     join_room(notify.ui_room(room["id"]))
     _socketio().emit(EV_CLIENTS_UPDATE, notify.clients_payload(_ctx(), room["id"]), to=request.sid,
                      namespace=UI_NAMESPACE)
+
+
+def on_ui_disconnect(*_):
+    _ctx().connections.pop(request.sid, None)
 
 
 def register(socketio) -> None:
@@ -205,3 +254,4 @@ def register(socketio) -> None:
                            (EV_RANKS_EXITED, on_ranks_exited), ("disconnect", on_gpu_disconnect)):
         socketio.on_event(event, handler, namespace=GPU_NAMESPACE)
     socketio.on_event("connect", on_ui_connect, namespace=UI_NAMESPACE)
+    socketio.on_event("disconnect", on_ui_disconnect, namespace=UI_NAMESPACE)

@@ -5,14 +5,16 @@ once, at the edge (FastAPI's habit, applied to Flask), and the helpers handlers 
     def create_job(room: dict, body: SubmitJob) -> Submitted: ...
 
 ``operation`` registers the route on the blueprint and, before the handler runs:
-1. checks who asks (``auth``): ``Auth.ROOM`` a room token (``room``; ``job`` instead when the
-   path names a job, which must be the room's: other rooms' jobs are "not found"),
-   ``Auth.JOB`` the room token and the job's key (``job``), ``Auth.NONE`` nothing;
+1. checks who asks (``auth``, ``auth.py``): ``Auth.ROOM`` a submitter token of the room
+   (``room``; ``job`` too when the path names a job, which must be the room's: other rooms'
+   jobs are "not found"), ``Auth.JOB`` the key of a rank of the job's current attempt
+   (``job`` and ``sender``, the rank it speaks for; ``late``: also for a moment after the job
+   failed), ``Auth.ROOM_OR_JOB`` either, ``Auth.NONE`` nothing;
 2. checks the path's integers, then the query as ``query`` (a ``zwdx.protocol.rest.Query``)
    and the JSON body as ``body`` (a ``Message``), each through ``parse``: a wrong one is a 400
    whose ``field`` names its path, and nothing is changed;
-3. passes the handler the arguments it declares of ``room``, ``job``, ``body``, ``query`` and
-   the path's values, and turns its answer (a declared ``Answer``; ``(answer, status)`` for
+3. passes the handler the arguments it declares of ``room``, ``caller`` (the token's record),
+   ``job``, ``sender``, ``body``, ``query`` and the path's values, and turns its answer (a declared ``Answer``; ``(answer, status)`` for
    another status it declares) into JSON, or passes a ``Response`` (an artifact's bytes) through.
 
 The operation is kept on the view function (``view.operation``), where ``openapi.py`` reads
@@ -44,7 +46,7 @@ from ..errors import BadRequest, NotFound, PayloadTooLarge
 from ..protocol.base import parse
 from ..protocol.rest import ArtifactView
 from . import limits
-from .auth import job_in_room, request_job_key, request_room
+from .auth import job_in_room, rank_sender, request_token, submitter
 
 #: Where every REST route lives.
 P = defaults.API_PREFIX
@@ -63,10 +65,11 @@ OCTET = "application/octet-stream"
 
 
 class Auth(str, Enum):
-    """What an operation needs of its caller."""
-    NONE = "none"    # nothing
-    ROOM = "room"    # a room token (X-Zwdx-Room-Token)
-    JOB = "job"      # a room token and the job's key (X-Zwdx-Job-Key): the rank processes of a job
+    """What an operation needs of its caller (``auth.py``)."""
+    NONE = "none"                # nothing
+    ROOM = "room"                # a submitter token of the room (X-Zwdx-Room-Token); a donor token is refused
+    JOB = "job"                  # a rank key of the job's current attempt (X-Zwdx-Rank-Key): its rank processes
+    ROOM_OR_JOB = "room or job"  # either (a checkpoint's files: the submitter, and the ranks that resume from it)
 
 
 @dataclass(frozen=True)
@@ -87,21 +90,21 @@ class Operation:
     errors: tuple[int, ...] = ()
     #: the path's parameters, in order: name -> ``int`` (a count: a rank, a checkpoint's number) or ``str``
     path: dict[str, type] = field(default_factory=dict)
+    #: ``Auth.JOB``: a rank's key is taken for a moment after its job failed too (``auth.rank_sender``)
+    late: bool = False
 
 
 def _errors(auth: Auth, rule: str, checks_input: bool, json_body: bool, more: tuple[int, ...]) -> tuple[int, ...]:
     """The error statuses an operation may answer: 400 when it reads input (413 when that is a
-    JSON body), 401 with a token (and 429 once its caller failed too often, ``limits.py``), 403
-    with a job key, 404 when its path names a job or an artifact, and ``more``."""
+    JSON body), 401 and 403 with a token or a key (and 429 once its caller failed too often,
+    ``limits.py``), 404 when its path names a job or an artifact, and ``more``."""
     out = set(more)
     if checks_input:
         out.add(400)
     if json_body:
         out.add(413)
     if auth is not Auth.NONE:
-        out.update((401, 429))
-    if auth is Auth.JOB:
-        out.add(403)
+        out.update((401, 403, 429))
     if "<job_id>" in rule or "<artifact_id>" in rule:
         out.add(404)
     return tuple(sorted(out))
@@ -109,10 +112,10 @@ def _errors(auth: Auth, rule: str, checks_input: bool, json_body: bool, more: tu
 
 def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROOM, body=None, query=None,
               answer=None, status: int = 200, answers: dict | None = None, errors: tuple[int, ...] = (),
-              tag: str = "", prefix: str = P):
+              tag: str = "", prefix: str = P, late: bool = False):
     """Declare a REST operation on ``bp`` (see the module's docstring). ``answer`` is the model
     of the ``status`` answer; ``answers`` adds other statuses; ``errors`` adds error statuses
-    to those implied."""
+    to those implied; ``late`` (``Auth.JOB``): a failed job's rank keys are taken for a moment."""
     full = prefix + rule
 
     def decorate(handler):
@@ -123,20 +126,21 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
         json_in = isinstance(body, type)
         op = Operation(name=handler.__name__, method=method.upper(), rule=full, summary=summary, auth=auth,
                        tag=tag or bp.name, description=inspect.cleandoc(handler.__doc__ or ""), body=body,
-                       query=query, answers={status: answer, **(answers or {})}, path=path_types,
+                       query=query, answers={status: answer, **(answers or {})}, path=path_types, late=late,
                        errors=_errors(auth, full, bool(json_in or query or int in path_types.values()), json_in,
                                       errors))
 
         @functools.wraps(handler)
         def view(**path):
             args = dict(path)
-            if auth is Auth.JOB:
-                args["job"] = rank_job(path["job_id"])
-            elif auth is Auth.ROOM:
-                room = request_room()
+            key = request.headers.get(defaults.RANK_KEY_HEADER)
+            if auth is Auth.JOB or (auth is Auth.ROOM_OR_JOB and key is not None):
+                args["job"], args["sender"] = rank_sender(path["job_id"], key, late)
+            elif auth is not Auth.NONE:
+                args["caller"] = submitter(request_token())
+                room = args["room"] = args["caller"].room
                 if "job_id" in path:
                     args["job"] = job_in_room(path["job_id"], room)
-                args["room"] = room
             for name, kind in path_types.items():
                 if kind is int:
                     args[name] = path_count(name, path[name])
@@ -280,11 +284,3 @@ def job_artifact(job, artifact_id: str, kind: str) -> dict | None:
             or artifact.get("kind") != kind:
         return None
     return artifact
-
-
-def rank_job(job_id: str):
-    """The job a rank process writes into: it must be in the token's room, and the request must
-    carry the job's key."""
-    job = job_in_room(job_id, request_room())
-    request_job_key(job)
-    return job

@@ -22,8 +22,8 @@ import time
 from typing import Callable, Collection
 
 from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
-from ..protocol.job import CheckpointEntry, Job as JobRecord, Master, PlacementEntry, RankFailure, RankState, \
-    RestartEntry, TimelineEntry
+from ..protocol.job import CheckpointEntry, Job as JobRecord, Master, PlacementEntry, RankCredential, RankFailure, \
+    RankState, RestartEntry, TimelineEntry
 from .store import Store
 
 #: Seconds the other ranks of a failing job get to report their own failure after the first one.
@@ -89,14 +89,17 @@ class Job:
             return False
         return self._took(self.store.set_job(self.id, {"waiting_reason": reason}, when=[self.status]))
 
-    def start(self, placement: list[PlacementEntry], slot_ids: list[str], job_key_hash: str) -> bool:
+    def start(self, placement: list[PlacementEntry], slot_ids: list[str], key_hashes: dict[int, str]) -> bool:
         """queued|resuming -> starting: the slots (one per rank, in rank order) are the job's,
-        and the new attempt starts with nothing heard from its ranks. False: a slot or the job
-        was taken meanwhile (nothing changed)."""
+        the new attempt starts with nothing heard from its ranks, and each rank's key (its hash,
+        bound to the attempt and the rank's GPU client) replaces the last attempt's. False: a
+        slot or the job was taken meanwhile (nothing changed)."""
         now, attempt, size = self.clock(), self.record.restarts, len(placement)
+        keys = {str(p.rank): RankCredential(hash=key_hashes[p.rank], client_id=p.client_id, attempt=attempt)
+                for p in placement}
         fields = {"status": JobStatus.STARTING, "placement": placement, "world_size": size, "attempt": attempt,
                   "backend": "nccl" if placement[0].kind == SlotKind.CUDA else "gloo",
-                  "job_key_hash": job_key_hash, "started_at": now, "waiting_reason": None, "master": None,
+                  "rank_keys": keys, "started_at": now, "waiting_reason": None, "master": None,
                   "ranks": {}, "exits": {}, "failures": {}, "suspect_since": None, "suspect_reason": None,
                   "failing_since": None, "failing_reason": None}
         if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):

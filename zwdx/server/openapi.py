@@ -41,8 +41,9 @@ _CACHE = "zwdx.openapi"
 _ERRORS = {
     400: "Bad input: ``error.field`` names the wrong field (its path: ``versions.python``), "
          "``error.problems`` lists up to 20. Nothing was changed.",
-    401: "No room token, or one that opens no room.",
-    403: "The job key does not match this job.",
+    401: "No token (or rank key), or one that opens nothing: unknown or revoked.",
+    403: "A token or key that may not do this: a donor token (it opens no REST route), a rank key of "
+         "another rank, another attempt or a job that ended.",
     404: "No such job or artifact in this room (other rooms' are not found either).",
     409: "The job's state does not allow it (a job that ended; a bundle another job has).",
     413: "Larger than the server's limit (``error.limit``).",
@@ -52,7 +53,8 @@ _ERRORS = {
 _SECURITY = {
     Auth.NONE: [],
     Auth.ROOM: [{"roomToken": []}],
-    Auth.JOB: [{"roomToken": [], "jobKey": []}],
+    Auth.JOB: [{"rankKey": []}],
+    Auth.ROOM_OR_JOB: [{"roomToken": []}, {"rankKey": []}],
 }
 
 _BINARY = {"type": "string", "contentMediaType": OCTET}
@@ -177,18 +179,22 @@ def document(app) -> dict:
         "openapi": "3.1.0",
         "info": {"title": "zwdx", "version": zwdx.__version__,
                  "description": "Pool the GPUs people lend and train PyTorch models on them. Every call that "
-                                f"touches a room needs its token in `{defaults.TOKEN_HEADER}` (or "
-                                "`Authorization: Bearer`); the rank processes of a job add its job key in "
-                                f"`{defaults.JOB_KEY_HEADER}`. Errors are `{{\"error\": {{\"code\", \"message\", "
+                                "touches a room needs a submitter token of the room in "
+                                f"`{defaults.TOKEN_HEADER}` (or `Authorization: Bearer`); a donor token "
+                                "connects GPU clients on Socket.IO and opens no route here. The rank "
+                                "processes of a job call with their rank's key in "
+                                f"`{defaults.RANK_KEY_HEADER}` instead. Errors are `{{\"error\": {{\"code\", \"message\", "
                                 "...}}}` with the matching status. Socket.IO events: docs/events.md."},
         "paths": dict(sorted(paths.items())),
         "components": {
             "schemas": dict(sorted(schemas.items())),
             "securitySchemes": {
                 "roomToken": {"type": "apiKey", "in": "header", "name": defaults.TOKEN_HEADER,
-                              "description": "The room's token, shown once when the room was created."},
-                "jobKey": {"type": "apiKey", "in": "header", "name": defaults.JOB_KEY_HEADER,
-                           "description": "The key of one placement of a job, given only to its GPU clients."}}},
+                              "description": "A submitter token of the room (zs_..., or a legacy zr_...), "
+                                             "shown once when it was made."},
+                "rankKey": {"type": "apiKey", "in": "header", "name": defaults.RANK_KEY_HEADER,
+                            "description": "The key of one rank of the current attempt of a running job "
+                                           "(rk_...), given only to the GPU client that runs it."}}},
     }
     app.extensions[_CACHE] = doc
     return doc

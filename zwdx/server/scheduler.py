@@ -17,7 +17,8 @@ or a room that fails one is logged and passed over.
 After reserving, the rank-0 GPU client is asked for a rendezvous port on an address the
 others can reach (``reserve_port``, answered by a Socket.IO acknowledgement); the scheduler
 never waits for it. The answer finishes the placement on the next pass: every client gets
-its ranks (``JobAssign``). No answer within ``RESERVE_TIMEOUT`` fails the job and frees its
+its ranks (``JobAssign``), each with its rank key: a fresh secret per rank of the attempt,
+bound to the GPU client it goes to, whose hash the placement stores. No answer within ``RESERVE_TIMEOUT`` fails the job and frees its
 slots, so a dead GPU client delays nothing but its own job.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..protocol import ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WA
 from ..protocol.base import parse
 from ..protocol.gpu import JobAssign, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
+from ..protocol.tokens import RANK_KEY_PREFIX
 from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
@@ -72,8 +74,9 @@ class PortRequest:
     """A placed job waiting for its rank-0 GPU client's rendezvous address."""
     job_id: str
     attempt: int
-    #: The secret its ranks will hold: only its hash is stored, so it lives here until assigned.
-    job_key: str
+    #: rank -> the key that rank will hold: only their hashes are stored, so they live here until
+    #: assigned.
+    rank_keys: dict[int, str]
     client_id: str
     deadline: float
     answered: bool = False
@@ -239,21 +242,21 @@ class Scheduler:
         placement = [PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
             "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
             for rank, slot in enumerate(chosen)]
-        job_key = new_secret("jk")
-        if not job.start(placement, [s["id"] for s in chosen], hash_secret(job_key)):
+        rank_keys = {p.rank: new_secret(RANK_KEY_PREFIX) for p in placement}
+        if not job.start(placement, [s["id"] for s in chosen], {r: hash_secret(k) for r, k in rank_keys.items()}):
             return _BLOCKED  # another scheduler got there first; look again next pass
         log.info("job %s: placed on %d slot(s): %s", job.id, len(chosen),
                  ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement))
-        self._ask_port(job.record, job_key, clients[placement[0].client_id])
+        self._ask_port(job.record, rank_keys, clients[placement[0].client_id])
         notify.job_changed(job.record)
         notify.clients_changed(self.ctx, job.record.room_id)
         return _STARTED
 
-    def _ask_port(self, job: JobRecord, job_key: str, client: dict) -> None:
+    def _ask_port(self, job: JobRecord, rank_keys: dict[int, str], client: dict) -> None:
         """Ask the rank-0 GPU client for a rendezvous address; its acknowledgement comes back on
         a Socket.IO thread, which only notes it and wakes the scheduler."""
         timeout = float(self.ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT))
-        request = PortRequest(job.id, job.attempt, job_key, client["id"], time.time() + timeout)
+        request = PortRequest(job.id, job.attempt, rank_keys, client["id"], time.time() + timeout)
         with self._asked_lock:
             self._asked[job.id] = request
 
@@ -304,7 +307,7 @@ class Scheduler:
         if not job.rendezvous(Master(addr=offer.addr, port=offer.port)):
             self._let_go(job.refresh())  # it moved on as the answer came
             return False
-        self._assign(job.record, request.job_key)
+        self._assign(job.record, request.rank_keys)
         notify.job_changed(job.record)
         return True
 
@@ -314,8 +317,9 @@ class Scheduler:
         self.ctx.store.release_slots(job.id)
         notify.clients_changed(self.ctx, job.record.room_id)
 
-    def _assign(self, job: JobRecord, job_key: str) -> None:
-        """Tell every GPU client of the job its ranks, with every value the ranks need decided here."""
+    def _assign(self, job: JobRecord, rank_keys: dict[int, str]) -> None:
+        """Tell every GPU client of the job its ranks, each with its key (sent to that client
+        only), and every value the ranks need decided here."""
         spec = job.spec
         timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
         for client_id in dict.fromkeys(p.client_id for p in job.placement):
@@ -323,8 +327,8 @@ class Scheduler:
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
                 continue  # gone since it was placed: the reaper declares it lost and interrupts the job
             assign = JobAssign(
-                job_id=job.id, job_key=job_key, attempt=job.attempt, world_size=job.world_size,
-                ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind)
+                job_id=job.id, attempt=job.attempt, world_size=job.world_size,
+                ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank])
                        for p in job.placement if p.client_id == client_id],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..protocol.job import Job as JobRecord, JobView, Submitted
 from ..protocol.rest import RoomView
 
-_CLIENT_HIDDEN = {"sid", "modules", "lost_after"}  # modules: hundreds of names, for the scheduler only
+_CLIENT_HIDDEN = {"sid", "modules", "lost_after", "secret_hash"}  # modules: hundreds of names, for the scheduler only
 
 
 def job_view(job: JobRecord, **extra) -> JobView:

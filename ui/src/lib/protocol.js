@@ -36,6 +36,12 @@ export const CheckpointFormat = Object.freeze({
   DCP: "dcp",
 });
 
+/** What a room's token may do: a submitter's submits and reads jobs, a donor's connects GPU clients (`zwdx.protocol.tokens`). */
+export const CredentialRole = Object.freeze({
+  SUBMITTER: "submitter",
+  DONOR: "donor",
+});
+
 export const ClientStatus = Object.freeze({
   ONLINE: "online",
   OFFLINE: "offline",

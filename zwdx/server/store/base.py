@@ -1,4 +1,5 @@
-"""The store interface: rooms, GPU clients and their slots, jobs, job events, artifacts' metadata.
+"""The store interface: rooms and their credentials, GPU clients and their slots, jobs, job
+events, artifacts' metadata.
 
 Every backend (``sqlite.SQLiteStore``, the embedded default, and ``mongo.MongoStore``)
 implements these methods with the same behaviour; ``test/test_store_contract.py`` runs one
@@ -21,6 +22,10 @@ and processes):
 - ``touch_client`` changes a client only if it is still in ``expect_status``. On SQLite the
   client and its slots' stats change in one transaction; on MongoDB (single-document
   atomicity) the slots' stats follow the client's update in one more round trip.
+- ``upsert_client`` writes only over a client of the same room and client secret: two agents
+  registering one new id at once get one registration.
+- ``revoke_credential`` never leaves a room without a submitter credential, however many
+  revocations race.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from ...protocol.job import Job as JobRecord
 
 #: The layout version this code writes. Bump it and add a migration when the layout changes
 #: (``migrations.py``).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 #: What a heartbeat refreshes on a slot (``touch_client``).
@@ -121,25 +126,54 @@ class Store(abc.ABC):
     def close(self) -> None:
         """Release connections. The store may not be used afterwards."""
 
-    # -- rooms -----------------------------------------------------------------------------
+    # -- rooms and their credentials ---------------------------------------------------------
     @abc.abstractmethod
     def create_room(self, room: dict) -> dict:
-        """Insert a room ``{id, name, token_hash, created_at}``. Returns it."""
+        """Insert a room ``{id, name, created_at}``. Returns it. An id already stored is a
+        ``StoreError``."""
 
     @abc.abstractmethod
     def get_room(self, room_id: str) -> dict | None:
         """The room with this id, or None."""
 
     @abc.abstractmethod
-    def find_room_by_token_hash(self, token_hash: str) -> dict | None:
-        """The room whose token hashes to ``token_hash``, or None."""
+    def add_credential(self, credential: dict) -> dict:
+        """Insert a credential of a room ``{id, room_id, role, name, hash, created_at,
+        rotated_at, revoked_at, legacy}`` (``hash``: the sha256 of its secret). Returns it. An
+        id or a hash already stored is a ``StoreError``."""
+
+    @abc.abstractmethod
+    def find_credential(self, secret_hash: str) -> dict | None:
+        """The credential whose secret hashes to ``secret_hash`` (revoked or not), or None."""
+
+    @abc.abstractmethod
+    def get_credential(self, credential_id: str) -> dict | None:
+        """The credential with this id, or None."""
+
+    @abc.abstractmethod
+    def list_credentials(self, room_id: str) -> list[dict]:
+        """Every credential of the room, revoked ones too, oldest first."""
+
+    @abc.abstractmethod
+    def revoke_credential(self, credential_id: str, at: float) -> dict | None:
+        """Set ``revoked_at`` of a credential not revoked yet, unless it is a ``submitter`` one
+        and the room has no other unrevoked ``submitter`` credential. Returns it after, or None
+        (nothing changed)."""
+
+    @abc.abstractmethod
+    def rotate_credential(self, credential_id: str, secret_hash: str, at: float) -> dict | None:
+        """Give a credential not revoked a new secret: ``hash`` replaced (the old secret opens
+        nothing from now on), ``rotated_at`` set, ``legacy`` cleared. Returns it after, or None."""
 
     # -- GPU clients and slots --------------------------------------------------------------
     @abc.abstractmethod
-    def upsert_client(self, client: dict, slots: list[dict]) -> None:
-        """Insert or replace a GPU client ``{id, room_id, hostname, status, last_seen, ...}``
-        and its slots ``{id, client_id, room_id, index, name, memory_total, memory_free,
-        utilization}``. Slots keep their ``job_id``/``rank`` if they already exist."""
+    def upsert_client(self, client: dict, slots: list[dict]) -> bool:
+        """Insert or replace a GPU client ``{id, room_id, hostname, status, last_seen,
+        secret_hash, ...}`` and its slots ``{id, client_id, room_id, index, name, memory_total,
+        memory_free, utilization}``. Slots keep their ``job_id``/``rank`` if they already exist.
+        A client of that id already stored is replaced only if it is of the same room and its
+        ``secret_hash`` is the one given (or it has none: registered before clients had
+        secrets); otherwise nothing changes and it returns False."""
 
     @abc.abstractmethod
     def get_client(self, client_id: str) -> dict | None:

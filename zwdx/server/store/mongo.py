@@ -76,6 +76,7 @@ class MongoStore(Store):
         self._client, self.db = connect(uri, client)
         db = self.db
         self._meta, self._rooms, self._clients, self._slots = db.meta, db.rooms, db.clients, db.slots
+        self._credentials = db.credentials
         self._jobs, self._events, self._artifacts, self._counters = db.jobs, db.events, db.artifacts, db.counters
         prepare(db, self.where)
 
@@ -103,29 +104,66 @@ class MongoStore(Store):
     def close(self) -> None:
         self._client.close()
 
-    # -- rooms -----------------------------------------------------------------------------
+    # -- rooms and their credentials ---------------------------------------------------------
     def create_room(self, room: dict) -> dict:
-        self._rooms.insert_one({**plain(room), "_id": room["id"]})
+        try:
+            self._rooms.insert_one({**plain(room), "_id": room["id"]})
+        except DuplicateKeyError:
+            raise StoreError(f"room {room['id']} already exists") from None
         return room
 
     def get_room(self, room_id: str) -> dict | None:
         return _public(self._rooms.find_one({"_id": room_id}))
 
-    def find_room_by_token_hash(self, token_hash: str) -> dict | None:
-        return _public(self._rooms.find_one({"token_hash": token_hash}))
+    def add_credential(self, credential: dict) -> dict:
+        try:
+            self._credentials.insert_one({**plain(credential), "_id": credential["id"],
+                                          "_order": self._next("credentials")})
+        except DuplicateKeyError:
+            raise StoreError(f"credential {credential['id']} (or its secret) already exists") from None
+        return credential
+
+    def find_credential(self, secret_hash: str) -> dict | None:
+        return _public(self._credentials.find_one({"hash": str(secret_hash)}))
+
+    def get_credential(self, credential_id: str) -> dict | None:
+        return _public(self._credentials.find_one({"_id": str(credential_id)}))
+
+    def list_credentials(self, room_id: str) -> list[dict]:
+        return [_public(d) for d in self._credentials.find({"room_id": str(room_id)}).sort("_order", ASCENDING)]
+
+    def revoke_credential(self, credential_id: str, at: float) -> dict | None:
+        """Revoke, then look: if that left the room without a submitter credential, take it
+        back (a compare-and-undo: two revocations racing for the last two may both be undone,
+        never both kept)."""
+        doc = self._credentials.find_one_and_update({"_id": str(credential_id), "revoked_at": None},
+                                                    {"$set": {"revoked_at": float(at)}}, return_document=_AFTER)
+        if doc is None:
+            return None
+        if doc.get("role") == "submitter" and self._credentials.find_one(  # (nx-27017 counts no nulls)
+                {"room_id": doc["room_id"], "role": "submitter", "revoked_at": None}, {"_id": 1}) is None:
+            self._credentials.update_one({"_id": doc["_id"], "revoked_at": float(at)}, {"$set": {"revoked_at": None}})
+            return None
+        return _public(doc)
+
+    def rotate_credential(self, credential_id: str, secret_hash: str, at: float) -> dict | None:
+        return _public(self._credentials.find_one_and_update(
+            {"_id": str(credential_id), "revoked_at": None},
+            {"$set": {"hash": str(secret_hash), "rotated_at": float(at), "legacy": False}}, return_document=_AFTER))
 
     # -- GPU clients and slots --------------------------------------------------------------
     # Clients and slots keep the caller's document whole under "doc" (replaced on upsert, as
     # the embedded store does); what the store queries and claims sits beside it.
-    def upsert_client(self, client: dict, slots: list[dict]) -> None:
+    def upsert_client(self, client: dict, slots: list[dict]) -> bool:
         client, slots = plain(client), plain(slots)
         cid, room_id = client["id"], client["room_id"]
-        if not self._clients.update_one({"_id": cid}, {"$set": {"room_id": room_id, "doc": client}}).matched_count:
+        same = {"_id": cid, "room_id": room_id, "doc.secret_hash": {"$in": [client.get("secret_hash"), None]}}
+        if not self._clients.update_one(same, {"$set": {"doc": client}}).matched_count:
             try:
                 self._clients.insert_one({"_id": cid, "room_id": room_id, "doc": client,
                                           "_order": self._next("clients")})
-            except DuplicateKeyError:  # registered twice at once: the other insert won
-                self._clients.update_one({"_id": cid}, {"$set": {"room_id": room_id, "doc": client}})
+            except DuplicateKeyError:  # another room's, another secret's, or registered at once elsewhere
+                return False
         self._slots.delete_many({"client_id": cid, "job_id": None, "_id": {"$nin": [s["id"] for s in slots]}})
         for slot in slots:
             fields = {"room_id": room_id, "index": slot["index"], "doc": slot}
@@ -135,6 +173,7 @@ class MongoStore(Store):
                                             "job_id": None, "rank": None})
                 except DuplicateKeyError:
                     self._slots.update_one({"_id": slot["id"]}, {"$set": fields})
+        return True
 
     def get_client(self, client_id: str) -> dict | None:
         doc = self._clients.find_one({"_id": client_id})

@@ -2,7 +2,7 @@
 the translation of pymongo's errors into ``StoreError``.
 
 The database is the URI's path, or "zwdx". Collections: ``meta`` (the schema version),
-``rooms``, ``clients``, ``slots``, ``jobs``, ``events``, ``artifacts`` (metadata),
+``rooms``, ``credentials``, ``clients``, ``slots``, ``jobs``, ``events``, ``artifacts`` (metadata),
 ``counters``, and the GridFS bucket ``artifacts`` (``gridfs.py``).
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from ...errors import SchemaVersionError, StoreError
 from . import base
-from .migrations import job_1_to_2
+from .migrations import job_1_to_2, legacy_credential
 
 log = logging.getLogger(__name__)
 
 INDEXES = {
-    "rooms": [([("token_hash", ASCENDING)], True)],
+    "credentials": [([("hash", ASCENDING)], True), ([("room_id", ASCENDING), ("_order", ASCENDING)], False)],
     "clients": [([("room_id", ASCENDING), ("_order", ASCENDING)], False), ([("_order", ASCENDING)], False),
                 ([("doc.lost_after", ASCENDING)], False)],
     "slots": [([("room_id", ASCENDING), ("client_id", ASCENDING), ("index", ASCENDING)], False),
@@ -51,9 +51,26 @@ def _jobs_1_to_2(db: Database) -> None:
                                                  "$unset": {"failure_info": ""}, "$inc": {"_rev": 1}})
 
 
+def _credentials_2_to_3(db: Database) -> None:
+    """Each room's token becomes its legacy credential (its id made from the room's, so a
+    second run inserts nothing); rooms lose their token's hash and its unique index, jobs their
+    job key's hash."""
+    for room in db.rooms.find({"token_hash": {"$exists": True}}):
+        credential = legacy_credential(room)
+        if credential is not None and db.credentials.find_one({"_id": credential["id"]}, {"_id": 1}) is None:
+            try:
+                db.credentials.insert_one({**credential, "_id": credential["id"], "_order": 0})
+            except DuplicateKeyError:
+                pass  # another server made it first
+    if "token_hash_1" in db.rooms.index_information():
+        db.rooms.drop_index("token_hash_1")
+    db.rooms.update_many({"token_hash": {"$exists": True}}, {"$unset": {"token_hash": ""}})
+    db.jobs.update_many({"job_key_hash": {"$exists": True}}, {"$unset": {"job_key_hash": ""}, "$inc": {"_rev": 1}})
+
+
 #: Migrations from version N to N+1: each takes the database and must be safe to run twice
 #: (two servers may start at once).
-MIGRATIONS: dict[int, Callable[[Database], None]] = {1: _jobs_1_to_2}
+MIGRATIONS: dict[int, Callable[[Database], None]] = {1: _jobs_1_to_2, 2: _credentials_2_to_3}
 
 
 def connect(uri: str, client: MongoClient | None = None) -> tuple[MongoClient, Database]:

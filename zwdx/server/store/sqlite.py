@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sqlite3
 from typing import Any, Callable, Iterable, Mapping
 
 from ...errors import StoreError
@@ -52,23 +53,74 @@ class SQLiteStore(Store):
     def close(self) -> None:
         self.db.close()
 
-    # -- rooms -----------------------------------------------------------------------------
+    # -- rooms and their credentials ---------------------------------------------------------
     def create_room(self, room: dict) -> dict:
         with self.db.tx() as db:
-            db.execute("INSERT INTO rooms VALUES (?, ?, ?)", (room["id"], room["token_hash"], dump(room)))
+            db.execute("INSERT INTO rooms VALUES (?, ?)", (room["id"], dump(room)))
         return room
 
     def get_room(self, room_id: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM rooms WHERE id=?", (room_id,))
         return json.loads(rows[0][0]) if rows else None
 
-    def find_room_by_token_hash(self, token_hash: str) -> dict | None:
-        rows = self.db.query("SELECT doc FROM rooms WHERE token_hash=?", (token_hash,))
+    def add_credential(self, credential: dict) -> dict:
+        with self.db.tx() as db:
+            db.execute("INSERT INTO credentials VALUES (?, ?, ?, ?)",
+                       (credential["id"], credential["room_id"], credential["hash"], dump(credential)))
+        return credential
+
+    def find_credential(self, secret_hash: str) -> dict | None:
+        rows = self.db.query("SELECT doc FROM credentials WHERE hash=?", (secret_hash,))
         return json.loads(rows[0][0]) if rows else None
 
-    # -- GPU clients and slots --------------------------------------------------------------
-    def upsert_client(self, client: dict, slots: list[dict]) -> None:
+    def get_credential(self, credential_id: str) -> dict | None:
+        rows = self.db.query("SELECT doc FROM credentials WHERE id=?", (credential_id,))
+        return json.loads(rows[0][0]) if rows else None
+
+    def list_credentials(self, room_id: str) -> list[dict]:
+        return [json.loads(r[0]) for r in self.db.query("SELECT doc FROM credentials WHERE room_id=? ORDER BY rowid",
+                                                        (room_id,))]
+
+    def _write_credential(self, credential_id: str, change: Callable[[sqlite3.Connection, dict], bool]) -> dict | None:
+        """Read a credential not revoked, and if ``change(db, doc)`` (which changes it in place)
+        says yes, write it back: one transaction."""
         with self.db.tx() as db:
+            row = db.execute("SELECT doc FROM credentials WHERE id=?", (credential_id,)).fetchone()
+            if row is None:
+                return None
+            doc = json.loads(row[0])
+            if doc.get("revoked_at") is not None or not change(db, doc):
+                return None
+            db.execute("UPDATE credentials SET hash=?, doc=? WHERE id=?", (doc["hash"], dump(doc), credential_id))
+        return doc
+
+    def revoke_credential(self, credential_id: str, at: float) -> dict | None:
+        def change(db, doc):
+            if doc.get("role") == "submitter":
+                (others,) = db.execute(
+                    "SELECT COUNT(*) FROM credentials WHERE room_id=? AND id<>? AND "
+                    "json_extract(doc, '$.role')='submitter' AND json_extract(doc, '$.revoked_at') IS NULL",
+                    (doc["room_id"], credential_id)).fetchone()
+                if not others:
+                    return False
+            doc["revoked_at"] = float(at)
+            return True
+        return self._write_credential(credential_id, change)
+
+    def rotate_credential(self, credential_id: str, secret_hash: str, at: float) -> dict | None:
+        def change(db, doc):
+            doc.update(hash=secret_hash, rotated_at=float(at), legacy=False)
+            return True
+        return self._write_credential(credential_id, change)
+
+    # -- GPU clients and slots --------------------------------------------------------------
+    def upsert_client(self, client: dict, slots: list[dict]) -> bool:
+        with self.db.tx() as db:
+            row = db.execute("SELECT room_id, json_extract(doc, '$.secret_hash') FROM clients WHERE id=?",
+                             (client["id"],)).fetchone()
+            if row is not None and (row[0] != client["room_id"] or
+                                    row[1] not in (None, client.get("secret_hash"))):
+                return False
             db.execute("INSERT INTO clients VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
                        "room_id=excluded.room_id, doc=excluded.doc",
                        (client["id"], client["room_id"], dump(client)))
@@ -79,6 +131,7 @@ class SQLiteStore(Store):
                 db.execute("INSERT INTO slots (id, client_id, room_id, idx, doc) VALUES (?, ?, ?, ?, ?) "
                            "ON CONFLICT(id) DO UPDATE SET doc=excluded.doc, room_id=excluded.room_id",
                            (slot["id"], client["id"], client["room_id"], slot["index"], dump(slot)))
+        return True
 
     def get_client(self, client_id: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM clients WHERE id=?", (client_id,))

@@ -21,7 +21,7 @@ from typing import Callable
 
 from ...errors import SchemaVersionError, StoreError
 from . import base
-from .migrations import job_1_to_2
+from .migrations import job_1_to_2, job_2_to_3, legacy_credential, room_2_to_3
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,10 @@ POOL_SIZE = 8
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS rooms (id TEXT PRIMARY KEY, token_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rooms (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS credentials (id TEXT PRIMARY KEY, room_id TEXT NOT NULL, hash TEXT UNIQUE NOT NULL,
+    doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS credentials_room ON credentials (room_id);
 CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, room_id TEXT NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS clients_room ON clients (room_id);
 CREATE TABLE IF NOT EXISTS slots (id TEXT PRIMARY KEY, client_id TEXT NOT NULL, room_id TEXT NOT NULL,
@@ -60,9 +63,29 @@ def _jobs_1_to_2(db: sqlite3.Connection) -> None:
         db.execute("UPDATE jobs SET doc=? WHERE id=?", (dump(job_1_to_2(json.loads(doc))), job_id))
 
 
+def _credentials_2_to_3(db: sqlite3.Connection) -> None:
+    """Each room's token becomes its legacy credential; the rooms table loses its token column
+    (made again without it: SQLite drops no UNIQUE column); jobs lose their job key's hash."""
+    columns = [row[1] for row in db.execute("PRAGMA table_info(rooms)")]
+    if "token_hash" in columns:
+        rooms = db.execute("SELECT id, token_hash, doc FROM rooms").fetchall()
+        db.execute("CREATE TABLE rooms_3 (id TEXT PRIMARY KEY, doc TEXT NOT NULL)")
+        for room_id, token_hash, doc in rooms:
+            room = {**json.loads(doc), "token_hash": token_hash}
+            credential = legacy_credential(room)
+            if credential is not None:
+                db.execute("INSERT OR IGNORE INTO credentials VALUES (?, ?, ?, ?)",
+                           (credential["id"], room_id, credential["hash"], dump(credential)))
+            db.execute("INSERT INTO rooms_3 VALUES (?, ?)", (room_id, dump(room_2_to_3(room))))
+        db.execute("DROP TABLE rooms")
+        db.execute("ALTER TABLE rooms_3 RENAME TO rooms")
+    for job_id, doc in db.execute("SELECT id, doc FROM jobs WHERE doc LIKE '%job_key_hash%'").fetchall():
+        db.execute("UPDATE jobs SET doc=? WHERE id=?", (dump(job_2_to_3(json.loads(doc))), job_id))
+
+
 #: Migrations from version N to N+1: each a function of the connection, run inside the
 #: transaction that records version N+1.
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _jobs_1_to_2}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _jobs_1_to_2, 2: _credentials_2_to_3}
 
 
 def _private(path: str) -> None:

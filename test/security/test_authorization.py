@@ -1,0 +1,345 @@
+"""The authorization matrix (issue 12): every REST route and every Socket.IO event, each asked
+with every kind of credential, over both stores; the answer each cell must get, and for every
+refusal a check that nothing stored changed (every table or collection, and the artifact bytes).
+
+REST columns (the header a request carries):
+
+    none             nothing
+    wrong            a room token no room has
+    other_submitter  room B's submitter token      (its own room: a room-A object is "not found")
+    other_donor      room B's donor token           (opens no REST route)
+    donor            room A's donor token           (opens no REST route)
+    legacy           room A's legacy zr_ token      (a submitter token until rotated)
+    submitter        room A's submitter token       the right token of a room route
+    wrong_key        a rank key no rank has
+    other_rank       rank 1's key of the live job   (its own rank's writes only)
+    old_attempt      rank 0's key of attempt 0      (the live job is at attempt 1)
+    ended_job        rank 0's key of a cancelled job, on that job
+    rank             rank 0's key of the live job   the right key of a rank route
+
+The routes are listed from the app's url_map and the events from ``zwdx/protocol/events.py``:
+a route or an event without an entry here fails ``test_every_route_and_event_has_an_entry``.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from security_world import *  # noqa: F401,F403  (fixtures: world, backend, ...)
+from security_world import World, snapshot
+from zwdx import defaults
+from zwdx.protocol import events as ev
+
+P = defaults.API_PREFIX
+ROOM_COLUMNS = ("none", "wrong", "other_submitter", "other_donor", "donor", "legacy", "submitter")
+KEY_COLUMNS = ("wrong_key", "other_rank", "old_attempt", "ended_job", "rank")
+COLUMNS = ROOM_COLUMNS + KEY_COLUMNS
+
+
+def headers(w: World, column: str) -> dict:
+    if column == "none":
+        return {}
+    if column == "wrong":
+        return {defaults.TOKEN_HEADER: f"zs_{secrets.token_urlsafe(32)}"}
+    if column in ROOM_COLUMNS:
+        return {defaults.TOKEN_HEADER: w.tokens[column]}
+    if column == "wrong_key":
+        return {defaults.RANK_KEY_HEADER: f"rk_{secrets.token_urlsafe(32)}"}
+    return {defaults.RANK_KEY_HEADER: w.keys[{"other_rank": "rank1", "old_attempt": "old_attempt",
+                                              "ended_job": "ended", "rank": "rank0"}[column]]}
+
+
+# -- the routes ----------------------------------------------------------------------------------
+@dataclass
+class Route:
+    """How to call one endpoint, and what its right caller gets."""
+    #: "public" (anyone), "room" (a submitter token), "job" (a rank key), "room_or_job", "page",
+    #: "no_route" (the API's 404 for what it does not have)
+    auth: str
+    #: (world, column) -> (method, url, keyword arguments of the test client's ``open``); it may
+    #: make what the call uses up (a queued job to cancel, a token to revoke) before it is sent
+    call: Callable[[World, str], tuple[str, str, dict]]
+    #: the right caller's status
+    ok: int
+    #: a job route every rank of the attempt may call (not only rank 0, or the rank in the path)
+    any_rank: bool = False
+    #: room B's submitter token on a route that names nothing of room A: its own room's answer
+    own_room: int | None = None
+
+
+def job_of(w: World, column: str) -> str:
+    """The job a rank route is asked about: the cancelled one for its key, else the live one."""
+    return w.jobs["ended"] if column == "ended_job" else w.jobs["live"]
+
+
+def fresh_bundle(w: World) -> str:
+    return w.request("POST", "/artifacts", w.as_submitter(), data=secrets.token_bytes(16)).json["id"]
+
+
+def fresh_token(w: World) -> str:
+    return w.request("POST", "/room/tokens", w.as_submitter(), json={"role": "donor", "name": "spare"}).json["id"]
+
+
+def uploaded(w: World) -> None:
+    """Rank 0 of the live job uploaded checkpoint 0's state.pt."""
+    resp = w.request("PUT", f"/jobs/{w.jobs['live']}/checkpoints/0/state.pt", w.as_rank("rank0"), data=b"state")
+    assert resp.status_code == 201, resp.text
+
+
+def _commit(w, column):
+    uploaded(w)
+    return "POST", f"{P}/jobs/{job_of(w, column)}/checkpoints/0/commit", {"json": {"files": ["state.pt"]}}
+
+
+def _checkpoint_file(w, column):
+    uploaded(w)
+    return "GET", f"{P}/jobs/{job_of(w, column)}/checkpoints/0/state.pt", {}
+
+
+ROUTES: dict[str, Route] = {
+    "api.health": Route("public", lambda w, c: ("GET", "/health", {}), 200),
+    "api.create_room": Route("public", lambda w, c: ("POST", f"{P}/rooms", {"json": {"name": "new"}}), 201),
+    "openapi.openapi_json": Route("public", lambda w, c: ("GET", f"{P}/openapi.json", {}), 200),
+    "openapi.docs": Route("public", lambda w, c: ("GET", f"{P}/docs", {}), 200),
+    "ui.dashboard": Route("page", lambda w, c: ("GET", "/jobs/whatever", {}), 200),
+    "api.no_route": Route("no_route", lambda w, c: ("GET", f"{P}/nothing/here", {}), 404),
+    "api.get_room": Route("room", lambda w, c: ("GET", f"{P}/room", {}), 200, own_room=200),
+    "api.upload_bundle": Route("room", lambda w, c: ("POST", f"{P}/artifacts", {"data": b"a bundle"}), 201,
+                               own_room=201),
+    "api.download_artifact": Route("room", lambda w, c: ("GET", f"{P}/artifacts/{w.bundle}", {}), 200),
+    # Room B's submitter naming room A's bundle: no bundle of its room (400, nothing stored).
+    "api.create_job": Route("room", lambda w, c: ("POST", f"{P}/jobs", {"json": {
+        "bundle_artifact": fresh_bundle(w), "versions": {"python": "3.11.7"}}}), 201, own_room=400),
+    "api.list_jobs": Route("room", lambda w, c: ("GET", f"{P}/jobs", {}), 200, own_room=200),
+    "api.get_job": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['live']}", {}), 200),
+    "api.cancel_job": Route("room", lambda w, c: ("POST", f"{P}/jobs/{w.submit()['id']}/cancel", {}), 200),
+    "api.get_events": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['live']}/events", {}), 200),
+    "api.get_metrics": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['live']}/metrics", {}), 200),
+    "api.get_weights": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['done']}/weights", {}), 200),
+    "api.get_bundle": Route("job", lambda w, c: ("GET", f"{P}/jobs/{job_of(w, c)}/bundle", {}), 200, any_rank=True),
+    "api.post_events": Route("job", lambda w, c: ("POST", f"{P}/jobs/{job_of(w, c)}/events", {"json": {"events": [
+        {"kind": "log", "data": {"text": "hello"}}]}}), 200, any_rank=True),
+    "api.post_rank_status": Route("job", lambda w, c: ("POST", f"{P}/jobs/{job_of(w, c)}/ranks/0",
+                                                       {"json": {"status": "running"}}), 200),
+    "api.put_weights": Route("job", lambda w, c: ("PUT", f"{P}/jobs/{job_of(w, c)}/weights", {"data": b"w"}), 201),
+    "checkpoints.put_checkpoint_file": Route("job", lambda w, c: (
+        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/shard-x.pt", {"data": b"shard"}), 201, any_rank=True),
+    "checkpoints.commit_checkpoint": Route("job", _commit, 201),
+    "checkpoints.list_checkpoints": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['live']}/checkpoints", {}),
+                                          200),
+    "checkpoints.get_checkpoint_file": Route("room_or_job", _checkpoint_file, 200, any_rank=True),
+    "dashboard_api.history": Route("room", lambda w, c: ("GET", f"{P}/dashboard/history", {}), 200, own_room=200),
+    "tokens.list_tokens": Route("room", lambda w, c: ("GET", f"{P}/room/tokens", {}), 200, own_room=200),
+    "tokens.create_token": Route("room", lambda w, c: ("POST", f"{P}/room/tokens", {"json": {"role": "donor"}}), 201,
+                                 own_room=201),
+    "tokens.revoke_token": Route("room", lambda w, c: ("DELETE", f"{P}/room/tokens/{fresh_token(w)}", {}), 200),
+    "tokens.rotate_token": Route("room", lambda w, c: ("POST", f"{P}/room/tokens/{fresh_token(w)}/rotate", {}), 200),
+}
+
+
+def expected(route: Route, column: str) -> int:
+    """The status a cell must get (see the module's docstring)."""
+    if route.auth in ("public", "page"):
+        return route.ok
+    if route.auth == "no_route":
+        return 404
+    room = {"none": 401, "wrong": 401, "other_donor": 403, "donor": 403, "legacy": route.ok, "submitter": route.ok,
+            "other_submitter": route.own_room or 404}
+    keys = {"wrong_key": 403, "old_attempt": 403, "ended_job": 403, "rank": route.ok,
+            "other_rank": route.ok if route.any_rank else 403}
+    if route.auth == "room":
+        return room[column] if column in room else 401      # a rank key opens no room route
+    if route.auth == "job":
+        return keys[column] if column in keys else 401      # a room token is no rank's key
+    return {**room, **keys}[column]                         # room_or_job
+
+
+ERROR_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
+
+
+def test_every_route_and_event_has_an_entry(make_app):
+    app = make_app()
+    endpoints = {rule.endpoint for rule in app.url_map.iter_rules()}
+    assert endpoints == set(ROUTES), f"routes without an entry: {endpoints - set(ROUTES)}; " \
+                                     f"entries without a route: {set(ROUTES) - endpoints}"
+    for endpoint in endpoints:  # the matrix's kind of each route is the one its operation declares
+        op = getattr(app.view_functions[endpoint], "operation", None)
+        if op is not None and endpoint != "api.no_route":
+            kind = {"none": "public", "room": "room", "job": "job", "room or job": "room_or_job"}[op.auth.value]
+            assert ROUTES[endpoint].auth == kind, endpoint
+    names = {value for name, value in vars(ev).items() if name.startswith("EV_")}
+    assert names == set(EVENTS), f"events without an entry: {names - set(EVENTS)}"
+
+
+@pytest.mark.parametrize("endpoint", sorted(ROUTES))
+def test_each_route_answers_each_credential_as_the_matrix_says(world, endpoint):
+    route, a_ids = ROUTES[endpoint], {world.rooms["A"]["id"], world.jobs["live"], world.bundle}
+    for column in COLUMNS:
+        want = expected(route, column)
+        method, url, kwargs = route.call(world, column)
+        before = snapshot(world) if want >= 400 else None
+        resp = world.client.open(url, method=method, headers=headers(world, column), **kwargs)
+        cell = f"{method} {url} as {column}"
+        assert resp.status_code == want, f"{cell}: {resp.status_code} {resp.get_data(as_text=True)[:300]}"
+        if want >= 400:
+            if route.auth not in ("no_route",):
+                assert resp.json["error"]["code"] == ERROR_CODES[want], cell
+            assert snapshot(world) == before, f"{cell} was refused ({want}) but changed what is stored"
+        elif column == "other_submitter" and route.auth == "room":
+            body = resp.get_data(as_text=True)  # room B's own answer: nothing of room A in it
+            assert not any(i in body for i in a_ids), f"{cell} showed room A's objects"
+
+
+# -- Socket.IO -----------------------------------------------------------------------------------
+def connect(w: World, namespace: str, column: str):
+    """A test client on ``namespace`` with the column's token (or rank key) as its ``auth``."""
+    from zwdx.server import socketio
+    token = {**headers(w, column)}.popitem()[1] if column != "none" else None
+    return socketio.test_client(w.app, namespace=namespace, auth={"token": token} if token else None)
+
+
+#: Who may connect: /gpu with a donor token (a legacy one too; room B's donor joins room B), /ui
+#: with a submitter token (room B's opens room B).
+CONNECTS = {ev.GPU_NAMESPACE: {"donor", "legacy", "other_donor"}, ev.UI_NAMESPACE: {"submitter", "legacy",
+                                                                                      "other_submitter"}}
+
+
+def test_each_namespace_lets_in_only_its_role(world):
+    for namespace, allowed in CONNECTS.items():
+        for column in COLUMNS:
+            before = snapshot(world)
+            sock = connect(world, namespace, column)
+            assert sock.is_connected(namespace) == (column in allowed), (namespace, column)
+            if sock.is_connected(namespace):
+                sock.disconnect(namespace=namespace)
+            assert snapshot(world) == before, (namespace, column)
+
+
+def _register(sock, client_id: str, secret: str | None = None) -> dict:
+    return sock.emit(ev.EV_REGISTER, {"client_id": client_id, **HELLO, **({"client_secret": secret} if secret else {})},
+                     namespace=ev.GPU_NAMESPACE, callback=True)
+
+
+def register_cells(w: World):
+    """register as room A's client a1: only with a donor token of room A and a1's secret."""
+    for column, secret, want in [("donor", None, "client_secret"), ("legacy", None, "client_secret"),
+                                 ("donor", "zc_forged-secret-of-a1", "client_secret"),
+                                 ("other_donor", w.secrets["a1"], "belongs to another room"),
+                                 ("donor", w.secrets["a1"], "ok"), ("legacy", w.secrets["a1"], "ok")]:
+        sock = connect(w, ev.GPU_NAMESPACE, column)
+        before = snapshot(w)
+        answer = _register(sock, "a1", secret)
+        if want == "ok":
+            assert answer["ok"] and "client_secret" not in answer, (column, answer)  # it has one already
+        else:
+            assert answer["ok"] is False and (answer.get("code") == want or want in answer["error"]), (column, answer)
+            assert snapshot(w) == before, column
+        sock.disconnect(namespace=ev.GPU_NAMESPACE)
+
+
+def heartbeat_cells(w: World):
+    """A heartbeat speaks for the client its connection registered, in the token's room."""
+    for column in ("donor", "legacy", "other_donor"):
+        sock = connect(w, ev.GPU_NAMESPACE, column)
+        before = snapshot(w)
+        assert sock.emit(ev.EV_HEARTBEAT, {"slots": []}, namespace=ev.GPU_NAMESPACE, callback=True) == \
+            {"ok": False, "error": "heartbeat before register"}
+        assert snapshot(w) == before, column
+        client_id = f"beat-{column}"
+        assert _register(sock, client_id)["ok"]
+        assert sock.emit(ev.EV_HEARTBEAT, {"slots": [{"index": 0, "memory_free": 5}]}, namespace=ev.GPU_NAMESPACE,
+                         callback=True) == {"ok": True}
+        room = "B" if column == "other_donor" else "A"
+        assert w.store.get_client(client_id)["room_id"] == w.rooms[room]["id"]
+        sock.disconnect(namespace=ev.GPU_NAMESPACE)
+
+
+def ranks_exited_cells(w: World):
+    """Exits of the live job's attempt 1: only from the client each rank was placed on."""
+    live = w.jobs["live"]
+    exits = {"job_id": live, "attempt": 1, "exits": {"0": 0}}
+    for column, client_id, report, error in [
+            ("donor", "a2", exits, "not placed on this gpu client"),                 # rank 0 is a1's
+            ("donor", "a1", {**exits, "exits": {"0": 0, "1": 0}}, "not placed on this gpu client"),  # rank 1 is a2's
+            ("other_donor", "b1", exits, "no such job in this room")]:
+        sock = connect(w, ev.GPU_NAMESPACE, column)
+        assert _register(sock, client_id, w.secrets[client_id])["ok"]
+        before = snapshot(w)
+        answer = sock.emit(ev.EV_RANKS_EXITED, report, namespace=ev.GPU_NAMESPACE, callback=True)
+        assert answer["ok"] is False and error in answer["error"], (column, client_id, answer)
+        assert snapshot(w) == before, (column, client_id)
+        sock.disconnect(namespace=ev.GPU_NAMESPACE)
+    sock = connect(w, ev.GPU_NAMESPACE, "donor")
+    assert _register(sock, "a1", w.secrets["a1"])["ok"]
+    assert sock.emit(ev.EV_RANKS_EXITED, exits, namespace=ev.GPU_NAMESPACE, callback=True) == {"ok": True}
+    assert w.store.get_job(live).exits == {"0": 0}
+    sock.disconnect(namespace=ev.GPU_NAMESPACE)
+
+
+def _received(sock, namespace: str, event: str) -> list:
+    return [m["args"][0] for m in sock.get_received(namespace) if m["name"] == event]
+
+
+def server_to_client_cells(w: World):
+    """What the server sends goes to those it concerns only: a job's GPU clients (each its own
+    ranks' keys), the room's dashboards."""
+    from zwdx.protocol.job import Master
+    from zwdx.server.job import Job
+    ctx, live = w.app.extensions["zwdx"], w.jobs["live"]
+    gpus = {cid: sock for cid, sock in w.sockets.items()}
+    for sock in gpus.values():
+        sock.get_received(ev.GPU_NAMESPACE)  # what came so far
+    dashboards = {c: connect(w, ev.UI_NAMESPACE, c) for c in ("submitter", "legacy", "other_submitter")}
+    for column, sock in dashboards.items():
+        pushed = _received(sock, ev.UI_NAMESPACE, ev.EV_CLIENTS_UPDATE)
+        want = {"b1"} if column == "other_submitter" else {"a1", "a2"}
+        assert {c["id"] for c in pushed[0]["clients"]} >= want and not \
+            ({c["id"] for c in pushed[0]["clients"]} & ({"a1", "a2", "b1"} - want)), (column, pushed)
+    with w.app.app_context():
+        record = w.store.get_job(live)
+        ctx.scheduler._ask_port(record, {0: w.keys["rank0"], 1: w.keys["rank1"]}, w.store.get_client("a1"))
+        assert Job.load(w.store, live).rendezvous(Master(addr="127.0.0.1", port=29500))
+        ctx.scheduler._assign(w.store.get_job(live), {0: w.keys["rank0"], 1: w.keys["rank1"]})
+    asked = {cid: _received(s, ev.GPU_NAMESPACE, ev.EV_RESERVE_PORT) for cid, s in gpus.items()}
+    assert {cid for cid, got in asked.items() if got} == {"a1"}, asked
+    assigned = {cid: _received(s, ev.GPU_NAMESPACE, ev.EV_JOB_ASSIGN) for cid, s in gpus.items()}
+    assert {cid: [(r["rank"], r["key"]) for a in got for r in a["ranks"]] for cid, got in assigned.items()} == \
+        {"a1": [(0, w.keys["rank0"])], "a2": [(1, w.keys["rank1"])], "b1": []}
+    resp = w.request("POST", f"/jobs/{live}/events", w.as_rank("rank0"), json={"events": [
+        {"kind": "log", "data": {"text": "for room A's dashboards"}}]})
+    assert resp.json == {"stored": 1}, resp.text
+    assert w.request("POST", f"/jobs/{live}/cancel", w.as_submitter()).status_code == 200
+    cancelled = {cid: _received(s, ev.GPU_NAMESPACE, ev.EV_JOB_CANCEL) for cid, s in gpus.items()}
+    assert {cid for cid, got in cancelled.items() if got} == {"a1", "a2"}, cancelled
+    for column, sock in dashboards.items():
+        updates = _received(sock, ev.UI_NAMESPACE, ev.EV_JOB_UPDATE)
+        events = _received(sock, ev.UI_NAMESPACE, ev.EV_JOB_EVENTS)
+        if column == "other_submitter":
+            assert updates == [] and events == [], column
+        else:
+            assert updates and updates[-1]["id"] == live and updates[-1]["status"] == "cancelled", column
+            assert events and events[-1]["events"][0]["data"] == {"text": "for room A's dashboards"}, column
+        sock.disconnect(namespace=ev.UI_NAMESPACE)
+
+
+#: Each event, and the cells that check who may send it or who receives it.
+EVENTS = {
+    ev.EV_REGISTER: register_cells,
+    ev.EV_HEARTBEAT: heartbeat_cells,
+    ev.EV_RANKS_EXITED: ranks_exited_cells,
+    ev.EV_RESERVE_PORT: server_to_client_cells,
+    ev.EV_JOB_ASSIGN: server_to_client_cells,
+    ev.EV_JOB_CANCEL: server_to_client_cells,
+    ev.EV_JOB_UPDATE: server_to_client_cells,
+    ev.EV_JOB_EVENTS: server_to_client_cells,
+    ev.EV_CLIENTS_UPDATE: server_to_client_cells,
+}
+
+
+@pytest.mark.parametrize("cells", sorted(set(EVENTS.values()), key=lambda f: f.__name__),
+                         ids=lambda f: f.__name__)
+def test_each_socketio_event_as_the_matrix_says(world, cells):
+    cells(world)
