@@ -104,12 +104,12 @@ def net_cluster(net_hosts, tmp_path):
             return False
     wait_until(up, 30, what=f"server at {url}")
     sdk = ZWDX(url)
-    token = sdk.create_room("netns")["token"]
-    sdk.room_token = token
+    made = sdk.create_room("netns")
+    sdk.room_token = made["token"]
     names = [n for n in net_hosts.hosts if n != "s"]
     for name in names:
         procs.append(net_hosts.run(name, [sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url,
-                                          "--room-token", token, "--cpu", "--threads", "1", "--client-id", name,
+                                          "--room-token", made["donor_token"], "--cpu", "--threads", "1", "--client-id", name,
                                           "--work-dir", str(tmp_path / name)], str(tmp_path / f"{name}.log")))
     wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == len(names), 30,
                what="gpu clients online")
