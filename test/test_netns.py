@@ -43,6 +43,10 @@ class Net:
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "addr", "add", f"{self.prefix}.254/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
+        # A host running Docker drops bridged traffic (FORWARD policy DROP, with br_netfilter):
+        # let this bridge's own traffic through while it exists (no iptables: nothing to open).
+        self.forward = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        subprocess.run(["iptables", "-I", *self.forward], capture_output=True)
         for i, name in enumerate(names, start=1):
             ns, outer, inner = f"{self.tag}{name}", f"{self.tag}{name}o", f"{self.tag}{name}i"
             sh("ip", "netns", "add", ns)
@@ -71,6 +75,7 @@ class Net:
         for link in self.links.values():
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        subprocess.run(["iptables", "-D", *self.forward], capture_output=True)
 
 
 @pytest.fixture
