@@ -98,9 +98,9 @@ def main() -> None:
     problems = []
     server = Server(os.path.join(args.work, "server"))
     sdk = ZWDX(server.url)
-    token = sdk.create_room("gpu")["token"]
-    sdk.room_token = token
-    clients = {g: gpu_client(server.url, token, g, os.path.join(args.work, f"c{g}")) for g in range(min(ngpu, 3))}
+    made = sdk.create_room("gpu")
+    sdk.room_token = made["token"]
+    clients = {g: gpu_client(server.url, made["donor_token"], g, os.path.join(args.work, f"c{g}")) for g in range(min(ngpu, 3))}
     try:
         online(sdk, len(clients))
         if args.lm_only:
@@ -165,7 +165,7 @@ def main() -> None:
                 out(f"| {run + 1} | {res - t0:.2f} | {run_again - t0:.2f} | "
                     f"{job['restart_history'][0]['from_checkpoint']['epoch'] + 1} | {r['status']} |")
                 clients[gpu].stop()
-                clients[gpu] = gpu_client(server.url, token, gpu, os.path.join(args.work, f"c{gpu}-{run}"))
+                clients[gpu] = gpu_client(server.url, made["donor_token"], gpu, os.path.join(args.work, f"c{gpu}-{run}"))
                 online(sdk, 3)
             out(f"| median | {statistics.median(det):.2f} | {statistics.median(again):.2f} | | |")
 

@@ -112,8 +112,9 @@ def test_a_room_token_is_stored_only_as_its_sha256_on_mongodb(make_app, mongo_ur
         stored = {name: list(db[name].find()) for name in names}
     finally:
         client.close()
-    assert {"rooms", "jobs", "artifacts", "artifacts.files"} <= set(stored), stored.keys()
+    assert {"rooms", "credentials", "jobs", "artifacts", "artifacts.files"} <= set(stored), stored.keys()
     raw = json.dumps(stored, default=repr)  # every document of every collection, bytes included
-    assert token not in raw and token.split("_", 1)[1] not in raw
-    [room] = stored["rooms"]
-    assert hashlib.sha256(token.encode()).hexdigest() in json.dumps(room, default=repr)
+    held = {c["role"]: c["hash"] for c in stored["credentials"]}  # a room's tokens: one record each
+    for role, secret in (("submitter", token), ("donor", api.donor)):
+        assert secret not in raw and secret.split("_", 1)[1] not in raw, role
+        assert held[role] == hashlib.sha256(secret.encode()).hexdigest(), role

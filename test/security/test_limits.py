@@ -135,7 +135,7 @@ def test_a_nan_loss_never_jams_the_reporter_and_comes_back_a_float(http_app):
     from gpu_client.reporter import Reporter
     app, url = http_app
     room, rank0, job = placed_job(app, "diverged")
-    reporter = Reporter(url, room.token, job["id"], rank0.job_key, 0, flush_interval=0.05)
+    reporter = Reporter(url, rank0.rank_key, job["id"], 0, flush_interval=0.05)
     reporter.log_metrics(loss=float("nan"))
     reporter.log_metrics(loss=float("inf"), accuracy=0.5)
     reporter.log_metrics(loss=-math.inf)
@@ -161,6 +161,7 @@ def test_a_literal_nan_in_any_body_is_400_and_changes_nothing(app):
     room, rank0, job = placed_job(app, "nan")
     store = app.extensions["zwdx"].store
     before = (store.get_job(job["id"]), store.get_events(job["id"]), len(room.jobs()))
+    both = room.as_(room.token, rank_key=rank0.rank_key)  # each route finds the credential it takes
     bodies = 0
     for rule in app.url_map.iter_rules():
         op = getattr(app.view_functions[rule.endpoint], "operation", None)
@@ -168,7 +169,7 @@ def test_a_literal_nan_in_any_body_is_400_and_changes_nothing(app):
             continue
         path = rule.rule.replace("<job_id>", job["id"]).replace("<rank>", "0").replace("<n>", "0")
         for token in ("NaN", "Infinity", "-Infinity", "1e400"):
-            resp = rank0.request(op.method, path[len(defaults.API_PREFIX):], content_type="application/json",
+            resp = both.request(op.method, path[len(defaults.API_PREFIX):], content_type="application/json",
                                  data='{"events": [], "status": "running", "name": %s, "x": %s}' % (token, token))
             assert resp.status_code == 400 and resp.json["error"]["field"] == "body", (path, token, resp.text)
         bodies += 1
@@ -230,7 +231,7 @@ def test_the_reporter_sends_many_long_lines_in_batches_under_the_limit(http_app)
     from gpu_client.reporter import Reporter
     app, url = http_app
     room, rank0, job = placed_job(app, "chatty")
-    reporter = Reporter(url, room.token, job["id"], rank0.job_key, 0)
+    reporter = Reporter(url, rank0.rank_key, job["id"], 0)
     for i in range(120):  # 12 MB of text: more than one request body may hold
         reporter.log(f"{i:03d}" + "z" * 99_990)
     assert reporter.flush(timeout=120)

@@ -154,7 +154,7 @@ class RankReportAnswer(Answer):
 
 
 class CheckpointCommit(Message):
-    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, job key)."""
+    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, its rank key)."""
     files: Annotated[list[FileName], Field(min_length=1, max_length=4096)]
     epoch: Count | None = None
     step: Count | None = None

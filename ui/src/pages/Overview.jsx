@@ -7,6 +7,7 @@ import { useLive } from "../lib/LiveProvider.jsx";
 import { formatAgo, formatBytes, formatNumber, formatTime } from "../lib/format.js";
 import { queueOf } from "../lib/jobs.js";
 import { ClientStatus, SlotKind } from "../lib/protocol.js";
+import RoomTokens from "../components/RoomTokens.jsx";
 import Sparkline from "../components/Sparkline.jsx";
 import { Loading, Notice, StatusBadge } from "../components/bits.jsx";
 
@@ -74,7 +75,8 @@ function Clients({ clients, slotHistory, jobs, now }) {
     return (
       <Notice kind="empty" title="No GPU clients in this room yet" testId="no-clients">
         Lend a GPU by running, on the machine that has it:
-        <pre className="cmd">zwdx gpu-client --server {window.location.origin} --room-token $ZWDX_ROOM_TOKEN</pre>
+        <pre className="cmd">zwdx gpu-client --server {window.location.origin} --room-token {"<donor token>"}</pre>
+        with the room&apos;s donor token (<code>zd_…</code>).
       </Notice>
     );
   }
@@ -230,6 +232,10 @@ export default function Overview() {
       <section>
         <h2>Job queue</h2>
         <Queue jobs={jobs} />
+      </section>
+      <section>
+        <h2>Tokens</h2>
+        <RoomTokens />
       </section>
     </div>
   );

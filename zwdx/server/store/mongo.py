@@ -142,7 +142,9 @@ class MongoStore(Store):
             return None
         if doc.get("role") == "submitter" and self._credentials.find_one(  # (nx-27017 counts no nulls)
                 {"room_id": doc["room_id"], "role": "submitter", "revoked_at": None}, {"_id": 1}) is None:
-            self._credentials.update_one({"_id": doc["_id"], "revoked_at": float(at)}, {"$set": {"revoked_at": None}})
+            # matched on the value as stored (a server may keep fewer digits of a float than were sent)
+            self._credentials.update_one({"_id": doc["_id"], "revoked_at": doc["revoked_at"]},
+                                         {"$set": {"revoked_at": None}})
             return None
         return _public(doc)
 
