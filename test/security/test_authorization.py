@@ -103,6 +103,8 @@ ROUTES: dict[str, Route] = {
     "api.create_room": Route("public", lambda w, c, m: ("POST", f"{P}/rooms", {"json": {"name": "new"}}), 201),
     "openapi.openapi_json": Route("public", lambda w, c, m: ("GET", f"{P}/openapi.json", {}), 200),
     "openapi.docs": Route("public", lambda w, c, m: ("GET", f"{P}/docs", {}), 200),
+    # from this machine without a metrics token (anyone else: test_prometheus.py)
+    "prometheus.metrics": Route("public", lambda w, c, m: ("GET", "/metrics", {}), 200),
     "ui.dashboard": Route("page", lambda w, c, m: ("GET", "/jobs/whatever", {}), 200),
     "api.no_route": Route("no_route", lambda w, c, m: ("GET", f"{P}/nothing/here", {}), 404),
     "api.get_room": Route("room", lambda w, c, m: ("GET", f"{P}/room", {}), 200, own_room=200),
