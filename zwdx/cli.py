@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = os.environ.get("ZWDX_SERVER_URL", f"http://localhost:{defaults.PORT}")
 ASYNC_MODES = ("gevent", "threading")
+#: ``zwdx gpu-client --isolation`` (``zwdx.protocol.Isolation``).
+ISOLATIONS = ("user", "process")
 
 
 def _patch_for_gevent() -> bool:
@@ -99,10 +101,19 @@ def _gpu_client(args) -> int:
         print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN), the room's donor token, is required",
               file=sys.stderr)
         return 2
+    from gpu_client.isolation import IsolationError, parse_uids
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    try:
+        if args.isolation not in (None, *ISOLATIONS):
+            raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
+        uids = parse_uids(args.rank_uids) if args.rank_uids else None
+    except IsolationError as err:
+        print(f"zwdx gpu-client: {err}", file=sys.stderr)
+        return 2
     return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
-                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby)
+                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
+                 isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir)
 
 
 def _job(args) -> int:
@@ -199,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
+    iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")
+    iso.add_argument("--isolation", choices=ISOLATIONS, default=os.environ.get("ZWDX_ISOLATION") or None,
+                     help="user: each job's ranks run as an unprivileged user of their own (needs root); process: "
+                          "as this client's user (default: $ZWDX_ISOLATION, else user as root and process otherwise)")
+    iso.add_argument("--rank-uids", default=os.environ.get("ZWDX_RANK_UIDS"), metavar="START-END",
+                     help="uids (and gids) per-job users are taken from; uids with a passwd or group entry are "
+                          "skipped (default: $ZWDX_RANK_UIDS, else 2000000000-2000065535)")
+    iso.add_argument("--rank-dir", default=os.environ.get("ZWDX_RANK_DIR"),
+                     help="where each job gets its private directory (default: $ZWDX_RANK_DIR, else "
+                          "/var/lib/zwdx/ranks with --isolation user, WORK_DIR/ranks otherwise)")
     p.set_defaults(func=_gpu_client)
 
     p = sub.add_parser("job", help="look at and control jobs")
