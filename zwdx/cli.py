@@ -13,6 +13,7 @@ import sys
 
 from . import defaults
 from .errors import ZwdxError
+from .token_source import token_from
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def _room_create(args) -> int:
 
 def _room_tokens(args) -> int:
     from .sdk import ZWDX
-    tokens = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")).tokens
+    tokens = _sdk(args).tokens
     if args.tokens_action == "list":
         shown = tokens.list()
     elif args.tokens_action == "create":
@@ -96,9 +97,9 @@ def _room_tokens(args) -> int:
 
 def _gpu_client(args) -> int:
     from gpu_client.agent import serve
-    token = args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")
+    token = token_from(args.room_token, args.room_token_file, "zwdx gpu-client")
     if not token:
-        print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN), the room's donor token, is required",
+        print("zwdx gpu-client: the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN",
               file=sys.stderr)
         return 2
     from gpu_client.isolation import IsolationError, parse_uids
@@ -116,9 +117,14 @@ def _gpu_client(args) -> int:
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir)
 
 
-def _job(args) -> int:
+def _sdk(args):
+    """The SDK, with the token the command was given (if any)."""
     from .sdk import ZWDX
-    sdk = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN"))
+    return ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, f"zwdx {args.command}"))
+
+
+def _job(args) -> int:
+    sdk = _sdk(args)
     if args.action == "list":
         for job in sdk.list_jobs():
             print(f"{job['id']}  {job['status']:<10} world {job.get('world_size') or '-':<3} "
@@ -131,6 +137,15 @@ def _job(args) -> int:
     elif args.action == "cancel":
         print(sdk.cancel_job(args.job_id)["status"])
     return 0
+
+
+def _token_arguments(parser, what: str) -> None:
+    parser.add_argument("--room-token-file", default=None, metavar="FILE",
+                        help=f"a file holding {what} (default: $ZWDX_ROOM_TOKEN, else the file $ZWDX_ROOM_TOKEN_FILE "
+                             f"names)")
+    parser.add_argument("--room-token", "-rt", default=None,
+                        help="the token itself: every user of the machine can read a command line, so this warns; "
+                             "prefer --room-token-file or $ZWDX_ROOM_TOKEN")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,15 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("--role", choices=["submitter", "donor"], required=True)
             a.add_argument("--name", default="", help="what the token is for (\"lab-3 GPUs\")")
         a.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-        a.add_argument("--room-token", "-rt", default=None,
-                       help="a submitter token of the room (default: $ZWDX_ROOM_TOKEN)")
+        _token_arguments(a, "a submitter token of the room")
         a.add_argument("--json", action="store_true", help="print JSON")
         a.set_defaults(func=_room_tokens)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
     p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None,
-                   help="the room's donor token, zd_... (default: $ZWDX_ROOM_TOKEN)")
+    _token_arguments(p, "the room's donor token, zd_...")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
     p.add_argument("--advertise-addr", default=None,
@@ -226,9 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "status", "logs", "cancel"])
     p.add_argument("job_id", nargs="?")
     p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None,
-                   help="a submitter token of the job's room, zs_... (default: $ZWDX_ROOM_TOKEN, else the one "
-                        "remembered for the job)")
+    _token_arguments(p, "a submitter token of the job's room, zs_... (else the one remembered for the job)")
     p.set_defaults(func=_job)
     return parser
 

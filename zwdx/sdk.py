@@ -124,13 +124,22 @@ class ZWDX:
     def parse_args(self, args: list[str] | None = None) -> argparse.Namespace:
         """The earlier project's command line: ``-rt/--room_token`` (required unless
         ``ZWDX_ROOM_TOKEN`` is set), a submitter token of the room. It becomes this object's
-        default room token."""
-        env_token = os.environ.get("ZWDX_ROOM_TOKEN")
+        default room token. ``--room-token-file F`` reads it from a file instead; a token on the
+        command line warns, as every user of the machine can read it there."""
+        from .token_source import FILE_VARIABLE, TOKEN_VARIABLE, token_from
+        given = bool(os.environ.get(TOKEN_VARIABLE) or os.environ.get(FILE_VARIABLE))
         parser = argparse.ArgumentParser(description="zwdx user argument parser.")
-        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str,
-                            required=not env_token, default=env_token,
-                            help="a submitter token (zs_...) of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
+        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str, default=None,
+                            help="a submitter token (zs_...) of the room to submit to; every user of the machine "
+                                 "can read a command line, so prefer --room-token-file or $ZWDX_ROOM_TOKEN")
+        parser.add_argument("--room-token-file", default=None, help="a file holding the submitter token")
         parsed = parser.parse_args(args)
+        if not (parsed.room_token or parsed.room_token_file or given):
+            parser.error("a room token is required: --room-token-file FILE, $ZWDX_ROOM_TOKEN, or -rt TOKEN")
+        try:
+            parsed.room_token = token_from(parsed.room_token, parsed.room_token_file, parser.prog)
+        except BadRequest as err:
+            parser.error(err.message)
         self.room_token = parsed.room_token or self.room_token
         return parsed
 
