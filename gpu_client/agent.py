@@ -26,7 +26,7 @@ import psutil
 import requests
 import socketio
 
-from zwdx import defaults
+from zwdx import defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                            EV_RESERVE_PORT, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
@@ -45,6 +45,9 @@ log = logging.getLogger("gpu_client.agent")
 
 #: The exit code recorded for a rank whose process could not be started.
 NOT_STARTED = 97
+
+#: The CA file's name in a job's sandbox.
+CA_FILE = "ca.pem"
 
 #: ``RegisterAnswer.code`` of a register refused for its client secret.
 WRONG_SECRET = "client_secret"
@@ -84,9 +87,12 @@ class Agent:
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
-                 isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None):
+                 isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
+                 ca_file: str | None = None):
         self.server = server.rstrip("/")
         self.token = room_token
+        self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
+        self.verify = self.ca_file or True
         self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.hostname = socket.gethostname()
@@ -105,8 +111,14 @@ class Agent:
         self.fatal: str | None = None
         self._registered = threading.Event()
         self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
-                                   randomization_factor=0.5)
+                                   randomization_factor=0.5, http_session=self._session())
         self._bind()
+
+    def _session(self, rank_key: str | None = None) -> requests.Session:
+        """A session that verifies the server's certificate (as a rank, with its key)."""
+        if rank_key is not None:
+            return http_session(rank_key, verify=self.verify)
+        return tls.session(self.verify)
 
     @property
     def client_id(self) -> str:
@@ -231,7 +243,8 @@ class Agent:
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_pending=pending, assigned_at=assigned_at,
             server=self.server, client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
-            log_path=os.path.join(logs, f"rank{place.rank}.log"), sandbox=job.sandbox)
+            log_path=os.path.join(logs, f"rank{place.rank}.log"), sandbox=job.sandbox,
+            ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None)
 
     def _bundle_path(self, assign: JobAssign) -> str:
         return os.path.join(self.work_dir, "bundles", f"{assign.bundle_sha256}.zwdx")
@@ -239,7 +252,7 @@ class Agent:
     def _fetch_bundle(self, assign: JobAssign) -> None:
         path = self._bundle_path(assign)
         private_dir(os.path.dirname(path))
-        session = http_session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
+        session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
         digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
@@ -261,6 +274,8 @@ class Agent:
             bundle = self._bundle_path(assign)
             pending = not os.path.exists(bundle)
             self.launcher.lease(job, self.client_id)
+            if self.ca_file:  # where the ranks can read it
+                self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
             if not pending:
                 self.isolation.share(bundle, job.sandbox)
             for local_rank, place in enumerate(assign.ranks):
@@ -307,7 +322,7 @@ class Agent:
     def _report_start_failure(self, job_id: str, keys: dict[int, str], exc: BaseException) -> None:
         """Each rank's failure, reported with that rank's key."""
         for rank, key in keys.items():
-            session = http_session(key)
+            session = self._session(key)
             try:
                 session.post(f"{self.server}{defaults.API_PREFIX}/jobs/{job_id}/ranks/{rank}",
                              json={"status": RankStatus.FAILED.value, "error": f"{type(exc).__name__}: {exc}",
@@ -354,9 +369,12 @@ class Agent:
             log.error("gpu-client %s: %s", self.client_id, err)
             return 2
         log.info("gpu-client %s: %s", self.client_id, self.isolation.describe())
+        tls.warn_if_plain(self.server, f"gpu-client {self.client_id}")
         backoff = 0.5
         threading.Thread(target=self._heartbeats, daemon=True).start()
         while not self.stop.is_set() and not self.sio.connected:
+            if not self._trusted():
+                break
             try:
                 self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
                                  transports=["websocket"], wait_timeout=10)
@@ -374,6 +392,20 @@ class Agent:
             log.error("gpu-client %s: stopped: %s", self.client_id, self.fatal)
             return 2
         return 0
+
+    def _trusted(self) -> bool:
+        """False (and fatal) when the server's TLS certificate fails verification: no retry mends
+        that. An unreachable server is tried again by the caller."""
+        try:
+            with self._session() as session:
+                session.get(f"{self.server}/health", timeout=10)
+        except requests.RequestException as exc:
+            why = tls.untrusted(exc)
+            if why:
+                self.fatal = f"cannot connect to {self.server}: {why}"
+                self.stop.set()
+                return False
+        return True
 
     def shutdown(self) -> None:
         self.stop.set()

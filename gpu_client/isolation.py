@@ -7,7 +7,8 @@ it for each job's sandbox.
     iso.kind, iso.label               what the agent registers per slot, and says at its start
     iso.popen(argv, stdout, env)      start a rank process (a standby, or a fresh rank)
     box = iso.lease(client_id, job_id, attempt)   the sandbox of one attempt of a job here
-    iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx)
+    iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx);
+                                      the same for the CA file that verifies the server
     iso.release(box)                  its ranks exited: end what is left of the job, remove its dir
 
 A sandbox (``zwdx.protocol.rank.Sandbox``) travels in each rank's ``RankSpec``; the rank process
@@ -146,16 +147,19 @@ class ProcessIsolation:
     def bundle_path(box: Sandbox) -> str:
         return os.path.join(box.dir, BUNDLE)
 
-    def share(self, bundle: str, box: Sandbox) -> str:
-        """The bundle in the sandbox: a hard link (no copy; a copy across file systems), which the
-        ranks may read and not change."""
-        path = self.bundle_path(box)
+    def share(self, source: str, box: Sandbox, name: str = BUNDLE, link: bool = True) -> str:
+        """A file in the sandbox that the ranks may read and not change (root's, 0444): the job's
+        bundle as a hard link (no copy; a copy across file systems), a file the agent does not
+        own (the CA file) as a copy."""
+        path = os.path.join(box.dir, name)
         if os.path.lexists(path):
             os.unlink(path)
         try:
-            os.link(bundle, path)
+            if not link:
+                raise OSError("copied")
+            os.link(source, path)
         except OSError:
-            shutil.copyfile(bundle, path)
+            shutil.copyfile(source, path)
         os.chmod(path, 0o444)
         return path
 

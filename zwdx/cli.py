@@ -50,16 +50,32 @@ def _server(args) -> int:
                  "rate_limit_auth_failures", "artifact_retention", "sweep_interval"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("zwdx server: --tls-cert and --tls-key go together (the certificate chain and its private key)",
+              file=sys.stderr)
+        return 2
+    context = None
+    if args.tls_cert:
+        from .tls import server_context
+        try:
+            context = server_context(args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            print(f"zwdx server: cannot use the TLS certificate {args.tls_cert} and key {args.tls_key}: {exc}",
+                  file=sys.stderr)
+            return 2
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("server: serving plain HTTP on %s: tokens and bundles cross the network unencrypted; pass "
+                    "--tls-cert/--tls-key, or put a reverse proxy with TLS in front (docs/deploy-tls.md)", args.host)
     app = create_app(config)
-    print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']}, "
-          f"{socketio.async_mode})", flush=True)
-    serve(app, args.host, args.port)
+    print(f"zwdx server on {'https' if context else 'http'}://{args.host}:{args.port} (data in "
+          f"{config['DATA_DIR']}, {socketio.async_mode})", flush=True)
+    serve(app, args.host, args.port, context)
     return 0
 
 
 def _room_create(args) -> int:
     from .sdk import ZWDX
-    room = ZWDX(args.server).create_room(args.name or "")
+    room = ZWDX(args.server, ca_file=args.ca_file).create_room(args.name or "")
     if args.json:
         print(json.dumps(room))
     else:
@@ -114,13 +130,14 @@ def _gpu_client(args) -> int:
     return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
-                 isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir)
+                 isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file)
 
 
 def _sdk(args):
     """The SDK, with the token the command was given (if any)."""
     from .sdk import ZWDX
-    return ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, f"zwdx {args.command}"))
+    return ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, f"zwdx {args.command}"),
+                ca_file=args.ca_file)
 
 
 def _job(args) -> int:
@@ -137,6 +154,13 @@ def _job(args) -> int:
     elif args.action == "cancel":
         print(sdk.cancel_job(args.job_id)["status"])
     return 0
+
+
+def _server_arguments(parser) -> None:
+    parser.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    parser.add_argument("--ca-file", default=None, metavar="FILE",
+                        help="the CA certificate (PEM) that signed the server's, for a private CA (default: "
+                             "$ZWDX_CA_FILE, else the system's CAs)")
 
 
 def _token_arguments(parser, what: str) -> None:
@@ -168,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ui-dir", default=os.environ.get("ZWDX_UI_DIR"),
                    help="serve the dashboard from this build folder (default: $ZWDX_UI_DIR, else the one "
                         "installed with zwdx)")
+    p.add_argument("--tls-cert", default=os.environ.get("ZWDX_TLS_CERT"), metavar="FILE",
+                   help="serve HTTPS and WSS with this certificate chain (PEM; default: $ZWDX_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("ZWDX_TLS_KEY"), metavar="FILE",
+                   help="the private key of --tls-cert (PEM; default: $ZWDX_TLS_KEY)")
     limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
     limits.add_argument("--max-request-bytes", type=int, default=None,
                         help=f"largest request body but an artifact's (default {defaults.MAX_REQUEST_BYTES})")
@@ -189,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("room", help="rooms")
     rsub = p.add_subparsers(dest="action", required=True)
     c = rsub.add_parser("create", help="create a room and print its submitter and donor tokens (shown once)")
-    c.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    _server_arguments(c)
     c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
     c.set_defaults(func=_room_create)
@@ -205,13 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "create":
             a.add_argument("--role", choices=["submitter", "donor"], required=True)
             a.add_argument("--name", default="", help="what the token is for (\"lab-3 GPUs\")")
-        a.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+        _server_arguments(a)
         _token_arguments(a, "a submitter token of the room")
         a.add_argument("--json", action="store_true", help="print JSON")
         a.set_defaults(func=_room_tokens)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    _server_arguments(p)
     _token_arguments(p, "the room's donor token, zd_...")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
@@ -238,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("job", help="look at and control jobs")
     p.add_argument("action", choices=["list", "status", "logs", "cancel"])
     p.add_argument("job_id", nargs="?")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    _server_arguments(p)
     _token_arguments(p, "a submitter token of the job's room, zs_... (else the one remembered for the job)")
     p.set_defaults(func=_job)
     return parser

@@ -26,7 +26,7 @@ import time
 
 import requests
 
-from . import defaults
+from . import defaults, tls
 from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -97,17 +97,26 @@ class ZWDX:
     ``ZWDX_REMEMBER=0``: not).
 
     A context manager: ``with ZWDX(url) as zwdx: ...`` closes its HTTP connections at the end
-    (as ``close()`` does)."""
+    (as ``close()`` does).
+
+    Over ``https://`` the server's certificate is verified against the system's CAs, or the
+    CA file ``ca_file=`` (else ``$ZWDX_CA_FILE``) names, for a private CA; plain ``http://`` to
+    another machine warns once."""
 
     def __init__(self, server_url: str = f"http://localhost:{defaults.PORT}", room_token: str | None = None,
-                 timeout: float = 30.0, remember: bool | None = None):
+                 timeout: float = 30.0, remember: bool | None = None, ca_file: str | None = None):
         self.server_url = server_url.rstrip("/")
         self.room_token = room_token
         self.timeout = timeout
-        self._session = requests.Session()
+        self.verify = tls.verify(ca_file)
+        tls.warn_if_plain(self.server_url, "zwdx")
+        self._session = self._new_session()
         self._job_tokens: dict[str, str] = {}
         remember = remember_by_default() if remember is None else remember
         self.credentials = CredentialStore() if remember else None
+
+    def _new_session(self) -> requests.Session:
+        return tls.session(self.verify)
 
     def close(self) -> None:
         """Close the connections to the server this object holds open. It can still be used:
@@ -186,8 +195,9 @@ class ZWDX:
             resp = (session or self._session).request(method, url, headers=headers,
                                                       timeout=kwargs.pop("timeout", self.timeout), **kwargs)
         except requests.ConnectionError as exc:
-            raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {exc}",
-                                    server_url=self.server_url) from None
+            why = tls.untrusted(exc)
+            raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {why or exc}",
+                                    server_url=self.server_url, **({"tls": True} if why else {})) from None
         except requests.Timeout:
             raise ServerUnreachable(f"the zwdx server at {self.server_url} did not answer in time",
                                     server_url=self.server_url) from None
@@ -377,7 +387,7 @@ class ZWDX:
         _say(f"zwdx: Ctrl-C: cancelling job {job_id} (Ctrl-C again to stop at once)")
         try:
             # A fresh session: the interrupted request may have left its connection half read.
-            with requests.Session() as session:
+            with self._new_session() as session:
                 self._json("POST", f"/jobs/{job_id}/cancel", token, session=session, timeout=15)
             _say(f"zwdx: job {job_id} cancelled")
         except KeyboardInterrupt:

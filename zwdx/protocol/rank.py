@@ -91,6 +91,9 @@ class RankSpec(Message):
     hostname: Text
     #: The rank's credential on every call it makes (``X-Zwdx-Rank-Key``).
     rank_key: SecretStr
+    #: The CA file the server's certificate is verified against (a private CA, in the sandbox);
+    #: None: the system's CAs.
+    ca_file: Path | None = None
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
     #: Where the rank runs and as whom (``gpu_client.isolation.enter``); None: where it was started.
