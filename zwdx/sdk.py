@@ -144,7 +144,7 @@ class ZWDX:
         parser.add_argument("--room-token-file", default=None, help="a file holding the submitter token")
         parsed = parser.parse_args(args)
         if not (parsed.room_token or parsed.room_token_file or given):
-            parser.error("a room token is required: --room-token-file FILE, $ZWDX_ROOM_TOKEN, or -rt TOKEN")
+            parser.error("a room token is required: -rt/--room_token TOKEN, --room-token-file FILE or $ZWDX_ROOM_TOKEN")
         try:
             parsed.room_token = token_from(parsed.room_token, parsed.room_token_file, parser.prog)
         except BadRequest as err:
