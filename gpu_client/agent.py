@@ -396,16 +396,11 @@ class Agent:
     def _trusted(self) -> bool:
         """False (and fatal) when the server's TLS certificate fails verification: no retry mends
         that. An unreachable server is tried again by the caller."""
-        try:
-            with self._session() as session:
-                session.get(f"{self.server}/health", timeout=10)
-        except requests.RequestException as exc:
-            why = tls.untrusted(exc)
-            if why:
-                self.fatal = f"cannot connect to {self.server}: {why}"
-                self.stop.set()
-                return False
-        return True
+        why = tls.distrusted(self.server, self.verify)
+        if why:
+            self.fatal = f"cannot connect to {self.server}: {why}"
+            self.stop.set()
+        return not why
 
     def shutdown(self) -> None:
         self.stop.set()

@@ -7,6 +7,7 @@ server's certificate verified, and a word when they do not.
                              ``$REQUESTS_CA_BUNDLE`` is set, which would otherwise win)
     warn_if_plain(url, who)  once per process and address: plain ``http://`` to another machine
     untrusted(exc)           the words for a certificate that failed verification, or None
+    distrusted(url, verify)  the same, asked of the server at ``url`` (``GET /health``)
     server_context(cert, key)  the server's TLS context (``zwdx server --tls-cert/--tls-key``)
 
 Behind a reverse proxy that ends TLS (docs/deploy-tls.md) the clients see HTTPS all the same.
@@ -106,6 +107,17 @@ def untrusted(exc: BaseException) -> str | None:
             return f"the server's TLS certificate is not for this address ({text})"
         exc = exc.__cause__ or exc.__context__ or (exc.args[0] if exc.args and isinstance(exc.args[0], BaseException)
                                                    else None)
+    return None
+
+
+def distrusted(url: str, verify: str | bool = True) -> str | None:
+    """Why the server at ``url`` cannot be trusted (its certificate fails verification), or None:
+    trusted, plain HTTP, or not reachable just now."""
+    try:
+        with session(verify) as probe:
+            probe.get(f"{url.rstrip('/')}/health", timeout=10)
+    except requests.RequestException as exc:
+        return untrusted(exc)
     return None
 
 

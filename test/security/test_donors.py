@@ -188,12 +188,14 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
                what="the jobs' sandboxes removed")
 
 
-def test_an_ordinary_job_trains_across_both_clients_as_per_job_users(donors):
+@pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
+def test_an_ordinary_job_trains_across_both_clients_as_per_job_users(donors, parallelism):
+    """(Resuming from a checkpoint as per-job users: test_resilience.py, whose GPU clients run as root too.)"""
     sdk = donors["sdk"]
     for client in sdk.get_room()["clients"]:
         assert [s["isolation"] for s in client["slots"]] == ["user"], client
-    result = sdk.submit_job(Tiny(), tiny_loader, whoami, None, torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
-                            world_size=2, progress=False, timeout=120)
+    result = sdk.submit_job(Tiny(), tiny_loader, whoami, None, torch.optim.SGD(Tiny().parameters(), lr=0.1),
+                            parallelism, world_size=2, progress=False, timeout=120)
     assert result["status"] == "completed"
     uid = result["results"]["uid_0"]
     assert uid >= 2_000_000_000 and result["results"]["home_0"].startswith("/var/lib/zwdx/ranks/")
