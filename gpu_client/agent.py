@@ -368,6 +368,7 @@ class Agent:
         except IsolationError as err:
             log.error("gpu-client %s: %s", self.client_id, err)
             return 2
+        self.modules = self.isolation.importable(self.modules)  # what its ranks can import
         log.info("gpu-client %s: %s", self.client_id, self.isolation.describe())
         tls.warn_if_plain(self.server, f"gpu-client {self.client_id}")
         backoff = 0.5

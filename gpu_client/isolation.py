@@ -5,6 +5,7 @@ it for each job's sandbox.
     iso = build("user", work_dir, rank_dir=None, uids=None)  # zwdx gpu-client --isolation user
     iso.check()                       at the agent's start: IsolationError saying what to change
     iso.kind, iso.label               what the agent registers per slot, and says at its start
+    iso.importable(modules)           the modules a rank can import (a per-job user: asked as one)
     iso.popen(argv, stdout, env)      start a rank process (a standby, or a fresh rank)
     box = iso.lease(client_id, job_id, attempt)   the sandbox of one attempt of a job here
     iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx);
@@ -44,6 +45,7 @@ import ctypes
 import fcntl
 import grp
 import importlib.util
+import json
 import logging
 import os
 import pwd
@@ -119,6 +121,10 @@ class ProcessIsolation:
     def check(self) -> None:
         private_dir(self.rank_dir)
 
+    def importable(self, agent_modules: list[str] | None) -> list[str] | None:
+        """The top-level modules a rank can import (``host.importable_modules``): the agent's."""
+        return agent_modules
+
     def describe(self) -> str:
         return (f"ranks run as this GPU client's own user (isolation: {self.label}); job code can read what "
                 f"that user can, this client's token and secrets included (run it as root for a user per job)")
@@ -180,6 +186,7 @@ class UserIsolation(ProcessIsolation):
         self._held: set[int] = set()
         self._mutex = threading.Lock()
         self._next = random.SystemRandom().randrange(len(uids))
+        self._modules: list[str] | None = None  # what a rank user can import (check)
 
     def describe(self) -> str:
         return (f"ranks run as a user of their own per job (isolation: {self.label}; uids {self.uids.start}-"
@@ -208,11 +215,18 @@ class UserIsolation(ProcessIsolation):
                     f"process to run ranks as root (no isolation)")
         self._probe()
 
+    def importable(self, agent_modules: list[str] | None) -> list[str] | None:
+        """What a rank user can import, which may be less than root can (a package on a path only
+        root reads): the scheduler keeps jobs that need more away."""
+        return self._modules
+
     def _probe(self) -> None:
-        """Start Python as a rank user and import the rank's code from where a rank will (``-m``
-        puts the working directory, as an absolute path, first on ``sys.path``)."""
+        """Start Python as a rank user, import the rank's code from where a rank will (``-m``
+        puts the working directory, as an absolute path, first on ``sys.path``), and list the
+        modules it can import."""
         box = self.lease("probe", f"probe-{os.getpid()}", 0)
-        code = "import os, sys; sys.path[0] = os.getcwd(); import gpu_client.runner"
+        code = ("import json, os, sys; sys.path[0] = os.getcwd(); import gpu_client.runner; "
+                "from gpu_client.host import importable_modules; print(json.dumps(importable_modules()))")
         try:
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, user=box.uid, group=box.gid,
                                   extra_groups=[], timeout=120,
@@ -225,6 +239,7 @@ class UserIsolation(ProcessIsolation):
             tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
             raise IsolationError(f"Python cannot import zwdx's rank code as uid {box.uid} (--isolation user): "
                                  f"{' / '.join(tail)}; pass --isolation process to run ranks as this user")
+        self._modules = json.loads(done.stdout.decode().strip().splitlines()[-1])
 
     def _parent(self, path: str) -> None:
         os.makedirs(path, mode=0o711, exist_ok=True)

@@ -260,3 +260,32 @@ def test_isolation_as_registered_and_refused_where_it_cannot_hold(donors):
                    "--work-dir", os.path.join(base, "nobody"), env={"ZWDX_ROOM_TOKEN": "zd_x", "HOME": base},
                    user=65534)
     assert done.returncode == 2 and "--isolation user needs the GPU client to run as root" in done.stderr, done.stderr
+
+
+def test_a_package_only_root_can_read_is_missing_for_the_jobs_of_a_per_job_user(donors, tmp_path):
+    """What a GPU client says its jobs can import is what a rank user can, not what root can."""
+    import importlib
+    from zwdx.errors import Unschedulable
+    site = tmp_path / "site"  # under pytest's own directory, 0700: root reads it, other users do not
+    (site / "zwdx_root_only").mkdir(parents=True)
+    (site / "zwdx_root_only" / "__init__.py").write_text("def scale(x):\n    return 2 * x\n")
+    sys.path.insert(0, str(site))
+    client = GpuClient(donors["server"].url, donors["room"]["donor_token"], str(tmp_path / "root-only"),
+                       "donor-root-only", env={"PYTHONPATH": str(site)})
+    try:
+        extra = importlib.import_module("zwdx_root_only")
+
+        def train(model, loader, optimizer):
+            return extra.scale(0.5)
+        wait_until(lambda: any(c["id"] == "donor-root-only" and c["status"] == "online"
+                               for c in donors["sdk"].get_room()["clients"]), 30 + SLACK,
+                   what=f"the GPU client online\n{client.tail()}")
+        with pytest.raises(Unschedulable) as refused:
+            donors["sdk"].submit_job(Tiny(), tiny_loader, train, None, torch.optim.SGD(Tiny().parameters(), lr=0.1),
+                                     "DDP", world_size=1, fail_if_unschedulable=True, progress=False)
+        said = str(refused.value)  # root's view would have placed it on donor-root-only
+        assert "donor-root-only on host" in said and "lack package(s) zwdx_root_only" in said, said
+    finally:
+        client.stop()
+        sys.path.remove(str(site))
+        sys.modules.pop("zwdx_root_only", None)
