@@ -7,7 +7,8 @@ re-registers with the jobs it still runs. What it says and hears are the types o
 ``zwdx.protocol.gpu``: it builds ``Register``, ``Heartbeat`` and ``RanksExited``, and reads
 ``JobAssign``, ``JobCancel`` and ``ReservePort`` through them. Each rank of a job it is
 assigned gets one ``RankSpec`` with that rank's key (and no other secret of the agent) and
-runs in its own process (``launcher.py``).
+runs in its own process (``launcher.py``), in the job's sandbox: as a user of its own per job
+when the agent is root (``isolation.py``; each slot registers which isolation it has).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import psutil
 import requests
 import socketio
 
-from zwdx import defaults
+from zwdx import defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                            EV_RESERVE_PORT, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
@@ -36,6 +37,7 @@ from zwdx.protocol.rank import RankSpec
 
 from . import gpus, host
 from .identity import Identity
+from .isolation import IsolationError, build as build_isolation, private_dir
 from .launcher import Launcher, RunningJob
 from .reporter import http_session
 
@@ -43,6 +45,9 @@ log = logging.getLogger("gpu_client.agent")
 
 #: The exit code recorded for a rank whose process could not be started.
 NOT_STARTED = 97
+
+#: The CA file's name in a job's sandbox.
+CA_FILE = "ca.pem"
 
 #: ``RegisterAnswer.code`` of a register refused for its client secret.
 WRONG_SECRET = "client_secret"
@@ -75,32 +80,45 @@ def interface_of(addr: str) -> str | None:
 
 
 class Agent:
-    """``room_token``: the room's donor token (a legacy room token works too)."""
+    """``room_token``: the room's donor token (a legacy room token works too). ``isolation``:
+    ``user``, ``process`` or None (``user`` as root, else ``process``); ``rank_uids`` and
+    ``rank_dir`` tune it (``isolation.build``)."""
 
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
-                 work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True):
+                 work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
+                 isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
+                 ca_file: str | None = None):
         self.server = server.rstrip("/")
         self.token = room_token
-        self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
+        self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
+        self.verify = self.ca_file or True
+        self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.hostname = socket.gethostname()
-        self.slots = gpus.discover(gpus_only, cpu)
+        self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids)
+        self.slots = [s.model_copy(update={"isolation": self.isolation.kind}) for s in gpus.discover(gpus_only, cpu)]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
         self.advertise_addr = advertise_addr
         self.threads = threads
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
-        self.launcher = Launcher(self.work_dir, standby)
+        self.launcher = Launcher(self.work_dir, self.isolation, standby)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
         self.fatal: str | None = None
         self._registered = threading.Event()
         self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
-                                   randomization_factor=0.5)
+                                   randomization_factor=0.5, http_session=self._session())
         self._bind()
+
+    def _session(self, rank_key: str | None = None) -> requests.Session:
+        """A session that verifies the server's certificate (as a rank, with its key)."""
+        if rank_key is not None:
+            return http_session(rank_key, verify=self.verify)
+        return tls.session(self.verify)
 
     @property
     def client_id(self) -> str:
@@ -213,27 +231,28 @@ class Agent:
         if slot is not None and not self.stop.is_set():
             self.launcher.want_standby(index, self._device(index, slot.kind), self._threads(len(self.slots)))
 
-    def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, bundle: str, pending: bool,
+    def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, job: RunningJob, pending: bool,
                    assigned_at: float) -> RankSpec:
-        logs = os.path.join(self.work_dir, "jobs", assign.job_id)
-        os.makedirs(logs, exist_ok=True)
+        logs = os.path.join(private_dir(os.path.join(self.work_dir, "jobs")), assign.job_id)
+        os.makedirs(logs, mode=0o700, exist_ok=True)
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
             backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
-            bundle_path=bundle, bundle_pending=pending, assigned_at=assigned_at, server=self.server,
-            client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
-            log_path=os.path.join(logs, f"rank{place.rank}.log"))
+            bundle_path=self.isolation.bundle_path(job.sandbox), bundle_pending=pending, assigned_at=assigned_at,
+            server=self.server, client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
+            log_path=os.path.join(logs, f"rank{place.rank}.log"), sandbox=job.sandbox,
+            ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None)
 
     def _bundle_path(self, assign: JobAssign) -> str:
         return os.path.join(self.work_dir, "bundles", f"{assign.bundle_sha256}.zwdx")
 
     def _fetch_bundle(self, assign: JobAssign) -> None:
         path = self._bundle_path(assign)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        session = http_session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
+        private_dir(os.path.dirname(path))
+        session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
         digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
@@ -254,13 +273,19 @@ class Agent:
         try:
             bundle = self._bundle_path(assign)
             pending = not os.path.exists(bundle)
+            self.launcher.lease(job, self.client_id)
+            if self.ca_file:  # where the ranks can read it
+                self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
+            if not pending:
+                self.isolation.share(bundle, job.sandbox)
             for local_rank, place in enumerate(assign.ranks):
-                spec = self._rank_spec(assign, place, local_rank, bundle, pending, assigned_at)
+                spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at)
                 job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
                          job.procs[place.rank].pid)
             if pending:
                 self._fetch_bundle(assign)
+                self.isolation.share(bundle, job.sandbox)
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
@@ -272,6 +297,7 @@ class Agent:
                 exits.setdefault(str(r.rank), job.procs[r.rank].wait() if r.rank in job.procs else NOT_STARTED)
         log.info("gpu-client %s: job %s (attempt %d) ranks exited: %s", self.client_id, job.job_id, job.attempt,
                  exits)
+        self.launcher.release(job)
         self._send_exits(job, exits)
         self.jobs.pop(job.key, None)
         for r in assign.ranks:
@@ -296,7 +322,7 @@ class Agent:
     def _report_start_failure(self, job_id: str, keys: dict[int, str], exc: BaseException) -> None:
         """Each rank's failure, reported with that rank's key."""
         for rank, key in keys.items():
-            session = http_session(key)
+            session = self._session(key)
             try:
                 session.post(f"{self.server}{defaults.API_PREFIX}/jobs/{job_id}/ranks/{rank}",
                              json={"status": RankStatus.FAILED.value, "error": f"{type(exc).__name__}: {exc}",
@@ -337,9 +363,19 @@ class Agent:
 
     def run(self) -> int:
         """Serve until stopped (SIGINT/SIGTERM, burst done, or refused). Returns an exit code."""
+        try:
+            self.isolation.check()
+        except IsolationError as err:
+            log.error("gpu-client %s: %s", self.client_id, err)
+            return 2
+        self.modules = self.isolation.importable(self.modules)  # what its ranks can import
+        log.info("gpu-client %s: %s", self.client_id, self.isolation.describe())
+        tls.warn_if_plain(self.server, f"gpu-client {self.client_id}")
         backoff = 0.5
         threading.Thread(target=self._heartbeats, daemon=True).start()
         while not self.stop.is_set() and not self.sio.connected:
+            if not self._trusted():
+                break
             try:
                 self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
                                  transports=["websocket"], wait_timeout=10)
@@ -357,6 +393,15 @@ class Agent:
             log.error("gpu-client %s: stopped: %s", self.client_id, self.fatal)
             return 2
         return 0
+
+    def _trusted(self) -> bool:
+        """False (and fatal) when the server's TLS certificate fails verification: no retry mends
+        that. An unreachable server is tried again by the caller."""
+        why = tls.distrusted(self.server, self.verify)
+        if why:
+            self.fatal = f"cannot connect to {self.server}: {why}"
+            self.stop.set()
+        return not why
 
     def shutdown(self) -> None:
         self.stop.set()

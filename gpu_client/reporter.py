@@ -24,7 +24,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from zwdx import defaults
+from zwdx import defaults, tls
 from zwdx.protocol.report import to_wire
 
 log = logging.getLogger(__name__)
@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 1024 * 1024
 
 
-def http_session(rank_key: str, retries: int = 5) -> requests.Session:
-    """Calls to the server as the rank whose key this is (retried while the server is away)."""
-    session = requests.Session()
+def http_session(rank_key: str, retries: int = 5, verify: str | bool = True) -> requests.Session:
+    """Calls to the server as the rank whose key this is (retried while the server is away);
+    ``verify``: the CA file the server's certificate is checked against (True: the system's)."""
+    session = tls.session(verify)
     retry = Retry(total=retries, connect=retries, read=retries, backoff_factor=0.5,
                   status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)
     session.mount("http://", HTTPAdapter(max_retries=retry))
@@ -62,9 +63,9 @@ class Reporter:
     """Given to ``train_func`` as ``reporter``: ``log_metrics(**values)`` and ``log(text)``."""
 
     def __init__(self, server: str, rank_key: str, job_id: str, rank: int, attempt: int = 0,
-                 flush_interval: float = 0.2):
+                 flush_interval: float = 0.2, verify: str | bool = True):
         self.base = f"{server.rstrip('/')}{defaults.API_PREFIX}/jobs/{job_id}"
-        self.session = http_session(rank_key)
+        self.session = http_session(rank_key, verify=verify)
         self.job_id, self.rank, self.attempt = job_id, rank, attempt
         self.step = 0
         #: Where to go on from: the first epoch to run (0 unless resumed from a checkpoint).

@@ -3,6 +3,10 @@
     python -m gpu_client.runner                   # reads its RankSpec, one JSON line, on stdin
     python -m gpu_client.runner --standby DEVICE  # the same, once torch is ready (standby.py)
 
+Once it has its spec and its log, the process enters the job's sandbox (``isolation.enter``: the
+job's private directory, and under a per-job user that user, for good) before anything of the
+job is read.
+
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU,
 the job's collective timeout) while the bundle loads, wraps the model (DDP/FSDP), rebuilds the
 optimizer, restores the checkpoint and makes the loaders; ``train`` calls the user's
@@ -31,6 +35,7 @@ from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
+from .isolation import enter
 from .metrics import CountingLoader, SystemMetrics
 from .reporter import Reporter
 
@@ -45,7 +50,7 @@ class Trainer:
         self.startup = Startup(spec.assigned_at)
         self.startup.mark("rank_process")
         self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank,
-                                 attempt=spec.attempt)
+                                 attempt=spec.attempt, verify=spec.ca_file or True)
         self.joined = False
         self.system: SystemMetrics | None = None
 
@@ -332,7 +337,7 @@ def write_output_to(path: str | None) -> None:
     """This process's stdout and stderr go to ``path`` (a standby's went to its slot's log)."""
     if not path:
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -347,6 +352,8 @@ def main(argv: list[str]) -> int:
     if spec is None:
         return 0  # the GPU client let this process go before giving it a rank
     write_output_to(spec.log_path)
+    enter(spec.sandbox)
+    die_with_parent()  # a change of user cleared it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
     return Trainer(spec).run()
 

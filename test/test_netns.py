@@ -60,8 +60,8 @@ class Net:
             self.hosts[name] = (ns, f"{self.prefix}.{i}")
             self.links[name] = outer
 
-    def run(self, name: str, args: list[str], log_path: str) -> Proc:
-        return Proc(["ip", "netns", "exec", self.hosts[name][0], *args], log_path)
+    def run(self, name: str, args: list[str], log_path: str, env: dict | None = None) -> Proc:
+        return Proc(["ip", "netns", "exec", self.hosts[name][0], *args], log_path, env)
 
     def cut(self, name: str) -> None:
         sh("ip", "link", "set", self.links[name], "down")
@@ -109,13 +109,14 @@ def net_cluster(net_hosts, tmp_path):
             return False
     wait_until(up, 30, what=f"server at {url}")
     sdk = ZWDX(url)
-    made = sdk.create_room("netns")
-    sdk.room_token = made["token"]
+    room = sdk.create_room("netns")
+    sdk.room_token = room["token"]
     names = [n for n in net_hosts.hosts if n != "s"]
     for name in names:
         procs.append(net_hosts.run(name, [sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url,
-                                          "--room-token", made["donor_token"], "--cpu", "--threads", "1", "--client-id", name,
-                                          "--work-dir", str(tmp_path / name)], str(tmp_path / f"{name}.log")))
+                                          "--cpu", "--threads", "1", "--client-id", name,
+                                          "--work-dir", str(tmp_path / name)], str(tmp_path / f"{name}.log"),
+                                   env={"ZWDX_ROOM_TOKEN": room["donor_token"]}))
     wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == len(names), 30,
                what="gpu clients online")
     yield net_hosts, sdk, url

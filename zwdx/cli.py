@@ -13,11 +13,14 @@ import sys
 
 from . import defaults
 from .errors import ZwdxError
+from .token_source import token_from
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = os.environ.get("ZWDX_SERVER_URL", f"http://localhost:{defaults.PORT}")
 ASYNC_MODES = ("gevent", "threading")
+#: ``zwdx gpu-client --isolation`` (``zwdx.protocol.Isolation``).
+ISOLATIONS = ("user", "process")
 
 
 def _patch_for_gevent() -> bool:
@@ -50,16 +53,32 @@ def _server(args) -> int:
     if args.metrics_token_file:
         with open(args.metrics_token_file, encoding="utf-8") as f:
             config["METRICS_TOKEN"] = f.read().strip()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("zwdx server: --tls-cert and --tls-key go together (the certificate chain and its private key)",
+              file=sys.stderr)
+        return 2
+    context = None
+    if args.tls_cert:
+        from .tls import server_context
+        try:
+            context = server_context(args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            print(f"zwdx server: cannot use the TLS certificate {args.tls_cert} and key {args.tls_key}: {exc}",
+                  file=sys.stderr)
+            return 2
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("server: serving plain HTTP on %s: tokens and bundles cross the network unencrypted; pass "
+                    "--tls-cert/--tls-key, or put a reverse proxy with TLS in front (docs/deploy-tls.md)", args.host)
     app = create_app(config)
-    print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']}, "
-          f"{socketio.async_mode})", flush=True)
-    serve(app, args.host, args.port)
+    print(f"zwdx server on {'https' if context else 'http'}://{args.host}:{args.port} (data in "
+          f"{config['DATA_DIR']}, {socketio.async_mode})", flush=True)
+    serve(app, args.host, args.port, context)
     return 0
 
 
 def _room_create(args) -> int:
     from .sdk import ZWDX
-    room = ZWDX(args.server).create_room(args.name or "")
+    room = ZWDX(args.server, ca_file=args.ca_file).create_room(args.name or "")
     if args.json:
         print(json.dumps(room))
     else:
@@ -74,7 +93,7 @@ def _room_create(args) -> int:
 
 def _room_tokens(args) -> int:
     from .sdk import ZWDX
-    tokens = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")).tokens
+    tokens = _sdk(args).tokens
     if args.tokens_action == "list":
         shown = tokens.list()
     elif args.tokens_action == "create":
@@ -97,20 +116,35 @@ def _room_tokens(args) -> int:
 
 def _gpu_client(args) -> int:
     from gpu_client.agent import serve
-    token = args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")
+    token = token_from(args.room_token, args.room_token_file, "zwdx gpu-client")
     if not token:
-        print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN), the room's donor token, is required",
+        print("zwdx gpu-client: the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN",
               file=sys.stderr)
         return 2
+    from gpu_client.isolation import IsolationError, parse_uids
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    try:
+        if args.isolation not in (None, *ISOLATIONS):
+            raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
+        uids = parse_uids(args.rank_uids) if args.rank_uids else None
+    except IsolationError as err:
+        print(f"zwdx gpu-client: {err}", file=sys.stderr)
+        return 2
     return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
-                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby)
+                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
+                 isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file)
+
+
+def _sdk(args):
+    """The SDK, with the token the command was given (if any)."""
+    from .sdk import ZWDX
+    return ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, f"zwdx {args.command}"),
+                ca_file=args.ca_file)
 
 
 def _job(args) -> int:
-    from .sdk import ZWDX
-    sdk = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN"))
+    sdk = _sdk(args)
     if args.action == "list":
         for job in sdk.list_jobs():
             print(f"{job['id']}  {job['status']:<10} world {job.get('world_size') or '-':<3} "
@@ -123,6 +157,22 @@ def _job(args) -> int:
     elif args.action == "cancel":
         print(sdk.cancel_job(args.job_id)["status"])
     return 0
+
+
+def _server_arguments(parser) -> None:
+    parser.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    parser.add_argument("--ca-file", default=None, metavar="FILE",
+                        help="the CA certificate (PEM) that signed the server's, for a private CA (default: "
+                             "$ZWDX_CA_FILE, else the system's CAs)")
+
+
+def _token_arguments(parser, what: str) -> None:
+    parser.add_argument("--room-token-file", default=None, metavar="FILE",
+                        help=f"a file holding {what} (default: $ZWDX_ROOM_TOKEN, else the file $ZWDX_ROOM_TOKEN_FILE "
+                             f"names)")
+    parser.add_argument("--room-token", "-rt", default=None,
+                        help="the token itself: every user of the machine can read a command line, so this warns; "
+                             "prefer --room-token-file or $ZWDX_ROOM_TOKEN")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ui-dir", default=os.environ.get("ZWDX_UI_DIR"),
                    help="serve the dashboard from this build folder (default: $ZWDX_UI_DIR, else the one "
                         "installed with zwdx)")
+    p.add_argument("--tls-cert", default=os.environ.get("ZWDX_TLS_CERT"), metavar="FILE",
+                   help="serve HTTPS and WSS with this certificate chain (PEM; default: $ZWDX_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("ZWDX_TLS_KEY"), metavar="FILE",
+                   help="the private key of --tls-cert (PEM; default: $ZWDX_TLS_KEY)")
     limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
     limits.add_argument("--max-request-bytes", type=int, default=None,
                         help=f"largest request body but an artifact's (default {defaults.MAX_REQUEST_BYTES})")
@@ -169,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("room", help="rooms")
     rsub = p.add_subparsers(dest="action", required=True)
     c = rsub.add_parser("create", help="create a room and print its submitter and donor tokens (shown once)")
-    c.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    _server_arguments(c)
     c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
     c.set_defaults(func=_room_create)
@@ -185,16 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "create":
             a.add_argument("--role", choices=["submitter", "donor"], required=True)
             a.add_argument("--name", default="", help="what the token is for (\"lab-3 GPUs\")")
-        a.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-        a.add_argument("--room-token", "-rt", default=None,
-                       help="a submitter token of the room (default: $ZWDX_ROOM_TOKEN)")
+        _server_arguments(a)
+        _token_arguments(a, "a submitter token of the room")
         a.add_argument("--json", action="store_true", help="print JSON")
         a.set_defaults(func=_room_tokens)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None,
-                   help="the room's donor token, zd_... (default: $ZWDX_ROOM_TOKEN)")
+    _server_arguments(p)
+    _token_arguments(p, "the room's donor token, zd_...")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
     p.add_argument("--advertise-addr", default=None,
@@ -205,15 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
+    iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")
+    iso.add_argument("--isolation", choices=ISOLATIONS, default=os.environ.get("ZWDX_ISOLATION") or None,
+                     help="user: each job's ranks run as an unprivileged user of their own (needs root); process: "
+                          "as this client's user (default: $ZWDX_ISOLATION, else user as root and process otherwise)")
+    iso.add_argument("--rank-uids", default=os.environ.get("ZWDX_RANK_UIDS"), metavar="START-END",
+                     help="uids (and gids) per-job users are taken from; uids with a passwd or group entry are "
+                          "skipped (default: $ZWDX_RANK_UIDS, else 2000000000-2000065535)")
+    iso.add_argument("--rank-dir", default=os.environ.get("ZWDX_RANK_DIR"),
+                     help="where each job gets its private directory (default: $ZWDX_RANK_DIR, else "
+                          "/var/lib/zwdx/ranks with --isolation user, WORK_DIR/ranks otherwise)")
     p.set_defaults(func=_gpu_client)
 
     p = sub.add_parser("job", help="look at and control jobs")
     p.add_argument("action", choices=["list", "status", "logs", "cancel"])
     p.add_argument("job_id", nargs="?")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None,
-                   help="a submitter token of the job's room, zs_... (default: $ZWDX_ROOM_TOKEN, else the one "
-                        "remembered for the job)")
+    _server_arguments(p)
+    _token_arguments(p, "a submitter token of the job's room, zs_... (else the one remembered for the job)")
     p.set_defaults(func=_job)
     return parser
 

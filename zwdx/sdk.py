@@ -26,7 +26,7 @@ import time
 
 import requests
 
-from . import defaults, trackers as _trackers
+from . import defaults, tls, trackers as _trackers
 from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -97,17 +97,26 @@ class ZWDX:
     ``ZWDX_REMEMBER=0``: not).
 
     A context manager: ``with ZWDX(url) as zwdx: ...`` closes its HTTP connections at the end
-    (as ``close()`` does)."""
+    (as ``close()`` does).
+
+    Over ``https://`` the server's certificate is verified against the system's CAs, or the
+    CA file ``ca_file=`` (else ``$ZWDX_CA_FILE``) names, for a private CA; plain ``http://`` to
+    another machine warns once."""
 
     def __init__(self, server_url: str = f"http://localhost:{defaults.PORT}", room_token: str | None = None,
-                 timeout: float = 30.0, remember: bool | None = None):
+                 timeout: float = 30.0, remember: bool | None = None, ca_file: str | None = None):
         self.server_url = server_url.rstrip("/")
         self.room_token = room_token
         self.timeout = timeout
-        self._session = requests.Session()
+        self.verify = tls.verify(ca_file)
+        tls.warn_if_plain(self.server_url, "zwdx")
+        self._session = self._new_session()
         self._job_tokens: dict[str, str] = {}
         remember = remember_by_default() if remember is None else remember
         self.credentials = CredentialStore() if remember else None
+
+    def _new_session(self) -> requests.Session:
+        return tls.session(self.verify)
 
     def close(self) -> None:
         """Close the connections to the server this object holds open. It can still be used:
@@ -124,13 +133,22 @@ class ZWDX:
     def parse_args(self, args: list[str] | None = None) -> argparse.Namespace:
         """The earlier project's command line: ``-rt/--room_token`` (required unless
         ``ZWDX_ROOM_TOKEN`` is set), a submitter token of the room. It becomes this object's
-        default room token."""
-        env_token = os.environ.get("ZWDX_ROOM_TOKEN")
+        default room token. ``--room-token-file F`` reads it from a file instead; a token on the
+        command line warns, as every user of the machine can read it there."""
+        from .token_source import FILE_VARIABLE, TOKEN_VARIABLE, token_from
+        given = bool(os.environ.get(TOKEN_VARIABLE) or os.environ.get(FILE_VARIABLE))
         parser = argparse.ArgumentParser(description="zwdx user argument parser.")
-        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str,
-                            required=not env_token, default=env_token,
-                            help="a submitter token (zs_...) of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
+        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str, default=None,
+                            help="a submitter token (zs_...) of the room to submit to; every user of the machine "
+                                 "can read a command line, so prefer --room-token-file or $ZWDX_ROOM_TOKEN")
+        parser.add_argument("--room-token-file", default=None, help="a file holding the submitter token")
         parsed = parser.parse_args(args)
+        if not (parsed.room_token or parsed.room_token_file or given):
+            parser.error("a room token is required: -rt/--room_token TOKEN, --room-token-file FILE or $ZWDX_ROOM_TOKEN")
+        try:
+            parsed.room_token = token_from(parsed.room_token, parsed.room_token_file, parser.prog)
+        except BadRequest as err:
+            parser.error(err.message)
         self.room_token = parsed.room_token or self.room_token
         return parsed
 
@@ -177,8 +195,9 @@ class ZWDX:
             resp = (session or self._session).request(method, url, headers=headers,
                                                       timeout=kwargs.pop("timeout", self.timeout), **kwargs)
         except requests.ConnectionError as exc:
-            raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {exc}",
-                                    server_url=self.server_url) from None
+            why = tls.untrusted(exc)
+            raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {why or exc}",
+                                    server_url=self.server_url, **({"tls": True} if why else {})) from None
         except requests.Timeout:
             raise ServerUnreachable(f"the zwdx server at {self.server_url} did not answer in time",
                                     server_url=self.server_url) from None
@@ -383,7 +402,7 @@ class ZWDX:
         _say(f"zwdx: Ctrl-C: cancelling job {job_id} (Ctrl-C again to stop at once)")
         try:
             # A fresh session: the interrupted request may have left its connection half read.
-            with requests.Session() as session:
+            with self._new_session() as session:
                 self._json("POST", f"/jobs/{job_id}/cancel", token, session=session, timeout=15)
             _say(f"zwdx: job {job_id} cancelled")
         except KeyboardInterrupt:

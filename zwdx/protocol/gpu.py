@@ -22,7 +22,7 @@ from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
 from .job import CheckpointEntry
-from .vocab import Parallelism, SlotKind
+from .vocab import Isolation, Parallelism, SlotKind
 
 #: A top-level module name a GPU client can import.
 ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -37,6 +37,9 @@ class Slot(Message):
     memory_total: Bytes = 0
     memory_free: Bytes = 0
     utilization: Percent | None = None
+    #: How job code on this slot is kept from the GPU client and other jobs (None: an older
+    #: client, which did not say).
+    isolation: Annotated[Isolation, ByValue] | None = None
 
 
 class SlotStats(Message):

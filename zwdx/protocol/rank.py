@@ -18,6 +18,10 @@ shows ``**********``; only its JSON line carries it.
 
 Every value the server decided comes resolved (``JobAssign``): the rank process derives no
 default of its own.
+
+The ``sandbox`` is where the rank runs (``gpu_client/isolation.py``): the job's private
+directory on this GPU client and, under a per-job user, the uid and gid the rank process
+drops to right after reading its spec, before it opens anything of the job.
 """
 from __future__ import annotations
 
@@ -32,6 +36,19 @@ from .vocab import Parallelism
 #: Where a rank's tensors live: the CPU, or one GPU of this machine.
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
 Path = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+
+
+#: A uid or gid a rank may run as: never root's.
+UnprivilegedId = Annotated[int, Field(ge=1, le=2**32 - 2)]
+
+
+class Sandbox(Message):
+    """Where one job's ranks run on one GPU client: its private directory (the ranks' working
+    directory, ``HOME`` and ``TMPDIR``; the bundle is there too) and, under a per-job user
+    (``--isolation user``), the uid and gid they run as. None of them: the GPU client's own."""
+    dir: Path
+    uid: UnprivilegedId | None = None
+    gid: UnprivilegedId | None = None
 
 
 class RankSpec(Message):
@@ -74,8 +91,13 @@ class RankSpec(Message):
     hostname: Text
     #: The rank's credential on every call it makes (``X-Zwdx-Rank-Key``).
     rank_key: SecretStr
+    #: The CA file the server's certificate is verified against (a private CA, in the sandbox);
+    #: None: the system's CAs.
+    ca_file: Path | None = None
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
+    #: Where the rank runs and as whom (``gpu_client.isolation.enter``); None: where it was started.
+    sandbox: Sandbox | None = None
 
     @field_serializer("rank_key", when_used="json")
     def _reveal(self, secret: SecretStr) -> str:
@@ -105,4 +127,4 @@ class RankSpec(Message):
         return f"gpu client {self.client_id} on host {self.hostname}"
 
 
-__all__ = ["RankSpec"]
+__all__ = ["RankSpec", "Sandbox"]

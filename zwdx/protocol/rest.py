@@ -19,7 +19,7 @@ from .base import Answer, Bytes, ByValue, Count, Id, Message
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
-from .vocab import ArtifactKind, ClientStatus, EventKind, JobStatus, Parallelism, SlotKind
+from .vocab import ArtifactKind, ClientStatus, EventKind, Isolation, JobStatus, Parallelism, SlotKind
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -68,6 +68,8 @@ class SlotView(Answer):
     memory_total: int = 0
     memory_free: int = 0
     utilization: float | None = None
+    #: How job code on the slot is kept from its GPU client and other jobs (None: not told).
+    isolation: Isolation | None = None
     job_id: str | None = None
     rank: int | None = None
 

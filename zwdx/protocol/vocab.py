@@ -48,6 +48,13 @@ class SlotKind(str, Enum):
     CPU = "cpu"
 
 
+class Isolation(str, Enum):
+    """How a GPU client keeps the job code of its slots away from itself and from other jobs
+    (``gpu_client/isolation.py``; ``zwdx gpu-client --isolation``)."""
+    USER = "user"          # per-job user: each job's ranks run as an unprivileged uid of their own
+    PROCESS = "process"    # same user: ranks run as the GPU client's own user (it is not root)
+
+
 class CheckpointFormat(str, Enum):
     """How a checkpoint's files were written; the server decides it from the job's parallelism."""
     TORCH = "torch"   # DDP: one file from rank 0, read with torch.load(weights_only=True)
@@ -117,4 +124,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

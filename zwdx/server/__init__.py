@@ -192,15 +192,18 @@ def create_app(config: dict | None = None) -> Flask:
     return app
 
 
-def serve(app: Flask, host: str, port: int) -> None:
+def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     """Serve the app until the process ends: gevent's WSGI server in gevent mode (websockets
-    through simple-websocket), Werkzeug's threaded one otherwise."""
+    through simple-websocket), Werkzeug's threaded one otherwise. With ``ssl_context``
+    (``zwdx.tls.server_context``, ``zwdx server --tls-cert/--tls-key``) both serve HTTPS and WSS
+    only."""
     _raise_open_files_limit()
+    tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":
-        socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class())
+        socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class(), **tls)
     else:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        socketio.run(app, host=host, port=port, allow_unsafe_werkzeug=True, log_output=False)
+        socketio.run(app, host=host, port=port, allow_unsafe_werkzeug=True, log_output=False, **tls)
 
 
 def _raise_open_files_limit() -> None:

@@ -30,6 +30,12 @@ export const SlotKind = Object.freeze({
   CPU: "cpu",
 });
 
+/** How a GPU client keeps the job code of its slots away from itself and from other jobs (`gpu_client/isolation.py`; `zwdx gpu-client --isolation`). */
+export const Isolation = Object.freeze({
+  USER: "user",
+  PROCESS: "process",
+});
+
 /** How a checkpoint's files were written; the server decides it from the job's parallelism. */
 export const CheckpointFormat = Object.freeze({
   TORCH: "torch",

@@ -4,7 +4,7 @@ import { useEffect, useState } from "react";
 import { api } from "../lib/api.js";
 import { useAuth } from "../lib/auth.jsx";
 import { useLive } from "../lib/LiveProvider.jsx";
-import { formatAgo, formatBytes, formatNumber, formatTime } from "../lib/format.js";
+import { formatAgo, formatBytes, formatIsolation, formatNumber, formatTime } from "../lib/format.js";
 import { queueOf } from "../lib/jobs.js";
 import { ClientStatus, SlotKind } from "../lib/protocol.js";
 import RoomTokens from "../components/RoomTokens.jsx";
@@ -30,7 +30,14 @@ function SlotRow({ slot, history, jobs }) {
       <td className="mono">
         {slot.kind === SlotKind.CPU ? "cpu" : "gpu"} {slot.index}
       </td>
-      <td>{slot.name || "—"}</td>
+      <td>
+        {slot.name || "—"}
+        {slot.isolation && (
+          <span className="isolation-tag" data-testid="isolation" title="how job code here is kept from the GPU client and other jobs">
+            {formatIsolation(slot.isolation)}
+          </span>
+        )}
+      </td>
       <td>
         <div className="membar" title={`${Math.round(used * 100)} % used`}>
           <div style={{ width: `${Math.round(used * 100)}%` }} />

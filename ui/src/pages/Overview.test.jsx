@@ -69,7 +69,7 @@ describe("the room overview", () => {
 
   it("shows clients online and offline, each GPU's memory and utilisation, and which job a slot runs", async () => {
     const clients = [
-      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0 }), slot("a", 1)]),
+      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" })]),
       gpuClient("b", "offline", [slot("b", 0)]),
     ];
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [job("j1", 1, "running")] } });
@@ -84,6 +84,9 @@ describe("the room overview", () => {
     expect(within(busy).getByRole("link")).toHaveAttribute("href", "/jobs/j1");
     expect(busy).toHaveTextContent("job-j1 rank 0");
     expect(idle).toHaveTextContent("idle");
+    expect(within(busy).getByTestId("isolation")).toHaveTextContent("per-job user");
+    expect(within(idle).getByTestId("isolation")).toHaveTextContent("same user");
+    expect(within(within(cards[1]).getByTestId("slot")).queryByTestId("isolation")).toBeNull(); // an older client: not told
   });
 
   it("names a GPU slot gpu and the CPU slot of a client without GPUs cpu, and counts only online clients", async () => {
