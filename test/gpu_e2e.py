@@ -166,7 +166,7 @@ def main() -> None:
                 out(f"| {run + 1} | {res - t0:.2f} | {run_again - t0:.2f} | "
                     f"{job['restart_history'][0]['from_checkpoint']['epoch'] + 1} | {r['status']} |")
                 clients[gpu].stop()
-                clients[gpu] = gpu_client(server.url, made["donor_token"], gpu, os.path.join(args.work, f"c{gpu}-{run}"))
+                clients[gpu] = gpu_client(server.url, token, gpu, os.path.join(args.work, f"c{gpu}-{run}"))
                 online(sdk, 3)
             out(f"| median | {statistics.median(det):.2f} | {statistics.median(again):.2f} | | |")
 

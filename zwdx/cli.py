@@ -92,7 +92,6 @@ def _room_create(args) -> int:
 
 
 def _room_tokens(args) -> int:
-    from .sdk import ZWDX
     tokens = _sdk(args).tokens
     if args.tokens_action == "list":
         shown = tokens.list()
