@@ -425,21 +425,35 @@ class ZWDX:
         """Load the job's trained weights into ``model`` and return it. The weights arrive as
         safetensors: nothing the GPU clients sent is unpickled."""
         from safetensors.torch import load_file
-        token = self._token(room_token, job_id)
-        resp = self._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/weights", token, stream=True,
-                             timeout=max(self.timeout, 600))
         fd, path = tempfile.mkstemp(suffix=".safetensors")
+        os.close(fd)
         try:
-            digest = hashlib.sha256()
-            with os.fdopen(fd, "wb") as fh:
-                for block in resp.iter_content(defaults.CHUNK_BYTES):
-                    digest.update(block)
-                    fh.write(block)
-            expected = resp.headers.get(defaults.SHA256_HEADER)
-            if expected and digest.hexdigest() != expected:
-                raise ZwdxError(f"weights of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            self.download_weights(job_id, path, room_token)
             state = load_file(path)
         finally:
             os.unlink(path)
         model.load_state_dict(state)
         return model
+
+    def download_weights(self, job_id: str, path: str, room_token: str | None = None) -> dict:
+        """Write the job's trained weights (a safetensors file) to ``path``, checked against the
+        sha256 the server has for them. Returns ``{"path", "bytes", "sha256"}``."""
+        token = self._token(room_token, job_id)
+        resp = self._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/weights", token, stream=True,
+                             timeout=max(self.timeout, 600))
+        digest, size = hashlib.sha256(), 0
+        partial = f"{path}.part"
+        try:
+            with open(partial, "wb") as fh:
+                for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    digest.update(block)
+                    size += len(block)
+                    fh.write(block)
+            expected = resp.headers.get(defaults.SHA256_HEADER)
+            if expected and digest.hexdigest() != expected:
+                raise ZwdxError(f"weights of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return {"path": path, "bytes": size, "sha256": digest.hexdigest()}
