@@ -55,6 +55,7 @@ def test_count_jobs_gives_a_queued_jobs_place_in_line(store):
     assert store.count_jobs("r2", queued) == 1
     assert store.count_jobs("r3", queued) == 0
     assert store.count_jobs("r1", []) == 0
+    assert store.job_counts() == {("r1", "queued"): 3, ("r1", "running"): 1, ("r2", "queued"): 1}
 
 
 def test_a_job_record_round_trips_unchanged(store):

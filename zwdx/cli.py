@@ -50,6 +50,9 @@ def _server(args) -> int:
                  "rate_limit_auth_failures", "artifact_retention", "sweep_interval"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
+    if args.metrics_token_file:
+        with open(args.metrics_token_file, encoding="utf-8") as f:
+            config["METRICS_TOKEN"] = f.read().strip()
     if bool(args.tls_cert) != bool(args.tls_key):
         print("zwdx server: --tls-cert and --tls-key go together (the certificate chain and its private key)",
               file=sys.stderr)
@@ -200,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
     limits.add_argument("--sweep-interval", type=float, default=None,
                         help=f"seconds between sweeps of unreferenced artifacts, 0: never (default {defaults.SWEEP_INTERVAL:g})")
+    p.add_argument("--metrics-token-file", default=None,
+                   help="GET /metrics then answers 'Authorization: Bearer <the file's token>' from anywhere "
+                        "(also $ZWDX_METRICS_TOKEN); without one it answers this machine only")
     p.set_defaults(func=_server)
 
     p = sub.add_parser("room", help="rooms")

@@ -26,7 +26,7 @@ import time
 
 import requests
 
-from . import defaults, tls
+from . import defaults, tls, trackers as _trackers
 from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -245,7 +245,7 @@ class ZWDX:
                    timeout: float | None = None, min_world_size: int | None = None,
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
-                   cancel_on_interrupt: bool = True, fsdp_units=None):
+                   cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -266,8 +266,14 @@ class ZWDX:
         ``checkpoint_every_epoch=False``; the last ``keep_checkpoints`` are kept.
 
         ``fsdp_units`` (FSDP only): the modules to shard as units, as a list of classes or a
-        function ``fn(module) -> bool``; by default each block of a repeated ModuleList/Sequential."""
+        function ``fn(module) -> bool``; by default each block of a repeated ModuleList/Sequential.
+
+        ``trackers``: also send the job's metrics, live while this call follows the job, to
+        ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
+        your API key stays here, nothing of it goes to a donor) or ``zwdx.trackers.Tracker``
+        objects; ``export_metrics`` sends a finished job's."""
         token = self._token(room_token)
+        _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
         if str(parallelism).upper() not in ("DDP", "FSDP"):
             raise BadRequest(f"parallelism must be 'DDP' or 'FSDP', got {parallelism!r}", field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
@@ -296,23 +302,25 @@ class ZWDX:
                      f"waits for GPU clients that fit (submit_job(..., fail_if_unschedulable=True) refuses it)")
             if not wait:
                 return job["id"]
-            return self._result(self._follow(job["id"], token, progress, timeout), raise_on_failure)
+            return self._result(self._follow(job["id"], token, progress, timeout, trackers), raise_on_failure)
         except KeyboardInterrupt:
             if wait:
                 self._interrupted(job["id"], token, cancel_on_interrupt)
             raise
 
     def wait(self, job_id: str, room_token: str | None = None, progress: bool = True,
-             raise_on_failure: bool = True, timeout: float | None = None, cancel_on_interrupt: bool = True) -> dict:
+             raise_on_failure: bool = True, timeout: float | None = None, cancel_on_interrupt: bool = True,
+             trackers=None) -> dict:
         """Block until the job ends, with a progress bar of its latest metrics, log lines and,
         while it waits for slots, why. Ctrl-C cancels the job (``cancel_on_interrupt=False``:
         leaves it running) and raises ``KeyboardInterrupt``; a second Ctrl-C stops at once.
 
         The result: ``{"job_id", "status", "complete", "results", "final_loss", "world_size",
-        "placement", "failures", "reason", "job"}``; ``status`` is a ``ResultStatus``."""
+        "placement", "failures", "reason", "job"}``; ``status`` is a ``ResultStatus``. ``trackers``
+        as in ``submit_job`` (from the job's first metric, whenever this is called)."""
         token = self._token(room_token, job_id)
         try:
-            job = self._follow(job_id, token, progress, timeout)
+            job = self._follow(job_id, token, progress, timeout, trackers)
         except KeyboardInterrupt:
             self._interrupted(job_id, token, cancel_on_interrupt)
             raise
@@ -333,9 +341,12 @@ class ZWDX:
                             failure_order=job.get("failure_order"))
         return result
 
-    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None) -> dict:
-        """Poll the job until it ends; show its progress. Returns its last document."""
-        bar = None
+    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None, trackers=None) -> dict:
+        """Poll the job until it ends; show its progress (and feed its metrics to ``trackers``).
+        Returns its last document."""
+        bar, feed = None, None
+        if trackers:
+            feed = _trackers.Feed(_trackers.make(trackers), self._json("GET", f"/jobs/{job_id}", token))
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(desc=f"job {job_id}", unit="step", dynamic_ncols=True)
@@ -360,6 +371,8 @@ class ZWDX:
                     after = ev["seq"]
                     if ev["kind"] == "metric":
                         latest.update(from_wire(ev["data"]))
+                        if feed is not None:
+                            feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
                         if bar is not None and ev.get("step") is not None:
                             bar.n = max(bar.n, ev["step"] + 1)
                     elif ev["kind"] == "log" and bar is not None:
@@ -376,6 +389,8 @@ class ZWDX:
         finally:
             if bar is not None:
                 bar.close()
+            if feed is not None:
+                feed.close()
 
     def _interrupted(self, job_id: str, token: str, cancel: bool) -> None:
         """Ctrl-C while waiting: cancel the job, or leave it running and say how to get back to it."""
@@ -413,6 +428,24 @@ class ZWDX:
         events = self._json("GET", f"/jobs/{job_id}/events", self._token(room_token, job_id),
                             params={"kind": "log"})["events"]
         return [{"rank": e.get("rank"), "text": e["data"].get("text", ""), "ts": e.get("ts")} for e in events]
+
+    def export_metrics(self, job_id: str, trackers, room_token: str | None = None) -> int:
+        """Send every metric the job reported so far to ``trackers`` (as in ``submit_job``), in
+        the order the server stored them. Returns how many events were sent."""
+        token = self._token(room_token, job_id)
+        feed = _trackers.Feed(_trackers.make(trackers), self._json("GET", f"/jobs/{job_id}", token))
+        after, sent = 0, 0
+        try:
+            while True:
+                events = self._json("GET", f"/jobs/{job_id}/events", token,
+                                    params={"kind": "metric", "after": after})["events"]
+                if not events:
+                    return sent
+                for ev in events:
+                    feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
+                    after, sent = ev["seq"], sent + 1
+        finally:
+            feed.close()
 
     def get_job_metrics(self, job_id: str, room_token: str | None = None) -> dict[str, list[dict]]:
         """Every metric series of the job: name -> ``[{"step", "value", "rank", "ts"}, ...]``;

@@ -26,7 +26,7 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
 from ..protocol.report import to_wire
-from . import api, checkpoints, dashboard_api, events, limits, openapi, tokens, ui
+from . import api, checkpoints, dashboard_api, events, limits, openapi, prometheus, tokens, ui
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
@@ -151,6 +151,7 @@ def create_app(config: dict | None = None) -> Flask:
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
         RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
+        METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
     )
     app.config.from_prefixed_env("ZWDX")
@@ -175,10 +176,12 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(prometheus.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
     app.after_request(_security_headers)
+    prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON)
     events.register(socketio)

@@ -24,6 +24,7 @@ from typing import Callable, Collection
 from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
 from ..protocol.job import CheckpointEntry, Job as JobRecord, Master, PlacementEntry, RankCredential, RankFailure, \
     RankState, RestartEntry, TimelineEntry
+from . import meters
 from .store import Store
 
 #: Seconds the other ranks of a failing job get to report their own failure after the first one.
@@ -80,7 +81,10 @@ class Job:
         items = {"timeline": TimelineEntry(status=to, at=at, **entry)}
         if history is not None:
             items["restart_history"] = history
-        return self._took(self.store.append_job(self.id, items, fields={"status": to, **(fields or {})}, when=when))
+        if not self._took(self.store.append_job(self.id, items, fields={"status": to, **(fields or {})}, when=when)):
+            return False
+        meters.job_moved(self.record, to, at)
+        return True
 
     # -- placing -------------------------------------------------------------------------------
     def wait(self, reason: str) -> bool:
@@ -104,6 +108,7 @@ class Job:
                   "failing_since": None, "failing_reason": None}
         if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):
             return False
+        meters.job_placed(self.record, now)
         entry = TimelineEntry(status=JobStatus.STARTING, at=now, attempt=attempt, world_size=size)
         if not self.append_timeline(entry, when=[JobStatus.STARTING]):
             self.refresh()  # cancelled in between: it keeps its slots until the caller lets go

@@ -112,8 +112,8 @@ def _query_params(model: type[BaseModel], schemas: dict) -> list[dict]:
 def _content(answer, refs: dict) -> dict:
     if answer == OCTET:
         return {OCTET: {"schema": _BINARY}}
-    if answer == HTML:
-        return {HTML: {"schema": {"type": "string"}}}
+    if isinstance(answer, str):  # text: HTML, Prometheus's format
+        return {answer: {"schema": {"type": "string"}}}
     return {"application/json": {"schema": refs[(answer, "serialization")]}}
 
 

@@ -238,6 +238,10 @@ class SQLiteStore(Store):
             args.append(int(before_seq))
         return int(self.db.query(sql, tuple(args))[0][0])
 
+    def job_counts(self) -> dict[tuple[str, str], int]:
+        rows = self.db.query("SELECT room_id, status, COUNT(*) FROM jobs GROUP BY room_id, status", ())
+        return {(room, status): int(n) for room, status, n in rows}
+
     def job_rooms(self, statuses: Iterable[str]) -> list[str]:
         wanted = status_values(statuses)
         rows = self.db.query(f"SELECT room_id, MIN(seq) FROM jobs WHERE status IN ({','.join('?' * len(wanted))}) "
