@@ -1,6 +1,6 @@
 """The `zwdx` command: server, room create|tokens|show|clients, gpu-client, jobs (``jobs_cli.py``).
 
-Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx job``,
+Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx jobs``,
 ``zwdx room tokens``, the SDK, the dashboard) and a donor token (``zd_``: ``zwdx gpu-client``).
 """
 from __future__ import annotations

@@ -397,7 +397,7 @@ class ZWDX:
         server = f" --server {self.server_url}"
         if not cancel:
             _say(f"zwdx: stopped waiting; job {job_id} goes on running. Re-attach with zwdx.wait({job_id!r}) or "
-                 f"`zwdx job status {job_id}{server}`; cancel it with `zwdx job cancel {job_id}{server}`")
+                 f"`zwdx jobs show {job_id}{server}`; cancel it with `zwdx jobs cancel {job_id}{server}`")
             return
         _say(f"zwdx: Ctrl-C: cancelling job {job_id} (Ctrl-C again to stop at once)")
         try:
@@ -406,12 +406,12 @@ class ZWDX:
                 self._json("POST", f"/jobs/{job_id}/cancel", token, session=session, timeout=15)
             _say(f"zwdx: job {job_id} cancelled")
         except KeyboardInterrupt:
-            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx job cancel {job_id}{server}`")
+            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx jobs cancel {job_id}{server}`")
             raise
         except Conflict as exc:
             _say(f"zwdx: job {job_id} had already ended ({exc.context.get('status', 'finished')})")
         except ZwdxError as exc:
-            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx job cancel {job_id}{server}`")
+            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx jobs cancel {job_id}{server}`")
 
     def get_job(self, job_id: str, room_token: str | None = None) -> dict:
         return _numbers(self._json("GET", f"/jobs/{job_id}", self._token(room_token, job_id)))
