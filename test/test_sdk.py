@@ -330,7 +330,7 @@ def test_ctrl_c_cancels_the_job_it_started_or_detaches_on_request(cluster, tmp_p
     wait_until(lambda: sdk.get_job(job_id, room["token"])["status"] == "running", 120, what="the job running")
     out = _interrupt(proc, err)
     assert proc.returncode != 0
-    assert f"zwdx.wait('{job_id}')" in out and f"zwdx job cancel {job_id}" in out, out
+    assert f"zwdx.wait('{job_id}')" in out and f"zwdx jobs cancel {job_id}" in out, out
     assert room["token"] not in out
     assert sdk.get_job(job_id, room["token"])["status"] == "running"  # it goes on
     # what it said to type works, with the job id alone (the credential store has the token)

@@ -1,6 +1,6 @@
-"""The `zwdx` command: server, room create, room tokens, gpu-client, job status/logs/cancel.
+"""The `zwdx` command: server, room create|tokens|show|clients, gpu-client, jobs (``jobs_cli.py``).
 
-Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx job``,
+Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx jobs``,
 ``zwdx room tokens``, the SDK, the dashboard) and a donor token (``zd_``: ``zwdx gpu-client``).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from . import defaults
+from . import defaults, jobs_cli
 from .errors import ZwdxError
 from .token_source import token_from
 
@@ -142,20 +142,9 @@ def _sdk(args):
                 ca_file=args.ca_file)
 
 
-def _job(args) -> int:
-    sdk = _sdk(args)
-    if args.action == "list":
-        for job in sdk.list_jobs():
-            print(f"{job['id']}  {job['status']:<10} world {job.get('world_size') or '-':<3} "
-                  f"{job['spec']['parallelism']:<5} loss {job.get('final_loss')}")
-    elif args.action == "status":
-        print(json.dumps(sdk.get_job(args.job_id), indent=2))
-    elif args.action == "logs":
-        for line in sdk.get_job_logs(args.job_id):
-            print(f"[rank {line['rank']}] {line['text']}")
-    elif args.action == "cancel":
-        print(sdk.cancel_job(args.job_id)["status"])
-    return 0
+def _run(fn, args) -> int:
+    """A ``jobs_cli`` command with the SDK the arguments describe."""
+    return fn(_sdk(args), args)
 
 
 def _server_arguments(parser) -> None:
@@ -242,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         _token_arguments(a, "a submitter token of the room")
         a.add_argument("--json", action="store_true", help="print JSON")
         a.set_defaults(func=_room_tokens)
+    jobs_cli.add_room_parsers(rsub, _server_arguments, _token_arguments, _run)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
     _server_arguments(p)
@@ -268,12 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "/var/lib/zwdx/ranks with --isolation user, WORK_DIR/ranks otherwise)")
     p.set_defaults(func=_gpu_client)
 
-    p = sub.add_parser("job", help="look at and control jobs")
-    p.add_argument("action", choices=["list", "status", "logs", "cancel"])
-    p.add_argument("job_id", nargs="?")
-    _server_arguments(p)
-    _token_arguments(p, "a submitter token of the job's room, zs_... (else the one remembered for the job)")
-    p.set_defaults(func=_job)
+    jobs_cli.add_jobs_parser(sub, _server_arguments, _token_arguments, _run)
     return parser
 
 

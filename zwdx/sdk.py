@@ -397,7 +397,7 @@ class ZWDX:
         server = f" --server {self.server_url}"
         if not cancel:
             _say(f"zwdx: stopped waiting; job {job_id} goes on running. Re-attach with zwdx.wait({job_id!r}) or "
-                 f"`zwdx job status {job_id}{server}`; cancel it with `zwdx job cancel {job_id}{server}`")
+                 f"`zwdx jobs show {job_id}{server}`; cancel it with `zwdx jobs cancel {job_id}{server}`")
             return
         _say(f"zwdx: Ctrl-C: cancelling job {job_id} (Ctrl-C again to stop at once)")
         try:
@@ -406,12 +406,12 @@ class ZWDX:
                 self._json("POST", f"/jobs/{job_id}/cancel", token, session=session, timeout=15)
             _say(f"zwdx: job {job_id} cancelled")
         except KeyboardInterrupt:
-            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx job cancel {job_id}{server}`")
+            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx jobs cancel {job_id}{server}`")
             raise
         except Conflict as exc:
             _say(f"zwdx: job {job_id} had already ended ({exc.context.get('status', 'finished')})")
         except ZwdxError as exc:
-            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx job cancel {job_id}{server}`")
+            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx jobs cancel {job_id}{server}`")
 
     def get_job(self, job_id: str, room_token: str | None = None) -> dict:
         return _numbers(self._json("GET", f"/jobs/{job_id}", self._token(room_token, job_id)))
@@ -458,21 +458,35 @@ class ZWDX:
         """Load the job's trained weights into ``model`` and return it. The weights arrive as
         safetensors: nothing the GPU clients sent is unpickled."""
         from safetensors.torch import load_file
-        token = self._token(room_token, job_id)
-        resp = self._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/weights", token, stream=True,
-                             timeout=max(self.timeout, 600))
         fd, path = tempfile.mkstemp(suffix=".safetensors")
+        os.close(fd)
         try:
-            digest = hashlib.sha256()
-            with os.fdopen(fd, "wb") as fh:
-                for block in resp.iter_content(defaults.CHUNK_BYTES):
-                    digest.update(block)
-                    fh.write(block)
-            expected = resp.headers.get(defaults.SHA256_HEADER)
-            if expected and digest.hexdigest() != expected:
-                raise ZwdxError(f"weights of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            self.download_weights(job_id, path, room_token)
             state = load_file(path)
         finally:
             os.unlink(path)
         model.load_state_dict(state)
         return model
+
+    def download_weights(self, job_id: str, path: str, room_token: str | None = None) -> dict:
+        """Write the job's trained weights (a safetensors file) to ``path``, checked against the
+        sha256 the server has for them. Returns ``{"path", "bytes", "sha256"}``."""
+        token = self._token(room_token, job_id)
+        resp = self._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/weights", token, stream=True,
+                             timeout=max(self.timeout, 600))
+        digest, size = hashlib.sha256(), 0
+        partial = f"{path}.part"
+        try:
+            with open(partial, "wb") as fh:
+                for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    digest.update(block)
+                    size += len(block)
+                    fh.write(block)
+            expected = resp.headers.get(defaults.SHA256_HEADER)
+            if expected and digest.hexdigest() != expected:
+                raise ZwdxError(f"weights of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return {"path": path, "bytes": size, "sha256": digest.hexdigest()}
