@@ -83,19 +83,29 @@ def fresh_token(w: World) -> str:
     return w.request("POST", "/room/tokens", w.as_submitter(), json={"role": "donor", "name": "spare"}).json["id"]
 
 
+#: The files of a DDP checkpoint of the live job (world size 2), and the rank that sends each.
+CHECKPOINT = {"state.pt": "rank0", "rng-0.pt": "rank0", "rng-1.pt": "rank1"}
+
+
 def uploaded(w: World) -> None:
-    """Rank 0 of the live job uploaded checkpoint 0's state.pt."""
-    resp = w.request("PUT", f"/jobs/{w.jobs['live']}/checkpoints/0/state.pt", w.as_rank("rank0"), data=b"state")
-    assert resp.status_code == 201, resp.text
+    """The ranks of the live job uploaded checkpoint 0's files (each its own)."""
+    for name, rank in CHECKPOINT.items():
+        resp = w.request("PUT", f"/jobs/{w.jobs['live']}/checkpoints/0/{name}", w.as_rank(rank), data=b"state")
+        assert resp.status_code == 201, resp.text
 
 
 def _commit(w, column):
     uploaded(w)
-    return "POST", f"{P}/jobs/{job_of(w, column)}/checkpoints/0/commit", {"json": {"files": ["state.pt"]}}
+    return "POST", f"{P}/jobs/{job_of(w, column)}/checkpoints/0/commit", {"json": {"files": list(CHECKPOINT)}}
 
 
 def _checkpoint_file(w, column):
-    uploaded(w)
+    """Checkpoint 0 of the live job, committed (once): only a committed checkpoint's files are read."""
+    if not w.request("GET", f"/jobs/{w.jobs['live']}/checkpoints", w.as_submitter()).json["checkpoints"]:
+        uploaded(w)
+        resp = w.request("POST", f"/jobs/{w.jobs['live']}/checkpoints/0/commit", w.as_rank("rank0"),
+                         json={"files": list(CHECKPOINT)})
+        assert resp.status_code == 201, resp.text
     return "GET", f"{P}/jobs/{job_of(w, column)}/checkpoints/0/state.pt", {}
 
 
@@ -125,8 +135,10 @@ ROUTES: dict[str, Route] = {
     "api.post_rank_status": Route("job", lambda w, c: ("POST", f"{P}/jobs/{job_of(w, c)}/ranks/0",
                                                        {"json": {"status": "running"}}), 200),
     "api.put_weights": Route("job", lambda w, c: ("PUT", f"{P}/jobs/{job_of(w, c)}/weights", {"data": b"w"}), 201),
+    # Each rank sends its own file (another rank's is refused: test_integrity.py).
     "checkpoints.put_checkpoint_file": Route("job", lambda w, c: (
-        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/shard-x.pt", {"data": b"shard"}), 201, any_rank=True),
+        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/rng-{1 if c == 'other_rank' else 0}.pt", {"data": b"rng"}),
+        201, any_rank=True),
     "checkpoints.commit_checkpoint": Route("job", _commit, 201),
     "checkpoints.list_checkpoints": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['live']}/checkpoints", {}),
                                           200),
