@@ -204,10 +204,13 @@ class Reader:
         else:  # no DTensor to fit: the whole tensor
             shape, offset = whole, [0] * len(whole)
         out = torch.empty(shape, dtype=target.dtype if sharded else _dtype(node, where))
-        covered, boxes = 0, set()
+        covered, boxes, placed = 0, set(), []
         for other in range(len(self.indexes)):
             piece = self._node_at(other, path, where)
             key, box = _key(piece, "dtensor" if "dtensor" in piece else "tensor", where), _box(piece, other, where)
+            if _whole(piece, other, where) != whole:
+                raise ValueError(f"checkpoint: rank {other}'s {where} is a tensor of shape {_whole(piece, other, where)}, "
+                                 f"rank {rank}'s of {whole}")
             if box in boxes:
                 continue  # the same block from another rank (replicated)
             boxes.add(box)
@@ -215,6 +218,9 @@ class Reader:
             if overlap is None:
                 continue
             start, size = overlap
+            if any(_overlap((start, size), other_box) for other_box in placed):
+                raise ValueError(f"checkpoint: the shards of {where} overlap (rank {other}'s)")
+            placed.append((start, size))
             source = self._open(other).get_slice(key)
             if list(source.get_shape()) != list(box[1]):
                 raise ValueError(f"checkpoint: rank {other}'s {where} has shape {source.get_shape()}, its index "

@@ -159,6 +159,7 @@ def test_one_rooms_job_cannot_poison_the_bundle_another_rooms_agent_cached(serve
         def done(room, job_id):
             job = wait_until(lambda: (j := ZWDX(server.url, room_token=room["token"], remember=False).get_job(job_id))
                              ["status"] in ("completed", "failed", "cancelled") and j, 180, what=f"job {job_id}")
+            assert not os.path.exists(marker), "the poisoned bundle ran"
             assert job["status"] == "completed", (job.get("reason"), job.get("failures"))
             return job
 
