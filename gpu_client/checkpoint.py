@@ -14,7 +14,8 @@ enforces), never what a file or a record says:
   every index and the slices it needs. No pickle: ``torch.distributed.checkpoint``'s
   ``.metadata`` is one, so its ``dcp`` checkpoints (of earlier versions) are never read.
 
-Rank 0 commits a checkpoint once every rank has uploaded its files; the server keeps the last N.
+Rank 0 commits a checkpoint once every rank has uploaded its files (they meet at a barrier; no
+object collective, which would unpickle what the other ranks send); the server keeps the last N.
 Tracked objects get their state back as each is tracked again on resume; each rank's generators
 go back on the same rank.
 """
@@ -110,10 +111,11 @@ class Checkpointer:
             else:
                 self._save_torch(folder)
             mine = [self._upload(n, os.path.join(folder, f)) for f in sorted(os.listdir(folder))]
-            everyone: list = [None] * self.world
-            dist.all_gather_object(everyone, mine)  # also: every rank's files are in the artifact store
-            names = sorted({name for names in everyone for name in names})
+            # every rank's files are in the artifact store; no object collective (it would unpickle
+            # what the other ranks send): the files of each rank are the format's
+            dist.barrier()
             if self.rank == 0:
+                names = sorted(files_of.required(self.format, self.world) | set(mine))
                 self.reporter.commit_checkpoint(n, names, epoch=epoch, step=step, format=self.format.value,
                                                 epoch_complete=epoch_complete)
             log.info("rank %d: checkpoint %d saved (epoch %d, step %d)", self.rank, n, epoch, step)
