@@ -12,7 +12,6 @@ when the agent is root (``isolation.py``; each slot registers which isolation it
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -37,8 +36,9 @@ from zwdx.protocol.rank import RankSpec
 
 from . import gpus, host
 from .identity import Identity
-from .isolation import IsolationError, build as build_isolation, private_dir
+from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
+from .workspace import Workspace
 from .reporter import http_session
 
 log = logging.getLogger("gpu_client.agent")
@@ -95,6 +95,7 @@ class Agent:
         self.verify = self.ca_file or True
         self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
+        self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
         self.hostname = socket.gethostname()
         self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids)
         self.slots = [s.model_copy(update={"isolation": self.isolation.kind}) for s in gpus.discover(gpus_only, cpu)]
@@ -104,7 +105,7 @@ class Agent:
         self.threads = threads
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
-        self.launcher = Launcher(self.work_dir, self.isolation, standby)
+        self.launcher = Launcher(self.workspace.dir, self.isolation, standby)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
@@ -233,59 +234,45 @@ class Agent:
 
     def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, job: RunningJob, pending: bool,
                    assigned_at: float) -> RankSpec:
-        logs = os.path.join(private_dir(os.path.join(self.work_dir, "jobs")), assign.job_id)
-        os.makedirs(logs, mode=0o700, exist_ok=True)
+        logs = self.workspace.job_dir(assign.job_id)
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
             backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
-            bundle_path=self.isolation.bundle_path(job.sandbox), bundle_pending=pending, assigned_at=assigned_at,
-            server=self.server, client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
-            log_path=os.path.join(logs, f"rank{place.rank}.log"), sandbox=job.sandbox,
-            ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None)
-
-    def _bundle_path(self, assign: JobAssign) -> str:
-        return os.path.join(self.work_dir, "bundles", f"{assign.bundle_sha256}.zwdx")
+            bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
+            bundle_pending=pending, assigned_at=assigned_at, server=self.server, client_id=self.client_id,
+            hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
+            sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None)
 
     def _fetch_bundle(self, assign: JobAssign) -> None:
-        path = self._bundle_path(assign)
-        private_dir(os.path.dirname(path))
+        """Into the cache (``workspace.py``), checked against the job's sha256."""
         session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
-        digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
             resp.raise_for_status()
-            with open(tmp, "wb") as fh:
-                for block in resp.iter_content(defaults.CHUNK_BYTES):
-                    digest.update(block)
-                    fh.write(block)
-        if digest.hexdigest() != assign.bundle_sha256:
-            os.unlink(tmp)
-            raise IOError(f"bundle of job {assign.job_id} arrived corrupted (sha256 mismatch)")
-        os.replace(tmp, path)
+            self.workspace.keep_bundle(assign.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
+                                       f"bundle of job {assign.job_id}")
 
     def _run_job(self, job: RunningJob, assign: JobAssign, assigned_at: float) -> None:
         """Start the job's ranks at once, so that they join their process group while the
-        bundle downloads; tell them when it is here."""
+        bundle is checked in the cache (its sha256, on every use) or fetched; tell them when it
+        is there."""
         exits: dict[str, int] = {}
         try:
-            bundle = self._bundle_path(assign)
-            pending = not os.path.exists(bundle)
+            bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
             self.launcher.lease(job, self.client_id)
             if self.ca_file:  # where the ranks can read it
                 self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
-            if not pending:
-                self.isolation.share(bundle, job.sandbox)
             for local_rank, place in enumerate(assign.ranks):
                 spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at)
                 job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
                          job.procs[place.rank].pid)
-            if pending:
+            if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
                 self._fetch_bundle(assign)
-                self.isolation.share(bundle, job.sandbox)
+            self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
@@ -415,6 +402,7 @@ class Agent:
             self.sio.disconnect()
         except Exception:
             pass
+        self.workspace.close()
 
 
 def _answer(model, data):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import numbers
+import os
 import queue
 import threading
 import time
@@ -100,12 +101,19 @@ class Reporter:
         resp.raise_for_status()
 
     def download(self, path: str, file_path: str) -> None:
-        """GET ``<job url>/<path>`` into ``file_path``, streamed."""
+        """GET ``<job url>/<path>`` into ``file_path``, streamed, checked against the sha256 the
+        server stored for it (``IOError`` and no file when it differs)."""
+        digest = hashlib.sha256()
         with self.session.get(f"{self.base}/{path}", stream=True, timeout=600) as resp:
             resp.raise_for_status()
             with open(file_path, "wb") as fh:
                 for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    digest.update(block)
                     fh.write(block)
+            expected = resp.headers.get(defaults.SHA256_HEADER)
+        if expected is not None and digest.hexdigest() != expected:
+            os.unlink(file_path)
+            raise IOError(f"{path} arrived corrupted (sha256 {digest.hexdigest()}, the server stored {expected})")
 
     # -- the user's side -------------------------------------------------------------------
     def log_metrics(self, step: int | None = None, **values) -> None:

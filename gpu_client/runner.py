@@ -72,7 +72,8 @@ class Trainer:
         import torch
         torch.set_num_threads(self.spec.threads)
         os.environ.update(self.spec.torch_environ())  # for libraries that read torch's variables
-        bundle = BundleLoader(self.spec.bundle_path, self.spec.bundle_pending, self.startup, self.spec.where)
+        bundle = BundleLoader(self.spec.bundle_path, self.spec.bundle_sha256, self.spec.bundle_pending, self.startup,
+                              self.spec.where)
         bundle.start()
         self.device = self._join()
         self.bundle = bundle.result()
@@ -242,13 +243,13 @@ class Startup:
 
 
 class BundleLoader(threading.Thread):
-    """Loads the job's bundle while the main thread joins the process group. While the GPU
-    client is still fetching it (``pending``), a line on stdin says it has arrived (end of
-    input: it could not be fetched)."""
+    """Loads the job's bundle while the main thread joins the process group, if its bytes are
+    the job's (``sha256``; checked on every load). While the GPU client is still fetching it
+    (``pending``), a line on stdin says it has arrived (end of input: it could not be fetched)."""
 
-    def __init__(self, path: str, pending: bool, startup: Startup, where: str):
+    def __init__(self, path: str, sha256: str, pending: bool, startup: Startup, where: str):
         super().__init__(name="zwdx-bundle", daemon=True)
-        self.path, self.pending, self.startup, self.where = path, pending, startup, where
+        self.path, self.sha256, self.pending, self.startup, self.where = path, sha256, pending, startup, where
         self.bundle: dict | None = None
         self.error: BaseException | None = None
 
@@ -258,7 +259,7 @@ class BundleLoader(threading.Thread):
                 raise RuntimeError("the GPU client could not fetch the job's bundle")
             self.startup.mark("bundle_fetched")
             try:
-                self.bundle = load_bundle(self.path)
+                self.bundle = load_bundle(self.path, self.sha256)
             except ImportError as exc:
                 raise missing_package(exc, self.where) from exc
             register_sources(self.bundle["sources"])

@@ -134,7 +134,8 @@ def a_job_with_data(server, room: Room, donors) -> dict:
     assert rank.status("running").status_code == 200
     assert rank.events(("metric", {"loss": 0.25}), ("log", {"text": "a private line"})).status_code == 200
     checkpoint_file = rank.put("/checkpoints/0/state.pt", state).json()["id"]
-    assert rank.commit(0, ["state.pt"]).status_code == 201
+    assert rank.put("/checkpoints/0/rng-0.pt", b"generators").status_code == 201
+    assert rank.commit(0, ["state.pt", "rng-0.pt"]).status_code == 201
     weights_id = rank.put("/weights", weights).json()["id"]
     assert rank.status("completed", final_loss=0.25, results={"final_loss": 0.25},
                        fingerprint=hashlib.sha256(weights).hexdigest(), weights_artifact=weights_id).status_code == 200
@@ -186,7 +187,8 @@ def rank_calls(rank: Rank) -> dict:
     """Every call a rank makes with its key: name -> response."""
     return {"status": rank.status("running"), "events": rank.events(("log", {"text": "written by the wrong rank"})),
             "checkpoint file": rank.put("/checkpoints/0/state.pt", b"forged state"),
-            "checkpoint commit": rank.commit(0, ["state.pt"]), "weights": rank.put("/weights", b"forged weights"),
+            "checkpoint rng": rank.put("/checkpoints/0/rng-0.pt", b"forged generators"),
+            "checkpoint commit": rank.commit(0, ["state.pt", "rng-0.pt"]), "weights": rank.put("/weights", b"forged weights"),
             "bundle": rank.bundle()}
 
 
@@ -224,6 +226,6 @@ def test_a_rank_key_opens_its_own_jobs_rank_routes_only(server, donors):
     # and the refused calls were well formed: with job B's own key, the same calls go through
     done = rank_calls(Rank(server.url, second_key, second))
     assert {call: resp.status_code for call, resp in done.items()} == {
-        "status": 200, "events": 200, "checkpoint file": 201, "checkpoint commit": 201, "weights": 201, "bundle": 200}
+        "status": 200, "events": 200, "checkpoint file": 201, "checkpoint rng": 201, "checkpoint commit": 201, "weights": 201, "bundle": 200}
     assert done["bundle"].content == a.call("GET", f"/artifacts/{second_bundle}").content
     assert a.job(second)["status"] == "running"

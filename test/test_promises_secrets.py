@@ -85,7 +85,7 @@ def test_no_room_token_or_job_key_is_in_any_log_after_whole_jobs(server, room, s
     for client in ("a", "b"):
         assert f"job {done} rank" in logs[f"{client}/gpu-client.log"]
     ranks = {name: text for name, text in logs.items() if "/jobs/" in name}
-    assert sorted(re.sub(r"^[ab]/jobs/", "", name) for name in ranks) == sorted(
+    assert sorted(re.sub(r"^([ab])/agents/client-\1/jobs/", "", name) for name in ranks) == sorted(
         f"{job}/rank{r}.log" for job in (done, failed) for r in (0, 1)), sorted(ranks)
     assert any("printed after epoch 1" in text for text in ranks.values())
     assert any("ValueError: rank 1 gives up" in text for text in ranks.values())

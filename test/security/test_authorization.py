@@ -92,10 +92,24 @@ def fresh_token(w: World) -> str:
     return w.request("POST", "/room/tokens", w.as_submitter(), json={"role": "donor", "name": "spare"}).json["id"]
 
 
+#: The files of a DDP checkpoint of the live job (world size 2), and the rank that sends each.
+CHECKPOINT = {"state.pt": "rank0", "rng-0.pt": "rank0", "rng-1.pt": "rank1"}
+
+
 def uploaded(w: World) -> None:
-    """Rank 0 of the live job uploaded checkpoint 0's state.pt."""
-    resp = w.request("PUT", f"/jobs/{w.jobs['live']}/checkpoints/0/state.pt", w.as_rank("rank0"), data=b"state")
-    assert resp.status_code == 201, resp.text
+    """The ranks of the live job uploaded checkpoint 0's files (each its own)."""
+    for name, rank in CHECKPOINT.items():
+        resp = w.request("PUT", f"/jobs/{w.jobs['live']}/checkpoints/0/{name}", w.as_rank(rank), data=b"state")
+        assert resp.status_code == 201, resp.text
+
+
+def committed(w: World) -> None:
+    """Checkpoint 0 of the live job, committed (once): only a committed checkpoint's files are read."""
+    if not w.request("GET", f"/jobs/{w.jobs['live']}/checkpoints", w.as_submitter()).json["checkpoints"]:
+        uploaded(w)
+        resp = w.request("POST", f"/jobs/{w.jobs['live']}/checkpoints/0/commit", w.as_rank("rank0"),
+                         json={"files": list(CHECKPOINT)})
+        assert resp.status_code == 201, resp.text
 
 
 ROUTES: dict[str, Route] = {
@@ -129,15 +143,17 @@ ROUTES: dict[str, Route] = {
                                                           {"json": {"status": "running"}}), 200),
     "api.put_weights": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/weights", {"data": b"w"}),
                              201),
+    # Each rank sends its own file (another rank's is refused: test_integrity.py).
     "checkpoints.put_checkpoint_file": Route("job", lambda w, c, m: (
-        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/shard-x.pt", {"data": b"shard"}), 201, any_rank=True),
+        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/rng-{1 if c == 'other_rank' else 0}.pt", {"data": b"rng"}),
+        201, any_rank=True),
     "checkpoints.commit_checkpoint": Route("job", lambda w, c, m: (
-        "POST", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/commit", {"json": {"files": ["state.pt"]}}), 201,
+        "POST", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/commit", {"json": {"files": list(CHECKPOINT)}}), 201,
         prepare=uploaded),
     "checkpoints.list_checkpoints": Route("room", lambda w, c, m: (
         "GET", f"{P}/jobs/{w.jobs['live']}/checkpoints", {}), 200),
     "checkpoints.get_checkpoint_file": Route("room_or_job", lambda w, c, m: (
-        "GET", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/state.pt", {}), 200, any_rank=True, prepare=uploaded),
+        "GET", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/state.pt", {}), 200, any_rank=True, prepare=committed),
     "dashboard_api.history": Route("room", lambda w, c, m: ("GET", f"{P}/dashboard/history", {}), 200,
                                    own_room=200),
     "tokens.list_tokens": Route("room", lambda w, c, m: ("GET", f"{P}/room/tokens", {}), 200, own_room=200),

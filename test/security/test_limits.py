@@ -305,7 +305,8 @@ def test_unreferenced_artifacts_are_swept_and_referenced_ones_kept(backend, back
     room, rank0, job = placed_job(app, "done")
     jid = job["id"]
     kept = rank0.put(f"/jobs/{jid}/checkpoints/0/state.pt", data=b"committed").json
-    assert rank0.post(f"/jobs/{jid}/checkpoints/0/commit", json={"files": ["state.pt"]}).status_code == 201
+    rng = rank0.put(f"/jobs/{jid}/checkpoints/0/rng-0.pt", data=b"generators").json
+    assert rank0.post(f"/jobs/{jid}/checkpoints/0/commit", json={"files": ["state.pt", "rng-0.pt"]}).status_code == 201
     loose = rank0.put(f"/jobs/{jid}/checkpoints/1/state.pt", data=b"never committed").json
     unreported = rank0.put(f"/jobs/{jid}/weights", data=b"weights never reported").json
     weights = rank0.put(f"/jobs/{jid}/weights", data=b"the weights").json
@@ -319,7 +320,7 @@ def test_unreferenced_artifacts_are_swept_and_referenced_ones_kept(backend, back
     assert ctx.store.get_artifact(stray["id"]) is not None
     assert ctx.sweeper.sweep(now + 3601) == {"unattached": 1, "orphaned": 1}
     left = {a["id"] for a in ctx.store.list_artifacts(jid)}
-    assert left == {job["spec"]["bundle_artifact"], kept["id"], weights["id"]}
+    assert left == {job["spec"]["bundle_artifact"], kept["id"], rng["id"], weights["id"]}
     assert ctx.store.get_artifact(stray["id"]) is None and ctx.store.get_artifact(loose["id"]) is None
     assert ctx.store.get_artifact(unreported["id"]) is None
     assert set(ctx.artifacts.stored(now + 7200)) == left
@@ -360,7 +361,9 @@ def test_an_upload_cut_short_or_refused_leaves_nothing(http_app):
 def test_an_empty_commit_wipes_no_checkpoint(app):
     room, rank0, job = placed_job(app, "ckpt")
     rank0.put(f"/jobs/{job['id']}/checkpoints/0/state.pt", data=b"real")
-    assert rank0.post(f"/jobs/{job['id']}/checkpoints/0/commit", json={"files": ["state.pt"]}).status_code == 201
+    rank0.put(f"/jobs/{job['id']}/checkpoints/0/rng-0.pt", data=b"generators")
+    assert rank0.post(f"/jobs/{job['id']}/checkpoints/0/commit",
+                      json={"files": ["state.pt", "rng-0.pt"]}).status_code == 201
     for n in (1, 2, 3):
         resp = rank0.post(f"/jobs/{job['id']}/checkpoints/{n}/commit", json={"files": []})
         assert resp.status_code == 400 and resp.json["error"]["field"] == "files"

@@ -80,6 +80,8 @@ class RankSpec(Message):
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path
+    #: The job's bundle, as the server stored it: the rank loads the file only if its bytes are these.
+    bundle_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     #: True: the agent is still fetching it, and says ``ready`` on stdin once it is there.
     bundle_pending: bool
 

@@ -56,9 +56,12 @@ class Isolation(str, Enum):
 
 
 class CheckpointFormat(str, Enum):
-    """How a checkpoint's files were written; the server decides it from the job's parallelism."""
-    TORCH = "torch"   # DDP: one file from rank 0, read with torch.load(weights_only=True)
-    DCP = "dcp"       # FSDP: torch.distributed.checkpoint, one shard per rank
+    """How a checkpoint's files were written; the server decides it from the job's parallelism
+    (``zwdx.protocol.checkpoint``), never from what a rank says."""
+    TORCH = "torch"    # DDP: one file from rank 0, read with torch.load(weights_only=True)
+    SHARDS = "shards"  # FSDP: each rank's shards as safetensors with a JSON index; no pickle
+    DCP = "dcp"        # FSDP of earlier versions (torch.distributed.checkpoint, whose metadata is
+                       # a pickle): in old records only; never committed, never read
 
 
 class CredentialRole(str, Enum):

@@ -255,10 +255,12 @@ class Job:
         return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry]:
+    def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry] | None:
         """Rank 0 committed a checkpoint: it is the latest, and the job keeps the last
-        ``keep_checkpoints``. Returns those kept."""
+        ``keep_checkpoints``. Returns those kept; None when the job is not starting or running
+        (nothing changed)."""
         keep = self.record.spec.keep_checkpoints
-        self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
-                                         keep_last=keep))
+        if not self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
+                                                when=_ACTIVE, keep_last=keep)):
+            return None
         return self.record.checkpoints

@@ -32,6 +32,7 @@ from .. import defaults
 from ..errors import BadRequest
 from ..protocol import ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, SlotKind
 from ..protocol.base import parse
+from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
@@ -332,7 +333,8 @@ class Scheduler:
                        for p in job.placement if p.client_id == client_id],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
-                parallelism=spec.parallelism, epochs=spec.epochs, checkpoint=job.latest_checkpoint,
+                parallelism=spec.parallelism, epochs=spec.epochs,
+                checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -36,9 +36,10 @@ export const Isolation = Object.freeze({
   PROCESS: "process",
 });
 
-/** How a checkpoint's files were written; the server decides it from the job's parallelism. */
+/** How a checkpoint's files were written; the server decides it from the job's parallelism (`zwdx.protocol.checkpoint`), never from what a rank says. */
 export const CheckpointFormat = Object.freeze({
   TORCH: "torch",
+  SHARDS: "shards",
   DCP: "dcp",
 });
 
