@@ -143,9 +143,10 @@ ROUTES: dict[str, Route] = {
                                                           {"json": {"status": "running"}}), 200),
     "api.put_weights": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/weights", {"data": b"w"}),
                              201),
-    # Each rank sends its own file (another rank's is refused: test_integrity.py).
+    # Each rank sends its own file (another rank's is refused: test_integrity.py), to a checkpoint not
+    # committed yet (checkpoint 0 is, by the commit route's cells).
     "checkpoints.put_checkpoint_file": Route("job", lambda w, c, m: (
-        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/rng-{1 if c == 'other_rank' else 0}.pt", {"data": b"rng"}),
+        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/1/rng-{1 if c == 'other_rank' else 0}.pt", {"data": b"rng"}),
         201, any_rank=True),
     "checkpoints.commit_checkpoint": Route("job", lambda w, c, m: (
         "POST", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/commit", {"json": {"files": list(CHECKPOINT)}}), 201,
