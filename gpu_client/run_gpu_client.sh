@@ -3,10 +3,11 @@
 #
 #   gpu_client/run_gpu_client.sh -rt TOKEN [-s URL] [--native] [--image NAME] [--build] [ARGS...]
 #
-#   -rt, --room-token TOKEN   the room's token (default: $ZWDX_ROOM_TOKEN)
+#   -rt, --room-token TOKEN   the room's donor token, zd_... (default: $ZWDX_ROOM_TOKEN)
 #   -s,  --server URL         the zwdx server (default: $ZWDX_SERVER_URL or http://localhost:4461)
 #   --native                  run the plain process (python -m zwdx.cli gpu-client), even with Docker
 #   --image NAME              the image to run (default: zwdx-gpu-client, built here if missing)
+#   --name NAME               the container's name (docker logs NAME, docker stop NAME)
 #   --build                   build the image again first
 #   ARGS                      passed on to `zwdx gpu-client` (--gpus 0,1, --client-id ID, --cpu, ...)
 #
@@ -21,11 +22,12 @@ PY=${PYTHON:-python3}
 SERVER=${ZWDX_SERVER_URL:-http://localhost:4461}
 TOKEN=${ZWDX_ROOM_TOKEN:-}
 IMAGE=${ZWDX_GPU_CLIENT_IMAGE:-zwdx-gpu-client}
+NAME=
 NATIVE=0
 BUILD=0
 PASS=()
 
-usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed -E 's/^# ?//'; }
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed -E 's/^# ?//'; }
 need() { [[ $# -ge 2 && -n "$2" ]] || { echo "run_gpu_client.sh: $1 needs a value" >&2; exit 2; }; }
 
 while (($#)); do
@@ -33,6 +35,7 @@ while (($#)); do
         -rt | --room-token) need "$@"; TOKEN=$2; shift 2 ;;
         -s | --server) need "$@"; SERVER=$2; shift 2 ;;
         --image) need "$@"; IMAGE=$2; shift 2 ;;
+        --name) need "$@"; NAME=$2; shift 2 ;;
         --native) NATIVE=1; shift ;;
         --build) BUILD=1; shift ;;
         -h | --help) usage; exit 0 ;;
@@ -53,6 +56,7 @@ if ((!NATIVE)) && command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>
         docker build --target gpu-client -t "$IMAGE" "$ROOT"
     fi
     RUN=(--rm --init --network host --shm-size 8g -e ZWDX_ROOM_TOKEN)
+    [[ -n "$NAME" ]] && RUN+=(--name "$NAME")
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         RUN+=(--gpus all)
     else
