@@ -148,13 +148,14 @@ def test_script_without_an_engine_runs_the_native_gpu_client(tmp_path, fake_engi
     try:
         from zwdx import ZWDX
         sdk = ZWDX(server.url)
-        token = sdk.create_room("script")["token"]
+        room = sdk.create_room("script")
+        token = room["submitter_token"]
         env["PYTHON"] = sys.executable
-        client = Proc([SCRIPT, "-rt", token, "-s", server.url, "--cpu", "--threads", "1", "--client-id",
+        client = Proc([SCRIPT, "-rt", room["donor_token"], "-s", server.url, "--cpu", "--threads", "1", "--client-id",
                        "from-script", "--work-dir", str(tmp_path / "work")], str(tmp_path / "script.log"), env)
         wait_until(lambda: any(c["id"] == "from-script" and c["status"] == "online"
                                for c in sdk.get_room(token)["clients"]), 30,
-                   what=f"gpu client from the script\n{client.output()}")
+                   what="gpu client from the script")
         assert "native process" in client.output()
     finally:
         if client is not None:
