@@ -123,3 +123,40 @@ class Stages:
     def __str__(self) -> str:
         parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.times)
         return f"{self.title}: {parts}; total {time.time() - self.t0:.1f} s"
+
+
+#: The reverse proxy of docker-compose's tls profile, under its official name.
+CADDY_IMAGE = "caddy:2"
+#: A stand-in for it where the registry is unreachable: Debian's caddy package, laid out as the
+#: official image is (data in /data, config in /config, wget for the healthcheck). For tests only.
+CADDY_STAND_IN = """\
+FROM debian:bookworm-slim
+COPY *.crt /usr/local/share/ca-certificates/
+RUN apt-get update \\
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends caddy wget ca-certificates \\
+ && update-ca-certificates && rm -rf /var/lib/apt/lists/* && mkdir -p /config /data /etc/caddy /srv
+ENV XDG_CONFIG_HOME=/config XDG_DATA_HOME=/data
+WORKDIR /srv
+EXPOSE 80 443
+CMD ["caddy", "run", "--config", "/etc/caddy/Caddyfile", "--adapter", "caddyfile"]
+"""
+
+
+def caddy_image(workdir: str) -> float:
+    """``caddy:2``: there already, else the stand-in built (seconds it took). The CA certificates
+    of this machine go in, as the shared tool's stand-ins have them (apt may go through a proxy
+    that re-signs)."""
+    t0 = time.time()
+    if docker("image", "inspect", CADDY_IMAGE, check=False).returncode == 0:
+        return 0.0
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "Dockerfile"), "w") as fh:
+        fh.write(CADDY_STAND_IN)
+    certs = "/usr/local/share/ca-certificates"
+    found = [f for f in (os.listdir(certs) if os.path.isdir(certs) else []) if f.endswith(".crt")]
+    for name in found:
+        shutil.copy(os.path.join(certs, name), workdir)
+    if not found:
+        open(os.path.join(workdir, "none.crt"), "w").close()
+    docker("build", "-q", "-t", CADDY_IMAGE, workdir, timeout=1200)
+    return time.time() - t0
