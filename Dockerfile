@@ -4,7 +4,9 @@
 #   docker build --target server -t zwdx-server .      # API, Socket.IO and the dashboard
 #
 # Both run as the unprivileged user "zwdx" (uid 10001) and take `zwdx` CLI arguments. Nothing of
-# the host is mounted unless you add a volume yourself. See docs/docker.md.
+# the host is mounted unless you add a volume yourself; docker-compose.yml mounts named volumes
+# on /room (the server image: a room's tokens) and /home/zwdx/.zwdx (the GPU client's work dir),
+# which exist here owned by zwdx so that fresh volumes start writable. See docs/docker.md.
 #
 # The GPU client runs on an official PyTorch CUDA runtime image. Its Python minor version must
 # match the submitters' (cloudpickled code needs it); pick another tag with
@@ -29,7 +31,7 @@ RUN sed -E '/^(torch|nvidia-ml-py)([=<>~ ]|$)/d' requirements.txt > /tmp/require
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin zwdx \
-    && mkdir /data && chown zwdx:zwdx /data
+    && mkdir /data /room && chown zwdx:zwdx /data /room
 COPY zwdx/ zwdx/
 COPY --from=ui /ui/dist/ ui/dist/
 USER 10001:10001
@@ -48,10 +50,13 @@ COPY requirements.txt ./
 RUN sed -E '/^torch([=<>~ ]|$)/d' requirements.txt > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt \
-    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin zwdx
+    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin zwdx \
+    && mkdir /home/zwdx/.zwdx && chown zwdx:zwdx /home/zwdx/.zwdx
 COPY zwdx/ zwdx/
 COPY gpu_client/ gpu_client/
 USER 10001:10001
 WORKDIR /home/zwdx
+# healthy: the server acknowledged a heartbeat lately (gpu_client/health.py; default work dir)
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s CMD ["python", "-m", "gpu_client.health"]
 ENTRYPOINT ["python", "-m", "zwdx.cli"]
 CMD ["gpu-client", "--help"]

@@ -34,7 +34,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, 
                                RegisterAnswer, ReservePort, Running)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, host
+from . import gpus, health, host
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
@@ -166,6 +166,7 @@ class Agent:
             self.identity.keep(answer.client_secret)
         self.heartbeat_interval = answer.heartbeat_interval or self.heartbeat_interval
         self._registered.set()
+        health.beat(self.work_dir)
         for slot in self.slots:
             self._want_standby(slot.index)
         log.info("gpu-client %s: registered in room %s with %d slot(s): %s", self.client_id, answer.room_id,
@@ -343,7 +344,9 @@ class Agent:
                 log.debug("gpu-client %s: heartbeat failed: %s", self.client_id, exc)
                 continue
             answer = _answer(Ack, data)
-            if not answer.ok:
+            if answer.ok:
+                health.beat(self.work_dir)  # the container's healthcheck (gpu_client/health.py)
+            else:
                 log.warning("gpu-client %s: %s", self.client_id, answer.error)
                 self._registered.clear()
                 threading.Thread(target=self._register, daemon=True).start()

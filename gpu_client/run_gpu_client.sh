@@ -8,6 +8,7 @@
 #   -s,  --server URL         the zwdx server (default: $ZWDX_SERVER_URL or http://localhost:4461)
 #   --native                  run the plain process (python -m zwdx.cli gpu-client), even with Docker
 #   --image NAME              the image to run (default: zwdx-gpu-client, built here if missing)
+#   --name NAME               the container's name (docker logs NAME, docker stop NAME)
 #   --build                   build the image again first
 #   ARGS                      passed on to `zwdx gpu-client` (--gpus 0,1, --client-id ID, --cpu, ...)
 #
@@ -22,6 +23,7 @@ PY=${PYTHON:-python3}
 SERVER=${ZWDX_SERVER_URL:-http://localhost:4461}
 TOKEN=${ZWDX_ROOM_TOKEN:-}
 IMAGE=${ZWDX_GPU_CLIENT_IMAGE:-zwdx-gpu-client}
+NAME=
 NATIVE=0
 BUILD=0
 PASS=()
@@ -39,6 +41,7 @@ while (($#)); do
             TOKEN=$(head -n 1 "$2" | tr -d '[:space:]'); shift 2 ;;
         -s | --server) need "$@"; SERVER=$2; shift 2 ;;
         --image) need "$@"; IMAGE=$2; shift 2 ;;
+        --name) need "$@"; NAME=$2; shift 2 ;;
         --native) NATIVE=1; shift ;;
         --build) BUILD=1; shift ;;
         -h | --help) usage; exit 0 ;;
@@ -59,6 +62,7 @@ if ((!NATIVE)) && command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>
         docker build --target gpu-client -t "$IMAGE" "$ROOT"
     fi
     RUN=(--rm --init --network host --shm-size 8g -e ZWDX_ROOM_TOKEN)
+    [[ -n "$NAME" ]] && RUN+=(--name "$NAME")
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         RUN+=(--gpus all)
     else

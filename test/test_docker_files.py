@@ -35,10 +35,14 @@ def test_compose_file_is_valid():
     assert "ERROR" not in done.stderr
 
 
-def test_compose_stack_keeps_mongo_private_and_reserves_gpus_in_a_profile():
+def _compose() -> dict:
     yaml = needs.module("yaml")
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
-        compose = yaml.safe_load(fh)
+        return yaml.safe_load(fh)
+
+
+def test_compose_stack_keeps_mongo_private_and_reserves_gpus_in_a_profile():
+    compose = _compose()
     services = compose["services"]
     mongo, server, gpu = services["mongo"], services["server"], services["gpu-client"]
     assert mongo["image"].startswith("mongo:") and "ports" not in mongo
@@ -49,9 +53,36 @@ def test_compose_stack_keeps_mongo_private_and_reserves_gpus_in_a_profile():
     assert gpu["profiles"] == ["gpu"] and gpu["build"]["target"] == "gpu-client"
     device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "deploy" not in services["cpu-client"] and "--cpu" in services["cpu-client"]["command"]
     for name, service in services.items():  # nothing of the host mounted
         for spec in service.get("volumes", []):
             assert spec.split(":")[0] in compose["volumes"], f"{name} mounts {spec} from the host"
+
+
+def test_compose_services_all_have_healthchecks_and_the_profiles_their_parts():
+    compose = _compose()
+    services = compose["services"]
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"service {name} has no healthcheck"
+    profiles = {name: set(s.get("profiles", [])) for name, s in services.items()}
+    assert {n for n, p in profiles.items() if not p} == {"mongo", "server"}  # `up` alone: the stack
+    assert {n for n, p in profiles.items() if "gpu" in p} == {"room", "gpu-client"}
+    assert {n for n, p in profiles.items() if "cpu" in p} == {"room", "cpu-client"}
+    assert {n for n, p in profiles.items() if "tls" in p} == {"proxy"}
+    proxy = services["proxy"]
+    assert proxy["image"].startswith("caddy:") and "server:4461" in proxy["command"]
+    assert {v.split(":")[1] for v in proxy["volumes"]} == {"/data", "/config"}  # certificates kept
+
+
+def test_compose_supports_profiles():
+    """Profiles came with docker-compose 1.28 (and the service_completed_successfully condition
+    the GPU client waits for its room with, 1.29)."""
+    done = run([tool("docker-compose"), "version", "--short"])
+    version = tuple(int(p) for p in re.findall(r"\d+", done.stdout)[:2])
+    assert version >= (1, 29), done.stdout
+    for profile in ("gpu", "cpu", "tls"):
+        done = run([tool("docker-compose"), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"])
+        assert done.returncode == 0, done.stderr
 
 
 def test_dockerfile_passes_hadolint():
@@ -162,7 +193,7 @@ def test_script_without_an_engine_runs_the_native_gpu_client(tmp_path, fake_engi
         from zwdx import ZWDX
         sdk = ZWDX(server.url)
         room = sdk.create_room("script")
-        token = room["token"]
+        token = room["submitter_token"]
         (tmp_path / "donor-token").write_text(room["donor_token"])
         env["PYTHON"] = sys.executable
         client = Proc([SCRIPT, "--room-token-file", str(tmp_path / "donor-token"), "-s", server.url, "--cpu",
@@ -170,7 +201,7 @@ def test_script_without_an_engine_runs_the_native_gpu_client(tmp_path, fake_engi
                       str(tmp_path / "script.log"), env)
         wait_until(lambda: any(c["id"] == "from-script" and c["status"] == "online"
                                for c in sdk.get_room(token)["clients"]), 30,
-                   what=f"gpu client from the script\n{client.output()}")
+                   what="gpu client from the script")
         assert "native process" in client.output()
     finally:
         if client is not None:

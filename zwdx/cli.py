@@ -78,8 +78,15 @@ def _server(args) -> int:
 
 def _room_create(args) -> int:
     from .sdk import ZWDX
-    room = ZWDX(args.server, ca_file=args.ca_file).create_room(args.name or "")
-    if args.json:
+    if args.token_dir and all(os.path.exists(os.path.join(args.token_dir, f)) for f in TOKEN_FILES):
+        print(f"a room was created already: its tokens are in {args.token_dir}")
+        return 0
+    room = ZWDX(args.server, remember=not args.token_dir, ca_file=args.ca_file).create_room(args.name or "")
+    if args.token_dir:
+        _save_tokens(args.token_dir, room)
+        print(f"room {room['name']} ({room['id']}) created; its tokens are in {args.token_dir} "
+              f"({', '.join(TOKEN_FILES)}, each 0600)")
+    elif args.json:
         print(json.dumps(room))
     else:
         print(f"room {room['name']} ({room['id']}) created. Its tokens, shown only now (the server keeps "
@@ -89,6 +96,21 @@ def _room_create(args) -> int:
         print("donor token: for the GPU clients lent to the room (zwdx gpu-client), nothing else")
         print(room["donor_token"])
     return 0
+
+
+#: What ``zwdx room create --token-dir DIR`` writes: each token in a file of its own.
+TOKEN_FILES = ("submitter_token", "donor_token")
+
+
+def _save_tokens(folder: str, room: dict) -> None:
+    """Each token of ``room`` in its own file of ``folder``, readable by this user only."""
+    os.makedirs(folder, exist_ok=True)
+    for name in TOKEN_FILES:
+        tmp = os.path.join(folder, f".{name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(room[name] + "\n")
+        os.replace(tmp, os.path.join(folder, name))
 
 
 def _room_tokens(args) -> int:
@@ -214,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     _server_arguments(c)
     c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
+    c.add_argument("--token-dir", default=None,
+                   help="write the tokens to DIR/submitter_token and DIR/donor_token (0600) instead of printing "
+                        "them; if both are there already, create nothing")
     c.set_defaults(func=_room_create)
     t = rsub.add_parser("tokens", help="list, make, revoke or rotate the room's tokens (with a submitter token)")
     tsub = t.add_subparsers(dest="tokens_action", required=True)

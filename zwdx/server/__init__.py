@@ -153,6 +153,7 @@ def create_app(config: dict | None = None) -> Flask:
         RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
         METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
+        PROXY_HOPS=0,  # reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
     )
     app.config.from_prefixed_env("ZWDX")
     if config:
@@ -185,6 +186,10 @@ def create_app(config: dict | None = None) -> Flask:
     ctx.limiter = limits.init_app(app)
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON)
     events.register(socketio)
+    hops = int(app.config["PROXY_HOPS"])
+    if hops:  # the client's address, not the proxy's, for rate limits (outside Socket.IO's middleware: both see it)
+        from werkzeug.middleware.proxy_fix import ProxyFix
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops)
     ctx.scheduler.start(app)
     ctx.sweeper.start()
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
