@@ -34,7 +34,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, 
                                RegisterAnswer, ReservePort, Running)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, host
+from . import gpus, host, script
 from .identity import Identity
 from .launcher import Launcher, RunningJob
 from .reporter import http_session
@@ -225,7 +225,7 @@ class Agent:
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             bundle_path=bundle, bundle_pending=pending, assigned_at=assigned_at, server=self.server,
             client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
-            log_path=os.path.join(logs, f"rank{place.rank}.log"))
+            log_path=os.path.join(logs, f"rank{place.rank}.log"), **script.rank_fields(assign, place, local_rank, logs))
 
     def _bundle_path(self, assign: JobAssign) -> str:
         return os.path.join(self.work_dir, "bundles", f"{assign.bundle_sha256}.zwdx")

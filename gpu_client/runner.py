@@ -3,6 +3,8 @@
     python -m gpu_client.runner                   # reads its RankSpec, one JSON line, on stdin
     python -m gpu_client.runner --standby DEVICE  # the same, once torch is ready (standby.py)
 
+A script job's rank runs ``gpu_client.script.ScriptRank`` instead (``rank_for``).
+
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU,
 the job's collective timeout) while the bundle loads, wraps the model (DDP/FSDP), rebuilds the
 optimizer, restores the checkpoint and makes the loaders; ``train`` calls the user's
@@ -28,7 +30,7 @@ from zwdx.bundle import load as load_bundle
 from zwdx.bundle import register_sources
 from zwdx.checks import call_with
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.vocab import RankStatus
+from zwdx.protocol.vocab import JobKind, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
 from .metrics import CountingLoader, SystemMetrics
@@ -348,7 +350,16 @@ def main(argv: list[str]) -> int:
         return 0  # the GPU client let this process go before giving it a rank
     write_output_to(spec.log_path)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return Trainer(spec).run()
+    return rank_for(spec).run()
+
+
+def rank_for(spec: RankSpec):
+    """How this rank runs, chosen from its spec: the submitter's functions (``Trainer``), or a
+    script under torchrun's environment (``gpu_client.script``). Each has ``run() -> exit code``."""
+    if spec.kind == JobKind.SCRIPT:
+        from .script import ScriptRank
+        return ScriptRank(spec)
+    return Trainer(spec)
 
 
 if __name__ == "__main__":
