@@ -89,6 +89,31 @@ def uploaded(w: World) -> None:
     assert resp.status_code == 201, resp.text
 
 
+def _workdir() -> tuple[bytes, str]:
+    """Fresh bytes of a working dir and their sha256."""
+    import hashlib
+    data = secrets.token_bytes(16)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _put_workdir(w, column):
+    data, sha = _workdir()
+    return "PUT", f"{P}/workdirs/{sha}", {"data": data}
+
+
+def _get_workdir(w, column):
+    data, sha = _workdir()
+    resp = w.request("PUT", f"/workdirs/{sha}", w.as_submitter(), data=data)
+    assert resp.status_code == 201, resp.text
+    return "GET", f"{P}/workdirs/{sha}", {}
+
+
+def _get_outputs(w, column):
+    resp = w.request("PUT", f"/jobs/{w.jobs['live']}/outputs", w.as_rank("rank0"), data=b"a tar")
+    assert resp.status_code == 201, resp.text
+    return "GET", f"{P}/jobs/{w.jobs['live']}/outputs", {}
+
+
 def _commit(w, column):
     uploaded(w)
     return "POST", f"{P}/jobs/{job_of(w, column)}/checkpoints/0/commit", {"json": {"files": ["state.pt"]}}
@@ -131,6 +156,10 @@ ROUTES: dict[str, Route] = {
     "checkpoints.list_checkpoints": Route("room", lambda w, c: ("GET", f"{P}/jobs/{w.jobs['live']}/checkpoints", {}),
                                           200),
     "checkpoints.get_checkpoint_file": Route("room_or_job", _checkpoint_file, 200, any_rank=True),
+    "scripts.put_workdir": Route("room", _put_workdir, 201, own_room=201),
+    "scripts.get_workdir": Route("room", _get_workdir, 200),
+    "scripts.put_outputs": Route("job", lambda w, c: ("PUT", f"{P}/jobs/{job_of(w, c)}/outputs", {"data": b"t"}), 201),
+    "scripts.get_outputs": Route("room", _get_outputs, 200),
     "dashboard_api.history": Route("room", lambda w, c: ("GET", f"{P}/dashboard/history", {}), 200, own_room=200),
     "tokens.list_tokens": Route("room", lambda w, c: ("GET", f"{P}/room/tokens", {}), 200, own_room=200),
     "tokens.create_token": Route("room", lambda w, c: ("POST", f"{P}/room/tokens", {"json": {"role": "donor"}}), 201,

@@ -18,7 +18,7 @@ import re
 from flask import Blueprint, request
 
 from .. import defaults
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, IntegrityError, NotFound
 from ..protocol import ArtifactKind
 from ..protocol.job import Job as JobRecord
 from ..protocol.rest import ArtifactView
@@ -54,15 +54,20 @@ def get_workdir(room: dict, sha256: str):
 @operation(bp, "PUT", "/workdirs/<sha256>", "Upload a script job's working dir (a gzipped tar)", body=OCTET,
            answer=ArtifactView, status=201, answers={200: ArtifactView}, errors=(400, 413, 422, 429), tag="scripts")
 def put_workdir(room: dict, sha256: str):
-    """The bytes must have that sha256 (``X-Zwdx-Sha256`` says it too; 422 and nothing kept
-    when they do not). A working dir the room has already is answered 200, unread."""
+    """The bytes must have that sha256 (422 and nothing kept when they do not; ``X-Zwdx-Sha256``,
+    if sent, must say the same). A working dir the room has already is answered 200, unread."""
     _digest(sha256)
-    if request.headers.get(defaults.SHA256_HEADER, "").lower() != sha256:
+    if request.headers.get(defaults.SHA256_HEADER, sha256).lower() != sha256:
         raise BadRequest(f"header {defaults.SHA256_HEADER} must be the path's sha256", field=defaults.SHA256_HEADER)
     found = ctx().store.find_artifact(room["id"], ArtifactKind.WORKDIR.value, sha256)
     if found is not None:
         return ArtifactView.model_validate(found), 200
     saved = save_artifact(room, ArtifactKind.WORKDIR.value)
+    if saved.sha256 != sha256:  # no header to check it on the way in: checked now, and nothing kept
+        ctx().store.delete_artifact(saved.id)
+        ctx().artifacts.delete(saved.id)
+        raise IntegrityError(f"working dir sha256 mismatch: the path says {sha256}, received {saved.sha256}",
+                             expected=sha256, received=saved.sha256)
     log.info("room %s: working dir %s uploaded (%d bytes)", room["id"], sha256[:12], saved.size)
     return saved, 201
 
