@@ -43,7 +43,7 @@ def extract_outputs(archive: str, dest: str) -> list[str]:
     os.makedirs(dest, exist_ok=True)
     try:
         with tarfile.open(archive, "r:") as tar:
-            members = tar.getmembers()
+            members = [tarfile.data_filter(m, dest) for m in tar.getmembers()]  # as written: "/a" lands as "a"
             tar.extractall(dest, members=members, filter="data")
     except tarfile.FilterError as exc:
         raise ZwdxError(f"the job's outputs are refused: {exc}") from None
