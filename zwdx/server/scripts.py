@@ -1,8 +1,8 @@
 """What script jobs (``zwdx run``, ``zwdx.protocol.script``) add to the API: their working dirs
 and their outputs, both plain archives the server stores and never opens.
 
-- A working dir is the room's, found by its sha256: ``GET /workdirs/<sha256>`` says whether the
-  room has it, ``PUT /workdirs/<sha256>`` uploads it (checked against that sha256), so an
+- A working dir is the room's, found by its sha256: ``GET /workdirs/<digest>`` says whether the
+  room has it, ``PUT /workdirs/<digest>`` uploads it (checked against that sha256), so an
   unchanged tree is uploaded once and any number of the room's jobs run it. The sweeper keeps
   it while a job that keeps its artifacts names it, or while it was uploaded or used within
   ``UNATTACHED_GRACE``.
@@ -35,28 +35,30 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 def _digest(sha256: str) -> str:
     if not _SHA256.match(sha256):
-        raise BadRequest(f"path 'sha256' must be 64 lowercase hex digits, got {sha256[:80]!r}", field="sha256")
+        raise BadRequest(f"path 'digest' must be a sha256: 64 lowercase hex digits, got {sha256[:80]!r}",
+                         field="digest")
     return sha256
 
 
 # -- working dirs ----------------------------------------------------------------------------------
-@operation(bp, "GET", "/workdirs/<sha256>", "Whether the room has a working dir of that sha256",
+@operation(bp, "GET", "/workdirs/<digest>", "Whether the room has a working dir of that sha256 (digest)",
            answer=ArtifactView, errors=(400, 404), tag="scripts")
-def get_workdir(room: dict, sha256: str):
+def get_workdir(room: dict, digest: str):
     """The room's working dir with those bytes (its ``id`` is what a script job names as its
     ``bundle_artifact``), or 404: upload it with ``PUT``."""
-    found = ctx().store.find_artifact(room["id"], ArtifactKind.WORKDIR.value, _digest(sha256))
+    sha256 = _digest(digest)
+    found = ctx().store.find_artifact(room["id"], ArtifactKind.WORKDIR.value, sha256)
     if found is None:
         raise NotFound(f"this room has no working dir {sha256}", sha256=sha256)
     return ArtifactView.model_validate(found)
 
 
-@operation(bp, "PUT", "/workdirs/<sha256>", "Upload a script job's working dir (a gzipped tar)", body=OCTET,
+@operation(bp, "PUT", "/workdirs/<digest>", "Upload a script job's working dir (a gzipped tar)", body=OCTET,
            answer=ArtifactView, status=201, answers={200: ArtifactView}, errors=(400, 413, 422, 429), tag="scripts")
-def put_workdir(room: dict, sha256: str):
+def put_workdir(room: dict, digest: str):
     """The bytes must have that sha256 (422 and nothing kept when they do not; ``X-Zwdx-Sha256``,
     if sent, must say the same). A working dir the room has already is answered 200, unread."""
-    _digest(sha256)
+    sha256 = _digest(digest)
     if request.headers.get(defaults.SHA256_HEADER, sha256).lower() != sha256:
         raise BadRequest(f"header {defaults.SHA256_HEADER} must be the path's sha256", field=defaults.SHA256_HEADER)
     found = ctx().store.find_artifact(room["id"], ArtifactKind.WORKDIR.value, sha256)
