@@ -163,6 +163,9 @@ def _run(args) -> int:
     if sdk.room_token is None and sdk.credentials is not None:
         known = sdk.credentials.tokens(sdk.server_url)
         sdk.room_token = next(iter(known.values())) if len(known) == 1 else None
+    if sdk.room_token is None:
+        raise ZwdxError(f"zwdx run needs a submitter token of the room (zs_...): --room-token-file FILE or "
+                        f"ZWDX_ROOM_TOKEN (none, or more than one, is remembered for {sdk.server_url})")
     try:
         result = sdk.submit_script(args.script, script_args, nproc=args.nproc, working_dir=args.working_dir,
                                    gpus_per_client=args.gpus_per_client, memory_required=args.memory, name=args.name,
