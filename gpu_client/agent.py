@@ -34,7 +34,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, 
                                RegisterAnswer, ReservePort, Running)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, health, host
+from . import gpus, health, host, script
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
@@ -245,7 +245,8 @@ class Agent:
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
             bundle_pending=pending, assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
-            sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None)
+            sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
+            **script.rank_fields(assign, place, local_rank, job.sandbox.dir))
 
     def _fetch_bundle(self, assign: JobAssign) -> None:
         """Into the cache (``workspace.py``), checked against the job's sha256."""

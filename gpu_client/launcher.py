@@ -17,6 +17,7 @@ Only what libraries read themselves is added to a rank's environment (``OMP_NUM_
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -99,6 +100,11 @@ class Launcher:
         ``spec`` as its first line on stdin."""
         with self._lock:
             proc = self.standby.pop(index, None)
+        if proc is not None and spec.script is not None:  # a script runs in a child of its own: a standby's torch and
+            with contextlib.suppress(ProcessLookupError):  # CUDA context would only hold memory meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc = None
         if proc is not None and proc.poll() is None:
             try:
                 proc.stdin.write(spec.line())
@@ -106,7 +112,7 @@ class Launcher:
                 return proc
             except OSError:
                 proc.kill()
-        if self.use_standby:
+        if self.use_standby and spec.script is None:
             log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", client_id, index)
         with open(spec.log_path, "ab") as out:
             proc = self.isolation.popen([sys.executable, "-m", "gpu_client.runner"], out,

@@ -5,7 +5,7 @@
 
 Once it has its spec and its log, the process enters the job's sandbox (``isolation.enter``: the
 job's private directory, and under a per-job user that user, for good) before anything of the
-job is read.
+job is read. A script job's rank runs ``gpu_client.script.ScriptRank`` instead (``rank_for``).
 
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU,
 the job's collective timeout) while the bundle loads, wraps the model (DDP/FSDP), rebuilds the
@@ -32,7 +32,7 @@ from zwdx.bundle import load as load_bundle
 from zwdx.bundle import register_sources
 from zwdx.checks import call_with
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.vocab import RankStatus
+from zwdx.protocol.vocab import JobKind, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
 from .isolation import enter
@@ -356,7 +356,16 @@ def main(argv: list[str]) -> int:
     enter(spec.sandbox)
     die_with_parent()  # a change of user cleared it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return Trainer(spec).run()
+    return rank_for(spec).run()
+
+
+def rank_for(spec: RankSpec):
+    """How this rank runs, chosen from its spec: the submitter's functions (``Trainer``), or a
+    script under torchrun's environment (``gpu_client.script``). Each has ``run() -> exit code``."""
+    if spec.kind == JobKind.SCRIPT:
+        from .script import ScriptRank
+        return ScriptRank(spec)
+    return Trainer(spec)
 
 
 if __name__ == "__main__":

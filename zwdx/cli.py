@@ -1,4 +1,5 @@
-"""The `zwdx` command: server, room create|tokens|show|clients, gpu-client, jobs (``jobs_cli.py``).
+"""The `zwdx` command: server, room create|tokens|show|clients, gpu-client, run (a torchrun script), jobs
+(``jobs_cli.py``).
 
 Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx jobs``,
 ``zwdx room tokens``, the SDK, the dashboard) and a donor token (``zd_``: ``zwdx gpu-client``).
@@ -185,6 +186,59 @@ def _token_arguments(parser, what: str) -> None:
                              "prefer --room-token-file or $ZWDX_ROOM_TOKEN")
 
 
+#: Units ``--memory`` takes (``8GiB``, ``512MB``, ``2G``: powers of 1024 for the short ones, as torch prints).
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def byte_size(text: str) -> int:
+    """``8GiB`` -> 8589934592 (argparse's type for sizes)."""
+    import re
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (8GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _run_script(args) -> int:
+    """``zwdx run``: a torchrun script on the room's GPUs; the job's exit status is this one's."""
+    from .errors import JobFailed
+    from .sdk import ZWDX
+    env = {}
+    for pair in args.env:
+        name, eq, value = pair.partition("=")
+        if not eq:
+            raise ZwdxError(f"--env {pair!r}: expected NAME=VALUE")
+        env[name] = value
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    sdk = ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, "zwdx run"),
+               ca_file=args.ca_file)
+    if sdk.room_token is None and sdk.credentials is not None:
+        known = sdk.credentials.tokens(sdk.server_url)
+        sdk.room_token = next(iter(known.values())) if len(known) == 1 else None
+    if sdk.room_token is None:
+        raise ZwdxError(f"zwdx run needs a submitter token of the room (zs_...): --room-token-file FILE or "
+                        f"ZWDX_ROOM_TOKEN (none, or more than one, is remembered for {sdk.server_url})")
+    try:
+        result = sdk.submit_script(args.script, script_args, nproc=args.nproc, working_dir=args.working_dir,
+                                   gpus_per_client=args.gpus_per_client, memory_required=args.memory, name=args.name,
+                                   env=env, max_restarts=args.max_restarts, max_workdir_bytes=args.max_workdir_bytes,
+                                   wait=not args.detach)
+    except JobFailed as err:
+        result = err.result
+        for rank in result["failure_order"]:
+            print(f"zwdx: rank {rank} failed:\n{result['failures'][rank]}", file=sys.stderr)
+        print(f"zwdx: job {result['job_id']} failed: {result['reason']}", file=sys.stderr)
+    if args.detach:
+        print(result)
+        return 0
+    if args.outputs:
+        dest = sdk.download_outputs(result["job_id"], os.path.join(args.outputs, result["job_id"]))
+        if dest:
+            print(f"zwdx: job {result['job_id']}: outputs in {dest}", file=sys.stderr)
+    return 0 if result["complete"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zwdx", description="Pool lent GPUs and train PyTorch models on them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -282,6 +336,33 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where each job gets its private directory (default: $ZWDX_RANK_DIR, else "
                           "/var/lib/zwdx/ranks with --isolation user, WORK_DIR/ranks otherwise)")
     p.set_defaults(func=_gpu_client)
+
+    p = sub.add_parser("run", help="run a torchrun script unchanged on the room's GPUs",
+                       usage="zwdx run [options] --nproc N script.py [-- script arguments]",
+                       description="Packs the working dir (what git would commit, or what its .gitignore files "
+                                   "leave), uploads it unless the room has it, runs `python script.py ARGS` on N "
+                                   "ranks with torchrun's environment, prints their lines as they come, downloads "
+                                   "what rank 0 wrote under $ZWDX_OUTPUT_DIR, and exits with 0 if the job completed.")
+    _server_arguments(p)
+    _token_arguments(p, "a submitter token of the room, zs_... (else the one token remembered for the server)")
+    p.add_argument("--nproc", type=int, required=True, help="ranks in all (torchrun's nnodes x nproc-per-node)")
+    p.add_argument("--gpus-per-client", type=int, default=None,
+                   help="ranks on each GPU client (torchrun's --nproc-per-node; default: as slots come)")
+    p.add_argument("--memory", type=byte_size, default=0, help="free memory every rank's GPU needs (8GiB, 512MB)")
+    p.add_argument("--name", default="", help="the job's name (default: the script's file name)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the script (repeat it)")
+    p.add_argument("--working-dir", default=".", help="the folder to pack and run in (default: here)")
+    p.add_argument("--max-workdir-bytes", type=byte_size, default=None,
+                   help="largest working dir (default: $ZWDX_MAX_WORKDIR_BYTES, else 256MiB)")
+    p.add_argument("--max-restarts", type=int, default=defaults.MAX_RESTARTS,
+                   help="restarts after a lost GPU client (default %(default)s)")
+    p.add_argument("--outputs", default="zwdx-output", metavar="DIR",
+                   help="where the outputs go, in DIR/<job id> (default %(default)s; '' for nowhere)")
+    p.add_argument("--detach", action="store_true", help="print the job id and return at once")
+    p.add_argument("script", help="the script, in the working dir")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments (after --)")
+    p.set_defaults(func=_run_script)
 
     jobs_cli.add_jobs_parser(sub, _server_arguments, _token_arguments, _run)
     return parser

@@ -308,6 +308,25 @@ class ZWDX:
                 self._interrupted(job["id"], token, cancel_on_interrupt)
             raise
 
+    # -- script jobs (zwdx.script_jobs) -------------------------------------------------------
+    def submit_script(self, script: str, args=(), *, nproc: int, working_dir: str = ".", **options):
+        """Run an existing torchrun script unchanged on ``nproc`` ranks of the room (what ``zwdx
+        run`` does; ``zwdx.script_jobs``): the working dir is packed and uploaded unless the room
+        has it; each rank runs ``python script args...`` in it with torchrun's environment.
+        Blocks, printing the ranks' lines as they come, and returns the result as ``submit_job``
+        does, with ``"workdir"`` (``sha256``, ``size``, ``uploaded``); ``wait=False``: the job id.
+        Options: ``gpus_per_client``, ``memory_required``, ``name``, ``env``, ``room_token``,
+        ``wait``, ``progress``, ``raise_on_failure``, ``timeout``, ``max_restarts``,
+        ``fail_if_unschedulable``, ``cancel_on_interrupt``, ``max_workdir_bytes``."""
+        from .script_jobs import ScriptJobs
+        return ScriptJobs(self).submit(script, args, nproc=nproc, working_dir=working_dir, **options)
+
+    def download_outputs(self, job_id: str, dest: str | None = None, room_token: str | None = None) -> str | None:
+        """A script job's outputs (what its rank 0 wrote under ``$ZWDX_OUTPUT_DIR``) unpacked into
+        ``dest`` (default ``zwdx-output/<job id>``): that folder, or None when it has none."""
+        from .script_jobs import ScriptJobs
+        return ScriptJobs(self).download_outputs(job_id, dest, room_token)
+
     def wait(self, job_id: str, room_token: str | None = None, progress: bool = True,
              raise_on_failure: bool = True, timeout: float | None = None, cancel_on_interrupt: bool = True,
              trackers=None) -> dict:
@@ -341,13 +360,15 @@ class ZWDX:
                             failure_order=job.get("failure_order"))
         return result
 
-    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None, trackers=None) -> dict:
-        """Poll the job until it ends; show its progress (and feed its metrics to ``trackers``).
+    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None, trackers=None,
+                on_log=None) -> dict:
+        """Poll the job until it ends; show its progress (``on_log``: each log event to it, and
+        changes of status as lines, instead of a progress bar; ``trackers``: its metrics to them).
         Returns its last document."""
-        bar, feed = None, None
+        bar, feed, said = None, None, None
         if trackers:
             feed = _trackers.Feed(_trackers.make(trackers), self._json("GET", f"/jobs/{job_id}", token))
-        if progress:
+        if progress and on_log is None:
             from tqdm.auto import tqdm
             bar = tqdm(desc=f"job {job_id}", unit="step", dynamic_ncols=True)
         after, latest, deadline = 0, {}, (time.time() + timeout) if timeout else None
@@ -375,10 +396,15 @@ class ZWDX:
                             feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
                         if bar is not None and ev.get("step") is not None:
                             bar.n = max(bar.n, ev["step"] + 1)
+                    elif ev["kind"] == "log" and on_log is not None:
+                        on_log(ev)
                     elif ev["kind"] == "log" and bar is not None:
                         bar.write(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}")
+                waiting = JobStatus(job["status"]) in WAITING and job.get("waiting_reason")
+                if on_log is not None and (job["status"], waiting) != said:
+                    said = (job["status"], waiting)
+                    _say(f"zwdx: job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                 if bar is not None:
-                    waiting = JobStatus(job["status"]) in WAITING and job.get("waiting_reason")
                     bar.set_description(f"job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                     bar.set_postfix({k: f"{v:.4g}" for k, v in list(latest.items())[:6]}, refresh=True)
                 if JobStatus(job["status"]).finished:

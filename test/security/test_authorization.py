@@ -112,6 +112,27 @@ def committed(w: World) -> None:
         assert resp.status_code == 201, resp.text
 
 
+def fresh_workdir(w: World) -> tuple[bytes, str]:
+    """Fresh bytes of a working dir and their sha256."""
+    import hashlib
+    data = secrets.token_bytes(16)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def stored_workdir(w: World) -> str:
+    """A working dir the room has: its sha256."""
+    data, sha = fresh_workdir(w)
+    resp = w.request("PUT", f"/workdirs/{sha}", w.as_submitter(), data=data)
+    assert resp.status_code == 201, resp.text
+    return sha
+
+
+def outputs(w: World) -> None:
+    """Rank 0 of the live job uploaded its outputs."""
+    resp = w.request("PUT", f"/jobs/{w.jobs['live']}/outputs", w.as_rank("rank0"), data=b"a tar")
+    assert resp.status_code == 201, resp.text
+
+
 ROUTES: dict[str, Route] = {
     "api.health": Route("public", lambda w, c, m: ("GET", "/health", {}), 200),
     "api.create_room": Route("public", lambda w, c, m: ("POST", f"{P}/rooms", {"json": {"name": "new"}}), 201),
@@ -164,6 +185,14 @@ ROUTES: dict[str, Route] = {
                                  prepare=fresh_token),
     "tokens.rotate_token": Route("room", lambda w, c, m: ("POST", f"{P}/room/tokens/{m}/rotate", {}), 200,
                                  prepare=fresh_token),
+    "scripts.put_workdir": Route("room", lambda w, c, m: ("PUT", f"{P}/workdirs/{m[1]}", {"data": m[0]}), 201,
+                                 own_room=201, prepare=fresh_workdir),
+    "scripts.get_workdir": Route("room", lambda w, c, m: ("GET", f"{P}/workdirs/{m}", {}), 200,
+                                 prepare=stored_workdir),
+    "scripts.put_outputs": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/outputs", {"data": b"t"}),
+                                 201),
+    "scripts.get_outputs": Route("room", lambda w, c, m: ("GET", f"{P}/jobs/{w.jobs['live']}/outputs", {}), 200,
+                                 prepare=outputs),
 }
 
 

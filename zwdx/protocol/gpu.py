@@ -22,7 +22,8 @@ from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
 from .job import CheckpointEntry
-from .vocab import Isolation, Parallelism, SlotKind
+from .script import ScriptRecord
+from .vocab import Isolation, JobKind, Parallelism, SlotKind
 
 #: A top-level module name a GPU client can import.
 ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -154,6 +155,13 @@ class JobAssign(Answer):
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
     checkpoint_every_epoch: bool
     collective_timeout: Annotated[float, Field(gt=0)]
+    #: A script job runs ``script`` in the working dir its ``bundle_artifact`` holds.
+    kind: JobKind = JobKind.FUNCTION
+    script: ScriptRecord | None = None
+    #: This client's place among the job's GPU clients (torchrun's node rank), and how many there are.
+    group_rank: int = 0
+    group_world_size: int = 1
+    max_restarts: int = defaults.MAX_RESTARTS
 
 
 class JobCancel(Answer):

@@ -31,7 +31,8 @@ from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
 from .base import ByValue, Count, Id, Message, Seconds, Text
 from .job import CheckpointEntry
-from .vocab import Parallelism
+from .script import ScriptSpec
+from .vocab import JobKind, Parallelism
 
 #: Where a rank's tensors live: the CPU, or one GPU of this machine.
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
@@ -100,6 +101,19 @@ class RankSpec(Message):
     log_path: Path | None = None
     #: Where the rank runs and as whom (``gpu_client.isolation.enter``); None: where it was started.
     sandbox: Sandbox | None = None
+
+    # -- a script job (``gpu_client.script``): what the runner does is chosen by ``kind`` --------
+    kind: Annotated[JobKind, ByValue] = JobKind.FUNCTION
+    script: ScriptSpec | None = None
+    #: This GPU client's ranks of the job, and its place among the job's GPU clients.
+    local_world_size: Annotated[int, Field(ge=1, le=4096)] = 1
+    group_rank: Count = 0
+    group_world_size: Annotated[int, Field(ge=1, le=2**20)] = 1
+    max_restarts: Count = 0
+    #: The GPUs of this client's ranks of the job, in local-rank order (a script's CUDA_VISIBLE_DEVICES).
+    local_gpus: Annotated[list[Count], Field(max_length=4096)] = []
+    #: A folder of this rank's own (the script's working dir is unpacked there), made by the rank.
+    work_dir: Path | None = None
 
     @field_serializer("rank_key", when_used="json")
     def _reveal(self, secret: SecretStr) -> str:

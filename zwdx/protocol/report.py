@@ -145,6 +145,10 @@ class RankReport(Message):
     traceback: Annotated[str, clipped(200_000, keep="tail")] | None = None
     #: The failure came from torch.distributed (the rank lost its peers).
     collective: bool = False
+    #: A script job's rank: its script exited with this code (negative: killed by that signal).
+    #: zwdx cannot tell the script's own error from a lost peer, so the job waits, as for a lost
+    #: peer, to see whether a GPU client was lost (it resumes then) before failing.
+    exit_code: Annotated[int, Field(ge=-255, le=255)] | None = None
 
 
 class RankReportAnswer(Answer):

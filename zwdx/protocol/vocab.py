@@ -35,6 +35,13 @@ class Parallelism(str, Enum):
     FSDP = "FSDP"
 
 
+class JobKind(str, Enum):
+    """What a job runs: the submitter's functions over a pickled bundle, or a script of an
+    uploaded working dir under torchrun's environment (``zwdx run``)."""
+    FUNCTION = "function"
+    SCRIPT = "script"
+
+
 class RankStatus(str, Enum):
     """What a rank last reported of itself."""
     RUNNING = "running"
@@ -97,6 +104,8 @@ class ArtifactKind(str, Enum):
     BUNDLE = "bundle"
     WEIGHTS = "weights"
     CHECKPOINT = "checkpoint"
+    WORKDIR = "workdir"    # a script job's working dir (a tar.gz), the room's, found by its sha256
+    OUTPUT = "output"      # the files a script job's rank 0 wrote under $ZWDX_OUTPUT_DIR (a tar)
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it
@@ -127,4 +136,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'JobKind', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

@@ -153,19 +153,25 @@ class Job:
         now = self.clock()
         return self._move(JobStatus.COMPLETED, _ACTIVE, now, {"ended_at": now})
 
-    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool) -> bool:
+    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool, exit_code: int | None = None) -> bool:
         """A rank reported an exception. Its own (``collective`` False): the job is failing.
-        From torch.distributed (a peer probably gone): the job is suspect. On a job that
-        failed already, the traceback is kept too. False: the job was not in a state to
-        record it."""
+        From torch.distributed (a peer probably gone): the job is suspect. A script that
+        exited badly (``exit_code``; its own error or a lost peer, zwdx cannot tell) makes it
+        suspect too, with that as the reason it fails for if no GPU client turns out lost. On a
+        job that failed already, the traceback is kept too. False: the job was not in a state
+        to record it."""
         now = self.clock()
-        failure = RankFailure(traceback=traceback, at=now,
-                              kind=FailureKind.COLLECTIVE if collective else FailureKind.RAISED)
+        kind = FailureKind.EXITED if exit_code is not None else \
+            FailureKind.COLLECTIVE if collective else FailureKind.RAISED
+        failure = RankFailure(traceback=traceback, at=now, kind=kind)
         if self.status == JobStatus.FAILED:
             return self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=[JobStatus.FAILED]))
         if not self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=_ACTIVE)):
             return False
-        if collective:
+        if exit_code is not None:
+            self._took(self.store.set_job(self.id, {"suspect_since": now, "suspect_reason": f"rank {rank} failed: {error}"},
+                                          when=_ACTIVE, unless_set="suspect_since"))
+        elif collective:
             self._took(self.store.set_job(self.id, {"suspect_since": now}, when=_ACTIVE, unless_set="suspect_since"))
         else:
             self._took(self.store.set_job(self.id, {"failing_since": now, "failing_reason": f"rank {rank} failed: {error}"},
@@ -253,6 +259,13 @@ class Job:
         """Every rank of the attempt exited, or is in ``failures``."""
         r = self.record
         return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
+
+    def outputs_uploaded(self, artifact_id: str) -> bool:
+        """Rank 0 of a script job uploaded what its script wrote under ``$ZWDX_OUTPUT_DIR``: the
+        job's outputs now (an earlier attempt's are left to the sweeper). While the job runs,
+        or just failed."""
+        return self._took(self.store.set_job(self.id, {"outputs_artifact": artifact_id},
+                                             when=(*_ACTIVE, JobStatus.FAILED)))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry] | None:

@@ -53,13 +53,15 @@ def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = Non
         ctx.scheduler.kick()
 
 
-def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool) -> None:
+def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,
+                exit_code: int | None = None) -> None:
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
-    probably gone), so wait to see whether a GPU client was lost before failing the job."""
+    probably gone), so wait to see whether a GPU client was lost before failing the job; so
+    too for a script that exited badly (``exit_code``)."""
     handle = Job(ctx.store, job)
-    if not handle.rank_failed(rank, error, tb, collective) or job.status not in ACTIVE:
+    if not handle.rank_failed(rank, error, tb, collective, exit_code) or job.status not in ACTIVE:
         return
-    if collective:
+    if collective or exit_code is not None:
         log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job.id, rank, error)
         return
     log.warning("job %s: rank %d failed: %s", job.id, rank, error)

@@ -80,6 +80,8 @@ def _path(rule: str) -> str:
 def _path_schema(name: str, kind: type) -> dict:
     if kind is int:
         return {"type": "integer", "minimum": 0, "maximum": 2**53}
+    if name == "digest":  # a sha256, lowercase
+        return {"type": "string", "pattern": "^[0-9a-f]{64}$"}
     if name == "name":
         return {"type": "string", "pattern": "^[A-Za-z0-9._-]+$", "minLength": 1, "maxLength": 200}
     return {"type": "string", "pattern": "^[A-Za-z0-9._:-]+$", "minLength": 1, "maxLength": 128}

@@ -323,7 +323,8 @@ class Scheduler:
         only), and every value the ranks need decided here."""
         spec = job.spec
         timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
-        for client_id in dict.fromkeys(p.client_id for p in job.placement):
+        groups = list(dict.fromkeys(p.client_id for p in job.placement))  # a script's GROUP_RANK: its client's place
+        for group_rank, client_id in enumerate(groups):
             client = self.ctx.store.get_client(client_id) or {}
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
                 continue  # gone since it was placed: the reaper declares it lost and interrupts the job
@@ -336,5 +337,6 @@ class Scheduler:
                 parallelism=spec.parallelism, epochs=spec.epochs,
                 checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
-                collective_timeout=timeout)
+                collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
+                group_world_size=len(groups), max_restarts=spec.max_restarts)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

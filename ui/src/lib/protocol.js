@@ -17,6 +17,12 @@ export const Parallelism = Object.freeze({
   FSDP: "FSDP",
 });
 
+/** What a job runs: the submitter's functions over a pickled bundle, or a script of an uploaded working dir under torchrun's environment (`zwdx run`). */
+export const JobKind = Object.freeze({
+  FUNCTION: "function",
+  SCRIPT: "script",
+});
+
 /** What a rank last reported of itself. */
 export const RankStatus = Object.freeze({
   RUNNING: "running",
@@ -71,6 +77,8 @@ export const ArtifactKind = Object.freeze({
   BUNDLE: "bundle",
   WEIGHTS: "weights",
   CHECKPOINT: "checkpoint",
+  WORKDIR: "workdir",
+  OUTPUT: "output",
 });
 
 /** Statuses of a job that ended; it changes no more. */

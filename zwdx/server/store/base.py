@@ -312,6 +312,11 @@ class Store(abc.ABC):
         """The job's artifacts, oldest first."""
 
     @abc.abstractmethod
+    def find_artifact(self, room_id: str, kind: str, sha256: str) -> dict | None:
+        """The room's oldest artifact of that kind with those bytes (a working dir by its
+        sha256), or None."""
+
+    @abc.abstractmethod
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         """Forget an artifact's metadata (with ``if_unattached``, only while it belongs to no
         job: one conditional write, so a submit that attaches it meanwhile wins). True if it was

@@ -422,6 +422,10 @@ class MongoStore(Store):
         where = {"job_id": job_id, **({"kind": kind} if kind else {})}
         return [_public(d) for d in self._artifacts.find(where).sort("_order", ASCENDING)]
 
+    def find_artifact(self, room_id: str, kind: str, sha256: str) -> dict | None:
+        found = self._artifacts.find({"room_id": room_id, "kind": kind, "sha256": sha256}).sort("_order", ASCENDING)
+        return next((_public(d) for d in found.limit(1)), None)
+
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         where = {"_id": artifact_id, **({"job_id": None} if if_unattached else {})}
         return self._artifacts.delete_one(where).deleted_count == 1

@@ -367,6 +367,11 @@ class SQLiteStore(Store):
             args.append(kind)
         return [json.loads(r[0]) for r in self.db.query(sql + " ORDER BY rowid", tuple(args))]
 
+    def find_artifact(self, room_id: str, kind: str, sha256: str) -> dict | None:
+        rows = self.db.query("SELECT doc FROM artifacts WHERE json_extract(doc, '$.room_id')=? AND kind=? AND "
+                             "json_extract(doc, '$.sha256')=? ORDER BY rowid LIMIT 1", (room_id, kind, sha256))
+        return json.loads(rows[0][0]) if rows else None
+
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         with self.db.tx() as db:
             sql = "DELETE FROM artifacts WHERE id=?" + (" AND job_id IS NULL" if if_unattached else "")
