@@ -257,7 +257,8 @@ def test_a_ranks_script_gets_torchruns_environment_and_no_secret(monkeypatch):
     spec = RankSpec(job_id="j1", attempt=2, rank=3, local_rank=1, world_size=4, master_addr="10.0.0.1",
                     master_port=29500, backend="nccl", device="cuda:3", parallelism="DDP", epochs=None,
                     collective_timeout=300, checkpoint=None, checkpoint_every_epoch=True, threads=4,
-                    bundle_path="/w.tar.gz", bundle_pending=False, assigned_at=0, server="http://s", client_id="c1",
+                    bundle_path="/w.tar.gz", bundle_sha256="0" * 64, bundle_pending=False, assigned_at=0,
+                    server="http://s", client_id="c1",
                     hostname="h", rank_key="rk_secret", kind=JobKind.SCRIPT,
                     script=ScriptSpec(path="train.py", env={"SEED": "7"}), local_world_size=2, group_rank=1,
                     group_world_size=2, max_restarts=3, local_gpus=[2, 3])
