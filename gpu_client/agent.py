@@ -94,10 +94,12 @@ class Agent:
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
         self.verify = self.ca_file or True
         self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
+        # first: an isolation that cannot hold refuses to start (IsolationError) before anything is written
+        self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids)
+        self.isolation.check()
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
         self.hostname = socket.gethostname()
-        self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids)
         self.slots = [s.model_copy(update={"isolation": self.isolation.kind}) for s in gpus.discover(gpus_only, cpu)]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
@@ -354,11 +356,6 @@ class Agent:
 
     def run(self) -> int:
         """Serve until stopped (SIGINT/SIGTERM, burst done, or refused). Returns an exit code."""
-        try:
-            self.isolation.check()
-        except IsolationError as err:
-            log.error("gpu-client %s: %s", self.client_id, err)
-            return 2
         self.modules = self.isolation.importable(self.modules)  # what its ranks can import
         log.info("gpu-client %s: %s", self.client_id, self.isolation.describe())
         tls.warn_if_plain(self.server, f"gpu-client {self.client_id}")
@@ -418,7 +415,11 @@ def _answer(model, data):
 
 
 def serve(**kwargs) -> int:
-    agent = Agent(**kwargs)
+    try:
+        agent = Agent(**kwargs)
+    except IsolationError as err:
+        log.error("gpu-client: %s", err)
+        return 2
 
     def _stop(signum, _frame):
         log.info("gpu-client %s: signal %d, stopping", agent.client_id, signum)

@@ -148,21 +148,24 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
     victim_client = sdk.get_job(victim_id)["placement"][0]["client_id"]
     attacker_client = next(c for c in work if c != victim_client)
     victim_work, attacker_work = work[victim_client], work[attacker_client]
-    [cached] = os.listdir(os.path.join(victim_work, "bundles"))
+    # each agent's own files: agents/<client id> under its work dir (gpu_client/workspace.py)
+    victim_agent = os.path.join(victim_work, "agents", victim_client)
+    attacker_agent = os.path.join(attacker_work, "agents", attacker_client)
+    [cached] = [f for f in os.listdir(os.path.join(victim_agent, "bundles")) if f.endswith(".zwdx")]
     package = os.path.dirname(gpu_client.__file__)
     leftover = os.path.join("/tmp", f"zwdx-left-behind-{os.getpid()}-{time.time_ns()}")
     reads = {"token_file": donors["token_file"],
              "victim_secret": os.path.join(victim_work, "secrets", f"{victim_client}.secret"),
              "own_secret": os.path.join(attacker_work, "secrets", f"{attacker_client}.secret"),
-             "victim_cached_bundle": os.path.join(victim_work, "bundles", cached),
+             "victim_cached_bundle": os.path.join(victim_agent, "bundles", cached),
              "victim_sandbox_bundle": os.path.join(victim_dir, "bundle.zwdx"),
-             "victim_rank_log": os.path.join(victim_work, "jobs", victim_id, "rank0.log")}
+             "victim_rank_log": os.path.join(victim_agent, "jobs", victim_id, "rank0.log")}
     writes = {"package_module": os.path.join(package, "runner.py"),
               "package_new_file": os.path.join(package, "sitecustomize.py"),
-              "own_bundle_cache": os.path.join(attacker_work, "bundles", cached),
+              "own_bundle_cache": os.path.join(attacker_agent, "bundles", cached),
               "sandbox_parent": os.path.join(os.path.dirname(victim_dir), "planted")}
     listings = {"victim_sandbox": victim_dir, "sandboxes": os.path.dirname(os.path.dirname(victim_dir)),
-                "own_work_dir_jobs": os.path.join(attacker_work, "jobs")}
+                "own_work_dir_jobs": os.path.join(attacker_agent, "jobs")}
     try:
         result = sdk.submit_job(Tiny(), tiny_loader, attacker(reads, writes, listings, victim_pid, leftover), None,
                                 torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP", world_size=1, progress=False,
