@@ -152,8 +152,10 @@ def test_one_rooms_job_cannot_poison_the_bundle_another_rooms_agent_cached(serve
     sdk = ZWDX(server.url, remember=False)
     room_a, room_b = sdk.create_room("a"), sdk.create_room("b")
     root, marker = str(tmp_path / "donor-home"), str(tmp_path / "ran")  # two agents of one OS user
+    # Job code as that user (--isolation process): what a per-job user could not even reach
+    # (test_donors.py), the sha256 check must stop on its own.
     agents = [GpuClient(server.url, room[key], str(tmp_path / name), client_id=name,
-                        extra=["--work-dir", root])
+                        extra=["--work-dir", root, "--isolation", "process"])
               for name, room, key in (("agent-a", room_a, "donor_token"), ("agent-b", room_b, "donor_token"))]
     try:
         def done(room, job_id):

@@ -449,7 +449,7 @@ def test_the_built_dashboard_and_the_api_docs_work_under_their_csp(tmp_path):
             console = []
             page.on("console", lambda msg: console.append(msg.text) if msg.type == "error" else None)
             page.goto(server.url)
-            page.get_by_label("Room token").fill(room["token"])
+            page.get_by_label("Submitter token").fill(room["token"])
             page.get_by_role("button", name="Sign in").click()
             page.get_by_test_id("overview").wait_for()
             page.get_by_test_id("quota-jobs").wait_for()
