@@ -21,6 +21,7 @@ from pydantic import Field, StringConstraints, field_validator
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
+from .diloco import DilocoSettings
 from .job import CheckpointEntry
 from .vocab import Parallelism, SlotKind
 
@@ -151,6 +152,8 @@ class JobAssign(Answer):
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
     checkpoint_every_epoch: bool
     collective_timeout: Annotated[float, Field(gt=0)]
+    #: DILOCO's settings; None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
 
 class JobCancel(Answer):

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import defaults
 from .base import Answer
+from .diloco import DilocoSettings
 from .report import Measured, Reported
 from .vocab import CheckpointFormat, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
 
@@ -76,6 +77,8 @@ class JobSpec(Record):
     checkpoint_every_epoch: bool = True
     #: Top-level modules the bundle imports that every GPU client of the job must have.
     required_modules: list[str] = Field(default_factory=list)
+    #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
 
 class PlacementEntry(Record):

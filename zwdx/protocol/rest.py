@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
+from .diloco import DilocoSettings
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
@@ -173,6 +174,9 @@ class SubmitJob(Message):
     checkpoint_every_epoch: bool = True
     required_modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_REQUIRED_MODULES)] = []
     fail_if_unschedulable: bool = False
+    #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
+    #: the defaults when this is left out.
+    diloco: DilocoSettings | None = None
 
     @field_validator("parallelism", mode="before")
     @classmethod
@@ -190,6 +194,14 @@ class SubmitJob(Message):
             raise ValueError(f"must be a list of at most {defaults.MAX_REQUIRED_MODULES} top-level module names "
                              f"(Python identifiers)") from None
 
+    @field_validator("diloco")
+    @classmethod
+    def _diloco_only(cls, value, info):
+        parallelism = info.data.get("parallelism")
+        if value is not None and parallelism is not None and parallelism != Parallelism.DILOCO:
+            raise ValueError(f"applies to parallelism DILOCO only, not {parallelism.value}")
+        return value
+
     @field_validator("min_world_size")
     @classmethod
     def _min_at_most_world(cls, value, info):
@@ -197,6 +209,12 @@ class SubmitJob(Message):
         if value is not None and world_size is not None and value > world_size:
             raise ValueError(f"must be at most world_size ({world_size})")
         return value
+
+    @model_validator(mode="after")
+    def _diloco_defaults(self):
+        if self.parallelism == Parallelism.DILOCO and self.diloco is None:
+            self.diloco = DilocoSettings()
+        return self
 
 
 class JobList(Answer):

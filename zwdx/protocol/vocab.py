@@ -33,6 +33,16 @@ WAITING = frozenset({JobStatus.QUEUED, JobStatus.RESUMING})
 class Parallelism(str, Enum):
     DDP = "DDP"
     FSDP = "FSDP"
+    #: Each GPU client a worker, training alone for ``inner_steps``; outer steps sync through the
+    #: server (``zwdx.protocol.diloco``).
+    DILOCO = "DILOCO"
+
+
+class Compression(str, Enum):
+    """How a DILOCO worker's pseudo-gradients travel (``zwdx.codec``)."""
+    INT8 = "int8"    # int8 codes with one float32 scale per block of 4,096 values: about 1/4 of float32
+    FP16 = "fp16"    # float16: 1/2 of float32
+    NONE = "none"    # float32 as computed
 
 
 class RankStatus(str, Enum):
@@ -87,6 +97,8 @@ class ArtifactKind(str, Enum):
     BUNDLE = "bundle"
     WEIGHTS = "weights"
     CHECKPOINT = "checkpoint"
+    PSEUDO_GRADIENT = "pseudo_gradient"   # a DILOCO worker's upload for one round
+    OUTER_GRADIENT = "outer_gradient"     # a round's average of them, which every worker fetches
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it
@@ -117,4 +129,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'Compression', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

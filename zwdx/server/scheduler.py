@@ -334,5 +334,5 @@ class Scheduler:
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
                 parallelism=spec.parallelism, epochs=spec.epochs, checkpoint=job.latest_checkpoint,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
-                collective_timeout=timeout)
+                collective_timeout=timeout, diloco=spec.diloco)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -15,6 +15,14 @@ export const JobStatus = Object.freeze({
 export const Parallelism = Object.freeze({
   DDP: "DDP",
   FSDP: "FSDP",
+  DILOCO: "DILOCO",
+});
+
+/** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */
+export const Compression = Object.freeze({
+  INT8: "int8",
+  FP16: "fp16",
+  NONE: "none",
 });
 
 /** What a rank last reported of itself. */
@@ -64,6 +72,8 @@ export const ArtifactKind = Object.freeze({
   BUNDLE: "bundle",
   WEIGHTS: "weights",
   CHECKPOINT: "checkpoint",
+  PSEUDO_GRADIENT: "pseudo_gradient",
+  OUTER_GRADIENT: "outer_gradient",
 });
 
 /** Statuses of a job that ended; it changes no more. */
