@@ -38,3 +38,8 @@ def test_control_plane_runs_with_rank_keys_and_donor_tokens():
     out = bench("control_plane.py", "--clients", "10", "--hold", "4", "--warm", "2", "--procs", "1",
                 "--job-seconds", "2", "--users-per-100", "20")
     assert "| PASS" in out and "count: jobs completed" in out  # a level with an error is not a PASS
+
+
+def test_diloco_sync_runs_both_ways():
+    out = bench("diloco_sync.py", "--workers", "2", "--numel", "100000", "--rounds", "1")
+    assert "| server" in out and "| workers" in out

@@ -91,7 +91,7 @@ def _check(job: JobRecord, artifact: dict, others: list[dict]) -> codec.Layout:
     """The upload read whole: a pseudo-gradient of the job's compression, of the size of the
     round's other uploads."""
     try:
-        layout = codec.check(codec.ChunkReader(ctx().artifacts.open(artifact["id"])))
+        layout = codec.check(codec.ChunkReader(_yielding(ctx().artifacts.open(artifact["id"]))))
     except codec.CodecError as exc:
         raise BadRequest(f"the body is not a pseudo-gradient: {exc}", field="body") from None
     want = job.spec.diloco.compression.value
@@ -168,7 +168,7 @@ def close(job: JobRecord, n: int) -> dict | None:
 
 def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int, dict]) -> dict:
     started = time.time()
-    readers = {rank: codec.ChunkReader(ctx().artifacts.open(a["id"])) for rank, a in uploads.items()}
+    readers = {rank: codec.ChunkReader(_yielding(ctx().artifacts.open(a["id"]))) for rank, a in uploads.items()}
     layout, members, chunks = codec.average(readers)
     allowed, by_quota = limits.artifact_allowance(job.room_id, int(current_app.config["MAX_ARTIFACT_BYTES"]))
     if layout.size() > allowed:
@@ -193,8 +193,9 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
 
 
 def _yielding(chunks):
-    """``chunks``, letting the server's other requests run between two (under gevent a round's
-    averaging would otherwise hold the one thread that serves them all)."""
+    """``chunks``, letting the server's other requests run between two (under gevent, reading a
+    large upload through or averaging a round would otherwise hold the one thread that serves
+    them all)."""
     for chunk in chunks:
         yield chunk
         time.sleep(0)
