@@ -67,6 +67,8 @@ class Diloco:
         self.outer: torch.optim.SGD | None = None
         self._hook = None
         self._busy = False
+        #: The ranks the last round this worker uploaded to waited for (the server's ``RoundState``).
+        self.expected: list[int] = [spec.rank]
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
@@ -87,6 +89,11 @@ class Diloco:
             self.reporter.log(f"DILOCO: worker {self.spec.rank} of {self.spec.world_size}, an outer step every "
                               f"{s.inner_steps} inner steps through the server ({s.compression.value}, outer SGD "
                               f"lr {s.outer_lr} momentum {s.outer_momentum}{' Nesterov' if s.nesterov else ''})")
+
+    def uploads_weights(self) -> bool:
+        """Whether this worker uploads the job's weights: the first rank still in its last round
+        (rank 0, unless it was dropped)."""
+        return self.spec.rank == min(self.expected, default=self.spec.rank)
 
     def trained(self) -> None:
         """After ``train_func``: the worker's last round, then no more outer steps."""
@@ -127,7 +134,7 @@ class Diloco:
                 raise FloatingPointError(f"DILOCO round {n}: this worker's weights hold NaN or infinite values "
                                          f"(its training diverged)")
             sent = codec.encode(values, self.settings.compression.value)
-            self._upload(n, sent, last)
+            counted = self._upload(n, sent, last)
             received = self._fetch(n)
             average = torch.from_numpy(codec.decode(received))
             if average.numel():
@@ -138,11 +145,13 @@ class Diloco:
                 self.outer.step()
                 self.outer.zero_grad(set_to_none=True)
             self._to_local()
-            self.round, self.steps, self.left = n + 1, 0, last
+            self.round, self.steps, self.left = n + 1, 0, last and counted
             self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=len(sent),
                                      received_bytes=len(received))
         finally:
             self._busy = False
+        if last and not counted:
+            self.sync(last=True)  # its leaving came too late for round n: it says so in the next one
 
     def _local(self) -> torch.Tensor:
         """This worker's weights, one flat float32 vector on the CPU."""
@@ -158,14 +167,25 @@ class Diloco:
                 offset += p.numel()
 
     # -- through the server ----------------------------------------------------------------------
-    def _upload(self, n: int, data: bytes, last: bool) -> None:
+    def _upload(self, n: int, data: bytes, last: bool) -> bool:
+        """Round ``n``'s upload; False when the server averaged the round without it (it came
+        after the round's ``round_timeout``): it is not sent again, the worker takes that average
+        as the others do."""
         headers = {defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()}
         resp = self._ask("put", f"{self.url}/{n}", data=data, headers=headers, params={"last": str(last).lower()})
+        if resp.status_code == 409 and "without it" in resp.text:
+            log.warning("rank %d: DILOCO round %d was averaged without this worker (too late); taking its average",
+                        self.spec.rank, n)
+            self.reporter.log(f"DILOCO round {n}: rank {self.spec.rank} came too late; it takes the round's average")
+            return False
         resp.raise_for_status()
+        self.expected = resp.json().get("expected") or self.expected
+        return True
 
     def _fetch(self, n: int) -> bytes:
         """Round ``n``'s average, asked for until it is made (or the job's collective timeout)."""
-        deadline, delay = time.time() + self.spec.collective_timeout, POLL_FIRST
+        patience = 2 * (self.settings.round_timeout or self.spec.collective_timeout) + 30  # the server's deadline first
+        deadline, delay = time.time() + patience, POLL_FIRST
         while True:
             resp = self._ask("get", f"{self.url}/{n}")
             if resp.status_code == 200:
@@ -177,7 +197,7 @@ class Diloco:
             if time.time() > deadline:
                 waiting = resp.json().get("waiting_for")
                 exc = RoundTimeout(f"DILOCO round {n}: rank(s) {waiting} did not upload their pseudo-gradients "
-                                   f"within {self.spec.collective_timeout:g} s")
+                                   f"within {patience:g} s")
                 collectives.record(exc)  # this worker lost its peers
                 raise exc
             time.sleep(delay)

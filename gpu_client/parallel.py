@@ -50,6 +50,10 @@ class Collective:
     def trained(self) -> None:
         """After ``train_func``: nothing more."""
 
+    def uploads_weights(self) -> bool:
+        """Whether this rank uploads the job's weights: rank 0."""
+        return self.spec.rank == 0
+
 
 def strategy(spec, reporter):
     """The rank's strategy: ``Diloco`` for a DILOCO job, ``Collective`` for DDP and FSDP."""

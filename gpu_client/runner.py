@@ -176,7 +176,7 @@ class Trainer:
                                              "world_size": spec.world_size, "device": self.device}, "eval_func")
         results, final_loss = _results(train_out, eval_out)
         state = full_state_dict(self.model, self.strategy.wrap_as, spec.rank)
-        weights = _upload_weights(self.reporter, state) if spec.rank == 0 else None
+        weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
         dist.barrier()
         self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
                              fingerprint=fingerprint(state), weights_artifact=weights)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import platform
+import time
 
 import numpy as np
 import pytest
@@ -75,10 +76,10 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     job = submit(api, parallelism="diloco").json
     assert job["spec"]["parallelism"] == "DILOCO"
     assert job["spec"]["diloco"] == {"inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
-                                     "compression": "int8"}
+                                     "compression": "int8", "round_timeout": None}
     job = submit(api, parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
     assert job["spec"]["diloco"] == {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
-                                     "compression": "fp16"}
+                                     "compression": "fp16", "round_timeout": None}
     assert submit(api, parallelism="DDP").json["spec"]["diloco"] is None
 
 
@@ -90,6 +91,7 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     ({"parallelism": "DILOCO", "diloco": {"outer_momentum": 0, "nesterov": True}}, "diloco.nesterov"),
     ({"parallelism": "DILOCO", "diloco": {"compression": "int4"}}, "diloco.compression"),
     ({"parallelism": "DILOCO", "diloco": {"inner_steps": "50"}}, "diloco.inner_steps"),
+    ({"parallelism": "DILOCO", "diloco": {"round_timeout": 0}}, "diloco.round_timeout"),
     ({"parallelism": "DILOCO", "diloco": {"H": 50}}, "diloco.H")])
 def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, field):
     before = api.jobs()
@@ -110,24 +112,24 @@ def test_the_sdk_refuses_bad_settings_before_uploading_anything():
 
 
 # -- the server's rounds --------------------------------------------------------------------------
-def placed(app, world_size: int = 2, parallelism: str = "DILOCO", compression: str = "int8"):
-    """A room with a job placed on ``world_size`` CPU slots under rank keys the test holds: the
-    room's Api, each rank's Api (its key alone), the job."""
+def placed(app, world_size: int = 2, parallelism: str = "DILOCO", compression: str = "int8", **settings):
+    """A room with a job placed on ``world_size`` CPU slots, one GPU client each, under rank keys
+    the test holds: the room's Api, each rank's Api (its key alone), the job."""
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
     from zwdx.server.job import Job
     room = Api(app.test_client()).create_room(f"room-{parallelism}")
-    extra = {"diloco": {"compression": compression}} if parallelism == "DILOCO" else {}
+    extra = {"diloco": {"compression": compression, **settings}} if parallelism == "DILOCO" else {}
     job = submit(room, parallelism=parallelism, world_size=world_size, **extra).json
     ctx = app.extensions["zwdx"]
-    client_id = f"gpu-{job['id']}"
-    ctx.store.upsert_client({"id": client_id, "room_id": room.room["id"], "hostname": "h", "status": "online"},
-                            [{"id": f"{client_id}:{i}", "client_id": client_id, "room_id": room.room["id"],
-                              "index": i, "kind": "cpu"} for i in range(world_size)])
     keys = {r: f"rk_{job['id']}_{r}" for r in range(world_size)}
-    placement = [PlacementEntry(rank=r, client_id=client_id, gpu_index=r, kind=SlotKind.CPU) for r in keys]
-    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:{r}" for r in keys],
+    for r in keys:
+        ctx.store.upsert_client({"id": f"gpu-{job['id']}-{r}", "room_id": room.room["id"], "hostname": f"h{r}",
+                                 "status": "online"}, [{"id": f"gpu-{job['id']}-{r}:0", "client_id": f"gpu-{job['id']}-{r}",
+                                                        "room_id": room.room["id"], "index": 0, "kind": "cpu"}])
+    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
+    assert Job.load(ctx.store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
                                                 {r: hash_secret(k) for r, k in keys.items()})
     return room, [room.as_(None, rank_key=k) for k in keys.values()], job
 
@@ -196,3 +198,53 @@ def test_a_worker_that_leaves_is_not_waited_for_and_old_rounds_are_collected(app
     assert kinds(app, job) == [("outer_gradient", 2, None), ("outer_gradient", 3, None)]
     assert r0.get(f"/jobs/{job['id']}/diloco/rounds/0").status_code == 404
     assert codec.decode(r0.get(f"/jobs/{job['id']}/diloco/rounds/3").data).tolist() == [3.0, 0.0]
+
+
+def test_a_round_goes_on_without_a_worker_that_misses_its_deadline(app):
+    _, (r0, r1), job = placed(app, compression="none", round_timeout=0.2)
+    assert put(r0, job, 0, [2.0, 4.0], "none").json["waiting_for"] == [1]
+    time.sleep(0.5)  # past the deadline: the next ask averages what is in
+    fetched = r0.get(f"/jobs/{job['id']}/diloco/rounds/0")
+    assert fetched.status_code == 200 and codec.decode(fetched.data).tolist() == [2.0, 4.0]
+    late = put(r1, job, 0, [0.0, 0.0], "none")
+    assert late.status_code == 409 and "without it" in late.json["error"]["message"]
+    assert r1.get(f"/jobs/{job['id']}/diloco/rounds/0").data == fetched.data  # it takes that average
+    assert put(r0, job, 1, [1.0, 1.0], "none").json["expected"] == [0, 1]  # and the next round waits for it again
+
+
+def test_a_lost_worker_is_dropped_and_the_job_goes_on_without_a_restart(app):
+    from zwdx.server import lifecycle
+    room, (r0, r1), job = placed(app, compression="none")
+    ctx = app.extensions["zwdx"]
+    for rank in (r0, r1):
+        assert rank.post(f"/jobs/{job['id']}/ranks/{0 if rank is r0 else 1}", json={"status": "running"}).json["ok"]
+    assert put(r0, job, 0, [1.0], "none").json["waiting_for"] == [1]
+    lifecycle.client_lost(ctx, f"gpu-{job['id']}-1", "no heartbeat for 9 s (staged)")
+    after = room.get(f"/jobs/{job['id']}").json
+    assert after["status"] == "running" and after["restarts"] == 0
+    assert after["ranks"]["1"]["status"] == "dropped"
+    assert "rank(s) 1 dropped, 1 worker(s) go on" in after["timeline"][-1]["reason"]
+    state = r0.get(f"/jobs/{job['id']}/diloco/rounds/0")  # the round no longer waits for it
+    assert state.status_code == 200 and codec.decode(state.data).tolist() == [1.0]
+    assert r1.post(f"/jobs/{job['id']}/ranks/1", json={"status": "failed", "error": "late"}).json["ok"] is False
+    weights = r0.put(f"/jobs/{job['id']}/weights", data=b"weights").json["id"]
+    assert r0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "completed", "final_loss": 0.5,
+                                                      "weights_artifact": weights}).json["ok"]
+    done = room.get(f"/jobs/{job['id']}").json
+    assert done["status"] == "completed" and done["weights_artifact"] == weights and done["final_loss"] == 0.5
+
+
+def test_a_lost_worker_restarts_a_ddp_job_and_a_diloco_job_left_with_no_worker(app):
+    from zwdx.server import lifecycle
+    ctx = app.extensions["zwdx"]
+    for parallelism in ("DDP", "DILOCO"):
+        room, ranks, job = placed(app, world_size=1 if parallelism == "DILOCO" else 2, parallelism=parallelism)
+        lifecycle.client_lost(ctx, f"gpu-{job['id']}-0", "staged")
+        after = room.get(f"/jobs/{job['id']}").json
+        assert after["status"] == "resuming" and after["restarts"] == 1, parallelism
+
+
+def test_a_rank_cannot_report_itself_dropped(app):
+    _, (r0, _), job = placed(app)
+    resp = r0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "dropped"})
+    assert resp.status_code == 400 and "the server drops" in resp.json["error"]["message"]

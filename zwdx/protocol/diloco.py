@@ -31,6 +31,9 @@ class DilocoSettings(Message):
     nesterov: bool = True
     #: How pseudo-gradients travel: int8 with a scale per block, fp16, or none (float32).
     compression: Annotated[Compression, ByValue] = Compression.INT8
+    #: Seconds a round waits for its last workers after its first upload, then is averaged over
+    #: those in (the others missed it, and fetch that average); None: the job's collective_timeout.
+    round_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
 
     @field_validator("nesterov")
     @classmethod
@@ -71,6 +74,9 @@ class RoundState(Answer):
     members: list[int] = []
     #: The ranks that said this or an earlier round was their last.
     left: list[int] = []
+    #: Those the round waited for that did not upload in time (``round_timeout``) or were
+    #: dropped meanwhile (their GPU client lost): the average went on without them.
+    missed: list[int] = []
     compression: Compression
     #: Bytes of the average, once made.
     size: int | None = None

@@ -146,6 +146,12 @@ class RankReport(Message):
     #: The failure came from torch.distributed (the rank lost its peers).
     collective: bool = False
 
+    @model_validator(mode="after")
+    def _reported(self):
+        if self.status is RankStatus.DROPPED:
+            raise ValueError("a rank reports running, completed or failed; the server drops a lost DILOCO worker")
+        return self
+
 
 class RankReportAnswer(Answer):
     """``ok``; or ``ok: false`` and why the report was ``ignored`` (the job is no longer active)."""

@@ -46,10 +46,11 @@ class Compression(str, Enum):
 
 
 class RankStatus(str, Enum):
-    """What a rank last reported of itself."""
+    """What a rank last reported of itself (or, for ``dropped``, what the server decided)."""
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
+    DROPPED = "dropped"    # a DILOCO worker whose GPU client or process was lost: the others go on
 
 
 class SlotKind(str, Enum):

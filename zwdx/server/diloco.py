@@ -30,7 +30,7 @@ from flask import Blueprint, current_app
 
 from .. import codec
 from ..errors import BadRequest, Conflict, NotFound
-from ..protocol import ArtifactKind, EventKind, Parallelism
+from ..protocol import ArtifactKind, EventKind, Parallelism, RankStatus
 from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
@@ -68,17 +68,26 @@ def _averages(job: JobRecord) -> dict[int, dict]:
 
 
 def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, dict]]:
-    """Where round ``n`` stands, its average (None until made) and its uploads by rank."""
+    """Where round ``n`` stands, its average (None until made) and its uploads by rank. A round
+    waits for the ranks of the attempt that neither left (said ``last`` in an earlier round) nor
+    were dropped (their GPU client or process lost: ``lifecycle.drop``)."""
     averages, uploads = _averages(job), _uploads(job, n)
     average = averages.get(n)
     earlier = [r for r in averages if r < n]
     left = sorted(averages[max(earlier)].get("left") or []) if earlier else []
-    expected = average["expected"] if average else [r for r in range(job.world_size or 0) if r not in left]
+    dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED}
+    expected = average["expected"] if average else [r for r in range(job.world_size or 0)
+                                                    if r not in left and r not in dropped]
     return RoundState(job_id=job.id, attempt=job.attempt, round=n, ready=average is not None, expected=expected,
                       uploaded=sorted(uploads), waiting_for=[] if average else [r for r in expected if r not in uploads],
                       members=average["members"] if average else [], left=average["left"] if average else left,
-                      compression=job.spec.diloco.compression, size=average["size"] if average else None), \
-        average, uploads
+                      missed=average.get("missed", []) if average else [], compression=job.spec.diloco.compression,
+                      size=average["size"] if average else None), average, uploads
+
+
+def round_timeout(job: JobRecord) -> float:
+    """Seconds a round waits for its last workers after its first upload."""
+    return float(job.spec.diloco.round_timeout or job.spec.collective_timeout or current_app.config["COLLECTIVE_TIMEOUT"])
 
 
 def _delete(artifact: dict) -> None:
@@ -118,7 +127,10 @@ def put_round(job: JobRecord, sender: Sender, n: int, query: RoundUpload):
     round_state, average, uploads = state(job, n)
     newest = max(_averages(job), default=-1)
     if average is not None or n < newest:
-        raise Conflict(f"round {n} of job {job.id} is averaged already (the newest is {newest})", job_id=job.id)
+        missed = " without it (it came too late): fetch the average" if average and sender.rank in \
+            average.get("missed", []) else ""
+        raise Conflict(f"round {n} of job {job.id} is averaged already{missed} (the newest is {newest})",
+                       job_id=job.id)
     if sender.rank not in round_state.expected:
         raise Conflict(f"rank {sender.rank} left job {job.id}'s rounds before round {n}", job_id=job.id)
     artifact = save_artifact({"id": job.room_id}, ArtifactKind.PSEUDO_GRADIENT.value, job.id, round=n,
@@ -154,16 +166,24 @@ def get_round(job: JobRecord, n: int):
 
 
 def close(job: JobRecord, n: int) -> dict | None:
-    """Round ``n``'s average: made now if every worker the round waits for has uploaded (None
-    while some have not)."""
+    """Round ``n``'s average: made now if every worker the round waits for has uploaded, or
+    ``round_timeout`` passed since its first upload (the missing ones missed it). None while it
+    waits."""
     round_state, average, uploads = state(job, n)
-    if average is not None or round_state.waiting_for or not uploads:
+    if average is not None or not _due(job, round_state, uploads):
         return average
     with _averaging:
         round_state, average, uploads = state(job, n)  # made meanwhile?
-        if average is not None or round_state.waiting_for or not uploads:
+        if average is not None or not _due(job, round_state, uploads):
             return average
         return _average(job, n, round_state, uploads)
+
+
+def _due(job: JobRecord, round_state: RoundState, uploads: dict[int, dict]) -> bool:
+    if not uploads:
+        return False
+    first = min(a["created_at"] for a in uploads.values())
+    return not round_state.waiting_for or time.time() > first + round_timeout(job)
 
 
 def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int, dict]) -> dict:
@@ -179,12 +199,14 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
     record = ctx().store.add_artifact({
         "id": artifact_id, "room_id": job.room_id, "kind": ArtifactKind.OUTER_GRADIENT.value, "size": size,
         "sha256": sha, "job_id": job.id, "created_at": time.time(), "round": n, "attempt": job.attempt,
-        "expected": round_state.expected, "members": members, "left": left})
+        "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
     _collect(job, n)
     text = (f"diloco round {n}: averaged the pseudo-gradients of rank(s) {', '.join(map(str, members)) or 'none'} "
             f"through the server ({layout.compression}, {sum(a['size'] for a in uploads.values())} bytes in, "
             f"{size} bytes out to each worker, {time.time() - started:.2f} s)"
-            + (f"; rank(s) {', '.join(map(str, left))} left" if left else ""))
+            + (f"; rank(s) {', '.join(map(str, left))} left" if left else "")
+            + (f"; rank(s) {', '.join(map(str, round_state.waiting_for))} missed it (not in within "
+               f"{round_timeout(job):g} s)" if round_state.waiting_for else ""))
     log.info("job %s: %s", job.id, text)
     events = ctx().store.add_events(job.id, [{"kind": EventKind.LOG.value, "rank": None, "key": f"diloco:{job.attempt}:{n}",
                                               "step": None, "data": {"text": text}, "ts": time.time()}])

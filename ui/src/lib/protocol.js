@@ -25,11 +25,12 @@ export const Compression = Object.freeze({
   NONE: "none",
 });
 
-/** What a rank last reported of itself. */
+/** What a rank last reported of itself (or, for `dropped`, what the server decided). */
 export const RankStatus = Object.freeze({
   RUNNING: "running",
   COMPLETED: "completed",
   FAILED: "failed",
+  DROPPED: "dropped",
 });
 
 /** What a slot of a GPU client is: one GPU, or the CPU of a client without GPUs. */
