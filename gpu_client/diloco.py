@@ -67,8 +67,8 @@ class Diloco:
         self.outer: torch.optim.SGD | None = None
         self._hook = None
         self._busy = False
-        #: The ranks the last round this worker uploaded to waited for (the server's ``RoundState``).
-        self.expected: list[int] = [spec.rank]
+        #: The workers dropped from the job, as the last round this worker uploaded to said.
+        self.dropped: list[int] = []
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
@@ -91,9 +91,9 @@ class Diloco:
                               f"lr {s.outer_lr} momentum {s.outer_momentum}{' Nesterov' if s.nesterov else ''})")
 
     def uploads_weights(self) -> bool:
-        """Whether this worker uploads the job's weights: the first rank still in its last round
-        (rank 0, unless it was dropped)."""
-        return self.spec.rank == min(self.expected, default=self.spec.rank)
+        """Whether this worker uploads the job's weights: the first rank not dropped (rank 0,
+        unless it was), as the server takes them."""
+        return self.spec.rank == next(r for r in range(self.spec.world_size) if r not in self.dropped)
 
     def trained(self) -> None:
         """After ``train_func``: the worker's last round, then no more outer steps."""
@@ -179,7 +179,7 @@ class Diloco:
             self.reporter.log(f"DILOCO round {n}: rank {self.spec.rank} came too late; it takes the round's average")
             return False
         resp.raise_for_status()
-        self.expected = resp.json().get("expected") or self.expected
+        self.dropped = resp.json().get("dropped") or []
         return True
 
     def _fetch(self, n: int) -> bytes:

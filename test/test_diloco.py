@@ -248,3 +248,17 @@ def test_a_rank_cannot_report_itself_dropped(app):
     _, (r0, _), job = placed(app)
     resp = r0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "dropped"})
     assert resp.status_code == 400 and "the server drops" in resp.json["error"]["message"]
+
+
+def test_with_rank_0_dropped_the_first_worker_left_brings_the_weights_and_the_results(app):
+    from zwdx.server import lifecycle
+    room, (r0, r1), job = placed(app)
+    lifecycle.client_lost(app.extensions["zwdx"], f"gpu-{job['id']}-0", "staged")
+    assert put(r1, job, 0, [1.0]).json["dropped"] == [0]
+    assert r0.put(f"/jobs/{job['id']}/weights", data=b"w").status_code == 403  # it was dropped
+    weights = r1.put(f"/jobs/{job['id']}/weights", data=b"w")
+    assert weights.status_code == 201
+    assert r1.post(f"/jobs/{job['id']}/ranks/1", json={"status": "completed", "final_loss": 0.25,
+                                                      "weights_artifact": weights.json["id"]}).json["ok"]
+    done = room.get(f"/jobs/{job['id']}").json
+    assert done["status"] == "completed" and done["final_loss"] == 0.25 and done["weights_artifact"] == weights.json["id"]

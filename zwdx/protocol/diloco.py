@@ -77,6 +77,8 @@ class RoundState(Answer):
     #: Those the round waited for that did not upload in time (``round_timeout``) or were
     #: dropped meanwhile (their GPU client lost): the average went on without them.
     missed: list[int] = []
+    #: The job's workers dropped so far (their GPU client or process lost).
+    dropped: list[int] = []
     compression: Compression
     #: Bytes of the average, once made.
     size: int | None = None

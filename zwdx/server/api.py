@@ -285,9 +285,12 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
 @operation(bp, "PUT", "/jobs/<job_id>/weights", "Upload the trained weights (rank 0)", auth=Auth.JOB, body=OCTET,
            answer=ArtifactView, status=201, errors=(413, 422, 429), tag="ranks")
 def put_weights(job: JobRecord, sender: Sender):
-    """Safetensors bytes, from rank 0's key only (a DILOCO job: any worker's, as each holds the
-    global weights; the first one still in the job uploads them); the answer's ``id`` is what
+    """Safetensors bytes, from rank 0's key only (a DILOCO job whose rank 0 was dropped: the first
+    worker not dropped, as every worker holds the global weights); the answer's ``id`` is what
     that rank reports as ``weights_artifact``."""
-    if job.spec.parallelism != Parallelism.DILOCO:
-        only_rank(sender, 0, "uploading the weights", job.id)
+    first = 0
+    if job.spec.parallelism == Parallelism.DILOCO:
+        first = next((r for r in range(job.world_size or 0) if (state := job.ranks.get(str(r))) is None
+                      or state.status != RankStatus.DROPPED), 0)
+    only_rank(sender, first, "uploading the weights", job.id)
     return save_artifact({"id": job.room_id}, ArtifactKind.WEIGHTS.value, job.id), 201

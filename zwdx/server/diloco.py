@@ -81,7 +81,8 @@ def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, di
     return RoundState(job_id=job.id, attempt=job.attempt, round=n, ready=average is not None, expected=expected,
                       uploaded=sorted(uploads), waiting_for=[] if average else [r for r in expected if r not in uploads],
                       members=average["members"] if average else [], left=average["left"] if average else left,
-                      missed=average.get("missed", []) if average else [], compression=job.spec.diloco.compression,
+                      missed=average.get("missed", []) if average else [], dropped=sorted(dropped),
+                      compression=job.spec.diloco.compression,
                       size=average["size"] if average else None), average, uploads
 
 
