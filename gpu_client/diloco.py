@@ -192,6 +192,9 @@ class Diloco:
                 if hashlib.sha256(resp.content).hexdigest() != resp.headers.get(defaults.SHA256_HEADER):
                     raise RuntimeError(f"DILOCO round {n}: the average arrived damaged (sha256 differs)")
                 return resp.content
+            if resp.status_code == 404:
+                raise RuntimeError(f"DILOCO round {n}: its average is gone; this worker fell more than a round "
+                                   f"behind the others, and the job goes on without it")
             if resp.status_code != 202:
                 resp.raise_for_status()
             if time.time() > deadline:

@@ -43,3 +43,11 @@ def test_control_plane_runs_with_rank_keys_and_donor_tokens():
 def test_diloco_sync_runs_both_ways():
     out = bench("diloco_sync.py", "--workers", "2", "--numel", "100000", "--rounds", "1")
     assert "| server" in out and "| workers" in out
+
+
+def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
+    import needs
+    needs.root("network namespaces and tc")
+    needs.tool("tc", "apt-get install iproute2 (./setup.sh --test)")
+    out = bench("wan.py", "--links", "100", "--steps", "12", timeout=600)
+    assert "| DDP" in out and "DILOCO H=50 int8" in out and "DILOCO H=500 int8" in out

@@ -262,3 +262,15 @@ def test_with_rank_0_dropped_the_first_worker_left_brings_the_weights_and_the_re
                                                       "weights_artifact": weights.json["id"]}).json["ok"]
     done = room.get(f"/jobs/{job['id']}").json
     assert done["status"] == "completed" and done["final_loss"] == 0.25 and done["weights_artifact"] == weights.json["id"]
+
+
+def test_a_worker_that_misses_two_rounds_in_a_row_is_dropped(app):
+    room, (r0, r1), job = placed(app, compression="none", round_timeout=0.1)
+    for n in (0, 1):
+        put(r0, job, n, [1.0], "none")
+        time.sleep(0.3)
+        assert r0.get(f"/jobs/{job['id']}/diloco/rounds/{n}").status_code == 200
+    after = room.get(f"/jobs/{job['id']}").json
+    assert after["ranks"]["1"]["status"] == "dropped" and after["status"] == "starting"
+    assert "missed diloco rounds 0 and 1" in after["timeline"][-1]["reason"]
+    assert put(r0, job, 2, [1.0], "none").json["expected"] == [0]

@@ -15,9 +15,11 @@ compression: every worker decodes the same bytes and so keeps the same global we
 What a round is, lives in its artifacts (no store verb of its own): ``pseudo_gradient``
 (round, rank, attempt, last) and ``outer_gradient`` (round, attempt, expected, members, left).
 A round waits for the ranks of the job's current attempt that have not left (said ``last`` in an
-earlier round). Once a round is averaged its uploads are deleted, and the averages older than the
-one before it; every artifact counts against the room's quota, and what a finished job leaves,
-the sweeper takes.
+earlier round) nor were dropped (``lifecycle.drop``: a lost GPU client or process), at most
+``round_timeout`` after its first upload: then it is averaged over those in, and a worker that
+missed two rounds in a row is dropped. Once a round is averaged its uploads are deleted, and the
+averages older than the one before it; every artifact counts against the room's quota, and what a
+finished job leaves, the sweeper takes.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from . import limits, notify
+from . import lifecycle, limits, notify
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,10 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
         "sha256": sha, "job_id": job.id, "created_at": time.time(), "round": n, "attempt": job.attempt,
         "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
     _collect(job, n)
+    earlier = _averages(job).get(n - 1) or {}
+    twice = [r for r in round_state.waiting_for if r in (earlier.get("missed") or [])]
+    if twice:  # two rounds in a row: it is gone, or too slow to be waited for
+        lifecycle.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
     text = (f"diloco round {n}: averaged the pseudo-gradients of rank(s) {', '.join(map(str, members)) or 'none'} "
             f"through the server ({layout.compression}, {sum(a['size'] for a in uploads.values())} bytes in, "
             f"{size} bytes out to each worker, {time.time() - started:.2f} s)"
