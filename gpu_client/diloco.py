@@ -17,8 +17,10 @@ reach each other.
 The outer step runs after every ``inner_steps``-th step of any optimizer of the rank's process
 (a post-hook on every optimizer: the user's loop needs no change, whether it steps the optimizer
 zwdx rebuilt or one of its own), at ``reporter.sync()``, and once more after ``train_func`` returns
-(the worker's last round, which later rounds do not wait for). A round whose peers do not upload
-within the job's ``collective_timeout`` fails the rank as one that lost its peers.
+(the worker's last round, which later rounds do not wait for). The server averages a round once
+every worker still in has uploaded, or ``round_timeout`` after its first upload: a worker that
+comes later takes that average and goes on (two rounds late in a row, it is dropped). A worker
+whose average does not come within twice that fails as one that lost its peers.
 
 The strategy's surface, as ``parallel.Collective``'s: ``rendezvous()``, ``wrap_as``,
 ``attach(model, checkpointer)``, ``trained()``.
