@@ -75,6 +75,8 @@ class Reporter:
         self.resume: dict | None = None
         self._checkpointer = None  # the job's Checkpointer (attach)
         self._loader = None        # the CountingLoader given to train_func (attach)
+        #: DILOCO: the worker's outer step (``diloco.Diloco.sync``); None in other modes.
+        self.outer_step = None
         self._n = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -155,6 +157,12 @@ class Reporter:
         if self._checkpointer is None:
             raise RuntimeError("reporter.track works inside a job's train_func")
         return self._checkpointer.track(obj, name)
+
+    def sync(self) -> None:
+        """DILOCO: take an outer step now (with the other workers, through the server), whatever
+        the count of inner steps; the next one comes ``inner_steps`` later. Other modes: nothing."""
+        if self.outer_step is not None:
+            self.outer_step()
 
     def upload(self, path: str, file_path: str) -> dict:
         """PUT a file to ``<job url>/<path>``, streamed, with its sha256 for the server to check."""

@@ -53,6 +53,8 @@ class Trainer:
                                  attempt=spec.attempt, verify=spec.ca_file or True)
         self.joined = False
         self.system: SystemMetrics | None = None
+        from .parallel import strategy
+        self.strategy = strategy(spec, self.reporter)  # DDP/FSDP, or DILOCO: where the ways to train differ
 
     def run(self) -> int:
         """The rank, start to end: 0 when it completed, 1 when it failed (and said why)."""
@@ -80,6 +82,7 @@ class Trainer:
         self.reporter.status(RankStatus.RUNNING.value)
         self.model, self.optimizer = self._build()
         self.checkpointer = self._restore()
+        self.strategy.attach(self.model, self.checkpointer)
         self.loader, self.eval_loader = self._loaders()
 
     def _join(self):
@@ -89,8 +92,7 @@ class Trainer:
         spec, device = self.spec, torch.device(self.spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-                                rank=spec.rank, world_size=spec.world_size,
+        dist.init_process_group(spec.backend, **self.strategy.rendezvous(),
                                 timeout=datetime.timedelta(seconds=spec.collective_timeout),
                                 **({"device_id": device} if device.type == "cuda" else {}))
         self.joined = True
@@ -102,17 +104,19 @@ class Trainer:
         from .parallel import rebuild_optimizer, wrap
         model = self.bundle["model"].to(self.device)
         self.startup.mark("on_device")
-        model = wrap(model, self.spec.parallelism, self.device, units=self.bundle.get("fsdp_units"),
+        model = wrap(model, self.strategy.wrap_as, self.device, units=self.bundle.get("fsdp_units"),
                      report=self.reporter.log)
         self.startup.mark("wrapped")
         return model, rebuild_optimizer(self.bundle["optimizer"], model)
 
     def _restore(self):
         """The job's Checkpointer, with the checkpoint this attempt goes on from loaded."""
+        import torch.distributed as dist
+
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
-        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, spec.parallelism, spec.rank,
-                                    spec.world_size, self.device, latest)
+        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
+                                    dist.get_world_size(), self.device, latest)
         if latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
@@ -160,6 +164,7 @@ class Trainer:
             "device": self.device, "eval_func": self.bundle["eval_func"], "reporter": reporter,
             "start_epoch": reporter.start_epoch, "resume": reporter.resume}, "train_func")
         self.system.finish()
+        self.strategy.trained()  # DILOCO: the last outer step
         self.loader.finish()  # the last epoch's checkpoint, now that train_func is done with it
         return out
 
@@ -176,8 +181,8 @@ class Trainer:
             eval_out = call_with(eval_func, {"model": self.model, "loader": self.eval_loader, "rank": spec.rank,
                                              "world_size": spec.world_size, "device": self.device}, "eval_func")
         results, final_loss = _results(train_out, eval_out)
-        state = full_state_dict(self.model, spec.parallelism, spec.rank)
-        weights = _upload_weights(self.reporter, state) if spec.rank == 0 else None
+        state = full_state_dict(self.model, self.strategy.wrap_as, spec.rank)
+        weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
         dist.barrier()
         self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
                              fingerprint=fingerprint(state), weights_artifact=weights)

@@ -38,3 +38,16 @@ def test_control_plane_runs_with_rank_keys_and_donor_tokens():
     out = bench("control_plane.py", "--clients", "10", "--hold", "4", "--warm", "2", "--procs", "1",
                 "--job-seconds", "2", "--users-per-100", "20")
     assert "| PASS" in out and "count: jobs completed" in out  # a level with an error is not a PASS
+
+
+def test_diloco_sync_runs_both_ways():
+    out = bench("diloco_sync.py", "--workers", "2", "--numel", "100000", "--rounds", "1")
+    assert "| server" in out and "| workers" in out
+
+
+def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
+    import needs
+    needs.root("network namespaces and tc")
+    needs.tool("tc", "apt-get install iproute2 (./setup.sh --test)")
+    out = bench("wan.py", "--links", "100", "--steps", "12", timeout=600)
+    assert "| DDP" in out and "DILOCO H=50 int8" in out and "DILOCO H=500 int8" in out

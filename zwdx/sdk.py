@@ -245,7 +245,7 @@ class ZWDX:
                    timeout: float | None = None, min_world_size: int | None = None,
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
-                   cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None):
+                   cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -268,18 +268,27 @@ class ZWDX:
         ``fsdp_units`` (FSDP only): the modules to shard as units, as a list of classes or a
         function ``fn(module) -> bool``; by default each block of a repeated ModuleList/Sequential.
 
+        ``parallelism="DILOCO"`` trains across the internet: each GPU client a worker on its own,
+        an outer step through the server every ``inner_steps``. ``diloco`` sets it: ``{"inner_steps":
+        500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "compression": "int8"}``
+        (those are the defaults; ``"fp16"`` and ``"none"`` compress less).
+
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
         your API key stays here, nothing of it goes to a donor) or ``zwdx.trackers.Tracker``
         objects; ``export_metrics`` sends a finished job's."""
         token = self._token(room_token)
         _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
-        if str(parallelism).upper() not in ("DDP", "FSDP"):
-            raise BadRequest(f"parallelism must be 'DDP' or 'FSDP', got {parallelism!r}", field="parallelism")
+        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO"):
+            raise BadRequest(f"parallelism must be 'DDP', 'FSDP' or 'DILOCO', got {parallelism!r}",
+                             field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
         if fsdp_units is not None and str(parallelism).upper() != "FSDP":
             raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
+        if diloco is not None:  # checked as the server will, before anything is uploaded
+            parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
+                              "parallelism": str(parallelism).upper(), "diloco": diloco})
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()
         artifact = self._json("POST", "/artifacts", token, data=blob,
@@ -291,7 +300,7 @@ class ZWDX:
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob)})
+            "required_modules": required_modules(blob), "diloco": diloco})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token

@@ -4,7 +4,8 @@ either store, with every kind of credential the server hands out.
     room A   submitter token, donor token, a legacy (zr_) token; GPU clients a1 and a2 (two CPU
              slots each, registered over Socket.IO, their client secrets known); jobs:
                live    world size 2, attempt 1 (rank 0 on a1, rank 1 on a2); the rank keys of
-                       attempt 1 and rank 0's key of attempt 0 (an old attempt) are known
+                       attempt 1 and rank 0's key of attempt 0 (an old attempt) are known; a
+                       DILOCO job (its ranks have rounds too)
                ended   cancelled (its rank 0's key known)
                done    completed by rank 0 with uploaded weights
     room A   also a revoked submitter token
@@ -129,7 +130,7 @@ def build(app, backend: Backend) -> World:
     for client_id, room in (("a1", "A"), ("a2", "A"), ("b1", "B")):
         w.register(client_id, w.rooms[room]["donor_token"])
 
-    live = w.submit(world_size=2)
+    live = w.submit(world_size=2, parallelism="DILOCO")
     w.jobs["live"], w.bundle = live["id"], live["spec"]["bundle_artifact"]
     w.keys["old_attempt"], old_rank1 = f"rk_old0_{uuid.uuid4().hex}", f"rk_old1_{uuid.uuid4().hex}"
     w.place(live["id"], {0: "a1:0", 1: "a2:0"}, {0: w.keys["old_attempt"], 1: old_rank1})

@@ -37,13 +37,15 @@ import pytest
 
 from security_world import *  # noqa: F401,F403  (fixtures: world, shared_world, backend, ...)
 from security_world import HELLO, World, snapshot
-from zwdx import defaults
+from zwdx import codec, defaults
 from zwdx.protocol import events as ev
 
 P = defaults.API_PREFIX
 ROOM_COLUMNS = ("none", "wrong", "revoked", "other_submitter", "other_donor", "donor", "legacy", "submitter")
 KEY_COLUMNS = ("wrong_key", "other_rank", "old_attempt", "ended_job", "rank")
 COLUMNS = ROOM_COLUMNS + KEY_COLUMNS
+#: A DILOCO worker's pseudo-gradient of no values (it is there, with nothing to add).
+NOTHING = codec.Layout("int8", 0).header()
 
 
 def headers(w: World, column: str) -> dict:
@@ -86,6 +88,23 @@ def job_of(w: World, column: str) -> str:
 
 def fresh_bundle(w: World) -> str:
     return w.request("POST", "/artifacts", w.as_submitter(), data=secrets.token_bytes(16)).json["id"]
+
+
+_ROUNDS = iter(range(10**6))
+
+
+def fresh_round(w: World) -> int:
+    """A round of the live (DILOCO) job that no rank uploaded to yet."""
+    return next(_ROUNDS)
+
+
+def averaged_round(w: World) -> int:
+    """A round of the live job both ranks uploaded to (with nothing to add): its average is made."""
+    n = fresh_round(w)
+    for key in ("rank0", "rank1"):
+        resp = w.request("PUT", f"/jobs/{w.jobs['live']}/diloco/rounds/{n}", w.as_rank(key), data=NOTHING)
+        assert resp.status_code == 201, resp.text
+    return n
 
 
 def fresh_token(w: World) -> str:
@@ -176,6 +195,10 @@ ROUTES: dict[str, Route] = {
         "GET", f"{P}/jobs/{w.jobs['live']}/checkpoints", {}), 200),
     "checkpoints.get_checkpoint_file": Route("room_or_job", lambda w, c, m: (
         "GET", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/state.pt", {}), 200, any_rank=True, prepare=committed),
+        "PUT", f"{P}/jobs/{job_of(w, c)}/diloco/rounds/{m}", {"data": NOTHING}), 201, any_rank=True,
+        prepare=fresh_round),
+    "diloco.get_round": Route("job", lambda w, c, m: ("GET", f"{P}/jobs/{job_of(w, c)}/diloco/rounds/{m}", {}), 200,
+                              any_rank=True, prepare=averaged_round),
     "dashboard_api.history": Route("room", lambda w, c, m: ("GET", f"{P}/dashboard/history", {}), 200,
                                    own_room=200),
     "tokens.list_tokens": Route("room", lambda w, c, m: ("GET", f"{P}/room/tokens", {}), 200, own_room=200),

@@ -21,6 +21,7 @@ from pydantic import Field, StringConstraints, field_validator
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
+from .diloco import DilocoSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
 from .vocab import Isolation, JobKind, Parallelism, SlotKind
@@ -162,6 +163,8 @@ class JobAssign(Answer):
     group_rank: int = 0
     group_world_size: int = 1
     max_restarts: int = defaults.MAX_RESTARTS
+    #: DILOCO's settings; None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
 
 class JobCancel(Answer):

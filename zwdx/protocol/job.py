@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import defaults
 from .base import Answer
+from .diloco import DilocoSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
 from .vocab import CheckpointFormat, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
@@ -83,6 +84,8 @@ class JobSpec(Record):
     script: ScriptRecord | None = None
     #: Ranks on every GPU client of the job (torchrun's ``--nproc-per-node``); None: any spread.
     gpus_per_client: int | None = None
+    #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
 
 class PlacementEntry(Record):

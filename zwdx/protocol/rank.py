@@ -30,6 +30,7 @@ from typing import IO, Annotated, Literal
 from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
 from .base import ByValue, Count, Id, Message, Seconds, Text
+from .diloco import DilocoSettings
 from .job import CheckpointEntry
 from .script import ScriptSpec
 from .vocab import JobKind, Parallelism
@@ -78,6 +79,8 @@ class RankSpec(Message):
     checkpoint_every_epoch: bool
     #: torch threads of this rank.
     threads: Annotated[int, Field(ge=1, le=4096)]
+    #: DILOCO's settings (this rank is one worker); None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

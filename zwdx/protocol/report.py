@@ -150,6 +150,12 @@ class RankReport(Message):
     #: peer, to see whether a GPU client was lost (it resumes then) before failing.
     exit_code: Annotated[int, Field(ge=-255, le=255)] | None = None
 
+    @model_validator(mode="after")
+    def _reported(self):
+        if self.status is RankStatus.DROPPED:
+            raise ValueError("a rank reports running, completed or failed; the server drops a lost DILOCO worker")
+        return self
+
 
 class RankReportAnswer(Answer):
     """``ok``; or ``ok: false`` and why the report was ``ignored`` (the job is no longer active)."""

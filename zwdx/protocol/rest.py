@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
+from .diloco import DilocoSettings
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
@@ -184,6 +185,9 @@ class SubmitJob(Message):
     #: Ranks on every GPU client of the job (torchrun's ``--nproc-per-node``), a divisor of
     #: ``world_size``; None: as the slots come.
     gpus_per_client: Annotated[int, Field(ge=1, le=1024)] | None = None
+    #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
+    #: the defaults when this is left out.
+    diloco: DilocoSettings | None = None
 
     @field_validator("parallelism", mode="before")
     @classmethod
@@ -226,6 +230,14 @@ class SubmitJob(Message):
             raise ValueError(f"must divide world_size ({world_size}): every GPU client runs this many ranks")
         return value
 
+    @field_validator("diloco")
+    @classmethod
+    def _diloco_only(cls, value, info):
+        parallelism = info.data.get("parallelism")
+        if value is not None and parallelism is not None and parallelism != Parallelism.DILOCO:
+            raise ValueError(f"applies to parallelism DILOCO only, not {parallelism.value}")
+        return value
+
     @field_validator("min_world_size")
     @classmethod
     def _min_at_most_world(cls, value, info):
@@ -233,6 +245,12 @@ class SubmitJob(Message):
         if value is not None and world_size is not None and value > world_size:
             raise ValueError(f"must be at most world_size ({world_size})")
         return value
+
+    @model_validator(mode="after")
+    def _diloco_defaults(self):
+        if self.parallelism == Parallelism.DILOCO and self.diloco is None:
+            self.diloco = DilocoSettings()
+        return self
 
 
 class JobList(Answer):

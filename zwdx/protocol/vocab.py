@@ -33,6 +33,16 @@ WAITING = frozenset({JobStatus.QUEUED, JobStatus.RESUMING})
 class Parallelism(str, Enum):
     DDP = "DDP"
     FSDP = "FSDP"
+    #: Each GPU client a worker, training alone for ``inner_steps``; outer steps sync through the
+    #: server (``zwdx.protocol.diloco``).
+    DILOCO = "DILOCO"
+
+
+class Compression(str, Enum):
+    """How a DILOCO worker's pseudo-gradients travel (``zwdx.codec``)."""
+    INT8 = "int8"    # int8 codes with one float32 scale per block of 4,096 values: about 1/4 of float32
+    FP16 = "fp16"    # float16: 1/2 of float32
+    NONE = "none"    # float32 as computed
 
 
 class JobKind(str, Enum):
@@ -43,10 +53,11 @@ class JobKind(str, Enum):
 
 
 class RankStatus(str, Enum):
-    """What a rank last reported of itself."""
+    """What a rank last reported of itself (or, for ``dropped``, what the server decided)."""
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
+    DROPPED = "dropped"    # a DILOCO worker whose GPU client or process was lost: the others go on
 
 
 class SlotKind(str, Enum):
@@ -106,6 +117,8 @@ class ArtifactKind(str, Enum):
     CHECKPOINT = "checkpoint"
     WORKDIR = "workdir"    # a script job's working dir (a tar.gz), the room's, found by its sha256
     OUTPUT = "output"      # the files a script job's rank 0 wrote under $ZWDX_OUTPUT_DIR (a tar)
+    PSEUDO_GRADIENT = "pseudo_gradient"   # a DILOCO worker's upload for one round
+    OUTER_GRADIENT = "outer_gradient"     # a round's average of them, which every worker fetches
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it
@@ -136,4 +149,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'JobKind', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

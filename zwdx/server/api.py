@@ -17,7 +17,8 @@ from flask import Blueprint, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobKind, JobStatus, RankStatus
+from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobKind, JobStatus, Parallelism, \
+    RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
@@ -266,6 +267,8 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
             job_artifact(job, body.weights_artifact, ArtifactKind.WEIGHTS.value) is None:
         raise BadRequest(f"field 'weights_artifact': no weights {body.weights_artifact} uploaded for job {job.id}",
                          field="weights_artifact")
+    if (state := job.ranks.get(str(rank))) is not None and state.status == RankStatus.DROPPED:
+        return RankReportAnswer(ok=False, ignored=f"rank {rank} was dropped (a DILOCO worker the job goes on without)")
     if body.status == RankStatus.FAILED and (job.status == JobStatus.FAILED or job.status in ACTIVE):
         # on a failed job too: every failing rank's traceback is kept
         lifecycle.rank_failed(ctx(), job, rank, body.error or "error", body.traceback or "(no traceback)",
@@ -284,7 +287,12 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
 @operation(bp, "PUT", "/jobs/<job_id>/weights", "Upload the trained weights (rank 0)", auth=Auth.JOB, body=OCTET,
            answer=ArtifactView, status=201, errors=(413, 422, 429), tag="ranks")
 def put_weights(job: JobRecord, sender: Sender):
-    """Safetensors bytes, from rank 0's key only; the answer's ``id`` is what rank 0 reports as
-    ``weights_artifact``."""
-    only_rank(sender, 0, "uploading the weights", job.id)
+    """Safetensors bytes, from rank 0's key only (a DILOCO job whose rank 0 was dropped: the first
+    worker not dropped, as every worker holds the global weights); the answer's ``id`` is what
+    that rank reports as ``weights_artifact``."""
+    first = 0
+    if job.spec.parallelism == Parallelism.DILOCO:
+        first = next((r for r in range(job.world_size or 0) if (state := job.ranks.get(str(r))) is None
+                      or state.status != RankStatus.DROPPED), 0)
+    only_rank(sender, first, "uploading the weights", job.id)
     return save_artifact({"id": job.room_id}, ArtifactKind.WEIGHTS.value, job.id), 201

@@ -8,6 +8,7 @@ the GPU clients and the dashboards.
     queued|resuming --start--> starting --rank_running--> running --complete--> completed
     queued|resuming|starting|running --fail--> failed      ... --cancel--> cancelled
     starting|running --interrupt--> resuming (restarts left) or failed
+    running --drop--> running (DILOCO: lost workers dropped, the others go on)
 
 Failures come in two kinds. A rank whose own code raised makes the job *failing*: it fails
 once every rank reported (or ``FAILURE_GRACE`` is over), with every failing rank's traceback.
@@ -130,10 +131,11 @@ class Job:
 
     def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
                        final_loss: float | None = None, weights_artifact: str | None = None) -> bool:
-        """A rank reported its result (rank 0's carries the job's); the job completes when every
-        rank has (True then)."""
+        """A rank reported its result (rank 0's carries the job's, or that of the rank that uploaded
+        the weights: a DILOCO worker, when rank 0 was dropped); the job completes when every rank
+        has, or was dropped (True then)."""
         now = self.clock()
-        if rank == 0:
+        if rank == 0 or weights_artifact is not None:
             self._took(self.store.set_job(self.id, {"results": results or {}, "final_loss": final_loss,
                                                     "weights_artifact": weights_artifact}, when=_ACTIVE))
         before = self.record.ranks.get(str(rank))
@@ -144,14 +146,39 @@ class Job:
         return self.complete()
 
     def complete(self) -> bool:
-        """starting|running -> completed, once every rank reported completion."""
+        """starting|running -> completed, once every rank reported completion (a DILOCO job's
+        dropped workers aside: at least one completed)."""
         r = self.record
-        done = r.world_size and all((state := r.ranks.get(str(i))) is not None and state.status == RankStatus.COMPLETED
-                                    for i in range(r.world_size))
+        states = [(state.status if (state := r.ranks.get(str(i))) is not None else None) for i in range(r.world_size or 0)]
+        done = RankStatus.COMPLETED in states and all(s in (RankStatus.COMPLETED, RankStatus.DROPPED) for s in states)
         if r.status not in _ACTIVE or not done:
             return False
         now = self.clock()
         return self._move(JobStatus.COMPLETED, _ACTIVE, now, {"ended_at": now})
+
+    def drop(self, ranks: Collection[int], reason: str) -> bool:
+        """DILOCO: these workers are gone (their GPU client lost, their process dead); the job
+        goes on with the others, which are not waited for by later rounds. False (nothing
+        changed) when no other worker is left running: the caller interrupts the job then."""
+        r, now = self.record, self.clock()
+        gone = {str(rank) for rank in ranks}
+        going_on = [i for i in range(r.world_size or 0) if str(i) not in gone and
+                    (r.ranks.get(str(i)) is None or r.ranks[str(i)].status in (RankStatus.RUNNING,
+                                                                               RankStatus.COMPLETED))]
+        if r.status not in _ACTIVE or not gone or not going_on:
+            return False
+        running = [i for i in going_on if r.ranks.get(str(i)) is None or r.ranks[str(i)].status == RankStatus.RUNNING]
+        if not running and r.weights_artifact is None:
+            return False  # the others are done and none uploaded the weights: only a restart gives them
+        entries = {rank: RankState(status=RankStatus.DROPPED, ended_at=now,
+                                   started_at=(r.ranks[rank].started_at if rank in r.ranks else None)) for rank in gone}
+        if not self._took(self.store.put_job_entries(self.id, "ranks", entries, when=_ACTIVE)):
+            return False
+        self.append_timeline(TimelineEntry(status=self.status, at=now, attempt=r.attempt, world_size=len(going_on),
+                                           reason=f"{reason}: rank(s) {', '.join(sorted(gone))} dropped, "
+                                                  f"{len(going_on)} worker(s) go on"), when=_ACTIVE)
+        self.complete()  # the others may all be done already
+        return True
 
     def rank_failed(self, rank: int, error: str, traceback: str, collective: bool, exit_code: int | None = None) -> bool:
         """A rank reported an exception. Its own (``collective`` False): the job is failing.
@@ -186,7 +213,8 @@ class Job:
         self._took(self.store.put_job_entries(self.id, "exits", exits, when=_ACTIVE))
         r = self.record
         bad = {rank: code for rank, code in exits.items() if code != 0 and
-               not ((state := r.ranks.get(rank)) is not None and state.status == RankStatus.COMPLETED)}
+               not ((state := r.ranks.get(rank)) is not None and state.status in (RankStatus.COMPLETED,
+                                                                                  RankStatus.DROPPED))}
         unreported = {rank: code for rank, code in bad.items() if rank not in r.failures}
         if unreported and r.status in _ACTIVE:
             now = self.clock()

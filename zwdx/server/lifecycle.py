@@ -13,7 +13,7 @@ import logging
 import time
 
 from .. import defaults
-from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus
+from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus, Parallelism, RankStatus
 from ..protocol.gpu import JobCancel
 from ..protocol.job import Job as JobRecord
 from . import notify
@@ -111,14 +111,38 @@ def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
     return _announce(ctx, handle, f"job interrupted: {reason}")
 
 
+def drop(ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
+    """A DILOCO job goes on without these workers (``Job.drop``); False when it cannot (it is no
+    DILOCO job, or no other worker is left), and the caller does what it does for DDP and FSDP.
+    True when there was nothing to drop (those ranks completed already)."""
+    if job.spec.parallelism != Parallelism.DILOCO or job.status not in ACTIVE:
+        return False
+    ranks = [r for r in ranks if (state := job.ranks.get(str(r))) is None or state.status != RankStatus.COMPLETED]
+    if not ranks:
+        return True
+    handle = Job(ctx.store, job)
+    if not handle.drop(ranks, reason):
+        return False
+    log.warning("job %s: %s; rank(s) %s dropped, the other workers go on", job.id, reason, ranks)
+    notify.job_changed(handle.record)
+    ctx.scheduler.kick()
+    return True
+
+
 def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0) -> None:
-    """A GPU client says its rank processes of this job (this attempt) are gone; free its slots."""
+    """A GPU client says its rank processes of this job (this attempt) are gone; free its slots.
+    A DILOCO worker that died without a word is dropped, and the others go on."""
     handle = Job.load(ctx.store, job_id)
     if handle is None:
         return
     if handle.record.attempt != attempt:
         log.info("job %s: late exits of attempt %d from gpu-client %s ignored", job_id, attempt, client_id)
         return
+    record = handle.record
+    died = [int(rank) for rank, code in exits.items() if int(code) != 0 and str(rank) not in record.failures]
+    if died and drop(ctx, record, died, f"rank process(es) {', '.join(map(str, died))} on gpu client {client_id} "
+                                         f"exited ({', '.join(f'{r}: {exits[r]}' for r in exits)})"):
+        handle.refresh()
     bad = handle.ranks_exited(exits)
     ctx.store.release_slots(job_id, client_id)
     record = handle.record
@@ -151,7 +175,11 @@ def client_lost(ctx, client_id: str, reason: str) -> None:
                                         "lost_at": time.time()})
     log.warning("gpu-client %s: lost (%s)", client_id, reason)
     for job_id in {s["job_id"] for s in ctx.store.list_slots(client["room_id"], client_id) if s["job_id"]}:
-        interrupt(ctx, job_id, f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}")
+        why = f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}"
+        job = ctx.store.get_job(job_id)
+        ranks = [p.rank for p in (job.placement or []) if p.client_id == client_id] if job else []
+        if job is None or not drop(ctx, job, ranks, why):
+            interrupt(ctx, job_id, why)
         ctx.store.release_slots(job_id, client_id)
     notify.clients_changed(ctx, client["room_id"], joined_or_left=True)
     ctx.scheduler.kick()

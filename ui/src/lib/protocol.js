@@ -15,6 +15,14 @@ export const JobStatus = Object.freeze({
 export const Parallelism = Object.freeze({
   DDP: "DDP",
   FSDP: "FSDP",
+  DILOCO: "DILOCO",
+});
+
+/** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */
+export const Compression = Object.freeze({
+  INT8: "int8",
+  FP16: "fp16",
+  NONE: "none",
 });
 
 /** What a job runs: the submitter's functions over a pickled bundle, or a script of an uploaded working dir under torchrun's environment (`zwdx run`). */
@@ -23,11 +31,12 @@ export const JobKind = Object.freeze({
   SCRIPT: "script",
 });
 
-/** What a rank last reported of itself. */
+/** What a rank last reported of itself (or, for `dropped`, what the server decided). */
 export const RankStatus = Object.freeze({
   RUNNING: "running",
   COMPLETED: "completed",
   FAILED: "failed",
+  DROPPED: "dropped",
 });
 
 /** What a slot of a GPU client is: one GPU, or the CPU of a client without GPUs. */
@@ -79,6 +88,8 @@ export const ArtifactKind = Object.freeze({
   CHECKPOINT: "checkpoint",
   WORKDIR: "workdir",
   OUTPUT: "output",
+  PSEUDO_GRADIENT: "pseudo_gradient",
+  OUTER_GRADIENT: "outer_gradient",
 });
 
 /** Statuses of a job that ended; it changes no more. */
