@@ -195,6 +195,7 @@ ROUTES: dict[str, Route] = {
         "GET", f"{P}/jobs/{w.jobs['live']}/checkpoints", {}), 200),
     "checkpoints.get_checkpoint_file": Route("room_or_job", lambda w, c, m: (
         "GET", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/state.pt", {}), 200, any_rank=True, prepare=committed),
+    "diloco.put_round": Route("job", lambda w, c, m: (
         "PUT", f"{P}/jobs/{job_of(w, c)}/diloco/rounds/{m}", {"data": NOTHING}), 201, any_rank=True,
         prepare=fresh_round),
     "diloco.get_round": Route("job", lambda w, c, m: ("GET", f"{P}/jobs/{job_of(w, c)}/diloco/rounds/{m}", {}), 200,
