@@ -45,7 +45,8 @@ EXTRA = files_of.EXTRA
 
 class Checkpointer:
     def __init__(self, reporter, model, optimizer, parallelism: Parallelism, rank: int, world: int, device,
-                 latest: CheckpointEntry | None = None):
+                 latest: CheckpointEntry | None = None, writes: bool = True):
+        self.writes = writes  # False: this rank writes no checkpoint (a DILOCO job's are its rank 0's alone)
         self.reporter, self.model, self.optimizer = reporter, model, optimizer
         self.parallelism, self.rank, self.world, self.device = parallelism, rank, world, device
         self.latest = latest  # the checkpoint this attempt goes on from
@@ -101,9 +102,12 @@ class Checkpointer:
         return name
 
     def save(self, epoch: int, step: int, epoch_complete: bool = True) -> int:
-        """Collective: every rank calls it at the same point. Returns the checkpoint number."""
+        """Collective: every rank calls it at the same point. Returns the checkpoint number.
+        A rank that does not ``write`` (a DILOCO worker but rank 0) skips it."""
         n = self.next_n
         self.next_n += 1
+        if not self.writes:
+            return n
         folder = tempfile.mkdtemp(prefix=f"zwdx-ckpt-{n}-r{self.rank}-")
         try:
             if self.format == CheckpointFormat.SHARDS:

@@ -32,7 +32,7 @@ from zwdx.bundle import load as load_bundle
 from zwdx.bundle import register_sources
 from zwdx.checks import call_with
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.vocab import JobKind, RankStatus
+from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
 from .isolation import enter
@@ -116,7 +116,8 @@ class Trainer:
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
         checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
-                                    dist.get_world_size(), self.device, latest)
+                                    dist.get_world_size(), self.device, latest,
+                                    writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO)
         if latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
