@@ -117,7 +117,8 @@ class Trainer:
         spec, latest = self.spec, self.spec.checkpoint
         checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
                                     dist.get_world_size(), self.device, latest,
-                                    writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO)
+                                    writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO,
+                                    commit_timeout=spec.collective_timeout)
         if latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
@@ -184,6 +185,7 @@ class Trainer:
         results, final_loss = _results(train_out, eval_out)
         state = full_state_dict(self.model, self.strategy.wrap_as, spec.rank)
         weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
+        self.checkpointer.wait()  # the last checkpoint's upload, if still going
         dist.barrier()
         self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
                              fingerprint=fingerprint(state), weights_artifact=weights)
