@@ -1,0 +1,82 @@
+"""Which GPU clients of a room cannot reach each other, as their DDP/FSDP jobs found out.
+
+DDP and FSDP need every GPU client of a job to open TCP to rank 0's (the rendezvous) and to
+the others' (gloo and NCCL connect every pair). Before its ranks start, each GPU client of such
+a job connects to every other's reachability port (``JobAssign.peers``, ``gpu_client/reach.py``);
+one that cannot says so at once (``Unreachable``), instead of its ranks waiting out the
+collective timeout. Then:
+
+- the job fails at once, naming the pair(s) (client ids and hosts) and what the connection
+  said, and suggesting ``parallelism="DILOCO"`` (which syncs through the server and needs no
+  connection between GPU clients);
+- the pair is remembered on both clients' records (``unreachable``: peer id -> until when,
+  ``UNREACHABLE_TTL`` seconds), and the scheduler places DDP/FSDP jobs only among clients no
+  pair of which is remembered (``placement.apart``); DILOCO jobs go anywhere.
+
+A GPU client speaks only for itself, of a job of its room that it and the peers it names are
+placed on, at the job's current attempt.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ..protocol import ACTIVE
+from ..protocol.gpu import Ack, Unreachable
+from . import lifecycle, notify
+
+log = logging.getLogger(__name__)
+
+
+def _who(client: dict | None, client_id: str) -> str:
+    host = (client or {}).get("hostname") or "?"
+    return f"{client_id} (host {host})"
+
+
+def remember(ctx, a: str, b: str, ttl: float, now: float | None = None) -> None:
+    """Note on both clients' records that ``a`` and ``b`` could not reach each other, until
+    ``now + ttl`` (entries past their time are dropped as it writes)."""
+    now = time.time() if now is None else now
+    for one, other in ((a, b), (b, a)):
+        client = ctx.store.get_client(one)
+        if client is None:
+            continue
+        held = {k: v for k, v in (client.get("unreachable") or {}).items()
+                if isinstance(v, (int, float)) and v > now}
+        held[other] = now + ttl
+        ctx.store.update_client(one, {"unreachable": held})
+
+
+def message(reporter: dict | None, reporter_id: str, peers: dict[str, tuple[dict | None, str]], parallelism: str) -> str:
+    """Why the job failed: the pairs, what each connection said, and what to do."""
+    pairs = "; ".join(f"gpu clients {_who(reporter, reporter_id)} and {_who(peer, peer_id)} cannot reach each "
+                      f"other ({reporter_id} -> {peer_id}: {error})" for peer_id, (peer, error) in peers.items())
+    return (f"{pairs}. {parallelism} needs every GPU client of a job to open TCP to the others; submit with "
+            f"parallelism=\"DILOCO\", which syncs through the server and needs no connection between GPU clients "
+            f"(the scheduler keeps these GPU clients apart for DDP and FSDP jobs from now on)")
+
+
+def reported(ctx, room_id: str, client_id: str, report: Unreachable) -> Ack:
+    """A GPU client of a job could not reach these peers of it: remember the pairs and fail the job."""
+    job = ctx.store.get_job(report.job_id)
+    if job is None or job.room_id != room_id:
+        return Ack(ok=False, error="no such job in this room")
+    placed = {p.client_id for p in job.placement or []}
+    if client_id not in placed:
+        return Ack(ok=False, error=f"job {job.id} has no rank on this gpu client")
+    strangers = sorted(set(report.peers) - placed - {client_id})
+    if strangers or client_id in report.peers:
+        return Ack(ok=False, error=f"gpu client(s) {', '.join(strangers or [client_id])} are no peers of this gpu "
+                                   f"client in job {job.id}")
+    if report.attempt != job.attempt or job.status not in ACTIVE:
+        return Ack(ok=True)  # an attempt that ended already: nothing to stop
+    ttl = float(ctx.config.get("UNREACHABLE_TTL") or 0)
+    for peer_id in report.peers:
+        remember(ctx, client_id, peer_id, ttl)
+    reporter = ctx.store.get_client(client_id)
+    why = message(reporter, client_id, {p: (ctx.store.get_client(p), e) for p, e in report.peers.items()},
+                  job.spec.parallelism.value)
+    log.warning("job %s: gpu-client %s cannot reach %s", job.id, client_id, ", ".join(report.peers))
+    lifecycle.fail(ctx, job.id, why)
+    notify.clients_changed(ctx, room_id)
+    return Ack(ok=True)
