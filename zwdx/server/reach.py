@@ -24,6 +24,7 @@ import time
 from ..protocol import ACTIVE
 from ..protocol.gpu import Ack, Unreachable
 from . import lifecycle, notify
+from .placement import meets_over_tcp
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ def reported(ctx, room_id: str, client_id: str, report: Unreachable) -> Ack:
     if strangers or client_id in report.peers:
         return Ack(ok=False, error=f"gpu client(s) {', '.join(strangers or [client_id])} are no peers of this gpu "
                                    f"client in job {job.id}")
+    if not meets_over_tcp({"parallelism": job.spec.parallelism.value}):
+        return Ack(ok=False, error=f"job {job.id} is {job.spec.parallelism.value}: its GPU clients need not reach "
+                                   f"each other")
     if report.attempt != job.attempt or job.status not in ACTIVE:
         return Ack(ok=True)  # an attempt that ended already: nothing to stop
     ttl = float(ctx.config.get("UNREACHABLE_TTL") or 0)
