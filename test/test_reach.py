@@ -96,3 +96,44 @@ def test_ddp_and_fsdp_are_placed_only_among_clients_that_reach_each_other():
     chosen, _ = plan(job("DDP", 3), slots, clients, now=now + 61)  # the pair expired
     assert placed(chosen) == ["a", "b", "c"]
     assert unschedulable(job("DDP", 2)["spec"], list(clients.values())) is None
+
+
+def test_a_job_whose_clients_cannot_meet_is_placed_again_once_without_the_pair(app, api, socket_client):
+    from zwdx.protocol import SlotKind
+    from zwdx.protocol.job import Master, PlacementEntry
+    from zwdx.server.job import Job
+    store = app.extensions["zwdx"].store
+    socks = {}
+    for cid in ("a", "b", "c"):
+        socks[cid] = socket_client("/gpu", api.donor)
+        assert socks[cid].emit("register", hello(cid, reach_port=40000), namespace="/gpu", callback=True)["ok"]
+    job_id = api.submit(world_size=2, parallelism="DDP").json["id"]
+
+    def place(on: tuple[str, str]) -> None:
+        placement = [PlacementEntry(rank=r, client_id=cid, hostname=f"host-{cid}", gpu_index=0, kind=SlotKind.CPU)
+                     for r, cid in enumerate(on)]
+        handle = Job.load(store, job_id)
+        assert handle.start(placement, [f"{cid}:0" for cid in on], {0: "h0", 1: "h1"})
+        assert handle.rendezvous(Master(addr="127.0.0.1", port=29500))
+
+    def report(by: str, peer: str, attempt: int) -> dict:
+        return socks[by].emit("unreachable", {"job_id": job_id, "attempt": attempt, "peers": {peer: "no route to host"}},
+                              namespace="/gpu", callback=True)
+
+    place(("a", "b"))
+    assert report("a", "b", 0) == {"ok": True}
+    job = store.get_job(job_id)
+    assert job.status == "resuming" and "a (host host-a) and b (host host-b) cannot reach each other" in \
+        job.restart_history[0].reason and "placing the job again without the pair" in job.restart_history[0].reason
+    store.release_slots(job_id)  # the GPU clients said its ranks exited
+    clients = {c["id"]: c for c in store.list_clients(api.room["id"])}
+    chosen, _ = plan({"spec": job.spec.model_dump(mode="json"), "status": "resuming", "world_size": 2},
+                     [s for c in clients.values() for s in c["slots"]], clients)
+    assert {s["client_id"] for s in chosen} in ({"a", "c"}, {"b", "c"})
+    place(("a", "c"))  # and a cannot reach c either: no second time, the job fails naming the pair
+    assert report("a", "c", 1) == {"ok": True}
+    job = store.get_job(job_id)
+    assert job.status == "failed" and "gpu clients a (host host-a) and c (host host-c)" in job.reason
+    assert 'parallelism="DILOCO"' in job.reason
+    assert {c["id"]: c["unreachable"] for c in api.get("/room").json["clients"]} == \
+        {"a": ["b", "c"], "b": ["a"], "c": ["a"]}

@@ -6,8 +6,10 @@ a job connects to every other's reachability port (``JobAssign.peers``, ``gpu_cl
 one that cannot says so at once (``Unreachable``), instead of its ranks waiting out the
 collective timeout. Then:
 
-- the job fails at once, naming the pair(s) (client ids and hosts) and what the connection
-  said, and suggesting ``parallelism="DILOCO"`` (which syncs through the server and needs no
+- the job is placed again, once, without the pair (``lifecycle.interrupt``: it resumes, as
+  after a lost GPU client) when the room has GPU clients enough that reach each other; else
+  it fails at once, naming the pair(s) (client ids and hosts) and what the connection said,
+  and suggesting ``parallelism="DILOCO"`` (which syncs through the server and needs no
   connection between GPU clients);
 - the pair is remembered on both clients' records (``unreachable``: peer id -> until when,
   ``UNREACHABLE_TTL`` seconds), and the scheduler places DDP/FSDP jobs only among clients no
@@ -21,10 +23,10 @@ from __future__ import annotations
 import logging
 import time
 
-from ..protocol import ACTIVE
+from ..protocol import ACTIVE, JobStatus
 from ..protocol.gpu import Ack, Unreachable
 from . import lifecycle, notify
-from .placement import meets_over_tcp
+from .placement import meets_over_tcp, plan
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,24 @@ def reported(ctx, room_id: str, client_id: str, report: Unreachable) -> Ack:
     why = message(reporter, client_id, {p: (ctx.store.get_client(p), e) for p, e in report.peers.items()},
                   job.spec.parallelism.value)
     log.warning("job %s: gpu-client %s cannot reach %s", job.id, client_id, ", ".join(report.peers))
-    lifecycle.fail(ctx, job.id, why)
+    if _placeable_apart(ctx, job):
+        lifecycle.interrupt(ctx, job.id, f"{why}; placing the job again without the pair")
+    else:
+        lifecycle.fail(ctx, job.id, why)
     notify.clients_changed(ctx, room_id)
     return Ack(ok=True)
+
+
+def _placeable_apart(ctx, job) -> bool:
+    """Whether the job could go on GPU clients that reach each other, its own slots counted free,
+    and it was not placed again for this once already."""
+    if any("cannot reach each other" in entry.reason for entry in job.restart_history):
+        return False
+    clients = {c["id"]: c for c in ctx.store.list_clients(job.room_id)}
+    slots = sorted(({**s, "job_id": None} if s.get("job_id") == job.id else s
+                    for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
+    asked = {"spec": job.spec.model_dump(mode="json"), "status": JobStatus.QUEUED.value, "world_size": None}
+    if job.restarts:  # a job that resumed before goes on at the size it ran at
+        asked = {**asked, "status": JobStatus.RESUMING.value, "world_size": job.world_size}
+    chosen, _ = plan(asked, slots, clients)
+    return chosen is not None
