@@ -25,9 +25,7 @@ import socket
 import threading
 import time
 import traceback
-from urllib.parse import urlparse
 
-import psutil
 import requests
 import socketio
 
@@ -41,6 +39,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, Link, PortO
 from zwdx.protocol.rank import RankSpec
 
 from . import gpus, health, host, link, reach, script
+from .reach import free_port, interface_of, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
@@ -57,32 +56,6 @@ CA_FILE = "ca.pem"
 
 #: ``RegisterAnswer.code`` of a register refused for its client secret.
 WRONG_SECRET = "client_secret"
-
-
-def reaching_address(server_url: str) -> str:
-    """The address of this machine's interface that reaches the server."""
-    parsed = urlparse(server_url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))  # UDP: no packet is sent, the kernel just picks a route
-        return probe.getsockname()[0]
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def interface_of(addr: str) -> str | None:
-    """The network interface holding ``addr`` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
-    try:
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.address == addr for a in addrs):
-                return name
-    except Exception:
-        pass
-    return None
 
 
 class Agent:

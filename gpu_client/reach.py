@@ -1,4 +1,8 @@
-"""Whether this GPU client's peers in a DDP/FSDP job can reach it, and it them, before its ranks start.
+"""Where this GPU client's peers reach it, and whether they can, before the ranks of a DDP/FSDP job start.
+
+Its address is the one of the interface that reaches the server (``reaching_address``; or
+``--advertise-addr``); the ranks' gloo and NCCL sockets use that interface (``interface_of``),
+and rank 0's rendezvous port is a free one there (``free_port``).
 
 Each GPU client listens on a port of its advertised address (``Listener``; ``reach_port`` in its
 ``Register``) and answers every connection with one line, ``zwdx <client id>``, then closes it:
@@ -11,18 +15,44 @@ waiting out the collective timeout.
 """
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import psutil
 
 from zwdx import defaults
 from zwdx.protocol.gpu import Peer
 
-log = logging.getLogger("gpu_client.reach")
-
 #: The line a listener answers with starts so.
 BANNER = b"zwdx "
+
+
+def reaching_address(server_url: str) -> str:
+    """The address of this machine's interface that reaches the server."""
+    parsed = urlparse(server_url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: no packet is sent, the kernel just picks a route
+        return probe.getsockname()[0]
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface holding ``addr`` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    try:
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == addr for a in addrs):
+                return name
+    except Exception:
+        pass
+    return None
 
 
 class Listener:
