@@ -67,7 +67,7 @@ def test_registered_link_and_reach_port_show_in_the_room_and_in_metrics(api, soc
 # -- placement ------------------------------------------------------------------------------------
 def client(cid: str, unreachable: dict | None = None) -> dict:
     return {"id": cid, "hostname": f"host-{cid}", "status": "online", "versions": {"python": "3.11.7"},
-            "modules": None, "unreachable": unreachable or {},
+            "modules": None, "unreachable": [{"client_id": p, "until": t} for p, t in (unreachable or {}).items()],
             "slots": [{"id": f"{cid}:0", "client_id": cid, "index": 0, "kind": "cpu", "job_id": None,
                        "memory_total": 1 << 30, "memory_free": 1 << 30}]}
 

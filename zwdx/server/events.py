@@ -141,7 +141,7 @@ def on_register(hello: Register) -> RegisterAnswer:
               "versions": hello.versions, "advertise_addr": hello.advertise_addr, "reach_port": hello.reach_port,
               # its link as measured now, else as last measured (a client measures every LINK_REFRESH s)
               "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
-              "unreachable": (existing or {}).get("unreachable") or {},  # reach.py: kept across registers
+              "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers
               "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
               "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
               "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),

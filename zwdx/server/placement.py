@@ -124,11 +124,13 @@ def whole_groups(order: list[dict], per: int) -> tuple[list[dict], int]:
 
 
 def apart_from(client: dict, now: float) -> list[str]:
-    """The GPU clients this one is known not to reach, or not to be reached by, at ``now``."""
+    """The GPU clients this one is known not to reach, or not to be reached by, at ``now`` (its
+    record's ``unreachable``: ``[{"client_id", "until"}]``, written by ``reach.py``)."""
     held = client.get("unreachable")
-    if not isinstance(held, dict):
+    if not isinstance(held, list):
         return []
-    return sorted(peer for peer, until in held.items() if isinstance(until, (int, float)) and until > now)
+    return sorted({e["client_id"] for e in held if isinstance(e, dict) and isinstance(e.get("client_id"), str)
+                   and isinstance(e.get("until"), (int, float)) and e["until"] > now})
 
 
 def apart(clients: dict, now: float) -> set[frozenset]:

@@ -11,8 +11,8 @@ collective timeout. Then:
   it fails at once, naming the pair(s) (client ids and hosts) and what the connection said,
   and suggesting ``parallelism="DILOCO"`` (which syncs through the server and needs no
   connection between GPU clients);
-- the pair is remembered on both clients' records (``unreachable``: peer id -> until when,
-  ``UNREACHABLE_TTL`` seconds), and the scheduler places DDP/FSDP jobs only among clients no
+- the pair is remembered on both clients' records (``unreachable``: the peer's id and until
+  when, ``UNREACHABLE_TTL`` seconds), and the scheduler places DDP/FSDP jobs only among clients no
   pair of which is remembered (``placement.apart``); DILOCO jobs go anywhere.
 
 A GPU client speaks only for itself, of a job of its room that it and the peers it names are
@@ -38,16 +38,17 @@ def _who(client: dict | None, client_id: str) -> str:
 
 def remember(ctx, a: str, b: str, ttl: float, now: float | None = None) -> None:
     """Note on both clients' records that ``a`` and ``b`` could not reach each other, until
-    ``now + ttl`` (entries past their time are dropped as it writes)."""
+    ``now + ttl`` (entries past their time are dropped as it writes). A list of
+    ``{"client_id", "until"}``, not a mapping: a client id may hold a dot, which MongoDB reads
+    as a path in a key."""
     now = time.time() if now is None else now
     for one, other in ((a, b), (b, a)):
         client = ctx.store.get_client(one)
         if client is None:
             continue
-        held = {k: v for k, v in (client.get("unreachable") or {}).items()
-                if isinstance(v, (int, float)) and v > now}
-        held[other] = now + ttl
-        ctx.store.update_client(one, {"unreachable": held})
+        keep = [e for e in client.get("unreachable") or [] if isinstance(e, dict)
+                and e.get("client_id") != other and isinstance(e.get("until"), (int, float)) and e["until"] > now]
+        ctx.store.update_client(one, {"unreachable": [*keep, {"client_id": other, "until": now + ttl}]})
 
 
 def message(reporter: dict | None, reporter_id: str, peers: dict[str, tuple[dict | None, str]], parallelism: str) -> str:
