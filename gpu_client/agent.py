@@ -9,6 +9,12 @@ re-registers with the jobs it still runs. What it says and hears are the types o
 assigned gets one ``RankSpec`` with that rank's key (and no other secret of the agent) and
 runs in its own process (``launcher.py``), in the job's sandbox: as a user of its own per job
 when the agent is root (``isolation.py``; each slot registers which isolation it has).
+
+As it registers it says how its peers reach it (``advertise_addr``, and the port of its
+reachability listener, ``reach.py``) and its link to the server (``link.py``, measured at most
+every ``LINK_REFRESH`` seconds). Before the ranks of a DDP/FSDP job start, it connects to the
+job's other GPU clients; one it cannot reach is reported (``Unreachable``) and its ranks are not
+started: the server fails the job at once, naming the pair.
 """
 from __future__ import annotations
 
@@ -19,22 +25,21 @@ import socket
 import threading
 import time
 import traceback
-from urllib.parse import urlparse
 
-import psutil
 import requests
 import socketio
 
 from zwdx import defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
-                           EV_RESERVE_PORT, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
+                           EV_RESERVE_PORT, EV_UNREACHABLE, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
 from zwdx.protocol.base import parse
-from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, RankPlace, RanksExited, Register,
-                               RegisterAnswer, ReservePort, Running)
+from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
+                               Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, health, host, script
+from . import gpus, health, host, link, reach, script
+from .reach import free_port, interface_of, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
@@ -51,32 +56,6 @@ CA_FILE = "ca.pem"
 
 #: ``RegisterAnswer.code`` of a register refused for its client secret.
 WRONG_SECRET = "client_secret"
-
-
-def reaching_address(server_url: str) -> str:
-    """The address of this machine's interface that reaches the server."""
-    parsed = urlparse(server_url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))  # UDP: no packet is sent, the kernel just picks a route
-        return probe.getsockname()[0]
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def interface_of(addr: str) -> str | None:
-    """The network interface holding ``addr`` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
-    try:
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.address == addr for a in addrs):
-                return name
-    except Exception:
-        pass
-    return None
 
 
 class Agent:
@@ -113,8 +92,11 @@ class Agent:
         self.stop = threading.Event()
         self.fatal: str | None = None
         self._registered = threading.Event()
+        self.link: Link | None = None            # its link to the server, measured at a register
+        self.listener: reach.Listener | None = None  # answers its peers' reachability probes
+        self.http = self._session()
         self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
-                                   randomization_factor=0.5, http_session=self._session())
+                                   randomization_factor=0.5, http_session=self.http)
         self._bind()
 
     def _session(self, rank_key: str | None = None) -> requests.Session:
@@ -147,9 +129,14 @@ class Agent:
         if iface:  # ranks talk over the interface that reaches the server, not the hostname's
             self.launcher.network = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
                                      "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
+        if self.listener is None:
+            self.listener = reach.Listener(self.advertise_addr, self.client_id)
+        if self.link is None or time.time() - self.link.measured_at > defaults.LINK_REFRESH:
+            self.link = link.measure(self.http, self.server, self.token) or self.link
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
                          versions=runtime_versions(), modules=self.modules, advertise_addr=self.advertise_addr,
-                         running=self._running(), client_secret=self.identity.secret)
+                         reach_port=self.listener.port, link=self.link, running=self._running(),
+                         client_secret=self.identity.secret)
         try:
             data = self.sio.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=15)
         except Exception as exc:
@@ -171,8 +158,8 @@ class Agent:
         health.beat(self.work_dir)
         for slot in self.slots:
             self._want_standby(slot.index)
-        log.info("gpu-client %s: registered in room %s with %d slot(s): %s", self.client_id, answer.room_id,
-                 len(self.slots), ", ".join(s.name for s in self.slots))
+        log.info("gpu-client %s: registered in room %s with %d slot(s): %s%s", self.client_id, answer.room_id,
+                 len(self.slots), ", ".join(s.name for s in self.slots), _link_line(self.link))
 
     def _on_connect_error(self, data=None):
         message = data.get("message") if isinstance(data, dict) else str(data)
@@ -265,6 +252,9 @@ class Agent:
         bundle is checked in the cache (its sha256, on every use) or fetched; tell them when it
         is there."""
         exits: dict[str, int] = {}
+        if self._peers_unreachable(assign):
+            self._after_job(job, assign, {str(r.rank): NOT_STARTED for r in assign.ranks})
+            return
         try:
             bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
             self.launcher.lease(job, self.client_id)
@@ -287,6 +277,9 @@ class Agent:
             self.launcher.kill(job)
             for r in assign.ranks:
                 exits.setdefault(str(r.rank), job.procs[r.rank].wait() if r.rank in job.procs else NOT_STARTED)
+        self._after_job(job, assign, exits)
+
+    def _after_job(self, job: RunningJob, assign: JobAssign, exits: dict[str, int]) -> None:
         log.info("gpu-client %s: job %s (attempt %d) ranks exited: %s", self.client_id, job.job_id, job.attempt,
                  exits)
         self.launcher.release(job)
@@ -297,6 +290,26 @@ class Agent:
         self.finished += 1
         if self.max_jobs is not None and self.finished >= self.max_jobs:
             self.stop.set()
+
+    def _peers_unreachable(self, assign: JobAssign) -> bool:
+        """Connect to the job's other GPU clients (``reach.py``); tell the server of those that
+        did not answer, and say whether there were any (then the ranks are not started)."""
+        if not assign.peers:
+            return False
+        missed = reach.unreachable(assign.peers, self.client_id)
+        if not missed:
+            return False
+        log.error("gpu-client %s: job %s: cannot reach %s", self.client_id, assign.job_id,
+                  "; ".join(f"{peer} ({why})" for peer, why in missed.items()))
+        report = Unreachable(job_id=assign.job_id, attempt=assign.attempt, peers=missed)
+        try:
+            answer = _answer(Ack, self.sio.call(EV_UNREACHABLE, report.model_dump(), namespace=GPU_NAMESPACE,
+                                                timeout=15))
+            if not answer.ok:
+                log.warning("gpu-client %s: unreachable peers not taken: %s", self.client_id, answer.error)
+        except Exception as exc:  # its ranks' exits still fail the job
+            log.warning("gpu-client %s: unreachable peers not reported: %s", self.client_id, exc)
+        return True
 
     def _refuse_assign(self, data, err: BadRequest) -> None:
         """A ``job_assign`` this client cannot read (a server of another version?): fail its ranks
@@ -404,7 +417,16 @@ class Agent:
             self.sio.disconnect()
         except Exception:
             pass
+        if self.listener is not None:
+            self.listener.close()
         self.workspace.close()
+
+
+def _link_line(measured: Link | None) -> str:
+    if measured is None:
+        return ""
+    return (f"; link to the server: down {measured.down * 8 / 1e6:,.0f} Mbit/s, up {measured.up * 8 / 1e6:,.0f} "
+            f"Mbit/s, rtt {measured.rtt * 1000:.1f} ms")
 
 
 def _answer(model, data):

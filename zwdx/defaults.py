@@ -64,3 +64,16 @@ OUTAGE_TOLERANCE = 600.0
 MAX_REQUIRED_MODULES = 1000
 MAX_CLIENT_MODULES = 50000
 MAX_MODULE_NAME = 200
+#: Bytes each way of a GPU client's link measurement at register (``gpu_client/link.py``), and
+#: the most the server sends or reads for one (``GET``/``POST /api/v1/link``).
+LINK_PROBE_BYTES = 1024**2
+LINK_PROBE_MAX_BYTES = 4 * 1024**2
+#: Seconds a GPU client keeps its link figures before it measures again at a register.
+LINK_REFRESH = 3600.0
+#: Link measurement requests one address may make (a rate, as Flask-Limiter writes it).
+RATE_LIMIT_LINK = "30 per minute; 300 per day"
+#: Seconds a GPU client waits for a TCP connection to a peer of a DDP/FSDP job before it calls
+#: the peer unreachable (``gpu_client/reach.py``).
+REACH_TIMEOUT = 3.0
+#: Seconds the server remembers that two GPU clients could not reach each other.
+UNREACHABLE_TTL = 3600.0

@@ -191,7 +191,8 @@ def shared_world(request, tmp_path_factory) -> World:
         config = {"DATA_DIR": str(base / "mongo-app"), "MONGO_URI": backend.where}
     # Its tests ask with hundreds of wrong credentials from one address: not rate-limited here.
     app = create_app({"MONGO_URI": None, "SCHEDULER": False, "TESTING": True,
-                      "RATE_LIMIT_AUTH_FAILURES": "100000 per minute", **config})
+                      "RATE_LIMIT_AUTH_FAILURES": "100000 per minute", "RATE_LIMIT_LINK": "100000 per minute",
+                      **config})
     try:
         w = build(app, backend)
         yield w

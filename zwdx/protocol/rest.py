@@ -76,6 +76,15 @@ class SlotView(Answer):
     rank: int | None = None
 
 
+class LinkView(Answer):
+    """A GPU client's link to the server as it measured it at register: round trip in seconds,
+    bytes per second up (to the server) and down."""
+    rtt: float
+    up: float
+    down: float
+    measured_at: float
+
+
 class ClientView(Answer):
     id: str
     room_id: str
@@ -89,6 +98,12 @@ class ClientView(Answer):
     registered_at: float | None = None
     disconnected_at: float | None = None
     lost_at: float | None = None
+    #: Where its peers' reachability probes reach it (on ``advertise_addr``).
+    reach_port: int | None = None
+    link: LinkView | None = None
+    #: GPU clients it could not reach, or that could not reach it, lately: DDP and FSDP jobs
+    #: keep them apart (``zwdx/server/reach.py``).
+    unreachable: list[str] = []
     slots: list[SlotView] = []
 
 
@@ -271,6 +286,16 @@ class JobsQuery(Query):
 class JobQuery(Query):
     """``GET /api/v1/jobs/<id>?events_after=N``: with it, the job's events after ``seq`` N too."""
     events_after: Count | None = None
+
+
+class LinkQuery(Query):
+    """``GET /api/v1/link?bytes=N``: N bytes to time a GPU client's download (0: a round trip)."""
+    bytes: Annotated[int, Field(ge=0, le=defaults.LINK_PROBE_MAX_BYTES)] = 0
+
+
+class LinkReceived(Answer):
+    """``POST /api/v1/link``: how many bytes of the upload the server read."""
+    bytes: int
 
 
 # -- events (metrics and log lines) ---------------------------------------------------------------
