@@ -64,3 +64,14 @@ OUTAGE_TOLERANCE = 600.0
 MAX_REQUIRED_MODULES = 1000
 MAX_CLIENT_MODULES = 50000
 MAX_MODULE_NAME = 200
+#: Datasets (``zwdx data push``, ``zwdx.datasets``): the size files are cut into chunks at, the
+#: largest chunk the server takes, the most files one version holds, the most chunks one
+#: question may ask about, and the most datasets one job may name.
+DATASET_CHUNK_BYTES = 8 * 1024**2
+MAX_DATASET_CHUNK_BYTES = 256 * 1024**2
+MAX_DATASET_FILES = 20000
+MAX_DATASET_CHUNK_QUERY = 10000
+MAX_JOB_DATASETS = 16
+#: Bytes a GPU client's dataset cache may hold (``zwdx gpu-client --dataset-cache-bytes``): the
+#: least recently used datasets go to make room; it also never fills the disk past what is free.
+DATASET_CACHE_BYTES = 50 * 1024**3

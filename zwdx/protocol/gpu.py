@@ -21,6 +21,7 @@ from pydantic import Field, StringConstraints, field_validator
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
+from .dataset import DatasetPin
 from .diloco import DilocoSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
@@ -165,6 +166,8 @@ class JobAssign(Answer):
     max_restarts: int = defaults.MAX_RESTARTS
     #: DILOCO's settings; None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: The datasets to fetch before the ranks run the job's code (pinned at submit).
+    datasets: list[DatasetPin] = []
 
 
 class JobCancel(Answer):
