@@ -21,7 +21,7 @@ import posixpath
 import re
 from typing import Annotated
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator
 
 from .. import defaults
 from .base import Answer, Bytes, Count, Message
@@ -79,19 +79,20 @@ class Manifest(Message):
     chunk_bytes: Annotated[int, Field(ge=1, le=defaults.MAX_DATASET_CHUNK_BYTES)]
     files: Annotated[list[ManifestFile], Field(max_length=defaults.MAX_DATASET_FILES)]
 
-    @model_validator(mode="after")
-    def _distinct(self):
+    @field_validator("files")
+    @classmethod
+    def _distinct(cls, files: list[ManifestFile]) -> list[ManifestFile]:
         seen, dirs = set(), set()
-        for f in self.files:
+        for f in files:
             if f.path in seen:
-                raise ValueError(f"files: {f.path!r} is there twice")
+                raise ValueError(f"{f.path!r} is there twice")
             seen.add(f.path)
             parts = f.path.split("/")
             dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
         both = seen & dirs
         if both:
-            raise ValueError(f"files: {sorted(both)[0]!r} is both a file and a folder")
-        return self
+            raise ValueError(f"{sorted(both)[0]!r} is both a file and a folder")
+        return files
 
     def canonical(self) -> bytes:
         """The JSON this version is stored as (sorted keys, no spaces): its sha256 is its version."""
