@@ -267,11 +267,10 @@ class Agent:
         """The job's datasets from the cache (``datasets.py``), into its sandbox's ``data``."""
         session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's datasets
         try:
-            provided = [self.datasets.provide(pin, session, f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}")
-                        for pin in assign.datasets]
+            provided = self.datasets.lend(assign.datasets, lambda p: share_datasets(self.isolation, job.sandbox, p),
+                                          session, f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}")
         finally:
             session.close()
-        share_datasets(self.isolation, job.sandbox, provided)
         log.info("gpu-client %s: job %s datasets ready: %s", self.client_id, job.job_id,
                  ", ".join(f"{p.name} ({'fetched' if p.fetched else 'cached'}, {p.size} bytes)" for p in provided))
 

@@ -172,23 +172,32 @@ class DatasetCache:
         os.replace(part, self._entry(key))
 
     # -- a job's datasets --------------------------------------------------------------------------
-    def provide(self, pin: DatasetPin, session=None, api: str = "") -> Provided:
-        """The dataset in the cache, verified now; fetched (room dataset: ``session`` with a rank
-        key of the job, ``api`` the job's URL under the API) if it is not there or not sound."""
+    def lend(self, pins: list[DatasetPin], place, session=None, api: str = "") -> list[Provided]:
+        """Each dataset in the cache, verified now (fetched if it is not there or not sound: a
+        room dataset with ``session``, holding a rank key of the job, from ``api``, the job's
+        URL under the API), and handed to ``place`` at once, before another dataset's room is
+        made: what ``place`` linked stays the job's even if it is evicted later."""
+        out = []
         with self._lock:
-            if pin.version:
-                key, source = pin.version, None
-            else:
-                key, source = self._url_key(pin)
-            files = self._verified(key, pinned=bool(pin.version))
-            fetched = files is None
-            if fetched:
-                started = time.time()
-                files = self._fetch_room(pin, session, api) if pin.version else self._fetch_url(pin, key, source)
-                log.info("gpu-client dataset cache: %s (%s) fetched, %d files, %d bytes in %.1fs", pin.name, key[:12],
-                         len(files), sum(f["size"] for f in files), time.time() - started)
-            return Provided(name=pin.name, path=os.path.join(self._entry(key), "files"),
-                            files=[f["path"] for f in files], fetched=fetched, size=sum(f["size"] for f in files))
+            for pin in pins:
+                out.append(self._provide(pin, session, api))
+                place(out[-1])
+        return out
+
+    def _provide(self, pin: DatasetPin, session, api: str) -> Provided:
+        if pin.version:
+            key, source = pin.version, None
+        else:
+            key, source = self._url_key(pin)
+        files = self._verified(key, pinned=bool(pin.version))
+        fetched = files is None
+        if fetched:
+            started = time.time()
+            files = self._fetch_room(pin, session, api) if pin.version else self._fetch_url(pin, key, source)
+            log.info("gpu-client dataset cache: %s (%s) fetched, %d files, %d bytes in %.1fs", pin.name, key[:12],
+                     len(files), sum(f["size"] for f in files), time.time() - started)
+        return Provided(name=pin.name, path=os.path.join(self._entry(key), "files"),
+                        files=[f["path"] for f in files], fetched=fetched, size=sum(f["size"] for f in files))
 
     def _part(self, key: str) -> str:
         part = os.path.join(self.root, f".{key[:16]}.{uuid.uuid4().hex[:8]}.part")
@@ -284,16 +293,14 @@ class DatasetCache:
         return files
 
 
-def share(isolation, box, provided: list[Provided]) -> str:
-    """The job's datasets in its sandbox, ``<sandbox>/data/<name>/<path>``, read-only to its
-    ranks: the folder ``data_dir`` names."""
+def share(isolation, box, p: Provided) -> str:
+    """A dataset in the job's sandbox, ``<sandbox>/data/<name>/<path>``, read-only to its ranks
+    (``data_dir`` names ``<sandbox>/data``): its folder."""
     data_dir = os.path.join(box.dir, "data")
     os.makedirs(data_dir, mode=0o755, exist_ok=True)
     os.chmod(data_dir, 0o755)
-    for p in provided:
-        for rel in p.files:
-            folder = os.path.dirname(os.path.join(data_dir, p.name, rel))
-            os.makedirs(folder, mode=0o755, exist_ok=True)
-            isolation.share(os.path.join(p.path, rel), box, os.path.join("data", p.name, rel))
-        os.makedirs(os.path.join(data_dir, p.name), mode=0o755, exist_ok=True)  # an empty dataset, too
-    return data_dir
+    for rel in p.files:
+        os.makedirs(os.path.dirname(os.path.join(data_dir, p.name, rel)), mode=0o755, exist_ok=True)
+        isolation.share(os.path.join(p.path, rel), box, os.path.join("data", p.name, rel))
+    os.makedirs(os.path.join(data_dir, p.name), mode=0o755, exist_ok=True)  # an empty dataset, too
+    return os.path.join(data_dir, p.name)

@@ -9,6 +9,7 @@ small dataset cache (``--dataset-cache-bytes``), shared by the module's cases in
 - a cache entry corrupted on the donor's disk is fetched again, never used (the loader checks
   the bytes it reads); the URL's entry is used from the cache (one GET in all);
 - a name the room has no dataset of: refused at submit, naming it, nothing stored;
+- a push cut short resumes (only the chunks the room lacks travel); ``zwdx data list|show|rm``;
 - a dataset that does not fit beside the others evicts the least recently used (the job runs);
   one larger than the whole cache fails its job with that reason;
 - a script job (``zwdx run --dataset``) reads ``$ZWDX_DATA_DIR``.
@@ -226,6 +227,33 @@ def test_an_unknown_dataset_is_refused_at_submit(world):
             "bundle_artifact": bundle["id"], "versions": {"python": "3.11.7"}, "datasets": ["nope"]})
     assert "'nope'" in err.value.message and err.value.context["field"] == "datasets.0"
     assert len(world.sdk.list_jobs()) == jobs
+
+
+def test_an_interrupted_push_resumes_and_zwdx_data_lists_shows_removes(world, tmp_path):
+    from zwdx.datasets import Datasets, scan
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"part-{i}.bin").write_bytes(os.urandom(3000))
+    scanned = scan(str(folder), "parts", chunk_bytes=1000)
+    chunks = [c for f in scanned.manifest.files for c in f.chunks]
+    Datasets(world.sdk)._upload(world.sdk.room_token, scanned, chunks[:5])  # a push cut short after 5 chunks
+    pushed = world.sdk.push_dataset(str(folder), "parts", progress=False, chunk_bytes=1000)
+    assert (pushed["chunks"], pushed["uploaded_chunks"], pushed["uploaded_bytes"]) == (12, 7, 7000)
+
+    def zwdx(*args: str) -> str:
+        env = child_env({"PYTHONPATH": ROOT, "ZWDX_CONFIG_DIR": str(tmp_path / "config")})
+        done = subprocess.run([sys.executable, "-m", "zwdx.cli", "data", *args, "--server", world.server.url,
+                               "--room-token-file", str(world.token_file)], env=env, capture_output=True, text=True,
+                              timeout=60 + SLACK)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    import json
+    listed = {d["name"]: d for d in json.loads(zwdx("list", "--json"))}
+    assert listed["parts"]["latest"]["version"] == pushed["version"] and listed["parts"]["latest"]["files"] == 4
+    assert "part-3.bin" in zwdx("show", "parts")
+    assert json.loads(zwdx("rm", "parts", "--json"))["versions"] == 1
+    assert "parts" not in zwdx("list")
 
 
 def test_a_full_cache_evicts_the_least_recently_used_and_refuses_what_never_fits(world, digits, tmp_path):
