@@ -243,7 +243,7 @@ class DatasetCache:
     def _url_key(pin: DatasetPin) -> tuple[str, dict]:
         """The URL's entry: its ETag (or Last-Modified) and size as the server says them now."""
         import fsspec
-        fs, path = fsspec.core.url_to_fs(pin.url)
+        fs, path = fsspec.core.url_to_fs(pin.url, skip_instance_cache=True)  # asked afresh: no listing cached
         info = fs.info(path)
         tag = info.get("ETag") or info.get("etag") or info.get("Last-Modified") or info.get("LastModified") or ""
         size = info.get("size")

@@ -1,6 +1,7 @@
 """``zwdx data ...``: a room's datasets from a terminal (``zwdx.datasets``).
 
-    zwdx data push DIR --name NAME [--json]      upload a folder (only the chunks the room lacks)
+    zwdx data push DIR --name NAME [--chunk-bytes N] [--json]
+                                                 upload a folder (only the chunks the room lacks)
     zwdx data list [--json]                      the room's datasets and their newest versions
     zwdx data show NAME [--json]                 one dataset: its versions and newest files
     zwdx data rm NAME [--json]                   remove it, every version
@@ -14,6 +15,7 @@ import time
 
 from tabulate import tabulate
 
+from . import defaults
 from .jobs_cli import _ago, _print_json, room_token
 
 
@@ -26,7 +28,8 @@ def _size(n: int) -> str:
 
 
 def data_push(sdk, args) -> int:
-    got = sdk.push_dataset(args.path, args.name, room_token(sdk, args), progress=not args.json)
+    got = sdk.push_dataset(args.path, args.name, room_token(sdk, args), progress=not args.json,
+                           chunk_bytes=args.chunk_bytes)
     if args.json:
         _print_json(got)
         return 0
@@ -84,6 +87,9 @@ def add_data_parser(sub, server_arguments, token_arguments, run) -> None:
         if action == "push":
             a.add_argument("path", help="the folder")
             a.add_argument("--name", required=True, help="the dataset's name in the room (a new version if it has one)")
+            a.add_argument("--chunk-bytes", type=int, default=defaults.DATASET_CHUNK_BYTES, metavar="N",
+                           help="the size files are cut at (default 8 MiB; larger for datasets of many TiB: the "
+                                "manifest, about 70 bytes a chunk, must stay within the server's 8 MiB body limit)")
         elif action in ("show", "rm"):
             a.add_argument("name")
         a.add_argument("--room", default=None, help="a room the SDK remembers, by id (when it knows several)")
