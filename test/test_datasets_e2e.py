@@ -181,7 +181,17 @@ def digits(world, tmp_path_factory):
     return pushed, expected, folder
 
 
-def test_a_pushed_dataset_is_read_by_a_job_and_then_served_from_the_cache(world, digits):
+def cli(world, tmp_path, *args: str) -> str:
+    """``zwdx ARGS`` as a user types it, with the room's token file: its stdout."""
+    env = child_env({"PYTHONPATH": ROOT, "ZWDX_CONFIG_DIR": str(tmp_path / "config")})
+    done = subprocess.run([sys.executable, "-m", "zwdx.cli", *args, "--server", world.server.url,
+                           "--room-token-file", str(world.token_file)], env=env, capture_output=True, text=True,
+                          timeout=60 + SLACK)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_pushed_dataset_is_read_by_a_job_and_then_served_from_the_cache(world, digits, tmp_path):
     pushed, expected, folder = digits
     assert pushed["files"] == 5 and pushed["new_version"] and pushed["chunks"] > 5  # files of several chunks
     assert pushed["uploaded_bytes"] == pushed["size"]
@@ -199,6 +209,8 @@ def test_a_pushed_dataset_is_read_by_a_job_and_then_served_from_the_cache(world,
     assert second["status"] == "completed", second
     assert world.served() - before == pushed["size"]
     assert Counting.gets == 1
+    shown = cli(world, tmp_path, "jobs", "show", second["job_id"])
+    assert f"digits ({pushed['version'][:12]}), extra ({world.url})" in shown
 
 
 def test_a_corrupted_cache_entry_is_fetched_again_never_used(world, digits):
@@ -242,18 +254,13 @@ def test_an_interrupted_push_resumes_and_zwdx_data_lists_shows_removes(world, tm
     assert (pushed["chunks"], pushed["uploaded_chunks"], pushed["uploaded_bytes"]) == (12, 7, 7000)
 
     def zwdx(*args: str) -> str:
-        env = child_env({"PYTHONPATH": ROOT, "ZWDX_CONFIG_DIR": str(tmp_path / "config")})
-        done = subprocess.run([sys.executable, "-m", "zwdx.cli", "data", *args, "--server", world.server.url,
-                               "--room-token-file", str(world.token_file)], env=env, capture_output=True, text=True,
-                              timeout=60 + SLACK)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+        return cli(world, tmp_path, *args)
     import json
-    listed = {d["name"]: d for d in json.loads(zwdx("list", "--json"))}
+    listed = {d["name"]: d for d in json.loads(zwdx("data", "list", "--json"))}
     assert listed["parts"]["latest"]["version"] == pushed["version"] and listed["parts"]["latest"]["files"] == 4
-    assert "part-3.bin" in zwdx("show", "parts")
-    assert json.loads(zwdx("rm", "parts", "--json"))["versions"] == 1
-    assert "parts" not in zwdx("list")
+    assert "part-3.bin" in zwdx("data", "show", "parts")
+    assert json.loads(zwdx("data", "rm", "parts", "--json"))["versions"] == 1
+    assert "parts" not in zwdx("data", "list")
 
 
 def test_a_full_cache_evicts_the_least_recently_used_and_refuses_what_never_fits(world, digits, tmp_path):
