@@ -43,6 +43,7 @@ from .reach import free_port, interface_of, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
+from .datasets import DatasetCache, share as share_datasets
 from .workspace import Workspace
 from .reporter import http_session
 
@@ -67,7 +68,7 @@ class Agent:
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
-                 ca_file: str | None = None):
+                 ca_file: str | None = None, dataset_cache_bytes: int | None = None):
         self.server = server.rstrip("/")
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
@@ -78,6 +79,7 @@ class Agent:
         self.isolation.check()
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
+        self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES)
         self.hostname = socket.gethostname()
         self.slots = [s.model_copy(update={"isolation": self.isolation.kind}) for s in gpus.discover(gpus_only, cpu)]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
@@ -233,7 +235,8 @@ class Agent:
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             diloco=assign.diloco,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
-            bundle_pending=pending, assigned_at=assigned_at, server=self.server, client_id=self.client_id,
+            bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
+            assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
             sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
             **script.rank_fields(assign, place, local_rank, job.sandbox.dir))
@@ -246,6 +249,17 @@ class Agent:
             resp.raise_for_status()
             self.workspace.keep_bundle(assign.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
                                        f"bundle of job {assign.job_id}")
+
+    def _provide_datasets(self, job: RunningJob, assign: JobAssign) -> None:
+        """The job's datasets from the cache (``datasets.py``), into its sandbox's ``data``."""
+        session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's datasets
+        try:
+            provided = self.datasets.lend(assign.datasets, lambda p: share_datasets(self.isolation, job.sandbox, p),
+                                          session, f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}")
+        finally:
+            session.close()
+        log.info("gpu-client %s: job %s datasets ready: %s", self.client_id, job.job_id,
+                 ", ".join(f"{p.name} ({'fetched' if p.fetched else 'cached'}, {p.size} bytes)" for p in provided))
 
     def _run_job(self, job: RunningJob, assign: JobAssign, assigned_at: float) -> None:
         """Start the job's ranks at once, so that they join their process group while the
@@ -268,6 +282,8 @@ class Agent:
             if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
                 self._fetch_bundle(assign)
             self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
+            if assign.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before the code runs
+                self._provide_datasets(job, assign)
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()

@@ -77,3 +77,14 @@ RATE_LIMIT_LINK = "30 per minute; 300 per day"
 REACH_TIMEOUT = 3.0
 #: Seconds the server remembers that two GPU clients could not reach each other.
 UNREACHABLE_TTL = 3600.0
+#: Datasets (``zwdx data push``, ``zwdx.datasets``): the size files are cut into chunks at, the
+#: largest chunk the server takes, the most files one version holds, the most chunks one
+#: question may ask about, and the most datasets one job may name.
+DATASET_CHUNK_BYTES = 8 * 1024**2
+MAX_DATASET_CHUNK_BYTES = 256 * 1024**2
+MAX_DATASET_FILES = 20000
+MAX_DATASET_CHUNK_QUERY = 10000
+MAX_JOB_DATASETS = 16
+#: Bytes a GPU client's dataset cache may hold (``zwdx gpu-client --dataset-cache-bytes``): the
+#: least recently used datasets go to make room; it also never fills the disk past what is free.
+DATASET_CACHE_BYTES = 50 * 1024**3

@@ -95,6 +95,9 @@ def jobs_show(sdk, args) -> int:
               ("attempt", f"{job.get('attempt', 0)} ({job.get('restarts', 0)} restart(s))"),
               ("submitted", _ago(job.get("created_at"), now)), ("started", _ago(job.get("started_at"), now)),
               ("ended", _ago(job.get("ended_at"), now)), ("final loss", _number(job.get("final_loss")))]
+    if spec.get("datasets"):
+        fields.append(("datasets", ", ".join(f"{d['name']} ({d['url'] if d.get('url') else d['version'][:12]})"
+                                             for d in spec["datasets"])))
     if job.get("waiting_reason"):
         fields.append(("waiting because", job["waiting_reason"]))
     if job.get("reason"):

@@ -152,6 +152,21 @@ def outputs(w: World) -> None:
     assert resp.status_code == 201, resp.text
 
 
+def fresh_manifest(w: World) -> dict:
+    """A manifest of a new dataset over a chunk room A has (uploaded now)."""
+    data, sha = fresh_workdir(w)
+    assert w.request("PUT", f"/datasets/chunks/{sha}", w.as_submitter(), data=data).status_code == 201
+    return {"name": f"d{sha[:8]}", "chunk_bytes": 1024,
+            "files": [{"path": "f", "size": len(data), "sha256": sha, "chunks": [sha]}]}
+
+
+def fresh_dataset(w: World) -> str:
+    """A dataset of room A no job uses: its name."""
+    name = f"spare{secrets.token_hex(4)}"
+    w.push_dataset(name)
+    return name
+
+
 ROUTES: dict[str, Route] = {
     "api.health": Route("public", lambda w, c, m: ("GET", "/health", {}), 200),
     "api.create_room": Route("public", lambda w, c, m: ("POST", f"{P}/rooms", {"json": {"name": "new"}}), 201),
@@ -216,6 +231,22 @@ ROUTES: dict[str, Route] = {
     # A GPU client's link measurement: any room's donor token (it names nothing of a room).
     "links.link_down": Route("donor", lambda w, c, m: ("GET", f"{P}/link?bytes=1000", {}), 200),
     "links.link_up": Route("donor", lambda w, c, m: ("POST", f"{P}/link", {"data": b"x" * 1000}), 200),
+    "datasets.missing_chunks": Route("room", lambda w, c, m: (
+        "POST", f"{P}/datasets/chunks/missing", {"json": {"chunks": [w.dataset["chunk"]]}}), 200, own_room=200),
+    "datasets.put_chunk": Route("room", lambda w, c, m: ("PUT", f"{P}/datasets/chunks/{m[1]}", {"data": m[0]}), 201,
+                                own_room=201, prepare=fresh_workdir),
+    # Room B's submitter naming room A's chunk: not in its room (400, nothing stored).
+    "datasets.create_version": Route("room", lambda w, c, m: ("POST", f"{P}/datasets", {"json": m}), 201,
+                                     own_room=400, prepare=fresh_manifest),
+    "datasets.list_datasets": Route("room", lambda w, c, m: ("GET", f"{P}/datasets", {}), 200, own_room=200),
+    "datasets.get_dataset": Route("room", lambda w, c, m: ("GET", f"{P}/datasets/tiny", {}), 200),
+    "datasets.remove_dataset": Route("room", lambda w, c, m: ("DELETE", f"{P}/datasets/{m}", {}), 200,
+                                     prepare=fresh_dataset),
+    "datasets.get_job_manifest": Route("job", lambda w, c, m: (
+        "GET", f"{P}/jobs/{job_of(w, c)}/datasets/{w.dataset['version']}", {}), 200, any_rank=True),
+    "datasets.get_job_chunk": Route("job", lambda w, c, m: (
+        "GET", f"{P}/jobs/{job_of(w, c)}/datasets/{w.dataset['version']}/chunks/{w.dataset['chunk']}", {}), 200,
+        any_rank=True),
     "scripts.put_outputs": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/outputs", {"data": b"t"}),
                                  201),
     "scripts.get_outputs": Route("room", lambda w, c, m: ("GET", f"{P}/jobs/{w.jobs['live']}/outputs", {}), 200,

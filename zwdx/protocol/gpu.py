@@ -21,6 +21,7 @@ from pydantic import Field, StringConstraints, field_validator
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
+from .dataset import DatasetPin
 from .diloco import DilocoSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
@@ -203,6 +204,8 @@ class JobAssign(Answer):
     #: The job's GPU clients, rank 0's first, for the reachability probe (empty: none to probe,
     #: as for DILOCO, which syncs through the server).
     peers: list[Peer] = []
+    #: The datasets to fetch before the ranks run the job's code (pinned at submit).
+    datasets: list[DatasetPin] = []
 
 
 class JobCancel(Answer):

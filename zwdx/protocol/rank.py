@@ -88,6 +88,9 @@ class RankSpec(Message):
     bundle_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     #: True: the agent is still fetching it, and says ``ready`` on stdin once it is there.
     bundle_pending: bool
+    #: The job's datasets, one folder each, read-only (``data_loader_func``'s ``data_dir``, a
+    #: script's ``$ZWDX_DATA_DIR``): there by ``ready``. None: the job names none.
+    data_dir: Path | None = None
 
     # -- who speaks, to whom ---------------------------------------------------------------------
     #: When the job reached the GPU client (seconds since the epoch): the origin of the startup times.

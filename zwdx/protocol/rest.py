@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
+from .dataset import DatasetRef
 from .diloco import DilocoSettings
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
@@ -203,6 +204,9 @@ class SubmitJob(Message):
     #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
     #: the defaults when this is left out.
     diloco: DilocoSettings | None = None
+    #: Datasets the GPU clients fetch before the job's code runs (``zwdx.protocol.dataset``): a
+    #: room dataset's name (its newest version, pinned now), a URL, or ``{"url", "sha256", "name"}``.
+    datasets: Annotated[list[DatasetRef], Field(max_length=defaults.MAX_JOB_DATASETS)] = []
 
     @field_validator("parallelism", mode="before")
     @classmethod

@@ -26,7 +26,7 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
 from ..protocol.report import to_wire
-from . import api, checkpoints, dashboard_api, diloco, events, limits, links, openapi, prometheus, scripts, tokens, ui
+from . import api, checkpoints, dashboard_api, datasets, diloco, events, limits, links, openapi, prometheus, scripts, tokens, ui
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
@@ -179,6 +179,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
+    app.register_blueprint(datasets.bp)
     app.register_blueprint(diloco.bp)
     app.register_blueprint(links.bp)
     app.register_blueprint(openapi.bp)
