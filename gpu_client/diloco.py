@@ -14,6 +14,14 @@ state across rounds. Nothing but HTTPS to the server: the worker's process group
 (world of one; its ranks would share it once a worker has several), so workers never need to
 reach each other.
 
+Overlapped (``overlap``, a one-step delay): at round k's sync point the worker's pseudo-gradient
+is its progress since round k-1's (``anchor - local``); it applies round k-1's average (waiting
+only if it has not come yet), goes on from ``new global - its progress`` (its round of work kept,
+on top of the new global weights) and uploads round k on a thread while it trains round k+1. The
+global weights are the same on every worker as before, one round later; a round's progress is
+measured from the worker's own start, not from the global weights it would have waited for. The
+last round is waited for, so the weights that come back are the global ones.
+
 The outer step runs after every ``inner_steps``-th step of any optimizer of the rank's process
 (a post-hook on every optimizer: the user's loop needs no change, whether it steps the optimizer
 zwdx rebuilt or one of its own), at ``reporter.sync()``, and once more after ``train_func`` returns
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 
 import requests
@@ -71,6 +80,10 @@ class Diloco:
         self._busy = False
         #: The workers dropped from the job, as the last round this worker uploaded to said.
         self.dropped: list[int] = []
+        #: Overlapped: the worker's weights when its last round left (its progress is measured
+        #: from there), and that round, still travelling.
+        self.anchor: torch.Tensor | None = None
+        self.pending: _Transfer | None = None
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
@@ -82,6 +95,7 @@ class Diloco:
         one), and take outer steps from now on."""
         self.params = list(model.parameters())
         self.global_ = torch.nn.Parameter(self._local())
+        self.anchor = self.global_.detach().clone()
         s = self.settings
         self.outer = torch.optim.SGD([self.global_], lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov)
         checkpointer.track(self, "diloco")  # a resumed worker's global weights, outer state and round
@@ -89,7 +103,8 @@ class Diloco:
         self.reporter.outer_step = self.sync
         if self.spec.rank == 0:
             self.reporter.log(f"DILOCO: worker {self.spec.rank} of {self.spec.world_size}, an outer step every "
-                              f"{s.inner_steps} inner steps through the server ({s.compression.value}, outer SGD "
+                              f"{s.inner_steps} inner steps through the server"
+                              f"{', overlapped with the next round (one-step delay)' if s.overlap else ''} ({s.compression.value}, outer SGD "
                               f"lr {s.outer_lr} momentum {s.outer_momentum}{' Nesterov' if s.nesterov else ''})")
 
     def uploads_weights(self) -> bool:
@@ -115,6 +130,7 @@ class Diloco:
             self.global_.copy_(state["global"])
         self.outer.load_state_dict(state["outer"])
         self.round = int(state["round"])
+        self.anchor, self.pending = self.global_.detach().clone(), None
         self._to_local()  # a resumed worker starts its round from the global weights
 
     # -- an outer step -------------------------------------------------------------------------
@@ -126,46 +142,95 @@ class Diloco:
             self.sync()
 
     def sync(self, last: bool = False) -> None:
-        """Round ``self.round``: upload, wait for the average, step the global weights, take them."""
+        """Round ``self.round``: upload this worker's pseudo-gradient, take the global weights
+        (waiting for the round's average, or, overlapped, for the previous round's)."""
         if self.left or self.global_ is None:
             return
-        self._busy, started, n = True, time.time(), self.round
+        self._busy = True
         try:
-            values = (self.global_.detach() - self._local()).numpy() if self.steps else torch.empty(0).numpy()
-            if not torch.isfinite(torch.from_numpy(values)).all():
-                raise FloatingPointError(f"DILOCO round {n}: this worker's weights hold NaN or infinite values "
-                                         f"(its training diverged)")
-            sent = codec.encode(values, self.settings.compression.value)
-            counted = self._upload(n, sent, last)
-            received = self._fetch(n)
-            average = torch.from_numpy(codec.decode(received))
-            if average.numel():
-                if average.numel() != self.global_.numel():
-                    raise RuntimeError(f"DILOCO round {n}: the average holds {average.numel()} values, the model "
-                                       f"{self.global_.numel()}")
-                self.global_.grad = average
-                self.outer.step()
-                self.outer.zero_grad(set_to_none=True)
-            self._to_local()
-            self.round, self.steps, self.left = n + 1, 0, last and counted
-            self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=len(sent),
-                                     received_bytes=len(received))
+            if self.settings.overlap:
+                self._overlapped(last)
+            else:
+                self._blocking(last)
         finally:
             self._busy = False
+
+    def _blocking(self, last: bool) -> None:
+        started, n = time.time(), self.round
+        values = self.global_.detach() - self._local() if self.steps else torch.empty(0)
+        sent = self._encode(n, values)
+        counted = self._upload(n, sent, last)
+        received = self._fetch(n)
+        self._apply(n, received)
+        self._to_local()
+        self.round, self.steps, self.left = n + 1, 0, last and counted
+        self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=len(sent),
+                                 received_bytes=len(received))
         if last and not counted:
-            self.sync(last=True)  # its leaving came too late for round n: it says so in the next one
+            self._blocking(last=True)  # its leaving came too late for round n: it says so in the next one
+
+    def _overlapped(self, last: bool) -> None:
+        """One-step delay: round n's pseudo-gradient is this worker's progress since round n-1
+        (``anchor - local``); round n-1's average is applied now, and the worker goes on from the
+        new global weights plus that progress while round n travels. See the README."""
+        started, n = time.time(), self.round
+        progress = self.anchor - self._local() if self.steps else torch.zeros_like(self.anchor)
+        values = progress if self.steps else torch.empty(0)
+        if self.pending is not None:
+            self._settle()
+        with torch.no_grad():
+            self.anchor = self.global_.detach() - progress
+        self._to_local(self.anchor)
+        sent = self._encode(n, values)
+        self.pending = _Transfer(self, n, sent, last)
+        self.round, self.steps = n + 1, 0
+        if last:  # nothing left to overlap with: wait for the worker's last round
+            counted = self._settle()
+            self._to_local()
+            self.left = counted
+            if not counted:
+                self._blocking(last=True)
+        self.reporter.log_system(sync_seconds=time.time() - started)  # what training waited
+
+    def _settle(self) -> bool:
+        """The round in flight: wait for its average and step the global weights with it."""
+        transfer, self.pending = self.pending, None
+        received, counted = transfer.result()
+        self._apply(transfer.round, received)
+        self.reporter.log_system(outer_round=transfer.round, sent_bytes=len(transfer.sent),
+                                 received_bytes=len(received), transfer_seconds=transfer.seconds)
+        return counted
+
+    def _encode(self, n: int, values: torch.Tensor) -> bytes:
+        if not torch.isfinite(values).all():
+            raise FloatingPointError(f"DILOCO round {n}: this worker's weights hold NaN or infinite values "
+                                     f"(its training diverged)")
+        return codec.encode(values.numpy(), self.settings.compression.value)
+
+    def _apply(self, n: int, received: bytes) -> None:
+        """One outer step of the global weights with round ``n``'s average."""
+        average = torch.from_numpy(codec.decode(received))
+        if not average.numel():
+            return
+        if average.numel() != self.global_.numel():
+            raise RuntimeError(f"DILOCO round {n}: the average holds {average.numel()} values, the model "
+                               f"{self.global_.numel()}")
+        self.global_.grad = average
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
 
     def _local(self) -> torch.Tensor:
         """This worker's weights, one flat float32 vector on the CPU."""
         with torch.no_grad():
             return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
 
-    def _to_local(self) -> None:
-        """This worker's weights := the global weights."""
+    def _to_local(self, flat: torch.Tensor | None = None) -> None:
+        """This worker's weights := ``flat`` (by default the global weights)."""
+        flat = self.global_ if flat is None else flat
         with torch.no_grad():
             offset = 0
             for p in self.params:
-                p.copy_(self.global_[offset:offset + p.numel()].view_as(p))
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     # -- through the server ----------------------------------------------------------------------
@@ -220,3 +285,30 @@ class Diloco:
                 if time.time() > deadline:
                     raise
             time.sleep(1.0)
+
+
+class _Transfer:
+    """One round travelling while the worker trains on (``overlap``): the upload, then the wait
+    for its average, on a thread of its own; ``result()`` waits for it and raises what it raised."""
+
+    def __init__(self, worker: Diloco, n: int, sent: bytes, last: bool):
+        self.round, self.sent, self.seconds = n, sent, 0.0
+        self._out: tuple[bytes, bool] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(worker, last), name=f"diloco-round-{n}", daemon=True)
+        self._thread.start()
+
+    def _run(self, worker: Diloco, last: bool) -> None:
+        started = time.time()
+        try:
+            counted = worker._upload(self.round, self.sent, last)
+            self._out = (worker._fetch(self.round), counted)
+        except BaseException as exc:  # raised again in the training thread, at the next sync point
+            self._error = exc
+        self.seconds = time.time() - started
+
+    def result(self) -> tuple[bytes, bool]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out

@@ -34,6 +34,10 @@ class DilocoSettings(Message):
     #: Seconds a round waits for its last workers after its first upload, then is averaged over
     #: those in (the others missed it, and fetch that average); None: the job's collective_timeout.
     round_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
+    #: A round's transfer overlaps the next round's compute: a worker uploads round k and trains
+    #: on, and applies round k's average at round k+1 (a one-step delay). Off, as in the DiLoCo,
+    #: OpenDiLoCo and INTELLECT-1 runs: a worker waits for each round's average.
+    overlap: bool = False
 
     @field_validator("nesterov")
     @classmethod
