@@ -36,11 +36,13 @@ The strategy's surface, as ``parallel.Collective``'s: ``rendezvous()``, ``wrap_a
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
 
 import requests
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -69,7 +71,8 @@ class Diloco:
 
     def __init__(self, spec: RankSpec, reporter: Reporter):
         self.spec, self.reporter, self.settings = spec, reporter, spec.diloco
-        self.url = f"{reporter.base}/diloco/rounds"
+        self.base = f"{reporter.base}/diloco"
+        self.url = f"{self.base}/rounds"
         self.round = 0   # the next round
         self.steps = 0   # inner steps since the last outer step
         self.left = False
@@ -84,6 +87,8 @@ class Diloco:
         #: from there), and that round, still travelling.
         self.anchor: torch.Tensor | None = None
         self.pending: _Transfer | None = None
+        #: The rounds after whose average this worker sends the global weights to a joining one.
+        self.state_for: set[int] = set()
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
@@ -101,6 +106,8 @@ class Diloco:
         checkpointer.track(self, "diloco")  # a resumed worker's global weights, outer state and round
         self._hook = register_optimizer_step_post_hook(self._stepped)
         self.reporter.outer_step = self.sync
+        if self.spec.joining:
+            self._join()
         if self.spec.rank == 0:
             self.reporter.log(f"DILOCO: worker {self.spec.rank} of {self.spec.world_size}, an outer step every "
                               f"{s.inner_steps} inner steps through the server"
@@ -162,6 +169,7 @@ class Diloco:
         counted = self._upload(n, sent, last)
         received = self._fetch(n)
         self._apply(n, received)
+        self._send_state(n)
         self._to_local()
         self.round, self.steps, self.left = n + 1, 0, last and counted
         self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=len(sent),
@@ -197,6 +205,7 @@ class Diloco:
         transfer, self.pending = self.pending, None
         received, counted = transfer.result()
         self._apply(transfer.round, received)
+        self._send_state(transfer.round)
         self.reporter.log_system(outer_round=transfer.round, sent_bytes=len(transfer.sent),
                                  received_bytes=len(received), transfer_seconds=transfer.seconds)
         return counted
@@ -246,7 +255,10 @@ class Diloco:
             self.reporter.log(f"DILOCO round {n}: rank {self.spec.rank} came too late; it takes the round's average")
             return False
         resp.raise_for_status()
-        self.dropped = resp.json().get("dropped") or []
+        answer = resp.json()
+        self.dropped = answer.get("dropped") or []
+        if answer.get("state_from") == self.spec.rank:
+            self.state_for.add(n)
         return True
 
     def _fetch(self, n: int) -> bytes:
@@ -273,6 +285,59 @@ class Diloco:
             time.sleep(delay)
             delay = min(delay * 1.5, POLL_MAX)
 
+    # -- a worker joining ---------------------------------------------------------------------------
+    def _send_state(self, n: int) -> None:
+        """After round ``n``'s average: the global weights and the outer momentum, for the
+        workers waiting to join (when the server named this one to send them)."""
+        if n not in self.state_for:
+            return
+        self.state_for.discard(n)
+        tensors = {"global": self.global_.detach().contiguous()}
+        momentum = self.outer.state.get(self.global_, {}).get("momentum_buffer")
+        if momentum is not None:
+            tensors["momentum"] = momentum.detach().contiguous()
+        data = safetensors.torch.save(tensors, metadata={"round": str(n + 1)})
+        resp = self._ask("put", f"{self.base}/state/{n + 1}", data=data,
+                         headers={defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
+        if resp.status_code == 409:  # sent by another, or no one waits any more
+            log.info("rank %d: DILOCO state %d not taken: %s", self.spec.rank, n + 1, resp.text[:200])
+            return
+        resp.raise_for_status()
+
+    def _join(self) -> None:
+        """This worker joins a running job: it waits for the global weights and the outer
+        momentum another worker sends at its next round, and starts from them."""
+        patience = 2 * (self.settings.round_timeout or self.spec.collective_timeout) + 30
+        deadline, delay = time.time() + patience, POLL_FIRST
+        while True:
+            resp = self._ask("get", f"{self.base}/state")
+            if resp.status_code == 200:
+                break
+            if resp.status_code != 202:
+                resp.raise_for_status()
+            if time.time() > deadline:
+                raise RoundTimeout(f"DILOCO: no worker sent the global weights to join from within {patience:g} s")
+            time.sleep(delay)
+            delay = min(delay * 1.5, POLL_MAX)
+        data = resp.content
+        if hashlib.sha256(data).hexdigest() != resp.headers.get(defaults.SHA256_HEADER):
+            raise RuntimeError("DILOCO: the global weights arrived damaged (sha256 differs)")
+        length = int.from_bytes(data[:8], "little")
+        n = int(json.loads(data[8:8 + length])["__metadata__"]["round"])
+        tensors = safetensors.torch.load(data)
+        with torch.no_grad():
+            self.global_.copy_(tensors["global"])
+        if "momentum" in tensors and self.settings.outer_momentum:
+            self.outer.state[self.global_]["momentum_buffer"] = tensors["momentum"].clone()
+        self._to_local()
+        self.anchor = self.global_.detach().clone()
+        if self.settings.overlap:  # round n's average is still to come: fetched as if it had sent it
+            self.pending, self.round = _Transfer(self, n, None, False), n + 1
+        else:
+            self.round = n
+        self.reporter.log(f"DILOCO: rank {self.spec.rank} joined the job with the global weights after round "
+                          f"{n - 1}; its first round is {self.round}")
+
     def _ask(self, method: str, url: str, **kwargs) -> requests.Response:
         """A call to the server, tried again while it is away or busy (a server restart)."""
         deadline = time.time() + defaults.OUTAGE_TOLERANCE
@@ -291,8 +356,9 @@ class _Transfer:
     """One round travelling while the worker trains on (``overlap``): the upload, then the wait
     for its average, on a thread of its own; ``result()`` waits for it and raises what it raised."""
 
-    def __init__(self, worker: Diloco, n: int, sent: bytes, last: bool):
-        self.round, self.sent, self.seconds = n, sent, 0.0
+    def __init__(self, worker: Diloco, n: int, sent: bytes | None, last: bool):
+        """``sent`` None: a joining worker's first, the average only."""
+        self.round, self.sent, self.seconds = n, sent or b"", 0.0
         self._out: tuple[bytes, bool] | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(worker, last), name=f"diloco-round-{n}", daemon=True)
@@ -301,7 +367,7 @@ class _Transfer:
     def _run(self, worker: Diloco, last: bool) -> None:
         started = time.time()
         try:
-            counted = worker._upload(self.round, self.sent, last)
+            counted = worker._upload(self.round, self.sent, last) if self.sent else True
             self._out = (worker._fetch(self.round), counted)
         except BaseException as exc:  # raised again in the training thread, at the next sync point
             self._error = exc

@@ -44,7 +44,7 @@ def workers(app, url: str, **settings) -> list[tuple[Diloco, Vector]]:
     _, ranks, job = placed(app, compression="none", **settings)
     out = []
     for rank, api in enumerate(ranks):
-        spec = types.SimpleNamespace(rank=rank, world_size=2, collective_timeout=30.0,
+        spec = types.SimpleNamespace(rank=rank, world_size=2, collective_timeout=30.0, joining=False,
                                      diloco=DilocoSettings.model_validate(job["spec"]["diloco"]))
         reporter = Reporter(url, api.rank_key, job["id"], rank)
         model = Vector([1.0, 2.0, 3.0])

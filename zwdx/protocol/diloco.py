@@ -86,6 +86,9 @@ class RoundState(Answer):
     compression: Compression
     #: Bytes of the average, once made.
     size: int | None = None
+    #: A worker joins: this rank sends the global weights and outer optimizer state after it
+    #: applies this round's average (``PUT .../diloco/state/<round + 1>``).
+    state_from: int | None = None
 
 
 __all__ = ["DilocoSettings", "RoundUpload", "RoundState"]

@@ -165,6 +165,9 @@ class JobAssign(Answer):
     max_restarts: int = defaults.MAX_RESTARTS
     #: DILOCO's settings; None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: DILOCO: the ranks join a running job in dropped workers' places (they start from the
+    #: global weights another worker sends at its next round).
+    joining: bool = False
 
 
 class JobCancel(Answer):

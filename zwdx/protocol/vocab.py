@@ -119,6 +119,7 @@ class ArtifactKind(str, Enum):
     OUTPUT = "output"      # the files a script job's rank 0 wrote under $ZWDX_OUTPUT_DIR (a tar)
     PSEUDO_GRADIENT = "pseudo_gradient"   # a DILOCO worker's upload for one round
     OUTER_GRADIENT = "outer_gradient"     # a round's average of them, which every worker fetches
+    DILOCO_STATE = "diloco_state"         # the global weights and outer optimizer state a joining worker starts from
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it

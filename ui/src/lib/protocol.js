@@ -90,6 +90,7 @@ export const ArtifactKind = Object.freeze({
   OUTPUT: "output",
   PSEUDO_GRADIENT: "pseudo_gradient",
   OUTER_GRADIENT: "outer_gradient",
+  DILOCO_STATE: "diloco_state",
 });
 
 /** Statuses of a job that ended; it changes no more. */
