@@ -117,7 +117,9 @@ class Trainer:
         spec, latest = self.spec, self.spec.checkpoint
         checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
                                     dist.get_world_size(), self.device, latest)
-        if latest is not None:
+        if latest is not None and spec.joining:
+            pass  # a DILOCO worker joining: the epoch to go on from, but its weights come from a worker
+        elif latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
                 self.reporter.log(f"resumed from checkpoint {latest.n} (epoch {latest.epoch}, step {latest.step})")

@@ -274,3 +274,11 @@ def test_a_worker_that_misses_two_rounds_in_a_row_is_dropped(app):
     assert after["ranks"]["1"]["status"] == "dropped" and after["status"] == "starting"
     assert "missed diloco rounds 0 and 1" in after["timeline"][-1]["reason"]
     assert put(r0, job, 2, [1.0], "none").json["expected"] == [0]
+
+
+def test_a_diloco_checkpoint_is_rank_0s_alone_so_a_dropped_worker_never_holds_it_back(app):
+    _, (r0, r1), job = placed(app)
+    for name in ("state.pt", "rng-0.pt"):
+        assert r0.put(f"/jobs/{job['id']}/checkpoints/0/{name}", data=b"x").status_code == 201
+    resp = r0.post(f"/jobs/{job['id']}/checkpoints/0/commit", json={"files": ["rng-0.pt", "state.pt"]})
+    assert resp.status_code == 201 and sorted(resp.json["files"]) == ["rng-0.pt", "state.pt"], resp.json

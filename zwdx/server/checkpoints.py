@@ -21,7 +21,7 @@ from flask import Blueprint
 from pydantic import TypeAdapter, ValidationError
 
 from ..errors import BadRequest, Conflict, Forbidden, NotFound
-from ..protocol import ArtifactKind, CheckpointFormat
+from ..protocol import ArtifactKind, CheckpointFormat, Parallelism
 from ..protocol import checkpoint as files_of
 from ..protocol.job import CheckpointEntry, Job as JobRecord
 from ..protocol.report import CheckpointCommit, FileName
@@ -121,7 +121,9 @@ def commit_checkpoint(job: JobRecord, sender: Sender, n: int, body: CheckpointCo
         raise BadRequest(f"field 'format': a {job.spec.parallelism.value} job's checkpoints are {fmt.value!r} (the server "
                          f"decides the format from the job), not {body.format.value!r}", field="format")
     _not_committed_yet(job, n)
-    named, required = set(body.files), files_of.required(fmt, world)
+    # DILOCO: rank 0's alone (the global weights are every worker's; each worker's own process
+    # group is a world of one, and a dropped worker sends nothing)
+    named, required = set(body.files), files_of.required(fmt, 1 if job.spec.parallelism == Parallelism.DILOCO else world)
     unknown = sorted(named - required - files_of.optional(fmt))
     if unknown:
         raise BadRequest(f"field 'files': a {fmt.value} checkpoint of {world} rank(s) has no file(s) {', '.join(unknown)}; "

@@ -37,6 +37,7 @@ from ..protocol import ArtifactKind, EventKind, JobStatus, Parallelism, RankStat
 from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
+from .job import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
 from . import lifecycle, limits, notify
 
@@ -78,7 +79,7 @@ def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, di
     average = averages.get(n)
     earlier = [r for r in averages if r < n]
     left = sorted(averages[max(earlier)].get("left") or []) if earlier else []
-    dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED}
+    dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED and not rejoined(job, int(r))}
     later = {int(r) for r, j in job.joins.items() if j.round is None or n < j.round}  # joining, not in yet
     expected = average["expected"] if average else [r for r in range(job.world_size or 0)
                                                     if r not in left and r not in dropped and r not in later]
