@@ -51,6 +51,7 @@ from zwdx import codec, defaults
 from zwdx.protocol.rank import RankSpec
 
 from .failures import collectives
+from .peers import Peers, form
 from .reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class Diloco:
         self.pending: _Transfer | None = None
         #: The rounds after whose average this worker sends the global weights to a joining one.
         self.state_for: set[int] = set()
+        #: The workers' own gloo group, where they reach each other (``peers.form``); None: the server.
+        self.peers: Peers | None = None
+        self.reduced = -1  # the last round averaged by all-reduce
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
@@ -108,10 +112,18 @@ class Diloco:
         self.reporter.outer_step = self.sync
         if self.spec.joining:
             self._join()
+        elif s.all_reduce and self.spec.world_size > 1:
+            self.peers, why = form(self.spec.master_addr, self.spec.master_port, self.spec.rank, self.spec.world_size,
+                                   self.spec.collective_timeout)
+            if self.spec.rank == 0:
+                self.reporter.log("DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)"
+                                  if self.peers else f"DILOCO: the workers do not all reach each other ({why}): rounds "
+                                                     f"go through the server")
         if self.spec.rank == 0:
             self.reporter.log(f"DILOCO: worker {self.spec.rank} of {self.spec.world_size}, an outer step every "
-                              f"{s.inner_steps} inner steps through the server"
-                              f"{', overlapped with the next round (one-step delay)' if s.overlap else ''} ({s.compression.value}, outer SGD "
+                              f"{s.inner_steps} inner steps {'by all-reduce' if self.peers else 'through the server'}"
+                              f"{', overlapped with the next round (one-step delay)' if s.overlap else ''} "
+                              f"({s.compression.value}, outer SGD "
                               f"lr {s.outer_lr} momentum {s.outer_momentum}{' Nesterov' if s.nesterov else ''})")
 
     def uploads_weights(self) -> bool:
@@ -165,15 +177,14 @@ class Diloco:
     def _blocking(self, last: bool) -> None:
         started, n = time.time(), self.round
         values = self.global_.detach() - self._local() if self.steps else torch.empty(0)
-        sent = self._encode(n, values)
-        counted = self._upload(n, sent, last)
-        received = self._fetch(n)
-        self._apply(n, received)
+        self._finite(n, values)
+        average, counted, sent, received = self._exchange(n, values, last)
+        self._apply(n, average)
         self._send_state(n)
         self._to_local()
         self.round, self.steps, self.left = n + 1, 0, last and counted
-        self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=len(sent),
-                                 received_bytes=len(received))
+        self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=sent,
+                                 received_bytes=received, all_reduce=float(self.reduced == n))
         if last and not counted:
             self._blocking(last=True)  # its leaving came too late for round n: it says so in the next one
 
@@ -189,8 +200,8 @@ class Diloco:
         with torch.no_grad():
             self.anchor = self.global_.detach() - progress
         self._to_local(self.anchor)
-        sent = self._encode(n, values)
-        self.pending = _Transfer(self, n, sent, last)
+        self._finite(n, values)
+        self.pending = _Transfer(n, lambda: self._exchange(n, values, last))
         self.round, self.steps = n + 1, 0
         if last:  # nothing left to overlap with: wait for the worker's last round
             counted = self._settle()
@@ -203,22 +214,55 @@ class Diloco:
     def _settle(self) -> bool:
         """The round in flight: wait for its average and step the global weights with it."""
         transfer, self.pending = self.pending, None
-        received, counted = transfer.result()
-        self._apply(transfer.round, received)
+        average, counted, sent, received = transfer.result()
+        self._apply(transfer.round, average)
         self._send_state(transfer.round)
-        self.reporter.log_system(outer_round=transfer.round, sent_bytes=len(transfer.sent),
-                                 received_bytes=len(received), transfer_seconds=transfer.seconds)
+        self.reporter.log_system(outer_round=transfer.round, sent_bytes=sent, received_bytes=received,
+                                 transfer_seconds=transfer.seconds, all_reduce=float(self.reduced == transfer.round))
         return counted
 
-    def _encode(self, n: int, values: torch.Tensor) -> bytes:
+    def _finite(self, n: int, values: torch.Tensor) -> None:
         if not torch.isfinite(values).all():
             raise FloatingPointError(f"DILOCO round {n}: this worker's weights hold NaN or infinite values "
                                      f"(its training diverged)")
-        return codec.encode(values.numpy(), self.settings.compression.value)
 
-    def _apply(self, n: int, received: bytes) -> None:
+    def _exchange(self, n: int, values: torch.Tensor, last: bool) -> tuple[torch.Tensor, bool, int, int]:
+        """Round ``n``: this worker's pseudo-gradient out, the round's average in, by all-reduce
+        among the workers where they reach each other (``peers``), else through the server. The
+        average, whether this worker is in it, and the bytes sent and received."""
+        compression = self.settings.compression.value
+        if self.peers is not None:
+            try:
+                return self._all_reduce(n, values, last)
+            except Exception as exc:  # a worker gone: the server drops it, the others go on through it
+                self.peers = None
+                log.warning("rank %d: DILOCO round %d: all-reduce failed: %s", self.spec.rank, n, exc)
+                self.reporter.log(f"DILOCO round {n}: rank {self.spec.rank}'s all-reduce failed ({type(exc).__name__}); "
+                                  f"its rounds go through the server from now on")
+        data = codec.encode(values.numpy(), compression)
+        counted = self._upload(n, data, last)
+        received = self._fetch(n)
+        return torch.from_numpy(codec.decode(received)), counted, len(data), len(received)
+
+    def _all_reduce(self, n: int, values: torch.Tensor, last: bool) -> tuple[torch.Tensor, bool, int, int]:
+        compression, started = self.settings.compression.value, time.time()
+        delivered = torch.from_numpy(codec.decode(codec.encode(values.numpy(), compression))) if values.numel() \
+            else values  # as the codec delivers it: the server's error
+        mean, members, leavers = self.peers.average(delivered, self.global_.numel(), last)
+        self.reduced = n
+        wire = self.peers.wire_bytes(self.global_.numel())
+        if self.spec.rank == 0:
+            self.reporter.log(f"diloco round {n}: averaged the pseudo-gradients of {members} worker(s) by all-reduce "
+                              f"among the workers (gloo, float32 of the {compression} values, about {wire} bytes out "
+                              f"of each, {time.time() - started:.2f} s)")
+        if leavers:  # a worker leaves: the ring cannot wait for it, so the rest go through the server
+            if last and leavers < self.peers.world:
+                self._upload(n + 1, codec.encode(values.numpy()[:0], compression), True)  # the server: it left
+            self.peers = None
+        return mean, True, wire, wire
+
+    def _apply(self, n: int, average: torch.Tensor) -> None:
         """One outer step of the global weights with round ``n``'s average."""
-        average = torch.from_numpy(codec.decode(received))
         if not average.numel():
             return
         if average.numel() != self.global_.numel():
@@ -332,7 +376,10 @@ class Diloco:
         self._to_local()
         self.anchor = self.global_.detach().clone()
         if self.settings.overlap:  # round n's average is still to come: fetched as if it had sent it
-            self.pending, self.round = _Transfer(self, n, None, False), n + 1
+            def fetch():
+                received = self._fetch(n)
+                return torch.from_numpy(codec.decode(received)), True, 0, len(received)
+            self.pending, self.round = _Transfer(n, fetch), n + 1
         else:
             self.round = n
         self.reporter.log(f"DILOCO: rank {self.spec.rank} joined the job with the global weights after round "
@@ -353,27 +400,26 @@ class Diloco:
 
 
 class _Transfer:
-    """One round travelling while the worker trains on (``overlap``): the upload, then the wait
-    for its average, on a thread of its own; ``result()`` waits for it and raises what it raised."""
+    """One round travelling while the worker trains on (``overlap``): ``work`` (the exchange, or a
+    joining worker's first fetch) on a thread of its own; ``result()`` waits for it and raises
+    what it raised."""
 
-    def __init__(self, worker: Diloco, n: int, sent: bytes | None, last: bool):
-        """``sent`` None: a joining worker's first, the average only."""
-        self.round, self.sent, self.seconds = n, sent or b"", 0.0
-        self._out: tuple[bytes, bool] | None = None
+    def __init__(self, n: int, work):
+        self.round, self.seconds = n, 0.0
+        self._out = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(worker, last), name=f"diloco-round-{n}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"diloco-round-{n}", daemon=True)
         self._thread.start()
 
-    def _run(self, worker: Diloco, last: bool) -> None:
+    def _run(self, work) -> None:
         started = time.time()
         try:
-            counted = worker._upload(self.round, self.sent, last) if self.sent else True
-            self._out = (worker._fetch(self.round), counted)
+            self._out = work()
         except BaseException as exc:  # raised again in the training thread, at the next sync point
             self._error = exc
         self.seconds = time.time() - started
 
-    def result(self) -> tuple[bytes, bool]:
+    def result(self) -> tuple[torch.Tensor, bool, int, int]:
         self._thread.join()
         if self._error is not None:
             raise self._error

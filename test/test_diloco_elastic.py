@@ -18,7 +18,7 @@ def test_a_worker_killed_mid_job_is_dropped_and_the_job_completes_without_a_rest
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
                             eval_func=mnist.test, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                            parallelism="DILOCO", diloco={"inner_steps": 4}, world_size=3, epochs=4, wait=False)
+                            parallelism="DILOCO", diloco={"inner_steps": 4, "all_reduce": False}, world_size=3, epochs=4, wait=False)
 
     def rounds() -> list[str]:
         return [line["text"] for line in sdk.get_job_logs(job_id) if line["text"].startswith("diloco round")]
@@ -73,7 +73,7 @@ def test_a_gpu_client_started_mid_job_joins_in_a_killed_workers_place(sdk, room,
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
-                            diloco={"inner_steps": 4}, world_size=2, epochs=12, wait=False)
+                            diloco={"inner_steps": 4, "all_reduce": False}, world_size=2, epochs=12, wait=False)
 
     def logs() -> list[str]:
         return [line["text"] for line in sdk.get_job_logs(job_id)]
@@ -105,3 +105,22 @@ def test_a_gpu_client_started_mid_job_joins_in_a_killed_workers_place(sdk, room,
     assert "rank(s) 0, 1 through the server" in rounds[first]       # both from the round it joined at
     trained = sdk.get_trained_model(job_id, mnist.Net())
     assert mnist.held_out_accuracy(trained) > 0.7
+
+
+def test_workers_on_one_host_average_by_all_reduce_among_themselves(sdk, room, start_client):
+    for i in range(2):
+        start_client(f"w{i}")
+    sdk.room_token = room["token"]
+    model = mnist.Net()
+    result = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
+                            diloco={"inner_steps": 12}, world_size=2, epochs=2, progress=False, timeout=300)
+    assert result["status"] == "completed", result["reason"]
+    logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]
+    assert "DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)" in logs, logs
+    rounds = [t for t in logs if t.startswith("diloco round")]
+    assert rounds and all("by all-reduce among the workers" in t and "2 worker(s)" in t for t in rounds[:-1]), rounds
+    assert not any("through the server" in t for t in logs), logs
+    used = sdk.get_job_metrics(result["job_id"])["all_reduce"]
+    assert {p["rank"] for p in used} == {0, 1} and {p["value"] for p in used} == {1.0}
+    assert mnist.held_out_accuracy(sdk.get_trained_model(result["job_id"], mnist.Net())) > 0.7

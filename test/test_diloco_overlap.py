@@ -63,7 +63,8 @@ def train(worker: Diloco, model: Vector, by: list[float]) -> None:
 
 
 def test_an_overlapped_round_applies_its_average_one_round_late_on_top_of_each_workers_progress(app, served):
-    (a, ma), (b, mb) = workers(app, served, outer_lr=1.0, outer_momentum=0.0, overlap=True, inner_steps=3)
+    (a, ma), (b, mb) = workers(app, served, outer_lr=1.0, outer_momentum=0.0, overlap=True, inner_steps=3,
+                                       all_reduce=False)
     w0 = torch.tensor([1.0, 2.0, 3.0])
     d0 = [torch.tensor([1.0, 0.0, -1.0]), torch.tensor([3.0, 2.0, 1.0])]
     d1 = [torch.tensor([0.5, 0.5, 0.5]), torch.tensor([-0.5, 1.5, 0.5])]
@@ -98,7 +99,8 @@ def test_an_overlapped_round_applies_its_average_one_round_late_on_top_of_each_w
 
 
 def test_without_overlap_a_worker_waits_for_the_rounds_average(app, served):
-    (a, ma), (b, mb) = workers(app, served, outer_lr=1.0, outer_momentum=0.0, inner_steps=3, round_timeout=30)
+    (a, ma), (b, mb) = workers(app, served, outer_lr=1.0, outer_momentum=0.0, inner_steps=3, round_timeout=30,
+                                       all_reduce=False)
     train(a, ma, [1.0, 1.0, 1.0])
     synced = threading.Thread(target=a.sync)
     synced.start()

@@ -38,6 +38,10 @@ class DilocoSettings(Message):
     #: on, and applies round k's average at round k+1 (a one-step delay). Off, as in the DiLoCo,
     #: OpenDiLoCo and INTELLECT-1 runs: a worker waits for each round's average.
     overlap: bool = False
+    #: Where the workers reach each other (tried at the job's start: a gloo group over the
+    #: rendezvous address of rank 0's GPU client), a round averages by all-reduce among them
+    #: instead of through the server; False: always through the server.
+    all_reduce: bool = True
 
     @field_validator("nesterov")
     @classmethod
