@@ -12,7 +12,9 @@ Every worker decodes the same averaged bytes and steps the same outer optimizer 
 state, so the global weights are the same on each, to the bit. The inner optimizer keeps its
 state across rounds. Nothing but HTTPS to the server: the worker's process group is its own
 (world of one; its ranks would share it once a worker has several), so workers never need to
-reach each other.
+reach each other; where they all do (``all_reduce``, tried once at the start: ``peers.py``), a
+round averages by a gloo all-reduce among them instead, until one fails or leaves. A worker
+that joins a running job starts from the global weights another sends (``joining.py``).
 
 Overlapped (``overlap``, a one-step delay): at round k's sync point the worker's pseudo-gradient
 is its progress since round k-1's (``anchor - local``); it applies round k-1's average (waiting
@@ -36,13 +38,11 @@ The strategy's surface, as ``parallel.Collective``'s: ``rendezvous()``, ``wrap_a
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
 
 import requests
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -50,6 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from zwdx import codec, defaults
 from zwdx.protocol.rank import RankSpec
 
+from . import joining
 from .failures import collectives
 from .peers import Peers, form
 from .reporter import Reporter
@@ -329,61 +330,12 @@ class Diloco:
             time.sleep(delay)
             delay = min(delay * 1.5, POLL_MAX)
 
-    # -- a worker joining ---------------------------------------------------------------------------
+    # -- a worker joining (joining.py) ---------------------------------------------------------------
     def _send_state(self, n: int) -> None:
-        """After round ``n``'s average: the global weights and the outer momentum, for the
-        workers waiting to join (when the server named this one to send them)."""
-        if n not in self.state_for:
-            return
-        self.state_for.discard(n)
-        tensors = {"global": self.global_.detach().contiguous()}
-        momentum = self.outer.state.get(self.global_, {}).get("momentum_buffer")
-        if momentum is not None:
-            tensors["momentum"] = momentum.detach().contiguous()
-        data = safetensors.torch.save(tensors, metadata={"round": str(n + 1)})
-        resp = self._ask("put", f"{self.base}/state/{n + 1}", data=data,
-                         headers={defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
-        if resp.status_code == 409:  # sent by another, or no one waits any more
-            log.info("rank %d: DILOCO state %d not taken: %s", self.spec.rank, n + 1, resp.text[:200])
-            return
-        resp.raise_for_status()
+        joining.send_state(self, n)
 
     def _join(self) -> None:
-        """This worker joins a running job: it waits for the global weights and the outer
-        momentum another worker sends at its next round, and starts from them."""
-        patience = 2 * (self.settings.round_timeout or self.spec.collective_timeout) + 30
-        deadline, delay = time.time() + patience, POLL_FIRST
-        while True:
-            resp = self._ask("get", f"{self.base}/state")
-            if resp.status_code == 200:
-                break
-            if resp.status_code != 202:
-                resp.raise_for_status()
-            if time.time() > deadline:
-                raise RoundTimeout(f"DILOCO: no worker sent the global weights to join from within {patience:g} s")
-            time.sleep(delay)
-            delay = min(delay * 1.5, POLL_MAX)
-        data = resp.content
-        if hashlib.sha256(data).hexdigest() != resp.headers.get(defaults.SHA256_HEADER):
-            raise RuntimeError("DILOCO: the global weights arrived damaged (sha256 differs)")
-        length = int.from_bytes(data[:8], "little")
-        n = int(json.loads(data[8:8 + length])["__metadata__"]["round"])
-        tensors = safetensors.torch.load(data)
-        with torch.no_grad():
-            self.global_.copy_(tensors["global"])
-        if "momentum" in tensors and self.settings.outer_momentum:
-            self.outer.state[self.global_]["momentum_buffer"] = tensors["momentum"].clone()
-        self._to_local()
-        self.anchor = self.global_.detach().clone()
-        if self.settings.overlap:  # round n's average is still to come: fetched as if it had sent it
-            def fetch():
-                received = self._fetch(n)
-                return torch.from_numpy(codec.decode(received)), True, 0, len(received)
-            self.pending, self.round = _Transfer(n, fetch), n + 1
-        else:
-            self.round = n
-        self.reporter.log(f"DILOCO: rank {self.spec.rank} joined the job with the global weights after round "
-                          f"{n - 1}; its first round is {self.round}")
+        joining.join(self)
 
     def _ask(self, method: str, url: str, **kwargs) -> requests.Response:
         """A call to the server, tried again while it is away or busy (a server restart)."""
