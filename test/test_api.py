@@ -70,6 +70,7 @@ def _every_route(app) -> list[tuple[str, str]]:
     return routes
 
 
+@pytest.mark.app_config(RATE_LIMIT_AUTH_FAILURES="1000 per minute")  # two wrong calls a route: past 60 with 30 routes
 def test_wrong_or_missing_token_is_refused_everywhere_and_changes_nothing(app, api):
     job_id = api.submit().json["id"]
     routes = _every_route(app)

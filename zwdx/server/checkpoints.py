@@ -124,7 +124,7 @@ def commit_checkpoint(job: JobRecord, sender: Sender, n: int, body: CheckpointCo
     # DILOCO: rank 0's alone (the global weights are every worker's; each worker's own process
     # group is a world of one, and a dropped worker sends nothing)
     named, required = set(body.files), files_of.required(fmt, 1 if job.spec.parallelism == Parallelism.DILOCO else world)
-    unknown = sorted(named - required - files_of.optional(fmt))
+    unknown = sorted(named - files_of.required(fmt, world) - files_of.optional(fmt))
     if unknown:
         raise BadRequest(f"field 'files': a {fmt.value} checkpoint of {world} rank(s) has no file(s) {', '.join(unknown)}; "
                          f"it holds {files_of.describe(fmt, world)}", field="files", unknown=unknown)

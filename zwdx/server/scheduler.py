@@ -257,30 +257,35 @@ class Scheduler:
     def join_workers(self) -> int:
         """A running DILOCO job with a dropped worker takes a free slot that can run it: a new
         worker joins in the dropped one's place (``Job.join``) and its GPU client is told at
-        once (the job's rendezvous is done). After the room's queue: a waiting job goes first.
+        once (the job's rendezvous is done). After the queues are placed: a waiting job that fits goes first.
         Returns how many joined."""
         joined = 0
         for record in self.ctx.store.list_jobs(None, statuses=[JobStatus.RUNNING]):
-            for rank in wanting(record):
-                clients = {c["id"]: c for c in self.ctx.store.list_clients(record.room_id)}
-                slots = sorted((s for c in clients.values() for s in c["slots"] if not s.get("job_id")),
-                               key=lambda s: (s["client_id"], s["index"]))
-                asked = {"spec": {**record.spec.model_dump(mode="json"), "world_size": 1, "min_world_size": None},
-                         "status": JobStatus.QUEUED.value, "world_size": None}
-                chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))
-                if not chosen:
-                    break
-                slot, key = chosen[0], new_secret(RANK_KEY_PREFIX)
-                entry = PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
-                    "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
-                job = Job(self.ctx.store, record)
-                if not job.join(entry, slot["id"], hash_secret(key)):
-                    break
-                log.info("job %s: gpu client %s joins as rank %d", record.id, entry.client_id, rank)
-                self._assign(job.record, {rank: key}, joining=True)
-                notify.job_changed(job.record)
-                notify.clients_changed(self.ctx, record.room_id)
-                record, joined = job.record, joined + 1
+            joined += _guarded(f"a worker joining job {record.id}", self._join, record) or 0
+        return joined
+
+    def _join(self, record: JobRecord) -> int:
+        joined = 0
+        for rank in wanting(record):
+            clients = {c["id"]: c for c in self.ctx.store.list_clients(record.room_id)}
+            slots = sorted((s for c in clients.values() for s in c["slots"] if not s.get("job_id")),
+                           key=lambda s: (s["client_id"], s["index"]))
+            asked = {"spec": {**record.spec.model_dump(mode="json"), "world_size": 1, "min_world_size": None},
+                     "status": JobStatus.QUEUED.value, "world_size": None}
+            chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))
+            if not chosen:
+                break
+            slot, key = chosen[0], new_secret(RANK_KEY_PREFIX)
+            entry = PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
+                "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
+            job = Job(self.ctx.store, record)
+            if not job.join(entry, slot["id"], hash_secret(key)):
+                break
+            log.info("job %s: gpu client %s joins as rank %d", record.id, entry.client_id, rank)
+            self._assign(job.record, {rank: key}, joining=True)
+            notify.job_changed(job.record)
+            notify.clients_changed(self.ctx, record.room_id)
+            record, joined = job.record, joined + 1
         return joined
 
     def _ask_port(self, job: JobRecord, rank_keys: dict[int, str], client: dict) -> None:
