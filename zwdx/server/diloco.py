@@ -5,6 +5,14 @@ worker needs outbound access to the server and nothing else: no open port, no pe
 
     PUT /api/v1/jobs/<id>/diloco/rounds/<round>[?last=true]   a worker's pseudo-gradient (its rank key)
     GET /api/v1/jobs/<id>/diloco/rounds/<round>               the average (200), or where the round stands (202)
+    PUT /api/v1/jobs/<id>/diloco/state/<round>                the global weights, for a worker joining
+    GET /api/v1/jobs/<id>/diloco/state                        them, for the joiner (200), or 202 while it waits
+
+A worker that joins in a dropped one's place (the scheduler's ``join_workers``, ``Job.join``)
+is not waited for until the round it joins at (``joins``): the round's answers name a worker
+(``state_from``) that sends the global weights after that round's average, and the joiner
+uploads from the next round on. Workers that reach each other may skip these routes
+altogether (``gpu_client/peers.py``).
 
 The bytes are ``zwdx.codec``'s (a JSON layout, then int8 blocks with their scales, fp16 or
 float32): never unpickled, checked whole on upload (layout, size, finite values, the job's
