@@ -121,3 +121,56 @@ def test_overlap_is_off_unless_asked_and_must_be_a_boolean(api):
     resp = submit(api, parallelism="DILOCO", diloco={"overlap": "yes"})
     assert resp.status_code == 400 and resp.json["error"]["field"] == "diloco.overlap", resp.json
     assert api.jobs() == before
+
+
+def test_a_worker_joining_an_overlapped_job_ends_on_the_same_global_weights(app, served):
+    from zwdx.protocol import SlotKind
+    from zwdx.protocol.job import PlacementEntry
+    from zwdx.server import lifecycle
+    from zwdx.server.auth import hash_secret
+    from zwdx.server.job import Job
+    (a, ma), (b, mb) = workers(app, served, outer_lr=0.5, outer_momentum=0.5, overlap=True, inner_steps=3,
+                               all_reduce=False)
+    ctx, job_id = app.extensions["zwdx"], a.reporter.job_id
+    for w in (a, b):
+        w.reporter.session.post(f"{w.reporter.base}/ranks/{w.spec.rank}", json={"status": "running"}).raise_for_status()
+    for n in range(2):
+        for w, m in ((a, ma), (b, mb)):
+            train(w, m, [0.25 * (n + 1), -0.5, 1.0] if w is a else [1.0, 0.5, -0.25 * n])
+            w.sync()
+    lifecycle.client_lost(ctx, f"gpu-{job_id}-1", "staged")
+    b.reporter.close()
+    room = ctx.store.get_job(job_id).room_id
+    ctx.store.upsert_client({"id": "late", "room_id": room, "hostname": "late", "status": "online"},
+                            [{"id": "late:0", "client_id": "late", "room_id": room, "index": 0, "kind": "cpu"}])
+    assert Job.load(ctx.store, job_id).join(PlacementEntry(rank=1, client_id="late", gpu_index=0, kind=SlotKind.CPU),
+                                            "late:0", hash_secret("rk_late_overlap"))
+    spec = types.SimpleNamespace(rank=1, world_size=2, collective_timeout=30.0, joining=True, diloco=a.settings)
+    joiner, mj = Diloco(spec, Reporter(served, "rk_late_overlap", job_id, 1)), Vector([0.0, 0.0, 0.0])
+    joiner.reporter.session.post(f"{joiner.reporter.base}/ranks/1", json={"status": "running"}).raise_for_status()
+    attached = threading.Thread(target=joiner.attach, args=(mj, Checkpoints()))
+    attached.start()  # it waits for the global weights
+    try:
+        train(a, ma, [0.5, 0.5, 0.5])
+        a.sync()  # round 2: the server names rank 0 to send the weights after round 2's average
+        train(a, ma, [0.5, 0.5, 0.5])
+        a.sync()  # round 3: round 2's average applied, the weights sent (state 3); the joiner uploads from 4
+        attached.join(30)
+        assert not attached.is_alive() and joiner.round == 4 and joiner.pending is not None
+        joiner._hook.remove()
+        assert torch.equal(joiner.global_.detach(), a.global_.detach()) and torch.equal(mj.w.detach(), a.global_.detach())
+        assert torch.equal(joiner.outer.state[joiner.global_]["momentum_buffer"], a.outer.state[a.global_]["momentum_buffer"])
+        train(a, ma, [0.25, 0.0, 0.0])
+        train(joiner, mj, [0.0, 0.25, 0.0])
+        a.sync()  # round 4 waits for both
+        joiner.sync()
+        assert torch.equal(joiner.global_.detach(), a.global_.detach())  # both applied round 3's average
+        done = [threading.Thread(target=w.trained) for w in (a, joiner)]
+        for t in done:
+            t.start()
+        for t in done:
+            t.join(60)
+        assert torch.equal(ma.w.detach(), mj.w.detach()) and a.left and joiner.left
+    finally:
+        for w in (a, joiner):
+            w.reporter.close()
