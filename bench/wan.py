@@ -189,7 +189,7 @@ def run_job(sdk, net: Net, steps: int, parallelism: str, diloco: dict | None) ->
                             optimizer=torch.optim.AdamW(model.parameters(), lr=CFG["lr"]), parallelism=parallelism,
                             world_size=2, progress=False, timeout=3600, collective_timeout=600,
                             checkpoint_every_epoch=False,  # the bytes are training's (and the weights at the end)
-                            **({"diloco": diloco} if diloco else {}))
+                            **({"diloco": {"all_reduce": False, **diloco}} if diloco else {}))  # the server's way
     sent = {n: net.sent(n) - before[n] for n in ("a", "b")}
     job = sdk.get_job(result["job_id"])
     results = from_wire(job["results"])
@@ -205,20 +205,29 @@ def run_job(sdk, net: Net, steps: int, parallelism: str, diloco: dict | None) ->
             "params": sum(p.numel() for p in model.parameters())}
 
 
+WAYS = {
+    "all": [("DDP", None), ("DILOCO", {"inner_steps": 50, "compression": "int8"}),
+            ("DILOCO", {"inner_steps": 50, "compression": "fp16"}), ("DILOCO", {"inner_steps": 500, "compression": "int8"}),
+            ("DILOCO", {"inner_steps": 50, "compression": "int8", "outer_lr": 1.0, "outer_momentum": 0.0})],
+    "overlap": [("DILOCO", {"inner_steps": h, "compression": "int8", **extra})
+                for h in (50, 10) for extra in ({}, {"overlap": True})]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="100,1000", help="Mbit/s of the clients' links (100: 50 ms RTT, "
                                                             "1000: 20 ms)")
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--ways", default="all", choices=sorted(WAYS),
+                        help="all: DDP and DILOCO (H 50, 500; int8, fp16); overlap: DILOCO H=50 and 10, int8, waiting "
+                             "for each round vs overlapped with the next round's compute")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("tc"):
         sys.exit("bench/wan.py needs root and tc (iproute2): network namespaces and shaped links")
     from zwdx import ZWDX
     rtt = {100: 50, 1000: 20}
-    ways = [("DDP", None), ("DILOCO", {"inner_steps": 50, "compression": "int8"}),
-            ("DILOCO", {"inner_steps": 50, "compression": "fp16"}), ("DILOCO", {"inner_steps": 500, "compression": "int8"}),
-            ("DILOCO", {"inner_steps": 50, "compression": "int8", "outer_lr": 1.0, "outer_momentum": 0.0})]
+    ways = WAYS[args.ways]
     net, procs, rows, data = Net(), [], [], []
     tmp = tempfile.mkdtemp(prefix="zwdx-wan-")
     try:
@@ -250,15 +259,18 @@ def main() -> int:
         ddp_mb = {}
         for r in data:
             diloco = r["diloco"]
-            ddp_mb.setdefault(r["link_mbit"], r["mb_sent"])
+            if not diloco:
+                ddp_mb.setdefault(r["link_mbit"], r["mb_sent"])
             way = r["parallelism"] if not diloco else f"DILOCO H={diloco['inner_steps']} {diloco.get('compression', 'int8')}" + (
-                f", outer lr {diloco['outer_lr']:g} momentum {diloco['outer_momentum']:g}" if "outer_lr" in diloco else "")
+                f", outer lr {diloco['outer_lr']:g} momentum {diloco['outer_momentum']:g}" if "outer_lr" in diloco else "") + (
+                ", overlapped" if diloco.get("overlap") else "")
             if r is alone:
                 way, link = "DILOCO, no round but the last", "unshaped"
             else:
                 link = f"{r['link_mbit']} Mbit/s, {r['rtt_ms']} ms"
             rows.append([link, way, f"{100 * r['utilisation']:.0f}%", fmt(r["wall_s"]), fmt(r["mb_sent"], 2),
-                         "" if r is alone else f"1/{ddp_mb[r['link_mbit']] / r['mb_sent']:.0f}" if diloco else "1",
+                         "" if r is alone or r["link_mbit"] not in ddp_mb else
+                         f"1/{ddp_mb[r['link_mbit']] / r['mb_sent']:.0f}" if diloco else "1",
                          fmt(r["loss"], 3)])
     finally:
         for proc in procs:

@@ -229,7 +229,10 @@ class Checkpointer:
             raise ValueError(f"checkpoint {entry.n} is in the {entry.format.value!r} format; a {self.parallelism.value} "
                              f"job reads only {fmt.value!r} checkpoints (zwdx never reads 'dcp': its metadata is a "
                              f"pickle)")
-        lacking = sorted(files_of.required(fmt, world) - set(entry.files))
+        # torch: the generators of the ranks of this group (a DILOCO worker is a group of one: its
+        # job's checkpoints are rank 0's alone)
+        lacking = sorted(files_of.required(fmt, world if fmt == CheckpointFormat.SHARDS else min(world, self.world))
+                         - set(entry.files))
         if world < 1 or lacking:
             raise ValueError(f"checkpoint {entry.n} lacks {', '.join(lacking) or 'its world size'}: it holds "
                              f"{files_of.describe(fmt, max(world, 1))}")

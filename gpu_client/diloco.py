@@ -12,7 +12,17 @@ Every worker decodes the same averaged bytes and steps the same outer optimizer 
 state, so the global weights are the same on each, to the bit. The inner optimizer keeps its
 state across rounds. Nothing but HTTPS to the server: the worker's process group is its own
 (world of one; its ranks would share it once a worker has several), so workers never need to
-reach each other.
+reach each other; where they all do (``all_reduce``, tried once at the start: ``peers.py``), a
+round averages by a gloo all-reduce among them instead, until one fails or leaves. A worker
+that joins a running job starts from the global weights another sends (``joining.py``).
+
+Overlapped (``overlap``, a one-step delay): at round k's sync point the worker's pseudo-gradient
+is its progress since round k-1's (``anchor - local``); it applies round k-1's average (waiting
+only if it has not come yet), goes on from ``new global - its progress`` (its round of work kept,
+on top of the new global weights) and uploads round k on a thread while it trains round k+1. The
+global weights are the same on every worker as before, one round later; a round's progress is
+measured from the worker's own start, not from the global weights it would have waited for. The
+last round is waited for, so the weights that come back are the global ones.
 
 The outer step runs after every ``inner_steps``-th step of any optimizer of the rank's process
 (a post-hook on every optimizer: the user's loop needs no change, whether it steps the optimizer
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 
 import requests
@@ -39,7 +50,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from zwdx import codec, defaults
 from zwdx.protocol.rank import RankSpec
 
+from . import joining
 from .failures import collectives
+from .peers import Peers, form
 from .reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -60,7 +73,8 @@ class Diloco:
 
     def __init__(self, spec: RankSpec, reporter: Reporter):
         self.spec, self.reporter, self.settings = spec, reporter, spec.diloco
-        self.url = f"{reporter.base}/diloco/rounds"
+        self.base = f"{reporter.base}/diloco"
+        self.url = f"{self.base}/rounds"
         self.round = 0   # the next round
         self.steps = 0   # inner steps since the last outer step
         self.left = False
@@ -71,6 +85,15 @@ class Diloco:
         self._busy = False
         #: The workers dropped from the job, as the last round this worker uploaded to said.
         self.dropped: list[int] = []
+        #: Overlapped: the worker's weights when its last round left (its progress is measured
+        #: from there), and that round, still travelling.
+        self.anchor: torch.Tensor | None = None
+        self.pending: _Transfer | None = None
+        #: The rounds after whose average this worker sends the global weights to a joining one.
+        self.state_for: set[int] = set()
+        #: The workers' own gloo group, where they reach each other (``peers.form``); None: the server.
+        self.peers: Peers | None = None
+        self.reduced = -1  # the last round averaged by all-reduce
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
@@ -82,14 +105,26 @@ class Diloco:
         one), and take outer steps from now on."""
         self.params = list(model.parameters())
         self.global_ = torch.nn.Parameter(self._local())
+        self.anchor = self.global_.detach().clone()
         s = self.settings
         self.outer = torch.optim.SGD([self.global_], lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov)
         checkpointer.track(self, "diloco")  # a resumed worker's global weights, outer state and round
         self._hook = register_optimizer_step_post_hook(self._stepped)
         self.reporter.outer_step = self.sync
+        if self.spec.joining:
+            self._join()
+        elif s.all_reduce and self.spec.world_size > 1:
+            self.peers, why = form(self.spec.master_addr, self.spec.master_port, self.spec.rank, self.spec.world_size,
+                                   self.spec.collective_timeout)
+            if self.spec.rank == 0:
+                self.reporter.log("DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)"
+                                  if self.peers else f"DILOCO: the workers do not all reach each other ({why}): rounds "
+                                                     f"go through the server")
         if self.spec.rank == 0:
             self.reporter.log(f"DILOCO: worker {self.spec.rank} of {self.spec.world_size}, an outer step every "
-                              f"{s.inner_steps} inner steps through the server ({s.compression.value}, outer SGD "
+                              f"{s.inner_steps} inner steps {'by all-reduce' if self.peers else 'through the server'}"
+                              f"{', overlapped with the next round (one-step delay)' if s.overlap else ''} "
+                              f"({s.compression.value}, outer SGD "
                               f"lr {s.outer_lr} momentum {s.outer_momentum}{' Nesterov' if s.nesterov else ''})")
 
     def uploads_weights(self) -> bool:
@@ -115,6 +150,7 @@ class Diloco:
             self.global_.copy_(state["global"])
         self.outer.load_state_dict(state["outer"])
         self.round = int(state["round"])
+        self.anchor, self.pending = self.global_.detach().clone(), None
         self._to_local()  # a resumed worker starts its round from the global weights
 
     # -- an outer step -------------------------------------------------------------------------
@@ -126,46 +162,129 @@ class Diloco:
             self.sync()
 
     def sync(self, last: bool = False) -> None:
-        """Round ``self.round``: upload, wait for the average, step the global weights, take them."""
+        """Round ``self.round``: upload this worker's pseudo-gradient, take the global weights
+        (waiting for the round's average, or, overlapped, for the previous round's)."""
         if self.left or self.global_ is None:
             return
-        self._busy, started, n = True, time.time(), self.round
+        self._busy = True
         try:
-            values = (self.global_.detach() - self._local()).numpy() if self.steps else torch.empty(0).numpy()
-            if not torch.isfinite(torch.from_numpy(values)).all():
-                raise FloatingPointError(f"DILOCO round {n}: this worker's weights hold NaN or infinite values "
-                                         f"(its training diverged)")
-            sent = codec.encode(values, self.settings.compression.value)
-            counted = self._upload(n, sent, last)
-            received = self._fetch(n)
-            average = torch.from_numpy(codec.decode(received))
-            if average.numel():
-                if average.numel() != self.global_.numel():
-                    raise RuntimeError(f"DILOCO round {n}: the average holds {average.numel()} values, the model "
-                                       f"{self.global_.numel()}")
-                self.global_.grad = average
-                self.outer.step()
-                self.outer.zero_grad(set_to_none=True)
-            self._to_local()
-            self.round, self.steps, self.left = n + 1, 0, last and counted
-            self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=len(sent),
-                                     received_bytes=len(received))
+            if self.settings.overlap:
+                self._overlapped(last)
+            else:
+                self._blocking(last)
         finally:
             self._busy = False
+
+    def _blocking(self, last: bool) -> None:
+        started, n = time.time(), self.round
+        values = self.global_.detach() - self._local() if self.steps else torch.empty(0)
+        self._finite(n, values)
+        average, counted, sent, received = self._exchange(n, values, last)
+        self._apply(n, average)
+        self._send_state(n)
+        self._to_local()
+        self.round, self.steps, self.left = n + 1, 0, last and counted
+        self.reporter.log_system(outer_round=n, sync_seconds=time.time() - started, sent_bytes=sent,
+                                 received_bytes=received, all_reduce=float(self.reduced == n))
         if last and not counted:
-            self.sync(last=True)  # its leaving came too late for round n: it says so in the next one
+            self._blocking(last=True)  # its leaving came too late for round n: it says so in the next one
+
+    def _overlapped(self, last: bool) -> None:
+        """One-step delay: round n's pseudo-gradient is this worker's progress since round n-1
+        (``anchor - local``); round n-1's average is applied now, and the worker goes on from the
+        new global weights plus that progress while round n travels. See the README."""
+        started, n = time.time(), self.round
+        progress = self.anchor - self._local() if self.steps else torch.zeros_like(self.anchor)
+        values = progress if self.steps else torch.empty(0)
+        if self.pending is not None:
+            self._settle()
+        with torch.no_grad():
+            self.anchor = self.global_.detach() - progress
+        self._to_local(self.anchor)
+        self._finite(n, values)
+        self.pending = _Transfer(n, lambda: self._exchange(n, values, last))
+        self.round, self.steps = n + 1, 0
+        if last:  # nothing left to overlap with: wait for the worker's last round
+            counted = self._settle()
+            self._to_local()
+            self.left = counted
+            if not counted:
+                self._blocking(last=True)
+        self.reporter.log_system(sync_seconds=time.time() - started)  # what training waited
+
+    def _settle(self) -> bool:
+        """The round in flight: wait for its average and step the global weights with it."""
+        transfer, self.pending = self.pending, None
+        average, counted, sent, received = transfer.result()
+        self._apply(transfer.round, average)
+        self._send_state(transfer.round)
+        self.reporter.log_system(outer_round=transfer.round, sent_bytes=sent, received_bytes=received,
+                                 transfer_seconds=transfer.seconds, all_reduce=float(self.reduced == transfer.round))
+        return counted
+
+    def _finite(self, n: int, values: torch.Tensor) -> None:
+        if not torch.isfinite(values).all():
+            raise FloatingPointError(f"DILOCO round {n}: this worker's weights hold NaN or infinite values "
+                                     f"(its training diverged)")
+
+    def _exchange(self, n: int, values: torch.Tensor, last: bool) -> tuple[torch.Tensor, bool, int, int]:
+        """Round ``n``: this worker's pseudo-gradient out, the round's average in, by all-reduce
+        among the workers where they reach each other (``peers``), else through the server. The
+        average, whether this worker is in it, and the bytes sent and received."""
+        compression = self.settings.compression.value
+        if self.peers is not None:
+            try:
+                return self._all_reduce(n, values, last)
+            except Exception as exc:  # a worker gone: the server drops it, the others go on through it
+                self.peers = None
+                log.warning("rank %d: DILOCO round %d: all-reduce failed: %s", self.spec.rank, n, exc)
+                self.reporter.log(f"DILOCO round {n}: rank {self.spec.rank}'s all-reduce failed ({type(exc).__name__}); "
+                                  f"its rounds go through the server from now on")
+        data = codec.encode(values.numpy(), compression)
+        counted = self._upload(n, data, last)
+        received = self._fetch(n)
+        return torch.from_numpy(codec.decode(received)), counted, len(data), len(received)
+
+    def _all_reduce(self, n: int, values: torch.Tensor, last: bool) -> tuple[torch.Tensor, bool, int, int]:
+        compression, started = self.settings.compression.value, time.time()
+        delivered = torch.from_numpy(codec.decode(codec.encode(values.numpy(), compression))) if values.numel() \
+            else values  # as the codec delivers it: the server's error
+        mean, members, leavers = self.peers.average(delivered, self.global_.numel(), last)
+        self.reduced = n
+        wire = self.peers.wire_bytes(self.global_.numel())
+        if self.spec.rank == 0:
+            self.reporter.log(f"diloco round {n}: averaged the pseudo-gradients of {members} worker(s) by all-reduce "
+                              f"among the workers (gloo, float32 of the {compression} values, about {wire} bytes out "
+                              f"of each, {time.time() - started:.2f} s)")
+        if leavers:  # a worker leaves: the ring cannot wait for it, so the rest go through the server
+            if last and leavers < self.peers.world:
+                self._upload(n + 1, codec.encode(values.numpy()[:0], compression), True)  # the server: it left
+            self.peers = None
+        return mean, True, wire, wire
+
+    def _apply(self, n: int, average: torch.Tensor) -> None:
+        """One outer step of the global weights with round ``n``'s average."""
+        if not average.numel():
+            return
+        if average.numel() != self.global_.numel():
+            raise RuntimeError(f"DILOCO round {n}: the average holds {average.numel()} values, the model "
+                               f"{self.global_.numel()}")
+        self.global_.grad = average
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
 
     def _local(self) -> torch.Tensor:
         """This worker's weights, one flat float32 vector on the CPU."""
         with torch.no_grad():
             return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
 
-    def _to_local(self) -> None:
-        """This worker's weights := the global weights."""
+    def _to_local(self, flat: torch.Tensor | None = None) -> None:
+        """This worker's weights := ``flat`` (by default the global weights)."""
+        flat = self.global_ if flat is None else flat
         with torch.no_grad():
             offset = 0
             for p in self.params:
-                p.copy_(self.global_[offset:offset + p.numel()].view_as(p))
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     # -- through the server ----------------------------------------------------------------------
@@ -181,7 +300,10 @@ class Diloco:
             self.reporter.log(f"DILOCO round {n}: rank {self.spec.rank} came too late; it takes the round's average")
             return False
         resp.raise_for_status()
-        self.dropped = resp.json().get("dropped") or []
+        answer = resp.json()
+        self.dropped = answer.get("dropped") or []
+        if answer.get("state_from") == self.spec.rank:
+            self.state_for.add(n)
         return True
 
     def _fetch(self, n: int) -> bytes:
@@ -208,6 +330,13 @@ class Diloco:
             time.sleep(delay)
             delay = min(delay * 1.5, POLL_MAX)
 
+    # -- a worker joining (joining.py) ---------------------------------------------------------------
+    def _send_state(self, n: int) -> None:
+        joining.send_state(self, n)
+
+    def _join(self) -> None:
+        joining.join(self)
+
     def _ask(self, method: str, url: str, **kwargs) -> requests.Response:
         """A call to the server, tried again while it is away or busy (a server restart)."""
         deadline = time.time() + defaults.OUTAGE_TOLERANCE
@@ -220,3 +349,30 @@ class Diloco:
                 if time.time() > deadline:
                     raise
             time.sleep(1.0)
+
+
+class _Transfer:
+    """One round travelling while the worker trains on (``overlap``): ``work`` (the exchange, or a
+    joining worker's first fetch) on a thread of its own; ``result()`` waits for it and raises
+    what it raised."""
+
+    def __init__(self, n: int, work):
+        self.round, self.seconds = n, 0.0
+        self._out = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"diloco-round-{n}", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        started = time.time()
+        try:
+            self._out = work()
+        except BaseException as exc:  # raised again in the training thread, at the next sync point
+            self._error = exc
+        self.seconds = time.time() - started
+
+    def result(self) -> tuple[torch.Tensor, bool, int, int]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out

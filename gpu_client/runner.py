@@ -119,7 +119,9 @@ class Trainer:
                                     dist.get_world_size(), self.device, latest,
                                     writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO,
                                     commit_timeout=spec.collective_timeout)
-        if latest is not None:
+        if latest is not None and spec.joining:
+            pass  # a DILOCO worker joining: the epoch to go on from, but its weights come from a worker
+        elif latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
                 self.reporter.log(f"resumed from checkpoint {latest.n} (epoch {latest.epoch}, step {latest.step})")

@@ -76,10 +76,10 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     job = submit(api, parallelism="diloco").json
     assert job["spec"]["parallelism"] == "DILOCO"
     assert job["spec"]["diloco"] == {"inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
-                                     "compression": "int8", "round_timeout": None}
+                                     "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True}
     job = submit(api, parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
     assert job["spec"]["diloco"] == {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
-                                     "compression": "fp16", "round_timeout": None}
+                                     "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True}
     assert submit(api, parallelism="DDP").json["spec"]["diloco"] is None
 
 
@@ -274,3 +274,11 @@ def test_a_worker_that_misses_two_rounds_in_a_row_is_dropped(app):
     assert after["ranks"]["1"]["status"] == "dropped" and after["status"] == "starting"
     assert "missed diloco rounds 0 and 1" in after["timeline"][-1]["reason"]
     assert put(r0, job, 2, [1.0], "none").json["expected"] == [0]
+
+
+def test_a_diloco_checkpoint_is_rank_0s_alone_so_a_dropped_worker_never_holds_it_back(app):
+    _, (r0, r1), job = placed(app)
+    for name in ("state.pt", "rng-0.pt"):
+        assert r0.put(f"/jobs/{job['id']}/checkpoints/0/{name}", data=b"x").status_code == 201
+    resp = r0.post(f"/jobs/{job['id']}/checkpoints/0/commit", json={"files": ["rng-0.pt", "state.pt"]})
+    assert resp.status_code == 201 and sorted(resp.json["files"]) == ["rng-0.pt", "state.pt"], resp.json

@@ -18,7 +18,7 @@ def test_a_worker_killed_mid_job_is_dropped_and_the_job_completes_without_a_rest
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
                             eval_func=mnist.test, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                            parallelism="DILOCO", diloco={"inner_steps": 4}, world_size=3, epochs=4, wait=False)
+                            parallelism="DILOCO", diloco={"inner_steps": 4, "all_reduce": False}, world_size=3, epochs=4, wait=False)
 
     def rounds() -> list[str]:
         return [line["text"] for line in sdk.get_job_logs(job_id) if line["text"].startswith("diloco round")]
@@ -64,3 +64,63 @@ def test_a_diloco_job_with_no_worker_left_resumes_from_its_checkpoint_with_the_g
     after = [int(line.split()[2].rstrip(":")) for line in logs[resumed_at:] if line.startswith("diloco round")]
     print(f"\ncheckpoint {checkpoint['n']} after epoch {checkpoint['epoch']}; rounds after the restart: {after}")
     assert after[0] == (checkpoint["epoch"] + 1) * 47 // 10 and after == list(range(after[0], after[0] + len(after)))
+
+
+@pytest.mark.server_args("--client-timeout", "5")
+def test_a_gpu_client_started_mid_job_joins_in_a_killed_workers_place(sdk, room, start_client):
+    clients = {c.client_id: c for c in (start_client(f"w{i}") for i in range(2))}
+    sdk.room_token = room["token"]
+    model = mnist.Net()
+    job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
+                            diloco={"inner_steps": 4, "all_reduce": False}, world_size=2, epochs=12, wait=False)
+
+    def logs() -> list[str]:
+        return [line["text"] for line in sdk.get_job_logs(job_id)]
+    wait_until(lambda: sum(t.startswith("diloco round") for t in logs()) >= 2, 120, what="two rounds averaged")
+    victim = next(p["client_id"] for p in sdk.get_job(job_id)["placement"] if p["rank"] == 1)
+    clients[victim].popen.kill()
+    wait_until(lambda: sdk.get_job(job_id)["ranks"].get("1", {}).get("status") == "dropped", 60, what="rank 1 dropped")
+    late = start_client("late")  # a GPU client that becomes free later: it joins as rank 1
+
+    try:
+        result = sdk.wait(job_id, progress=False, timeout=300)
+    except Exception:
+        print("\n".join(logs()[-60:]), sdk.get_job(job_id)["joins"], sdk.get_job(job_id)["timeline"])
+        raise
+    assert result["status"] == "completed", result["reason"]
+    job = sdk.get_job(job_id)
+    assert job["restarts"] == 0 and not job["restart_history"]
+    assert {r: s["status"] for r, s in job["ranks"].items()} == {"0": "completed", "1": "completed"}
+    reasons = [e.get("reason") or "" for e in job["timeline"]]
+    dropped = next(i for i, r in enumerate(reasons) if "dropped" in r and victim in r)
+    joined = next(i for i, r in enumerate(reasons) if f"gpu client {late.client_id} joined as rank 1" in r)
+    assert dropped < joined and job["timeline"][joined]["status"] == "running"
+    assert job["joins"]["1"]["client_id"] == late.client_id and job["joins"]["1"]["state_from"] == 0
+    first = job["joins"]["1"]["round"]
+    lines = logs()
+    assert any(f"rank(s) 1 joined: from rank 0's global weights after round {first - 1}" in t for t in lines), lines
+    rounds = {int(t.split()[2].rstrip(":")): t for t in lines if t.startswith("diloco round")}
+    assert "rank(s) 0 through the server" in rounds[first - 1]     # the survivor alone, before
+    assert "rank(s) 0, 1 through the server" in rounds[first]       # both from the round it joined at
+    trained = sdk.get_trained_model(job_id, mnist.Net())
+    assert mnist.held_out_accuracy(trained) > 0.7
+
+
+def test_workers_on_one_host_average_by_all_reduce_among_themselves(sdk, room, start_client):
+    for i in range(2):
+        start_client(f"w{i}")
+    sdk.room_token = room["token"]
+    model = mnist.Net()
+    result = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
+                            diloco={"inner_steps": 12}, world_size=2, epochs=2, progress=False, timeout=300)
+    assert result["status"] == "completed", result["reason"]
+    logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]
+    assert "DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)" in logs, logs
+    rounds = [t for t in logs if t.startswith("diloco round")]
+    assert rounds and all("by all-reduce among the workers" in t and "2 worker(s)" in t for t in rounds[:-1]), rounds
+    assert not any("through the server" in t for t in logs), logs
+    used = sdk.get_job_metrics(result["job_id"])["all_reduce"]
+    assert {p["rank"] for p in used} == {0, 1} and {p["value"] for p in used} == {1.0}
+    assert mnist.held_out_accuracy(sdk.get_trained_model(result["job_id"], mnist.Net())) > 0.7

@@ -75,6 +75,7 @@ def test_diloco_trains_between_gpu_clients_that_reach_only_the_server(net_cluste
     assert diloco_loss <= 1.05 * ddp_loss
 
     logs = [line["text"] for line in sdk.get_job_logs(diloco["job_id"])]
+    assert any(t.startswith("DILOCO: the workers do not all reach each other") for t in logs), logs  # tried, then not
     rounds = [line for line in logs if line.startswith("diloco round") and "through the server" in line]
     assert len(rounds) == EPOCHS * 24 // 12 + 1, logs  # 24 steps an epoch per worker; the last round: nothing to add
     assert all("rank(s) 0, 1 through the server" in line for line in rounds[:-1])

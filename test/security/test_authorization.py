@@ -216,6 +216,11 @@ ROUTES: dict[str, Route] = {
         prepare=fresh_round),
     "diloco.get_round": Route("job", lambda w, c, m: ("GET", f"{P}/jobs/{job_of(w, c)}/diloco/rounds/{m}", {}), 200,
                               any_rank=True, prepare=averaged_round),
+    # No worker waits to join the live job: its ranks' keys get past authorization to the 409 that says so.
+    "diloco.put_state": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/diloco/state/0",
+                                                      {"data": b"state"}), 409, any_rank=True),
+    "diloco.get_state": Route("job", lambda w, c, m: ("GET", f"{P}/jobs/{job_of(w, c)}/diloco/state", {}), 409,
+                              any_rank=True),
     "dashboard_api.history": Route("room", lambda w, c, m: ("GET", f"{P}/dashboard/history", {}), 200,
                                    own_room=200),
     "tokens.list_tokens": Route("room", lambda w, c, m: ("GET", f"{P}/room/tokens", {}), 200, own_room=200),
@@ -275,7 +280,7 @@ def expected(route: Route, column: str) -> int:
     return {**room, **keys}[column]                         # room_or_job
 
 
-ERROR_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
+ERROR_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 409: "conflict"}
 
 
 def test_every_route_and_event_has_an_entry(make_app):

@@ -34,6 +34,14 @@ class DilocoSettings(Message):
     #: Seconds a round waits for its last workers after its first upload, then is averaged over
     #: those in (the others missed it, and fetch that average); None: the job's collective_timeout.
     round_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
+    #: A round's transfer overlaps the next round's compute: a worker uploads round k and trains
+    #: on, and applies round k's average at round k+1 (a one-step delay). Off, as in the DiLoCo,
+    #: OpenDiLoCo and INTELLECT-1 runs: a worker waits for each round's average.
+    overlap: bool = False
+    #: Where the workers reach each other (tried at the job's start: a gloo group over the
+    #: rendezvous address of rank 0's GPU client), a round averages by all-reduce among them
+    #: instead of through the server; False: always through the server.
+    all_reduce: bool = True
 
     @field_validator("nesterov")
     @classmethod
@@ -82,6 +90,9 @@ class RoundState(Answer):
     compression: Compression
     #: Bytes of the average, once made.
     size: int | None = None
+    #: A worker joins: this rank sends the global weights and outer optimizer state after it
+    #: applies this round's average (``PUT .../diloco/state/<round + 1>``).
+    state_from: int | None = None
 
 
 __all__ = ["DilocoSettings", "RoundUpload", "RoundState"]

@@ -206,6 +206,9 @@ class JobAssign(Answer):
     peers: list[Peer] = []
     #: The datasets to fetch before the ranks run the job's code (pinned at submit).
     datasets: list[DatasetPin] = []
+    #: DILOCO: the ranks join a running job in dropped workers' places (they start from the
+    #: global weights another worker sends at its next round).
+    joining: bool = False
 
 
 class JobCancel(Answer):

@@ -114,6 +114,16 @@ class RankState(Record):
     fingerprint: str | None = Field(default=None, exclude_if=_absent)
 
 
+class DilocoJoin(Record):
+    """DILOCO: a worker that joined a running job in a dropped worker's place."""
+    client_id: str
+    placed_at: float
+    #: The first round it uploads to; None while it waits for the global weights.
+    round: int | None = None
+    #: The worker whose global weights and outer optimizer state it started from.
+    state_from: int | None = Field(default=None, exclude_if=_absent)
+
+
 class RankFailure(Record):
     traceback: str
     #: When the server heard of it (None: recorded by a zwdx that did not say).
@@ -174,6 +184,8 @@ class JobFields(Record):
     ranks: dict[str, RankState] = Field(default_factory=dict)
     #: rank -> exit code of its process, as its GPU client reported
     exits: dict[str, int] = Field(default_factory=dict)
+    #: DILOCO: rank -> the worker that joined in its place while the job ran (this attempt)
+    joins: dict[str, DilocoJoin] = Field(default_factory=dict)
     #: A rank lost its peers: failed unless a GPU client turns out lost (then resuming).
     suspect_since: float | None = None
     suspect_reason: str | None = None

@@ -81,6 +81,8 @@ class RankSpec(Message):
     threads: Annotated[int, Field(ge=1, le=4096)]
     #: DILOCO's settings (this rank is one worker); None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: DILOCO: this worker joins a running job (``JobAssign.joining``).
+    joining: bool = False
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

@@ -121,6 +121,7 @@ class ArtifactKind(str, Enum):
     OUTER_GRADIENT = "outer_gradient"     # a round's average of them, which every worker fetches
     DATASET = "dataset"                   # a version of a room dataset: its manifest (JSON), the room's
     DATASET_CHUNK = "dataset_chunk"       # a piece of a dataset's file, the room's, found by its sha256
+    DILOCO_STATE = "diloco_state"         # the global weights and outer optimizer state a joining worker starts from
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it

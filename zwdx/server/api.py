@@ -27,7 +27,7 @@ from ..protocol.report import NON_FINITE
 from . import limits, lifecycle, manifests, notify
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
-from .job import Job
+from .job import Job, rejoined
 from .placement import room_totals, unschedulable
 from .views import client_view, job_view, room_view, submitted_view
 
@@ -268,7 +268,8 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
             job_artifact(job, body.weights_artifact, ArtifactKind.WEIGHTS.value) is None:
         raise BadRequest(f"field 'weights_artifact': no weights {body.weights_artifact} uploaded for job {job.id}",
                          field="weights_artifact")
-    if (state := job.ranks.get(str(rank))) is not None and state.status == RankStatus.DROPPED:
+    if (state := job.ranks.get(str(rank))) is not None and state.status == RankStatus.DROPPED \
+            and not rejoined(job, rank):
         return RankReportAnswer(ok=False, ignored=f"rank {rank} was dropped (a DILOCO worker the job goes on without)")
     if body.status == RankStatus.FAILED and (job.status == JobStatus.FAILED or job.status in ACTIVE):
         # on a failed job too: every failing rank's traceback is kept

@@ -5,6 +5,14 @@ worker needs outbound access to the server and nothing else: no open port, no pe
 
     PUT /api/v1/jobs/<id>/diloco/rounds/<round>[?last=true]   a worker's pseudo-gradient (its rank key)
     GET /api/v1/jobs/<id>/diloco/rounds/<round>               the average (200), or where the round stands (202)
+    PUT /api/v1/jobs/<id>/diloco/state/<round>                the global weights, for a worker joining
+    GET /api/v1/jobs/<id>/diloco/state                        them, for the joiner (200), or 202 while it waits
+
+A worker that joins in a dropped one's place (the scheduler's ``join_workers``, ``Job.join``)
+is not waited for until the round it joins at (``joins``): the round's answers name a worker
+(``state_from``) that sends the global weights after that round's average, and the joiner
+uploads from the next round on. Workers that reach each other may skip these routes
+altogether (``gpu_client/peers.py``).
 
 The bytes are ``zwdx.codec``'s (a JSON layout, then int8 blocks with their scales, fp16 or
 float32): never unpickled, checked whole on upload (layout, size, finite values, the job's
@@ -23,6 +31,7 @@ finished job leaves, the sweeper takes.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -32,10 +41,11 @@ from flask import Blueprint, current_app
 
 from .. import codec
 from ..errors import BadRequest, Conflict, NotFound
-from ..protocol import ArtifactKind, EventKind, Parallelism, RankStatus
+from ..protocol import ArtifactKind, EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
+from .job import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
 from . import lifecycle, limits, notify
 
@@ -77,15 +87,23 @@ def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, di
     average = averages.get(n)
     earlier = [r for r in averages if r < n]
     left = sorted(averages[max(earlier)].get("left") or []) if earlier else []
-    dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED}
+    dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED and not rejoined(job, int(r))}
+    later = {int(r) for r, j in job.joins.items() if j.round is None or n < j.round}  # joining, not in yet
     expected = average["expected"] if average else [r for r in range(job.world_size or 0)
-                                                    if r not in left and r not in dropped]
+                                                    if r not in left and r not in dropped and r not in later]
     return RoundState(job_id=job.id, attempt=job.attempt, round=n, ready=average is not None, expected=expected,
                       uploaded=sorted(uploads), waiting_for=[] if average else [r for r in expected if r not in uploads],
                       members=average["members"] if average else [], left=average["left"] if average else left,
                       missed=average.get("missed", []) if average else [], dropped=sorted(dropped),
-                      compression=job.spec.diloco.compression,
-                      size=average["size"] if average else None), average, uploads
+                      compression=job.spec.diloco.compression, size=average["size"] if average else None,
+                      state_from=_state_from(job, expected)), average, uploads
+
+
+def _state_from(job: JobRecord, expected: list[int]) -> int | None:
+    """The worker that sends the global weights to the workers waiting to join: the first the
+    round waits for (None when none waits)."""
+    waiting = any(j.round is None for j in job.joins.values())
+    return next((r for r in expected if str(r) not in job.joins), expected[0] if expected else None) if waiting else None
 
 
 def round_timeout(job: JobRecord) -> float:
@@ -168,6 +186,87 @@ def get_round(job: JobRecord, n: int):
     return round_state, 202
 
 
+@operation(bp, "PUT", "/jobs/<job_id>/diloco/state/<n>", "Send the global weights a joining worker starts from",
+           auth=Auth.JOB, body=OCTET, answer=RoundState, status=201, errors=(409, 413, 429), tag="diloco")
+def put_state(job: JobRecord, sender: Sender, n: int):
+    """The worker the rounds name (``state_from``), once a worker waits to join: the global
+    weights and the outer optimizer's momentum after round ``n - 1``'s average, as safetensors
+    (float32 vectors ``global`` and, with momentum, ``momentum``; metadata ``round``: ``n``),
+    checked by its header, never unpickled. The waiting workers upload from round ``n`` on
+    (``n + 1`` with ``overlap``: round ``n``'s average is still to come when they start)."""
+    _diloco(job)
+    averages = _averages(job)
+    newest = max(averages, default=-1)
+    if n != newest + 1:
+        raise Conflict(f"job {job.id}'s global weights are those after round {newest}: send them as state "
+                       f"{newest + 1}, not {n}", job_id=job.id)
+    waiting = sorted(int(r) for r, j in job.joins.items() if j.round is None)
+    if not waiting:
+        raise Conflict(f"no worker waits to join job {job.id}", job_id=job.id)
+    artifact = save_artifact({"id": job.room_id}, ArtifactKind.DILOCO_STATE.value, job.id, round=n,
+                             rank=sender.rank, attempt=sender.attempt).model_dump()
+    try:
+        _check_state(ctx().artifacts.open(artifact["id"]), n, averages[newest].get("numel") if averages else None)
+    except BaseException:
+        _delete(artifact)
+        raise
+    for old in ctx().store.list_artifacts(job.id, ArtifactKind.DILOCO_STATE.value):
+        if old["id"] != artifact["id"]:
+            _delete(old)
+    first = n + 1 if job.spec.diloco.overlap else n
+    ctx().store.put_job_entries(job.id, "joins", {r: job.joins[str(r)].model_copy(
+        update={"round": first, "state_from": sender.rank}) for r in waiting}, when=[JobStatus.RUNNING])
+    text = (f"diloco: rank(s) {', '.join(map(str, waiting))} joined: from rank {sender.rank}'s global weights after "
+            f"round {n - 1}, uploading from round {first} on")
+    log.info("job %s: %s", job.id, text)
+    notify.events_added(job, ctx().store.add_events(job.id, [{
+        "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-join:{job.attempt}:{n}", "step": None,
+        "data": {"text": text}, "ts": time.time()}]))
+    return state(ctx().store.get_job(job.id), first)[0], 201
+
+
+@operation(bp, "GET", "/jobs/<job_id>/diloco/state", "Download the global weights a joining worker starts from",
+           auth=Auth.JOB, answer=OCTET, answers={202: RoundState}, errors=(409,), tag="diloco")
+def get_state(job: JobRecord, sender: Sender):
+    """A joining worker's key: the state sent for it (200), or 202 while it waits for it."""
+    _diloco(job)
+    join = job.joins.get(str(sender.rank))
+    if join is None:
+        raise Conflict(f"rank {sender.rank} of job {job.id} is not joining it", job_id=job.id)
+    states = ctx().store.list_artifacts(job.id, ArtifactKind.DILOCO_STATE.value)
+    if join.round is not None and states:
+        return stream(max(states, key=lambda a: a["created_at"]))
+    newest = max(_averages(job), default=-1)
+    return state(job, newest + 1)[0], 202
+
+
+def _check_state(chunks, n: int, numel: int | None) -> None:
+    """A safetensors file of float32 vectors ``global`` (and ``momentum``) of ``numel`` values,
+    metadata ``round`` = ``n``: read by its header and its size."""
+    reader = codec.ChunkReader(_yielding(chunks))
+    head = reader.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= 1 << 16:
+        raise BadRequest("the body is not safetensors (its header's length)", field="body")
+    try:
+        header = json.loads(reader.read(length))
+        meta = header.pop("__metadata__", {}) or {}
+        assert set(header) in ({"global"}, {"global", "momentum"})
+        sizes = [(v["dtype"], v["shape"], v["data_offsets"]) for v in header.values()]
+    except (ValueError, AssertionError, KeyError, TypeError, AttributeError):
+        raise BadRequest("the body is not the global weights: safetensors with float32 vectors 'global' and, "
+                         "with momentum, 'momentum'", field="body") from None
+    count = sizes[0][1][0] if sizes[0][1] else -1
+    if any(d != "F32" or s != [count] for d, s, _ in sizes) or (numel is not None and count != numel):
+        raise BadRequest(f"the body's vectors must be float32 of the model's {numel} values", field="body")
+    if meta.get("round") != str(n):
+        raise BadRequest(f"the body's metadata must say round {n}", field="body")
+    rest = sum(len(c) for c in iter(lambda: reader.read(1 << 20), b""))
+    if rest != 4 * count * len(sizes) or sorted(o for _, _, o in sizes) != sorted(
+            [[i * 4 * count, (i + 1) * 4 * count] for i in range(len(sizes))]):
+        raise BadRequest("the body's size is not its header's", field="body")
+
+
 def close(job: JobRecord, n: int) -> dict | None:
     """Round ``n``'s average: made now if every worker the round waits for has uploaded, or
     ``round_timeout`` passed since its first upload (the missing ones missed it). None while it
@@ -202,6 +301,7 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
     record = ctx().store.add_artifact({
         "id": artifact_id, "room_id": job.room_id, "kind": ArtifactKind.OUTER_GRADIENT.value, "size": size,
         "sha256": sha, "job_id": job.id, "created_at": time.time(), "round": n, "attempt": job.attempt,
+        "numel": layout.numel,
         "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
     _collect(job, n)
     earlier = _averages(job).get(n - 1) or {}

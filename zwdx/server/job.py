@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Collection
 
-from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
-from ..protocol.job import CheckpointEntry, Job as JobRecord, Master, PlacementEntry, RankCredential, RankFailure, \
-    RankState, RestartEntry, TimelineEntry
+from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
+from ..protocol.job import CheckpointEntry, DilocoJoin, Job as JobRecord, Master, PlacementEntry, RankCredential, \
+    RankFailure, RankState, RestartEntry, TimelineEntry
 from . import meters
 from .store import Store
 
@@ -105,7 +105,7 @@ class Job:
         fields = {"status": JobStatus.STARTING, "placement": placement, "world_size": size, "attempt": attempt,
                   "backend": "nccl" if placement[0].kind == SlotKind.CUDA else "gloo",
                   "rank_keys": keys, "started_at": now, "waiting_reason": None, "master": None,
-                  "ranks": {}, "exits": {}, "failures": {}, "suspect_since": None, "suspect_reason": None,
+                  "ranks": {}, "exits": {}, "failures": {}, "joins": {}, "suspect_since": None, "suspect_reason": None,
                   "failing_since": None, "failing_reason": None}
         if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):
             return False
@@ -113,6 +113,28 @@ class Job:
         entry = TimelineEntry(status=JobStatus.STARTING, at=now, attempt=attempt, world_size=size)
         if not self.append_timeline(entry, when=[JobStatus.STARTING]):
             self.refresh()  # cancelled in between: it keeps its slots until the caller lets go
+        return True
+
+    def join(self, entry: PlacementEntry, slot_id: str, key_hash: str) -> bool:
+        """DILOCO: a worker joins the running job in dropped rank ``entry.rank``'s place, on
+        ``slot_id``, under a new key (the same attempt: no restart). The rounds wait for it from
+        the round it joins at (``joins``). False: the slot or the job moved meanwhile."""
+        r, now = self.record, self.clock()
+        rank = str(entry.rank)
+        placement = [p for p in r.placement or [] if p.rank != entry.rank] + [entry]
+        keys = {**r.rank_keys, rank: RankCredential(hash=key_hash, client_id=entry.client_id, attempt=r.attempt)}
+        fields = {"placement": sorted(placement, key=lambda p: p.rank), "rank_keys": keys}
+        if not self.store.reserve_slots(self.id, [(slot_id, entry.rank)], fields, when=[JobStatus.RUNNING]):
+            return False
+        self.refresh()
+        self._took(self.store.put_job_entries(self.id, "joins", {rank: DilocoJoin(client_id=entry.client_id,
+                                                                                    placed_at=now)}, when=_ACTIVE))
+        going_on = sum(1 for i in range(r.world_size or 0) if str(i) == rank or (
+            (s := self.record.ranks.get(str(i))) is None or s.status != RankStatus.DROPPED))
+        self.append_timeline(TimelineEntry(status=self.status, at=now, attempt=r.attempt, world_size=going_on,
+                                           reason=f"gpu client {entry.client_id} joined as rank {rank} (in the "
+                                                  f"dropped worker's place; it starts from the global weights at "
+                                                  f"the next round)"), when=_ACTIVE)
         return True
 
     def rendezvous(self, master: Master) -> bool:
@@ -305,3 +327,20 @@ class Job:
                                                 when=_ACTIVE, keep_last=keep)):
             return None
         return self.record.checkpoints
+
+
+def wanting(record: JobRecord) -> list[int]:
+    """DILOCO: the dropped ranks of a running job that a new worker may join in place of (none
+    placed in their place since they were dropped)."""
+    if record.spec.parallelism != Parallelism.DILOCO or record.status != JobStatus.RUNNING or \
+            not any(s.status == RankStatus.RUNNING for s in record.ranks.values()):
+        return []  # (with no worker still training, none would send the joiner the global weights)
+    return [int(rank) for rank, state in sorted(record.ranks.items(), key=lambda kv: int(kv[0]))
+            if state.status == RankStatus.DROPPED and not rejoined(record, int(rank))]
+
+
+def rejoined(record: JobRecord, rank: int) -> bool:
+    """DILOCO: a worker was placed in dropped rank ``rank``'s place since it was dropped (its
+    key is the joiner's now)."""
+    join, state = record.joins.get(str(rank)), record.ranks.get(str(rank))
+    return join is not None and state is not None and join.placed_at >= (state.ended_at or 0)

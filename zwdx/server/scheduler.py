@@ -39,7 +39,7 @@ from ..protocol.tokens import RANK_KEY_PREFIX
 from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
-from .job import Job
+from .job import Job, wanting
 from .placement import meets_over_tcp, plan, unschedulable
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class Scheduler:
                     _guarded("settling failed jobs", self.settle)
                 _guarded("finishing placements", self.finish_placements)
                 _guarded("placing jobs", self.schedule_once)
+                _guarded("placing joining DILOCO workers", self.join_workers)
 
     # -- lost clients ----------------------------------------------------------------------
     def reap_silent_clients(self) -> None:
@@ -253,6 +254,40 @@ class Scheduler:
         notify.clients_changed(self.ctx, job.record.room_id)
         return _STARTED
 
+    def join_workers(self) -> int:
+        """A running DILOCO job with a dropped worker takes a free slot that can run it: a new
+        worker joins in the dropped one's place (``Job.join``) and its GPU client is told at
+        once (the job's rendezvous is done). After the queues are placed: a waiting job that fits goes first.
+        Returns how many joined."""
+        joined = 0
+        for record in self.ctx.store.list_jobs(None, statuses=[JobStatus.RUNNING]):
+            joined += _guarded(f"a worker joining job {record.id}", self._join, record) or 0
+        return joined
+
+    def _join(self, record: JobRecord) -> int:
+        joined = 0
+        for rank in wanting(record):
+            clients = {c["id"]: c for c in self.ctx.store.list_clients(record.room_id)}
+            slots = sorted((s for c in clients.values() for s in c["slots"] if not s.get("job_id")),
+                           key=lambda s: (s["client_id"], s["index"]))
+            asked = {"spec": {**record.spec.model_dump(mode="json"), "world_size": 1, "min_world_size": None},
+                     "status": JobStatus.QUEUED.value, "world_size": None}
+            chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))
+            if not chosen:
+                break
+            slot, key = chosen[0], new_secret(RANK_KEY_PREFIX)
+            entry = PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
+                "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
+            job = Job(self.ctx.store, record)
+            if not job.join(entry, slot["id"], hash_secret(key)):
+                break
+            log.info("job %s: gpu client %s joins as rank %d", record.id, entry.client_id, rank)
+            self._assign(job.record, {rank: key}, joining=True)
+            notify.job_changed(job.record)
+            notify.clients_changed(self.ctx, record.room_id)
+            record, joined = job.record, joined + 1
+        return joined
+
     def _ask_port(self, job: JobRecord, rank_keys: dict[int, str], client: dict) -> None:
         """Ask the rank-0 GPU client for a rendezvous address; its acknowledgement comes back on
         a Socket.IO thread, which only notes it and wakes the scheduler."""
@@ -318,9 +353,10 @@ class Scheduler:
         self.ctx.store.release_slots(job.id)
         notify.clients_changed(self.ctx, job.record.room_id)
 
-    def _assign(self, job: JobRecord, rank_keys: dict[int, str]) -> None:
+    def _assign(self, job: JobRecord, rank_keys: dict[int, str], joining: bool = False) -> None:
         """Tell every GPU client of the job its ranks, each with its key (sent to that client
-        only), and every value the ranks need decided here."""
+        only), and every value the ranks need decided here; ``joining``: only the ranks of
+        ``rank_keys``, joining the running job."""
         spec = job.spec
         timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
         groups = list(dict.fromkeys(p.client_id for p in job.placement))  # a script's GROUP_RANK: its client's place
@@ -332,10 +368,12 @@ class Scheduler:
             client = clients[client_id]
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
                 continue  # gone since it was placed: the reaper declares it lost and interrupts the job
+            if not any(p.rank in rank_keys for p in job.placement if p.client_id == client_id):
+                continue  # joining: not this client's
             assign = JobAssign(
                 job_id=job.id, attempt=job.attempt, world_size=job.world_size,
                 ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank])
-                       for p in job.placement if p.client_id == client_id],
+                       for p in job.placement if p.client_id == client_id and p.rank in rank_keys],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
                 parallelism=spec.parallelism, epochs=spec.epochs,
@@ -343,5 +381,5 @@ class Scheduler:
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, peers=peers,
-                datasets=spec.datasets)
+                datasets=spec.datasets, joining=joining)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -92,6 +92,7 @@ export const ArtifactKind = Object.freeze({
   OUTER_GRADIENT: "outer_gradient",
   DATASET: "dataset",
   DATASET_CHUNK: "dataset_chunk",
+  DILOCO_STATE: "diloco_state",
 });
 
 /** Statuses of a job that ended; it changes no more. */

@@ -48,7 +48,7 @@ SCHEMA_VERSION = 3
 SLOT_STATS = ("memory_free", "utilization", "memory_total")
 
 #: A job's per-rank maps (``put_job_entries``) and its lists (``append_job``).
-MAP_FIELDS = ("ranks", "exits", "failures")
+MAP_FIELDS = ("ranks", "exits", "failures", "joins")
 LIST_FIELDS = ("timeline", "restart_history", "checkpoints")
 #: Fields no verb changes once the job is created.
 FIXED_FIELDS = ("id", "room_id", "seq")
@@ -216,8 +216,10 @@ class Store(abc.ABC):
         it, with ``job_id`` and ``rank``, by client id and index."""
 
     @abc.abstractmethod
-    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any]) -> bool:
-        """Atomically: if the job is ``queued`` or ``resuming`` and every slot in ``assignments``
+    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any],
+                      when: Iterable[str] | None = None) -> bool:
+        """Atomically: if the job is ``queued`` or ``resuming`` (or one of ``when``: a running
+        DILOCO job taking a worker) and every slot in ``assignments``
         (``(slot_id, rank)`` pairs) is free, give the slots to the job and set its top-level
         ``fields`` (as ``set_job``). Returns False, changing nothing, otherwise."""
 

@@ -221,9 +221,11 @@ class MongoStore(Store):
             docs = list(self._slots.find(where).sort(order))
         return [{**d["doc"], "job_id": d.get("job_id"), "rank": d.get("rank")} for d in docs]
 
-    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any]) -> bool:
+    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any],
+                      when=None) -> bool:
         values = job_fields(fields)
-        if self._jobs.find_one({"_id": job_id, "status": {"$in": _WAITING}}, {"_id": 1}) is None:
+        statuses = status_values(when) or _WAITING
+        if self._jobs.find_one({"_id": job_id, "status": {"$in": statuses}}, {"_id": 1}) is None:
             return False
         token, claimed = uuid.uuid4().hex, []
         try:
@@ -234,7 +236,7 @@ class MongoStore(Store):
                     return False
                 claimed.append(slot_id)
             moved = self._jobs.find_one_and_update(
-                {"_id": job_id, "status": {"$in": _WAITING}, f"_fences.{token}": {"$exists": False}},
+                {"_id": job_id, "status": {"$in": statuses}, f"_fences.{token}": {"$exists": False}},
                 {"$set": {**values, f"_moved.{token}": True}, "$inc": {"_rev": 1}})
             if moved is None:
                 return False

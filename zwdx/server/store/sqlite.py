@@ -185,12 +185,14 @@ class SQLiteStore(Store):
             out.append(slot)
         return out
 
-    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any]) -> bool:
+    def reserve_slots(self, job_id: str, assignments: list[tuple[str, int]], fields: Mapping[str, Any],
+                      when=None) -> bool:
         values = job_fields(fields)
+        statuses = status_values(when) or ["queued", "resuming"]
         try:
             with self.db.tx() as db:
-                row = db.execute("SELECT doc FROM jobs WHERE id=? AND status IN ('queued', 'resuming')",
-                                 (job_id,)).fetchone()
+                row = db.execute(f"SELECT doc FROM jobs WHERE id=? AND status IN ({', '.join('?' * len(statuses))})",
+                                 (job_id, *statuses)).fetchone()
                 if row is None:
                     return False
                 for slot_id, rank in assignments:
