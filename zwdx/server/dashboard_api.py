@@ -18,7 +18,7 @@ import math
 
 from flask import Blueprint, current_app
 
-from ..protocol import FINISHED, EventKind
+from ..protocol import FINISHED, EventKind, JobKind
 from ..protocol.job import Job as JobRecord
 from ..protocol.rest import HistoryAnswer, HistoryQuery
 from .http import ctx, operation
@@ -58,6 +58,12 @@ def first_result(job: JobRecord) -> dict | None:
     return None
 
 
+def _mode(job: JobRecord) -> str:
+    """How the job trains, for the history: its parallelism, or "script" for a script job
+    (whose script sets up its own)."""
+    return "script" if job.spec.kind == JobKind.SCRIPT else job.spec.parallelism.value
+
+
 def summary(store, job: JobRecord) -> dict:
     """A finished job's row of the history (``HistoryRow``)."""
     start = job.running_at or job.started_at
@@ -67,7 +73,7 @@ def summary(store, job: JobRecord) -> dict:
             "running_at": job.running_at, "ended_at": end,
             "duration": end - start if start and end else None,
             "final_loss": job.final_loss, "result": first_result(job), "world_size": job.world_size,
-            "requested_world_size": job.spec.world_size, "parallelism": job.spec.parallelism.value,
+            "requested_world_size": job.spec.world_size, "parallelism": _mode(job),
             "epochs": job.spec.epochs, "mean_throughput": _cached_throughput(store, job),
             "reason": job.reason}
 

@@ -1,6 +1,6 @@
 // Jobs as the dashboard sees them: which are finished, the queue, merging live updates, history.
 
-import { FINISHED, WAITING } from "./protocol.js";
+import { FINISHED, JobKind, WAITING } from "./protocol.js";
 
 export { FINISHED, WAITING };
 
@@ -66,6 +66,15 @@ export const HISTORY_COLUMNS = [
   { key: "parallelism", label: "Parallelism" },
   { key: "mean_throughput", label: "Mean throughput" },
 ];
+
+/** How a job trains, in words: its parallelism, a script job's script, DILOCO's inner steps and compression. */
+export function jobMode(spec = {}) {
+  if (spec.kind === JobKind.SCRIPT) return `script ${spec.script?.path ?? ""}`.trim();
+  if (spec.parallelism === "DILOCO" && spec.diloco) {
+    return `DILOCO (H=${spec.diloco.inner_steps}, ${spec.diloco.compression})`;
+  }
+  return spec.parallelism ?? "—";
+}
 
 /** What a history row shows as its job: the name the submitter gave it, else its id. */
 export const jobLabel = (row) => row.name || row.id;

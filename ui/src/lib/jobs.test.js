@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { failuresInOrder, historyRows, jobDuration, mergeJob, queueOf, queuePosition, resultText } from "./jobs.js";
+import { failuresInOrder, historyRows, jobDuration, jobMode, mergeJob, queueOf, queuePosition, resultText } from "./jobs.js";
 
 const job = (id, seq, status, extra = {}) => ({ id, seq, status, created_at: seq, timeline: [{ status }], ...extra });
 
@@ -91,5 +91,14 @@ describe("failures", () => {
     expect(failuresInOrder(job).map(([rank]) => rank)).toEqual(["3", "2", "0", "10"]);
     expect(failuresInOrder({ failures: { 1: "x", 0: "y" } })).toEqual([["0", "y"], ["1", "x"]]);
     expect(failuresInOrder({})).toEqual([]);
+  });
+});
+
+describe("how a job trains", () => {
+  it("names a script job's script and DILOCO's settings, else the parallelism", () => {
+    expect(jobMode({ kind: "script", parallelism: "DDP", script: { path: "train.py" } })).toBe("script train.py");
+    expect(jobMode({ parallelism: "DILOCO", diloco: { inner_steps: 500, compression: "int8" } })).toBe("DILOCO (H=500, int8)");
+    expect(jobMode({ parallelism: "FSDP" })).toBe("FSDP");
+    expect(jobMode({})).toBe("—");
   });
 });

@@ -4,7 +4,7 @@ import { Link, useParams } from "react-router-dom";
 import { api } from "../lib/api.js";
 import { lastSeq } from "../lib/events.js";
 import { formatBytes, formatDuration, formatNumber, formatTime } from "../lib/format.js";
-import { WAITING, failuresInOrder, isFinished, jobDuration, queuePosition } from "../lib/jobs.js";
+import { WAITING, failuresInOrder, isFinished, jobDuration, jobMode, queuePosition } from "../lib/jobs.js";
 import { EventKind, JobStatus } from "../lib/protocol.js";
 import { useLive } from "../lib/LiveProvider.jsx";
 import { chartData, hasEpochs, latestValues, metricLabel, metricNames, metricPoints } from "../lib/metrics.js";
@@ -160,7 +160,7 @@ function Actions({ job, putJob }) {
 function Facts({ job, position }) {
   const spec = job.spec || {};
   const facts = [
-    ["Parallelism", spec.parallelism],
+    ["Parallelism", jobMode(spec)],
     ["World size", `${job.world_size ?? "—"} (requested ${spec.world_size ?? "all free"})`],
     ["Epochs", spec.epochs ?? "train_func's default"],
     ["Memory per rank", spec.memory_required ? formatBytes(spec.memory_required) : "any"],
