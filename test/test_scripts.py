@@ -283,12 +283,9 @@ def test_zwdx_run_reads_sizes_as_people_write_them():
     assert out.returncode == 2 and "'lots' is not a size" in out.stderr
 
 
-def test_the_history_shows_a_finished_script_job_as_a_script(app):
+def test_the_history_shows_a_finished_script_job_as_a_script(api):
     """The dashboard's history says "script" for a script job, not the DDP its spec defaults to."""
-    from zwdx.server.dashboard_api import summary
-    from zwdx.server.job import Job
-    room, rank0, job = placed_job(app, "history")
-    store = app.extensions["zwdx"].store
-    with app.app_context():
-        Job(store, store.get_job(job["id"])).cancel("done with it")
-        assert summary(store, store.get_job(job["id"]))["parallelism"] == "script"
+    job = api.post("/jobs", json=script_job(put_workdir(api).json["id"])).json
+    assert api.post(f"/jobs/{job['id']}/cancel").status_code == 200
+    [row] = [r for r in api.get("/dashboard/history").json["jobs"] if r["id"] == job["id"]]
+    assert row["parallelism"] == "script" and job["spec"]["parallelism"] == "DDP"
