@@ -79,7 +79,8 @@ class Agent:
 
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
-                 work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True):
+                 work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
+                 isolation: str = "process", confinement=None):
         self.server = server.rstrip("/")
         self.token = room_token
         self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
@@ -88,11 +89,17 @@ class Agent:
         self.slots = gpus.discover(gpus_only, cpu)
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
+        self.versions = runtime_versions()
         self.advertise_addr = advertise_addr
         self.threads = threads
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
-        self.launcher = Launcher(self.work_dir, standby)
+        if isolation == "docker":  # each rank in a container of its own: what its image has is what the ranks have
+            from .container import ContainerLauncher
+            self.launcher = ContainerLauncher(self.work_dir, standby, confinement, len(self.slots), self.server)
+            self.versions, self.modules = self.launcher.runtime()
+        else:
+            self.launcher = Launcher(self.work_dir, standby)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
@@ -127,7 +134,7 @@ class Agent:
             self.launcher.network = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
                                      "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
-                         versions=runtime_versions(), modules=self.modules, advertise_addr=self.advertise_addr,
+                         versions=self.versions, modules=self.modules, advertise_addr=self.advertise_addr,
                          running=self._running(), client_secret=self.identity.secret)
         try:
             data = self.sio.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=15)
@@ -221,7 +228,7 @@ class Agent:
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
-            backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
+            peers=assign.peers, backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             bundle_path=bundle, bundle_pending=pending, assigned_at=assigned_at, server=self.server,
@@ -383,8 +390,21 @@ def _answer(model, data):
         return model(ok=False, error=f"the server's answer could not be read: {err}")
 
 
+def isolation(agent: Agent) -> dict:
+    """The isolation the agent's ranks run under, for the donor to read."""
+    describe = getattr(agent.launcher, "describe", None)
+    if describe is not None:
+        return describe()
+    return {"isolation": "process", "user": "this agent's", "network": "this machine's",
+            "note": "rank processes run the room's code with this user's files and network: lend only to rooms "
+                    "you trust, or use --isolation docker"}
+
+
 def serve(**kwargs) -> int:
     agent = Agent(**kwargs)
+    shown = isolation(agent)
+    details = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in shown.items() if k != "isolation")
+    print(f"gpu-client {agent.client_id}: isolation {shown['isolation']} ({details})", flush=True)
 
     def _stop(signum, _frame):
         log.info("gpu-client %s: signal %d, stopping", agent.client_id, signum)

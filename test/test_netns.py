@@ -110,7 +110,8 @@ def net_cluster(net_hosts, tmp_path):
     for name in names:
         procs.append(net_hosts.run(name, [sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url,
                                           "--room-token", token, "--cpu", "--threads", "1", "--client-id", name,
-                                          "--work-dir", str(tmp_path / name)], str(tmp_path / f"{name}.log")))
+                                          "--isolation", "process", "--work-dir", str(tmp_path / name)],
+                                   str(tmp_path / f"{name}.log")))
     wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == len(names), 30,
                what="gpu clients online")
     yield net_hosts, sdk, url

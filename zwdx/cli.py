@@ -122,9 +122,23 @@ def _gpu_client(args) -> int:
               file=sys.stderr)
         return 2
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
-                 advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
-                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby)
+    from gpu_client import container
+    isolation, confinement = args.isolation, None
+    if isolation == "auto":
+        isolation, why = container.default_isolation(args.allow_image)
+        print(f"zwdx gpu-client: isolation {isolation}: {why}", file=sys.stderr)
+    if isolation == "docker":
+        confinement = container.Confinement(images=args.allow_image or [container.DEFAULT_IMAGE],
+                                            memory=args.container_memory, pids=args.container_pids,
+                                            shm=args.container_shm)
+    try:
+        return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
+                     advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
+                     work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
+                     isolation=isolation, confinement=confinement)
+    except container.ContainerError as err:
+        print(f"zwdx gpu-client: --isolation docker: {err}", file=sys.stderr)
+        return 2
 
 
 def _job(args) -> int:
@@ -142,6 +156,16 @@ def _job(args) -> int:
     elif args.action == "cancel":
         print(sdk.cancel_job(args.job_id)["status"])
     return 0
+
+
+def _size(text: str) -> int:
+    """A size in bytes: 1073741824, 512m, 16g."""
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+    try:
+        number, unit = (text[:-1], text[-1].lower()) if text[-1:].lower() in units else (text, "")
+        return int(float(number) * units.get(unit, 1))
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected a size like 512m or 16g, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,6 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
+    box = p.add_argument_group("isolation", "where the room's code runs (docs/docker.md)")
+    box.add_argument("--isolation", choices=["auto", "process", "docker"], default="auto",
+                     help="docker: each rank in a fresh locked-down container; process: a process of this user; "
+                          "auto (default): docker when an engine answers, its image is here and this client does "
+                          "not run in a container itself")
+    box.add_argument("--allow-image", action="append", default=None, metavar="IMAGE",
+                     help="an image ranks may run in (repeat for more); the first is the default "
+                          "(default: zwdx-gpu-client)")
+    box.add_argument("--container-memory", type=_size, default=None, metavar="SIZE",
+                     help="memory of a rank container, e.g. 16g (default: the RAM shared out over the slots)")
+    box.add_argument("--container-pids", type=int, default=4096, help="processes and threads of a rank container")
+    box.add_argument("--container-shm", type=_size, default=2 * 1024**3, metavar="SIZE",
+                     help="/dev/shm of a rank container (default 2g)")
     p.set_defaults(func=_gpu_client)
 
     p = sub.add_parser("job", help="look at and control jobs")

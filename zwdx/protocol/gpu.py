@@ -151,6 +151,9 @@ class JobAssign(Answer):
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
     checkpoint_every_epoch: bool
     collective_timeout: Annotated[float, Field(gt=0)]
+    #: The addresses of every GPU client of the placement (this one's too): where the ranks'
+    #: collectives go, and all a rank in a container may reach besides the server (container.py).
+    peers: list[str] = []
 
 
 class JobCancel(Answer):

@@ -107,7 +107,7 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
             continue
         have_py = python_minor(_python(client))
         if have_py != need_py:
-            wrong_py[have_py] += 1
+            wrong_py[f"{have_py} (gpu client {client['id']})"] += 1
             continue
         if client["id"] not in missing:
             missing[client["id"]] = missing_modules(spec, client)
@@ -199,7 +199,7 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     need_py = python_minor(spec["versions"]["python"])
     runs = [c for c in alive if python_minor(_python(c)) == need_py]
     if not runs:
-        theirs = sorted({python_minor(_python(c)) for c in alive})
+        theirs = sorted({f"{python_minor(_python(c))} (gpu client {c['id']})" for c in alive})
         return (f"no GPU client online runs Python {need_py}, the submitter's (they run {', '.join(theirs)}); "
                 f"a bundle loads only on the Python minor version that made it")
     missing = {c["id"]: missing_modules(spec, c) for c in runs}

@@ -322,8 +322,9 @@ class Scheduler:
         only), and every value the ranks need decided here."""
         spec = job.spec
         timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
-        for client_id in dict.fromkeys(p.client_id for p in job.placement):
-            client = self.ctx.store.get_client(client_id) or {}
+        clients = {c: self.ctx.store.get_client(c) or {} for c in dict.fromkeys(p.client_id for p in job.placement)}
+        peers = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")} | {job.master.addr})
+        for client_id, client in clients.items():
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
                 continue  # gone since it was placed: the reaper declares it lost and interrupts the job
             assign = JobAssign(
@@ -334,5 +335,5 @@ class Scheduler:
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
                 parallelism=spec.parallelism, epochs=spec.epochs, checkpoint=job.latest_checkpoint,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
-                collective_timeout=timeout)
+                collective_timeout=timeout, peers=peers)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)
