@@ -81,8 +81,8 @@ def engine():
         client.ping()
         return client
     except Exception as exc:
-        raise ContainerError(f"no Docker engine answers ({os.environ.get('DOCKER_HOST') or 'unix:///var/run/docker.sock'}: "
-                             f"{exc})") from exc
+        where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        raise ContainerError(f"no Docker engine answers ({where}: {exc})") from exc
 
 
 def default_isolation(images: list[str] | None = None) -> tuple[str, str]:
@@ -190,25 +190,32 @@ class ContainerLauncher:
     def _create(self, index: int, device: str, threads: int, log_path: str, spec: RankSpec | None = None,
                 standby: bool = False) -> RankContainer:
         import docker
-        uid = self.uid_base + index
+        uid, gpu = self.uid_base + index, device.startswith("cuda")
         env = {k: v for k, v in {**os.environ, **self.network}.items() if k in PASSED}
         env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "HOME": WORK, "TMPDIR": WORK,
                     "USER": "zwdx-rank", "XDG_CACHE_HOME": f"{WORK}/.cache"})
-        gpu = device.startswith("cuda")
-        command = ["python", "-m", "gpu_client.rank_container", *(["--standby", "cuda:0" if gpu else "cpu"] if standby else [])]
+        if gpu:  # NCCL would take ranks of one host for one machine, and fail to share memory across containers
+            env["NCCL_HOSTID"] = f"{socket.gethostname()}-{self.tag}-{index}"
+        command = ["python", "-m", "gpu_client.rank_container", *(["--standby", "cuda:0" if gpu else "cpu"]
+                                                                 if standby else [])]
+        host = {k: v for k, v in self._confined(uid).items() if k not in ("user", "labels", "working_dir")}
+        requests = [docker.types.DeviceRequest(device_ids=[device.split(":")[1]], capabilities=[["gpu"]])] if gpu else None
         created = self.docker.api.create_container(
             self.images[self.confinement.image], command, entrypoint=[], stdin_open=True, detach=False, environment=env,
             labels={"zwdx.agent": self.tag, "zwdx.slot": str(index), "zwdx.job": spec.job_id if spec else "standby"},
             host_config=self.docker.api.create_host_config(
-                auto_remove=True, network_mode="host", log_config={"type": "none", "config": {}}, extra_hosts=self.hosts,
-                device_requests=[docker.types.DeviceRequest(device_ids=[device.split(":")[1]], capabilities=[["gpu"]])]
-                if gpu else None, **{k: v for k, v in self._confined(uid).items() if k not in ("user", "labels",
-                                                                                             "working_dir")}),
+                auto_remove=True, network_mode="host", log_config={"type": "none", "config": {}},
+                extra_hosts=self.hosts, device_requests=requests, **host),
             user=f"{uid}:{uid}", working_dir=WORK)
-        handle = RankContainer(self.docker.api, created["Id"], log_path, report=report_unstarted, on_end=self._ended)
-        with self._lock:
-            self.active[handle.id] = (index, handle)
-        handle.start()
+        try:
+            handle = RankContainer(self.docker.api, created["Id"], log_path, report=report_unstarted,
+                                   on_end=self._ended)
+            with self._lock:
+                self.active[handle.id] = (index, handle)
+            handle.start()
+        except Exception:
+            self.docker.api.remove_container(created["Id"], force=True)  # created, never started: not auto-removed
+            raise
         return handle
 
     def _ended(self, handle: RankContainer) -> None:
