@@ -137,6 +137,7 @@ class ContainerLauncher:
         total = _ram()
         self.memory = self.confinement.memory or max(256 * 1024**2, int(total * 0.9 / max(1, slots)))
         self.reap()
+        self._runtime = self._probe()  # before any rule is set: a refused image leaves nothing behind
         self.egress = Egress(self.tag)
         if self.egress.available:
             self.egress.install()
@@ -151,8 +152,12 @@ class ContainerLauncher:
                                  "or docker pull it)") from None
 
     def runtime(self) -> tuple[dict, list[str] | None]:
-        """The versions and importable modules of the default image, as its ranks see them; a
-        ContainerError when the image cannot run a rank of this agent (another zwdx)."""
+        """The versions and importable modules of the default image, as its ranks see them."""
+        return self._runtime
+
+    def _probe(self) -> tuple[dict, list[str] | None]:
+        """``runtime()``, asked of the image in a container like a rank's (no network); a
+        ContainerError when the image cannot run a rank of this agent (no zwdx, another zwdx)."""
         probe = ("import json; from zwdx.protocol import runtime_versions; from gpu_client.host import "
                  "importable_modules; from zwdx.protocol.rank import RankSpec; print(json.dumps({'versions': "
                  "runtime_versions(), 'modules': importable_modules(), 'spec': RankSpec.model_json_schema()}))")
@@ -259,16 +264,19 @@ class ContainerLauncher:
         if image is not None and image not in self.images:
             raise ImageDenied(f"{spec.where} does not run image {image}: its donor allows "
                               f"{', '.join(self.images)} (zwdx gpu-client --allow-image)")
-        if self.egress.available:
-            self.egress.allow(self.uid_base + index, destinations(spec))
-        with self._lock:
-            handle = self.standby.pop(index, None)
-        if handle is None or handle.poll() is not None:
-            if self.use_standby:
-                log.info("gpu-client %s: no standby container on slot %d; starting a fresh one", client_id, index)
-            handle = self._create(index, spec.device, spec.threads, spec.log_path, spec)
-        else:
-            handle.log_to(spec.log_path)
+        try:
+            if self.egress.available:
+                self.egress.allow(self.uid_base + index, destinations(spec))
+            with self._lock:
+                handle = self.standby.pop(index, None)
+            if handle is None or handle.poll() is not None:
+                if self.use_standby:
+                    log.info("gpu-client %s: no standby container on slot %d; starting a fresh one", client_id, index)
+                handle = self._create(index, spec.device, spec.threads, spec.log_path, spec)
+            else:
+                handle.log_to(spec.log_path)
+        except Exception as exc:  # the engine went away, a rule could not be set: the submitter reads which
+            raise ContainerError(f"{spec.where} could not start the rank's container: {exc}") from exc
         handle.spec = spec
         try:
             handle.send(spec.line())
