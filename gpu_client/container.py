@@ -204,7 +204,9 @@ class ContainerLauncher:
         command = ["python", "-m", "gpu_client.rank_container", *(["--standby", "cuda:0" if gpu else "cpu"]
                                                                  if standby else [])]
         host = {k: v for k, v in self._confined(uid).items() if k not in ("user", "labels", "working_dir")}
-        requests = [docker.types.DeviceRequest(device_ids=[device.split(":")[1]], capabilities=[["gpu"]])] if gpu else None
+        requests = None
+        if gpu:  # the slot's GPU, and no other
+            requests = [docker.types.DeviceRequest(device_ids=[device.split(":")[1]], capabilities=[["gpu"]])]
         created = self.docker.api.create_container(
             self.images[self.confinement.image], command, entrypoint=[], stdin_open=True, detach=False, environment=env,
             labels={"zwdx.agent": self.tag, "zwdx.slot": str(index), "zwdx.job": spec.job_id if spec else "standby"},
