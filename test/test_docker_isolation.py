@@ -177,6 +177,54 @@ def test_a_rank_runs_in_a_locked_down_container_that_is_gone_when_it_ends(stack,
     assert seen["egress"] in ("ConnectionRefusedError", "ConnectionResetError"), seen["egress"]  # not a peer
 
 
+def trains_then_dials(target: str):
+    """The job's code: the example's training (a collective per step between the ranks' containers),
+    then a connection to ``target``, which is neither a peer nor the server."""
+    def train(model, loader, optim, eval_func, rank, world_size, epochs=1, reporter=None):
+        import socket
+        loss = mnist.train(model, loader, optim, eval_func, rank, world_size, epochs, reporter)
+        host, port = target.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            egress = "connected"
+        except OSError as exc:
+            egress = type(exc).__name__
+        return {"final_loss": loss, "egress": egress}
+    return train
+
+
+def test_ranks_of_two_clients_train_together_and_reach_only_each_other_and_the_server(engine, tmp_path):
+    from gpu_client.egress import Egress
+    if not Egress("probe").available:
+        needs.missing("root and iptables (the ranks' egress rules)", "run the suite as root, as CI does")
+    from zwdx import ZWDX
+    server = Server(str(tmp_path / "server"), host=_host_address())  # peers and server off loopback
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    clients = []
+    try:
+        sdk = ZWDX(server.url, remember=False)
+        room = sdk.create_room("pair")
+        for name in ("left", "right"):
+            clients.append(GpuClient(server.url, room["donor_token"], str(tmp_path / name), name,
+                                     extra=["--isolation", "docker", "--allow-image", IMAGE]))
+        wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(room["submitter_token"])["clients"]) == 2,
+                   60 + SLACK, what="both GPU clients")
+        train = trains_then_dials(f"127.0.0.1:{listener.getsockname()[1]}")
+        result = sdk.submit_job(mnist.Net(), mnist.create_loader, train, mnist.test,
+                                torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), "DDP", 0,
+                                room_token=room["submitter_token"], world_size=2, epochs=1, progress=False)
+        assert sorted(p["client_id"] for p in result["placement"]) == ["left", "right"]
+        assert result["results"]["accuracy"] > 0.5  # the ranks trained together, over gloo between containers
+        assert result["results"]["egress"] in ("ConnectionRefusedError", "ConnectionResetError")  # loopback: neither
+    finally:
+        listener.close()
+        for client in clients:
+            client.stop()
+        server.stop()
+
+
 def _sleep_train(model, loader, optim, rank, world_size, epochs=1, reporter=None):
     import time
     reporter.log("sleeping")
