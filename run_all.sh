@@ -55,19 +55,21 @@ pids+=($!)
 for _ in $(seq 1 100); do curl -sf "$URL/health" >/dev/null && break; sleep 0.2; done
 curl -sf "$URL/health" >/dev/null || { cat "$DATA/server.log"; exit 1; }
 
-TOKEN=$("$PY" -m zwdx.cli room create --server "$URL" --name demo | tail -n 1)
+# the tokens go to files (0600), never on a command line, where every user of the machine reads them
+(umask 077 && "$PY" -m zwdx.cli room create --server "$URL" --name demo --json > "$DATA/room.json")
+token() { "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$DATA/room.json" "$1"; }
+(umask 077 && token submitter_token > "$DATA/room-token" && token donor_token > "$DATA/donor-token")
 echo "== room created; dashboard: $URL (sign in with the token in $DATA/room-token)"
-echo "$TOKEN" > "$DATA/room-token"
 
 CPU_FLAG=--cpu
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then CPU_FLAG=; fi
 for i in 1 2; do
     GPUS=()
     [[ -z "$CPU_FLAG" ]] && GPUS=(--gpus $((i - 1)))
-    "$PY" -m zwdx.cli gpu-client --server "$URL" --room-token "$TOKEN" $CPU_FLAG "${GPUS[@]}" --threads 1 \
+    "$PY" -m zwdx.cli gpu-client --server "$URL" --room-token-file "$DATA/donor-token" $CPU_FLAG "${GPUS[@]}" --threads 1 \
         --work-dir "$DATA/gpu-client-$i" > "$DATA/gpu-client-$i.log" 2>&1 &
     pids+=($!)
 done
 
 echo "== submitting the MNIST example (DDP, 2 ranks)"
-"$PY" test/mnist.py --server "$URL" --room-token "$TOKEN" --world-size 2 --epochs 3
+ZWDX_ROOM_TOKEN=$(cat "$DATA/room-token") "$PY" test/mnist.py --server "$URL" --world-size 2 --epochs 3

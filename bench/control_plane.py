@@ -65,8 +65,9 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
         server = ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo_uri,
                             extra=["--async-mode", args.async_mode] if args.async_mode else None, env=env)
         async_mode = requests.get(f"{server.url}/health", timeout=10).json().get("async_mode", "threading")
-        tokens = [requests.post(f"{server.url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()["token"]
-                  for i in range(args.rooms)]
+        rooms = [requests.post(f"{server.url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()
+                 for i in range(args.rooms)]
+        tokens = [{"submitter": r["submitter_token"], "donor": r["donor_token"]} for r in rooms]
         users = max(1, round(clients * args.users_per_100 / 100))
         plan = {"url": server.url, "tokens": tokens, "clients": clients, "users": users, "procs": args.procs,
                 "connect_rate": args.connect_rate, "connect_timeout": 60, "world_size": args.world_size,
@@ -89,7 +90,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             if not server.alive():
                 raise RuntimeError(f"server exited:\n{server.tail()}")
             return all(os.path.exists(os.path.join(level_dir, f"ready-{i}")) for i in range(args.procs))
-        harness.wait_until(ready, clients / args.connect_rate + 120, "simulated clients registered", 0.2)
+        harness.wait_until(ready, clients / args.connect_rate + 120, interval=0.2, what="simulated clients registered")
         ramp_s = time.time() - ramp_started
         held_ready = 0
         for i in range(args.procs):
@@ -118,7 +119,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
         online = None
         try:
             online = sum(c["status"] == "online" for t in tokens for c in requests.get(
-                f"{server.url}/api/v1/room", headers={"X-Zwdx-Room-Token": t}, timeout=30).json()["clients"])
+                f"{server.url}/api/v1/room", headers={"X-Zwdx-Room-Token": t["submitter"]}, timeout=30).json()["clients"])
         except Exception:
             pass
         for g in gens:

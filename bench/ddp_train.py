@@ -1,11 +1,14 @@
-"""The bare-torchrun side of the overhead benchmark: a plain DDP script running bench/workload.py.
+"""The bare-torchrun side of the overhead benchmark: a plain DDP (or FSDP2) script running bench/workload.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node=N bench/ddp_train.py \\
         --config '{"model": "cnn", ...}' --result /tmp/result.json
 
 It does what the zwdx runner does around the same ``train``, and nothing else: NCCL (gloo on
-CPU), DDP over the device, the same optimizer, and rank 0 saving the trained weights (as
-safetensors, as zwdx's rank 0 gathers and uploads them). Rank 0 writes the figures as JSON.
+CPU), DDP over the device (or, with ``"parallelism": "FSDP"`` in the config, FSDP2's
+``fully_shard`` on each transformer block and then the root, with parameters in fp32 and
+bf16 autocast in ``train``: the units and precision zwdx chooses for these models), the same
+optimizer, and rank 0 saving the trained weights (as safetensors, gathered whole, as zwdx's
+rank 0 gathers and uploads them). Rank 0 writes the figures as JSON.
 """
 from __future__ import annotations
 
@@ -41,15 +44,17 @@ def main() -> int:
                             **({"device_id": device} if cuda else {}))
     try:
         model, _ = workload.build(cfg)
-        ddp = DistributedDataParallel(model.to(device), device_ids=[local] if cuda else None)
+        if cfg.get("parallelism", "DDP") == "FSDP":
+            ddp = shard(model.to(device), device)
+        else:
+            ddp = DistributedDataParallel(model.to(device), device_ids=[local] if cuda else None)
         optimizer = workload.optimizer(ddp.parameters(), cfg)
         data_loader, train = workload.functions(cfg)
         loader = data_loader(rank, world, device)
         result = train(ddp, loader, optimizer, rank, world, device)
+        state = whole_state(ddp)  # every rank takes part (FSDP gathers the shards)
         if rank == 0:
             from safetensors.torch import save_file
-            # cloned as zwdx's runner does (a tied weight is saved twice)
-            state = {k: v.detach().cpu().contiguous().clone() for k, v in ddp.module.state_dict().items()}
             fd, path = tempfile.mkstemp(suffix=".safetensors")
             os.close(fd)
             save_file(state, path)
@@ -62,6 +67,27 @@ def main() -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def shard(model, device):
+    """FSDP2: each transformer block its own unit, then the root (none but the root for the cnn)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in [m for m in model.modules() if isinstance(m, workload.Block)]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def whole_state(model) -> dict:
+    """The trained weights on CPU, whole (cloned as zwdx's runner does: a tied weight is saved twice)."""
+    if isinstance(model, DistributedDataParallel):
+        state = model.module.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
 
 
 if __name__ == "__main__":

@@ -84,10 +84,12 @@ def main() -> None:
     clients = []
     try:
         sdk = ZWDX(server.url)
-        token = sdk.create_room("job-end")["token"]
-        clients = [GpuClientProc(server.url, token, os.path.join(work, f"c{i}"), f"c{i}", None) for i in range(2)]
+        room = sdk.create_room("job-end")
+        token = room["submitter_token"]
+        clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"c{i}"), f"c{i}", None)
+                   for i in range(2)]
         harness.wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(token)["clients"]) == 2, 60,
-                           "2 GPU clients online")
+                           what="2 GPU clients online")
         returned = {}
         for n in range(args.jobs):
             time.sleep(args.settle)

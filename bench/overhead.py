@@ -1,6 +1,7 @@
 """Training overhead: the same model, data and steps under bare torchrun and as a zwdx job.
 
     python bench/overhead.py --gpus 2 --model cnn,gpt2 --out $OUT/overhead-2gpu.md
+    python bench/overhead.py --gpus 2 --model gpt2 --parallelism FSDP    # FSDP2 against a torchrun FSDP2 script
     python bench/overhead.py --gpus 0 --cpu-ranks 2 --model cnn,gpt2     # CPU smoke run (gloo)
 
 The script starts a zwdx server and one GPU client per GPU (or per CPU rank), waits until they
@@ -85,7 +86,7 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
 
     submitted = time.time()
     res = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train, optimizer=optimizer,
-                         parallelism="DDP", room_token=token, epochs=1, world_size=n, progress=False,
+                         parallelism=cfg.get("parallelism", "DDP"), room_token=token, epochs=1, world_size=n, progress=False,
                          name=f"bench-{cfg['model']}", timeout=timeout)
     ended = time.time()
     job, r = res["job"], res["results"]
@@ -108,7 +109,7 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
         "join process group": at["joined"] - at["rank_process"],
         "(bundle fetch+load, meanwhile)": at["bundle_loaded"] - at["rank_process"],
         "model to GPU": at["on_device"] - joined,
-        "wrap DDP": at["wrapped"] - at["on_device"],
+        f"wrap {cfg.get('parallelism', 'DDP')}": at["wrapped"] - at["on_device"],
         "optimizer": at["optimizer_checkpoint"] - at["wrapped"],
         "user's data_loader_func": at["data_loader"] - at["optimizer_checkpoint"],
         "train_func->step": r["first_step_start"] - r["entered_at"],
@@ -143,9 +144,10 @@ def start_fleet(args, work: str):
     server = ServerProc(os.path.join(work, "server"))
     from zwdx import ZWDX
     sdk = ZWDX(server.url)
-    token = sdk.create_room("bench-overhead")["token"]
+    room = sdk.create_room("bench-overhead")
+    token = room["submitter_token"]
     n = args.gpus or args.cpu_ranks
-    clients = [GpuClientProc(server.url, token, os.path.join(work, f"client{i}"), f"bench-{i}",
+    clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"client{i}"), f"bench-{i}",
                              gpu=i if args.gpus else None, threads=args.threads) for i in range(n)]
 
     def online():
@@ -155,7 +157,7 @@ def start_fleet(args, work: str):
         room = sdk.get_room(token)
         return [c for c in room["clients"] if c["status"] == "online"] if \
             sum(c["status"] == "online" for c in room["clients"]) == n else None
-    registered = harness.wait_until(online, 120, f"{n} gpu clients online")
+    registered = harness.wait_until(online, 120, what=f"{n} gpu clients online")
     kinds = {s.get("kind") for c in registered for s in c["slots"]}
     want = "cuda" if args.gpus else "cpu"
     if kinds != {want}:
@@ -176,6 +178,8 @@ def main() -> int:
                         help="which sides to run: torchrun, zwdx or both (the ratio needs both)")
     parser.add_argument("--settle", type=float, default=8.0,
                         help="seconds before each zwdx job, for the GPU clients' standby processes to be ready")
+    parser.add_argument("--parallelism", choices=["DDP", "FSDP"], default="DDP",
+                        help="DDP, or FSDP2 (each block a unit, then the root) on both sides")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank, both sides")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
@@ -198,7 +202,7 @@ def main() -> int:
         for model in [m.strip() for m in args.model.split(",") if m.strip()]:
             for rep in range(args.repeat):
                 cfg = workload.config(model, device, steps=args.steps, warmup=args.warmup, batch=args.batch,
-                                      seed=rep)
+                                      seed=rep, parallelism=args.parallelism)
                 order = ["torchrun", "zwdx"] if rep % 2 == 0 else ["zwdx", "torchrun"]
                 order = [side for side in order if side in args.sides.split(",")]
                 for side in order:
@@ -258,7 +262,7 @@ def report(runs: dict, n: int, args, where: str) -> str:
         rows_s.append([model, med(tr, "to_first_step"), to_first, med(zw, "first_step_streamed"),
                        med(zw, "bundle_mb"), med(zw, "pack_s"), transfer, to_first - transfer,
                        median([r["raw"]["epoch_end_s"] for r in zw]), med(tr, "wall"), med(zw, "wall")])
-    head = (f"\n## zwdx overhead over bare torchrun: {where}; {unit}, DDP, "
+    head = (f"\n## zwdx overhead over bare torchrun: {where}; {unit}, {args.parallelism}, "
             f"{'bf16 autocast' if args.gpus else 'fp32, gloo'}, median of {args.repeat} run(s) per side\n\n")
     out = [head]
     if rows_t:

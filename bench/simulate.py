@@ -31,7 +31,7 @@ import socketio
 
 API = "/api/v1"
 TOKEN = "X-Zwdx-Room-Token"
-JOB_KEY = "X-Zwdx-Job-Key"
+RANK_KEY = "X-Zwdx-Rank-Key"
 SHA = "X-Zwdx-Sha256"
 
 
@@ -73,10 +73,10 @@ class Sim:
         self.versions = {"python": platform.python_version(), "torch": "2.4.0", "cloudpickle": "3.0.0"}
 
     # -- REST -----------------------------------------------------------------------------
-    async def rest(self, kind: str, method: str, path: str, token: str, job_key: str | None = None, **kw):
-        headers = {TOKEN: token, **kw.pop("headers", {})}
-        if job_key:
-            headers[JOB_KEY] = job_key
+    async def rest(self, kind: str, method: str, path: str, token: str | None, rank_key: str | None = None, **kw):
+        """A REST call with a room's submitter token, or a rank's key (as a rank process calls)."""
+        headers = {**({TOKEN: token} if token else {}), **({RANK_KEY: rank_key} if rank_key else {}),
+                   **kw.pop("headers", {})}
         started = time.time()
         try:
             async with self.http.request(method, f"{self.url}{API}{path}", headers=headers,
@@ -98,6 +98,7 @@ class Sim:
         jobs: dict[str, asyncio.Task] = {}
         running: dict[str, int] = {}
         ns = "/gpu"
+        secret: dict[str, str] = {}  # the client secret its first register was answered with
 
         async def reserve_port(data):
             return {"addr": "127.0.0.1", "port": 20000 + random.randrange(20000)}
@@ -105,7 +106,7 @@ class Sim:
         async def job_assign(data):
             self.rec.count("jobs assigned")
             running[data["job_id"]] = int(data.get("attempt") or 0)
-            jobs[data["job_id"]] = asyncio.create_task(self.ranks(sio, token, data, running))
+            jobs[data["job_id"]] = asyncio.create_task(self.ranks(sio, data, running))
 
         async def job_cancel(data):
             task = jobs.pop(data.get("job_id"), None)
@@ -118,10 +119,12 @@ class Sim:
                     "memory_free": 79 * 2**30, "utilization": 0}
             answer = await sio.call("register", {
                 "client_id": cid, "hostname": f"sim-host-{n}", "slots": [slot], "versions": self.versions,
-                "advertise_addr": "127.0.0.1", "running": [{"job_id": j, "attempt": a} for j, a in running.items()]},
-                namespace=ns, timeout=60)
+                "advertise_addr": "127.0.0.1", "running": [{"job_id": j, "attempt": a} for j, a in running.items()],
+                **({"client_secret": secret["s"]} if secret else {})}, namespace=ns, timeout=60)
             if not answer or not answer.get("ok"):
                 raise RuntimeError(f"register refused: {answer}")
+            if answer.get("client_secret"):
+                secret["s"] = answer["client_secret"]
             return answer
 
         sio.on("reserve_port", reserve_port, namespace=ns)
@@ -174,14 +177,15 @@ class Sim:
         except Exception:
             pass
 
-    async def ranks(self, sio, token: str, data: dict, running: dict) -> None:
-        """The rank processes of one job on this client, as the runner drives them over REST."""
+    async def ranks(self, sio, data: dict, running: dict) -> None:
+        """The rank processes of one job on this client, as the runner drives them over REST:
+        each with its own rank key, and no room token."""
         plan = self.plan
-        job, key = data["job_id"], data["job_key"]
-        ranks = [r["rank"] for r in data["ranks"]]
+        job, keys = data["job_id"], {r["rank"]: r["key"] for r in data["ranks"]}
+        ranks = list(keys)
         try:
             for r in ranks:
-                await self.rest("POST /ranks running", "POST", f"/jobs/{job}/ranks/{r}", token, key,
+                await self.rest("POST /ranks running", "POST", f"/jobs/{job}/ranks/{r}", None, keys[r],
                                 json={"status": "running"})
             ends, step, n = time.time() + plan["job_seconds"] * random.uniform(0.5, 1.5), 0, 0
             while time.time() < ends and not self.stop.is_set():
@@ -194,12 +198,12 @@ class Sim:
                         events.append({"kind": "metric", "rank": r, "key": f"0:{n}", "step": step,
                                        "data": {"loss": 2.0 / (1 + step), "lr": 3e-4}, "ts": time.time()})
                     t = time.time()
-                    out = await self.rest("POST /events (metrics)", "POST", f"/jobs/{job}/events", token, key,
+                    out = await self.rest("POST /events (metrics)", "POST", f"/jobs/{job}/events", None, keys[r],
                                           json={"events": events})
                     if out:
                         self.rec.count("metric events stored", int(out.get("stored", 0)), t)
             for r in ranks:
-                await self.rest("POST /ranks completed", "POST", f"/jobs/{job}/ranks/{r}", token, key,
+                await self.rest("POST /ranks completed", "POST", f"/jobs/{job}/ranks/{r}", None, keys[r],
                                 json={"status": "completed", "results": {"loss": 0.1}, "final_loss": 0.1,
                                       "fingerprint": "5" * 64})  # a sha256, as a rank sends
             t = time.time()
@@ -276,10 +280,10 @@ class Sim:
         tokens = plan["tokens"]
         mine = [c for c in range(plan["clients"]) if c % plan["procs"] == me]
         rate = plan["connect_rate"] / plan["procs"]
-        tasks = [asyncio.create_task(self.gpu_client(c, tokens[c % len(tokens)], i / rate))
+        tasks = [asyncio.create_task(self.gpu_client(c, tokens[c % len(tokens)]["donor"], i / rate))
                  for i, c in enumerate(mine)]
         if me == 0:
-            tasks += [asyncio.create_task(self.dashboard(t)) for t in tokens]
+            tasks += [asyncio.create_task(self.dashboard(t["submitter"])) for t in tokens]
         deadline = time.time() + len(mine) / rate + plan["connect_timeout"]
         while self.held < len(mine) and time.time() < deadline:
             await asyncio.sleep(0.2)
@@ -291,7 +295,7 @@ class Sim:
             go = json.load(fh)
         self.rec.t0, self.rec.t1 = go["t0"], go["t1"]
         users = [u for u in range(plan["users"]) if u % plan["procs"] == me]
-        tasks += [asyncio.create_task(self.user(u, tokens[u % len(tokens)])) for u in users]
+        tasks += [asyncio.create_task(self.user(u, tokens[u % len(tokens)]["submitter"])) for u in users]
         await asyncio.sleep(max(0.0, go["t1"] - time.time()))
         self.held_at_end = self.held
         self.stop.set()

@@ -7,11 +7,12 @@ re-registers with the jobs it still runs. What it says and hears are the types o
 ``zwdx.protocol.gpu``: it builds ``Register``, ``Heartbeat`` and ``RanksExited``, and reads
 ``JobAssign``, ``JobCancel`` and ``ReservePort`` through them. Each rank of a job it is
 assigned gets one ``RankSpec`` with that rank's key (and no other secret of the agent) and
-runs in its own process (``launcher.py``).
+runs in its own process (``launcher.py``), in the job's sandbox: in a container of its own where
+Docker can, else as a user of its own per job when the agent is root (``isolation.py``; each
+slot registers which isolation it has, and a container's image and limits).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ import psutil
 import requests
 import socketio
 
-from zwdx import defaults
+from zwdx import defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                            EV_RESERVE_PORT, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
@@ -34,15 +35,20 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, 
                                RegisterAnswer, ReservePort, Running)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, health, host
+from . import gpus, health, host, script
 from .identity import Identity
+from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
+from .workspace import Workspace
 from .reporter import http_session
 
 log = logging.getLogger("gpu_client.agent")
 
 #: The exit code recorded for a rank whose process could not be started.
 NOT_STARTED = 97
+
+#: The CA file's name in a job's sandbox.
+CA_FILE = "ca.pem"
 
 #: ``RegisterAnswer.code`` of a register refused for its client secret.
 WRONG_SECRET = "client_secret"
@@ -75,39 +81,51 @@ def interface_of(addr: str) -> str | None:
 
 
 class Agent:
-    """``room_token``: the room's donor token (a legacy room token works too)."""
+    """``room_token``: the room's donor token (a legacy room token works too). ``isolation``:
+    ``user``, ``process`` or None (``user`` as root, else ``process``); ``rank_uids`` and
+    ``rank_dir`` tune it (``isolation.build``)."""
 
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
-                 isolation: str = "process", confinement=None):
+                 isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
+                 ca_file: str | None = None, confinement=None):
         self.server = server.rstrip("/")
         self.token = room_token
-        self.work_dir = work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client")
+        self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
+        self.verify = self.ca_file or True
+        self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
+        # first: an isolation that cannot hold refuses to start (IsolationError) before anything is written
+        found = gpus.discover(gpus_only, cpu)
+        docker = {"confinement": confinement, "server": self.server, "slots": len(found)}
+        self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids, **docker)
+        self.isolation.check()
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
+        self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
         self.hostname = socket.gethostname()
-        self.slots = gpus.discover(gpus_only, cpu)
+        terms = self.isolation.terms()
+        self.slots = [s.model_copy(update={"isolation": self.isolation.kind, "terms": terms}) for s in found]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
-        self.versions = runtime_versions()
         self.advertise_addr = advertise_addr
         self.threads = threads
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
-        if isolation == "docker":  # each rank in a container of its own: what its image has is what the ranks have
-            from .container import ContainerLauncher
-            self.launcher = ContainerLauncher(self.work_dir, standby, confinement, len(self.slots), self.server)
-            self.versions, self.modules = self.launcher.runtime()
-        else:
-            self.launcher = Launcher(self.work_dir, standby)
+        self.launcher = Launcher(self.workspace.dir, self.isolation, standby)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
         self.fatal: str | None = None
         self._registered = threading.Event()
         self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
-                                   randomization_factor=0.5)
+                                   randomization_factor=0.5, http_session=self._session())
         self._bind()
+
+    def _session(self, rank_key: str | None = None) -> requests.Session:
+        """A session that verifies the server's certificate (as a rank, with its key)."""
+        if rank_key is not None:
+            return http_session(rank_key, verify=self.verify)
+        return tls.session(self.verify)
 
     @property
     def client_id(self) -> str:
@@ -134,7 +152,7 @@ class Agent:
             self.launcher.network = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
                                      "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
-                         versions=self.versions, modules=self.modules, advertise_addr=self.advertise_addr,
+                         versions=self.isolation.versions(runtime_versions()), modules=self.modules, advertise_addr=self.advertise_addr,
                          running=self._running(), client_secret=self.identity.secret)
         try:
             data = self.sio.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=15)
@@ -221,55 +239,49 @@ class Agent:
         if slot is not None and not self.stop.is_set():
             self.launcher.want_standby(index, self._device(index, slot.kind), self._threads(len(self.slots)))
 
-    def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, bundle: str, pending: bool,
+    def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, job: RunningJob, pending: bool,
                    assigned_at: float) -> RankSpec:
-        logs = os.path.join(self.work_dir, "jobs", assign.job_id)
-        os.makedirs(logs, exist_ok=True)
+        logs = self.workspace.job_dir(assign.job_id)
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
-            peers=assign.peers, backend=assign.backend, device=self._device(place.gpu_index, place.kind),
-            parallelism=assign.parallelism,
+            peers=assign.peers, backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
-            bundle_path=bundle, bundle_pending=pending, assigned_at=assigned_at, server=self.server,
-            client_id=self.client_id, hostname=self.hostname, rank_key=place.key,
-            log_path=os.path.join(logs, f"rank{place.rank}.log"))
-
-    def _bundle_path(self, assign: JobAssign) -> str:
-        return os.path.join(self.work_dir, "bundles", f"{assign.bundle_sha256}.zwdx")
+            diloco=assign.diloco,
+            bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
+            bundle_pending=pending, assigned_at=assigned_at, server=self.server, client_id=self.client_id,
+            hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
+            sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
+            **script.rank_fields(assign, place, local_rank, job.sandbox.dir))
 
     def _fetch_bundle(self, assign: JobAssign) -> None:
-        path = self._bundle_path(assign)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        session = http_session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
+        """Into the cache (``workspace.py``), checked against the job's sha256."""
+        session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
-        digest, tmp = hashlib.sha256(), f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         with session.get(url, stream=True, timeout=60) as resp:
             resp.raise_for_status()
-            with open(tmp, "wb") as fh:
-                for block in resp.iter_content(defaults.CHUNK_BYTES):
-                    digest.update(block)
-                    fh.write(block)
-        if digest.hexdigest() != assign.bundle_sha256:
-            os.unlink(tmp)
-            raise IOError(f"bundle of job {assign.job_id} arrived corrupted (sha256 mismatch)")
-        os.replace(tmp, path)
+            self.workspace.keep_bundle(assign.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
+                                       f"bundle of job {assign.job_id}")
 
     def _run_job(self, job: RunningJob, assign: JobAssign, assigned_at: float) -> None:
         """Start the job's ranks at once, so that they join their process group while the
-        bundle downloads; tell them when it is here."""
+        bundle is checked in the cache (its sha256, on every use) or fetched; tell them when it
+        is there."""
         exits: dict[str, int] = {}
         try:
-            bundle = self._bundle_path(assign)
-            pending = not os.path.exists(bundle)
+            bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
+            self.launcher.lease(job, self.client_id)
+            if self.ca_file:  # where the ranks can read it
+                self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
             for local_rank, place in enumerate(assign.ranks):
-                spec = self._rank_spec(assign, place, local_rank, bundle, pending, assigned_at)
+                spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at)
                 job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
                          job.procs[place.rank].pid)
-            if pending:
+            if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
                 self._fetch_bundle(assign)
+            self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
@@ -281,6 +293,7 @@ class Agent:
                 exits.setdefault(str(r.rank), job.procs[r.rank].wait() if r.rank in job.procs else NOT_STARTED)
         log.info("gpu-client %s: job %s (attempt %d) ranks exited: %s", self.client_id, job.job_id, job.attempt,
                  exits)
+        self.launcher.release(job)
         self._send_exits(job, exits)
         self.jobs.pop(job.key, None)
         for r in assign.ranks:
@@ -305,7 +318,7 @@ class Agent:
     def _report_start_failure(self, job_id: str, keys: dict[int, str], exc: BaseException) -> None:
         """Each rank's failure, reported with that rank's key."""
         for rank, key in keys.items():
-            session = http_session(key)
+            session = self._session(key)
             try:
                 session.post(f"{self.server}{defaults.API_PREFIX}/jobs/{job_id}/ranks/{rank}",
                              json={"status": RankStatus.FAILED.value, "error": f"{type(exc).__name__}: {exc}",
@@ -348,9 +361,14 @@ class Agent:
 
     def run(self) -> int:
         """Serve until stopped (SIGINT/SIGTERM, burst done, or refused). Returns an exit code."""
+        self.modules = self.isolation.importable(self.modules)  # what its ranks can import
+        print(f"gpu-client {self.client_id}: {self.isolation.describe()}", flush=True)
+        tls.warn_if_plain(self.server, f"gpu-client {self.client_id}")
         backoff = 0.5
         threading.Thread(target=self._heartbeats, daemon=True).start()
         while not self.stop.is_set() and not self.sio.connected:
+            if not self._trusted():
+                break
             try:
                 self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
                                  transports=["websocket"], wait_timeout=10)
@@ -369,6 +387,15 @@ class Agent:
             return 2
         return 0
 
+    def _trusted(self) -> bool:
+        """False (and fatal) when the server's TLS certificate fails verification: no retry mends
+        that. An unreachable server is tried again by the caller."""
+        why = tls.distrusted(self.server, self.verify)
+        if why:
+            self.fatal = f"cannot connect to {self.server}: {why}"
+            self.stop.set()
+        return not why
+
     def shutdown(self) -> None:
         self.stop.set()
         self.launcher.shutdown()
@@ -381,6 +408,7 @@ class Agent:
             self.sio.disconnect()
         except Exception:
             pass
+        self.workspace.close()
 
 
 def _answer(model, data):
@@ -391,21 +419,12 @@ def _answer(model, data):
         return model(ok=False, error=f"the server's answer could not be read: {err}")
 
 
-def isolation(agent: Agent) -> dict:
-    """The isolation the agent's ranks run under, for the donor to read."""
-    describe = getattr(agent.launcher, "describe", None)
-    if describe is not None:
-        return describe()
-    return {"isolation": "process", "user": "this agent's", "network": "this machine's",
-            "note": "rank processes run the room's code with this user's files and network: lend only to rooms "
-                    "you trust, or use --isolation docker"}
-
-
 def serve(**kwargs) -> int:
-    agent = Agent(**kwargs)
-    shown = isolation(agent)
-    details = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in shown.items() if k != "isolation")
-    print(f"gpu-client {agent.client_id}: isolation {shown['isolation']} ({details})", flush=True)
+    try:
+        agent = Agent(**kwargs)
+    except IsolationError as err:
+        log.error("gpu-client: %s", err)
+        return 2
 
     def _stop(signum, _frame):
         log.info("gpu-client %s: signal %d, stopping", agent.client_id, signum)

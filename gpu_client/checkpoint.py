@@ -1,18 +1,27 @@
 """Checkpoints of a job, written and read by its ranks through the server's artifact store.
 
-DDP: rank 0 saves the model and optimizer state as one file (``torch.save``; read back with
-``weights_only=True``). FSDP: ``torch.distributed.checkpoint`` writes one shard per rank and
-rank 0 the metadata, with no full gather on one rank; each rank uploads its own files, and a
-resumed job (possibly of another world size) downloads them all and lets DCP reshard.
-Rank 0 commits a checkpoint once every rank has uploaded; the server keeps the last N.
+The format follows the job's parallelism (``zwdx.protocol.checkpoint``, which the server
+enforces), never what a file or a record says:
 
-Beside the model: ``extra.pt`` (rank 0) holds the state of the objects ``train_func`` gave to
-``reporter.track`` (LR scheduler, GradScaler, its own), restored as each is tracked again on
-resume; ``rng-<rank>.pt`` each rank's random number generators (Python, torch, CUDA where used,
-numpy), restored on the same rank. Every file is read with ``weights_only=True``.
+- DDP (``torch``): rank 0 saves the model and optimizer state (``state.pt``) and the state of
+  the objects ``train_func`` gave to ``reporter.track`` (``extra.pt``); every rank its random
+  number generators (``rng-<rank>.pt``). Each is read with ``torch.load(weights_only=True)``
+  and torch's own allowlist only (``plain_load``): no global a library or the job's code added
+  at run time, and the result checked to be the shape zwdx wrote.
+- FSDP (``shards``): every rank writes its local shards of the model and optimizer state,
+  its generators and (rank 0) the tracked state as safetensors with a JSON index
+  (``shards.py``), with no full gather on one rank; a resumed job of any world size reads
+  every index and the slices it needs. No pickle: ``torch.distributed.checkpoint``'s
+  ``.metadata`` is one, so its ``dcp`` checkpoints (of earlier versions) are never read.
+
+Rank 0 commits a checkpoint once every rank has uploaded its files (they meet at a barrier; no
+object collective, which would unpickle what the other ranks send); the server keeps the last N.
+Tracked objects get their state back as each is tracked again on resume; each rank's generators
+go back on the same rank.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -22,13 +31,16 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from zwdx.protocol import checkpoint as files_of
 from zwdx.protocol.job import CheckpointEntry
 from zwdx.protocol.vocab import CheckpointFormat, Parallelism
 
+from . import shards
+
 log = logging.getLogger(__name__)
 
-#: The file of a checkpoint that holds the tracked objects' state (written by rank 0).
-EXTRA = "extra.pt"
+#: The file of a DDP checkpoint that holds the tracked objects' state (written by rank 0).
+EXTRA = files_of.EXTRA
 
 
 class Checkpointer:
@@ -79,6 +91,10 @@ class Checkpointer:
                 "checkpoint": self.latest.n}
 
     # -- saving ------------------------------------------------------------------------------
+    @property
+    def format(self) -> CheckpointFormat:
+        return files_of.format_for(self.parallelism)
+
     def _upload(self, n: int, path: str) -> str:
         name = os.path.basename(path)
         self.reporter.upload(f"checkpoints/{n}/{name}", path)
@@ -90,80 +106,160 @@ class Checkpointer:
         self.next_n += 1
         folder = tempfile.mkdtemp(prefix=f"zwdx-ckpt-{n}-r{self.rank}-")
         try:
-            if self.parallelism == Parallelism.FSDP:
-                import torch.distributed.checkpoint as dcp
-                from torch.distributed.checkpoint.state_dict import get_state_dict
-                model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
-                dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(folder))
-                fmt = CheckpointFormat.DCP
+            if self.format == CheckpointFormat.SHARDS:
+                self._save_shards(folder)
             else:
-                fmt = CheckpointFormat.TORCH
-                if self.rank == 0:
-                    state = {"model": self.model.module.state_dict(),
-                             "optimizer": self.optimizer.state_dict() if self.optimizer else None}
-                    torch.save(state, os.path.join(folder, "state.pt"))
-            self._save_extra(folder)
+                self._save_torch(folder)
             mine = [self._upload(n, os.path.join(folder, f)) for f in sorted(os.listdir(folder))]
-            everyone: list = [None] * self.world
-            dist.all_gather_object(everyone, mine)  # also: every rank's files are in the artifact store
-            names = sorted({name for names in everyone for name in names})
+            # every rank's files are in the artifact store; no object collective (it would unpickle
+            # what the other ranks send): the files of each rank are the format's
+            dist.barrier()
             if self.rank == 0:
-                self.reporter.commit_checkpoint(n, names, epoch=epoch, step=step, format=fmt.value,
+                names = sorted(files_of.required(self.format, self.world) | set(mine))
+                self.reporter.commit_checkpoint(n, names, epoch=epoch, step=step, format=self.format.value,
                                                 epoch_complete=epoch_complete)
             log.info("rank %d: checkpoint %d saved (epoch %d, step %d)", self.rank, n, epoch, step)
             return n
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _save_extra(self, folder: str) -> None:
-        """Rank 0: the tracked objects' state (``extra.pt``); every rank: its generators."""
+    def _tracked(self) -> dict:
+        return {key: obj.state_dict() for key, obj in self.tracked.items()}
+
+    def _save_torch(self, folder: str) -> None:
+        """DDP: rank 0 the model and optimizer state and the tracked objects'; every rank its generators."""
+        if self.rank == 0:
+            state = {"model": self.model.module.state_dict(),
+                     "optimizer": self.optimizer.state_dict() if self.optimizer else None}
+            torch.save(state, os.path.join(folder, files_of.STATE))
+            if self.tracked:
+                path = os.path.join(folder, EXTRA)
+                torch.save({"tracked": self._tracked()}, path)
+                try:
+                    plain_load(path)
+                except Exception as exc:
+                    raise TypeError(f"reporter.track: {_TRACKABLE}: {exc}") from None
+        torch.save(rng_states(self.device), os.path.join(folder, files_of.rng_file(self.rank)))
+
+    def _save_shards(self, folder: str) -> None:
+        """FSDP: this rank's shards, its generators and (rank 0) the tracked objects' state."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
+        state = {"model": model_sd, "optim": optim_sd, "rng": rng_states(self.device)}
         if self.rank == 0 and self.tracked:
-            path = os.path.join(folder, EXTRA)
-            torch.save({"tracked": {key: obj.state_dict() for key, obj in self.tracked.items()}}, path)
+            state["tracked"] = self._tracked()
             try:
-                torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise TypeError("reporter.track: a tracked object's state_dict() holds something other than "
-                                f"tensors, numbers, strings and lists, tuples or dicts of them: {exc}") from None
-        torch.save(rng_states(self.device), os.path.join(folder, f"rng-{self.rank}.pt"))
+                shards.check(state["tracked"], "tracked")
+            except TypeError as exc:
+                raise TypeError(f"reporter.track: {_TRACKABLE}: {exc}") from None
+        shards.save(state, folder, self.rank, self.world)
 
     # -- restoring ---------------------------------------------------------------------------
     def restore(self) -> None:
         """Load the latest checkpoint into the wrapped model and the optimizer (collective for FSDP),
-        and keep the tracked objects' state and this rank's generators for later."""
+        and keep the tracked objects' state and this rank's generators for later. A checkpoint
+        of another format than the job's, or without a file its format requires, is refused
+        before anything of it is read."""
         entry = self.latest
         if not entry:
             return
+        fmt, world = self.format, entry.world_size or 0
+        if entry.format != fmt:
+            raise ValueError(f"checkpoint {entry.n} is in the {entry.format.value!r} format; a {self.parallelism.value} "
+                             f"job reads only {fmt.value!r} checkpoints (zwdx never reads 'dcp': its metadata is a "
+                             f"pickle)")
+        lacking = sorted(files_of.required(fmt, world) - set(entry.files))
+        if world < 1 or lacking:
+            raise ValueError(f"checkpoint {entry.n} lacks {', '.join(lacking) or 'its world size'}: it holds "
+                             f"{files_of.describe(fmt, max(world, 1))}")
         folder = tempfile.mkdtemp(prefix=f"zwdx-restore-{entry.n}-r{self.rank}-")
-        rng = f"rng-{self.rank}.pt"
         try:
-            for name in entry.files:
-                if name.startswith("rng-") and name != rng:
-                    continue  # another rank's generators
-                self.reporter.download(f"checkpoints/{entry.n}/{name}", os.path.join(folder, name))
-            if entry.format == CheckpointFormat.DCP:
-                import torch.distributed.checkpoint as dcp
-                from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-                model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
-                set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
-                               optim_state_dict=state["optim"])
+            if fmt == CheckpointFormat.SHARDS:
+                self._restore_shards(entry, folder)
             else:
-                state = torch.load(os.path.join(folder, "state.pt"), map_location=self.device, weights_only=True)
-                target = self.model.module if hasattr(self.model, "module") else self.model
-                target.load_state_dict(state["model"])
-                if self.optimizer is not None and state.get("optimizer"):
-                    self.optimizer.load_state_dict(state["optimizer"])
-            if EXTRA in entry.files:
-                extra = torch.load(os.path.join(folder, EXTRA), map_location="cpu", weights_only=True)
-                self.tracked_state = extra.get("tracked") or {}
-            if rng in entry.files:
-                self.rng_state = torch.load(os.path.join(folder, rng), map_location="cpu", weights_only=True)
+                self._restore_torch(entry, folder)
             log.info("rank %d: restored checkpoint %d (epoch %s, step %s)", self.rank, entry.n, entry.epoch,
                      entry.step)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _fetch(self, entry: CheckpointEntry, folder: str, name: str) -> str:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            self.reporter.download(f"checkpoints/{entry.n}/{name}", path)
+        return path
+
+    def _restore_torch(self, entry: CheckpointEntry, folder: str) -> None:
+        state = plain_load(self._fetch(entry, folder, files_of.STATE), self.device)
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or \
+                not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["model"].items()) or \
+                not isinstance(state.get("optimizer"), (dict, type(None))):
+            raise ValueError(f"checkpoint {entry.n}: {files_of.STATE} is not a model and optimizer state")
+        target = self.model.module if hasattr(self.model, "module") else self.model
+        target.load_state_dict(state["model"])
+        if self.optimizer is not None and state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        if EXTRA in entry.files:
+            extra = plain_load(self._fetch(entry, folder, EXTRA))
+            tracked = extra.get("tracked") if isinstance(extra, dict) else None
+            if not isinstance(tracked, (dict, type(None))):
+                raise ValueError(f"checkpoint {entry.n}: {EXTRA} is not the tracked objects' state")
+            self.tracked_state = tracked or {}
+        rng = files_of.rng_file(self.rank)
+        if rng in entry.files:
+            self.rng_state = _rng_checked(plain_load(self._fetch(entry, folder, rng)), entry.n)
+
+    def _restore_shards(self, entry: CheckpointEntry, folder: str) -> None:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        world = entry.world_size
+        indexes = [shards.read_index(self._fetch(entry, folder, files_of.shard_files(r)[1]), r, world)
+                   for r in range(world)]
+        reader = shards.Reader(indexes, lambda r: self._fetch(entry, folder, files_of.shard_files(r)[0]), self.rank)
+        try:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
+            model_sd = reader.value("model", model_sd)
+            optim_sd = reader.value("optim", optim_sd) if self.optimizer is not None else {}
+            if not isinstance(model_sd, dict) or not isinstance(optim_sd, (dict, type(None))):
+                raise ValueError(f"checkpoint {entry.n} holds no model and optimizer state")
+            set_state_dict(self.model, self.optimizer or [], model_state_dict=model_sd, optim_state_dict=optim_sd or {})
+            if self.rank < world and reader.has("rng", self.rank):
+                self.rng_state = _rng_checked(reader.value("rng", rank=self.rank), entry.n)
+            tracked = reader.value("tracked", rank=0) if reader.has("tracked", 0) else None
+            if not isinstance(tracked, (dict, type(None))):
+                raise ValueError(f"checkpoint {entry.n}: rank 0's tracked state is no dict")
+            self.tracked_state = tracked or {}
+        finally:
+            reader.close()
+
+
+_TRACKABLE = ("a tracked object's state_dict() holds something other than tensors, numbers, strings and lists, "
+              "tuples or dicts of them")
+
+
+@contextlib.contextmanager
+def _torch_allowlist_only():
+    """``torch.load(weights_only=True)`` with torch's own allowlist only, not the globals a library
+    or the job's code added (``torch.serialization.add_safe_globals``): those come back after."""
+    added = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(added)
+
+
+def plain_load(path: str, device="cpu"):
+    """A file a rank wrote with ``torch.save``, read as data only: ``weights_only=True`` with
+    torch's own allowlist (tensors, numbers, strings, lists, tuples, dicts), nothing else."""
+    with _torch_allowlist_only():
+        return torch.load(path, map_location=device, weights_only=True)
+
+
+def _rng_checked(state, n: int) -> dict:
+    if not isinstance(state, dict) or not isinstance(state.get("python"), (tuple, list)) or \
+            not isinstance(state.get("torch"), torch.Tensor):
+        raise ValueError(f"checkpoint {n}: a rank's generators are not the state zwdx saves")
+    return state
 
 
 def rng_states(device) -> dict:
@@ -183,7 +279,8 @@ def rng_states(device) -> dict:
 
 
 def set_rng_states(state: dict, device) -> None:
-    random.setstate(state["python"])
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

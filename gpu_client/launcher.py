@@ -6,9 +6,15 @@ everything it started, and a crashing job never takes the agent down). It gets i
 a job or is started fresh; while the job's bundle is still being fetched a second line,
 ``ready``, tells it the bundle is on disk.
 
-Only what libraries read themselves is in a rank's environment (``OMP_NUM_THREADS``,
-``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, ``PYTHONUNBUFFERED``); the room token is taken
-out of the environment it inherits, and travels in the spec only.
+How a rank process is started and where it runs is the isolation's (``isolation.py``): as a
+user of its own per job when the GPU client is root, else as the client's own user, or in a
+container of its own (``container.py``, whose handles stand for processes here); each job's
+ranks in a private directory (their sandbox, in the spec), which ``release`` removes with
+whatever the job left once its ranks are gone.
+
+Only what libraries read themselves is added to a rank's environment (``OMP_NUM_THREADS``,
+``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, ``PYTHONUNBUFFERED``); the GPU client's secrets
+(``ZWDX_ROOM_TOKEN`` and the like) are taken out of the environment it inherits.
 """
 from __future__ import annotations
 
@@ -21,21 +27,24 @@ import sys
 import threading
 import time
 
-from zwdx.protocol.rank import RankSpec
+from zwdx.protocol.rank import RankSpec, Sandbox
+
+from .isolation import ProcessIsolation, private_dir
 
 log = logging.getLogger("gpu_client.launcher")
 
 #: Secrets a GPU client may have been given in its environment: never a rank's.
-SECRET_VARIABLES = ("ZWDX_ROOM_TOKEN", "ZWDX_JOB_KEY")
+SECRET_VARIABLES = ("ZWDX_ROOM_TOKEN", "ZWDX_ROOM_TOKEN_FILE", "ZWDX_JOB_KEY")
 
 
 class RunningJob:
-    """The rank processes of one attempt of one job on this GPU client."""
+    """The rank processes of one attempt of one job on this GPU client, and their sandbox."""
 
     def __init__(self, job_id: str, attempt: int):
         self.job_id, self.attempt = job_id, attempt
         self.key = f"{job_id}:{attempt}"
         self.procs: dict[int, subprocess.Popen] = {}
+        self.sandbox: Sandbox | None = None
 
 
 def rank_environ(threads: int, network: dict[str, str]) -> dict[str, str]:
@@ -49,8 +58,9 @@ class Launcher:
     """Starts, hands out and stops rank processes. ``network``: the socket interface variables
     for gloo and NCCL (set once the agent knows which interface reaches the server)."""
 
-    def __init__(self, work_dir: str, standby: bool = True):
+    def __init__(self, work_dir: str, isolation: ProcessIsolation, standby: bool = True):
         self.work_dir = work_dir
+        self.isolation = isolation
         self.use_standby = standby
         self.network: dict[str, str] = {}
         self.standby: dict[int, subprocess.Popen] = {}  # slot index -> rank process waiting for a job
@@ -78,13 +88,11 @@ class Launcher:
         with self._lock:
             if index in self.standby and self.standby[index].poll() is None:
                 return
-            folder = os.path.join(self.work_dir, "standby")
-            os.makedirs(folder, exist_ok=True)
+            folder = private_dir(os.path.join(self.work_dir, "standby"))
             with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
-                self.standby[index] = subprocess.Popen(
-                    [sys.executable, "-m", "gpu_client.runner", "--standby", device], stdin=subprocess.PIPE,
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=rank_environ(threads, self.network))
+                self.standby[index] = self.isolation.popen(
+                    [sys.executable, "-m", "gpu_client.runner", "--standby", device], out,
+                    rank_environ(threads, self.network))
 
     # -- ranks ---------------------------------------------------------------------------------------
     def start(self, index: int, spec: RankSpec, client_id: str = "") -> subprocess.Popen:
@@ -92,6 +100,10 @@ class Launcher:
         ``spec`` as its first line on stdin."""
         with self._lock:
             proc = self.standby.pop(index, None)
+        if proc is not None and spec.script is not None:  # a script runs in a child of its own: a standby's torch and
+            self.isolation.signal(proc, signal.SIGKILL)  # CUDA context would only hold memory meanwhile
+            proc.wait()
+            proc = None
         if proc is not None and proc.poll() is None:
             try:
                 proc.stdin.write(spec.line())
@@ -99,12 +111,11 @@ class Launcher:
                 return proc
             except OSError:
                 proc.kill()
-        if self.use_standby:
+        if self.use_standby and spec.script is None:
             log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", client_id, index)
         with open(spec.log_path, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gpu_client.runner"], stdin=subprocess.PIPE,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=rank_environ(spec.threads, self.network))
+            proc = self.isolation.popen([sys.executable, "-m", "gpu_client.runner"], out,
+                                        rank_environ(spec.threads, self.network))
         try:
             proc.stdin.write(spec.line())
             proc.stdin.flush()
@@ -123,33 +134,39 @@ class Launcher:
             except OSError:
                 pass  # the rank is gone already; its exit code says so
 
-    @staticmethod
-    def kill(job: RunningJob, grace: float = 3.0) -> None:
+    def kill(self, job: RunningJob, grace: float = 3.0) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds."""
         for proc in list(job.procs.values()):
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                self.isolation.signal(proc, signal.SIGTERM)
         deadline = time.time() + grace
         for proc in list(job.procs.values()):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.isolation.signal(proc, signal.SIGKILL)
+
+    # -- sandboxes -----------------------------------------------------------------------------------
+    def lease(self, job: RunningJob, client_id: str) -> Sandbox:
+        """The job's sandbox on this GPU client (its ranks' directory, and their user)."""
+        job.sandbox = self.isolation.lease(client_id, job.job_id, job.attempt)
+        return job.sandbox
+
+    def release(self, job: RunningJob) -> None:
+        """The job's ranks are gone: end what is left of it and remove its sandbox."""
+        if job.sandbox is not None:
+            try:
+                self.isolation.release(job.sandbox)
+            except Exception:
+                log.exception("job %s: its sandbox %s could not be released", job.job_id, job.sandbox.dir)
+            job.sandbox = None
 
     def shutdown(self) -> None:
         """Kill the standby processes; start no more."""
         self.stopping.set()
         with self._lock:
             for proc in self.standby.values():
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.isolation.signal(proc, signal.SIGKILL)
                 proc.wait()
             self.standby.clear()
+        self.isolation.shutdown()

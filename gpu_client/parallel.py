@@ -28,6 +28,41 @@ log = logging.getLogger(__name__)
 FINGERPRINT_MAX_NUMEL = 200_000_000
 
 
+class Collective:
+    """The strategy of DDP and FSDP: every rank of the job in one process group (rank 0's port),
+    the model wrapped as the job says. ``diloco.Diloco`` is the other one; the runner asks the
+    strategy ``strategy(spec, reporter)`` picks where the two differ."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        #: How ``wrap``, the checkpoints and ``full_state_dict`` treat the model.
+        self.wrap_as = spec.parallelism.value
+
+    def rendezvous(self) -> dict:
+        """``init_process_group``'s arguments: where and as which rank to meet the others."""
+        spec = self.spec
+        return {"init_method": f"tcp://{spec.master_addr}:{spec.master_port}", "rank": spec.rank,
+                "world_size": spec.world_size}
+
+    def attach(self, model: nn.Module, checkpointer) -> None:
+        """Once the model, its optimizer and the checkpoint are ready: nothing more."""
+
+    def trained(self) -> None:
+        """After ``train_func``: nothing more."""
+
+    def uploads_weights(self) -> bool:
+        """Whether this rank uploads the job's weights: rank 0."""
+        return self.spec.rank == 0
+
+
+def strategy(spec, reporter):
+    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Collective`` for DDP and FSDP."""
+    if spec.parallelism.value == "DILOCO":
+        from .diloco import Diloco
+        return Diloco(spec, reporter)
+    return Collective(spec)
+
+
 def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None) -> nn.Module:
     """DDP or FSDP2 around ``model``, which is on ``device`` already. ``units``: the submitter's
     ``fsdp_units`` (None: the automatic rule). ``report(line)``: rank 0 says what was sharded."""

@@ -1,22 +1,26 @@
 """One rank container, from both ends of the stream that joins it to the agent.
 
-Outside (the agent, ``RankContainer``): a container as the agent sees a rank process (``pid``,
-``poll()``, ``wait()``), attached and waited for before it starts so that neither its first
-output nor its end is missed. The agent writes the rank's ``RankSpec`` line, then the job's
-bundle (``bundle N``, then N bytes); the container's output goes to the rank's log file. A
-container that ends before its rank started (a broken image, no such module) fails the rank
-with its last output, so that the submitter reads why.
+Outside (the agent, ``RankContainer``): a container as the launcher sees a rank process
+(``pid``, ``stdin``, ``poll()``, ``wait()``), attached and waited for before it starts so that
+neither its first output nor its end is missed. A standby's container is made at once; a fresh
+rank's when its ``RankSpec`` line is written (the spec says which GPUs it gets). After the spec,
+``ready`` (or closing stdin) sends the files shared into the job's sandbox (``file NAME SIZE``,
+then the bytes: its bundle, the CA file), then ``ready``. The container's output goes to the
+rank's log. A container that ends before its rank started (a broken image, no such module)
+fails the rank with its last output, so that the submitter reads why.
 
 Inside (``python -m gpu_client.rank_container [--standby DEVICE]``, what the container runs):
-prepare as a standby process does, read the spec, take the bundle in while the rank joins its
-peers (runner.BundleLoader waits for its "ready"), run the rank; and when the stream ends while
-the rank runs, the agent is gone: end at once (PR_SET_PDEATHSIG's part for a rank process).
+prepare as a standby process does, read the spec, take the files in while the rank joins its
+peers (runner.BundleLoader waits for "ready"), enter the sandbox (a directory of the tmpfs),
+run the rank as ``runner`` would; and when the stream ends while the rank runs, the agent is
+gone: end at once (PR_SET_PDEATHSIG's part for a rank process).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -28,38 +32,89 @@ from zwdx.protocol.vocab import RankStatus
 
 log = logging.getLogger("gpu_client.rank_container")
 
-#: Inside the container: the work dir (a tmpfs) and the bundle's place in it.
-WORK, BUNDLE = "/work", "/work/bundle.zwdx"
+#: Inside the container: the work dir (a tmpfs); each job's sandbox is a directory in it.
+WORK = "/work"
 #: What the container prints once it holds its spec: it started (before it, an exit is a failure to start).
 STARTED = b"zwdx-container: rank started"
 
 
-class RankContainer:
-    """One rank's container as the agent sees a rank process: ``pid``, ``poll()``, ``wait()``.
-    Attached and waited for before it starts, so neither its first output nor its end is missed."""
+class _Stdin:
+    """What the launcher writes to a rank's stdin, turned into the container's stream."""
 
-    def __init__(self, api, container_id: str, log_path: str, report=None, on_end=None):
-        self.api, self.id = api, container_id
+    def __init__(self, handle: "RankContainer"):
+        self.handle = handle
+
+    def write(self, data: bytes) -> int:
+        h = self.handle
+        if h.spec is None:
+            spec = RankSpec.model_validate_json(data)
+            if h.id is None:
+                h.spec = spec
+                h.create(spec=spec)
+            else:  # a standby takes the rank
+                h.isolation.let_out(h, spec)
+                h.spec = spec
+                h.log_to(str(spec.log_path))
+            h.send(data)
+        elif data.strip() == b"ready":
+            h.deliver()
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.handle.spec is not None:
+            self.handle.deliver()
+
+
+class RankContainer:
+    """One rank's container as the launcher sees a rank process (see the module)."""
+
+    def __init__(self, isolation, env: dict[str, str], out):
+        self.isolation, self.env = isolation, env
+        self.id: str | None = None
+        self.uid: int | None = None
         self.spec: RankSpec | None = None
-        self.report = report            # called with (spec, message) when it exits before its rank started
-        self.on_end = on_end            # called once it is gone
+        self.stdin = _Stdin(self)
         self.returncode: int | None = None
         self.started = False
         self.pid = 0
+        self._delivered = False
         self._tail = b""
-        self._out = open(log_path, "ab")
+        self._out = open(os.dup(out.fileno()), "ab")
         self._done = threading.Event()
-        self._waiting = api._post(api._url("/containers/{0}/wait", container_id), params={"condition": "removed"},
-                                  stream=True, timeout=None)  # answers its headers at once: the waiter is set
-        self._waiting.raise_for_status()
-        self._sock = api.attach_socket(container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
-        threading.Thread(target=self._pump, name=f"out-{container_id[:12]}", daemon=True).start()
-        threading.Thread(target=self._wait, name=f"wait-{container_id[:12]}", daemon=True).start()
+        self._sock = None
 
-    def start(self) -> None:
-        self.api.start(self.id)
+    def create(self, device: str | None = None, spec: RankSpec | None = None) -> None:
+        """Create, attach and start the container (a standby's with ``device``, a rank's with ``spec``)."""
+        if spec is None:
+            gpus = [device.split(":")[1]] if device and device.startswith("cuda") else []
+        elif spec.script is not None:
+            gpus = [str(g) for g in spec.local_gpus]
+        else:
+            gpus = [spec.device.split(":")[1]] if spec.device.startswith("cuda") else []
         try:
-            self.pid = self.api.inspect_container(self.id)["State"]["Pid"]
+            self.id = self.isolation.create(self, gpus, spec)
+            api = self.isolation.docker.api
+            self._waiting = api._post(api._url("/containers/{0}/wait", self.id), params={"condition": "removed"},
+                                      stream=True, timeout=None)  # answers its headers at once: the waiter is set
+            self._waiting.raise_for_status()
+            self._sock = api.attach_socket(self.id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+            threading.Thread(target=self._pump, name=f"out-{self.id[:12]}", daemon=True).start()
+            threading.Thread(target=self._wait, name=f"wait-{self.id[:12]}", daemon=True).start()
+            api.start(self.id)
+        except Exception as exc:
+            if self.id is not None:
+                try:  # created, never started: not auto-removed
+                    self.isolation.docker.api.remove_container(self.id, force=True)
+                except Exception:
+                    pass
+            self.isolation.ended(self)
+            where = spec.where if spec is not None else "a standby"
+            raise OSError(f"{where}: the rank's container could not start: {exc}") from exc
+        try:
+            self.pid = self.isolation.docker.api.inspect_container(self.id)["State"]["Pid"]
         except Exception:
             pass  # it ended already
 
@@ -70,11 +125,20 @@ class RankContainer:
     def send(self, data: bytes) -> None:
         self._sock._sock.sendall(data)
 
-    def send_bundle(self, path: str) -> None:
-        with open(path, "rb") as fh:
-            self.send(f"bundle {os.fstat(fh.fileno()).st_size}\n".encode())
-            while block := fh.read(1 << 20):
-                self.send(block)
+    def deliver(self) -> None:
+        """The files shared into the sandbox, then ``ready``: once."""
+        if self._delivered or self.spec is None or self.spec.sandbox is None:
+            return
+        self._delivered = True
+        try:
+            for name, path in self.isolation.files(str(self.spec.sandbox.dir)):
+                with open(path, "rb") as fh:
+                    self.send(f"file {name} {os.fstat(fh.fileno()).st_size}\n".encode())
+                    while block := fh.read(1 << 20):
+                        self.send(block)
+            self.send(b"ready\n")
+        except OSError:
+            pass  # the container is gone; its exit code says so
 
     def _pump(self) -> None:
         from docker.utils.socket import frames_iter
@@ -98,34 +162,48 @@ class RankContainer:
             code = 125
         self.returncode = code
         time.sleep(0.2)  # its last output, still in the stream
-        if code != 0 and not self.started and self.spec is not None and self.report is not None:
+        if code != 0 and not self.started and self.spec is not None:
             tail = self._tail.decode(errors="replace").strip()[-1500:]
-            self.report(self.spec, f"its container exited with code {code} before the rank started"
-                                   + (f": {tail}" if tail else ""))
-        if self.on_end is not None:
-            self.on_end(self)
+            report_unstarted(self.spec, f"its container (image {self.isolation.confinement.image}) exited with "
+                                        f"code {code} before the rank started" + (f": {tail}" if tail else ""))
+        self.isolation.ended(self)
         self._done.set()
 
     def poll(self) -> int | None:
+        if self.id is None:
+            return None if self.spec is None else 125
         return self.returncode if self._done.is_set() else None
 
     def wait(self, timeout: float | None = None) -> int:
+        if self.id is None:
+            return 125
         if not self._done.wait(timeout):
             raise subprocess.TimeoutExpired(f"container {self.id[:12]}", timeout)
         self.close()
         return self.returncode
 
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        if self.id is None:
+            return
+        try:
+            self.isolation.docker.api.kill(self.id, signal=int(signum))
+        except Exception:
+            pass  # gone already
+
     def stop(self, grace: float) -> None:
         """SIGTERM, SIGKILL after ``grace`` seconds (Docker's stop); gone already is fine."""
+        if self.id is None:
+            return
         try:
-            self.api.stop(self.id, timeout=max(1, int(grace)))
+            self.isolation.docker.api.stop(self.id, timeout=max(1, int(grace)))
         except Exception:
             pass
 
     def close(self) -> None:
         for closing in (self._sock, self._out):
             try:
-                closing.close()
+                if closing is not None:
+                    closing.close()
             except Exception:
                 pass
 
@@ -133,7 +211,7 @@ class RankContainer:
 def report_unstarted(spec: RankSpec, message: str) -> None:
     """A rank whose container ended before it started: its failure, with the container's last words."""
     from .reporter import http_session
-    session = http_session(spec.rank_key.get_secret_value(), retries=2)
+    session = http_session(spec.rank_key.get_secret_value())
     try:
         session.post(f"{spec.server.rstrip('/')}{defaults.API_PREFIX}/jobs/{spec.job_id}/ranks/{spec.rank}",
                      json={"status": RankStatus.FAILED.value, "error": f"{spec.where}: {message}",
@@ -146,10 +224,11 @@ def report_unstarted(spec: RankSpec, message: str) -> None:
 
 # -- inside the container ----------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
-    """Prepare (a standby), read the spec, take the bundle in while the rank joins its peers,
+    """Prepare (a standby), read the spec, take the files in while the rank joins its peers,
     run the rank; end at once if the agent goes (its stream ends)."""
     stdin = sys.stdin.buffer
-    from .runner import Trainer  # ahead of the spec, as a rank process has it
+    from .isolation import enter
+    from .runner import rank_for
     if argv[:1] == ["--standby"] and len(argv) == 2:
         from .standby import prepare
         prepare(argv[1])
@@ -157,28 +236,38 @@ def main(argv: list[str]) -> int:
     if not line.strip():
         return 0  # let go before it got a rank
     spec = RankSpec.model_validate_json(line)
-    device = "cuda:0" if spec.device.startswith("cuda") else "cpu"  # its one GPU, whatever its index outside
-    spec = spec.model_copy(update={"device": device, "bundle_path": BUNDLE, "bundle_pending": True, "log_path": None})
+    update = {"bundle_pending": True, "log_path": None}
+    if spec.device.startswith("cuda"):  # its GPUs are 0.. inside, whatever their indexes outside
+        update["device"] = f"cuda:{spec.local_gpus.index(int(spec.device[5:])) if spec.script else 0}"
+    if spec.local_gpus:
+        update["local_gpus"] = list(range(len(spec.local_gpus)))
+    spec = spec.model_copy(update=update)
+    box = str(spec.sandbox.dir)
+    os.makedirs(os.path.join(box, "tmp"), mode=0o700, exist_ok=True)
     sys.stdout.buffer.write(STARTED + b"\n")
     sys.stdout.flush()
     ready_r, ready_w = os.pipe()
     sys.stdin = os.fdopen(ready_r, "r")  # what runner.BundleLoader waits on: "ready" once the bundle is in
-    threading.Thread(target=_take_bundle, args=(stdin, ready_w), daemon=True).start()
+    threading.Thread(target=_take_files, args=(stdin, box, ready_w), daemon=True).start()
+    enter(spec.sandbox)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return Trainer(spec).run()
+    return rank_for(spec).run()
 
 
-def _take_bundle(stdin, ready_w: int) -> None:
+def _take_files(stdin, box: str, ready_w: int) -> None:
     try:
-        header = stdin.readline().split()
-        if header[:1] == [b"bundle"] and len(header) == 2:
-            left = int(header[1])
-            with open(BUNDLE, "wb") as fh:
+        while True:
+            header = stdin.readline().split()
+            if header[:1] != [b"file"] or len(header) != 3:
+                break
+            name, left = os.path.basename(header[1].decode()), int(header[2])
+            with open(os.path.join(box, name), "wb") as fh:
                 while left and (block := stdin.read(min(left, 1 << 20))):
                     fh.write(block)
                     left -= len(block)
-            if not left:
-                os.write(ready_w, b"ready\n")
+            os.chmod(os.path.join(box, name), 0o400)
+        if header == [b"ready"]:
+            os.write(ready_w, b"ready\n")
         os.close(ready_w)  # no "ready" before it closes: the bundle did not come
         while stdin.read(1 << 16):
             pass

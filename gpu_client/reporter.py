@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import numbers
+import os
 import queue
 import threading
 import time
@@ -24,7 +25,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from zwdx import defaults
+from zwdx import defaults, tls
 from zwdx.protocol.report import to_wire
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,10 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 1024 * 1024
 
 
-def http_session(rank_key: str, retries: int = 5) -> requests.Session:
-    """Calls to the server as the rank whose key this is (retried while the server is away)."""
-    session = requests.Session()
+def http_session(rank_key: str, retries: int = 5, verify: str | bool = True) -> requests.Session:
+    """Calls to the server as the rank whose key this is (retried while the server is away);
+    ``verify``: the CA file the server's certificate is checked against (True: the system's)."""
+    session = tls.session(verify)
     retry = Retry(total=retries, connect=retries, read=retries, backoff_factor=0.5,
                   status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)
     session.mount("http://", HTTPAdapter(max_retries=retry))
@@ -62,9 +64,9 @@ class Reporter:
     """Given to ``train_func`` as ``reporter``: ``log_metrics(**values)`` and ``log(text)``."""
 
     def __init__(self, server: str, rank_key: str, job_id: str, rank: int, attempt: int = 0,
-                 flush_interval: float = 0.2):
+                 flush_interval: float = 0.2, verify: str | bool = True):
         self.base = f"{server.rstrip('/')}{defaults.API_PREFIX}/jobs/{job_id}"
-        self.session = http_session(rank_key)
+        self.session = http_session(rank_key, verify=verify)
         self.job_id, self.rank, self.attempt = job_id, rank, attempt
         self.step = 0
         #: Where to go on from: the first epoch to run (0 unless resumed from a checkpoint).
@@ -73,6 +75,8 @@ class Reporter:
         self.resume: dict | None = None
         self._checkpointer = None  # the job's Checkpointer (attach)
         self._loader = None        # the CountingLoader given to train_func (attach)
+        #: DILOCO: the worker's outer step (``diloco.Diloco.sync``); None in other modes.
+        self.outer_step = None
         self._n = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -99,12 +103,19 @@ class Reporter:
         resp.raise_for_status()
 
     def download(self, path: str, file_path: str) -> None:
-        """GET ``<job url>/<path>`` into ``file_path``, streamed."""
+        """GET ``<job url>/<path>`` into ``file_path``, streamed, checked against the sha256 the
+        server stored for it (``IOError`` and no file when it differs)."""
+        digest = hashlib.sha256()
         with self.session.get(f"{self.base}/{path}", stream=True, timeout=600) as resp:
             resp.raise_for_status()
             with open(file_path, "wb") as fh:
                 for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    digest.update(block)
                     fh.write(block)
+            expected = resp.headers.get(defaults.SHA256_HEADER)
+        if expected is not None and digest.hexdigest() != expected:
+            os.unlink(file_path)
+            raise IOError(f"{path} arrived corrupted (sha256 {digest.hexdigest()}, the server stored {expected})")
 
     # -- the user's side -------------------------------------------------------------------
     def log_metrics(self, step: int | None = None, **values) -> None:
@@ -146,6 +157,12 @@ class Reporter:
         if self._checkpointer is None:
             raise RuntimeError("reporter.track works inside a job's train_func")
         return self._checkpointer.track(obj, name)
+
+    def sync(self) -> None:
+        """DILOCO: take an outer step now (with the other workers, through the server), whatever
+        the count of inner steps; the next one comes ``inner_steps`` later. Other modes: nothing."""
+        if self.outer_step is not None:
+            self.outer_step()
 
     def upload(self, path: str, file_path: str) -> dict:
         """PUT a file to ``<job url>/<path>``, streamed, with its sha256 for the server to check."""

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Lend this machine's GPUs to a zwdx room.
 #
-#   gpu_client/run_gpu_client.sh -rt TOKEN [-s URL] [--native] [--image NAME] [--build] [ARGS...]
+#   gpu_client/run_gpu_client.sh --room-token-file FILE [-s URL] [--native] [--image NAME] [--build] [ARGS...]
 #
-#   -rt, --room-token TOKEN   the room's donor token, zd_... (default: $ZWDX_ROOM_TOKEN)
+#   --room-token-file FILE    a file holding the room's donor token (default: $ZWDX_ROOM_TOKEN)
+#   -rt, --room-token TOKEN   the token itself: warns, as every user of the machine can read a command line
 #   -s,  --server URL         the zwdx server (default: $ZWDX_SERVER_URL or http://localhost:4461)
 #   --native                  run the plain process (python -m zwdx.cli gpu-client), even with Docker
 #   --image NAME              the image to run (default: zwdx-gpu-client, built here if missing)
@@ -14,7 +15,7 @@
 # Docker is used when `docker info` answers (an engine runs), else the native process. In Docker:
 # every GPU (--gpus all) when nvidia-smi sees one, the host's network (the other GPU clients of a
 # job reach this one's rendezvous port and NCCL), no host directory mounted. The token travels in
-# the environment, never on a command line.
+# the environment, never on a command line (as it does to the native process).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,7 +33,12 @@ need() { [[ $# -ge 2 && -n "$2" ]] || { echo "run_gpu_client.sh: $1 needs a valu
 
 while (($#)); do
     case "$1" in
-        -rt | --room-token) need "$@"; TOKEN=$2; shift 2 ;;
+        -rt | --room-token) need "$@"; TOKEN=$2; shift 2
+            echo "run_gpu_client.sh: a token on the command line can be read by every user of this machine" \
+                 "(ps): pass --room-token-file FILE or \$ZWDX_ROOM_TOKEN instead" >&2 ;;
+        --room-token-file) need "$@"
+            [[ -r "$2" ]] || { echo "run_gpu_client.sh: cannot read the room token file $2" >&2; exit 2; }
+            TOKEN=$(head -n 1 "$2" | tr -d '[:space:]'); shift 2 ;;
         -s | --server) need "$@"; SERVER=$2; shift 2 ;;
         --image) need "$@"; IMAGE=$2; shift 2 ;;
         --name) need "$@"; NAME=$2; shift 2 ;;
@@ -45,7 +51,7 @@ while (($#)); do
 done
 
 if [[ -z "$TOKEN" ]]; then
-    echo "run_gpu_client.sh: a room token is required (-rt TOKEN, or ZWDX_ROOM_TOKEN)" >&2
+    echo "run_gpu_client.sh: a room token is required (--room-token-file FILE, or ZWDX_ROOM_TOKEN)" >&2
     exit 2
 fi
 export ZWDX_ROOM_TOKEN=$TOKEN

@@ -3,6 +3,10 @@
     python -m gpu_client.runner                   # reads its RankSpec, one JSON line, on stdin
     python -m gpu_client.runner --standby DEVICE  # the same, once torch is ready (standby.py)
 
+Once it has its spec and its log, the process enters the job's sandbox (``isolation.enter``: the
+job's private directory, and under a per-job user that user, for good) before anything of the
+job is read. A script job's rank runs ``gpu_client.script.ScriptRank`` instead (``rank_for``).
+
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU,
 the job's collective timeout) while the bundle loads, wraps the model (DDP/FSDP), rebuilds the
 optimizer, restores the checkpoint and makes the loaders; ``train`` calls the user's
@@ -28,9 +32,10 @@ from zwdx.bundle import load as load_bundle
 from zwdx.bundle import register_sources
 from zwdx.checks import call_with
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.vocab import RankStatus
+from zwdx.protocol.vocab import JobKind, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
+from .isolation import enter
 from .metrics import CountingLoader, SystemMetrics
 from .reporter import Reporter
 
@@ -45,9 +50,11 @@ class Trainer:
         self.startup = Startup(spec.assigned_at)
         self.startup.mark("rank_process")
         self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank,
-                                 attempt=spec.attempt)
+                                 attempt=spec.attempt, verify=spec.ca_file or True)
         self.joined = False
         self.system: SystemMetrics | None = None
+        from .parallel import strategy
+        self.strategy = strategy(spec, self.reporter)  # DDP/FSDP, or DILOCO: where the ways to train differ
 
     def run(self) -> int:
         """The rank, start to end: 0 when it completed, 1 when it failed (and said why)."""
@@ -67,13 +74,15 @@ class Trainer:
         import torch
         torch.set_num_threads(self.spec.threads)
         os.environ.update(self.spec.torch_environ())  # for libraries that read torch's variables
-        bundle = BundleLoader(self.spec.bundle_path, self.spec.bundle_pending, self.startup, self.spec.where)
+        bundle = BundleLoader(self.spec.bundle_path, self.spec.bundle_sha256, self.spec.bundle_pending, self.startup,
+                              self.spec.where)
         bundle.start()
         self.device = self._join()
         self.bundle = bundle.result()
         self.reporter.status(RankStatus.RUNNING.value)
         self.model, self.optimizer = self._build()
         self.checkpointer = self._restore()
+        self.strategy.attach(self.model, self.checkpointer)
         self.loader, self.eval_loader = self._loaders()
 
     def _join(self):
@@ -83,8 +92,7 @@ class Trainer:
         spec, device = self.spec, torch.device(self.spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-                                rank=spec.rank, world_size=spec.world_size,
+        dist.init_process_group(spec.backend, **self.strategy.rendezvous(),
                                 timeout=datetime.timedelta(seconds=spec.collective_timeout),
                                 **({"device_id": device} if device.type == "cuda" else {}))
         self.joined = True
@@ -96,17 +104,19 @@ class Trainer:
         from .parallel import rebuild_optimizer, wrap
         model = self.bundle["model"].to(self.device)
         self.startup.mark("on_device")
-        model = wrap(model, self.spec.parallelism, self.device, units=self.bundle.get("fsdp_units"),
+        model = wrap(model, self.strategy.wrap_as, self.device, units=self.bundle.get("fsdp_units"),
                      report=self.reporter.log)
         self.startup.mark("wrapped")
         return model, rebuild_optimizer(self.bundle["optimizer"], model)
 
     def _restore(self):
         """The job's Checkpointer, with the checkpoint this attempt goes on from loaded."""
+        import torch.distributed as dist
+
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
-        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, spec.parallelism, spec.rank,
-                                    spec.world_size, self.device, latest)
+        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
+                                    dist.get_world_size(), self.device, latest)
         if latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
@@ -154,6 +164,7 @@ class Trainer:
             "device": self.device, "eval_func": self.bundle["eval_func"], "reporter": reporter,
             "start_epoch": reporter.start_epoch, "resume": reporter.resume}, "train_func")
         self.system.finish()
+        self.strategy.trained()  # DILOCO: the last outer step
         self.loader.finish()  # the last epoch's checkpoint, now that train_func is done with it
         return out
 
@@ -170,8 +181,8 @@ class Trainer:
             eval_out = call_with(eval_func, {"model": self.model, "loader": self.eval_loader, "rank": spec.rank,
                                              "world_size": spec.world_size, "device": self.device}, "eval_func")
         results, final_loss = _results(train_out, eval_out)
-        state = full_state_dict(self.model, spec.parallelism, spec.rank)
-        weights = _upload_weights(self.reporter, state) if spec.rank == 0 else None
+        state = full_state_dict(self.model, self.strategy.wrap_as, spec.rank)
+        weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
         dist.barrier()
         self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
                              fingerprint=fingerprint(state), weights_artifact=weights)
@@ -237,13 +248,13 @@ class Startup:
 
 
 class BundleLoader(threading.Thread):
-    """Loads the job's bundle while the main thread joins the process group. While the GPU
-    client is still fetching it (``pending``), a line on stdin says it has arrived (end of
-    input: it could not be fetched)."""
+    """Loads the job's bundle while the main thread joins the process group, if its bytes are
+    the job's (``sha256``; checked on every load). While the GPU client is still fetching it
+    (``pending``), a line on stdin says it has arrived (end of input: it could not be fetched)."""
 
-    def __init__(self, path: str, pending: bool, startup: Startup, where: str):
+    def __init__(self, path: str, sha256: str, pending: bool, startup: Startup, where: str):
         super().__init__(name="zwdx-bundle", daemon=True)
-        self.path, self.pending, self.startup, self.where = path, pending, startup, where
+        self.path, self.sha256, self.pending, self.startup, self.where = path, sha256, pending, startup, where
         self.bundle: dict | None = None
         self.error: BaseException | None = None
 
@@ -253,7 +264,7 @@ class BundleLoader(threading.Thread):
                 raise RuntimeError("the GPU client could not fetch the job's bundle")
             self.startup.mark("bundle_fetched")
             try:
-                self.bundle = load_bundle(self.path)
+                self.bundle = load_bundle(self.path, self.sha256)
             except ImportError as exc:
                 raise missing_package(exc, self.where) from exc
             register_sources(self.bundle["sources"])
@@ -332,7 +343,7 @@ def write_output_to(path: str | None) -> None:
     """This process's stdout and stderr go to ``path`` (a standby's went to its slot's log)."""
     if not path:
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -347,8 +358,19 @@ def main(argv: list[str]) -> int:
     if spec is None:
         return 0  # the GPU client let this process go before giving it a rank
     write_output_to(spec.log_path)
+    enter(spec.sandbox)
+    die_with_parent()  # a change of user cleared it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return Trainer(spec).run()
+    return rank_for(spec).run()
+
+
+def rank_for(spec: RankSpec):
+    """How this rank runs, chosen from its spec: the submitter's functions (``Trainer``), or a
+    script under torchrun's environment (``gpu_client.script``). Each has ``run() -> exit code``."""
+    if spec.kind == JobKind.SCRIPT:
+        from .script import ScriptRank
+        return ScriptRank(spec)
+    return Trainer(spec)
 
 
 if __name__ == "__main__":

@@ -315,7 +315,7 @@ class Cluster:
         self.ready()
 
     def _start(self, name: str) -> GpuClient:
-        return GpuClient(self.server.url, self.room["token"], str(self.base / name), client_id=f"client-{name}")
+        return GpuClient(self.server.url, self.room["donor_token"], str(self.base / name), client_id=f"client-{name}")
 
     def _state(self) -> dict:
         return {c["id"]: c for c in self.sdk.get_room()["clients"]}

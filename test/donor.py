@@ -1,12 +1,14 @@
 """A GPU client and a dashboard spoken by the test itself, over the server's real wire: for the
-tests of who may read and write what, which need placed jobs and their job keys but no training.
+tests of who may read and write what, which need placed jobs and their rank keys but no training.
 
-    Donor(url, token, client_id, slots=1)   registers CPU slots on /gpu, heartbeats, offers a
-                                            rendezvous port when asked, keeps each JobAssign
-                                            (``job_key(job_id)``); it starts no rank
-    Rank(url, token, job_key, job_id)       what a rank process sends: its status, events,
-                                            checkpoint files, weights (``requests``)
-    Dashboard(url, token)                   a browser's /ui connection, keeping every event
+    Donor(url, donor_token, client_id, slots=1)  registers CPU slots on /gpu (keeping the client
+                                                 secret it is answered), heartbeats, offers a
+                                                 rendezvous port when asked, keeps each JobAssign
+                                                 (``rank_key(job_id, rank)``); it starts no rank
+    Rank(url, rank_key, job_id, rank=0)          what a rank process sends, with its rank key
+                                                 only: its status, events, checkpoint files,
+                                                 weights (``requests``)
+    Dashboard(url, submitter_token)              a browser's /ui connection, keeping every event
 
 The server is a real process (``procs.Server``); only the donor's side is played here, by the
 messages of ``zwdx.protocol.gpu``, as ``gpu_client/agent.py`` sends them.
@@ -29,7 +31,8 @@ GiB = 1 << 30
 
 
 class Donor(socketio.Client):
-    """A GPU client with ``slots`` CPU slots in the room of ``token``; it runs nothing."""
+    """A GPU client with ``slots`` CPU slots in the room of ``token`` (a donor token); it runs
+    nothing. ``client_secret``: what its first register was answered with."""
 
     def __init__(self, url: str, token: str, client_id: str, slots: int = 1):
         super().__init__(reconnection=False)
@@ -46,6 +49,7 @@ class Donor(socketio.Client):
                                 for i in range(slots)])
         answer = self.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=30)
         assert answer["ok"], answer
+        self.client_secret: str | None = answer.get("client_secret")
         self._beats = threading.Thread(target=self._beat, name=f"donor-{client_id}", daemon=True)
         self._beats.start()
 
@@ -62,10 +66,12 @@ class Donor(socketio.Client):
             except socketio.exceptions.SocketIOError:
                 return
 
-    def job_key(self, job_id: str, timeout: float = 30) -> str:
-        """The key the server gave this donor for the job (waiting for its assignment)."""
-        return wait_until(lambda: job_id in self.assigned and self.assigned[job_id].job_key, timeout,
-                          what=f"job {job_id} assigned to {self.client_id}")
+    def rank_key(self, job_id: str, rank: int = 0, timeout: float = 30) -> str:
+        """The key the server gave this donor for the job's rank (waiting for its assignment)."""
+        def key() -> str | None:
+            assign = self.assigned.get(job_id)
+            return next((r.key for r in assign.ranks if r.rank == rank), None) if assign else None
+        return wait_until(key, timeout, what=f"rank {rank} of job {job_id} assigned to {self.client_id}")
 
     def exited(self, job_id: str) -> None:
         """Say the job's ranks here are gone (as the GPU client does once its processes exited)."""
@@ -80,12 +86,14 @@ class Donor(socketio.Client):
 
 
 class Rank:
-    """The REST calls of one rank of a job, with a room token and a job key (either may be another's)."""
+    """The REST calls of rank ``rank`` of a job, with a rank key (which may be another's) and, to
+    see that it opens nothing here, a room token (``token``)."""
 
-    def __init__(self, url: str, token: str, job_key: str | None, job_id: str, rank: int = 0):
+    def __init__(self, url: str, rank_key: str | None, job_id: str, rank: int = 0, token: str | None = None):
         self.base = f"{url}{defaults.API_PREFIX}/jobs/{job_id}"
         self.rank = rank
-        self.headers = {defaults.TOKEN_HEADER: token, **({defaults.JOB_KEY_HEADER: job_key} if job_key else {})}
+        self.headers = {**({defaults.RANK_KEY_HEADER: rank_key} if rank_key else {}),
+                        **({defaults.TOKEN_HEADER: token} if token else {})}
 
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
         return requests.request(method, f"{self.base}{path}", headers={**self.headers, **kwargs.pop("headers", {})},
@@ -112,7 +120,8 @@ class Rank:
 
 
 class Dashboard(socketio.Client):
-    """A dashboard's /ui connection to the room of ``token``; ``received``: (event, payload) in order."""
+    """A dashboard's /ui connection to the room of ``token`` (a submitter token); ``received``:
+    (event, payload) in order."""
 
     def __init__(self, url: str, token: str):
         super().__init__(reconnection=False)

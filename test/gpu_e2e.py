@@ -40,8 +40,9 @@ from zwdx import ZWDX  # noqa: E402
 
 def gpu_client(url, token, gpu, work):
     os.makedirs(work, exist_ok=True)
-    return Proc([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url, "--room-token", token, "--gpus",
-                 str(gpu), "--client-id", f"gpu{gpu}", "--work-dir", work], os.path.join(work, "client.log"))
+    return Proc([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url, "--gpus",
+                 str(gpu), "--client-id", f"gpu{gpu}", "--work-dir", work], os.path.join(work, "client.log"),
+                env={"ZWDX_ROOM_TOKEN": token})
 
 
 def online(sdk, n):
@@ -98,8 +99,8 @@ def main() -> None:
     problems = []
     server = Server(os.path.join(args.work, "server"))
     sdk = ZWDX(server.url)
-    token = sdk.create_room("gpu")["token"]
-    sdk.room_token = token
+    room = sdk.create_room("gpu")
+    sdk.room_token, token = room["token"], room["donor_token"]
     clients = {g: gpu_client(server.url, token, g, os.path.join(args.work, f"c{g}")) for g in range(min(ngpu, 3))}
     try:
         online(sdk, len(clients))

@@ -26,7 +26,8 @@ class GpuPool:
         self.clients: list[GpuClient] = []
         try:
             self.sdk = ZWDX(self.server.url, remember=False)
-            self.token = self.sdk.create_room("pool")["token"]
+            made = self.sdk.create_room("pool")
+            self.token, self.donor_token = made["token"], made["donor_token"]
             self.sdk.room_token = self.token
             for name in clients:
                 self.start(name)
@@ -35,7 +36,7 @@ class GpuPool:
             raise
 
     def start(self, name: str, **kwargs) -> GpuClient:
-        client = GpuClient(self.server.url, self.token, os.path.join(self.base, name), client_id=f"client-{name}",
+        client = GpuClient(self.server.url, self.donor_token, os.path.join(self.base, name), client_id=f"client-{name}",
                            **kwargs)
         self.clients.append(client)
         wait_until(lambda: self.online(client), 60,

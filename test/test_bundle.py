@@ -1,4 +1,6 @@
 """The job bundle, packed as the SDK packs it and loaded as a GPU client loads it."""
+import hashlib
+
 import torch
 import pytest
 
@@ -30,7 +32,7 @@ def _roundtrip(tmp_path, model, **kwargs):
     blob = pack(model, lambda rank: None, train, **kwargs)
     path = tmp_path / "job.zwdx"
     path.write_bytes(blob)
-    return blob, load(str(path))
+    return blob, load(str(path), hashlib.sha256(blob).hexdigest())
 
 
 def test_weights_dtypes_and_tied_parameters_survive(tmp_path):
@@ -83,7 +85,7 @@ def test_a_damaged_bundle_is_refused_with_a_reason(tmp_path):
     empty = tmp_path / "empty.zwdx"
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
-        load(str(empty))
+        load(str(empty), hashlib.sha256(b"").hexdigest())
 
 
 def test_required_modules_are_the_installed_packages_the_pickle_refers_to():
@@ -124,12 +126,13 @@ def test_code_sent_by_value_keeps_its_file_name_and_its_lines_travel_with_it(tmp
     (tmp_path / "job.zwdx").write_bytes(blob)
     script = ("import traceback, sys\n"
               "from zwdx.bundle import load, register_sources\n"
-              "bundle = load(sys.argv[1])\n"
+              "bundle = load(sys.argv[1], sys.argv[2])\n"
               "register_sources(bundle['sources'])\n"
               "try:\n    bundle['train_func'](None, None)\n"
               "except RuntimeError:\n    print(traceback.format_exc())\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "job.zwdx")], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "job.zwdx"), hashlib.sha256(blob).hexdigest()],
+                         capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": root}, check=True).stdout
     assert f'File "{source}", line 3, in train' in out
     assert "raise RuntimeError('from their code')" in out

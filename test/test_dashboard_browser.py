@@ -98,7 +98,7 @@ def shot(pg, name: str, readme: str | None = None) -> str:
 def sign_in(pg, url: str, token: str) -> None:
     pg.goto(url)
     pg.wait_for_url(f"{url}/signin")
-    pg.get_by_label("Room token").fill(token)
+    pg.get_by_label("Submitter token").fill(token)
     pg.get_by_role("button", name="Sign in").click()
     pg.get_by_test_id("overview").wait_for()
 
@@ -299,13 +299,18 @@ def test_a_wrong_token_is_refused_and_a_room_made_in_the_page_opens(cluster, pag
     server = cluster.server
     # A wrong token is refused with a message, and nothing is kept.
     page.goto(f"{server.url}/signin")
-    page.get_by_label("Room token").fill("zr_this-is-not-a-room-token")
+    page.get_by_label("Submitter token").fill("zr_this-is-not-a-room-token")
     page.get_by_role("button", name="Sign in").click()
     error = page.get_by_test_id("signin-error")
     error.wait_for()
     assert "does not open any room" in error.inner_text()
     assert page.evaluate("sessionStorage.length") == 0
     shot(page, "07-bad-token")
+    # The room's donor token is refused too, in the server's words: which token signs in.
+    page.get_by_label("Submitter token").fill(cluster.room["donor_token"])
+    page.get_by_role("button", name="Sign in").click()
+    page.get_by_text("This token cannot open the dashboard").wait_for()
+    assert "submitter token" in error.inner_text() and page.evaluate("sessionStorage.length") == 0
 
     # A token that stops working (here: one planted in the session) signs the tab out.
     page.evaluate("sessionStorage.setItem('zwdx.roomToken', 'zr_stale')")
@@ -313,11 +318,11 @@ def test_a_wrong_token_is_refused_and_a_room_made_in_the_page_opens(cluster, pag
     page.get_by_text("Signed out").wait_for()
     assert page.url.endswith("/signin")
 
-    # A room made in the page: its token is shown once, then the room opens, empty.
+    # A room made in the page: its two tokens are shown once, then the room opens, empty.
     page.get_by_label("Name").fill("made-in-the-browser")
     page.get_by_role("button", name="Create room").click()
     token = page.get_by_test_id("new-token").inner_text()
-    assert token.startswith("zr_")
+    assert token.startswith("zs_") and page.get_by_test_id("new-donor-token").inner_text().startswith("zd_")
     shot(page, "08-room-created")
     page.get_by_role("button", name="Open the room").click()
     page.get_by_test_id("no-clients").wait_for()

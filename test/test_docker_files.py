@@ -151,6 +151,19 @@ def test_script_builds_the_image_and_runs_it_with_gpus_and_no_host_mounts(fake_e
                                     "--client-id", "lender"]
     assert lines[3] == "TOKEN zr_secret"
     assert "zr_secret" not in " ".join(lines[0::2]), "the token must not be on a command line"
+    assert "can be read by every user" in done.stderr and "zr_secret" not in done.stderr  # -rt warns, hides it
+
+
+def test_script_reads_the_token_from_a_file_and_passes_it_in_the_environment(fake_engine, tmp_path):
+    env, log, _ = fake_engine
+    (tmp_path / "token").write_text("zd_from-file\n")
+    done = run([SCRIPT, "--room-token-file", str(tmp_path / "token")], env=env)
+    assert done.returncode == 0, done.stderr
+    lines = log.read_text().splitlines()
+    assert lines[3] == "TOKEN zd_from-file"
+    assert "zd_from-file" not in " ".join(lines[0::2]) and "every user" not in done.stderr
+    done = run([SCRIPT, "--room-token-file", str(tmp_path / "missing")], env=env)
+    assert done.returncode == 2 and "cannot read the room token file" in done.stderr
 
 
 def test_script_without_a_gpu_runs_the_container_without_gpus(fake_engine):
@@ -181,9 +194,11 @@ def test_script_without_an_engine_runs_the_native_gpu_client(tmp_path, fake_engi
         sdk = ZWDX(server.url)
         room = sdk.create_room("script")
         token = room["submitter_token"]
+        (tmp_path / "donor-token").write_text(room["donor_token"])
         env["PYTHON"] = sys.executable
-        client = Proc([SCRIPT, "-rt", room["donor_token"], "-s", server.url, "--cpu", "--threads", "1", "--client-id",
-                       "from-script", "--work-dir", str(tmp_path / "work")], str(tmp_path / "script.log"), env)
+        client = Proc([SCRIPT, "--room-token-file", str(tmp_path / "donor-token"), "-s", server.url, "--cpu",
+                       "--threads", "1", "--client-id", "from-script", "--work-dir", str(tmp_path / "work")],
+                      str(tmp_path / "script.log"), env)
         wait_until(lambda: any(c["id"] == "from-script" and c["status"] == "online"
                                for c in sdk.get_room(token)["clients"]), 30,
                    what="gpu client from the script")

@@ -186,7 +186,7 @@ def test_fsdp_job_goes_on_from_a_sharded_checkpoint_after_a_lost_gpu_client(pool
                             eval_func=models.lm_eval(models.nano_loss), optimizer=optimizer_for(model),
                             parallelism="FSDP", epochs=4, world_size=2, min_world_size=1, wait=False)
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and j, 120, what="a checkpoint")
-    assert job["latest_checkpoint"]["format"] == "dcp" and job["status"] == "running", job
+    assert job["latest_checkpoint"]["format"] == "shards" and job["status"] == "running", job
     victim = next(c for c in pool.clients if c.client_id == job["placement"][1]["client_id"])
     victim.kill(signal.SIGKILL)
     try:
@@ -195,7 +195,7 @@ def test_fsdp_job_goes_on_from_a_sharded_checkpoint_after_a_lost_gpu_client(pool
         job = sdk.get_job(job_id)
         assert job["restarts"] == 1 and job["world_size"] == 1, job["restart_history"]
         checkpoint = job["restart_history"][0]["from_checkpoint"]
-        assert checkpoint["format"] == "dcp" and checkpoint["world_size"] == 2
+        assert checkpoint["format"] == "shards" and checkpoint["world_size"] == 2
         series = sdk.get_job_metrics(job_id)
         # the model restored on one rank from the two ranks' shards is the one checkpointed
         saved = series[f"probe_loss_epoch_{checkpoint['epoch']}"][0]["value"]

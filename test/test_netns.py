@@ -14,7 +14,7 @@ import torch
 
 import mnist
 import needs
-from procs import SLACK, Proc, free_port, wait_until
+from procs import PROCESSES, SLACK, Proc, free_port, wait_until
 from workloads import slow_train
 from zwdx import ZWDX
 from zwdx.server.scheduler import REAP_INTERVAL
@@ -43,6 +43,10 @@ class Net:
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "addr", "add", f"{self.prefix}.254/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
+        # A host running Docker drops bridged traffic (FORWARD policy DROP, with br_netfilter):
+        # let this bridge's own traffic through while it exists (no iptables: nothing to open).
+        self.forward = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        subprocess.run(["iptables", "-I", *self.forward], capture_output=True)
         for i, name in enumerate(names, start=1):
             ns, outer, inner = f"{self.tag}{name}", f"{self.tag}{name}o", f"{self.tag}{name}i"
             sh("ip", "netns", "add", ns)
@@ -56,8 +60,8 @@ class Net:
             self.hosts[name] = (ns, f"{self.prefix}.{i}")
             self.links[name] = outer
 
-    def run(self, name: str, args: list[str], log_path: str) -> Proc:
-        return Proc(["ip", "netns", "exec", self.hosts[name][0], *args], log_path)
+    def run(self, name: str, args: list[str], log_path: str, env: dict | None = None) -> Proc:
+        return Proc(["ip", "netns", "exec", self.hosts[name][0], *args], log_path, env)
 
     def cut(self, name: str) -> None:
         sh("ip", "link", "set", self.links[name], "down")
@@ -71,6 +75,7 @@ class Net:
         for link in self.links.values():
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        subprocess.run(["iptables", "-D", *self.forward], capture_output=True)
 
 
 @pytest.fixture
@@ -104,14 +109,14 @@ def net_cluster(net_hosts, tmp_path):
             return False
     wait_until(up, 30, what=f"server at {url}")
     sdk = ZWDX(url)
-    token = sdk.create_room("netns")["token"]
-    sdk.room_token = token
+    room = sdk.create_room("netns")
+    sdk.room_token = room["token"]
     names = [n for n in net_hosts.hosts if n != "s"]
     for name in names:
         procs.append(net_hosts.run(name, [sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url,
-                                          "--room-token", token, "--cpu", "--threads", "1", "--client-id", name,
-                                          "--isolation", "process", "--work-dir", str(tmp_path / name)],
-                                   str(tmp_path / f"{name}.log")))
+                                          "--cpu", "--threads", "1", "--client-id", name,
+                                          "--work-dir", str(tmp_path / name)], str(tmp_path / f"{name}.log"),
+                                   env={"ZWDX_ROOM_TOKEN": room["donor_token"], **PROCESSES}))
     wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == len(names), 30,
                what="gpu clients online")
     yield net_hosts, sdk, url

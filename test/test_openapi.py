@@ -33,7 +33,7 @@ def test_the_document_is_valid_openapi_3_1_and_covers_every_route(app, client):
     described = {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
     routes = set()
     for rule in app.url_map.iter_rules():
-        if (rule.rule.startswith("/api/") or rule.rule == "/health") and rule.endpoint != "api.no_route":
+        if (rule.rule.startswith("/api/") or rule.rule in ("/health", "/metrics")) and rule.endpoint != "api.no_route":
             path = rule.rule.replace("<", "{").replace(">", "}")
             routes |= {(m, path) for m in rule.methods - {"HEAD", "OPTIONS"}}
     assert routes == described
@@ -43,12 +43,22 @@ def test_the_document_is_valid_openapi_3_1_and_covers_every_route(app, client):
 def test_each_operation_says_how_it_authenticates_and_what_it_answers(client):
     doc = client.get("/api/v1/openapi.json").json
     ops = {op["operationId"]: op for item in doc["paths"].values() for op in item.values()}
-    assert doc["components"]["securitySchemes"]["roomToken"] == {
-        "type": "apiKey", "in": "header", "name": "X-Zwdx-Room-Token",
-        "description": "The room's token, shown once when the room was created."}
+    schemes = doc["components"]["securitySchemes"]
+    assert {name: (s["type"], s["in"], s["name"]) for name, s in schemes.items()} == {
+        "roomToken": ("apiKey", "header", "X-Zwdx-Room-Token"), "rankKey": ("apiKey", "header", "X-Zwdx-Rank-Key")}
+    assert "submitter token" in schemes["roomToken"]["description"]
     assert ops["create_room"]["security"] == [] and ops["openapi_json"]["security"] == []
     assert ops["list_jobs"]["security"] == [{"roomToken": []}]
-    assert ops["post_rank_status"]["security"] == [{"roomToken": [], "jobKey": []}]
+    assert ops["post_rank_status"]["security"] == [{"rankKey": []}]
+    assert ops["get_checkpoint_file"]["security"] == [{"roomToken": []}, {"rankKey": []}]
+    for name, op in ops.items():  # a credential refused: none or unknown (401), the wrong role or rank (403), an
+        # address that failed too often (429); test/security/test_authorization.py checks each route answers so
+        if name == "metrics":  # the operator's metrics token or a loopback address, no room credential
+            assert {"401", "403"} <= set(op["responses"]) and op["security"] == []
+            continue
+        assert {"401", "403"} & set(op["responses"]) == ({"401", "403"} if op["security"] else set()), name
+        assert "429" in op["responses"] or not op["security"], name
+    assert "429" in ops["create_room"]["responses"]  # rooms one address may create (a rate limit)
     submit = ops["create_job"]
     assert submit["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/SubmitJob"}
     assert submit["responses"]["201"]["content"]["application/json"]["schema"] == \

@@ -7,9 +7,12 @@ import hashlib
 import importlib
 import json
 import os
+import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import requests
@@ -144,9 +147,12 @@ def test_cpu_slots_of_one_host_share_its_ram(server, sdk, room, start_client):
 
 
 @pytest.fixture
-def extra_package(tmp_path):
-    """A package installed in a site-packages folder that only this process has on its path."""
-    site = tmp_path / "site-packages"
+def extra_package():
+    """A package installed in a site-packages folder that only this process has on its path,
+    where every user may read it (GPU clients run as root run jobs as users of their own)."""
+    base = tempfile.mkdtemp(prefix="zwdx-extra-", dir="/tmp")
+    os.chmod(base, 0o755)
+    site = pathlib.Path(base) / "site-packages"
     (site / EXTRA).mkdir(parents=True)
     (site / EXTRA / "__init__.py").write_text("def scale(x):\n    return 2 * x\n")
     sys.path.insert(0, str(site))
@@ -155,6 +161,7 @@ def extra_package(tmp_path):
     finally:
         sys.path.remove(str(site))
         sys.modules.pop(EXTRA, None)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def train_with(extra):

@@ -1,17 +1,17 @@
-"""README, Security: what a room token and a job key open, and nothing more.
+"""README, Security: what a room's submitter and donor tokens and a rank key open, and nothing more.
 
 - a dashboard (/ui) of one room never hears another room's jobs, job events or GPU clients,
-  and a wrong token is refused;
+  and a wrong token, or the room's donor token, is refused;
 - a job that has data (metrics, logs, a checkpoint, weights) shows none of it to another
-  room's token, a wrong token or none, whichever route or artifact id is asked;
-- a job key opens its own job's rank routes only: not another job's of the same room, not
-  another room's.
+  room's token, the room's donor token, a wrong token or none, whichever route or artifact id
+  is asked;
+- a rank key opens its own job's rank routes only: not another job's of the same room, not
+  another room's; a room token in its place opens none of them.
 
-test_api.py proves, in-process, the refusal of a missing and a wrong token on every REST route
-and of another room on the job routes, for a job that is queued (no key, no data), and a
-forged job key. Here the jobs are placed and have what a run leaves: one real server process
+test/security/test_authorization.py proves, in-process, every route and event against every
+kind of credential. Here the jobs are placed and have what a run leaves: one real server process
 for the module, and the GPU clients and dashboards played by the test (``donor.py``), so each
-test gets its rooms and job keys in well under a second, without a rank process.
+test gets its rooms and rank keys in well under a second, without a rank process.
 """
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ pytestmark = pytest.mark.slow  # a server process
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # Placed jobs whose ranks never report stay placed for minutes (not failed after 25 s).
-    srv = Server(str(tmp_path_factory.mktemp("auth") / "server"), env={"ZWDX_RESERVE_TIMEOUT": "120"})
+    # Placed jobs whose ranks never report stay placed for minutes (not failed after 25 s); the
+    # module's hundred-odd wrong tokens and keys, all from 127.0.0.1, are not rate-limited.
+    srv = Server(str(tmp_path_factory.mktemp("auth") / "server"),
+                 env={"ZWDX_RESERVE_TIMEOUT": "120", "ZWDX_RATE_LIMIT_AUTH_FAILURES": "10000 per minute"})
     yield srv
     srv.stop()
 
@@ -55,16 +57,18 @@ def donors():
 
 @dataclass
 class Room:
-    """A room of the module's server, as the holder of its token calls the REST API."""
+    """A room of the module's server, as the holder of its submitter token calls the REST API
+    (``donor_token``: what its GPU clients connect with)."""
     url: str
     token: str
     id: str
+    donor_token: str
 
     @classmethod
     def create(cls, url: str, name: str) -> "Room":
         resp = requests.post(f"{url}{defaults.API_PREFIX}/rooms", json={"name": name}, timeout=30)
         assert resp.status_code == 201, resp.text
-        return cls(url, resp.json()["token"], resp.json()["id"])
+        return cls(url, resp.json()["token"], resp.json()["id"], resp.json()["donor_token"])
 
     def call(self, method: str, path: str, token: str | None = "mine", **kwargs) -> requests.Response:
         """``method path`` with this room's token ("mine"), another token, or none (None)."""
@@ -91,14 +95,14 @@ def a_wrong_token() -> str:
 # -- dashboards ------------------------------------------------------------------------------------
 def test_a_dashboard_hears_only_its_own_rooms_jobs_events_and_gpu_clients(server, donors):
     a, b = Room.create(server.url, "a"), Room.create(server.url, "b")
-    for token in (a_wrong_token(), "", a.id):
+    for token in (a_wrong_token(), "", a.id, a.donor_token):
         with pytest.raises(socketio.exceptions.ConnectionError):
             Dashboard(server.url, token)
     watch_a, watch_b = Dashboard(server.url, a.token), Dashboard(server.url, b.token)
     try:
-        donor = donors(server.url, a.token, "donor-of-a")
+        donor = donors(server.url, a.donor_token, "donor-of-a")
         job, _ = a.submit()
-        rank = Rank(server.url, a.token, donor.job_key(job), job)
+        rank = Rank(server.url, donor.rank_key(job), job)
         assert rank.status("running").status_code == 200
         assert rank.events(("metric", {"loss": 0.5}), ("log", {"text": "a line of room a"})).status_code == 200
 
@@ -123,14 +127,15 @@ def test_a_dashboard_hears_only_its_own_rooms_jobs_events_and_gpu_clients(server
 # -- a job's data ----------------------------------------------------------------------------------
 def a_job_with_data(server, room: Room, donors) -> dict:
     """A completed job of ``room`` with a metric, a log line, a checkpoint and weights."""
-    donor = donors(server.url, room.token, f"donor-{room.id}")
+    donor = donors(server.url, room.donor_token, f"donor-{room.id}")
     job, bundle = room.submit()
-    rank = Rank(server.url, room.token, donor.job_key(job), job)
+    rank = Rank(server.url, donor.rank_key(job), job)
     weights, state = b"weights of " + job.encode(), b"checkpoint of " + job.encode()
     assert rank.status("running").status_code == 200
     assert rank.events(("metric", {"loss": 0.25}), ("log", {"text": "a private line"})).status_code == 200
     checkpoint_file = rank.put("/checkpoints/0/state.pt", state).json()["id"]
-    assert rank.commit(0, ["state.pt"]).status_code == 201
+    assert rank.put("/checkpoints/0/rng-0.pt", b"generators").status_code == 201
+    assert rank.commit(0, ["state.pt", "rng-0.pt"]).status_code == 201
     weights_id = rank.put("/weights", weights).json()["id"]
     assert rank.status("completed", final_loss=0.25, results={"final_loss": 0.25},
                        fingerprint=hashlib.sha256(weights).hexdigest(), weights_artifact=weights_id).status_code == 200
@@ -148,7 +153,7 @@ def reads_of(job: dict) -> list[str]:
             f"/artifacts/{job['weights']}", f"/artifacts/{job['checkpoint_file']}", f"/artifacts/{job['bundle']}"]
 
 
-def test_another_rooms_token_a_wrong_one_or_none_read_nothing_of_a_jobs_data(server, donors):
+def test_another_rooms_token_a_donor_token_a_wrong_one_or_none_read_nothing_of_a_jobs_data(server, donors):
     a, b = Room.create(server.url, "owner"), Room.create(server.url, "neighbour")
     job = a_job_with_data(server, a, donors)
     before = {path: a.call("GET", path).content for path in reads_of(job)}
@@ -157,9 +162,11 @@ def test_another_rooms_token_a_wrong_one_or_none_read_nothing_of_a_jobs_data(ser
         resp = b.call("GET", path)
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found", (path, resp.text)
         assert not any(data in resp.content for data in job["bytes"].values())
-        for token, says in [(a_wrong_token(), "not recognised"), (None, "needs a room token")]:
+        for token, status, says in [(a_wrong_token(), 401, "not recognised"), (None, 401, "needs a room token"),
+                                    (a.donor_token, 403, "donor token"), (b.donor_token, 403, "donor token")]:
             resp = a.call("GET", path, token=token)
-            assert resp.status_code == 401 and says in resp.json()["error"]["message"], (path, token, resp.text)
+            assert resp.status_code == status and says in resp.json()["error"]["message"], (path, token, resp.text)
+            assert not any(data in resp.content for data in job["bytes"].values())
     for path in ("/jobs", "/dashboard/history", "/room"):  # lists: the neighbour's own, without the job
         resp = b.call("GET", path)
         assert resp.status_code == 200 and job["id"] not in resp.text and a.id not in resp.text, (path, resp.text)
@@ -175,36 +182,38 @@ def test_another_rooms_token_a_wrong_one_or_none_read_nothing_of_a_jobs_data(ser
         [{"text": "a private line"}]
 
 
-# -- job keys ----------------------------------------------------------------------------------------
+# -- rank keys ---------------------------------------------------------------------------------------
 def rank_calls(rank: Rank) -> dict:
     """Every call a rank makes with its key: name -> response."""
     return {"status": rank.status("running"), "events": rank.events(("log", {"text": "written by the wrong rank"})),
             "checkpoint file": rank.put("/checkpoints/0/state.pt", b"forged state"),
-            "checkpoint commit": rank.commit(0, ["state.pt"]), "weights": rank.put("/weights", b"forged weights"),
+            "checkpoint rng": rank.put("/checkpoints/0/rng-0.pt", b"forged generators"),
+            "checkpoint commit": rank.commit(0, ["state.pt", "rng-0.pt"]), "weights": rank.put("/weights", b"forged weights"),
             "bundle": rank.bundle()}
 
 
-def test_a_job_key_opens_its_own_jobs_rank_routes_only(server, donors):
+def test_a_rank_key_opens_its_own_jobs_rank_routes_only(server, donors):
     a, b = Room.create(server.url, "keys-a"), Room.create(server.url, "keys-b")
-    donor_a, donor_b = donors(server.url, a.token, "keys-a-donor", slots=2), donors(server.url, b.token, "keys-b-donor")
+    donor_a = donors(server.url, a.donor_token, "keys-a-donor", slots=2)
+    donor_b = donors(server.url, b.donor_token, "keys-b-donor")
     first, _ = a.submit()
     second, second_bundle = a.submit()
     elsewhere, _ = b.submit()
-    key = donor_a.job_key(first)
-    second_key, elsewhere_key = donor_a.job_key(second), donor_b.job_key(elsewhere)
+    key = donor_a.rank_key(first)
+    second_key, elsewhere_key = donor_a.rank_key(second), donor_b.rank_key(elsewhere)
     assert len({key, second_key, elsewhere_key}) == 3
 
-    refused = {
-        "job A's key on job B of its room": (Rank(server.url, a.token, key, second), 403),
-        "job A's key on a job of another room, with its own token": (Rank(server.url, a.token, key, elsewhere), 404),
-        "job A's key on a job of another room, with that room's token": (Rank(server.url, b.token, key, elsewhere),
-                                                                          403),
-        "job B's own key with another room's token": (Rank(server.url, b.token, second_key, second), 404),
+    refused = {  # case -> (the calls, status, error code)
+        "job A's key on job B of its room": (Rank(server.url, key, second), 403, "forbidden"),
+        "job A's key on a job of another room": (Rank(server.url, key, elsewhere), 403, "forbidden"),
+        "another room's job's key on job B": (Rank(server.url, elsewhere_key, second), 403, "forbidden"),
+        "the room's submitter token instead of a key": (Rank(server.url, None, second, token=a.token), 401,
+                                                        "unauthorized"),
     }
-    for case, (rank, status) in refused.items():
+    for case, (rank, status, code) in refused.items():
         for call, resp in rank_calls(rank).items():
             assert resp.status_code == status, (case, call, resp.text)
-            assert resp.json()["error"]["code"] == ("forbidden" if status == 403 else "not_found"), (case, call)
+            assert resp.json()["error"]["code"] == code, (case, call)
 
     # nothing of it was stored: both jobs are as their placement left them
     for room, job_id in ((a, second), (b, elsewhere)):
@@ -215,8 +224,8 @@ def test_a_job_key_opens_its_own_jobs_rank_routes_only(server, donors):
         assert room.call("GET", f"/jobs/{job_id}/weights").status_code == 404
 
     # and the refused calls were well formed: with job B's own key, the same calls go through
-    done = rank_calls(Rank(server.url, a.token, second_key, second))
+    done = rank_calls(Rank(server.url, second_key, second))
     assert {call: resp.status_code for call, resp in done.items()} == {
-        "status": 200, "events": 200, "checkpoint file": 201, "checkpoint commit": 201, "weights": 201, "bundle": 200}
+        "status": 200, "events": 200, "checkpoint file": 201, "checkpoint rng": 201, "checkpoint commit": 201, "weights": 201, "bundle": 200}
     assert done["bundle"].content == a.call("GET", f"/artifacts/{second_bundle}").content
     assert a.job(second)["status"] == "running"

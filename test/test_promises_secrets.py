@@ -85,7 +85,7 @@ def test_no_room_token_or_job_key_is_in_any_log_after_whole_jobs(server, room, s
     for client in ("a", "b"):
         assert f"job {done} rank" in logs[f"{client}/gpu-client.log"]
     ranks = {name: text for name, text in logs.items() if "/jobs/" in name}
-    assert sorted(re.sub(r"^[ab]/jobs/", "", name) for name in ranks) == sorted(
+    assert sorted(re.sub(r"^([ab])/agents/client-\1/jobs/", "", name) for name in ranks) == sorted(
         f"{job}/rank{r}.log" for job in (done, failed) for r in (0, 1)), sorted(ranks)
     assert any("printed after epoch 1" in text for text in ranks.values())
     assert any("ValueError: rank 1 gives up" in text for text in ranks.values())
@@ -112,8 +112,9 @@ def test_a_room_token_is_stored_only_as_its_sha256_on_mongodb(make_app, mongo_ur
         stored = {name: list(db[name].find()) for name in names}
     finally:
         client.close()
-    assert {"rooms", "jobs", "artifacts", "artifacts.files"} <= set(stored), stored.keys()
+    assert {"rooms", "credentials", "jobs", "artifacts", "artifacts.files"} <= set(stored), stored.keys()
     raw = json.dumps(stored, default=repr)  # every document of every collection, bytes included
-    assert token not in raw and token.split("_", 1)[1] not in raw
-    [room] = stored["rooms"]
-    assert hashlib.sha256(token.encode()).hexdigest() in json.dumps(room, default=repr)
+    held = {c["role"]: c["hash"] for c in stored["credentials"]}  # a room's tokens: one record each
+    for role, secret in (("submitter", token), ("donor", api.donor)):
+        assert secret not in raw and secret.split("_", 1)[1] not in raw, role
+        assert held[role] == hashlib.sha256(secret.encode()).hexdigest(), role

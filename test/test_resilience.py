@@ -118,9 +118,10 @@ def test_lost_client_without_min_world_size_waits_for_a_replacement(sdk, room, s
     job_id = submit(sdk, room, world_size=2, epochs=4, wait=False)
     wait_until(lambda: sdk.get_job(job_id).get("latest_checkpoint"), 120, what="a checkpoint")
     b.kill(signal.SIGKILL)
-    job = wait_until(lambda: (j := sdk.get_job(job_id)).get("waiting_reason") and j["status"] == "resuming" and j,
-                     20, what="the job waiting to resume")
-    assert "lost" in job["waiting_reason"] and "2 free slot" in job["waiting_reason"]
+    # first it says the client was lost, then (the scheduler's next pass) what it waits for
+    job = wait_until(lambda: (j := sdk.get_job(job_id))["status"] == "resuming" and "2 free slot" in (
+        j.get("waiting_reason") or "") and j, 30, what="the job waiting to resume on 2 free slots")
+    assert any(e.get("reason") and "lost" in e["reason"] for e in job["timeline"] if e["status"] == "resuming")
     start_client("c")
     result = sdk.wait(job_id, progress=False, timeout=300)
     assert result["status"] == "completed" and result["world_size"] == 2

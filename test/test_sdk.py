@@ -330,17 +330,17 @@ def test_ctrl_c_cancels_the_job_it_started_or_detaches_on_request(cluster, tmp_p
     wait_until(lambda: sdk.get_job(job_id, room["token"])["status"] == "running", 120, what="the job running")
     out = _interrupt(proc, err)
     assert proc.returncode != 0
-    assert f"zwdx.wait('{job_id}')" in out and f"zwdx job cancel {job_id}" in out, out
+    assert f"zwdx.wait('{job_id}')" in out and f"zwdx jobs cancel {job_id}" in out, out
     assert room["token"] not in out
     assert sdk.get_job(job_id, room["token"])["status"] == "running"  # it goes on
     # what it said to type works, with the job id alone (the credential store has the token)
-    cli = [sys.executable, "-m", "zwdx.cli", "job"]
-    status = subprocess.run([*cli, "status", job_id, "--server", sdk.server_url], cwd=ROOT, capture_output=True,
-                            text=True, env={**os.environ, **ENV}, timeout=60)
+    cli = [sys.executable, "-m", "zwdx.cli", "jobs"]
+    status = subprocess.run([*cli, "show", job_id, "--json", "--server", sdk.server_url], cwd=ROOT,
+                            capture_output=True, text=True, env={**os.environ, **ENV}, timeout=60)
     assert json.loads(status.stdout)["status"] == "running", status.stderr
     cancel = subprocess.run([*cli, "cancel", job_id, "--server", sdk.server_url], cwd=ROOT, capture_output=True,
                             text=True, env={**os.environ, **ENV}, timeout=60)
-    assert cancel.stdout.strip() == "cancelled", cancel.stderr
+    assert cancel.stdout.strip() == f"job {job_id}: cancelled", cancel.stderr
 
 
 def test_the_progress_bar_says_why_a_job_waits_and_ctrl_c_cancels_it_there(cluster, tmp_path):

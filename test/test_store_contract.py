@@ -361,6 +361,20 @@ def test_artifact_metadata_is_added_listed_updated_and_deleted(store):
     assert store.get_artifact("nope") is None
 
 
+def test_a_rooms_artifact_is_found_by_kind_and_sha256(store):
+    """A script job's working dir is looked up by its bytes' sha256, in its own room only."""
+    first = {**artifact("w1", job_id=None, kind="workdir"), "sha256": "cd" * 32}
+    store.add_artifact(first)
+    store.add_artifact({**first, "id": "w2"})  # the same bytes, uploaded twice at once: the older is found
+    store.add_artifact({**first, "id": "w3", "room_id": "r2"})
+    store.add_artifact(artifact("b1", job_id=None, kind="bundle"))
+    assert store.find_artifact("r1", "workdir", "cd" * 32)["id"] == "w1"
+    assert store.find_artifact("r2", "workdir", "cd" * 32)["id"] == "w3"
+    assert store.find_artifact("r1", "bundle", "cd" * 32) is None
+    assert store.find_artifact("r1", "workdir", "ef" * 32) is None
+    assert store.find_artifact("r3", "workdir", "cd" * 32) is None
+
+
 # -- artifact bytes (files in the data dir, or GridFS) -----------------------------------------
 #: A repeating pattern, 1 MiB and one period long: any 1 MiB window of the stream is a slice of it.
 PATTERN = bytes(i % 251 for i in range(1024 * 1024 + 251))

@@ -2,8 +2,9 @@
 
 Layout: a magic line, the pickle's length, the pickle, then every tensor's bytes (64-byte
 aligned). Tensors leave the pickle as references into that data (pickle's persistent ids), so
-a 500 MB model is written with one copy and read back straight from a memory map, instead of
-torch pickling each storage into a zip of its own. The submitter's model is never changed:
+a 500 MB model is written with one copy and read back with one (into memory the GPU client
+checks against the job's sha256 before anything is unpickled, ``load``), instead of torch
+pickling each storage into a zip of its own. The submitter's model is never changed:
 tensors on a GPU are copied to host memory as they are written. After the pickle, inside the
 length given, comes a JSON object: the source text of the code sent by value, by file name.
 
@@ -17,7 +18,8 @@ each rank over the wrapped model's parameters; FSDP's
 ``fsdp_units`` (module classes or a function) travel pickled beside the model, whose classes
 they name.
 
-Only GPU clients unpickle a bundle; the server stores and forwards its bytes untouched.
+Only GPU clients unpickle a bundle, and only bytes whose sha256 is the job's (``load``); the
+server stores and forwards its bytes untouched.
 ``required_modules`` reads which installed packages a bundle refers to from its pickle's
 opcodes, running none of it, so that the scheduler can keep the job off GPU clients that
 lack one.
@@ -25,6 +27,7 @@ lack one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import io
 import json
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 FORMAT = 2
 MAGIC = b"ZWDX-BUNDLE-2\n"
 _ALIGN = 64
+_READ_BYTES = 8 << 20
 
 
 def _installed_roots() -> list[str]:
@@ -356,12 +360,28 @@ def register_sources(sources: dict[str, str]) -> None:
         linecache.cache[name] = (len(text), None, text.splitlines(True), name)
 
 
-def load(path: str) -> dict:
-    """``unpack`` a bundle file through a private memory map: a tensor's pages are read when the
-    rank first touches them (moving the model to its GPU), never copied in between."""
+def load(path: str, sha256: str) -> dict:
+    """``unpack`` the bundle file at ``path``, if its bytes are the bundle whose sha256 is
+    ``sha256`` (the job's, as the server stored it): read once into this process's own memory
+    and hashed there, so the bytes unpickled are the bytes checked, whatever happens to the file
+    meanwhile; ``ValueError`` otherwise, with nothing of it run. Tensors are views of that
+    memory (an anonymous map: pages are taken as they are read), never copied again."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
             raise ValueError(f"bundle file {path} is empty")
-        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
-    return unpack(mapped)
+        buffer = mmap.mmap(-1, size)
+        view, digest, got = memoryview(buffer), hashlib.sha256(), 0
+        while got < size:
+            n = fh.readinto(view[got:got + _READ_BYTES])
+            if not n:
+                break
+            digest.update(view[got:got + n])
+            got += n
+        grew = fh.read(1)
+    if got != size or grew or digest.hexdigest() != sha256:
+        view.release()
+        buffer.close()
+        raise ValueError(f"bundle file {path} is not the job's bundle (its sha256 is not {sha256}): "
+                         f"changed or cut short on disk since it was fetched; not loaded")
+    return unpack(view)

@@ -1,6 +1,7 @@
-"""The `zwdx` command: server, room create, room tokens, gpu-client, job status/logs/cancel.
+"""The `zwdx` command: server, room create|tokens|show|clients, gpu-client, run (a torchrun script), jobs
+(``jobs_cli.py``).
 
-Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx job``,
+Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx jobs``,
 ``zwdx room tokens``, the SDK, the dashboard) and a donor token (``zd_``: ``zwdx gpu-client``).
 """
 from __future__ import annotations
@@ -11,13 +12,16 @@ import logging
 import os
 import sys
 
-from . import defaults
+from . import defaults, jobs_cli
 from .errors import ZwdxError
+from .token_source import token_from
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = os.environ.get("ZWDX_SERVER_URL", f"http://localhost:{defaults.PORT}")
 ASYNC_MODES = ("gevent", "threading")
+#: ``zwdx gpu-client --isolation`` (``zwdx.protocol.Isolation``).
+ISOLATIONS = ("docker", "user", "process")
 
 
 def _patch_for_gevent() -> bool:
@@ -47,10 +51,29 @@ def _server(args) -> int:
                  "rate_limit_auth_failures", "artifact_retention", "sweep_interval"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
+    if args.metrics_token_file:
+        with open(args.metrics_token_file, encoding="utf-8") as f:
+            config["METRICS_TOKEN"] = f.read().strip()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("zwdx server: --tls-cert and --tls-key go together (the certificate chain and its private key)",
+              file=sys.stderr)
+        return 2
+    context = None
+    if args.tls_cert:
+        from .tls import server_context
+        try:
+            context = server_context(args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            print(f"zwdx server: cannot use the TLS certificate {args.tls_cert} and key {args.tls_key}: {exc}",
+                  file=sys.stderr)
+            return 2
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("server: serving plain HTTP on %s: tokens and bundles cross the network unencrypted; pass "
+                    "--tls-cert/--tls-key, or put a reverse proxy with TLS in front (docs/deploy-tls.md)", args.host)
     app = create_app(config)
-    print(f"zwdx server on http://{args.host}:{args.port} (data in {config['DATA_DIR']}, "
-          f"{socketio.async_mode})", flush=True)
-    serve(app, args.host, args.port)
+    print(f"zwdx server on {'https' if context else 'http'}://{args.host}:{args.port} (data in "
+          f"{config['DATA_DIR']}, {socketio.async_mode})", flush=True)
+    serve(app, args.host, args.port, context)
     return 0
 
 
@@ -59,7 +82,7 @@ def _room_create(args) -> int:
     if args.token_dir and all(os.path.exists(os.path.join(args.token_dir, f)) for f in TOKEN_FILES):
         print(f"a room was created already: its tokens are in {args.token_dir}")
         return 0
-    room = ZWDX(args.server, remember=not args.token_dir).create_room(args.name or "")
+    room = ZWDX(args.server, remember=not args.token_dir, ca_file=args.ca_file).create_room(args.name or "")
     if args.token_dir:
         _save_tokens(args.token_dir, room)
         print(f"room {room['name']} ({room['id']}) created; its tokens are in {args.token_dir} "
@@ -92,8 +115,7 @@ def _save_tokens(folder: str, room: dict) -> None:
 
 
 def _room_tokens(args) -> int:
-    from .sdk import ZWDX
-    tokens = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")).tokens
+    tokens = _sdk(args).tokens
     if args.tokens_action == "list":
         shown = tokens.list()
     elif args.tokens_action == "create":
@@ -116,56 +138,111 @@ def _room_tokens(args) -> int:
 
 def _gpu_client(args) -> int:
     from gpu_client.agent import serve
-    token = args.room_token or os.environ.get("ZWDX_ROOM_TOKEN")
+    token = token_from(args.room_token, args.room_token_file, "zwdx gpu-client")
     if not token:
-        print("zwdx gpu-client: --room-token (or ZWDX_ROOM_TOKEN), the room's donor token, is required",
+        print("zwdx gpu-client: the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN",
               file=sys.stderr)
         return 2
+    from gpu_client.isolation import IsolationError, parse_uids
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    from gpu_client import container
-    isolation, confinement = args.isolation, None
-    if isolation == "auto":
-        isolation, why = container.default_isolation(args.allow_image)
-        print(f"zwdx gpu-client: isolation {isolation}: {why}", file=sys.stderr)
-    if isolation == "docker":
-        confinement = container.Confinement(images=args.allow_image or [container.DEFAULT_IMAGE],
-                                            memory=args.container_memory, pids=args.container_pids,
-                                            shm=args.container_shm)
+    from gpu_client.container import DEFAULT_IMAGE, Confinement
     try:
-        return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
-                     advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
-                     work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
-                     isolation=isolation, confinement=confinement)
-    except container.ContainerError as err:
-        print(f"zwdx gpu-client: --isolation docker: {err}", file=sys.stderr)
+        if args.isolation not in (None, *ISOLATIONS):
+            raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
+        uids = parse_uids(args.rank_uids) if args.rank_uids else None
+        if args.isolation in ("user", "process") and (args.allow_image or args.container_memory):
+            raise IsolationError("--allow-image and --container-memory apply to --isolation docker (a container per "
+                                 "rank); pass it, or leave them out")
+    except IsolationError as err:
+        print(f"zwdx gpu-client: {err}", file=sys.stderr)
         return 2
+    return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
+                 advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
+                 work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
+                 isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
+                 confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
+                                         pids=args.container_pids, shm=args.container_shm))
 
 
-def _job(args) -> int:
+def _sdk(args):
+    """The SDK, with the token the command was given (if any)."""
     from .sdk import ZWDX
-    sdk = ZWDX(args.server, room_token=args.room_token or os.environ.get("ZWDX_ROOM_TOKEN"))
-    if args.action == "list":
-        for job in sdk.list_jobs():
-            print(f"{job['id']}  {job['status']:<10} world {job.get('world_size') or '-':<3} "
-                  f"{job['spec']['parallelism']:<5} loss {job.get('final_loss')}")
-    elif args.action == "status":
-        print(json.dumps(sdk.get_job(args.job_id), indent=2))
-    elif args.action == "logs":
-        for line in sdk.get_job_logs(args.job_id):
-            print(f"[rank {line['rank']}] {line['text']}")
-    elif args.action == "cancel":
-        print(sdk.cancel_job(args.job_id)["status"])
-    return 0
+    return ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, f"zwdx {args.command}"),
+                ca_file=args.ca_file)
 
 
-def _size(text: str) -> int:
-    """A size in bytes: 1073741824, 512m, 16g."""
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+def _run(fn, args) -> int:
+    """A ``jobs_cli`` command with the SDK the arguments describe."""
+    return fn(_sdk(args), args)
+
+
+def _server_arguments(parser) -> None:
+    parser.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    parser.add_argument("--ca-file", default=None, metavar="FILE",
+                        help="the CA certificate (PEM) that signed the server's, for a private CA (default: "
+                             "$ZWDX_CA_FILE, else the system's CAs)")
+
+
+def _token_arguments(parser, what: str) -> None:
+    parser.add_argument("--room-token-file", default=None, metavar="FILE",
+                        help=f"a file holding {what} (default: $ZWDX_ROOM_TOKEN, else the file $ZWDX_ROOM_TOKEN_FILE "
+                             f"names)")
+    parser.add_argument("--room-token", "-rt", default=None,
+                        help="the token itself: every user of the machine can read a command line, so this warns; "
+                             "prefer --room-token-file or $ZWDX_ROOM_TOKEN")
+
+
+#: Units ``--memory`` takes (``8GiB``, ``512MB``, ``2G``: powers of 1024 for the short ones, as torch prints).
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def byte_size(text: str) -> int:
+    """``8GiB`` -> 8589934592 (argparse's type for sizes)."""
+    import re
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (8GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _run_script(args) -> int:
+    """``zwdx run``: a torchrun script on the room's GPUs; the job's exit status is this one's."""
+    from .errors import JobFailed
+    from .sdk import ZWDX
+    env = {}
+    for pair in args.env:
+        name, eq, value = pair.partition("=")
+        if not eq:
+            raise ZwdxError(f"--env {pair!r}: expected NAME=VALUE")
+        env[name] = value
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    sdk = ZWDX(args.server, room_token=token_from(args.room_token, args.room_token_file, "zwdx run"),
+               ca_file=args.ca_file)
+    if sdk.room_token is None and sdk.credentials is not None:
+        known = sdk.credentials.tokens(sdk.server_url)
+        sdk.room_token = next(iter(known.values())) if len(known) == 1 else None
+    if sdk.room_token is None:
+        raise ZwdxError(f"zwdx run needs a submitter token of the room (zs_...): --room-token-file FILE or "
+                        f"ZWDX_ROOM_TOKEN (none, or more than one, is remembered for {sdk.server_url})")
     try:
-        number, unit = (text[:-1], text[-1].lower()) if text[-1:].lower() in units else (text, "")
-        return int(float(number) * units.get(unit, 1))
-    except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"expected a size like 512m or 16g, got {text!r}") from None
+        result = sdk.submit_script(args.script, script_args, nproc=args.nproc, working_dir=args.working_dir,
+                                   gpus_per_client=args.gpus_per_client, memory_required=args.memory, name=args.name,
+                                   env=env, max_restarts=args.max_restarts, max_workdir_bytes=args.max_workdir_bytes,
+                                   wait=not args.detach)
+    except JobFailed as err:
+        result = err.result
+        for rank in result["failure_order"]:
+            print(f"zwdx: rank {rank} failed:\n{result['failures'][rank]}", file=sys.stderr)
+        print(f"zwdx: job {result['job_id']} failed: {result['reason']}", file=sys.stderr)
+    if args.detach:
+        print(result)
+        return 0
+    if args.outputs:
+        dest = sdk.download_outputs(result["job_id"], os.path.join(args.outputs, result["job_id"]))
+        if dest:
+            print(f"zwdx: job {result['job_id']}: outputs in {dest}", file=sys.stderr)
+    return 0 if result["complete"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ui-dir", default=os.environ.get("ZWDX_UI_DIR"),
                    help="serve the dashboard from this build folder (default: $ZWDX_UI_DIR, else the one "
                         "installed with zwdx)")
+    p.add_argument("--tls-cert", default=os.environ.get("ZWDX_TLS_CERT"), metavar="FILE",
+                   help="serve HTTPS and WSS with this certificate chain (PEM; default: $ZWDX_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("ZWDX_TLS_KEY"), metavar="FILE",
+                   help="the private key of --tls-cert (PEM; default: $ZWDX_TLS_KEY)")
     limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
     limits.add_argument("--max-request-bytes", type=int, default=None,
                         help=f"largest request body but an artifact's (default {defaults.MAX_REQUEST_BYTES})")
@@ -204,12 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
     limits.add_argument("--sweep-interval", type=float, default=None,
                         help=f"seconds between sweeps of unreferenced artifacts, 0: never (default {defaults.SWEEP_INTERVAL:g})")
+    p.add_argument("--metrics-token-file", default=None,
+                   help="GET /metrics then answers 'Authorization: Bearer <the file's token>' from anywhere "
+                        "(also $ZWDX_METRICS_TOKEN); without one it answers this machine only")
     p.set_defaults(func=_server)
 
     p = sub.add_parser("room", help="rooms")
     rsub = p.add_subparsers(dest="action", required=True)
     c = rsub.add_parser("create", help="create a room and print its submitter and donor tokens (shown once)")
-    c.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
+    _server_arguments(c)
     c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
     c.add_argument("--token-dir", default=None,
@@ -228,16 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "create":
             a.add_argument("--role", choices=["submitter", "donor"], required=True)
             a.add_argument("--name", default="", help="what the token is for (\"lab-3 GPUs\")")
-        a.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-        a.add_argument("--room-token", "-rt", default=None,
-                       help="a submitter token of the room (default: $ZWDX_ROOM_TOKEN)")
+        _server_arguments(a)
+        _token_arguments(a, "a submitter token of the room")
         a.add_argument("--json", action="store_true", help="print JSON")
         a.set_defaults(func=_room_tokens)
+    jobs_cli.add_room_parsers(rsub, _server_arguments, _token_arguments, _run)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None,
-                   help="the room's donor token, zd_... (default: $ZWDX_ROOM_TOKEN)")
+    _server_arguments(p)
+    _token_arguments(p, "the room's donor token, zd_...")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
     p.add_argument("--advertise-addr", default=None,
@@ -248,29 +331,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
-    box = p.add_argument_group("isolation", "where the room's code runs (docs/docker.md)")
-    box.add_argument("--isolation", choices=["auto", "process", "docker"], default="auto",
-                     help="docker: each rank in a fresh locked-down container; process: a process of this user; "
-                          "auto (default): docker when an engine answers, its image is here and this client does "
-                          "not run in a container itself")
-    box.add_argument("--allow-image", action="append", default=None, metavar="IMAGE",
-                     help="an image ranks may run in (repeat for more); the first is the default "
-                          "(default: zwdx-gpu-client)")
-    box.add_argument("--container-memory", type=_size, default=None, metavar="SIZE",
-                     help="memory of a rank container, e.g. 16g (default: the RAM shared out over the slots)")
-    box.add_argument("--container-pids", type=int, default=4096, help="processes and threads of a rank container")
-    box.add_argument("--container-shm", type=_size, default=2 * 1024**3, metavar="SIZE",
-                     help="/dev/shm of a rank container (default 2g)")
+    iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")
+    iso.add_argument("--isolation", choices=ISOLATIONS, default=os.environ.get("ZWDX_ISOLATION") or None,
+                     help="docker: each rank in a fresh locked-down container (docs/docker.md); user: each job's ranks "
+                          "run as an unprivileged user of their own (needs root); process: as this client's user "
+                          "(default: $ZWDX_ISOLATION, else docker where an engine answers, the image is here and this "
+                          "client does not run in a container itself, else user as root and process otherwise)")
+    iso.add_argument("--rank-uids", default=os.environ.get("ZWDX_RANK_UIDS"), metavar="START-END",
+                     help="uids (and gids) per-job users are taken from; uids with a passwd or group entry are "
+                          "skipped (default: $ZWDX_RANK_UIDS, else 2000000000-2000065535)")
+    iso.add_argument("--rank-dir", default=os.environ.get("ZWDX_RANK_DIR"),
+                     help="where each job gets its private directory (default: $ZWDX_RANK_DIR, else "
+                          "/var/lib/zwdx/ranks with --isolation user, WORK_DIR/ranks otherwise)")
+    iso.add_argument("--allow-image", action="append", default=None, metavar="IMAGE",
+                     help="--isolation docker: an image ranks may run in (repeat for more); the first is the one "
+                          "they run in (default: zwdx-gpu-client)")
+    iso.add_argument("--container-memory", type=byte_size, default=None, metavar="SIZE",
+                     help="--isolation docker: memory of a rank container, e.g. 16g (default: RAM shared out over "
+                          "the slots)")
+    iso.add_argument("--container-pids", type=int, default=4096, help="--isolation docker: processes and threads of "
+                                                                       "a rank container")
+    iso.add_argument("--container-shm", type=byte_size, default=2 * 1024**3, metavar="SIZE",
+                     help="--isolation docker: /dev/shm of a rank container (default 2g)")
     p.set_defaults(func=_gpu_client)
 
-    p = sub.add_parser("job", help="look at and control jobs")
-    p.add_argument("action", choices=["list", "status", "logs", "cancel"])
-    p.add_argument("job_id", nargs="?")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server URL (default: $ZWDX_SERVER_URL or %(default)s)")
-    p.add_argument("--room-token", "-rt", default=None,
-                   help="a submitter token of the job's room, zs_... (default: $ZWDX_ROOM_TOKEN, else the one "
-                        "remembered for the job)")
-    p.set_defaults(func=_job)
+    p = sub.add_parser("run", help="run a torchrun script unchanged on the room's GPUs",
+                       usage="zwdx run [options] --nproc N script.py [-- script arguments]",
+                       description="Packs the working dir (what git would commit, or what its .gitignore files "
+                                   "leave), uploads it unless the room has it, runs `python script.py ARGS` on N "
+                                   "ranks with torchrun's environment, prints their lines as they come, downloads "
+                                   "what rank 0 wrote under $ZWDX_OUTPUT_DIR, and exits with 0 if the job completed.")
+    _server_arguments(p)
+    _token_arguments(p, "a submitter token of the room, zs_... (else the one token remembered for the server)")
+    p.add_argument("--nproc", type=int, required=True, help="ranks in all (torchrun's nnodes x nproc-per-node)")
+    p.add_argument("--gpus-per-client", type=int, default=None,
+                   help="ranks on each GPU client (torchrun's --nproc-per-node; default: as slots come)")
+    p.add_argument("--memory", type=byte_size, default=0, help="free memory every rank's GPU needs (8GiB, 512MB)")
+    p.add_argument("--name", default="", help="the job's name (default: the script's file name)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the script (repeat it)")
+    p.add_argument("--working-dir", default=".", help="the folder to pack and run in (default: here)")
+    p.add_argument("--max-workdir-bytes", type=byte_size, default=None,
+                   help="largest working dir (default: $ZWDX_MAX_WORKDIR_BYTES, else 256MiB)")
+    p.add_argument("--max-restarts", type=int, default=defaults.MAX_RESTARTS,
+                   help="restarts after a lost GPU client (default %(default)s)")
+    p.add_argument("--outputs", default="zwdx-output", metavar="DIR",
+                   help="where the outputs go, in DIR/<job id> (default %(default)s; '' for nowhere)")
+    p.add_argument("--detach", action="store_true", help="print the job id and return at once")
+    p.add_argument("script", help="the script, in the working dir")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments (after --)")
+    p.set_defaults(func=_run_script)
+
+    jobs_cli.add_jobs_parser(sub, _server_arguments, _token_arguments, _run)
     return parser
 
 

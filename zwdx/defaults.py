@@ -14,7 +14,7 @@ ROOM_MAX_JOBS = 100
 ROOM_MAX_ARTIFACT_BYTES = 100 * 1024**3
 #: Rooms one address may create (a rate, as Flask-Limiter writes it).
 RATE_LIMIT_ROOMS = "20 per minute; 200 per day"
-#: Requests with a wrong room token or job key one address may make before it is refused (429)
+#: Requests with a wrong room token or rank key one address may make before it is refused (429)
 #: for the rest of the window.
 RATE_LIMIT_AUTH_FAILURES = "60 per minute"
 #: Seconds between two sweeps of unreferenced artifacts (0: never).

@@ -4,7 +4,7 @@
     ├── ServerUnreachable          the SDK could not reach the server at all
     ├── BadRequest                 input that names a wrong or missing field (400)
     ├── PayloadTooLarge            an artifact over the configured size limit (413)
-    ├── AuthError                  missing or wrong room token / job key (401)
+    ├── AuthError                  missing or wrong room token / rank key (401)
     ├── Forbidden                  the caller may not touch this object (403)
     ├── NotFound                   unknown room, job or artifact (404)
     ├── Conflict                   a state change that is no longer possible (409)

@@ -26,7 +26,7 @@ import time
 
 import requests
 
-from . import defaults
+from . import defaults, tls, trackers as _trackers
 from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -97,17 +97,26 @@ class ZWDX:
     ``ZWDX_REMEMBER=0``: not).
 
     A context manager: ``with ZWDX(url) as zwdx: ...`` closes its HTTP connections at the end
-    (as ``close()`` does)."""
+    (as ``close()`` does).
+
+    Over ``https://`` the server's certificate is verified against the system's CAs, or the
+    CA file ``ca_file=`` (else ``$ZWDX_CA_FILE``) names, for a private CA; plain ``http://`` to
+    another machine warns once."""
 
     def __init__(self, server_url: str = f"http://localhost:{defaults.PORT}", room_token: str | None = None,
-                 timeout: float = 30.0, remember: bool | None = None):
+                 timeout: float = 30.0, remember: bool | None = None, ca_file: str | None = None):
         self.server_url = server_url.rstrip("/")
         self.room_token = room_token
         self.timeout = timeout
-        self._session = requests.Session()
+        self.verify = tls.verify(ca_file)
+        tls.warn_if_plain(self.server_url, "zwdx")
+        self._session = self._new_session()
         self._job_tokens: dict[str, str] = {}
         remember = remember_by_default() if remember is None else remember
         self.credentials = CredentialStore() if remember else None
+
+    def _new_session(self) -> requests.Session:
+        return tls.session(self.verify)
 
     def close(self) -> None:
         """Close the connections to the server this object holds open. It can still be used:
@@ -124,13 +133,22 @@ class ZWDX:
     def parse_args(self, args: list[str] | None = None) -> argparse.Namespace:
         """The earlier project's command line: ``-rt/--room_token`` (required unless
         ``ZWDX_ROOM_TOKEN`` is set), a submitter token of the room. It becomes this object's
-        default room token."""
-        env_token = os.environ.get("ZWDX_ROOM_TOKEN")
+        default room token. ``--room-token-file F`` reads it from a file instead; a token on the
+        command line warns, as every user of the machine can read it there."""
+        from .token_source import FILE_VARIABLE, TOKEN_VARIABLE, token_from
+        given = bool(os.environ.get(TOKEN_VARIABLE) or os.environ.get(FILE_VARIABLE))
         parser = argparse.ArgumentParser(description="zwdx user argument parser.")
-        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str,
-                            required=not env_token, default=env_token,
-                            help="a submitter token (zs_...) of the room to submit to (default: $ZWDX_ROOM_TOKEN)")
+        parser.add_argument("-rt", "--room_token", "--room-token", dest="room_token", type=str, default=None,
+                            help="a submitter token (zs_...) of the room to submit to; every user of the machine "
+                                 "can read a command line, so prefer --room-token-file or $ZWDX_ROOM_TOKEN")
+        parser.add_argument("--room-token-file", default=None, help="a file holding the submitter token")
         parsed = parser.parse_args(args)
+        if not (parsed.room_token or parsed.room_token_file or given):
+            parser.error("a room token is required: -rt/--room_token TOKEN, --room-token-file FILE or $ZWDX_ROOM_TOKEN")
+        try:
+            parsed.room_token = token_from(parsed.room_token, parsed.room_token_file, parser.prog)
+        except BadRequest as err:
+            parser.error(err.message)
         self.room_token = parsed.room_token or self.room_token
         return parsed
 
@@ -177,8 +195,9 @@ class ZWDX:
             resp = (session or self._session).request(method, url, headers=headers,
                                                       timeout=kwargs.pop("timeout", self.timeout), **kwargs)
         except requests.ConnectionError as exc:
-            raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {exc}",
-                                    server_url=self.server_url) from None
+            why = tls.untrusted(exc)
+            raise ServerUnreachable(f"cannot reach the zwdx server at {self.server_url}: {why or exc}",
+                                    server_url=self.server_url, **({"tls": True} if why else {})) from None
         except requests.Timeout:
             raise ServerUnreachable(f"the zwdx server at {self.server_url} did not answer in time",
                                     server_url=self.server_url) from None
@@ -226,7 +245,7 @@ class ZWDX:
                    timeout: float | None = None, min_world_size: int | None = None,
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
-                   cancel_on_interrupt: bool = True, fsdp_units=None):
+                   cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -247,14 +266,29 @@ class ZWDX:
         ``checkpoint_every_epoch=False``; the last ``keep_checkpoints`` are kept.
 
         ``fsdp_units`` (FSDP only): the modules to shard as units, as a list of classes or a
-        function ``fn(module) -> bool``; by default each block of a repeated ModuleList/Sequential."""
+        function ``fn(module) -> bool``; by default each block of a repeated ModuleList/Sequential.
+
+        ``parallelism="DILOCO"`` trains across the internet: each GPU client a worker on its own,
+        an outer step through the server every ``inner_steps``. ``diloco`` sets it: ``{"inner_steps":
+        500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "compression": "int8"}``
+        (those are the defaults; ``"fp16"`` and ``"none"`` compress less).
+
+        ``trackers``: also send the job's metrics, live while this call follows the job, to
+        ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
+        your API key stays here, nothing of it goes to a donor) or ``zwdx.trackers.Tracker``
+        objects; ``export_metrics`` sends a finished job's."""
         token = self._token(room_token)
-        if str(parallelism).upper() not in ("DDP", "FSDP"):
-            raise BadRequest(f"parallelism must be 'DDP' or 'FSDP', got {parallelism!r}", field="parallelism")
+        _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
+        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO"):
+            raise BadRequest(f"parallelism must be 'DDP', 'FSDP' or 'DILOCO', got {parallelism!r}",
+                             field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
         if fsdp_units is not None and str(parallelism).upper() != "FSDP":
             raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
+        if diloco is not None:  # checked as the server will, before anything is uploaded
+            parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
+                              "parallelism": str(parallelism).upper(), "diloco": diloco})
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()
         artifact = self._json("POST", "/artifacts", token, data=blob,
@@ -266,7 +300,7 @@ class ZWDX:
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob)})
+            "required_modules": required_modules(blob), "diloco": diloco})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
@@ -277,23 +311,44 @@ class ZWDX:
                      f"waits for GPU clients that fit (submit_job(..., fail_if_unschedulable=True) refuses it)")
             if not wait:
                 return job["id"]
-            return self._result(self._follow(job["id"], token, progress, timeout), raise_on_failure)
+            return self._result(self._follow(job["id"], token, progress, timeout, trackers), raise_on_failure)
         except KeyboardInterrupt:
             if wait:
                 self._interrupted(job["id"], token, cancel_on_interrupt)
             raise
 
+    # -- script jobs (zwdx.script_jobs) -------------------------------------------------------
+    def submit_script(self, script: str, args=(), *, nproc: int, working_dir: str = ".", **options):
+        """Run an existing torchrun script unchanged on ``nproc`` ranks of the room (what ``zwdx
+        run`` does; ``zwdx.script_jobs``): the working dir is packed and uploaded unless the room
+        has it; each rank runs ``python script args...`` in it with torchrun's environment.
+        Blocks, printing the ranks' lines as they come, and returns the result as ``submit_job``
+        does, with ``"workdir"`` (``sha256``, ``size``, ``uploaded``); ``wait=False``: the job id.
+        Options: ``gpus_per_client``, ``memory_required``, ``name``, ``env``, ``room_token``,
+        ``wait``, ``progress``, ``raise_on_failure``, ``timeout``, ``max_restarts``,
+        ``fail_if_unschedulable``, ``cancel_on_interrupt``, ``max_workdir_bytes``."""
+        from .script_jobs import ScriptJobs
+        return ScriptJobs(self).submit(script, args, nproc=nproc, working_dir=working_dir, **options)
+
+    def download_outputs(self, job_id: str, dest: str | None = None, room_token: str | None = None) -> str | None:
+        """A script job's outputs (what its rank 0 wrote under ``$ZWDX_OUTPUT_DIR``) unpacked into
+        ``dest`` (default ``zwdx-output/<job id>``): that folder, or None when it has none."""
+        from .script_jobs import ScriptJobs
+        return ScriptJobs(self).download_outputs(job_id, dest, room_token)
+
     def wait(self, job_id: str, room_token: str | None = None, progress: bool = True,
-             raise_on_failure: bool = True, timeout: float | None = None, cancel_on_interrupt: bool = True) -> dict:
+             raise_on_failure: bool = True, timeout: float | None = None, cancel_on_interrupt: bool = True,
+             trackers=None) -> dict:
         """Block until the job ends, with a progress bar of its latest metrics, log lines and,
         while it waits for slots, why. Ctrl-C cancels the job (``cancel_on_interrupt=False``:
         leaves it running) and raises ``KeyboardInterrupt``; a second Ctrl-C stops at once.
 
         The result: ``{"job_id", "status", "complete", "results", "final_loss", "world_size",
-        "placement", "failures", "reason", "job"}``; ``status`` is a ``ResultStatus``."""
+        "placement", "failures", "reason", "job"}``; ``status`` is a ``ResultStatus``. ``trackers``
+        as in ``submit_job`` (from the job's first metric, whenever this is called)."""
         token = self._token(room_token, job_id)
         try:
-            job = self._follow(job_id, token, progress, timeout)
+            job = self._follow(job_id, token, progress, timeout, trackers)
         except KeyboardInterrupt:
             self._interrupted(job_id, token, cancel_on_interrupt)
             raise
@@ -314,10 +369,15 @@ class ZWDX:
                             failure_order=job.get("failure_order"))
         return result
 
-    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None) -> dict:
-        """Poll the job until it ends; show its progress. Returns its last document."""
-        bar = None
-        if progress:
+    def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None, trackers=None,
+                on_log=None) -> dict:
+        """Poll the job until it ends; show its progress (``on_log``: each log event to it, and
+        changes of status as lines, instead of a progress bar; ``trackers``: its metrics to them).
+        Returns its last document."""
+        bar, feed, said = None, None, None
+        if trackers:
+            feed = _trackers.Feed(_trackers.make(trackers), self._json("GET", f"/jobs/{job_id}", token))
+        if progress and on_log is None:
             from tqdm.auto import tqdm
             bar = tqdm(desc=f"job {job_id}", unit="step", dynamic_ncols=True)
         after, latest, deadline = 0, {}, (time.time() + timeout) if timeout else None
@@ -341,12 +401,19 @@ class ZWDX:
                     after = ev["seq"]
                     if ev["kind"] == "metric":
                         latest.update(from_wire(ev["data"]))
+                        if feed is not None:
+                            feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
                         if bar is not None and ev.get("step") is not None:
                             bar.n = max(bar.n, ev["step"] + 1)
+                    elif ev["kind"] == "log" and on_log is not None:
+                        on_log(ev)
                     elif ev["kind"] == "log" and bar is not None:
                         bar.write(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}")
+                waiting = JobStatus(job["status"]) in WAITING and job.get("waiting_reason")
+                if on_log is not None and (job["status"], waiting) != said:
+                    said = (job["status"], waiting)
+                    _say(f"zwdx: job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                 if bar is not None:
-                    waiting = JobStatus(job["status"]) in WAITING and job.get("waiting_reason")
                     bar.set_description(f"job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                     bar.set_postfix({k: f"{v:.4g}" for k, v in list(latest.items())[:6]}, refresh=True)
                 if JobStatus(job["status"]).finished:
@@ -357,27 +424,29 @@ class ZWDX:
         finally:
             if bar is not None:
                 bar.close()
+            if feed is not None:
+                feed.close()
 
     def _interrupted(self, job_id: str, token: str, cancel: bool) -> None:
         """Ctrl-C while waiting: cancel the job, or leave it running and say how to get back to it."""
         server = f" --server {self.server_url}"
         if not cancel:
             _say(f"zwdx: stopped waiting; job {job_id} goes on running. Re-attach with zwdx.wait({job_id!r}) or "
-                 f"`zwdx job status {job_id}{server}`; cancel it with `zwdx job cancel {job_id}{server}`")
+                 f"`zwdx jobs show {job_id}{server}`; cancel it with `zwdx jobs cancel {job_id}{server}`")
             return
         _say(f"zwdx: Ctrl-C: cancelling job {job_id} (Ctrl-C again to stop at once)")
         try:
             # A fresh session: the interrupted request may have left its connection half read.
-            with requests.Session() as session:
+            with self._new_session() as session:
                 self._json("POST", f"/jobs/{job_id}/cancel", token, session=session, timeout=15)
             _say(f"zwdx: job {job_id} cancelled")
         except KeyboardInterrupt:
-            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx job cancel {job_id}{server}`")
+            _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx jobs cancel {job_id}{server}`")
             raise
         except Conflict as exc:
             _say(f"zwdx: job {job_id} had already ended ({exc.context.get('status', 'finished')})")
         except ZwdxError as exc:
-            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx job cancel {job_id}{server}`")
+            _say(f"zwdx: could not cancel job {job_id} ({exc}); cancel it with `zwdx jobs cancel {job_id}{server}`")
 
     def get_job(self, job_id: str, room_token: str | None = None) -> dict:
         return _numbers(self._json("GET", f"/jobs/{job_id}", self._token(room_token, job_id)))
@@ -395,6 +464,24 @@ class ZWDX:
                             params={"kind": "log"})["events"]
         return [{"rank": e.get("rank"), "text": e["data"].get("text", ""), "ts": e.get("ts")} for e in events]
 
+    def export_metrics(self, job_id: str, trackers, room_token: str | None = None) -> int:
+        """Send every metric the job reported so far to ``trackers`` (as in ``submit_job``), in
+        the order the server stored them. Returns how many events were sent."""
+        token = self._token(room_token, job_id)
+        feed = _trackers.Feed(_trackers.make(trackers), self._json("GET", f"/jobs/{job_id}", token))
+        after, sent = 0, 0
+        try:
+            while True:
+                events = self._json("GET", f"/jobs/{job_id}/events", token,
+                                    params={"kind": "metric", "after": after})["events"]
+                if not events:
+                    return sent
+                for ev in events:
+                    feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
+                    after, sent = ev["seq"], sent + 1
+        finally:
+            feed.close()
+
     def get_job_metrics(self, job_id: str, room_token: str | None = None) -> dict[str, list[dict]]:
         """Every metric series of the job: name -> ``[{"step", "value", "rank", "ts"}, ...]``;
         "throughput" (samples/s) and, on GPUs, "gpu_utilization" come from the platform. A value
@@ -406,21 +493,35 @@ class ZWDX:
         """Load the job's trained weights into ``model`` and return it. The weights arrive as
         safetensors: nothing the GPU clients sent is unpickled."""
         from safetensors.torch import load_file
-        token = self._token(room_token, job_id)
-        resp = self._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/weights", token, stream=True,
-                             timeout=max(self.timeout, 600))
         fd, path = tempfile.mkstemp(suffix=".safetensors")
+        os.close(fd)
         try:
-            digest = hashlib.sha256()
-            with os.fdopen(fd, "wb") as fh:
-                for block in resp.iter_content(defaults.CHUNK_BYTES):
-                    digest.update(block)
-                    fh.write(block)
-            expected = resp.headers.get(defaults.SHA256_HEADER)
-            if expected and digest.hexdigest() != expected:
-                raise ZwdxError(f"weights of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            self.download_weights(job_id, path, room_token)
             state = load_file(path)
         finally:
             os.unlink(path)
         model.load_state_dict(state)
         return model
+
+    def download_weights(self, job_id: str, path: str, room_token: str | None = None) -> dict:
+        """Write the job's trained weights (a safetensors file) to ``path``, checked against the
+        sha256 the server has for them. Returns ``{"path", "bytes", "sha256"}``."""
+        token = self._token(room_token, job_id)
+        resp = self._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/weights", token, stream=True,
+                             timeout=max(self.timeout, 600))
+        digest, size = hashlib.sha256(), 0
+        partial = f"{path}.part"
+        try:
+            with open(partial, "wb") as fh:
+                for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    digest.update(block)
+                    size += len(block)
+                    fh.write(block)
+            expected = resp.headers.get(defaults.SHA256_HEADER)
+            if expected and digest.hexdigest() != expected:
+                raise ZwdxError(f"weights of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return {"path": path, "bytes": size, "sha256": digest.hexdigest()}

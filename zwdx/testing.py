@@ -7,7 +7,7 @@ stopped by pid (never by name). The test suite (test/procs.py) and the benchmark
     wait_until(predicate, timeout, what=...)
     Child(args, log_path, env)              any command: own session, output in a log file
     ServerProc(data_dir, ...)               ``python -m zwdx.cli server``, waited for until healthy
-    GpuClientProc(server_url, token, ...)   ``python -m zwdx.cli gpu-client``
+    GpuClientProc(server_url, token, ...)   ``python -m zwdx.cli gpu-client`` (the token in its environment)
     MongoProc(log_dir)                      nx-27017, in memory
 
 A child starts in its own session (so its process group is everything it started that did not
@@ -221,16 +221,19 @@ class ServerProc(Child):
 
 class GpuClientProc(Child):
     """``python -m zwdx.cli gpu-client`` in the room of ``token``: one CPU slot (``gpu=None``)
-    or the GPUs listed (``gpu=0``, ``gpu="0,1"``); ``extra`` adds arguments."""
+    or the GPUs listed (``gpu=0``, ``gpu="0,1"``); ``extra`` adds arguments. The token travels in
+    its environment (``ZWDX_ROOM_TOKEN``), never on its command line, which every user of the
+    machine can read (None: the caller gives it otherwise, ``--room-token-file`` in ``extra``)."""
 
-    def __init__(self, server_url: str, token: str, work_dir: str, client_id: str, gpu: int | str | None = None,
+    def __init__(self, server_url: str, token: str | None, work_dir: str, client_id: str, gpu: int | str | None = None,
                  threads: int = 1, extra: list[str] | None = None, env: dict | None = None):
         os.makedirs(work_dir, exist_ok=True)
         self.client_id = client_id
         slots = ["--gpus", str(gpu)] if gpu is not None else ["--cpu"]
         super().__init__([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", server_url,
-                          "--room-token", token, *slots, "--threads", str(threads), "--client-id", client_id,
-                          "--work-dir", work_dir, *(extra or [])], os.path.join(work_dir, "gpu-client.log"), env)
+                          *slots, "--threads", str(threads), "--client-id", client_id,
+                          "--work-dir", work_dir, *(extra or [])], os.path.join(work_dir, "gpu-client.log"),
+                         {**({"ZWDX_ROOM_TOKEN": token} if token is not None else {}), **(env or {})})
 
 
 class MongoProc(Child):

@@ -4,9 +4,11 @@ either store, with every kind of credential the server hands out.
     room A   submitter token, donor token, a legacy (zr_) token; GPU clients a1 and a2 (two CPU
              slots each, registered over Socket.IO, their client secrets known); jobs:
                live    world size 2, attempt 1 (rank 0 on a1, rank 1 on a2); the rank keys of
-                       attempt 1 and rank 0's key of attempt 0 (an old attempt) are known
+                       attempt 1 and rank 0's key of attempt 0 (an old attempt) are known; a
+                       DILOCO job (its ranks have rounds too)
                ended   cancelled (its rank 0's key known)
                done    completed by rank 0 with uploaded weights
+    room A   also a revoked submitter token
     room B   submitter token, donor token; GPU client b1
 
 Jobs are placed as the scheduler places them (``zwdx.server.job.Job.start``, which stores only
@@ -14,10 +16,16 @@ the hashes of the keys) under keys the test made, and move by the server's own `
 and REST routes. ``snapshot(world)`` is everything stored (every table or collection, and the
 artifact bytes), to check that a refused request changed nothing.
 
-    from security_world import *   # fixtures: world (and backend, mongo_uri, ... for it)
+    from security_world import *   # fixtures: world, shared_world (and backend, mongo_uri, ...)
+
+``world`` is a fresh World per test (over the ``backend`` fixture); ``shared_world`` one per
+backend for a module whose tests only add to it (new rooms, jobs, tokens, artifacts, events)
+and never end its live job or change its clients: building a World takes a second or two,
+which the authorization matrix would otherwise pay 60 times.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -28,9 +36,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
+from store_backends import BACKENDS, Backend, with_database
 from zwdx import defaults
 
-__all__ = ["World", "world", "snapshot", "HELLO", "backend", "mongo_server", "mongo_uri"]
+__all__ = ["World", "world", "shared_world", "snapshot", "HELLO", "backend", "mongo_server", "mongo_uri"]
 
 #: A GPU client's register, less its id and secret.
 HELLO = {"hostname": "h", "versions": {"python": platform.python_version()},
@@ -49,6 +58,8 @@ class World:
     jobs: dict = field(default_factory=dict)        # "live", "ended", "done" -> job id
     keys: dict = field(default_factory=dict)        # "rank0", "rank1", "old_attempt", "ended" -> a rank key
     bundle: str = ""                                # the live job's bundle (room A)
+    weights: str = ""                               # the done job's weights (room A)
+    _mongo: object = None                           # the snapshot's MongoDB client, kept
 
     @property
     def store(self):
@@ -101,26 +112,25 @@ def _room(client, name: str) -> dict:
     return resp.json
 
 
-@pytest.fixture
-def world(backend, make_app, tmp_path) -> World:
+def build(app, backend: Backend) -> World:
+    """The world (see the module's docstring) on a fresh app over ``backend``."""
     from zwdx.server.auth import hash_secret
     from zwdx.server.job import Job
-    if backend.name == "sqlite":
-        app = make_app(DATA_DIR=backend.where)
-    else:
-        app = make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
     w = World(app=app, backend=backend, client=app.test_client())
     w.rooms = {"A": _room(w.client, "A"), "B": _room(w.client, "B")}
     legacy = f"zr_{uuid.uuid4().hex}{uuid.uuid4().hex}"
     w.store.add_credential({"id": "a-legacy", "room_id": w.rooms["A"]["id"], "role": "submitter", "name": "old",
                             "hash": hash_secret(legacy), "created_at": 1.0, "rotated_at": None, "revoked_at": None,
                             "legacy": True})
+    revoked = w.request("POST", "/room/tokens", w.as_submitter(), json={"role": "submitter", "name": "gone"}).json
+    assert w.request("DELETE", f"/room/tokens/{revoked['id']}", w.as_submitter()).status_code == 200
     w.tokens = {"submitter": w.rooms["A"]["submitter_token"], "donor": w.rooms["A"]["donor_token"], "legacy": legacy,
-                "other_submitter": w.rooms["B"]["submitter_token"], "other_donor": w.rooms["B"]["donor_token"]}
+                "revoked": revoked["token"], "other_submitter": w.rooms["B"]["submitter_token"],
+                "other_donor": w.rooms["B"]["donor_token"]}
     for client_id, room in (("a1", "A"), ("a2", "A"), ("b1", "B")):
         w.register(client_id, w.rooms[room]["donor_token"])
 
-    live = w.submit(world_size=2)
+    live = w.submit(world_size=2, parallelism="DILOCO")
     w.jobs["live"], w.bundle = live["id"], live["spec"]["bundle_artifact"]
     w.keys["old_attempt"], old_rank1 = f"rk_old0_{uuid.uuid4().hex}", f"rk_old1_{uuid.uuid4().hex}"
     w.place(live["id"], {0: "a1:0", 1: "a2:0"}, {0: w.keys["old_attempt"], 1: old_rank1})
@@ -141,34 +151,93 @@ def world(backend, make_app, tmp_path) -> World:
     w.place(done["id"], {0: "a1:1"}, {0: done_key})
     rank = {defaults.RANK_KEY_HEADER: done_key}
     weights = w.request("PUT", f"/jobs/{done['id']}/weights", rank, data=b"trained weights").json
+    w.weights = weights["id"]
     resp = w.request("POST", f"/jobs/{done['id']}/ranks/0", rank, json={"status": "completed", "final_loss": 0.25,
                                                                        "weights_artifact": weights["id"]})
     assert resp.json == {"ok": True}, resp.text
     assert w.store.get_job(done["id"]).status == "completed"
-    yield w
+    return w
+
+
+def _leave(w: World) -> None:
     for sock in w.sockets.values():
         if sock.is_connected("/gpu"):
             sock.disconnect(namespace="/gpu")
+    if w._mongo is not None:
+        w._mongo.close()
+
+
+@pytest.fixture
+def world(backend, make_app, tmp_path) -> World:
+    if backend.name == "sqlite":
+        app = make_app(DATA_DIR=backend.where)
+    else:
+        app = make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
+    w = build(app, backend)
+    yield w
+    _leave(w)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def shared_world(request, tmp_path_factory) -> World:
+    from zwdx.server import create_app
+    base = tmp_path_factory.mktemp("world")
+    if request.param == "sqlite":
+        backend = Backend("sqlite", str(base / "data"))
+        config = {"DATA_DIR": backend.where}
+    else:
+        name = f"zwdx_test_{uuid.uuid4().hex[:12]}"
+        backend = Backend("mongo", with_database(request.getfixturevalue("mongo_server").uri, name))
+        config = {"DATA_DIR": str(base / "mongo-app"), "MONGO_URI": backend.where}
+    # Its tests ask with hundreds of wrong credentials from one address: not rate-limited here.
+    app = create_app({"MONGO_URI": None, "SCHEDULER": False, "TESTING": True,
+                      "RATE_LIMIT_AUTH_FAILURES": "100000 per minute", **config})
+    try:
+        w = build(app, backend)
+        yield w
+        _leave(w)
+    finally:
+        app.extensions["zwdx"].close()
+        if request.param == "mongo":
+            from pymongo import MongoClient
+            with MongoClient(backend.where, serverSelectionTimeoutMS=2000) as client:
+                client.drop_database(name)
 
 
 def snapshot(w: World) -> dict:
-    """Everything the world's store and artifact store hold, as comparable JSON."""
-    if w.backend.name == "sqlite":
-        conn = sqlite3.connect(os.path.join(w.backend.where, "zwdx.sqlite3"))
-        try:
-            tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-            held = {t: sorted(json.dumps(row, default=str) for row in conn.execute(f"SELECT * FROM {t}"))
-                    for t in tables}
-        finally:
-            conn.close()
-        folder = os.path.join(w.backend.where, "artifacts")
-        held["artifact files"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        return held
-    from pymongo import MongoClient
-    client = MongoClient(w.backend.where)
+    """Everything the world's store and artifact store hold, as comparable JSON: every table or
+    collection (on MongoDB, GridFS's chunks hold the artifact bytes), and on files the artifact
+    directory's names (partial uploads too) and each artifact's bytes (their sha256)."""
+    if w.backend.name == "mongo":
+        return _collections(w)
+    conn = sqlite3.connect(os.path.join(w.backend.where, "zwdx.sqlite3"))
     try:
-        db = client.get_default_database()
-        return {name: sorted(json.dumps(doc, default=str, sort_keys=True) for doc in db[name].find({}))
-                for name in db.list_collection_names()}
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        held = {t: sorted(json.dumps(row, default=str) for row in conn.execute(f"SELECT * FROM {t}"))
+                for t in tables}
     finally:
-        client.close()
+        conn.close()
+    folder = os.path.join(w.backend.where, "artifacts")
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    held["artifact files"] = names
+    held["artifact bytes"] = {}
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as fh:
+            held["artifact bytes"][name] = hashlib.sha256(fh.read()).hexdigest()
+    return held
+
+
+def _collections(w: World) -> dict:
+    """Every collection of the database, each document as JSON. nx-27017 lists a GridFS
+    bucket's files collection by the table behind it (``artifacts_files``), and a find on that
+    name never answers (the socket waits for a reply that does not come): it is read by its
+    GridFS name, ``artifacts.files``. The socket timeout turns any other such wait into a failure."""
+    if w._mongo is None:
+        from pymongo import MongoClient
+        w._mongo = MongoClient(w.backend.where, socketTimeoutMS=20_000, serverSelectionTimeoutMS=5_000)
+    db = w._mongo.get_default_database()
+    names = set(db.list_collection_names())
+    buckets = {n[:-len("_files")] for n in names if n.endswith("_files") and n[:-len("_files")] + "_chunks" in names}
+    names = {f"{n[:-len('_files')]}.files" if n[:-len("_files")] in buckets else n for n in names}
+    return {name: sorted(json.dumps(doc, default=str, sort_keys=True) for doc in db[name].find({}))
+            for name in sorted(names)}

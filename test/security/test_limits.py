@@ -135,7 +135,7 @@ def test_a_nan_loss_never_jams_the_reporter_and_comes_back_a_float(http_app):
     from gpu_client.reporter import Reporter
     app, url = http_app
     room, rank0, job = placed_job(app, "diverged")
-    reporter = Reporter(url, room.token, job["id"], rank0.job_key, 0, flush_interval=0.05)
+    reporter = Reporter(url, rank0.rank_key, job["id"], 0, flush_interval=0.05)
     reporter.log_metrics(loss=float("nan"))
     reporter.log_metrics(loss=float("inf"), accuracy=0.5)
     reporter.log_metrics(loss=-math.inf)
@@ -161,6 +161,7 @@ def test_a_literal_nan_in_any_body_is_400_and_changes_nothing(app):
     room, rank0, job = placed_job(app, "nan")
     store = app.extensions["zwdx"].store
     before = (store.get_job(job["id"]), store.get_events(job["id"]), len(room.jobs()))
+    both = room.as_(room.token, rank_key=rank0.rank_key)  # each route finds the credential it takes
     bodies = 0
     for rule in app.url_map.iter_rules():
         op = getattr(app.view_functions[rule.endpoint], "operation", None)
@@ -168,7 +169,7 @@ def test_a_literal_nan_in_any_body_is_400_and_changes_nothing(app):
             continue
         path = rule.rule.replace("<job_id>", job["id"]).replace("<rank>", "0").replace("<n>", "0")
         for token in ("NaN", "Infinity", "-Infinity", "1e400"):
-            resp = rank0.request(op.method, path[len(defaults.API_PREFIX):], content_type="application/json",
+            resp = both.request(op.method, path[len(defaults.API_PREFIX):], content_type="application/json",
                                  data='{"events": [], "status": "running", "name": %s, "x": %s}' % (token, token))
             assert resp.status_code == 400 and resp.json["error"]["field"] == "body", (path, token, resp.text)
         bodies += 1
@@ -230,7 +231,7 @@ def test_the_reporter_sends_many_long_lines_in_batches_under_the_limit(http_app)
     from gpu_client.reporter import Reporter
     app, url = http_app
     room, rank0, job = placed_job(app, "chatty")
-    reporter = Reporter(url, room.token, job["id"], rank0.job_key, 0)
+    reporter = Reporter(url, rank0.rank_key, job["id"], 0)
     for i in range(120):  # 12 MB of text: more than one request body may hold
         reporter.log(f"{i:03d}" + "z" * 99_990)
     assert reporter.flush(timeout=120)
@@ -304,7 +305,8 @@ def test_unreferenced_artifacts_are_swept_and_referenced_ones_kept(backend, back
     room, rank0, job = placed_job(app, "done")
     jid = job["id"]
     kept = rank0.put(f"/jobs/{jid}/checkpoints/0/state.pt", data=b"committed").json
-    assert rank0.post(f"/jobs/{jid}/checkpoints/0/commit", json={"files": ["state.pt"]}).status_code == 201
+    rng = rank0.put(f"/jobs/{jid}/checkpoints/0/rng-0.pt", data=b"generators").json
+    assert rank0.post(f"/jobs/{jid}/checkpoints/0/commit", json={"files": ["state.pt", "rng-0.pt"]}).status_code == 201
     loose = rank0.put(f"/jobs/{jid}/checkpoints/1/state.pt", data=b"never committed").json
     unreported = rank0.put(f"/jobs/{jid}/weights", data=b"weights never reported").json
     weights = rank0.put(f"/jobs/{jid}/weights", data=b"the weights").json
@@ -318,7 +320,7 @@ def test_unreferenced_artifacts_are_swept_and_referenced_ones_kept(backend, back
     assert ctx.store.get_artifact(stray["id"]) is not None
     assert ctx.sweeper.sweep(now + 3601) == {"unattached": 1, "orphaned": 1}
     left = {a["id"] for a in ctx.store.list_artifacts(jid)}
-    assert left == {job["spec"]["bundle_artifact"], kept["id"], weights["id"]}
+    assert left == {job["spec"]["bundle_artifact"], kept["id"], rng["id"], weights["id"]}
     assert ctx.store.get_artifact(stray["id"]) is None and ctx.store.get_artifact(loose["id"]) is None
     assert ctx.store.get_artifact(unreported["id"]) is None
     assert set(ctx.artifacts.stored(now + 7200)) == left
@@ -359,7 +361,9 @@ def test_an_upload_cut_short_or_refused_leaves_nothing(http_app):
 def test_an_empty_commit_wipes_no_checkpoint(app):
     room, rank0, job = placed_job(app, "ckpt")
     rank0.put(f"/jobs/{job['id']}/checkpoints/0/state.pt", data=b"real")
-    assert rank0.post(f"/jobs/{job['id']}/checkpoints/0/commit", json={"files": ["state.pt"]}).status_code == 201
+    rank0.put(f"/jobs/{job['id']}/checkpoints/0/rng-0.pt", data=b"generators")
+    assert rank0.post(f"/jobs/{job['id']}/checkpoints/0/commit",
+                      json={"files": ["state.pt", "rng-0.pt"]}).status_code == 201
     for n in (1, 2, 3):
         resp = rank0.post(f"/jobs/{job['id']}/checkpoints/{n}/commit", json={"files": []})
         assert resp.status_code == 400 and resp.json["error"]["field"] == "files"
@@ -445,7 +449,7 @@ def test_the_built_dashboard_and_the_api_docs_work_under_their_csp(tmp_path):
             console = []
             page.on("console", lambda msg: console.append(msg.text) if msg.type == "error" else None)
             page.goto(server.url)
-            page.get_by_label("Room token").fill(room["token"])
+            page.get_by_label("Submitter token").fill(room["token"])
             page.get_by_role("button", name="Sign in").click()
             page.get_by_test_id("overview").wait_for()
             page.get_by_test_id("quota-jobs").wait_for()

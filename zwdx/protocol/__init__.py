@@ -9,7 +9,10 @@
                 (JobView)
     rest.py     the REST API's bodies, answers and queries (the OpenAPI spec is made from them)
     report.py   what a job's rank processes report over REST: events, their status, checkpoints
+    checkpoint.py
+                the files of each checkpoint format, and which rank writes each one
     rank.py     what a GPU client hands each rank process, once, on its stdin: RankSpec
+    diloco.py   DILOCO's settings (DilocoSettings) and the state of one of its rounds (RoundState)
     catalog.py  every Socket.IO event with its payload and answer types (docs/events.md)
 
 Import the message modules by name (``from zwdx.protocol.gpu import Register``); the package

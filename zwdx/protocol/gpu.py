@@ -21,12 +21,33 @@ from pydantic import Field, StringConstraints, field_validator
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
+from .diloco import DilocoSettings
 from .job import CheckpointEntry
-from .vocab import Parallelism, SlotKind
+from .script import ScriptRecord
+from .vocab import Isolation, JobKind, Parallelism, SlotKind
 
 #: A top-level module name a GPU client can import.
 ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 Percent = Annotated[float, Field(ge=0, le=100)]
+
+
+class Terms(Message):
+    """The image and limits the ranks of a container-isolated slot run under (``--isolation
+    docker``, ``gpu_client/container.py``): what the donor set, shown on the dashboard and kept on
+    each rank's state when it starts."""
+    image: Text
+    image_id: Text = ""
+    allowed_images: Annotated[list[Text], Field(max_length=64)] = []
+    user: Text = ""
+    root_fs: Text = ""
+    capabilities: Text = ""
+    no_new_privileges: bool = True
+    seccomp: Text = ""
+    pids: Count
+    memory_bytes: Bytes
+    shm_bytes: Bytes = 0
+    work_dir: Text = ""
+    network: Text = ""
 
 
 class Slot(Message):
@@ -37,6 +58,11 @@ class Slot(Message):
     memory_total: Bytes = 0
     memory_free: Bytes = 0
     utilization: Percent | None = None
+    #: How job code on this slot is kept from the GPU client and other jobs (None: an older
+    #: client, which did not say).
+    isolation: Annotated[Isolation, ByValue] | None = None
+    #: A container's image and limits (``isolation: docker``); None otherwise.
+    terms: Terms | None = None
 
 
 class SlotStats(Message):
@@ -151,6 +177,15 @@ class JobAssign(Answer):
     keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
     checkpoint_every_epoch: bool
     collective_timeout: Annotated[float, Field(gt=0)]
+    #: A script job runs ``script`` in the working dir its ``bundle_artifact`` holds.
+    kind: JobKind = JobKind.FUNCTION
+    script: ScriptRecord | None = None
+    #: This client's place among the job's GPU clients (torchrun's node rank), and how many there are.
+    group_rank: int = 0
+    group_world_size: int = 1
+    max_restarts: int = defaults.MAX_RESTARTS
+    #: DILOCO's settings; None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
     #: The addresses of every GPU client of the placement (this one's too): where the ranks'
     #: collectives go, and all a rank in a container may reach besides the server (container.py).
     peers: list[str] = []

@@ -27,8 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import defaults
 from .base import Answer
+from .diloco import DilocoSettings
 from .report import Measured, Reported
-from .vocab import CheckpointFormat, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .script import ScriptRecord
+from .vocab import CheckpointFormat, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
 
 
 def _absent(value) -> bool:
@@ -76,6 +78,14 @@ class JobSpec(Record):
     checkpoint_every_epoch: bool = True
     #: Top-level modules the bundle imports that every GPU client of the job must have.
     required_modules: list[str] = Field(default_factory=list)
+    #: A function job's ``bundle_artifact`` is its bundle; a script job's, its working dir
+    #: (``zwdx.protocol.script``), and ``script`` says what to run in it.
+    kind: JobKind = JobKind.FUNCTION
+    script: ScriptRecord | None = None
+    #: Ranks on every GPU client of the job (torchrun's ``--nproc-per-node``); None: any spread.
+    gpus_per_client: int | None = None
+    #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
 
 class PlacementEntry(Record):
@@ -99,6 +109,10 @@ class RankState(Record):
     ended_at: float | None = Field(default=None, exclude_if=_absent)
     #: sha256 of the rank's trained weights: equal on every rank after a correct run.
     fingerprint: str | None = Field(default=None, exclude_if=_absent)
+    #: How its slot kept it (``Isolation``'s value), and a container's image and limits
+    #: (``protocol.gpu.Terms``' fields), as its GPU client registered them when it started.
+    isolation: str | None = Field(default=None, exclude_if=_absent)
+    terms: dict | None = Field(default=None, exclude_if=_absent)
 
 
 class RankFailure(Record):
@@ -174,6 +188,8 @@ class JobFields(Record):
     results: dict[str, Measured] | None = None
     final_loss: Reported | None = None
     weights_artifact: str | None = None
+    #: A script job: the files its rank 0 wrote under ``$ZWDX_OUTPUT_DIR`` (a tar), last attempt's.
+    outputs_artifact: str | None = None
     # -- restarts and checkpoints ----------------------------------------------------------
     restarts: int = 0
     restart_history: list[RestartEntry] = Field(default_factory=list)

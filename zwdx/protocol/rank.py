@@ -18,6 +18,10 @@ shows ``**********``; only its JSON line carries it.
 
 Every value the server decided comes resolved (``JobAssign``): the rank process derives no
 default of its own.
+
+The ``sandbox`` is where the rank runs (``gpu_client/isolation.py``): the job's private
+directory on this GPU client and, under a per-job user, the uid and gid the rank process
+drops to right after reading its spec, before it opens anything of the job.
 """
 from __future__ import annotations
 
@@ -26,12 +30,27 @@ from typing import IO, Annotated, Literal
 from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
 from .base import ByValue, Count, Id, Message, Seconds, Text
+from .diloco import DilocoSettings
 from .job import CheckpointEntry
-from .vocab import Parallelism
+from .script import ScriptSpec
+from .vocab import JobKind, Parallelism
 
 #: Where a rank's tensors live: the CPU, or one GPU of this machine.
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
 Path = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+
+
+#: A uid or gid a rank may run as: never root's.
+UnprivilegedId = Annotated[int, Field(ge=1, le=2**32 - 2)]
+
+
+class Sandbox(Message):
+    """Where one job's ranks run on one GPU client: its private directory (the ranks' working
+    directory, ``HOME`` and ``TMPDIR``; the bundle is there too) and, under a per-job user
+    (``--isolation user``), the uid and gid they run as. None of them: the GPU client's own."""
+    dir: Path
+    uid: UnprivilegedId | None = None
+    gid: UnprivilegedId | None = None
 
 
 class RankSpec(Message):
@@ -62,9 +81,13 @@ class RankSpec(Message):
     checkpoint_every_epoch: bool
     #: torch threads of this rank.
     threads: Annotated[int, Field(ge=1, le=4096)]
+    #: DILOCO's settings (this rank is one worker); None for DDP and FSDP.
+    diloco: DilocoSettings | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path
+    #: The job's bundle, as the server stored it: the rank loads the file only if its bytes are these.
+    bundle_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     #: True: the agent is still fetching it, and says ``ready`` on stdin once it is there.
     bundle_pending: bool
 
@@ -76,8 +99,26 @@ class RankSpec(Message):
     hostname: Text
     #: The rank's credential on every call it makes (``X-Zwdx-Rank-Key``).
     rank_key: SecretStr
+    #: The CA file the server's certificate is verified against (a private CA, in the sandbox);
+    #: None: the system's CAs.
+    ca_file: Path | None = None
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
+    #: Where the rank runs and as whom (``gpu_client.isolation.enter``); None: where it was started.
+    sandbox: Sandbox | None = None
+
+    # -- a script job (``gpu_client.script``): what the runner does is chosen by ``kind`` --------
+    kind: Annotated[JobKind, ByValue] = JobKind.FUNCTION
+    script: ScriptSpec | None = None
+    #: This GPU client's ranks of the job, and its place among the job's GPU clients.
+    local_world_size: Annotated[int, Field(ge=1, le=4096)] = 1
+    group_rank: Count = 0
+    group_world_size: Annotated[int, Field(ge=1, le=2**20)] = 1
+    max_restarts: Count = 0
+    #: The GPUs of this client's ranks of the job, in local-rank order (a script's CUDA_VISIBLE_DEVICES).
+    local_gpus: Annotated[list[Count], Field(max_length=4096)] = []
+    #: A folder of this rank's own (the script's working dir is unpacked there), made by the rank.
+    work_dir: Path | None = None
 
     @field_serializer("rank_key", when_used="json")
     def _reveal(self, secret: SecretStr) -> str:
@@ -107,4 +148,4 @@ class RankSpec(Message):
         return f"gpu client {self.client_id} on host {self.hostname}"
 
 
-__all__ = ["RankSpec"]
+__all__ = ["RankSpec", "Sandbox"]

@@ -145,6 +145,16 @@ class RankReport(Message):
     traceback: Annotated[str, clipped(200_000, keep="tail")] | None = None
     #: The failure came from torch.distributed (the rank lost its peers).
     collective: bool = False
+    #: A script job's rank: its script exited with this code (negative: killed by that signal).
+    #: zwdx cannot tell the script's own error from a lost peer, so the job waits, as for a lost
+    #: peer, to see whether a GPU client was lost (it resumes then) before failing.
+    exit_code: Annotated[int, Field(ge=-255, le=255)] | None = None
+
+    @model_validator(mode="after")
+    def _reported(self):
+        if self.status is RankStatus.DROPPED:
+            raise ValueError("a rank reports running, completed or failed; the server drops a lost DILOCO worker")
+        return self
 
 
 class RankReportAnswer(Answer):
@@ -154,7 +164,7 @@ class RankReportAnswer(Answer):
 
 
 class CheckpointCommit(Message):
-    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, job key)."""
+    """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, its rank key)."""
     files: Annotated[list[FileName], Field(min_length=1, max_length=4096)]
     epoch: Count | None = None
     step: Count | None = None

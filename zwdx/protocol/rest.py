@@ -16,10 +16,12 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
+from .diloco import DilocoSettings
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
-from .vocab import ArtifactKind, ClientStatus, EventKind, JobStatus, Parallelism, SlotKind
+from .script import ScriptSpec
+from .vocab import ArtifactKind, ClientStatus, EventKind, Isolation, JobKind, JobStatus, Parallelism, SlotKind
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -68,6 +70,8 @@ class SlotView(Answer):
     memory_total: int = 0
     memory_free: int = 0
     utilization: float | None = None
+    #: How job code on the slot is kept from its GPU client and other jobs (None: not told).
+    isolation: Isolation | None = None
     job_id: str | None = None
     rank: int | None = None
 
@@ -153,15 +157,18 @@ class Versions(Message):
 
 
 class SubmitJob(Message):
-    """``POST /api/v1/jobs``: a job over an uploaded bundle."""
+    """``POST /api/v1/jobs``: a job over an uploaded bundle, or (``kind: "script"``) a script of
+    an uploaded working dir (``zwdx.protocol.script``)."""
     versions: Versions
-    #: The id of the bundle uploaded with ``POST /api/v1/artifacts``.
+    #: The id of the bundle uploaded with ``POST /api/v1/artifacts``; a script job's: its working
+    #: dir's (``PUT /api/v1/workdirs/<sha256>``).
     bundle_artifact: Id
+    kind: Annotated[JobKind, ByValue] = JobKind.FUNCTION
     parallelism: Annotated[Parallelism, ByValue] = Parallelism.DDP
     #: None: the train function's own default (1 if it declares none).
     epochs: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    #: None: every eligible idle slot of the room.
-    world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    #: None: every eligible idle slot of the room (a script job must say: ``zwdx run --nproc``).
+    world_size: Annotated[int, Field(ge=1, le=100_000)] | None = Field(default=None, validate_default=True)
     #: Bytes of free memory needed on every slot.
     memory_required: Bytes = 0
     #: The job's name (cut to 100 characters); "": the SDK names it after train_func.
@@ -173,6 +180,14 @@ class SubmitJob(Message):
     checkpoint_every_epoch: bool = True
     required_modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_REQUIRED_MODULES)] = []
     fail_if_unschedulable: bool = False
+    #: What a script job runs (``kind: "script"`` only).
+    script: ScriptSpec | None = Field(default=None, validate_default=True)
+    #: Ranks on every GPU client of the job (torchrun's ``--nproc-per-node``), a divisor of
+    #: ``world_size``; None: as the slots come.
+    gpus_per_client: Annotated[int, Field(ge=1, le=1024)] | None = None
+    #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
+    #: the defaults when this is left out.
+    diloco: DilocoSettings | None = None
 
     @field_validator("parallelism", mode="before")
     @classmethod
@@ -190,6 +205,39 @@ class SubmitJob(Message):
             raise ValueError(f"must be a list of at most {defaults.MAX_REQUIRED_MODULES} top-level module names "
                              f"(Python identifiers)") from None
 
+    @field_validator("world_size")
+    @classmethod
+    def _script_sized(cls, value, info):
+        if value is None and info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError("a script job needs its number of ranks (zwdx run --nproc N)")
+        return value
+
+    @field_validator("script")
+    @classmethod
+    def _script_of_kind(cls, value, info):
+        kind = info.data.get("kind")
+        if kind == JobKind.SCRIPT and value is None:
+            raise ValueError("a script job needs its script: {\"path\", \"args\", \"env\"}")
+        if kind == JobKind.FUNCTION and value is not None:
+            raise ValueError("only a job of kind \"script\" runs a script")
+        return value
+
+    @field_validator("gpus_per_client")
+    @classmethod
+    def _divides_world(cls, value, info):
+        world_size = info.data.get("world_size")
+        if value is not None and (world_size is None or world_size % value):
+            raise ValueError(f"must divide world_size ({world_size}): every GPU client runs this many ranks")
+        return value
+
+    @field_validator("diloco")
+    @classmethod
+    def _diloco_only(cls, value, info):
+        parallelism = info.data.get("parallelism")
+        if value is not None and parallelism is not None and parallelism != Parallelism.DILOCO:
+            raise ValueError(f"applies to parallelism DILOCO only, not {parallelism.value}")
+        return value
+
     @field_validator("min_world_size")
     @classmethod
     def _min_at_most_world(cls, value, info):
@@ -197,6 +245,12 @@ class SubmitJob(Message):
         if value is not None and world_size is not None and value > world_size:
             raise ValueError(f"must be at most world_size ({world_size})")
         return value
+
+    @model_validator(mode="after")
+    def _diloco_defaults(self):
+        if self.parallelism == Parallelism.DILOCO and self.diloco is None:
+            self.diloco = DilocoSettings()
+        return self
 
 
 class JobList(Answer):

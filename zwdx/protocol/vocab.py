@@ -33,13 +33,31 @@ WAITING = frozenset({JobStatus.QUEUED, JobStatus.RESUMING})
 class Parallelism(str, Enum):
     DDP = "DDP"
     FSDP = "FSDP"
+    #: Each GPU client a worker, training alone for ``inner_steps``; outer steps sync through the
+    #: server (``zwdx.protocol.diloco``).
+    DILOCO = "DILOCO"
+
+
+class Compression(str, Enum):
+    """How a DILOCO worker's pseudo-gradients travel (``zwdx.codec``)."""
+    INT8 = "int8"    # int8 codes with one float32 scale per block of 4,096 values: about 1/4 of float32
+    FP16 = "fp16"    # float16: 1/2 of float32
+    NONE = "none"    # float32 as computed
+
+
+class JobKind(str, Enum):
+    """What a job runs: the submitter's functions over a pickled bundle, or a script of an
+    uploaded working dir under torchrun's environment (``zwdx run``)."""
+    FUNCTION = "function"
+    SCRIPT = "script"
 
 
 class RankStatus(str, Enum):
-    """What a rank last reported of itself."""
+    """What a rank last reported of itself (or, for ``dropped``, what the server decided)."""
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
+    DROPPED = "dropped"    # a DILOCO worker whose GPU client or process was lost: the others go on
 
 
 class SlotKind(str, Enum):
@@ -48,10 +66,21 @@ class SlotKind(str, Enum):
     CPU = "cpu"
 
 
+class Isolation(str, Enum):
+    """How a GPU client keeps the job code of its slots away from itself and from other jobs
+    (``gpu_client/isolation.py``; ``zwdx gpu-client --isolation``)."""
+    USER = "user"          # per-job user: each job's ranks run as an unprivileged uid of their own
+    PROCESS = "process"    # same user: ranks run as the GPU client's own user (it is not root)
+    DOCKER = "docker"      # container: each rank in a fresh locked-down container (gpu_client/container.py)
+
+
 class CheckpointFormat(str, Enum):
-    """How a checkpoint's files were written; the server decides it from the job's parallelism."""
-    TORCH = "torch"   # DDP: one file from rank 0, read with torch.load(weights_only=True)
-    DCP = "dcp"       # FSDP: torch.distributed.checkpoint, one shard per rank
+    """How a checkpoint's files were written; the server decides it from the job's parallelism
+    (``zwdx.protocol.checkpoint``), never from what a rank says."""
+    TORCH = "torch"    # DDP: one file from rank 0, read with torch.load(weights_only=True)
+    SHARDS = "shards"  # FSDP: each rank's shards as safetensors with a JSON index; no pickle
+    DCP = "dcp"        # FSDP of earlier versions (torch.distributed.checkpoint, whose metadata is
+                       # a pickle): in old records only; never committed, never read
 
 
 class CredentialRole(str, Enum):
@@ -87,6 +116,10 @@ class ArtifactKind(str, Enum):
     BUNDLE = "bundle"
     WEIGHTS = "weights"
     CHECKPOINT = "checkpoint"
+    WORKDIR = "workdir"    # a script job's working dir (a tar.gz), the room's, found by its sha256
+    OUTPUT = "output"      # the files a script job's rank 0 wrote under $ZWDX_OUTPUT_DIR (a tar)
+    PSEUDO_GRADIENT = "pseudo_gradient"   # a DILOCO worker's upload for one round
+    OUTER_GRADIENT = "outer_gradient"     # a round's average of them, which every worker fetches
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it
@@ -117,4 +150,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'RankStatus', 'SlotKind', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

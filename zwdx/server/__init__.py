@@ -26,7 +26,7 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
 from ..protocol.report import to_wire
-from . import api, checkpoints, dashboard_api, events, limits, openapi, tokens, ui
+from . import api, checkpoints, dashboard_api, diloco, events, limits, openapi, prometheus, scripts, tokens, ui
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
@@ -151,6 +151,7 @@ def create_app(config: dict | None = None) -> Flask:
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
         RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
+        METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
         PROXY_HOPS=0,  # reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
     )
@@ -175,11 +176,15 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
+    app.register_blueprint(diloco.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(prometheus.bp)
+    app.register_blueprint(scripts.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
     app.after_request(_security_headers)
+    prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON)
     events.register(socketio)
@@ -194,15 +199,18 @@ def create_app(config: dict | None = None) -> Flask:
     return app
 
 
-def serve(app: Flask, host: str, port: int) -> None:
+def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     """Serve the app until the process ends: gevent's WSGI server in gevent mode (websockets
-    through simple-websocket), Werkzeug's threaded one otherwise."""
+    through simple-websocket), Werkzeug's threaded one otherwise. With ``ssl_context``
+    (``zwdx.tls.server_context``, ``zwdx server --tls-cert/--tls-key``) both serve HTTPS and WSS
+    only."""
     _raise_open_files_limit()
+    tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":
-        socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class())
+        socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class(), **tls)
     else:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        socketio.run(app, host=host, port=port, allow_unsafe_werkzeug=True, log_output=False)
+        socketio.run(app, host=host, port=port, allow_unsafe_werkzeug=True, log_output=False, **tls)
 
 
 def _raise_open_files_limit() -> None:

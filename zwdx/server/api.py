@@ -17,7 +17,8 @@ from flask import Blueprint, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobStatus, RankStatus
+from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobKind, JobStatus, Parallelism, \
+    RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
@@ -121,12 +122,13 @@ def create_job(room: dict, body: SubmitJob):
     room as it is now could never run it; with ``fail_if_unschedulable`` such a job is refused
     (409) and nothing is stored, not even its bundle. A room with ``ROOM_MAX_JOBS`` jobs waiting
     or running already is refused (429 ``quota_exceeded``)."""
-    bundle_id = body.bundle_artifact
+    bundle_id, script = body.bundle_artifact, body.kind == JobKind.SCRIPT
     bundle = ctx().store.get_artifact(bundle_id)
-    if bundle is None or bundle["room_id"] != room["id"] or bundle["kind"] != ArtifactKind.BUNDLE.value:
-        raise BadRequest(f"field 'bundle_artifact': no uploaded bundle {bundle_id} in this room",
+    kind, what = (ArtifactKind.WORKDIR, "working dir") if script else (ArtifactKind.BUNDLE, "bundle")
+    if bundle is None or bundle["room_id"] != room["id"] or bundle["kind"] != kind.value:
+        raise BadRequest(f"field 'bundle_artifact': no uploaded {what} {bundle_id} in this room",
                          field="bundle_artifact")
-    if bundle.get("job_id"):
+    if bundle.get("job_id"):  # a working dir is the room's, any number of its jobs run it
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
     limits.check_job_quota(room)
     now = time.time()
@@ -139,14 +141,15 @@ def create_job(room: dict, body: SubmitJob):
                     created_at=now, spec=spec, timeline=[TimelineEntry(status=JobStatus.QUEUED, at=now)])
     reason = unschedulable(spec.model_dump(mode="json"), ctx().store.list_clients(room["id"]))
     if reason and body.fail_if_unschedulable:  # nothing stored: not the job, not its bundle
-        ctx().artifacts.delete(bundle_id)
-        ctx().store.delete_artifact(bundle_id)
+        if not script:  # the room's working dir stays, for its other jobs
+            ctx().artifacts.delete(bundle_id)
+            ctx().store.delete_artifact(bundle_id)
         log.info("job refused in room %s: %s", room["id"], reason)
         raise Unschedulable(f"the room cannot run this job as it is now: {reason}", reason=reason)
     job = Job.submit(ctx().store, job).record
-    ctx().store.update_artifact(bundle_id, {"job_id": job.id})
-    log.info("job %s: queued in room %s (%s, world size %s)", job.id, room["id"], spec.parallelism.value,
-             spec.world_size or "all")
+    ctx().store.update_artifact(bundle_id, {"used_at": now} if script else {"job_id": job.id})
+    log.info("job %s: queued in room %s (%s, world size %s)", job.id, room["id"],
+             f"script {spec.script.path}" if script else spec.parallelism.value, spec.world_size or "all")
     notify.job_changed(job)
     ctx().scheduler.kick()
     return submitted_view(job, reason), 201
@@ -264,10 +267,12 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
             job_artifact(job, body.weights_artifact, ArtifactKind.WEIGHTS.value) is None:
         raise BadRequest(f"field 'weights_artifact': no weights {body.weights_artifact} uploaded for job {job.id}",
                          field="weights_artifact")
+    if (state := job.ranks.get(str(rank))) is not None and state.status == RankStatus.DROPPED:
+        return RankReportAnswer(ok=False, ignored=f"rank {rank} was dropped (a DILOCO worker the job goes on without)")
     if body.status == RankStatus.FAILED and (job.status == JobStatus.FAILED or job.status in ACTIVE):
         # on a failed job too: every failing rank's traceback is kept
         lifecycle.rank_failed(ctx(), job, rank, body.error or "error", body.traceback or "(no traceback)",
-                              body.collective)
+                              body.collective, body.exit_code)
         return RankReportAnswer(ok=True)
     if job.status not in ACTIVE:
         return RankReportAnswer(ok=False, ignored=f"job is {job.status.value}")
@@ -282,7 +287,12 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
 @operation(bp, "PUT", "/jobs/<job_id>/weights", "Upload the trained weights (rank 0)", auth=Auth.JOB, body=OCTET,
            answer=ArtifactView, status=201, errors=(413, 422, 429), tag="ranks")
 def put_weights(job: JobRecord, sender: Sender):
-    """Safetensors bytes, from rank 0's key only; the answer's ``id`` is what rank 0 reports as
-    ``weights_artifact``."""
-    only_rank(sender, 0, "uploading the weights", job.id)
+    """Safetensors bytes, from rank 0's key only (a DILOCO job whose rank 0 was dropped: the first
+    worker not dropped, as every worker holds the global weights); the answer's ``id`` is what
+    that rank reports as ``weights_artifact``."""
+    first = 0
+    if job.spec.parallelism == Parallelism.DILOCO:
+        first = next((r for r in range(job.world_size or 0) if (state := job.ranks.get(str(r))) is None
+                      or state.status != RankStatus.DROPPED), 0)
+    only_rank(sender, first, "uploading the weights", job.id)
     return save_artifact({"id": job.room_id}, ArtifactKind.WEIGHTS.value, job.id), 201

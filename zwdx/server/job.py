@@ -8,6 +8,7 @@ the GPU clients and the dashboards.
     queued|resuming --start--> starting --rank_running--> running --complete--> completed
     queued|resuming|starting|running --fail--> failed      ... --cancel--> cancelled
     starting|running --interrupt--> resuming (restarts left) or failed
+    running --drop--> running (DILOCO: lost workers dropped, the others go on)
 
 Failures come in two kinds. A rank whose own code raised makes the job *failing*: it fails
 once every rank reported (or ``FAILURE_GRACE`` is over), with every failing rank's traceback.
@@ -24,6 +25,7 @@ from typing import Callable, Collection
 from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
 from ..protocol.job import CheckpointEntry, Job as JobRecord, Master, PlacementEntry, RankCredential, RankFailure, \
     RankState, RestartEntry, TimelineEntry
+from . import meters
 from .store import Store
 
 #: Seconds the other ranks of a failing job get to report their own failure after the first one.
@@ -80,7 +82,10 @@ class Job:
         items = {"timeline": TimelineEntry(status=to, at=at, **entry)}
         if history is not None:
             items["restart_history"] = history
-        return self._took(self.store.append_job(self.id, items, fields={"status": to, **(fields or {})}, when=when))
+        if not self._took(self.store.append_job(self.id, items, fields={"status": to, **(fields or {})}, when=when)):
+            return False
+        meters.job_moved(self.record, to, at)
+        return True
 
     # -- placing -------------------------------------------------------------------------------
     def wait(self, reason: str) -> bool:
@@ -104,6 +109,7 @@ class Job:
                   "failing_since": None, "failing_reason": None}
         if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):
             return False
+        meters.job_placed(self.record, now)
         entry = TimelineEntry(status=JobStatus.STARTING, at=now, attempt=attempt, world_size=size)
         if not self.append_timeline(entry, when=[JobStatus.STARTING]):
             self.refresh()  # cancelled in between: it keeps its slots until the caller lets go
@@ -114,10 +120,11 @@ class Job:
         return self._took(self.store.set_job(self.id, {"master": master}, when=[JobStatus.STARTING]))
 
     # -- what ranks report -----------------------------------------------------------------
-    def rank_running(self, rank: int) -> bool:
-        """A rank started; the first one moves the job starting -> running (True then)."""
+    def rank_running(self, rank: int, isolation: str | None = None, terms: dict | None = None) -> bool:
+        """A rank started (how its slot keeps it: ``isolation``, a container's ``terms``); the
+        first one moves the job starting -> running (True then)."""
         now = self.clock()
-        entry = RankState(status=RankStatus.RUNNING, started_at=now)
+        entry = RankState(status=RankStatus.RUNNING, started_at=now, isolation=isolation, terms=terms)
         if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
             return False
         return self._move(JobStatus.RUNNING, [JobStatus.STARTING], now, {"running_at": now},
@@ -125,42 +132,75 @@ class Job:
 
     def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
                        final_loss: float | None = None, weights_artifact: str | None = None) -> bool:
-        """A rank reported its result (rank 0's carries the job's); the job completes when every
-        rank has (True then)."""
+        """A rank reported its result (rank 0's carries the job's, or that of the rank that uploaded
+        the weights: a DILOCO worker, when rank 0 was dropped); the job completes when every rank
+        has, or was dropped (True then)."""
         now = self.clock()
-        if rank == 0:
+        if rank == 0 or weights_artifact is not None:
             self._took(self.store.set_job(self.id, {"results": results or {}, "final_loss": final_loss,
                                                     "weights_artifact": weights_artifact}, when=_ACTIVE))
         before = self.record.ranks.get(str(rank))
         entry = RankState(status=RankStatus.COMPLETED, started_at=before.started_at if before else None,
-                          ended_at=now, fingerprint=fingerprint)
+                          ended_at=now, fingerprint=fingerprint, isolation=before.isolation if before else None,
+                          terms=before.terms if before else None)
         if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
             return False
         return self.complete()
 
     def complete(self) -> bool:
-        """starting|running -> completed, once every rank reported completion."""
+        """starting|running -> completed, once every rank reported completion (a DILOCO job's
+        dropped workers aside: at least one completed)."""
         r = self.record
-        done = r.world_size and all((state := r.ranks.get(str(i))) is not None and state.status == RankStatus.COMPLETED
-                                    for i in range(r.world_size))
+        states = [(state.status if (state := r.ranks.get(str(i))) is not None else None) for i in range(r.world_size or 0)]
+        done = RankStatus.COMPLETED in states and all(s in (RankStatus.COMPLETED, RankStatus.DROPPED) for s in states)
         if r.status not in _ACTIVE or not done:
             return False
         now = self.clock()
         return self._move(JobStatus.COMPLETED, _ACTIVE, now, {"ended_at": now})
 
-    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool) -> bool:
+    def drop(self, ranks: Collection[int], reason: str) -> bool:
+        """DILOCO: these workers are gone (their GPU client lost, their process dead); the job
+        goes on with the others, which are not waited for by later rounds. False (nothing
+        changed) when no other worker is left running: the caller interrupts the job then."""
+        r, now = self.record, self.clock()
+        gone = {str(rank) for rank in ranks}
+        going_on = [i for i in range(r.world_size or 0) if str(i) not in gone and
+                    (r.ranks.get(str(i)) is None or r.ranks[str(i)].status in (RankStatus.RUNNING,
+                                                                               RankStatus.COMPLETED))]
+        if r.status not in _ACTIVE or not gone or not going_on:
+            return False
+        running = [i for i in going_on if r.ranks.get(str(i)) is None or r.ranks[str(i)].status == RankStatus.RUNNING]
+        if not running and r.weights_artifact is None:
+            return False  # the others are done and none uploaded the weights: only a restart gives them
+        entries = {rank: RankState(status=RankStatus.DROPPED, ended_at=now,
+                                   started_at=(r.ranks[rank].started_at if rank in r.ranks else None)) for rank in gone}
+        if not self._took(self.store.put_job_entries(self.id, "ranks", entries, when=_ACTIVE)):
+            return False
+        self.append_timeline(TimelineEntry(status=self.status, at=now, attempt=r.attempt, world_size=len(going_on),
+                                           reason=f"{reason}: rank(s) {', '.join(sorted(gone))} dropped, "
+                                                  f"{len(going_on)} worker(s) go on"), when=_ACTIVE)
+        self.complete()  # the others may all be done already
+        return True
+
+    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool, exit_code: int | None = None) -> bool:
         """A rank reported an exception. Its own (``collective`` False): the job is failing.
-        From torch.distributed (a peer probably gone): the job is suspect. On a job that
-        failed already, the traceback is kept too. False: the job was not in a state to
-        record it."""
+        From torch.distributed (a peer probably gone): the job is suspect. A script that
+        exited badly (``exit_code``; its own error or a lost peer, zwdx cannot tell) makes it
+        suspect too, with that as the reason it fails for if no GPU client turns out lost. On a
+        job that failed already, the traceback is kept too. False: the job was not in a state
+        to record it."""
         now = self.clock()
-        failure = RankFailure(traceback=traceback, at=now,
-                              kind=FailureKind.COLLECTIVE if collective else FailureKind.RAISED)
+        kind = FailureKind.EXITED if exit_code is not None else \
+            FailureKind.COLLECTIVE if collective else FailureKind.RAISED
+        failure = RankFailure(traceback=traceback, at=now, kind=kind)
         if self.status == JobStatus.FAILED:
             return self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=[JobStatus.FAILED]))
         if not self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=_ACTIVE)):
             return False
-        if collective:
+        if exit_code is not None:
+            self._took(self.store.set_job(self.id, {"suspect_since": now, "suspect_reason": f"rank {rank} failed: {error}"},
+                                          when=_ACTIVE, unless_set="suspect_since"))
+        elif collective:
             self._took(self.store.set_job(self.id, {"suspect_since": now}, when=_ACTIVE, unless_set="suspect_since"))
         else:
             self._took(self.store.set_job(self.id, {"failing_since": now, "failing_reason": f"rank {rank} failed: {error}"},
@@ -175,7 +215,8 @@ class Job:
         self._took(self.store.put_job_entries(self.id, "exits", exits, when=_ACTIVE))
         r = self.record
         bad = {rank: code for rank, code in exits.items() if code != 0 and
-               not ((state := r.ranks.get(rank)) is not None and state.status == RankStatus.COMPLETED)}
+               not ((state := r.ranks.get(rank)) is not None and state.status in (RankStatus.COMPLETED,
+                                                                                  RankStatus.DROPPED))}
         unreported = {rank: code for rank, code in bad.items() if rank not in r.failures}
         if unreported and r.status in _ACTIVE:
             now = self.clock()
@@ -249,11 +290,20 @@ class Job:
         r = self.record
         return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
 
+    def outputs_uploaded(self, artifact_id: str) -> bool:
+        """Rank 0 of a script job uploaded what its script wrote under ``$ZWDX_OUTPUT_DIR``: the
+        job's outputs now (an earlier attempt's are left to the sweeper). While the job runs,
+        or just failed."""
+        return self._took(self.store.set_job(self.id, {"outputs_artifact": artifact_id},
+                                             when=(*_ACTIVE, JobStatus.FAILED)))
+
     # -- checkpoints ---------------------------------------------------------------------------
-    def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry]:
+    def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry] | None:
         """Rank 0 committed a checkpoint: it is the latest, and the job keeps the last
-        ``keep_checkpoints``. Returns those kept."""
+        ``keep_checkpoints``. Returns those kept; None when the job is not starting or running
+        (nothing changed)."""
         keep = self.record.spec.keep_checkpoints
-        self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
-                                         keep_last=keep))
+        if not self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
+                                                when=_ACTIVE, keep_last=keep)):
+            return None
         return self.record.checkpoints

@@ -13,7 +13,7 @@ import logging
 import time
 
 from .. import defaults
-from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus
+from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus, Parallelism, RankStatus
 from ..protocol.gpu import JobCancel
 from ..protocol.job import Job as JobRecord
 from . import notify
@@ -38,10 +38,21 @@ def _stop_ranks(ctx, job: JobRecord, reason: str) -> None:
 
 def rank_started(ctx, job: JobRecord, rank: int) -> None:
     handle = Job(ctx.store, job)
-    if handle.rank_running(rank):
+    if handle.rank_running(rank, **_kept(ctx, job, rank)):
         log.info("job %s: running (world size %d, attempt %d)", job.id, handle.record.world_size,
                  handle.record.attempt)
         notify.job_changed(handle.record)
+
+
+def _kept(ctx, job: JobRecord, rank: int) -> dict:
+    """How the rank's slot keeps it (isolation, a container's image and limits), as its GPU client
+    registered them: what the job's page shows its ranks ran under."""
+    place = next((p for p in job.placement or [] if p.rank == rank), None)
+    if place is None:
+        return {}
+    slot = next((s for s in ctx.store.list_slots(job.room_id, place.client_id) if s.get("index") == place.gpu_index),
+                None) or {}
+    return {"isolation": slot.get("isolation"), "terms": slot.get("terms")}
 
 
 def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,
@@ -53,13 +64,15 @@ def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = Non
         ctx.scheduler.kick()
 
 
-def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool) -> None:
+def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,
+                exit_code: int | None = None) -> None:
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
-    probably gone), so wait to see whether a GPU client was lost before failing the job."""
+    probably gone), so wait to see whether a GPU client was lost before failing the job; so
+    too for a script that exited badly (``exit_code``)."""
     handle = Job(ctx.store, job)
-    if not handle.rank_failed(rank, error, tb, collective) or job.status not in ACTIVE:
+    if not handle.rank_failed(rank, error, tb, collective, exit_code) or job.status not in ACTIVE:
         return
-    if collective:
+    if collective or exit_code is not None:
         log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job.id, rank, error)
         return
     log.warning("job %s: rank %d failed: %s", job.id, rank, error)
@@ -109,14 +122,38 @@ def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
     return _announce(ctx, handle, f"job interrupted: {reason}")
 
 
+def drop(ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
+    """A DILOCO job goes on without these workers (``Job.drop``); False when it cannot (it is no
+    DILOCO job, or no other worker is left), and the caller does what it does for DDP and FSDP.
+    True when there was nothing to drop (those ranks completed already)."""
+    if job.spec.parallelism != Parallelism.DILOCO or job.status not in ACTIVE:
+        return False
+    ranks = [r for r in ranks if (state := job.ranks.get(str(r))) is None or state.status != RankStatus.COMPLETED]
+    if not ranks:
+        return True
+    handle = Job(ctx.store, job)
+    if not handle.drop(ranks, reason):
+        return False
+    log.warning("job %s: %s; rank(s) %s dropped, the other workers go on", job.id, reason, ranks)
+    notify.job_changed(handle.record)
+    ctx.scheduler.kick()
+    return True
+
+
 def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0) -> None:
-    """A GPU client says its rank processes of this job (this attempt) are gone; free its slots."""
+    """A GPU client says its rank processes of this job (this attempt) are gone; free its slots.
+    A DILOCO worker that died without a word is dropped, and the others go on."""
     handle = Job.load(ctx.store, job_id)
     if handle is None:
         return
     if handle.record.attempt != attempt:
         log.info("job %s: late exits of attempt %d from gpu-client %s ignored", job_id, attempt, client_id)
         return
+    record = handle.record
+    died = [int(rank) for rank, code in exits.items() if int(code) != 0 and str(rank) not in record.failures]
+    if died and drop(ctx, record, died, f"rank process(es) {', '.join(map(str, died))} on gpu client {client_id} "
+                                         f"exited ({', '.join(f'{r}: {exits[r]}' for r in exits)})"):
+        handle.refresh()
     bad = handle.ranks_exited(exits)
     ctx.store.release_slots(job_id, client_id)
     record = handle.record
@@ -149,7 +186,11 @@ def client_lost(ctx, client_id: str, reason: str) -> None:
                                         "lost_at": time.time()})
     log.warning("gpu-client %s: lost (%s)", client_id, reason)
     for job_id in {s["job_id"] for s in ctx.store.list_slots(client["room_id"], client_id) if s["job_id"]}:
-        interrupt(ctx, job_id, f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}")
+        why = f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}"
+        job = ctx.store.get_job(job_id)
+        ranks = [p.rank for p in (job.placement or []) if p.client_id == client_id] if job else []
+        if job is None or not drop(ctx, job, ranks, why):
+            interrupt(ctx, job_id, why)
         ctx.store.release_slots(job_id, client_id)
     notify.clients_changed(ctx, client["room_id"], joined_or_left=True)
     ctx.scheduler.kick()

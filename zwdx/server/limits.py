@@ -8,7 +8,7 @@
   processes; memory storage works under gevent):
   - ``POST /api/v1/rooms``: ``RATE_LIMIT_ROOMS``;
   - failed authentication: once an address made ``RATE_LIMIT_AUTH_FAILURES`` requests with a
-    wrong room token or job key (answered 401 or 403), every request it makes to a route that
+    wrong room token or rank key (answered 401 or 403), every request it makes to a route that
     authenticates is refused (429) until the window passes; Socket.IO connections with a wrong
     token count alike (``socket_auth``).
   A refused request is answered 429 (``too_many_requests``) and changes nothing.
@@ -30,7 +30,7 @@ from ..protocol.rest import RoomUsage
 
 #: The route that creates rooms (anyone may call it): rate-limited per address.
 ROOM_CREATION = "api.create_room"
-#: Answers that mean the caller's token or job key was wrong.
+#: Answers that mean the caller's token or rank key was wrong.
 FAILED_AUTH = (401, 403)
 #: The statuses a job counts against its room's ``ROOM_MAX_JOBS`` in.
 OPEN = [*WAITING, *ACTIVE]
@@ -44,7 +44,7 @@ def init_app(app: Flask) -> Limiter:
     limiter = Limiter(get_remote_address, app=app, application_limits=[ApplicationLimit(
         lambda: current_app.config["RATE_LIMIT_AUTH_FAILURES"], scope="auth-failures",
         deduct_when=lambda response: response.status_code in FAILED_AUTH, exempt_when=_not_authenticating,
-        error_message="too many requests with a wrong room token or job key from this address; wait and retry")])
+        error_message="too many requests with a wrong room token or rank key from this address; wait and retry")])
     view = app.view_functions[ROOM_CREATION]
     app.view_functions[ROOM_CREATION] = limiter.limit(
         lambda: current_app.config["RATE_LIMIT_ROOMS"], scope="rooms",

@@ -80,6 +80,8 @@ def _path(rule: str) -> str:
 def _path_schema(name: str, kind: type) -> dict:
     if kind is int:
         return {"type": "integer", "minimum": 0, "maximum": 2**53}
+    if name == "digest":  # a sha256, lowercase
+        return {"type": "string", "pattern": "^[0-9a-f]{64}$"}
     if name == "name":
         return {"type": "string", "pattern": "^[A-Za-z0-9._-]+$", "minLength": 1, "maxLength": 200}
     return {"type": "string", "pattern": "^[A-Za-z0-9._:-]+$", "minLength": 1, "maxLength": 128}
@@ -112,8 +114,8 @@ def _query_params(model: type[BaseModel], schemas: dict) -> list[dict]:
 def _content(answer, refs: dict) -> dict:
     if answer == OCTET:
         return {OCTET: {"schema": _BINARY}}
-    if answer == HTML:
-        return {HTML: {"schema": {"type": "string"}}}
+    if isinstance(answer, str):  # text: HTML, Prometheus's format
+        return {answer: {"schema": {"type": "string"}}}
     return {"application/json": {"schema": refs[(answer, "serialization")]}}
 
 

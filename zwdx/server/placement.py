@@ -10,6 +10,8 @@ minor version (cloudpickled code needs it), can import every package the bundle 
 ``memory_required`` bytes in all and free, and holds no rank already. CPU slots of one host
 (GPU clients that report the same ``host_id``) share its RAM: the CPU ranks placed on a host
 need at most its free RAM, and with the ranks other jobs hold there, at most its total RAM.
+A script job (``kind: "script"``) runs on any Python; with ``gpus_per_client`` N, a job takes
+N slots of each GPU client it runs on (torchrun's ``--nproc-per-node``).
 """
 from __future__ import annotations
 
@@ -96,9 +98,31 @@ def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:
     return {h: (free[h], total[h], taken[h], names[h]) for h in free}
 
 
+def needs_python(spec: dict) -> str | None:
+    """The Python minor version a job's code loads on: its bundle's (cloudpickled code needs the
+    one that made it); a script job's, none (its script runs on the GPU client's Python)."""
+    return None if spec.get("kind") == "script" else python_minor(spec["versions"]["python"])
+
+
+def whole_groups(order: list[dict], per: int) -> tuple[list[dict], int]:
+    """``gpus_per_client``: of the slots in ``order``, the first ``per`` of each GPU client that
+    has that many, in order; and how many GPU clients have fewer."""
+    by_client = defaultdict(list)
+    for slot in order:
+        by_client[slot["client_id"]].append(slot)
+    full = {c for c, held in by_client.items() if len(held) >= per}
+    taken = Counter()
+    kept = []
+    for slot in order:
+        if slot["client_id"] in full and taken[slot["client_id"]] < per:
+            taken[slot["client_id"]] += 1
+            kept.append(slot)
+    return kept, len(by_client) - len(full)
+
+
 def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it."""
-    need_py = python_minor(spec["versions"]["python"])
+    need_py = needs_python(spec)
     mem = _n(spec.get("memory_required"))
     ok, too_small, busy, wrong_py, missing = [], 0, 0, Counter(), {}
     for slot in slots:
@@ -106,7 +130,7 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
         if not online(client):
             continue
         have_py = python_minor(_python(client))
-        if have_py != need_py:
+        if need_py is not None and have_py != need_py:
             wrong_py[f"{have_py} (gpu client {client['id']})"] += 1
             continue
         if client["id"] not in missing:
@@ -174,13 +198,18 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None) 
         if kind == "cpu" and mem and chosen:
             chosen, short = _within_host_ram(chosen, mem, _host_ram(slots, clients, held or {}), clients)
             why += short
+        per = _n(spec.get("gpus_per_client"))
+        if per and chosen:
+            chosen, fewer = whole_groups(chosen, per)
+            if fewer:
+                why.append(f"{fewer} gpu client(s) have fewer than {per} such slot(s) free (gpus_per_client {per})")
         have = max(have, len(chosen))
         if not chosen:
             continue
         if want is None:
             return sorted(chosen, key=lambda s: (s["client_id"], s["index"])), ""
         if len(chosen) < want and least and len(chosen) >= least:
-            want = len(chosen)
+            want = len(chosen)  # whole groups of gpus_per_client still: chosen holds only those
         if len(chosen) >= want:
             return sorted(chosen[:want], key=lambda s: (s["client_id"], s["index"])), ""
     each = f" with {gib(mem)} free each" if mem else ""
@@ -196,8 +225,8 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     alive = [c for c in clients if online(c)]
     if not alive:
         return no_clients(clients)
-    need_py = python_minor(spec["versions"]["python"])
-    runs = [c for c in alive if python_minor(_python(c)) == need_py]
+    need_py = needs_python(spec)
+    runs = [c for c in alive if need_py is None or python_minor(_python(c)) == need_py]
     if not runs:
         theirs = sorted({f"{python_minor(_python(c))} (gpu client {c['id']})" for c in alive})
         return (f"no GPU client online runs Python {need_py}, the submitter's (they run {', '.join(theirs)}); "
@@ -213,7 +242,9 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
         largest = max((_n(s.get("memory_total")) for s in slots), default=0)
         return (f"memory_required ({gib(mem)} per rank) is above every slot's total memory "
                 f"(the largest has {gib(largest)})")
-    gpus = sum(1 for s in big if s.get("kind", "cuda") == "cuda")
+    per = _n(spec.get("gpus_per_client"))
+    cuda = [s for s in big if s.get("kind", "cuda") == "cuda"]
+    gpus = len(whole_groups(cuda, per)[0] if per else cuda)
     cpu_hosts = defaultdict(list)
     by_id = {c["id"]: c for c in fit}
     for s in big:
@@ -229,12 +260,15 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
                 name = by_id[host_slots[0]["client_id"]].get("hostname") or host
                 shared.append(f"the {len(host_slots)} CPU slots of host {name} share its {gib(ram)} of RAM, "
                               f"room for {fits} rank(s) of {gib(mem)}")
+        if per:  # whole groups of gpus_per_client on each of the host's GPU clients
+            fits = min(fits, len(whole_groups(host_slots, per)[0]))
         cpus += fits
     need = spec.get("world_size") or 1  # min_world_size only lets a resumed job go on with fewer ranks
     if max(gpus, cpus) >= need:
         return None
     kinds = [f"{n} {kind} slot(s)" for n, kind in ((gpus, "GPU"), (cpus, "CPU")) if n]
-    notes = shared + (["a job runs on GPU slots or on CPU slots, not both"] if len(kinds) == 2 else [])
+    notes = shared + (["a job runs on GPU slots or on CPU slots, not both"] if len(kinds) == 2 else []) + \
+        ([f"counting only GPU clients with {per} slots for it (gpus_per_client)"] if per else [])
     return (f"world_size {need} is more than the {max(gpus, cpus)} slot(s) this room could give the job even with "
             f"every slot idle ({' and '.join(kinds) or 'none'}{''.join('; ' + n for n in notes)})")
 

@@ -32,6 +32,7 @@ from .. import defaults
 from ..errors import BadRequest
 from ..protocol import ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, SlotKind
 from ..protocol.base import parse
+from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
@@ -322,9 +323,11 @@ class Scheduler:
         only), and every value the ranks need decided here."""
         spec = job.spec
         timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
-        clients = {c: self.ctx.store.get_client(c) or {} for c in dict.fromkeys(p.client_id for p in job.placement)}
+        groups = list(dict.fromkeys(p.client_id for p in job.placement))  # a script's GROUP_RANK: its client's place
+        clients = {c: self.ctx.store.get_client(c) or {} for c in groups}
         peers = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")} | {job.master.addr})
-        for client_id, client in clients.items():
+        for group_rank, client_id in enumerate(groups):
+            client = clients[client_id]
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
                 continue  # gone since it was placed: the reaper declares it lost and interrupts the job
             assign = JobAssign(
@@ -333,7 +336,9 @@ class Scheduler:
                        for p in job.placement if p.client_id == client_id],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
-                parallelism=spec.parallelism, epochs=spec.epochs, checkpoint=job.latest_checkpoint,
+                parallelism=spec.parallelism, epochs=spec.epochs,
+                checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
-                collective_timeout=timeout, peers=peers)
+                collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
+                group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, peers=peers)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

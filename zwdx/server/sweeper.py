@@ -6,6 +6,9 @@ Every ``SWEEP_INTERVAL`` seconds (0: never), in a background thread of the serve
 - bundles uploaded and never attached to a job, once ``UNATTACHED_GRACE`` old (the SDK submits
   its job right after the upload; the record goes first, in one conditional write, so a
   submit that attaches the bundle meanwhile keeps it);
+- script jobs' working dirs (the room's, ``scripts.py``) that no job of the room names (but a
+  job whose artifacts went after ``ARTIFACT_RETENTION``), once uploaded and last used
+  ``UNATTACHED_GRACE`` ago;
 - what an upload cut short left (a temporary file, GridFS chunks with no file), and bytes that
   no record names (a server stopped between the two), once ``UNATTACHED_GRACE`` old;
 - of a finished job, the artifacts its record does not name: weights it uploaded but never
@@ -24,18 +27,17 @@ import threading
 import time
 from collections import Counter
 
-from ..protocol import FINISHED
+from ..protocol import FINISHED, ArtifactKind, JobKind
 from ..protocol.job import Job as JobRecord
 
 log = logging.getLogger(__name__)
 
 
 def referenced(job: JobRecord) -> set[str]:
-    """The artifacts a finished job's record names: its bundle, its weights, the files of its
-    committed checkpoints."""
+    """The artifacts a finished job's record names: its bundle, its weights, a script job's
+    outputs, the files of its committed checkpoints."""
     keep = {job.spec.bundle_artifact}
-    if job.weights_artifact:
-        keep.add(job.weights_artifact)
+    keep |= {a for a in (job.weights_artifact, job.outputs_artifact) if a}
     for entry in [*job.checkpoints, *([job.latest_checkpoint] if job.latest_checkpoint else [])]:
         keep |= set(entry.files.values())
     return keep
@@ -74,6 +76,21 @@ class Sweeper:
         self.ctx.artifacts.delete(artifact["id"])
         return True
 
+    def _workdir_in_use(self, artifact: dict, in_use: dict, expired_before: float | None) -> bool:
+        """Whether a job of the working dir's room names it (but a job that ended before
+        ``expired_before``: its retention is over). The room's jobs are read once per pass; a
+        room whose records do not read keeps its working dirs."""
+        room_id = artifact["room_id"]
+        if room_id not in in_use:
+            try:
+                in_use[room_id] = {job.spec.bundle_artifact for job in self.ctx.store.list_jobs(room_id)
+                                   if job.spec.kind == JobKind.SCRIPT and not (
+                                       expired_before and job.ended_at and job.ended_at < expired_before)}
+            except Exception:
+                log.exception("sweeper: the working dirs of room %s not swept", room_id)
+                in_use[room_id] = None
+        return in_use[room_id] is None or artifact["id"] in in_use[room_id]
+
     def sweep(self, now: float | None = None) -> Counter:
         """One pass; returns how many of each kind were deleted (``unattached``, ``partial``,
         ``orphaned``, ``unreferenced``, ``retention``)."""
@@ -81,7 +98,12 @@ class Sweeper:
         grace = float(cfg.get("UNATTACHED_GRACE") or 0)
         retention = float(cfg.get("ARTIFACT_RETENTION") or 0)
         gone = Counter()
+        in_use: dict[str, set[str] | None] = {}  # room id -> the working dirs its jobs name
         for artifact in store.list_unattached_artifacts(now - grace):
+            if artifact.get("kind") == ArtifactKind.WORKDIR.value:
+                if float(artifact.get("used_at") or 0) >= now - grace or \
+                        self._workdir_in_use(artifact, in_use, now - retention if retention else None):
+                    continue
             gone["unattached"] += self._delete(artifact, if_unattached=True)
         gone["partial"] += self.ctx.artifacts.discard_partial(now - grace)
         stored = self.ctx.artifacts.stored(now - grace)

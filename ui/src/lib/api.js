@@ -64,6 +64,7 @@ export const api = {
   cancel: (id) => request(`${job(id)}/cancel`, { method: "POST" }),
   weights: (id) => request(`${job(id)}/weights`, { raw: true }),
   history: (statuses) => request(`/dashboard/history${statuses ? `?status=${statuses.join(",")}` : ""}`),
+  tokens: () => request("/room/tokens"),
 };
 
 /** Every event of a job after `after`, page by page. */

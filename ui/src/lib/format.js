@@ -1,4 +1,13 @@
 // How numbers, sizes and times read on the page.
+import { Isolation } from "./protocol.js";
+
+const ISOLATION_WORDS = { [Isolation.DOCKER]: "container", [Isolation.USER]: "per-job user", [Isolation.PROCESS]: "same user" };
+
+/** How a slot keeps job code from its GPU client and other jobs, in words ("" when not told). */
+export function formatIsolation(isolation) {
+  if (!isolation) return "";
+  return ISOLATION_WORDS[isolation] || isolation;
+}
 
 export function formatBytes(bytes) {
   if (bytes === null || bytes === undefined || Number.isNaN(bytes)) return "—";

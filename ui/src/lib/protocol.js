@@ -15,13 +15,28 @@ export const JobStatus = Object.freeze({
 export const Parallelism = Object.freeze({
   DDP: "DDP",
   FSDP: "FSDP",
+  DILOCO: "DILOCO",
 });
 
-/** What a rank last reported of itself. */
+/** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */
+export const Compression = Object.freeze({
+  INT8: "int8",
+  FP16: "fp16",
+  NONE: "none",
+});
+
+/** What a job runs: the submitter's functions over a pickled bundle, or a script of an uploaded working dir under torchrun's environment (`zwdx run`). */
+export const JobKind = Object.freeze({
+  FUNCTION: "function",
+  SCRIPT: "script",
+});
+
+/** What a rank last reported of itself (or, for `dropped`, what the server decided). */
 export const RankStatus = Object.freeze({
   RUNNING: "running",
   COMPLETED: "completed",
   FAILED: "failed",
+  DROPPED: "dropped",
 });
 
 /** What a slot of a GPU client is: one GPU, or the CPU of a client without GPUs. */
@@ -30,9 +45,17 @@ export const SlotKind = Object.freeze({
   CPU: "cpu",
 });
 
-/** How a checkpoint's files were written; the server decides it from the job's parallelism. */
+/** How a GPU client keeps the job code of its slots away from itself and from other jobs (`gpu_client/isolation.py`; `zwdx gpu-client --isolation`). */
+export const Isolation = Object.freeze({
+  USER: "user",
+  PROCESS: "process",
+  DOCKER: "docker",
+});
+
+/** How a checkpoint's files were written; the server decides it from the job's parallelism (`zwdx.protocol.checkpoint`), never from what a rank says. */
 export const CheckpointFormat = Object.freeze({
   TORCH: "torch",
+  SHARDS: "shards",
   DCP: "dcp",
 });
 
@@ -64,6 +87,10 @@ export const ArtifactKind = Object.freeze({
   BUNDLE: "bundle",
   WEIGHTS: "weights",
   CHECKPOINT: "checkpoint",
+  WORKDIR: "workdir",
+  OUTPUT: "output",
+  PSEUDO_GRADIENT: "pseudo_gradient",
+  OUTER_GRADIENT: "outer_gradient",
 });
 
 /** Statuses of a job that ended; it changes no more. */

@@ -4,9 +4,10 @@ import { useEffect, useState } from "react";
 import { api } from "../lib/api.js";
 import { useAuth } from "../lib/auth.jsx";
 import { useLive } from "../lib/LiveProvider.jsx";
-import { formatAgo, formatBytes, formatNumber, formatTime } from "../lib/format.js";
+import { formatAgo, formatBytes, formatIsolation, formatNumber, formatTime } from "../lib/format.js";
 import { queueOf } from "../lib/jobs.js";
 import { ClientStatus, SlotKind } from "../lib/protocol.js";
+import RoomTokens from "../components/RoomTokens.jsx";
 import Sparkline from "../components/Sparkline.jsx";
 import { Loading, Notice, StatusBadge } from "../components/bits.jsx";
 
@@ -29,7 +30,14 @@ function SlotRow({ slot, history, jobs }) {
       <td className="mono">
         {slot.kind === SlotKind.CPU ? "cpu" : "gpu"} {slot.index}
       </td>
-      <td>{slot.name || "—"}</td>
+      <td>
+        {slot.name || "—"}
+        {slot.isolation && (
+          <span className="isolation-tag" data-testid="isolation" title="how job code here is kept from the GPU client and other jobs">
+            {formatIsolation(slot.isolation)}
+          </span>
+        )}
+      </td>
       <td>
         <div className="membar" title={`${Math.round(used * 100)} % used`}>
           <div style={{ width: `${Math.round(used * 100)}%` }} />
@@ -74,7 +82,8 @@ function Clients({ clients, slotHistory, jobs, now }) {
     return (
       <Notice kind="empty" title="No GPU clients in this room yet" testId="no-clients">
         Lend a GPU by running, on the machine that has it:
-        <pre className="cmd">zwdx gpu-client --server {window.location.origin} --room-token $ZWDX_ROOM_TOKEN</pre>
+        <pre className="cmd">zwdx gpu-client --server {window.location.origin} --room-token {"<donor token>"}</pre>
+        with the room&apos;s donor token (<code>zd_…</code>).
       </Notice>
     );
   }
@@ -230,6 +239,10 @@ export default function Overview() {
       <section>
         <h2>Job queue</h2>
         <Queue jobs={jobs} />
+      </section>
+      <section>
+        <h2>Tokens</h2>
+        <RoomTokens />
       </section>
     </div>
   );

@@ -34,6 +34,32 @@ describe("the room overview", () => {
     expect(fetch.calls.filter((c) => c.path === "/api/v1/room").length).toBeGreaterThan(asked);
   });
 
+  it("lists the room's tokens by name and role, revoked and legacy ones too, never a secret", async () => {
+    const token = (id, role, name, extra = {}) => ({ id, role, name, legacy: false, created_at: 1700000000,
+                                                      rotated_at: null, revoked_at: null, own: false, ...extra });
+    mockFetch({
+      "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] },
+      "GET /api/v1/room/tokens": { tokens: [
+        token("t1", "submitter", "old room token", { legacy: true }),
+        token("t2", "submitter", "made with the room", { own: true }),
+        token("t3", "donor", "lab donors", { rotated_at: 1700000100 }),
+        token("t4", "donor", "a lost laptop", { revoked_at: 1700000200 }),
+      ] },
+    });
+    renderApp("/");
+    const rows = await screen.findAllByTestId("token-row");
+    const cells = rows.map((r) => within(r).getAllByRole("cell").map((c) => c.textContent));
+    expect(cells.map((c) => [c[0], c[1]])).toEqual([
+      ["old room token t1", "legacy: submitter and donor"], ["made with the room t2", "submitter"],
+      ["lab donors t3", "donor"], ["a lost laptop t4", "donor"]]);
+    expect(cells[1][5]).toBe("signed in with it");
+    expect(cells[2][3]).not.toBe("—");                                      // rotated
+    expect(cells[3][4]).not.toBe("—");                                      // revoked
+    expect(cells.slice(0, 3).map((c) => c[4])).toEqual(["—", "—", "—"]);   // the others are not
+    expect(screen.getByTestId("legacy-token")).toHaveTextContent("zwdx room tokens rotate");
+    expect(screen.getByTestId("tokens")).not.toHaveTextContent(/z[srd]_/);  // no secret, not even its prefix
+  });
+
   it("says what to do when the room has no GPU clients and no jobs", async () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");
@@ -43,7 +69,7 @@ describe("the room overview", () => {
 
   it("shows clients online and offline, each GPU's memory and utilisation, and which job a slot runs", async () => {
     const clients = [
-      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0 }), slot("a", 1)]),
+      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" })]),
       gpuClient("b", "offline", [slot("b", 0)]),
     ];
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [job("j1", 1, "running")] } });
@@ -58,6 +84,9 @@ describe("the room overview", () => {
     expect(within(busy).getByRole("link")).toHaveAttribute("href", "/jobs/j1");
     expect(busy).toHaveTextContent("job-j1 rank 0");
     expect(idle).toHaveTextContent("idle");
+    expect(within(busy).getByTestId("isolation")).toHaveTextContent("per-job user");
+    expect(within(idle).getByTestId("isolation")).toHaveTextContent("same user");
+    expect(within(within(cards[1]).getByTestId("slot")).queryByTestId("isolation")).toBeNull(); // an older client: not told
   });
 
   it("names a GPU slot gpu and the CPU slot of a client without GPUs cpu, and counts only online clients", async () => {

@@ -1,4 +1,4 @@
-// Sign in to a room with its token, or create a room (its token is shown once).
+// Sign in to a room with its submitter token, or create a room (its two tokens are shown once).
 import { useState } from "react";
 import { useLocation, useNavigate } from "react-router-dom";
 import { api } from "../lib/api.js";
@@ -7,7 +7,25 @@ import { CopyButton, Notice } from "../components/bits.jsx";
 
 function explain(err) {
   if (err.status === 401) return "This token does not open any room. Check that you copied all of it.";
+  // 403: a token of the room that may not sign in (a donor token); the server says which one does
+  if (err.status === 403) return `This token cannot open the dashboard: ${err.message}`;
   return err.message;
+}
+
+function TokenToShow({ title, token, testId, children }) {
+  return (
+    <div className="token-block">
+      <p>
+        <strong>{title}</strong>: {children}
+      </p>
+      <div className="token-row">
+        <code className="token" data-testid={testId}>
+          {token}
+        </code>
+        <CopyButton text={token} label={`Copy ${title.toLowerCase()}`} />
+      </div>
+    </div>
+  );
 }
 
 export default function SignIn() {
@@ -24,7 +42,7 @@ export default function SignIn() {
 
   const submit = async (e) => {
     e.preventDefault();
-    if (!token.trim()) return setError("Paste a room token first.");
+    if (!token.trim()) return setError("Paste the room's submitter token first.");
     setBusy(true);
     setError(null);
     try {
@@ -63,20 +81,24 @@ export default function SignIn() {
       <section className="card">
         <h2>Sign in to a room</h2>
         <form onSubmit={submit}>
-          <label htmlFor="token">Room token</label>
+          <label htmlFor="token">Submitter token</label>
           <input
             id="token"
             type="password"
             autoComplete="off"
             spellCheck="false"
-            placeholder="zr_…"
+            placeholder="zs_…"
             value={token}
             onChange={(e) => setToken(e.target.value)}
           />
           <button type="submit" disabled={busy}>
             {busy ? "Checking…" : "Sign in"}
           </button>
-          <p className="muted small">The token stays in this browser tab only and is sent in a header, never in a URL.</p>
+          <p className="muted small">
+            The room's submitter token (<code>zs_…</code>, or a room's older <code>zr_…</code>); its donor token
+            (<code>zd_…</code>) only connects GPU clients. The token stays in this browser tab only and is sent in a
+            header, never in a URL.
+          </p>
         </form>
         {error && (
           <Notice kind="error" title="Sign-in failed" testId="signin-error">
@@ -99,18 +121,19 @@ export default function SignIn() {
         ) : (
           <div data-testid="created-room">
             <p>
-              Room <strong>{created.name}</strong> created. Its token is shown <strong>only this once</strong>: copy it
-              now and keep it safe. Anyone with it can use the room.
+              Room <strong>{created.name}</strong> created. Its two tokens are shown <strong>only this once</strong>:
+              copy them now and keep them safe.
             </p>
-            <div className="token-row">
-              <code className="token" data-testid="new-token">
-                {created.token}
-              </code>
-              <CopyButton text={created.token} label="Copy token" />
-            </div>
+            <TokenToShow title="Submitter token" token={created.token} testId="new-token">
+              submits jobs, reads their results, opens this dashboard and manages the room&apos;s tokens. Keep it to
+              yourself.
+            </TokenToShow>
+            <TokenToShow title="Donor token" token={created.donor_token} testId="new-donor-token">
+              for the people who lend GPUs: it connects GPU clients and opens nothing else.
+            </TokenToShow>
             <p className="muted small">Lend a GPU to it:</p>
             <pre className="cmd">
-              zwdx gpu-client --server {window.location.origin} --room-token {"<token>"}
+              zwdx gpu-client --server {window.location.origin} --room-token {"<donor token>"}
             </pre>
             <button type="button" onClick={enter}>
               Open the room

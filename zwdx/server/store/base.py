@@ -241,6 +241,11 @@ class Store(abc.ABC):
         whose ``seq`` is ``before_seq``, when given): a queued job's place in line."""
 
     @abc.abstractmethod
+    def job_counts(self) -> dict[tuple[str, str], int]:
+        """How many jobs each room has in each status, ``(room_id, status) -> n``, counted by the
+        store (``GET /metrics`` reads it at every scrape)."""
+
+    @abc.abstractmethod
     def job_rooms(self, statuses: Iterable[str]) -> list[str]:
         """The rooms that have jobs in one of ``statuses``, by their oldest such job; read from
         what the store indexes, without reading the jobs (the scheduler places room by room, so
@@ -305,6 +310,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_artifacts(self, job_id: str, kind: str | None = None) -> list[dict]:
         """The job's artifacts, oldest first."""
+
+    @abc.abstractmethod
+    def find_artifact(self, room_id: str, kind: str, sha256: str) -> dict | None:
+        """The room's oldest artifact of that kind with those bytes (a working dir by its
+        sha256), or None."""
 
     @abc.abstractmethod
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:

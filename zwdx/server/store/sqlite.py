@@ -238,6 +238,10 @@ class SQLiteStore(Store):
             args.append(int(before_seq))
         return int(self.db.query(sql, tuple(args))[0][0])
 
+    def job_counts(self) -> dict[tuple[str, str], int]:
+        rows = self.db.query("SELECT room_id, status, COUNT(*) FROM jobs GROUP BY room_id, status", ())
+        return {(room, status): int(n) for room, status, n in rows}
+
     def job_rooms(self, statuses: Iterable[str]) -> list[str]:
         wanted = status_values(statuses)
         rows = self.db.query(f"SELECT room_id, MIN(seq) FROM jobs WHERE status IN ({','.join('?' * len(wanted))}) "
@@ -362,6 +366,11 @@ class SQLiteStore(Store):
             sql += " AND kind=?"
             args.append(kind)
         return [json.loads(r[0]) for r in self.db.query(sql + " ORDER BY rowid", tuple(args))]
+
+    def find_artifact(self, room_id: str, kind: str, sha256: str) -> dict | None:
+        rows = self.db.query("SELECT doc FROM artifacts WHERE json_extract(doc, '$.room_id')=? AND kind=? AND "
+                             "json_extract(doc, '$.sha256')=? ORDER BY rowid LIMIT 1", (room_id, kind, sha256))
+        return json.loads(rows[0][0]) if rows else None
 
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         with self.db.tx() as db:

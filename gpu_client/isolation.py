@@ -1,0 +1,449 @@
+"""How a GPU client keeps job code away from itself and from other jobs: the isolation of its
+rank processes. The launcher asks this module how to start a rank process, and the agent asks
+it for each job's sandbox.
+
+    iso = build("user", work_dir, rank_dir=None, uids=None)  # zwdx gpu-client --isolation user
+    iso.check()                       at the agent's start: IsolationError saying what to change
+    iso.kind, iso.label               what the agent registers per slot, and says at its start
+    iso.importable(modules)           the modules a rank can import (a per-job user: asked as one)
+    iso.popen(argv, stdout, env)      start a rank process (a standby, or a fresh rank)
+    box = iso.lease(client_id, job_id, attempt)   the sandbox of one attempt of a job here
+    iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx);
+                                      the same for the CA file that verifies the server
+    iso.release(box)                  its ranks exited: end what is left of the job, remove its dir
+
+A sandbox (``zwdx.protocol.rank.Sandbox``) travels in each rank's ``RankSpec``; the rank process
+enters it (``enter``) right after reading its spec and opening its log, before it touches
+anything of the job: it moves into the sandbox's directory (its working directory, ``HOME``
+and ``TMPDIR``) and, under a per-job user, drops to the sandbox's uid and gid for good.
+
+Kinds (``zwdx.protocol.Isolation``):
+
+- ``process`` ("same user"): ranks run as the GPU client's own user, each job in a directory of
+  its own. Job code can read whatever that user can (its token file, other jobs' files). What a
+  GPU client that is not root gets.
+- ``user`` ("per-job user", the default as root): the ranks of one job on this GPU client run as
+  a uid of their own, taken from a range (``--rank-uids``, no passwd entry needed; uids and gids
+  that have an entry are skipped) and held against every other GPU client of the machine (a
+  record lock in /run) while the job runs. Its gid is the same number, with no supplementary
+  groups. The sandbox directory (0700) is the uid's; everything else the agent keeps (tokens,
+  client secret, the bundle cache, other jobs' logs) is root's and 0700/0600, the installed
+  zwdx is root's, and other jobs run as other uids, so job code reads none of it (nor their
+  ``/proc/<pid>/environ``). The job's bundle is a hard link in the sandbox, read-only (root's,
+  0444). When the ranks are gone, every process left of the uid is killed and its files in
+  /tmp, /var/tmp and /dev/shm removed, before the uid serves another job.
+- ``docker`` ("container", ``gpu_client/container.py``; the default where a Docker engine answers,
+  the image is here and the GPU client does not run in a container itself): each rank in a fresh
+  container of an image the donor allows, as a non-root uid, read-only root, no capabilities,
+  no-new-privileges, the default seccomp profile, pids and memory limits, the rank's GPU only,
+  egress only to the server and the job's peers (as root). The sandbox is a directory of the
+  container's tmpfs; what ``share`` puts there is streamed in. ``popen`` answers a handle that
+  the launcher treats as a rank process; ``signal`` is how the launcher signals any rank.
+  ``terms()`` says which image and limits ranks run under (registered per slot, kept on each
+  rank's state for the job's page).
+
+One user per job rather than per rank process: the ranks of one job on one machine share
+/dev/shm segments and CUDA IPC handles (NCCL), which need one uid. A standby process (started
+ahead, while its slot is idle) runs only zwdx's and torch's code until it gets its spec, and
+enters the sandbox of the job it takes: it never serves two jobs.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import grp
+import importlib.util
+import json
+import logging
+import os
+import pwd
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+
+from zwdx.protocol.rank import Sandbox
+from zwdx.protocol.vocab import Isolation
+
+log = logging.getLogger("gpu_client.isolation")
+
+#: uids (and as many gids) ranks run as under ``--isolation user``: far from people's (1000...),
+#: systemd's (60001-65535) and subordinate ranges (100000... in /etc/subuid).
+DEFAULT_UIDS = range(2_000_000_000, 2_000_065_536)
+#: Where per-job users' sandboxes live unless ``--rank-dir`` says: every user can traverse it
+#: (each sandbox in it is 0700), unlike a home directory.
+SYSTEM_RANK_DIR = "/var/lib/zwdx/ranks"
+#: The record locks that keep one uid to one job across the GPU clients of a machine.
+UID_LOCKS = "/run/zwdx/rank-uids.lock"
+#: World-writable places where a job may have left files, removed when its uid is released.
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+#: The directories of the agent's own work dir; private (0700) when ranks run as other users.
+AGENT_DIRS = ("secrets", "bundles", "jobs", "standby")
+BUNDLE = "bundle.zwdx"
+
+
+class IsolationError(Exception):
+    """Ranks cannot be isolated as asked; the message says what to change."""
+
+
+def parse_uids(text: str) -> range:
+    """``"START-END"`` (both included) as a range of uids."""
+    try:
+        start, end = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise IsolationError(f"--rank-uids must read START-END (two numbers), got {text!r}") from None
+    if not 0 < start <= end < 2**32 - 1:
+        raise IsolationError(f"--rank-uids must be a range of uids above 0, got {text!r}")
+    return range(start, end + 1)
+
+
+def build(kind: str | Isolation | None, work_dir: str, rank_dir: str | None = None,
+          uids: range | None = None, **docker) -> "ProcessIsolation":
+    """The isolation asked for; None: a container per rank where Docker can (``container.usable``),
+    else a per-job user when this process is root, else the same user. ``docker``: the docker
+    kind's options (``container.DockerIsolation``: confinement, server, slots)."""
+    if not kind:
+        from .container import usable
+        why_not = usable(docker["confinement"].images if docker.get("confinement") else None)
+        kind = Isolation.DOCKER if why_not is None else Isolation.USER if os.geteuid() == 0 else Isolation.PROCESS
+        if why_not is not None:
+            log.info("isolation %s: not docker, as %s", kind.value, why_not)
+    kind = Isolation(kind)
+    if kind == Isolation.DOCKER:
+        from .container import DockerIsolation
+        return DockerIsolation(work_dir, rank_dir=rank_dir, **docker)
+    if kind == Isolation.USER:
+        return UserIsolation(rank_dir or SYSTEM_RANK_DIR, uids or DEFAULT_UIDS, work_dir)
+    return ProcessIsolation(rank_dir or os.path.join(work_dir, "ranks"), work_dir)
+
+
+def private_dir(path: str) -> str:
+    """``path`` as a directory only its owner can open (made, or made so)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if stat.S_IMODE(os.stat(path).st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+class ProcessIsolation:
+    """Ranks run as the GPU client's own user, each job in its own directory (see the module)."""
+
+    kind = Isolation.PROCESS
+    label = "same user"
+
+    def __init__(self, rank_dir: str, work_dir: str):
+        self.rank_dir, self.work_dir = os.path.abspath(rank_dir), os.path.abspath(work_dir)
+
+    def check(self) -> None:
+        private_dir(self.rank_dir)
+
+    def importable(self, agent_modules: list[str] | None) -> list[str] | None:
+        """The top-level modules a rank can import (``host.importable_modules``): the agent's."""
+        return agent_modules
+
+    def versions(self, agent_versions: dict) -> dict:
+        """The Python and torch its ranks run (the scheduler matches jobs to them): the agent's."""
+        return agent_versions
+
+    def terms(self) -> dict | None:
+        """The image and limits ranks run under (a container's; None for a process)."""
+        return None
+
+    def signal(self, proc, signum: int) -> None:
+        """Signal a rank process's whole group (gone already is fine)."""
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def shutdown(self) -> None:
+        """The agent stops: end what the isolation still holds (nothing here)."""
+
+    def describe(self) -> str:
+        return (f"ranks run as this GPU client's own user (isolation: {self.label}); job code can read what "
+                f"that user can, this client's token and secrets included (run it as root for a user per job)")
+
+    def popen(self, argv: list[str], stdout, env: dict[str, str]) -> subprocess.Popen:
+        """A rank process in its own session (a cancel kills its whole group); its stdin a pipe."""
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+
+    # -- sandboxes ----------------------------------------------------------------------------------
+    def _dir(self, client_id: str, job_id: str, attempt: int) -> str:
+        return os.path.join(self.rank_dir, _name(client_id), f"{_name(job_id)}.{attempt}")
+
+    def lease(self, client_id: str, job_id: str, attempt: int) -> Sandbox:
+        path = self._dir(client_id, job_id, attempt)
+        self._parent(os.path.dirname(path))
+        shutil.rmtree(path, ignore_errors=True)  # a sandbox a killed agent left
+        os.mkdir(path, 0o700)
+        os.mkdir(os.path.join(path, "tmp"), 0o700)
+        return Sandbox(dir=path)
+
+    def _parent(self, path: str) -> None:
+        private_dir(path)
+
+    @staticmethod
+    def bundle_path(box: Sandbox) -> str:
+        return os.path.join(box.dir, BUNDLE)
+
+    def share(self, source: str, box: Sandbox, name: str = BUNDLE, link: bool = True) -> str:
+        """A file in the sandbox that the ranks may read and not change (root's, 0444): the job's
+        bundle as a hard link (no copy; a copy across file systems), a file the agent does not
+        own (the CA file) as a copy."""
+        path = os.path.join(box.dir, name)
+        if os.path.lexists(path):
+            os.unlink(path)
+        try:
+            if not link:
+                raise OSError("copied")
+            os.link(source, path)
+        except OSError:
+            shutil.copyfile(source, path)
+        os.chmod(path, 0o444)
+        return path
+
+    def release(self, box: Sandbox) -> None:
+        shutil.rmtree(box.dir, ignore_errors=True)
+
+
+class UserIsolation(ProcessIsolation):
+    """Each job's ranks run as an unprivileged uid of their own (see the module)."""
+
+    kind = Isolation.USER
+    label = "per-job user"
+
+    def __init__(self, rank_dir: str, uids: range, work_dir: str):
+        super().__init__(rank_dir, work_dir)
+        self.uids = uids
+        self._locks: int | None = None
+        self._held: set[int] = set()
+        self._mutex = threading.Lock()
+        self._next = random.SystemRandom().randrange(len(uids))
+        self._modules: list[str] | None = None  # what a rank user can import (check)
+
+    def describe(self) -> str:
+        return (f"ranks run as a user of their own per job (isolation: {self.label}; uids {self.uids.start}-"
+                f"{self.uids.stop - 1}), each job in a 0700 directory under {self.rank_dir}")
+
+    def check(self) -> None:
+        """Everything a per-job user needs, or an IsolationError saying what to change."""
+        if os.geteuid() != 0:
+            raise IsolationError(f"--isolation user needs the GPU client to run as root (it runs as uid "
+                                 f"{os.geteuid()}): start it as root, or pass --isolation process to run ranks as "
+                                 f"this user (job code can then read this user's files)")
+        _check_mapped(self.uids)
+        os.makedirs(self.rank_dir, mode=0o711, exist_ok=True)
+        os.chmod(self.rank_dir, 0o711)
+        for name in AGENT_DIRS:  # what an older zwdx left readable
+            if os.path.isdir(os.path.join(self.work_dir, name)):
+                private_dir(os.path.join(self.work_dir, name))
+        for path in needed_paths(self.rank_dir):
+            blocked = _blocked(path)
+            if blocked:
+                raise IsolationError(
+                    f"ranks run as unprivileged users (--isolation user, the default as root), and those cannot "
+                    f"reach {path}: {blocked} is mode {stat.S_IMODE(os.stat(blocked).st_mode):04o} (other users "
+                    f"need o+x on every directory above and o+r on the files). Install Python and zwdx where every "
+                    f"user can read them (or chmod o+x {blocked}), pick --rank-dir elsewhere, or pass --isolation "
+                    f"process to run ranks as root (no isolation)")
+        self._probe()
+
+    def importable(self, agent_modules: list[str] | None) -> list[str] | None:
+        """What a rank user can import, which may be less than root can (a package on a path only
+        root reads): the scheduler keeps jobs that need more away."""
+        return self._modules
+
+    def _probe(self) -> None:
+        """Start Python as a rank user, import the rank's code from where a rank will (``-m``
+        puts the working directory, as an absolute path, first on ``sys.path``), and list the
+        modules it can import."""
+        box = self.lease("probe", f"probe-{os.getpid()}", 0)
+        code = ("import json, os, sys; sys.path[0] = os.getcwd(); import gpu_client.runner; "
+                "from gpu_client.host import importable_modules; print(json.dumps(importable_modules()))")
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, user=box.uid, group=box.gid,
+                                  extra_groups=[], timeout=120,
+                                  env={k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")})
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise IsolationError(f"a rank cannot start as uid {box.uid}: {exc}") from exc
+        finally:
+            self.release(box)
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            raise IsolationError(f"Python cannot import zwdx's rank code as uid {box.uid} (--isolation user): "
+                                 f"{' / '.join(tail)}; pass --isolation process to run ranks as this user")
+        self._modules = json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+    def _parent(self, path: str) -> None:
+        os.makedirs(path, mode=0o711, exist_ok=True)
+        os.chmod(path, 0o711)
+
+    def lease(self, client_id: str, job_id: str, attempt: int) -> Sandbox:
+        uid = self._take()
+        try:
+            end_user(uid)  # what a killed agent's job of this uid may have left
+            box = super().lease(client_id, job_id, attempt)
+            for path in (box.dir, os.path.join(box.dir, "tmp")):
+                os.chown(path, uid, uid)
+        except BaseException:
+            self._give(uid)
+            raise
+        return Sandbox(dir=box.dir, uid=uid, gid=uid)
+
+    def release(self, box: Sandbox) -> None:
+        if box.uid is not None:
+            end_user(box.uid)
+        super().release(box)
+        if box.uid is not None:
+            self._give(box.uid)
+
+    # -- the uids -----------------------------------------------------------------------------------
+    def _take(self) -> int:
+        with self._mutex:
+            if self._locks is None:
+                private_dir(os.path.dirname(UID_LOCKS))
+                self._locks = os.open(UID_LOCKS, os.O_RDWR | os.O_CREAT, 0o600)
+            for step in range(len(self.uids)):
+                offset = (self._next + step) % len(self.uids)
+                uid = self.uids[offset]
+                if uid in self._held or _has_entry(uid):
+                    continue
+                try:
+                    fcntl.lockf(self._locks, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+                except OSError:
+                    continue  # another GPU client of this machine holds it
+                self._held.add(uid)
+                self._next = offset + 1
+                return uid
+        raise IsolationError(f"every uid of --rank-uids {self.uids.start}-{self.uids.stop - 1} is in use")
+
+    def _give(self, uid: int) -> None:
+        with self._mutex:
+            self._held.discard(uid)
+            fcntl.lockf(self._locks, fcntl.LOCK_UN, 1, uid - self.uids.start)
+
+
+# -- the rank's side --------------------------------------------------------------------------------
+def enter(box: Sandbox | None) -> None:
+    """In a rank process, once it read its spec and opened its log, before anything of the job:
+    into the sandbox's directory and, under a per-job user, its uid and gid for good."""
+    if box is None:
+        return
+    os.chdir(box.dir)
+    if box.uid is not None:
+        os.setgroups([])
+        os.setresgid(box.gid, box.gid, box.gid)
+        os.setresuid(box.uid, box.uid, box.uid)
+        if os.getresuid() != (box.uid,) * 3 or os.getresgid() != (box.gid,) * 3 or os.getgroups():
+            raise PermissionError(f"could not become uid {box.uid}")
+        _dumpable()
+        os.environ.update(USER=f"zwdx-{box.uid}", LOGNAME=f"zwdx-{box.uid}")  # no passwd entry to read it from
+    os.umask(0o077)
+    os.environ.update(HOME=box.dir, TMPDIR=os.path.join(box.dir, "tmp"))
+    tempfile.tempdir = None  # tempfile reads TMPDIR again
+
+
+def _dumpable() -> None:
+    """A process that changed its uid is not dumpable: its /proc files are root's, which its own
+    code (and torch) cannot read. Its memory holds nothing of root's, so it may be again."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        pass
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def end_user(uid: int) -> None:
+    """Kill every process of ``uid`` and remove its files from the world-writable directories."""
+    import psutil
+    victims = []
+    for proc in psutil.process_iter(["uids"]):
+        ids = proc.info.get("uids")
+        if ids and uid in (ids.real, ids.effective, ids.saved):
+            victims.append(proc)
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+    for base in SHARED_TMP:
+        try:
+            entries = list(os.scandir(base))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+def _name(text: str) -> str:
+    """An id as one path component (ids are [A-Za-z0-9._:-]; never '.' or '..')."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+    return safe if safe.strip(".") else f"_{safe}"
+
+
+def _has_entry(uid: int) -> bool:
+    """Whether the uid is a user's, or its number a group's (the rank's gid is the same number)."""
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(uid)
+            return True
+        except KeyError:
+            pass
+    return False
+
+
+def needed_paths(rank_dir: str) -> list[str]:
+    """What a per-job user must reach: the sandboxes, Python, its standard library, zwdx, torch."""
+    import gpu_client
+    torch = importlib.util.find_spec("torch")
+    return [rank_dir, os.path.realpath(sys.executable), os.path.dirname(os.__file__),
+            os.path.dirname(os.path.dirname(gpu_client.__file__)), *([torch.origin] if torch else [])]
+
+
+def _blocked(path: str) -> str | None:
+    """The first directory above ``path`` (or ``path``) that other users cannot pass, or None."""
+    path = os.path.abspath(path)
+    parts = [path]
+    while os.path.dirname(parts[-1]) != parts[-1]:
+        parts.append(os.path.dirname(parts[-1]))
+    for part in reversed(parts):
+        mode = os.stat(part).st_mode
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return part
+        if not stat.S_ISDIR(mode) and not mode & stat.S_IROTH:
+            return part
+    return None
+
+
+def _check_mapped(uids: range) -> None:
+    """The uids exist in this user namespace (a container may map only a few)."""
+    try:
+        with open("/proc/self/uid_map") as fh:
+            maps = [tuple(int(v) for v in line.split()) for line in fh if line.strip()]
+    except OSError:
+        return
+    if not any(inside <= uids.start and uids.stop <= inside + count for inside, _, count in maps):
+        mapped = ", ".join(f"{inside}-{inside + count - 1}" for inside, _, count in maps)
+        raise IsolationError(f"--rank-uids {uids.start}-{uids.stop - 1} are not all mapped in this user namespace "
+                             f"(mapped: {mapped}): pick a range inside it")
+
+
+if __name__ == "__main__":
+    # python -m gpu_client.isolation [RANK_DIR]: the directories that keep per-job users from
+    # Python, zwdx or torch, one a line (setup.sh makes them traversable, o+x, as root)
+    for blocked in sorted({_blocked(p) for p in needed_paths(sys.argv[1] if len(sys.argv) > 1 else "/")} - {None}):
+        if os.path.isdir(blocked):
+            print(blocked)

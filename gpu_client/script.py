@@ -1,0 +1,262 @@
+"""One rank of a script job (``zwdx run``): the submitter's torchrun script, run unchanged.
+
+The rank process (``runner.py`` picks this way to run from its ``RankSpec``'s kind) waits for
+the job's working dir (the agent fetches it once per GPU client, by its sha256), unpacks it
+into a folder of its own with tarfile's ``data`` filter (no absolute paths, no ``..``, no links
+out of the tree, no devices), and runs ``python PATH ARGS...`` there as its child, with
+torchrun's environment:
+
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+    ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (the address rank 0's GPU client
+    offered: the script's ``init_process_group`` listens there; this process holds nothing of
+    it), TORCHELASTIC_RUN_ID (the job id), TORCHELASTIC_RESTART_COUNT (the attempt: 0, then 1
+    after the first restart), TORCHELASTIC_MAX_RESTARTS; CUDA_VISIBLE_DEVICES (this client's
+    GPUs of the job in local-rank order, so ``cuda:LOCAL_RANK`` is the rank's own; empty on a
+    CPU slot); ZWDX_OUTPUT_DIR, ZWDX_JOB_ID; and the job's ``env``.
+
+The script's stdout and stderr lines are the job's log lines as they come (and the rank's log
+file); its exit code is the rank's outcome: 0 completed, else failed with the tail of its
+stderr as the traceback (``exit_code``: the server waits to see whether a GPU client was lost,
+and the job resumes then, as torchrun restarts its workers). Rank 0's ``$ZWDX_OUTPUT_DIR`` is
+uploaded as one tar before it reports; the other ranks' are dropped. The rank's folder is
+removed at the end. The rank key stays in this process: not in the script's environment, not on
+its command line, and its stdin is ``/dev/null``.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import traceback
+
+import requests
+
+from zwdx.protocol.rank import RankSpec
+from zwdx.protocol.script import ScriptSpec
+from zwdx.protocol.vocab import JobKind, RankStatus, SlotKind
+
+from .reporter import Reporter
+
+log = logging.getLogger("gpu_client.script")
+
+#: Lines of the script's stderr kept as the traceback of a failure; and the longest log line.
+TAIL_LINES = 200
+MAX_LINE = 100_000
+
+#: Runs first in the script's process: it dies with this rank process (as the rank dies with its
+#: GPU client), then becomes ``python PATH ARGS...`` (exec: the script's own argv, pid and stdio).
+_TRAMPOLINE = """import os, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def rank_fields(assign, place, local_rank: int, job_dir: str) -> dict:
+    """What a script job adds to a rank's ``RankSpec`` (the agent's ``JobAssign`` -> ``RankSpec``)."""
+    if assign.kind != JobKind.SCRIPT:
+        return {}
+    return {"kind": JobKind.SCRIPT, "script": ScriptSpec.model_validate(assign.script.model_dump()),
+            "local_world_size": len(assign.ranks), "group_rank": assign.group_rank,
+            "group_world_size": assign.group_world_size, "max_restarts": assign.max_restarts,
+            "local_gpus": [r.gpu_index for r in assign.ranks if r.kind == SlotKind.CUDA],
+            "work_dir": os.path.join(job_dir, f"attempt{assign.attempt}", f"rank{place.rank}")}
+
+
+def unpack(archive: str, dest: str) -> None:
+    """The working dir's archive into ``dest``; an entry that would land outside it (or is a
+    device, a link out of the tree) is refused, naming it, and nothing is run."""
+    if not hasattr(tarfile, "data_filter"):
+        raise RuntimeError(f"this GPU client's Python {sys.version.split()[0]} lacks tarfile's data filter "
+                           f"(3.10.12, 3.11.4 and later have it): it does not unpack working dirs")
+    os.makedirs(dest, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            tar.extractall(dest, filter="data")
+    except tarfile.FilterError as exc:
+        raise ValueError(f"the working dir's archive is refused: {exc}") from None
+
+
+def environ(spec: RankSpec, outputs: str) -> dict[str, str]:
+    """The script's environment: this process's (no secret is in it), the job's ``env``, then
+    torchrun's variables and zwdx's."""
+    script = spec.script
+    return {**os.environ, **script.env,
+            "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank), "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size), "GROUP_RANK": str(spec.group_rank),
+            "GROUP_WORLD_SIZE": str(spec.group_world_size), "ROLE_RANK": str(spec.rank),
+            "ROLE_WORLD_SIZE": str(spec.world_size), "ROLE_NAME": "default",
+            "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
+            "TORCHELASTIC_RUN_ID": spec.job_id, "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "CUDA_VISIBLE_DEVICES": visible_devices(spec.local_gpus), "PYTHONUNBUFFERED": "1",
+            "ZWDX_OUTPUT_DIR": outputs, "ZWDX_JOB_ID": spec.job_id}
+
+
+def visible_devices(gpus: list[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for these GPU indexes of the GPU client, through the one it was
+    started with, if any ("" on a CPU slot: the script sees no GPU)."""
+    given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(given[i] if i < len(given) else str(i) for i in gpus)
+
+
+def pack_outputs(folder: str, archive: str) -> int:
+    """The files under ``folder`` as a tar at ``archive`` (links that leave the folder and
+    special files are left out, and said so in the log): how many entries it holds."""
+    root = os.path.realpath(folder)
+    count = 0
+    with tarfile.open(archive, "w") as tar:
+        for base, dirs, files in os.walk(folder):
+            dirs.sort()
+            for name in sorted(dirs) + sorted(files):
+                path = os.path.join(base, name)
+                rel = os.path.relpath(path, folder)
+                if os.path.islink(path):
+                    target = os.path.realpath(path)
+                    if not (target == root or target.startswith(root + os.sep)):
+                        log.warning("output %s links out of $ZWDX_OUTPUT_DIR (%s): left out", rel, target)
+                        continue
+                elif not (os.path.isfile(path) or os.path.isdir(path)):
+                    log.warning("output %s is not a file: left out", rel)
+                    continue
+                tar.add(path, arcname=rel, recursive=False)
+                count += 1
+    return count
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class ScriptRank:
+    """One rank of a script job: ``run`` unpacks, runs the script, uploads rank 0's outputs
+    and reports; it returns the rank process's exit code."""
+
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.folder = spec.work_dir or tempfile.mkdtemp(prefix=f"zwdx-{spec.job_id}-rank{spec.rank}-")
+        self.tree = os.path.join(self.folder, "tree")
+        self.outputs = os.path.join(self.folder, "outputs")
+        self.reporter: Reporter | None = None
+        self.proc: subprocess.Popen | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, _stop)  # a cancel: the script gets it too (one process group); tidy up
+        try:
+            self._prepare()
+            self.reporter = Reporter(self.spec.server, self.spec.rank_key.get_secret_value(), self.spec.job_id,
+                                     self.spec.rank, attempt=self.spec.attempt)
+            code = self._run()
+            self._upload_outputs()
+            self._report(code)
+            return 0 if code == 0 else 1
+        except Stopped:  # cancelled, or the job stopped: nothing to report
+            return 1
+        except BaseException as exc:  # report every failure of zwdx's own part, then exit non-zero
+            self._fail(exc)
+            return 1
+        finally:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            if self.reporter is not None:
+                self.reporter.close()
+
+    def _prepare(self) -> None:
+        """Wait for the working dir, unpack it, find the script."""
+        spec = self.spec
+        if spec.bundle_pending and not sys.stdin.readline().strip():
+            raise RuntimeError("the GPU client could not fetch the job's working dir")
+        unpack(spec.bundle_path, self.tree)
+        os.makedirs(self.outputs, exist_ok=True)
+        if not os.path.isfile(os.path.join(self.tree, spec.script.path)):
+            raise FileNotFoundError(f"the working dir has no script {spec.script.path}")
+
+    def _run(self) -> int:
+        """The script, to its end: its lines streamed as they come; its exit code."""
+        spec = self.spec
+        argv = [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), sys.executable, spec.script.path,
+                *spec.script.args]
+        self.proc = subprocess.Popen(argv, cwd=self.tree, env=environ(spec, self.outputs), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.reporter.status(RankStatus.RUNNING.value)
+        pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout, False), daemon=True),
+                 threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr, True), daemon=True)]
+        for pump in pumps:
+            pump.start()
+        code = self.proc.wait()
+        for pump in pumps:  # a child the script left behind may hold the pipes: do not wait for it
+            pump.join(timeout=5)
+        return code
+
+    def _pump(self, pipe, echo, errors: bool) -> None:
+        """The script's lines, each to the rank's log file and the job's log."""
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            try:
+                echo.write(line + "\n")
+                echo.flush()
+            except (OSError, ValueError):
+                pass
+            if errors:
+                self.tail.append(line)
+            if line.strip():
+                self.reporter.log(line[:MAX_LINE])
+
+    def _upload_outputs(self) -> None:
+        """Rank 0: what the script wrote under ``$ZWDX_OUTPUT_DIR``, as the job's outputs."""
+        if self.spec.rank != 0 or not os.listdir(self.outputs):
+            return
+        archive = os.path.join(self.folder, "outputs.tar")
+        count = pack_outputs(self.outputs, archive)
+        try:
+            self.reporter.upload("outputs", archive)
+        except requests.HTTPError as exc:  # the server's words: a quota, a size limit
+            raise RuntimeError(f"the outputs ($ZWDX_OUTPUT_DIR, {os.path.getsize(archive)} bytes) could not be "
+                               f"uploaded: {exc.response.text[:500]}") from None
+        log.info("job %s: %d output entries uploaded (%d bytes)", self.spec.job_id, count, os.path.getsize(archive))
+
+    def _report(self, code: int) -> None:
+        if code == 0:
+            self.reporter.status(RankStatus.COMPLETED.value, results={})
+            return
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        tail = "\n".join(self.tail).strip() or "(the script wrote nothing to stderr)"
+        self.reporter.status(RankStatus.FAILED.value, error=f"script {self.spec.script.path} {how}",
+                             traceback=tail, exit_code=max(-255, min(255, code)))
+
+    def _fail(self, exc: BaseException) -> None:
+        """zwdx's part failed (the working dir, the outputs' upload, a cancel): say why."""
+        tb = "".join(traceback.format_exception(exc))
+        sys.__stderr__.write(tb)
+        try:
+            if self.reporter is None:
+                self.reporter = Reporter(self.spec.server, self.spec.rank_key.get_secret_value(), self.spec.job_id,
+                                         self.spec.rank, attempt=self.spec.attempt)
+            self.reporter.status(RankStatus.FAILED.value, error=f"{type(exc).__name__}: {exc}", traceback=tb)
+        except Exception:
+            log.exception("could not report the failure")
+
+
+class Stopped(SystemExit):
+    """SIGTERM: the GPU client stops the job's ranks (a cancel, a failed or interrupted job)."""
+
+
+def _stop(signum, _frame):
+    raise Stopped(128 + signum)

@@ -1,0 +1,253 @@
+"""``zwdx jobs ...`` and ``zwdx room show|clients``: a room's jobs and GPU clients from a terminal.
+
+    zwdx jobs list [--status S] [--json]      zwdx room show [--json]
+    zwdx jobs show ID [--json]                zwdx room clients [--json]
+    zwdx jobs logs ID [-f] [--rank R]
+    zwdx jobs metrics ID [--json]
+    zwdx jobs cancel ID
+    zwdx jobs download ID [-o FILE]
+    zwdx jobs tensorboard ID [--logdir DIR]
+
+Tables for people (tabulate), ``--json`` for scripts: the server's own documents, unchanged.
+The submitter token comes from ``--room-token-file``, ``$ZWDX_ROOM_TOKEN`` (or the file
+``$ZWDX_ROOM_TOKEN_FILE`` names), else from what the SDK remembered: the room of a job it
+submitted, or the one room it knows on that server (``--room ID`` picks among several).
+Never needed on the command line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from tabulate import tabulate
+
+from .errors import BadRequest
+from .protocol import FINISHED, JobStatus
+
+
+def _ago(ts: float | None, now: float) -> str:
+    if not ts:
+        return "-"
+    s = max(0.0, now - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) and n else "-"
+
+
+def _number(v) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.6g}"
+    return "-" if v is None else str(v)
+
+
+def _print_json(doc) -> None:
+    print(json.dumps(doc, indent=2, default=str))
+
+
+def room_token(sdk, args) -> str | None:
+    """The token for a room-wide command: the one given, else the room remembered for this server."""
+    if sdk.room_token:
+        return sdk.room_token
+    known = sdk.credentials.tokens(sdk.server_url) if sdk.credentials is not None else {}
+    wanted = getattr(args, "room", None)
+    if wanted:
+        if wanted not in known:
+            raise BadRequest(f"no token of room {wanted} on {sdk.server_url} is remembered here; give a submitter "
+                             f"token with --room-token-file FILE or $ZWDX_ROOM_TOKEN", field="room")
+        return known[wanted]
+    if len(known) == 1:
+        return next(iter(known.values()))
+    if known:
+        raise BadRequest(f"several rooms on {sdk.server_url} are remembered here ({', '.join(sorted(known))}): "
+                         f"pick one with --room ID, or give its token with --room-token-file", field="room")
+    return None  # the SDK says what is missing
+
+
+# -- jobs -------------------------------------------------------------------------------------------
+def jobs_list(sdk, args) -> int:
+    jobs = sdk.list_jobs(room_token(sdk, args), status=args.status)
+    if args.json:
+        _print_json(jobs)
+        return 0
+    now = time.time()
+    rows = [[j["id"], j.get("name") or "", j["status"], j.get("world_size") or "-",
+             (j.get("spec") or {}).get("parallelism", "-"), _ago(j.get("created_at"), now),
+             _number(j.get("final_loss")), (j.get("waiting_reason") or j.get("reason") or "")[:60]]
+            for j in jobs]
+    print(tabulate(rows, headers=["ID", "NAME", "STATUS", "RANKS", "MODE", "SUBMITTED", "FINAL LOSS", "WHY"]))
+    return 0
+
+
+def jobs_show(sdk, args) -> int:
+    job = sdk.get_job(args.job_id)
+    if args.json:
+        _print_json(job)
+        return 0
+    now, spec = time.time(), job.get("spec") or {}
+    fields = [("id", job["id"]), ("name", job.get("name") or ""), ("status", job["status"]),
+              ("parallelism", spec.get("parallelism")), ("world size", job.get("world_size") or "-"),
+              ("attempt", f"{job.get('attempt', 0)} ({job.get('restarts', 0)} restart(s))"),
+              ("submitted", _ago(job.get("created_at"), now)), ("started", _ago(job.get("started_at"), now)),
+              ("ended", _ago(job.get("ended_at"), now)), ("final loss", _number(job.get("final_loss")))]
+    if job.get("waiting_reason"):
+        fields.append(("waiting because", job["waiting_reason"]))
+    if job.get("reason"):
+        fields.append(("reason", job["reason"]))
+    for name, value in (job.get("results") or {}).items():
+        fields.append((f"result: {name}", _number(value)))
+    print(tabulate(fields, tablefmt="plain"))
+    placement = job.get("placement") or []
+    if placement:
+        print()
+        print(tabulate([[p["rank"], p.get("hostname") or "", p["client_id"], p.get("gpu_index"), p.get("gpu_name") or "",
+                         (job.get("ranks") or {}).get(str(p["rank"]), {}).get("status", "-")] for p in placement],
+                       headers=["RANK", "HOST", "GPU CLIENT", "SLOT", "GPU", "STATUS"]))
+    for rank in job.get("failure_order") or []:
+        print(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}")
+    return 0
+
+
+def jobs_logs(sdk, args) -> int:
+    """The job's log lines; ``-f`` follows them until the job ends (as ``tail -f``)."""
+    token = sdk._token(None, args.job_id)
+    after = 0
+    while True:
+        # the status before the read: a job that had ended and has no line left is done
+        ended = args.follow and JobStatus(sdk.get_job(args.job_id)["status"]) in FINISHED
+        events = sdk._json("GET", f"/jobs/{args.job_id}/events", token, params={"kind": "log", "after": after})["events"]
+        for ev in events:
+            after = ev["seq"]
+            if args.rank is None or ev.get("rank") == args.rank:
+                print(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}", flush=True)
+        if not args.follow or (ended and not events):
+            return 0
+        if not events:
+            time.sleep(1.0)
+
+
+def jobs_metrics(sdk, args) -> int:
+    series = sdk.get_job_metrics(args.job_id)
+    if args.json:
+        _print_json(series)
+        return 0
+    rows = []
+    for name, points in sorted(series.items()):
+        values = [p["value"] for p in points if isinstance(p.get("value"), (int, float))]
+        finite = [v for v in values if math.isfinite(v)]
+        last = points[-1] if points else {}
+        rows.append([name, len(points), last.get("step", "-"), _number(last.get("value")),
+                     _number(min(finite)) if finite else "-", _number(max(finite)) if finite else "-"])
+    print(tabulate(rows, headers=["SERIES", "POINTS", "LAST STEP", "LAST", "MIN", "MAX"]))
+    return 0
+
+
+def jobs_cancel(sdk, args) -> int:
+    print(f"job {args.job_id}: {sdk.cancel_job(args.job_id)['status']}")
+    return 0
+
+
+def jobs_download(sdk, args) -> int:
+    out = args.output or f"{args.job_id}.safetensors"
+    got = sdk.download_weights(args.job_id, out)
+    print(f"job {args.job_id}: weights in {got['path']} ({got['bytes']:,} bytes, sha256 {got['sha256']})")
+    return 0
+
+
+def jobs_tensorboard(sdk, args) -> int:
+    from .trackers import TensorBoard
+    log_dir = args.logdir or f"zwdx-runs/{args.job_id}"
+    sent = sdk.export_metrics(args.job_id, [TensorBoard(log_dir=log_dir)])
+    print(f"job {args.job_id}: {sent} metric event(s) written to {log_dir} (tensorboard --logdir {log_dir})")
+    return 0
+
+
+# -- the room -------------------------------------------------------------------------------------
+def room_show(sdk, args) -> int:
+    room = sdk.get_room(room_token(sdk, args))
+    if args.json:
+        _print_json(room)
+        return 0
+    totals, usage = room.get("totals") or {}, room.get("usage") or {}
+    online = sum(c["status"] == "online" for c in room["clients"])
+    fields = [("room", f"{room['name']} ({room['id']})"),
+              ("gpu clients", f"{online} online of {len(room['clients'])}")]
+    fields += [(k.replace("_", " "), v) for k, v in totals.items()]
+    if usage:
+        limit = usage.get("jobs_limit") or "no limit"
+        fields += [("jobs waiting or running", f"{usage['jobs']} of {limit}"),
+                   ("artifact bytes", f"{_gib(usage['artifact_bytes'])} of "
+                                      f"{_gib(usage['artifact_bytes_limit']) if usage['artifact_bytes_limit'] else 'no limit'}")]
+    print(tabulate(fields, tablefmt="plain"))
+    return 0
+
+
+def room_clients(sdk, args) -> int:
+    room = sdk.get_room(room_token(sdk, args))
+    if args.json:
+        _print_json(room["clients"])
+        return 0
+    now, rows = time.time(), []
+    for c in room["clients"]:
+        for s in c.get("slots") or [{}]:
+            busy = f"job {s['job_id']} rank {s.get('rank')}" if s.get("job_id") else "free"
+            rows.append([c["id"], c.get("hostname") or "", c["status"], s.get("index", "-"),
+                         f"{s.get('kind', '-')} {s.get('name') or ''}".strip(), _gib(s.get("memory_free")),
+                         _gib(s.get("memory_total")), s.get("isolation") or "-", busy if s else "-",
+                         _ago(c.get("last_seen"), now)])
+    print(tabulate(rows, headers=["GPU CLIENT", "HOST", "STATUS", "SLOT", "DEVICE", "FREE", "TOTAL", "ISOLATION",
+                                  "RUNNING", "LAST SEEN"]))
+    return 0
+
+
+JOB_ACTIONS = {"list": jobs_list, "show": jobs_show, "status": jobs_show, "logs": jobs_logs, "metrics": jobs_metrics,
+               "cancel": jobs_cancel, "download": jobs_download, "tensorboard": jobs_tensorboard}
+
+
+def add_jobs_parser(sub, server_arguments, token_arguments, run) -> None:
+    """``zwdx jobs`` (and ``zwdx job``, its earlier name) on the CLI's subparsers."""
+    for command in ("jobs", "job"):
+        p = sub.add_parser(command, help="a room's jobs: list, show, logs, metrics, cancel, download, tensorboard"
+                           if command == "jobs" else "the same as zwdx jobs")
+        actions = p.add_subparsers(dest="action", required=True)
+        for action, what in (("list", "the room's jobs, newest last"), ("show", "one job: status, placement, results"),
+                             ("status", "the same as show"), ("logs", "what the job's ranks printed"),
+                             ("metrics", "each metric series: points, last, min, max"), ("cancel", "cancel a job"),
+                             ("download", "the trained weights as a safetensors file"),
+                             ("tensorboard", "the job's metrics as TensorBoard event files")):
+            a = actions.add_parser(action, help=what)
+            if action != "list":
+                a.add_argument("job_id")
+            else:
+                a.add_argument("--status", default=None, help="only jobs in this status")
+                a.add_argument("--room", default=None, help="a room the SDK remembers, by id (when it knows several)")
+            if action in ("list", "show", "status", "metrics"):
+                a.add_argument("--json", action="store_true", help="the server's documents as JSON")
+            if action == "logs":
+                a.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+                a.add_argument("--rank", type=int, default=None, help="one rank's lines only")
+            if action == "download":
+                a.add_argument("-o", "--output", default=None, help="the file (default: JOB_ID.safetensors)")
+            if action == "tensorboard":
+                a.add_argument("--logdir", default=None, help="where (default: zwdx-runs/JOB_ID)")
+            server_arguments(a)
+            token_arguments(a, "a submitter token of the room, zs_... (else the one remembered for the job)")
+            a.set_defaults(func=lambda args, fn=JOB_ACTIONS[action]: run(fn, args))
+
+
+def add_room_parsers(rsub, server_arguments, token_arguments, run) -> None:
+    """``zwdx room show`` and ``zwdx room clients``."""
+    for action, fn, what in (("show", room_show, "the room: GPU clients online, totals, quotas"),
+                             ("clients", room_clients, "the room's GPU clients and their slots")):
+        a = rsub.add_parser(action, help=what)
+        a.add_argument("--room", default=None, help="a room the SDK remembers, by id (when it knows several)")
+        a.add_argument("--json", action="store_true", help="the server's document as JSON")
+        server_arguments(a)
+        token_arguments(a, "a submitter token of the room, zs_...")
+        a.set_defaults(func=lambda args, fn=fn: run(fn, args))
+

@@ -1,0 +1,87 @@
+"""DILOCO: what a submitter sets (``submit_job(..., diloco={...})``), and what the server says
+of a round of outer steps (``zwdx.server.diloco``; the bytes' format is ``zwdx.codec``).
+
+    DilocoSettings   SubmitJob.diloco -> JobSpec.diloco -> JobAssign.diloco -> RankSpec.diloco
+    RoundUpload      the query of PUT /api/v1/jobs/<id>/diloco/rounds/<round> (a worker's upload)
+    RoundState       its answer, and GET .../rounds/<round>'s while the round still waits (202)
+
+A round is one outer step: every worker of the job's current attempt uploads its pseudo-gradient
+(global weights - its local weights), the server averages them once all are in, and every
+worker fetches the average and applies it with its outer optimizer.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .base import Answer, ByValue, Message
+from .vocab import Compression
+
+
+class DilocoSettings(Message):
+    """DiLoCo's knobs (arXiv 2311.08105); every one has the paper's default."""
+    #: H: the inner optimizer's steps between two outer steps.
+    inner_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 500
+    #: The outer optimizer's (SGD) learning rate.
+    outer_lr: Annotated[float, Field(gt=0, le=100)] = 0.7
+    #: Its momentum (0: none).
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    #: Nesterov momentum (needs ``outer_momentum`` above 0; left out with a momentum of 0: off).
+    nesterov: bool = True
+    #: How pseudo-gradients travel: int8 with a scale per block, fp16, or none (float32).
+    compression: Annotated[Compression, ByValue] = Compression.INT8
+    #: Seconds a round waits for its last workers after its first upload, then is averaged over
+    #: those in (the others missed it, and fetch that average); None: the job's collective_timeout.
+    round_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
+
+    @field_validator("nesterov")
+    @classmethod
+    def _needs_momentum(cls, value: bool, info):
+        if value and info.data.get("outer_momentum") == 0:
+            raise ValueError("must be false when outer_momentum is 0 (Nesterov momentum needs a momentum)")
+        return value
+
+    @model_validator(mode="after")
+    def _plain_sgd(self):
+        if self.outer_momentum == 0 and "nesterov" not in self.model_fields_set:
+            self.nesterov = False
+        return self
+
+
+class RoundUpload(BaseModel):
+    """The query of a worker's upload (as ``rest.Query``: strings read as their types, unknown
+    parameters ignored)."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    #: The worker's last round: it trains no more, and the rounds after this one do not wait for it.
+    last: bool = False
+
+
+class RoundState(Answer):
+    """Where one round of a DILOCO job stands."""
+    job_id: str
+    attempt: int
+    round: int
+    #: The average is made: ``GET .../rounds/<round>`` answers its bytes.
+    ready: bool
+    #: The ranks whose pseudo-gradients the round waits for, or waited for.
+    expected: list[int]
+    #: Those that uploaded theirs.
+    uploaded: list[int]
+    #: Those the round still waits for.
+    waiting_for: list[int]
+    #: The ranks whose pseudo-gradients the average holds (an upload of no values adds nothing).
+    members: list[int] = []
+    #: The ranks that said this or an earlier round was their last.
+    left: list[int] = []
+    #: Those the round waited for that did not upload in time (``round_timeout``) or were
+    #: dropped meanwhile (their GPU client lost): the average went on without them.
+    missed: list[int] = []
+    #: The job's workers dropped so far (their GPU client or process lost).
+    dropped: list[int] = []
+    compression: Compression
+    #: Bytes of the average, once made.
+    size: int | None = None
+
+
+__all__ = ["DilocoSettings", "RoundUpload", "RoundState"]

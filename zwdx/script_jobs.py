@@ -1,0 +1,170 @@
+"""Script jobs from the SDK: ``ZWDX.submit_script`` (what ``zwdx run`` calls), ``push_workdir``
+and ``download_outputs`` (``zwdx.protocol.script`` says what travels).
+
+    zwdx = ZWDX("http://server:4461", room_token=SUBMITTER_TOKEN)
+    result = zwdx.submit_script("train.py", ["--lr", "3e-4"], nproc=2)   # prints each rank's lines as they come
+    zwdx.download_outputs(result["job_id"], "zwdx-output")                # what rank 0 wrote in $ZWDX_OUTPUT_DIR
+
+Everything that can be checked here is, before a byte is uploaded: the script's arguments and
+environment (as the server checks them), the script (a file of the working dir that travels),
+the working dir's size (``zwdx.workdir``). The working dir is then asked for by its sha256
+and uploaded only if the room does not have it. A job's outputs come back as a tar, unpacked
+with tarfile's ``data`` filter: nothing lands outside the folder asked for, no link leads out
+of it, no device is made; they are plain files, never unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tarfile
+import tempfile
+
+from . import defaults
+from .errors import BadRequest, NotFound, ZwdxError
+from .protocol import JobKind, runtime_versions
+from .protocol.base import parse
+from .protocol.rest import SubmitJob
+from .protocol.script import ScriptSpec
+from .workdir import Packed, human, pack
+
+
+def print_line(event: dict) -> None:
+    """A rank's line as ``zwdx run`` prints it, on stdout, prefixed as torchrun's ``--tee`` does."""
+    print(f"[rank{event.get('rank')}]:{event['data'].get('text', '')}", flush=True)
+
+
+def extract_outputs(archive: str, dest: str) -> list[str]:
+    """The outputs' tar unpacked into ``dest`` (made if need be): the files it wrote, relative.
+    An entry that would land outside ``dest``, link out of it or be a device is refused, naming it."""
+    if not hasattr(tarfile, "data_filter"):
+        raise ZwdxError(f"Python {sys.version.split()[0]} lacks tarfile's data filter (3.10.12, 3.11.4 and later have "
+                        f"it): zwdx does not unpack a job's outputs without it")
+    os.makedirs(dest, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            members = [tarfile.data_filter(m, dest) for m in tar.getmembers()]  # as written: "/a" lands as "a"
+            tar.extractall(dest, members=members, filter="data")
+    except tarfile.FilterError as exc:
+        raise ZwdxError(f"the job's outputs are refused: {exc}") from None
+    except tarfile.TarError as exc:
+        raise ZwdxError(f"the job's outputs are not a tar: {exc}") from None
+    return sorted(m.name for m in members if m.isfile())
+
+
+class ScriptJobs:
+    """The script-job calls of one ``ZWDX`` (which exposes them as its own methods)."""
+
+    def __init__(self, sdk):
+        self.sdk = sdk
+
+    def push_workdir(self, packed: Packed, token: str, ask: bool = True) -> dict:
+        """The room's working dir of these bytes: asked for by sha256 (``ask``) and uploaded only
+        if it is not there. ``{"id", "sha256", "size", "files", "uploaded"}``."""
+        found = None
+        if ask:
+            try:
+                found = self.sdk._json("GET", f"/workdirs/{packed.sha256}", token)
+            except NotFound:
+                pass
+        uploaded = found is None
+        if uploaded:
+            with open(packed.path, "rb") as fh:
+                found = self.sdk._json("PUT", f"/workdirs/{packed.sha256}", token, data=fh,
+                                       headers={defaults.SHA256_HEADER: packed.sha256,
+                                                "Content-Type": "application/octet-stream"},
+                                       timeout=max(self.sdk.timeout, 600))
+        return {"id": found["id"], "sha256": packed.sha256, "size": packed.size, "files": packed.files,
+                "uploaded": uploaded}
+
+    def push(self, working_dir: str = ".", script: str | None = None, room_token: str | None = None,
+             max_workdir_bytes: int | None = None) -> dict:
+        """Pack a working dir (``script``: a file it must hold) and upload it unless the room has
+        it, as ``submit`` does: ``{"id", "sha256", "size", "files", "uploaded"}``."""
+        packed = pack(working_dir, script, max_workdir_bytes)
+        try:
+            return self.push_workdir(packed, self.sdk._token(room_token))
+        finally:
+            packed.discard()
+
+    def submit(self, script: str, args=(), *, nproc: int, working_dir: str = ".", gpus_per_client: int | None = None,
+               memory_required: int = 0, name: str = "", env: dict | None = None, room_token: str | None = None,
+               wait: bool = True, progress: bool = True, raise_on_failure: bool = True, timeout: float | None = None,
+               max_restarts: int = defaults.MAX_RESTARTS, fail_if_unschedulable: bool = False,
+               cancel_on_interrupt: bool = True, max_workdir_bytes: int | None = None):
+        sdk = self.sdk
+        token = sdk._token(room_token)
+        if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+            raise BadRequest("args must be a list of strings (the script's command line)", field="args")
+        run = parse(ScriptSpec, {"path": "pending", "args": list(args), "env": dict(env or {})}, "script")
+        packed = pack(working_dir, script, max_workdir_bytes)
+        try:
+            run.path = packed.script
+            fields = {"kind": JobKind.SCRIPT.value, "script": run.model_dump(), "world_size": nproc,
+                      "gpus_per_client": gpus_per_client, "memory_required": memory_required,
+                      "name": name or os.path.basename(packed.script), "versions": runtime_versions(),
+                      "max_restarts": max_restarts, "fail_if_unschedulable": fail_if_unschedulable}
+            parse(SubmitJob, {**fields, "bundle_artifact": "pending"})  # the server's own check, before the upload
+            workdir = self.push_workdir(packed, token)
+            try:
+                job = sdk._json("POST", "/jobs", token, json={**fields, "bundle_artifact": workdir["id"]})
+            except BadRequest as err:
+                if err.context.get("field") != "bundle_artifact" or workdir["uploaded"]:
+                    raise
+                # swept between the question and the submit (unused for UNATTACHED_GRACE): upload it after all
+                workdir = self.push_workdir(packed, token, ask=False)
+                job = sdk._json("POST", "/jobs", token, json={**fields, "bundle_artifact": workdir["id"]})
+        finally:
+            packed.discard()
+        try:  # from here on, Ctrl-C has a job to cancel
+            sdk._job_tokens[job["id"]] = token
+            sdk._remember("remember_job", job["id"], job["room_id"], token)
+            if progress:
+                said = "uploaded" if workdir["uploaded"] else "unchanged, not uploaded again"
+                _say(f"zwdx: job {job['id']}: {packed.script} on {nproc} rank(s); working dir {working_dir} "
+                     f"({workdir['files']} files, {human(workdir['size'])}, sha256 {workdir['sha256'][:12]}) {said}")
+            if job.get("unschedulable"):
+                _say(f"zwdx: job {job['id']} cannot run in this room as it is now: {job['unschedulable']}; it waits "
+                     f"for GPU clients that fit")
+            if not wait:
+                return job["id"]
+            done = sdk._follow(job["id"], token, progress, timeout, on_log=print_line if progress else None)
+            result = sdk._result(done, raise_on_failure)
+            result["workdir"] = workdir
+            return result
+        except KeyboardInterrupt:
+            if wait:
+                sdk._interrupted(job["id"], token, cancel_on_interrupt)
+            raise
+
+    def download_outputs(self, job_id: str, dest: str | None = None, room_token: str | None = None) -> str | None:
+        """What the job's rank 0 wrote under ``$ZWDX_OUTPUT_DIR``, unpacked into ``dest``
+        (default ``zwdx-output/<job id>``); its path, or None when the job has no outputs."""
+        sdk = self.sdk
+        token = sdk._token(room_token, job_id)
+        dest = dest or os.path.join("zwdx-output", job_id)
+        try:
+            resp = sdk._request("GET", f"{defaults.API_PREFIX}/jobs/{job_id}/outputs", token, stream=True,
+                                timeout=max(sdk.timeout, 600))
+        except NotFound as err:
+            if err.context.get("job_id") == job_id and "status" in err.context:
+                return None  # the job exists and has no outputs
+            raise
+        fd, archive = tempfile.mkstemp(suffix=".tar")
+        try:
+            digest = hashlib.sha256()
+            with os.fdopen(fd, "wb") as fh:
+                for block in resp.iter_content(defaults.CHUNK_BYTES):
+                    digest.update(block)
+                    fh.write(block)
+            expected = resp.headers.get(defaults.SHA256_HEADER)
+            if expected and digest.hexdigest() != expected:
+                raise ZwdxError(f"outputs of job {job_id} arrived corrupted (sha256 mismatch)", job_id=job_id)
+            extract_outputs(archive, dest)
+        finally:
+            os.unlink(archive)
+        return dest
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,242 @@
+"""DILOCO's outer steps, through the server: every worker (one rank) of a DILOCO job uploads its
+pseudo-gradient for a round over the HTTPS connection it already has, the server averages them
+once every worker the round waits for has uploaded, and every worker fetches the average. A
+worker needs outbound access to the server and nothing else: no open port, no peer to reach.
+
+    PUT /api/v1/jobs/<id>/diloco/rounds/<round>[?last=true]   a worker's pseudo-gradient (its rank key)
+    GET /api/v1/jobs/<id>/diloco/rounds/<round>               the average (200), or where the round stands (202)
+
+The bytes are ``zwdx.codec``'s (a JSON layout, then int8 blocks with their scales, fp16 or
+float32): never unpickled, checked whole on upload (layout, size, finite values, the job's
+compression). The average is made streaming, one frame of every upload at a time, so a round
+takes memory in the megabytes whatever the model's size, and is written in the job's
+compression: every worker decodes the same bytes and so keeps the same global weights.
+
+What a round is, lives in its artifacts (no store verb of its own): ``pseudo_gradient``
+(round, rank, attempt, last) and ``outer_gradient`` (round, attempt, expected, members, left).
+A round waits for the ranks of the job's current attempt that have not left (said ``last`` in an
+earlier round) nor were dropped (``lifecycle.drop``: a lost GPU client or process), at most
+``round_timeout`` after its first upload: then it is averaged over those in, and a worker that
+missed two rounds in a row is dropped. Once a round is averaged its uploads are deleted, and the
+averages older than the one before it; every artifact counts against the room's quota, and what a
+finished job leaves, the sweeper takes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from flask import Blueprint, current_app
+
+from .. import codec
+from ..errors import BadRequest, Conflict, NotFound
+from ..protocol import ArtifactKind, EventKind, Parallelism, RankStatus
+from ..protocol.diloco import RoundState, RoundUpload
+from ..protocol.job import Job as JobRecord
+from .auth import Sender
+from .http import OCTET, Auth, ctx, operation, save_artifact, stream
+from . import lifecycle, limits, notify
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("diloco", __name__)
+
+#: Held while a round is averaged on this server process: each round is averaged once.
+_averaging = threading.Lock()
+
+
+def _diloco(job: JobRecord) -> None:
+    if job.spec.parallelism != Parallelism.DILOCO:
+        raise Conflict(f"job {job.id} trains with {job.spec.parallelism.value}, not DILOCO: it has no rounds",
+                       job_id=job.id)
+
+
+def _uploads(job: JobRecord, n: int) -> dict[int, dict]:
+    """rank -> its pseudo-gradient for round ``n`` of the current attempt (the latest it sent)."""
+    out: dict[int, dict] = {}
+    for artifact in sorted(ctx().store.list_artifacts(job.id, ArtifactKind.PSEUDO_GRADIENT.value),
+                           key=lambda a: a["created_at"]):
+        if artifact.get("attempt") == job.attempt and artifact.get("round") == n:
+            out[artifact["rank"]] = artifact
+    return out
+
+
+def _averages(job: JobRecord) -> dict[int, dict]:
+    """round -> its average, of the current attempt."""
+    return {a["round"]: a for a in ctx().store.list_artifacts(job.id, ArtifactKind.OUTER_GRADIENT.value)
+            if a.get("attempt") == job.attempt}
+
+
+def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, dict]]:
+    """Where round ``n`` stands, its average (None until made) and its uploads by rank. A round
+    waits for the ranks of the attempt that neither left (said ``last`` in an earlier round) nor
+    were dropped (their GPU client or process lost: ``lifecycle.drop``)."""
+    averages, uploads = _averages(job), _uploads(job, n)
+    average = averages.get(n)
+    earlier = [r for r in averages if r < n]
+    left = sorted(averages[max(earlier)].get("left") or []) if earlier else []
+    dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED}
+    expected = average["expected"] if average else [r for r in range(job.world_size or 0)
+                                                    if r not in left and r not in dropped]
+    return RoundState(job_id=job.id, attempt=job.attempt, round=n, ready=average is not None, expected=expected,
+                      uploaded=sorted(uploads), waiting_for=[] if average else [r for r in expected if r not in uploads],
+                      members=average["members"] if average else [], left=average["left"] if average else left,
+                      missed=average.get("missed", []) if average else [], dropped=sorted(dropped),
+                      compression=job.spec.diloco.compression,
+                      size=average["size"] if average else None), average, uploads
+
+
+def round_timeout(job: JobRecord) -> float:
+    """Seconds a round waits for its last workers after its first upload."""
+    return float(job.spec.diloco.round_timeout or job.spec.collective_timeout or current_app.config["COLLECTIVE_TIMEOUT"])
+
+
+def _delete(artifact: dict) -> None:
+    """Record first, then bytes: a reader finds both or neither (as the sweeper deletes)."""
+    if ctx().store.delete_artifact(artifact["id"]):
+        ctx().artifacts.delete(artifact["id"])
+
+
+def _check(job: JobRecord, artifact: dict, others: list[dict]) -> codec.Layout:
+    """The upload read whole: a pseudo-gradient of the job's compression, of the size of the
+    round's other uploads."""
+    try:
+        layout = codec.check(codec.ChunkReader(_yielding(ctx().artifacts.open(artifact["id"]))))
+    except codec.CodecError as exc:
+        raise BadRequest(f"the body is not a pseudo-gradient: {exc}", field="body") from None
+    want = job.spec.diloco.compression.value
+    if layout.numel and layout.compression != want:
+        raise BadRequest(f"the body is compressed {layout.compression}; job {job.id} sends {want}", field="body")
+    for other in others:
+        numel = other.get("numel") or 0
+        if layout.numel and numel and numel != layout.numel:
+            raise BadRequest(f"the body holds {layout.numel} values; rank {other['rank']}'s upload of this round "
+                             f"holds {numel}", field="body")
+    return layout
+
+
+@operation(bp, "PUT", "/jobs/<job_id>/diloco/rounds/<n>", "Upload a worker's pseudo-gradient for round n",
+           auth=Auth.JOB, body=OCTET, query=RoundUpload, answer=RoundState, status=201,
+           errors=(409, 413, 422, 429), tag="diloco")
+def put_round(job: JobRecord, sender: Sender, n: int, query: RoundUpload):
+    """The sender's rank of the current attempt only (its rank key); ``zwdx.codec``'s bytes in
+    the job's compression (an upload of no values: the worker is there with nothing to add).
+    Sent again before the round is averaged, the later upload wins; once it is, or for a round
+    older than the last averaged, 409. ``last``: the worker's last round; later rounds do not
+    wait for it. The upload that completes a round has it averaged before the answer."""
+    _diloco(job)
+    round_state, average, uploads = state(job, n)
+    newest = max(_averages(job), default=-1)
+    if average is not None or n < newest:
+        missed = " without it (it came too late): fetch the average" if average and sender.rank in \
+            average.get("missed", []) else ""
+        raise Conflict(f"round {n} of job {job.id} is averaged already{missed} (the newest is {newest})",
+                       job_id=job.id)
+    if sender.rank not in round_state.expected:
+        raise Conflict(f"rank {sender.rank} left job {job.id}'s rounds before round {n}", job_id=job.id)
+    artifact = save_artifact({"id": job.room_id}, ArtifactKind.PSEUDO_GRADIENT.value, job.id, round=n,
+                             rank=sender.rank, attempt=sender.attempt, last=query.last).model_dump()
+    try:
+        layout = _check(job, artifact, [a for r, a in uploads.items() if r != sender.rank])
+    except BaseException:
+        _delete(artifact)
+        raise
+    ctx().store.update_artifact(artifact["id"], {"numel": layout.numel, "last": query.last})
+    if sender.rank in uploads:
+        _delete(uploads[sender.rank])  # the later upload wins
+    close(job, n)
+    return state(job, n)[0], 201
+
+
+@operation(bp, "GET", "/jobs/<job_id>/diloco/rounds/<n>", "Download round n's average, once made",
+           auth=Auth.JOB, answer=OCTET, answers={202: RoundState}, errors=(409,), tag="diloco")
+def get_round(job: JobRecord, n: int):
+    """Any rank's key of the current attempt. The average's bytes (``zwdx.codec``, the job's
+    compression) once every worker the round waits for uploaded; until then 202 and where the
+    round stands (ask again). A round whose average is deleted already (older than the one
+    before the newest) is 404."""
+    _diloco(job)
+    average = close(job, n)
+    if average is not None:
+        return stream(average)
+    round_state, _, _ = state(job, n)
+    if n < max(_averages(job), default=-1):
+        raise NotFound(f"round {n} of job {job.id} is gone (averages older than the last two are deleted)",
+                       job_id=job.id)
+    return round_state, 202
+
+
+def close(job: JobRecord, n: int) -> dict | None:
+    """Round ``n``'s average: made now if every worker the round waits for has uploaded, or
+    ``round_timeout`` passed since its first upload (the missing ones missed it). None while it
+    waits."""
+    round_state, average, uploads = state(job, n)
+    if average is not None or not _due(job, round_state, uploads):
+        return average
+    with _averaging:
+        round_state, average, uploads = state(job, n)  # made meanwhile?
+        if average is not None or not _due(job, round_state, uploads):
+            return average
+        return _average(job, n, round_state, uploads)
+
+
+def _due(job: JobRecord, round_state: RoundState, uploads: dict[int, dict]) -> bool:
+    if not uploads:
+        return False
+    first = min(a["created_at"] for a in uploads.values())
+    return not round_state.waiting_for or time.time() > first + round_timeout(job)
+
+
+def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int, dict]) -> dict:
+    started = time.time()
+    readers = {rank: codec.ChunkReader(_yielding(ctx().artifacts.open(a["id"]))) for rank, a in uploads.items()}
+    layout, members, chunks = codec.average(readers)
+    allowed, by_quota = limits.artifact_allowance(job.room_id, int(current_app.config["MAX_ARTIFACT_BYTES"]))
+    if layout.size() > allowed:
+        raise limits.artifact_quota_exceeded(job.room_id, layout.size())
+    artifact_id = uuid.uuid4().hex
+    size, sha = ctx().artifacts.save(artifact_id, codec.ChunkReader(_yielding(chunks)), allowed)
+    left = sorted(set(round_state.left) | {r for r, a in uploads.items() if a.get("last")})
+    record = ctx().store.add_artifact({
+        "id": artifact_id, "room_id": job.room_id, "kind": ArtifactKind.OUTER_GRADIENT.value, "size": size,
+        "sha256": sha, "job_id": job.id, "created_at": time.time(), "round": n, "attempt": job.attempt,
+        "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
+    _collect(job, n)
+    earlier = _averages(job).get(n - 1) or {}
+    twice = [r for r in round_state.waiting_for if r in (earlier.get("missed") or [])]
+    if twice:  # two rounds in a row: it is gone, or too slow to be waited for
+        lifecycle.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
+    text = (f"diloco round {n}: averaged the pseudo-gradients of rank(s) {', '.join(map(str, members)) or 'none'} "
+            f"through the server ({layout.compression}, {sum(a['size'] for a in uploads.values())} bytes in, "
+            f"{size} bytes out to each worker, {time.time() - started:.2f} s)"
+            + (f"; rank(s) {', '.join(map(str, left))} left" if left else "")
+            + (f"; rank(s) {', '.join(map(str, round_state.waiting_for))} missed it (not in within "
+               f"{round_timeout(job):g} s)" if round_state.waiting_for else ""))
+    log.info("job %s: %s", job.id, text)
+    events = ctx().store.add_events(job.id, [{"kind": EventKind.LOG.value, "rank": None, "key": f"diloco:{job.attempt}:{n}",
+                                              "step": None, "data": {"text": text}, "ts": time.time()}])
+    notify.events_added(job, events)
+    return record
+
+
+def _yielding(chunks):
+    """``chunks``, letting the server's other requests run between two (under gevent, reading a
+    large upload through or averaging a round would otherwise hold the one thread that serves
+    them all)."""
+    for chunk in chunks:
+        yield chunk
+        time.sleep(0)
+
+
+def _collect(job: JobRecord, n: int) -> None:
+    """After round ``n`` is averaged: its uploads, the averages before round ``n - 1``, and every
+    round artifact of an earlier attempt go."""
+    store = ctx().store
+    for kind in (ArtifactKind.PSEUDO_GRADIENT, ArtifactKind.OUTER_GRADIENT):
+        for artifact in store.list_artifacts(job.id, kind.value):
+            old_attempt = artifact.get("attempt") != job.attempt
+            done = artifact.get("round", n) <= n if kind is ArtifactKind.PSEUDO_GRADIENT else artifact.get("round", n) < n - 1
+            if old_attempt or done:
+                _delete(artifact)

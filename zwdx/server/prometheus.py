@@ -1,0 +1,154 @@
+"""``GET /metrics``: the server in Prometheus's text format, for an operator's Prometheus.
+
+Two sources, one answer:
+- what the store holds, read at each scrape (``StoreCollector``): jobs by room and status, each
+  room's queue (depth, the longest wait so far), GPU clients online and offline, slots free,
+  busy and lost, and each online slot's utilisation and memory as its last heartbeat said;
+- what this process counted as it happened (``meters.py``): REST request latencies, job wait
+  times, durations, ends and restarts.
+
+Labels are bounded: a room's id, a GPU client's id and slot index, a status, a route's rule;
+never a job id, never a token. Who may scrape: with ``METRICS_TOKEN`` set (``zwdx server
+--metrics-token-file``), whoever sends ``Authorization: Bearer <it>``; without it, only
+loopback addresses (a Prometheus or an agent on the server's machine). Behind a reverse proxy
+on the same machine every request looks local: set a token there, or do not route /metrics.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import time
+from collections import Counter as Tally
+
+from flask import Blueprint, Response, current_app, request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .. import __version__
+from ..errors import AuthError, Forbidden
+from ..protocol import WAITING, ClientStatus
+from . import meters
+from .http import Auth, ctx, operation
+
+bp = Blueprint("prometheus", __name__)
+
+TEXT = "text/plain"
+
+
+class StoreCollector(Collector):
+    """Gauges read from the store when Prometheus scrapes (nothing is kept between scrapes)."""
+
+    def __init__(self, store, clock=time.time):
+        self.store, self.clock = store, clock
+
+    def collect(self):
+        now = self.clock()
+        info = GaugeMetricFamily("zwdx_build_info", "The zwdx version this server runs", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+
+        jobs = GaugeMetricFamily("zwdx_jobs", "Jobs by room and status", labels=["room", "status"])
+        for (room, status), n in sorted(self.store.job_counts().items()):
+            jobs.add_metric([room, status], n)
+        yield jobs
+
+        depth = GaugeMetricFamily("zwdx_queue_depth", "Jobs waiting to be placed (queued or resuming)", labels=["room"])
+        oldest = GaugeMetricFamily("zwdx_queue_oldest_wait_seconds",
+                                   "How long the room's longest-waiting job has waited so far", labels=["room"])
+        waits: dict[str, list[float]] = {}
+        for job in self.store.list_jobs(statuses=WAITING):
+            since = next((e.at for e in reversed(job.timeline) if e.status in WAITING), job.created_at)
+            waits.setdefault(job.room_id, []).append(max(0.0, now - since))
+        for room, seconds in sorted(waits.items()):
+            depth.add_metric([room], len(seconds))
+            oldest.add_metric([room], max(seconds))
+        yield depth
+        yield oldest
+
+        yield from self._clients()
+
+    def _clients(self):
+        clients = GaugeMetricFamily("zwdx_gpu_clients", "GPU clients by room and status", labels=["room", "status"])
+        slots = GaugeMetricFamily("zwdx_slots", "GPU slots by room and state (free, busy, lost)",
+                                  labels=["room", "state"])
+        utilization = GaugeMetricFamily("zwdx_slot_utilization_percent", "A slot's GPU utilisation, last heartbeat",
+                                        labels=["room", "client", "slot", "kind"])
+        free = GaugeMetricFamily("zwdx_slot_memory_free_bytes", "A slot's free memory, last heartbeat",
+                                 labels=["room", "client", "slot", "kind"])
+        total = GaugeMetricFamily("zwdx_slot_memory_total_bytes", "A slot's memory", labels=["room", "client", "slot",
+                                                                                          "kind"])
+        by_status, by_state = Tally(), Tally()
+        for client in self.store.list_clients(None):
+            room = client.get("room_id")
+            if not isinstance(room, str):
+                continue
+            online = client.get("status") == ClientStatus.ONLINE.value
+            by_status[(room, ClientStatus.ONLINE.value if online else ClientStatus.OFFLINE.value)] += 1
+            for slot in client.get("slots") or []:
+                by_state[(room, "lost" if not online else "busy" if slot.get("job_id") else "free")] += 1
+                if not online:
+                    continue
+                labels = [room, str(client.get("id")), str(slot.get("index")), str(slot.get("kind") or "cuda")]
+                for family, key in ((utilization, "utilization"), (free, "memory_free"), (total, "memory_total")):
+                    value = slot.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        family.add_metric(labels, float(value))
+        for (room, status), n in sorted(by_status.items()):
+            clients.add_metric([room, status], n)
+        for (room, state), n in sorted(by_state.items()):
+            slots.add_metric([room, state], n)
+        yield from (clients, slots, utilization, free, total)
+
+
+class _Meters(Collector):
+    """What this process counted (``meters.REGISTRY``), in the same answer."""
+
+    def collect(self):
+        yield from meters.REGISTRY.collect()
+
+
+def _may_scrape() -> None:
+    token = current_app.config.get("METRICS_TOKEN")
+    if token:
+        sent = request.headers.get("Authorization", "")
+        if not (sent.lower().startswith("bearer ") and hmac.compare_digest(sent[7:].encode(), str(token).encode())):
+            raise AuthError("GET /metrics needs 'Authorization: Bearer <the server's metrics token>'")
+        return
+    try:
+        local = ipaddress.ip_address(request.remote_addr or "").is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        raise Forbidden("GET /metrics answers only this machine unless the server has a metrics token "
+                        "(zwdx server --metrics-token-file FILE, or ZWDX_METRICS_TOKEN)")
+
+
+@operation(bp, "GET", "/metrics", "The server's metrics, in Prometheus's text format", auth=Auth.NONE, answer=TEXT,
+           errors=(401, 403), prefix="", tag="server")
+def metrics():
+    """Jobs, queues, GPU clients and slots (read from the store at each scrape) and this
+    process's request latencies and job timings. Open to loopback addresses; with a metrics
+    token set on the server, to ``Authorization: Bearer <token>`` only."""
+    _may_scrape()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(ctx().store))
+    registry.register(_Meters())
+    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST.split(";")[0],
+                    content_type=CONTENT_TYPE_LATEST)
+
+
+def observe_requests(app) -> None:
+    """Time every request to a REST route (``meters.request_done``), labelled by its rule."""
+
+    @app.before_request
+    def _start():
+        request.environ["zwdx.started"] = time.perf_counter()
+
+    @app.after_request
+    def _done(response):
+        started = request.environ.get("zwdx.started")
+        rule = request.url_rule.rule if request.url_rule is not None else "(no route)"
+        if started is not None:
+            meters.request_done(request.method, rule, response.status_code, time.perf_counter() - started)
+        return response
