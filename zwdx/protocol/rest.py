@@ -72,6 +72,8 @@ class SlotView(Answer):
     utilization: float | None = None
     #: How job code on the slot is kept from its GPU client and other jobs (None: not told).
     isolation: Isolation | None = None
+    #: A container's image and limits (``isolation: docker``; ``protocol.gpu.Terms``' fields).
+    terms: dict[str, Any] | None = None
     job_id: str | None = None
     rank: int | None = None
 
