@@ -193,8 +193,8 @@ def test_a_rank_runs_in_a_locked_down_container_under_the_terms_its_job_page_sho
     listener.listen()
     from gpu_client.container import agent_tag
     tags = {name: agent_tag(os.path.join(stack.root, name)) for name in ("left", "right")}
-    standby = set(wait_until(lambda: [c for t in tags.values() for c in _containers(t, "standby")] or None,
-                             30, what="the slots' standby containers"))
+    wait_until(lambda: all(_containers(t, "standby") for t in tags.values()), 30, what="the slots' standby containers")
+    standby = {name: set(_containers(tag, "standby")) for name, tag in tags.items()}
     try:
         job = _submit(stack, probe(f"127.0.0.1:{listener.getsockname()[1]}", stack.root))
     finally:
@@ -215,15 +215,15 @@ def test_a_rank_runs_in_a_locked_down_container_under_the_terms_its_job_page_sho
     if _egress_filtered():
         assert seen["egress"] in ("ConnectionRefusedError", "ConnectionResetError"), seen["egress"]
     # what the job's page and `zwdx jobs show` say its rank ran under: its slot's terms
-    state = stack.sdk.get_job(job["id"], room_token=stack.token)["ranks"]["0"]
+    state = stack.sdk.get_job(job["job_id"], room_token=stack.token)["ranks"]["0"]
     assert state["isolation"] == "docker" and state["terms"] == terms
-    shown = subprocess.run([sys.executable, "-m", "zwdx.cli", "jobs", "show", job["id"], "--server", stack.server.url],
+    shown = subprocess.run([sys.executable, "-m", "zwdx.cli", "jobs", "show", job["job_id"], "--server", stack.server.url],
                            capture_output=True, text=True, timeout=60, cwd=ROOT,
                            env={**os.environ, "ZWDX_ROOM_TOKEN": stack.token})
     assert shown.returncode == 0, shown.stderr
     assert "container" in shown.stdout and f"rank 0 ran in a container: image {IMAGE}" in shown.stdout, shown.stdout
     assert f"pids {terms['pids']}" in shown.stdout
-    wait_until(lambda: not standby & {c for t in tags.values() for c in _containers(t)}, 20 + SLACK,
+    wait_until(lambda: not standby[name] & set(_containers(tags[name])), 20 + SLACK,
                what="the rank's container (a slot's standby) removed once the rank ended")
     if not _egress_filtered():
         needs.missing("root and iptables (the rank's egress rules; all else above was checked)",
