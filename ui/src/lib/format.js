@@ -9,6 +9,20 @@ export function formatIsolation(isolation) {
   return ISOLATION_WORDS[isolation] || isolation;
 }
 
+/** A container's image and limits (`Terms`, gpu_client/container.py) on one line. */
+export function formatTerms(t) {
+  if (!t) return "";
+  return [
+    t.image,
+    `memory ${formatBytes(t.memory_bytes)}`,
+    `pids ${t.pids}`,
+    `shm ${formatBytes(t.shm_bytes)}`,
+    `${t.root_fs} root`,
+    `capabilities ${t.capabilities}`,
+    `network: ${t.network}`,
+  ].join(" · ");
+}
+
 export function formatBytes(bytes) {
   if (bytes === null || bytes === undefined || Number.isNaN(bytes)) return "—";
   if (bytes === 0) return "0 B";

@@ -69,7 +69,7 @@ describe("the room overview", () => {
 
   it("shows clients online and offline, each GPU's memory and utilisation, and which job a slot runs", async () => {
     const clients = [
-      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" })]),
+      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" }), slot("a", 2, { isolation: "docker", terms: { image: "zwdx-gpu-client", pids: 512, memory_bytes: 2 ** 32, shm_bytes: 2 ** 31, root_fs: "read-only", capabilities: "none", network: "host" } })]),
       gpuClient("b", "offline", [slot("b", 0)]),
     ];
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [job("j1", 1, "running")] } });
@@ -77,7 +77,7 @@ describe("the room overview", () => {
     const cards = await screen.findAllByTestId("client");
     expect(cards.map((c) => c.dataset.status)).toEqual(["online", "offline"]);
     expect(screen.getByTestId("stat-online")).toHaveTextContent("1 GPU client online");
-    const [busy, idle] = within(cards[0]).getAllByTestId("slot");
+    const [busy, idle, boxed] = within(cards[0]).getAllByTestId("slot");
     expect(busy).toHaveTextContent("NVIDIA H100");
     expect(busy).toHaveTextContent("60.0 GiB free of 80.0 GiB");
     expect(busy).toHaveTextContent("40 %");
@@ -86,6 +86,8 @@ describe("the room overview", () => {
     expect(idle).toHaveTextContent("idle");
     expect(within(busy).getByTestId("isolation")).toHaveTextContent("per-job user");
     expect(within(idle).getByTestId("isolation")).toHaveTextContent("same user");
+    expect(within(boxed).getByTestId("isolation")).toHaveTextContent("container");
+    expect(within(boxed).getByTestId("isolation")).toHaveAttribute("title", expect.stringContaining("zwdx-gpu-client · memory 4.0 GiB · pids 512"));
     expect(within(within(cards[1]).getByTestId("slot")).queryByTestId("isolation")).toBeNull(); // an older client: not told
   });
 
