@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(harness.ROOT, "test"))
 import dockerd  # noqa: E402
 import mnist  # noqa: E402
 
-SETUPS = {"process": ["--isolation", "process"], "docker": ["--isolation", "docker"],
+SETUPS = {"process": ["--isolation", "process"], "user": ["--isolation", "user"], "docker": ["--isolation", "docker"],
           "docker (no standby)": ["--isolation", "docker", "--no-standby"]}
 
 
@@ -108,7 +108,7 @@ def main() -> None:
             for i in range(ranks):
                 clients.append(GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"s{n}c{i}"),
                                              f"s{n}c{i}", gpu=gpus[i] if gpus else None,
-                                             extra=[*SETUPS[setup], "--allow-image", args.image]))
+                                             extra=[*SETUPS[setup], *(["--allow-image", args.image] if "docker" in setup else [])]))
         for setup, token in rooms.items():
             wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(token)["clients"]) == ranks, 120,
                        what=f"the GPU clients of setup {setup}")

@@ -218,7 +218,10 @@ class DockerIsolation(ProcessIsolation):
         env = {k: v for k, v in env.items() if k in PASSED}
         handle = RankContainer(self, env, stdout)
         if "--standby" in argv:
-            handle.create(device=argv[argv.index("--standby") + 1])
+            try:
+                handle.create(device=argv[argv.index("--standby") + 1])
+            except OSError as exc:  # the slot's rank gets a fresh container, whose failure the submitter reads
+                log.warning("no standby container: %s", exc)
         return handle
 
     def create(self, handle: RankContainer, gpus: list[str], spec: RankSpec | None) -> str:

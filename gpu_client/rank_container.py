@@ -111,8 +111,12 @@ class RankContainer:
                 except Exception:
                     pass
             self.isolation.ended(self)
-            where = spec.where if spec is not None else "a standby"
-            raise OSError(f"{where}: the rank's container could not start: {exc}") from exc
+            self.returncode = 125
+            self._done.set()
+            if spec is not None:  # the submitter reads why
+                report_unstarted(spec, f"its container (image {self.isolation.confinement.image}) could not start: "
+                                       f"{exc}")
+            raise OSError(f"the rank's container could not start: {exc}") from exc
         try:
             self.pid = self.isolation.docker.api.inspect_container(self.id)["State"]["Pid"]
         except Exception:
@@ -170,13 +174,11 @@ class RankContainer:
         self._done.set()
 
     def poll(self) -> int | None:
-        if self.id is None:
-            return None if self.spec is None else 125
         return self.returncode if self._done.is_set() else None
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.id is None:
-            return 125
+        if self.id is None and not self._done.is_set():
+            return 125  # never made: no spec came
         if not self._done.wait(timeout):
             raise subprocess.TimeoutExpired(f"container {self.id[:12]}", timeout)
         self.close()

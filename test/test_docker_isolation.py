@@ -16,6 +16,7 @@ GPU-client image test_docker.py builds (built here if missing: the layer cache m
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -260,6 +261,24 @@ def test_ranks_of_two_clients_train_together_and_reach_only_each_other_and_the_s
     if not _egress_filtered():
         needs.missing("root and iptables (the ranks' egress rules)", "run the suite as root, as CI does")
     assert job["results"]["egress"] in ("ConnectionRefusedError", "ConnectionResetError")  # loopback: neither
+
+
+def test_a_script_job_and_a_diloco_job_run_in_containers_too(stack, tmp_path):
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    shutil.copy(os.path.join(ROOT, "test", "scripts", "ddp.py"), wd / "ddp.py")
+    script = stack.sdk.submit_script("ddp.py", ["--steps", "2"], nproc=2, working_dir=str(wd), room_token=stack.token,
+                                     progress=False)
+    assert script["complete"], script
+    job = stack.sdk.get_job(script["job_id"], room_token=stack.token)
+    assert {state["isolation"] for state in job["ranks"].values()} == {"docker"}
+    outputs = stack.sdk.download_outputs(script["job_id"], str(tmp_path / "out"), room_token=stack.token)
+    assert sorted(os.listdir(outputs)) == ["model.pt", "summary.txt"]  # written in the rank's sandbox, sent back
+    model = mnist.Net()
+    diloco = stack.sdk.submit_job(model, mnist.create_loader, mnist.train, mnist.test,
+                                  torch.optim.AdamW(model.parameters(), lr=3e-3), "DILOCO", 0, room_token=stack.token,
+                                  diloco={"inner_steps": 10}, world_size=2, epochs=1, progress=False)
+    assert diloco["complete"] and diloco["results"]["accuracy"] > 0.5  # rounds through the server, from containers
 
 
 def _derived_image(tag: str, folder, lines: list[str]) -> str:
