@@ -74,7 +74,10 @@ class Confinement:
 
 def engine():
     """A Docker SDK client of an answering engine, or ContainerError saying why there is none."""
-    import docker
+    try:
+        import docker
+    except ImportError as exc:
+        raise ContainerError(f"--isolation docker: the docker package is not installed ({exc})") from exc
     try:
         client = docker.from_env(timeout=30)
         client.ping()
