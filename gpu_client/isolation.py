@@ -3,6 +3,7 @@ rank processes. The launcher asks this module how to start a rank process, and t
 it for each job's sandbox.
 
     iso = build("user", work_dir, rank_dir=None, uids=None)  # zwdx gpu-client --isolation user
+    iso = build("docker", work_dir, confinement=..., server=url, slots=n)  # --isolation docker
     iso.check()                       at the agent's start: IsolationError saying what to change
     iso.kind, iso.label               what the agent registers per slot, and says at its start
     iso.importable(modules)           the modules a rank can import (a per-job user: asked as one)
@@ -11,6 +12,10 @@ it for each job's sandbox.
     iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx);
                                       the same for the CA file that verifies the server
     iso.release(box)                  its ranks exited: end what is left of the job, remove its dir
+    iso.signal(proc, signum)          signal a rank (its process group, or its container)
+    iso.versions(v), iso.terms()      what ranks run (a container's image: its Python, torch), and
+                                      a container's image and limits (None for a process)
+    iso.shutdown()                    the agent stops: end what the isolation still holds
 
 A sandbox (``zwdx.protocol.rank.Sandbox``) travels in each rank's ``RankSpec``; the rank process
 enters it (``enter``) right after reading its spec and opening its log, before it touches
