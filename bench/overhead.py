@@ -173,6 +173,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the measurement")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the preset)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                        help="override a preset's integer setting, e.g. --set layers=24 --set dim=2048 --set heads=16 "
+                             "(a ~1.3 B-parameter gpt2)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side, alternating which goes first")
     parser.add_argument("--sides", default="torchrun,zwdx",
                         help="which sides to run: torchrun, zwdx or both (the ratio needs both)")
@@ -202,7 +205,8 @@ def main() -> int:
         for model in [m.strip() for m in args.model.split(",") if m.strip()]:
             for rep in range(args.repeat):
                 cfg = workload.config(model, device, steps=args.steps, warmup=args.warmup, batch=args.batch,
-                                      seed=rep, parallelism=args.parallelism)
+                                      seed=rep, parallelism=args.parallelism,
+                                      **{k: int(v) for k, v in (item.split("=", 1) for item in args.set)})
                 order = ["torchrun", "zwdx"] if rep % 2 == 0 else ["zwdx", "torchrun"]
                 order = [side for side in order if side in args.sides.split(",")]
                 for side in order:

@@ -27,15 +27,18 @@ import os
 import random
 import shutil
 import tempfile
+import threading
+import time
 
+import requests
 import torch
-import torch.distributed as dist
 
 from zwdx.protocol import checkpoint as files_of
 from zwdx.protocol.job import CheckpointEntry
 from zwdx.protocol.vocab import CheckpointFormat, Parallelism
 
 from . import shards
+from .staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,8 @@ EXTRA = files_of.EXTRA
 
 class Checkpointer:
     def __init__(self, reporter, model, optimizer, parallelism: Parallelism, rank: int, world: int, device,
-                 latest: CheckpointEntry | None = None):
+                 latest: CheckpointEntry | None = None, writes: bool = True, commit_timeout: float = 600.0):
+        self.writes = writes  # False: this rank writes no checkpoint (a DILOCO job's are its rank 0's alone)
         self.reporter, self.model, self.optimizer = reporter, model, optimizer
         self.parallelism, self.rank, self.world, self.device = parallelism, rank, world, device
         self.latest = latest  # the checkpoint this attempt goes on from
@@ -53,6 +57,11 @@ class Checkpointer:
         self.tracked: dict[str, object] = {}  # name -> object with state_dict()/load_state_dict()
         self.tracked_state: dict = {}         # name -> its state in the checkpoint restored
         self.rng_state: dict | None = None    # this rank's generators in the checkpoint restored
+        self.staging = Staging()              # host buffers the tensors are copied into, reused
+        self.stall = 0.0                      # how long the last save held training up, s
+        self.commit_timeout = commit_timeout  # how long rank 0 waits for the other ranks' files, s
+        self._pending: threading.Thread | None = None  # the last checkpoint's background work
+        self._failed: BaseException | None = None
 
     # -- the user's extra state ----------------------------------------------------------------
     def track(self, obj, name: str | None = None):
@@ -101,37 +110,83 @@ class Checkpointer:
         return name
 
     def save(self, epoch: int, step: int, epoch_complete: bool = True) -> int:
-        """Collective: every rank calls it at the same point. Returns the checkpoint number."""
+        """Every rank calls it at the same point. Returns the checkpoint's number at once: training
+        waits only for the previous checkpoint's upload, if still going, and for the copy of this
+        one's tensors off the device; the files are written, uploaded and (rank 0, once every
+        rank's are up) committed in the background. A failure there fails the rank at its next
+        ``save`` or ``wait``; a rank lost before the commit leaves the previous checkpoint the
+        latest. A rank that does not ``write`` (a DILOCO worker but rank 0) skips it."""
         n = self.next_n
         self.next_n += 1
+        if not self.writes:
+            return n
+        self.wait()
+        started = time.monotonic()
         folder = tempfile.mkdtemp(prefix=f"zwdx-ckpt-{n}-r{self.rank}-")
         try:
-            if self.format == CheckpointFormat.SHARDS:
-                self._save_shards(folder)
-            else:
-                self._save_torch(folder)
+            write = self._stage_shards() if self.format == CheckpointFormat.SHARDS else self._stage_torch(folder)
+            self.staging.ready()
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.stall = time.monotonic() - started
+        self._pending = threading.Thread(target=self._finish, args=(n, folder, write, started, epoch, step, epoch_complete),
+                                         name=f"zwdx-checkpoint-{n}", daemon=True)
+        self._pending.start()
+        return n
+
+    def wait(self) -> None:
+        """Until the checkpoint in the background is uploaded and committed; its failure, raised."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._failed is not None:
+            exc, self._failed = self._failed, None
+            raise RuntimeError(f"checkpoint upload failed: {type(exc).__name__}: {exc}") from exc
+
+    def _finish(self, n: int, folder: str, write, started: float, epoch: int, step: int,
+                epoch_complete: bool) -> None:
+        """The background half of ``save``: write, upload, and (rank 0) commit checkpoint ``n``."""
+        try:
+            write(folder)
             mine = [self._upload(n, os.path.join(folder, f)) for f in sorted(os.listdir(folder))]
-            # every rank's files are in the artifact store; no object collective (it would unpickle
-            # what the other ranks send): the files of each rank are the format's
-            dist.barrier()
             if self.rank == 0:
                 names = sorted(files_of.required(self.format, self.world) | set(mine))
-                self.reporter.commit_checkpoint(n, names, epoch=epoch, step=step, format=self.format.value,
-                                                epoch_complete=epoch_complete)
+                self._commit(n, names, epoch=epoch, step=step, format=self.format.value, epoch_complete=epoch_complete)
+                self.reporter.log(f"checkpoint {n} saved (epoch {epoch}, step {step}): training waited "
+                                  f"{self.stall:.2f} s for it, {time.monotonic() - started:.2f} s to commit")
             log.info("rank %d: checkpoint %d saved (epoch %d, step %d)", self.rank, n, epoch, step)
-            return n
+        except BaseException as exc:  # raised in the training thread at its next save or wait
+            self._failed = exc
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _commit(self, n: int, names: list[str], **fields) -> None:
+        """Rank 0's commit, once the other ranks' files are up: no barrier (training goes on), so
+        the server's answer that some are not yet there is waited out, up to the collective
+        timeout; any other refusal is raised."""
+        deadline, delay = time.monotonic() + self.commit_timeout, 0.05
+        while True:
+            try:
+                return self.reporter.commit_checkpoint(n, names, **fields)
+            except requests.HTTPError as exc:
+                if not _not_uploaded_yet(exc.response) or time.monotonic() > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _tracked(self) -> dict:
         return {key: obj.state_dict() for key, obj in self.tracked.items()}
 
-    def _save_torch(self, folder: str) -> None:
-        """DDP: rank 0 the model and optimizer state and the tracked objects'; every rank its generators."""
+    def _stage_torch(self, folder: str):
+        """DDP: rank 0 the model and optimizer state and the tracked objects'; every rank its
+        generators. The tracked state is written and checked here (small; a state the checkpoint
+        cannot hold is the caller's error, raised now); the rest is copied to host buffers."""
+        files = {files_of.rng_file(self.rank): rng_states(self.device)}
         if self.rank == 0:
-            state = {"model": self.model.module.state_dict(),
-                     "optimizer": self.optimizer.state_dict() if self.optimizer else None}
-            torch.save(state, os.path.join(folder, files_of.STATE))
+            files[files_of.STATE] = self.staging.tree({
+                "model": self.model.module.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None}, "state")
             if self.tracked:
                 path = os.path.join(folder, EXTRA)
                 torch.save({"tracked": self._tracked()}, path)
@@ -139,10 +194,15 @@ class Checkpointer:
                     plain_load(path)
                 except Exception as exc:
                     raise TypeError(f"reporter.track: {_TRACKABLE}: {exc}") from None
-        torch.save(rng_states(self.device), os.path.join(folder, files_of.rng_file(self.rank)))
 
-    def _save_shards(self, folder: str) -> None:
-        """FSDP: this rank's shards, its generators and (rank 0) the tracked objects' state."""
+        def write(into: str) -> None:
+            for name, state in files.items():
+                torch.save(state, os.path.join(into, name))
+        return write
+
+    def _stage_shards(self):
+        """FSDP: this rank's shards, its generators and (rank 0) the tracked objects' state,
+        copied to host buffers; written as safetensors and JSON later."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer or [])
         state = {"model": model_sd, "optim": optim_sd, "rng": rng_states(self.device)}
@@ -152,9 +212,9 @@ class Checkpointer:
                 shards.check(state["tracked"], "tracked")
             except TypeError as exc:
                 raise TypeError(f"reporter.track: {_TRACKABLE}: {exc}") from None
-        shards.save(state, folder, self.rank, self.world)
+        encoded = shards.encode(state, self.rank, self.world, stage=self.staging.tensor)
+        return lambda into: shards.write(encoded, into)
 
-    # -- restoring ---------------------------------------------------------------------------
     def restore(self) -> None:
         """Load the latest checkpoint into the wrapped model and the optimizer (collective for FSDP),
         and keep the tracked objects' state and this rank's generators for later. A checkpoint
@@ -246,6 +306,15 @@ def _torch_allowlist_only():
         yield
     finally:
         torch.serialization.add_safe_globals(added)
+
+
+def _not_uploaded_yet(resp) -> bool:
+    """Whether the server refused a commit only because files it names are not uploaded yet."""
+    try:
+        error = resp.json().get("error", {})
+    except (ValueError, AttributeError):
+        return False
+    return resp.status_code == 400 and error.get("field") == "files" and bool(error.get("missing"))
 
 
 def plain_load(path: str, device="cpu"):

@@ -32,7 +32,7 @@ from zwdx.bundle import load as load_bundle
 from zwdx.bundle import register_sources
 from zwdx.checks import call_with
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.vocab import JobKind, RankStatus
+from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
 from .isolation import enter
@@ -116,7 +116,9 @@ class Trainer:
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
         checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
-                                    dist.get_world_size(), self.device, latest)
+                                    dist.get_world_size(), self.device, latest,
+                                    writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO,
+                                    commit_timeout=spec.collective_timeout)
         if latest is not None:
             checkpointer.restore()
             if spec.rank == 0:
@@ -183,6 +185,7 @@ class Trainer:
         results, final_loss = _results(train_out, eval_out)
         state = full_state_dict(self.model, self.strategy.wrap_as, spec.rank)
         weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
+        self.checkpointer.wait()  # the last checkpoint's upload, if still going
         dist.barrier()
         self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
                              fingerprint=fingerprint(state), weights_artifact=weights)

@@ -60,13 +60,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # -- writing ------------------------------------------------------------------------------------
 def save(state: dict, folder: str, rank: int, world_size: int) -> list[str]:
     """Write rank ``rank``'s part of ``state`` into ``folder``; the names of the files written."""
+    return write(encode(state, rank, world_size), folder)
+
+
+def encode(state: dict, rank: int, world_size: int, stage=None) -> dict:
+    """Rank ``rank``'s part of ``state``, its tensors on the host: ``stage(key, tensor)`` gives
+    each one's host copy (``staging.Staging.tensor``; a fresh copy when None). ``write`` it."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}  # one tensor under two names (tied weights) is written once
-    tree = _encode(state, tensors, seen, "state")
-    data_name, index_name = file_names(rank)
-    save_file(tensors, os.path.join(folder, data_name))
+    tree = _encode(state, tensors, seen, "state", stage=stage)
+    return {"rank": rank, "tensors": tensors,
+            "index": {"format": FORMAT, "rank": rank, "world_size": world_size, "tree": tree}}
+
+
+def write(encoded: dict, folder: str) -> list[str]:
+    """The files of an ``encode``d part into ``folder``; their names."""
+    data_name, index_name = file_names(encoded["rank"])
+    save_file(encoded["tensors"], os.path.join(folder, data_name))
     with open(os.path.join(folder, index_name), "w", encoding="utf-8") as fh:
-        json.dump({"format": FORMAT, "rank": rank, "world_size": world_size, "tree": tree}, fh, allow_nan=False)
+        json.dump(encoded["index"], fh, allow_nan=False)
     return [data_name, index_name]
 
 
@@ -75,14 +87,19 @@ def check(value, where: str) -> None:
     _encode(value, {}, {}, where, copy=False)
 
 
-def _encode(value, tensors: dict, seen: dict, where: str, copy: bool = True):
+def _encode(value, tensors: dict, seen: dict, where: str, copy: bool = True, stage=None):
     if isinstance(value, torch.Tensor):
         key = seen.get(id(value))
         dtensor = isinstance(value, _dtensor_class())
         local = value.to_local() if dtensor else value
         if key is None:
             key = seen[id(value)] = f"t{len(tensors)}"
-            tensors[key] = local.detach().to("cpu", copy=True).contiguous() if copy else local
+            if not copy:
+                tensors[key] = local
+            elif stage is not None:
+                tensors[key] = stage(key, local)
+            else:
+                tensors[key] = local.detach().to("cpu", copy=True).contiguous()
         if not dtensor:
             return {"tensor": key}
         shape, offset = _local_box(value)
@@ -102,13 +119,13 @@ def _encode(value, tensors: dict, seen: dict, where: str, copy: bool = True):
         return {"none": None}
     if isinstance(value, (list, tuple)):
         kind = "tuple" if isinstance(value, tuple) else "list"
-        return {kind: [_encode(v, tensors, seen, f"{where}[{i}]", copy) for i, v in enumerate(value)]}
+        return {kind: [_encode(v, tensors, seen, f"{where}[{i}]", copy, stage) for i, v in enumerate(value)]}
     if isinstance(value, dict):
         bad = next((k for k in value if not isinstance(k, _KEYS)), None)
         if bad is not None:
             raise TypeError(f"{where}: a key of type {type(bad).__name__} ({bad!r}); keys are strings, integers, "
                             f"booleans or None")
-        return {"dict": [[k, _encode(v, tensors, seen, f"{where}[{k!r}]", copy)] for k, v in value.items()]}
+        return {"dict": [[k, _encode(v, tensors, seen, f"{where}[{k!r}]", copy, stage)] for k, v in value.items()]}
     raise TypeError(f"{where} is a {type(value).__name__}: a checkpoint holds tensors, numbers, strings, None and "
                     f"lists, tuples or dicts of them")
 

@@ -15,15 +15,24 @@ D: language models as users write them (test/models.py: a Hugging Face GPT-2 bui
    ``--lm-only`` runs D alone. Without transformers the GPT-2 rows say they were skipped.
 E: a short DDP job (three steps) on 2 GPUs: every rank has gpu_utilization samples (after its
    first step and at the end), rank 0 throughput samples. The script exits 1 if not.
+F: a torchrun script run unchanged as a script job (test/scripts/ddp.py, PyTorch's DDP tutorial
+   shape) on 2 GPU clients over NCCL, against the same script under torchrun on this machine:
+   both ranks' final losses equal, the job's outputs downloaded.
+G: the MNIST example as DILOCO (inner steps 20, int8) against DDP on 2 GPU clients, the same
+   samples: the final losses, the bytes each worker sent, the rounds.
+``--only F,G`` runs the sections named (of A, C, D, E, F, G; B runs with 3 GPUs).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import re
 import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -85,6 +94,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default="/tmp/zwdx-gpu-e2e")
     parser.add_argument("--lm-only", action="store_true", help="run section D only")
+    parser.add_argument("--only", default="A,B,C,D,E,F,G", help="the sections to run, comma-separated")
     args = parser.parse_args()
     ngpu = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0) if ngpu else "none"
@@ -107,92 +117,22 @@ def main() -> None:
         if args.lm_only:
             language_models(sdk, out)
             return
-        out("## A. MNIST example, 2 GPU clients")
-        out("| parallelism | world size | backend | time per epoch (s) | final loss | eval accuracy | held-out accuracy | equal weights |")
-        out("|---|---|---|---|---|---|---|---|")
-        for par in ("DDP", "FSDP"):
-            epochs = 3
-            r = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                               eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                               parallelism=par, world_size=2, epochs=epochs, progress=False)
-            job = sdk.get_job(r["job_id"])
-            per_epoch = (job["ended_at"] - job["running_at"]) / epochs
-            acc = mnist.held_out_accuracy(sdk.get_trained_model(r["job_id"], mnist.Net()))
-            same = len({v["fingerprint"] for v in job["ranks"].values()}) == 1
-            out(f"| {par} | {job['world_size']} | {job['backend']} | {per_epoch:.3f} | {r['final_loss']:.4f} | "
-                f"{r['results'].get('accuracy', 0):.3f} | {acc:.3f} | {same} |")
-        out("")
-        language_models(sdk, out)
-
-        out("")
-        out("## E. Platform metrics of a short DDP job (2 GPU clients, three steps)")
-        out("| rank | gpu_utilization samples | values (%) | throughput samples |")
-        out("|---|---|---|---|")
-        model = mnist.Net()
-        r = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
-                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05), world_size=2, progress=False)
-        metrics = sdk.get_job_metrics(r["job_id"])
-        for rank in (0, 1):
-            util = [p["value"] for p in metrics["gpu_utilization"] if p["rank"] == rank]
-            speed = [p for p in metrics["throughput"] if p["rank"] == rank]
-            out(f"| {rank} | {len(util)} | {', '.join(f'{v:g}' for v in util)} | {len(speed)} |")
-            if len(util) < 2:
-                problems.append(f"E: rank {rank} has {len(util)} gpu_utilization sample(s), expected 2 or more")
-        if len(metrics["throughput"]) < 2:
-            problems.append(f"E: {len(metrics['throughput'])} throughput sample(s), expected 2 or more")
-
-        if len(clients) >= 3:
+        only = set(args.only.upper().split(","))
+        if "F" in only:
+            script_job(sdk, out, problems)
+        if "G" in only:
+            diloco_on_gpus(sdk, out, problems)
+        if "A" in only:
+            mnist_both(sdk, out)
+        if "D" in only:
             out("")
-            out("## B. SIGKILL one of three GPU clients mid-epoch (NCCL), resume on two")
-            out("| run | detected after (s) | training again after (s) | resumed from epoch | final status |")
-            out("|---|---|---|---|---|")
-            det, again = [], []
-            for run in range(args.repeats):
-                job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
-                                        optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                                        world_size=3, min_world_size=2, epochs=5, wait=False)
-                job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
-                                 j["latest_checkpoint"]["epoch"] >= 1 and j, 180, what="checkpoint")
-                victim_id = job["placement"][1]["client_id"]
-                gpu = int(victim_id[3:])
-                clients[gpu].kill(signal.SIGKILL)
-                t0 = time.time()
-                r = sdk.wait(job_id, progress=False, timeout=300, raise_on_failure=False)
-                job = sdk.get_job(job_id)
-                res = next(t["at"] for t in job["timeline"] if t["status"] == "resuming")
-                run_again = next(t["at"] for t in job["timeline"] if t["status"] == "running" and t["at"] > res)
-                det.append(res - t0)
-                again.append(run_again - t0)
-                out(f"| {run + 1} | {res - t0:.2f} | {run_again - t0:.2f} | "
-                    f"{job['restart_history'][0]['from_checkpoint']['epoch'] + 1} | {r['status']} |")
-                clients[gpu].stop()
-                clients[gpu] = gpu_client(server.url, token, gpu, os.path.join(args.work, f"c{gpu}-{run}"))
-                online(sdk, 3)
-            out(f"| median | {statistics.median(det):.2f} | {statistics.median(again):.2f} | | |")
-
-        out("")
-        out("## C. SIGKILL the server mid-job and restart it (2 GPU clients, DDP over NCCL)")
-        out("| run | GPU clients back after (s) | final status | restarts | loss points rank 0 | gaps or duplicates |")
-        out("|---|---|---|---|---|---|")
-        back_times = []
-        for run in range(args.repeats):
-            job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
-                                    optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                                    world_size=2, epochs=3, wait=False)
-            wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training")
-            server.kill(signal.SIGKILL)
-            server.popen.wait()
-            t0 = time.time()
-            server = Server(server.data_dir, port=server.port)
-            r = sdk.wait(job_id, progress=False, timeout=300, raise_on_failure=False)
-            back = max(c["connected_at"] for c in sdk.get_room()["clients"] if c["status"] == "online") - t0
-            back_times.append(back)
-            series = sdk.get_job_metrics(job_id)["loss"]
-            bad = any([p["step"] for p in series if p["rank"] == rk] !=
-                      list(range(len([p for p in series if p["rank"] == rk]))) for rk in (0, 1))
-            out(f"| {run + 1} | {back:.2f} | {r['status']} | {sdk.get_job(job_id).get('restarts', 0)} | "
-                f"{len([p for p in series if p['rank'] == 0])} | {bad} |")
-        out(f"| median | {statistics.median(back_times):.2f} | | | | |")
+            language_models(sdk, out)
+        if "E" in only:
+            metrics_of_a_short_job(sdk, out, problems)
+        if len(clients) >= 3 and "B" in only:
+            server = lost_client(args, sdk, server, clients, token, out)
+        if "C" in only:
+            server = server_restarts(args, sdk, server, out)
     finally:
         for c in clients.values():
             c.stop()
@@ -201,6 +141,157 @@ def main() -> None:
         out("")
         out("FAILED: " + "; ".join(problems))
         sys.exit(1)
+
+
+def script_job(sdk, out, problems) -> None:
+    """F: test/scripts/ddp.py as a script job on 2 GPU clients and under torchrun here."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out("## F. A torchrun script as a script job (2 GPU clients, NCCL) and under torchrun")
+    out("| side | ranks | backend seen | final losses (rank 0, rank 1) | wall s |")
+    out("|---|---|---|---|---|")
+    steps = ["--steps", "50", "--lr", "0.05"]
+    t0 = time.time()
+    r = sdk.submit_script("ddp.py", steps, nproc=2, working_dir=os.path.join(here, "scripts"), progress=False,
+                          timeout=300, raise_on_failure=False)
+    zwdx_wall = time.time() - t0
+    logs = "\n".join(line["text"] for line in sdk.get_job_logs(r["job_id"]))
+    with tempfile.TemporaryDirectory() as dest:
+        got = sdk.download_outputs(r["job_id"], dest)
+        outputs = sorted(os.listdir(got)) if got and os.path.isdir(got) else []
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           os.path.join(here, "scripts", "ddp.py"), *steps], capture_output=True, text=True,
+                          timeout=300, cwd=tempfile.mkdtemp())
+    torchrun_wall = time.time() - t0
+
+    def finals(text: str) -> list[str]:
+        return [re.findall(rf"rank {k} step 49 loss ([0-9.]+)", text)[-1:] for k in (0, 1)]
+    zw, tr = finals(logs), finals(proc.stdout)
+    out(f"| zwdx script job | 2 | {r['status']} | {zw} | {zwdx_wall:.1f} |")
+    out(f"| torchrun | 2 | exit {proc.returncode} | {tr} | {torchrun_wall:.1f} |")
+    out(f"outputs: {outputs}")
+    if r["status"] != "completed" or zw != tr or "model.pt" not in outputs:
+        problems.append(f"F: script job {r['status']}, losses zwdx {zw} torchrun {tr}, outputs {outputs}")
+    out("")
+
+
+def diloco_on_gpus(sdk, out, problems) -> None:
+    """G: the MNIST example as DILOCO and as DDP on 2 GPU clients, the same samples."""
+    out("## G. DILOCO against DDP (MNIST example, 2 GPU clients, 3 epochs)")
+    out("| parallelism | final loss | held-out accuracy | MB sent per worker | rounds | wall s |")
+    out("|---|---|---|---|---|---|")
+    for par, extra in (("DDP", {}), ("DILOCO", {"diloco": {"inner_steps": 20, "compression": "int8"}})):
+        t0 = time.time()
+        r = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                           eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                           parallelism=par, world_size=2, epochs=3, progress=False, raise_on_failure=False, **extra)
+        wall = time.time() - t0
+        metrics = sdk.get_job_metrics(r["job_id"])
+        sent = [p["value"] for p in metrics.get("sent_bytes", []) if p["rank"] == 0]
+        rounds = [p["value"] for p in metrics.get("outer_round", []) if p["rank"] == 0]
+        acc = mnist.held_out_accuracy(sdk.get_trained_model(r["job_id"], mnist.Net())) \
+            if r["status"] == "completed" else float("nan")
+        out(f"| {par} | {r.get('final_loss') or float('nan'):.4f} | {acc:.3f} | "
+            f"{(max(sent) / 1e6 if sent else 0):.2f} | {int(max(rounds)) if rounds else '-'} | {wall:.1f} |")
+        if r["status"] != "completed":
+            problems.append(f"G: {par} {r['status']}: {r.get('reason')}")
+    out("")
+
+
+def mnist_both(sdk, out) -> None:
+    out("## A. MNIST example, 2 GPU clients")
+    out("| parallelism | world size | backend | time per epoch (s) | final loss | eval accuracy | held-out accuracy | equal weights |")
+    out("|---|---|---|---|---|---|---|---|")
+    for par in ("DDP", "FSDP"):
+        epochs = 3
+        r = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                           eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                           parallelism=par, world_size=2, epochs=epochs, progress=False)
+        job = sdk.get_job(r["job_id"])
+        per_epoch = (job["ended_at"] - job["running_at"]) / epochs
+        acc = mnist.held_out_accuracy(sdk.get_trained_model(r["job_id"], mnist.Net()))
+        same = len({v["fingerprint"] for v in job["ranks"].values()}) == 1
+        out(f"| {par} | {job['world_size']} | {job['backend']} | {per_epoch:.3f} | {r['final_loss']:.4f} | "
+            f"{r['results'].get('accuracy', 0):.3f} | {acc:.3f} | {same} |")
+
+
+def metrics_of_a_short_job(sdk, out, problems) -> None:
+    out("")
+    out("## E. Platform metrics of a short DDP job (2 GPU clients, three steps)")
+    out("| rank | gpu_utilization samples | values (%) | throughput samples |")
+    out("|---|---|---|---|")
+    model = mnist.Net()
+    r = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05), world_size=2, progress=False)
+    metrics = sdk.get_job_metrics(r["job_id"])
+    for rank in (0, 1):
+        util = [p["value"] for p in metrics["gpu_utilization"] if p["rank"] == rank]
+        speed = [p for p in metrics["throughput"] if p["rank"] == rank]
+        out(f"| {rank} | {len(util)} | {', '.join(f'{v:g}' for v in util)} | {len(speed)} |")
+        if len(util) < 2:
+            problems.append(f"E: rank {rank} has {len(util)} gpu_utilization sample(s), expected 2 or more")
+    if len(metrics["throughput"]) < 2:
+        problems.append(f"E: {len(metrics['throughput'])} throughput sample(s), expected 2 or more")
+
+
+
+def lost_client(args, sdk, server, clients, token, out):
+    out("")
+    out("## B. SIGKILL one of three GPU clients mid-epoch (NCCL), resume on two")
+    out("| run | detected after (s) | training again after (s) | resumed from epoch | final status |")
+    out("|---|---|---|---|---|")
+    det, again = [], []
+    for run in range(args.repeats):
+        job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
+                                optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                                world_size=3, min_world_size=2, epochs=5, wait=False)
+        job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
+                         j["latest_checkpoint"]["epoch"] >= 1 and j, 180, what="checkpoint")
+        victim_id = job["placement"][1]["client_id"]
+        gpu = int(victim_id[3:])
+        clients[gpu].kill(signal.SIGKILL)
+        t0 = time.time()
+        r = sdk.wait(job_id, progress=False, timeout=300, raise_on_failure=False)
+        job = sdk.get_job(job_id)
+        res = next(t["at"] for t in job["timeline"] if t["status"] == "resuming")
+        run_again = next(t["at"] for t in job["timeline"] if t["status"] == "running" and t["at"] > res)
+        det.append(res - t0)
+        again.append(run_again - t0)
+        out(f"| {run + 1} | {res - t0:.2f} | {run_again - t0:.2f} | "
+            f"{job['restart_history'][0]['from_checkpoint']['epoch'] + 1} | {r['status']} |")
+        clients[gpu].stop()
+        clients[gpu] = gpu_client(server.url, token, gpu, os.path.join(args.work, f"c{gpu}-{run}"))
+        online(sdk, 3)
+    out(f"| median | {statistics.median(det):.2f} | {statistics.median(again):.2f} | | |")
+
+    return server
+
+
+def server_restarts(args, sdk, server, out):
+    out("")
+    out("## C. SIGKILL the server mid-job and restart it (2 GPU clients, DDP over NCCL)")
+    out("| run | GPU clients back after (s) | final status | restarts | loss points rank 0 | gaps or duplicates |")
+    out("|---|---|---|---|---|---|")
+    back_times = []
+    for run in range(args.repeats):
+        job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
+                                optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                                world_size=2, epochs=3, wait=False)
+        wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training")
+        server.kill(signal.SIGKILL)
+        server.popen.wait()
+        t0 = time.time()
+        server = Server(server.data_dir, port=server.port)
+        r = sdk.wait(job_id, progress=False, timeout=300, raise_on_failure=False)
+        back = max(c["connected_at"] for c in sdk.get_room()["clients"] if c["status"] == "online") - t0
+        back_times.append(back)
+        series = sdk.get_job_metrics(job_id)["loss"]
+        bad = any([p["step"] for p in series if p["rank"] == rk] !=
+                  list(range(len([p for p in series if p["rank"] == rk]))) for rk in (0, 1))
+        out(f"| {run + 1} | {back:.2f} | {r['status']} | {sdk.get_job(job_id).get('restarts', 0)} | "
+            f"{len([p for p in series if p['rank'] == 0])} | {bad} |")
+    out(f"| median | {statistics.median(back_times):.2f} | | | | |")
+    return server
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ signals.
   server is away and returns the job's result once it is back (test_resilience.py starts its
   wait after the restart);
 - ``reporter.checkpoint()`` saves mid-epoch, and a job resumed after a lost GPU client goes on
-  from that step, with the weights it had there.
+  from that step, with the weights it had there;
+- a checkpoint is written and uploaded in the background: a GPU client lost while one uploads
+  leaves the one before it the latest, and the job goes on from that.
 
 Each test has its own server and GPU clients: it kills one of them.
 """
@@ -134,3 +136,59 @@ def test_a_resumed_job_goes_on_from_a_mid_epoch_checkpoint(sdk, room, start_clie
     assert restored["value"] != pytest.approx(weight_norm(model), abs=1e-6)
     # every batch trained once: five before the checkpoint, five after it
     assert sorted(p["step"] for p in series["loss"]) == list(range(10)), series["loss"]
+
+
+# -- checkpoints written in the background ------------------------------------------------------------
+def wide_batches(rank, world_size):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 1024, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4)
+
+
+def checkpoint_then_die_uploading(model, loader, optimizer, reporter):
+    """Checkpoint 0 after the second batch; checkpoint 1 after the fourth, and then (first attempt)
+    the GPU client and this rank are SIGKILLed at once, while checkpoint 1's 100 MB are still
+    being written and uploaded in the background (save returned after the copy)."""
+    import os
+    import signal as signals
+    done = reporter.resume["step"] if reporter.resume else 0
+    if reporter.resume:
+        reporter.log_metrics(resumed_step=done, step=done)
+    loss = torch.tensor(0.0)
+    for i, (x, y) in enumerate(loader):
+        if i < done:
+            continue
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        reporter.log_metrics(loss=loss.item(), step=i)
+        if not reporter.resume and i in (1, 3):
+            n = reporter.checkpoint()
+            if i == 3:
+                reporter.log_metrics(killed_after_checkpoint=n, step=i)
+                reporter.close()  # the metrics above are delivered; the checkpoint's upload is not waited for
+                os.kill(os.getppid(), signals.SIGKILL)  # the GPU client (ranks run as its user here)
+                os.kill(os.getpid(), signals.SIGKILL)
+    return loss.item()
+
+
+def test_a_client_lost_while_a_checkpoint_uploads_resumes_from_the_one_before(sdk, room, start_client):
+    # ranks as the GPU client's own user, so the rank can take its GPU client down with it
+    clients = [start_client(name, extra=["--isolation", "process"]) for name in ("a", "b")]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(12)), torch.nn.Linear(1024, 2))
+    job_id = sdk.submit_job(model, wide_batches, checkpoint_then_die_uploading, room_token=room["token"],
+                            world_size=1, epochs=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                            progress=False, wait=False)
+    result = sdk.wait(job_id, progress=False, timeout=300)
+    assert result["status"] == "completed", result.get("reason")
+    job = sdk.get_job(job_id)
+    assert job["restarts"] == 1, job["timeline"]
+    assert [c.alive() for c in clients].count(False) == 1  # the first placement's GPU client died
+    # checkpoint 1 never committed: the rank died while uploading it; the job went on from 0
+    assert job["restart_history"][0]["from_checkpoint"]["n"] == 0, job["restart_history"]
+    series = sdk.get_job_metrics(job_id)
+    assert [p["value"] for p in series["killed_after_checkpoint"]] == [1]
+    assert [p["value"] for p in series["resumed_step"]] == [2]
+    assert sorted({p["step"] for p in series["loss"]}) == list(range(6))

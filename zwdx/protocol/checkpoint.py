@@ -45,6 +45,13 @@ def format_for(parallelism: Parallelism | str) -> CheckpointFormat:
     return CheckpointFormat.SHARDS if Parallelism(parallelism) == Parallelism.FSDP else CheckpointFormat.TORCH
 
 
+def writers(parallelism: Parallelism | str, world_size: int) -> int:
+    """How many ranks write a checkpoint of a job of ``parallelism`` over ``world_size`` ranks:
+    all of them, but a DILOCO job's checkpoint is its rank 0's alone (the global weights, the
+    outer optimizer, its own state): its workers do not meet to checkpoint."""
+    return 1 if Parallelism(parallelism) == Parallelism.DILOCO else world_size
+
+
 def resumable(entry, parallelism: Parallelism | str) -> bool:
     """Whether a job of ``parallelism`` may go on from the committed checkpoint ``entry``: only
     from one of the format it writes (never ``dcp``, nor another parallelism's)."""
@@ -100,4 +107,4 @@ def describe(fmt: CheckpointFormat, world_size: int) -> str:
     return "nothing: this format is not accepted"
 
 
-__all__ = ["STATE", "EXTRA", "format_for", "resumable", "rng_file", "shard_files", "required", "optional", "owner", "describe"]
+__all__ = ["STATE", "EXTRA", "format_for", "writers", "resumable", "rng_file", "shard_files", "required", "optional", "owner", "describe"]

@@ -53,6 +53,10 @@ def _format(job: JobRecord) -> CheckpointFormat:
     return files_of.format_for(job.spec.parallelism)
 
 
+def _writers(job: JobRecord) -> int:
+    return files_of.writers(job.spec.parallelism, job.world_size or 0)
+
+
 def _committed(job: JobRecord, n: int) -> CheckpointEntry | None:
     return next((c for c in job.checkpoints if c.n == n), None)
 
@@ -75,7 +79,7 @@ def _uploaded(job: JobRecord, n: int, fmt: CheckpointFormat) -> dict[str, str]:
         name = artifact.get("name")
         if artifact.get("checkpoint") != n or artifact.get("attempt") != job.attempt or not isinstance(name, str):
             continue
-        if artifact.get("rank") != files_of.owner(fmt, name, job.world_size or 0):
+        if artifact.get("rank") != files_of.owner(fmt, name, _writers(job)):
             continue  # sent by another rank than the one it belongs to (refused at upload since)
         found[name] = artifact["id"]
     return found
@@ -92,7 +96,7 @@ def put_checkpoint_file(job: JobRecord, sender: Sender, n: int, name: str):
     before the commit, the later file wins; a committed checkpoint takes no more files (409).
     The rank and the attempt whose key sent it are kept with it."""
     _file_name(name)
-    fmt, world = _format(job), job.world_size or 0
+    fmt, world = _format(job), _writers(job)
     owner = files_of.owner(fmt, name, world)
     if owner is None:
         raise BadRequest(f"path 'name': a {fmt.value} checkpoint of {world} rank(s) has no file {name!r}; it holds "
@@ -116,7 +120,7 @@ def commit_checkpoint(job: JobRecord, sender: Sender, n: int, body: CheckpointCo
     those it lacks), or that the ranks of the current attempt did not upload (``missing``).
     Refused with 409: a number not above the latest committed one, a job no longer running."""
     only_rank(sender, 0, "committing a checkpoint", job.id)
-    fmt, world = _format(job), job.world_size or 0
+    fmt, world = _format(job), _writers(job)
     if body.format is not None and body.format != fmt:
         raise BadRequest(f"field 'format': a {job.spec.parallelism.value} job's checkpoints are {fmt.value!r} (the server "
                          f"decides the format from the job), not {body.format.value!r}", field="format")
