@@ -286,8 +286,7 @@ def test_a_script_job_and_a_diloco_job_run_in_containers_too(stack, tmp_path):
     model = mnist.Net()
     diloco = stack.sdk.submit_job(model, mnist.create_loader, mnist.train, None,
                                   torch.optim.AdamW(model.parameters(), lr=3e-3), "DILOCO", 0, room_token=stack.token,
-                                  diloco={"inner_steps": 10}, world_size=2, epochs=1, progress=False,
-                                  checkpoint_every_epoch=False)  # its checkpoint commit is refused (400) as processes too
+                                  diloco={"inner_steps": 10}, world_size=2, epochs=1, progress=False)
     assert diloco["complete"] and diloco["final_loss"] < 2.0  # rounds through the server, from containers
     job = stack.sdk.get_job(diloco["job_id"], room_token=stack.token)
     assert {state["isolation"] for state in job["ranks"].values()} == {"docker"}
