@@ -150,7 +150,8 @@ class DockerIsolation(ProcessIsolation):
             import psutil
             self.memory = max(256 * 1024**2, int(psutil.virtual_memory().total * 0.9 / self.slots))
         self.reap()
-        self._probe()  # before any rule is set: a refused image leaves nothing behind
+        for image in dict.fromkeys(self.confinement.images):  # before any rule is set: a refused image leaves nothing
+            self._probe(image)
         self.egress = Egress(self.tag)
         if self.egress.available:
             self.egress.install()
@@ -163,12 +164,13 @@ class DockerIsolation(ProcessIsolation):
             raise ContainerError(f"--isolation docker: image {name} is not on this machine (docker build --target "
                                  f"gpu-client -t {name} ., or docker pull it)") from None
 
-    def _probe(self) -> None:
-        """The versions and modules of the default image as its ranks see them (no network)."""
+    def _probe(self, image: str) -> None:
+        """The versions and modules of an image as its ranks see them (no network); those of the
+        default one are what the agent registers, and every other allowed image must run the
+        same Python minor (a job's bundle loads on no other)."""
         probe = ("import json; from zwdx.protocol import runtime_versions; from gpu_client.host import "
                  "importable_modules; from zwdx.protocol.rank import RankSpec; print(json.dumps({'versions': "
                  "runtime_versions(), 'modules': importable_modules(), 'spec': RankSpec.model_json_schema()}))")
-        image = self.confinement.image
         try:
             out = self.docker.containers.run(self.images[image], ["python", "-c", probe], entrypoint=[],
                                              remove=True, network_mode="none", labels={"zwdx.agent": self.tag},
@@ -179,7 +181,12 @@ class DockerIsolation(ProcessIsolation):
         if found["spec"] != RankSpec.model_json_schema():
             raise ContainerError(f"--isolation docker: image {image} holds another zwdx than this GPU client "
                                  "(rebuild it from this checkout)")
-        self._versions, self._modules = found["versions"], found["modules"]
+        if self._versions is None:
+            self._versions, self._modules = found["versions"], found["modules"]
+        elif _minor(found["versions"]) != _minor(self._versions):
+            raise ContainerError(f"--isolation docker: image {image} runs Python {found['versions'].get('python')}, "
+                                 f"the default image {self.confinement.image} {self._versions.get('python')}: every "
+                                 "allowed image must run the same Python minor version")
 
     def versions(self, agent_versions: dict) -> dict:
         """The image's Python and torch (the scheduler matches jobs to what ranks run)."""
@@ -231,6 +238,11 @@ class DockerIsolation(ProcessIsolation):
         """Create the container of ``handle`` (not started): its uid fenced (or let out to the
         job's destinations), its labels, its GPUs."""
         import docker
+        image = (spec.image if spec is not None else None) or self.confinement.image
+        if image not in self.images:  # the scheduler places no such job here: a donor who changed their mind
+            raise ContainerError(f"this GPU client does not run image {image}: its donor allows "
+                                 f"{', '.join(self.images)} (zwdx gpu-client --allow-image)")
+        handle.image = image
         with self._lock:
             uid = next(self.uid_base + n for n in range(UIDS_PER_AGENT) if self.uid_base + n not in self.live)
             self.live[uid] = handle
@@ -246,7 +258,7 @@ class DockerIsolation(ProcessIsolation):
         host = {k: v for k, v in self._confined(uid).items() if k not in ("user", "working_dir")}
         requests = [docker.types.DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])] if gpus else None
         created = self.docker.api.create_container(
-            self.images[self.confinement.image], command, entrypoint=[], stdin_open=True, detach=False, environment=env,
+            self.images[image], command, entrypoint=[], stdin_open=True, detach=False, environment=env,
             labels={"zwdx.agent": self.tag, "zwdx.job": spec.job_id if spec else "standby"},
             host_config=self.docker.api.create_host_config(
                 auto_remove=True, network_mode="host", log_config={"type": "none", "config": {}},
@@ -269,6 +281,10 @@ class DockerIsolation(ProcessIsolation):
                 self.egress.fence(handle.uid)
             except Exception:
                 log.warning("could not fence uid %d", handle.uid, exc_info=True)
+
+    def takes(self, standby, spec: RankSpec) -> bool:
+        """A standby container (the default image) takes only ranks of jobs in that image."""
+        return (spec.image or self.confinement.image) == self.confinement.image
 
     def signal(self, proc, signum: int) -> None:
         proc.kill(signum)
@@ -339,6 +355,10 @@ def destinations(spec: RankSpec) -> list[tuple[str, int | None]]:
     for peer in dict.fromkeys([*spec.peers, spec.master_addr]):
         allowed += [(addr, None) for addr in _resolve(peer)]
     return allowed
+
+
+def _minor(versions: dict) -> str:
+    return ".".join(str(versions.get("python", "")).split(".")[:2])
 
 
 def _resolve(host: str) -> list[str]:

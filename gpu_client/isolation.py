@@ -157,6 +157,10 @@ class ProcessIsolation:
         """The image and limits ranks run under (a container's; None for a process)."""
         return None
 
+    def takes(self, standby, spec) -> bool:
+        """Whether a standby process may take this rank (a container: of the job's image)."""
+        return True
+
     def signal(self, proc, signum: int) -> None:
         """Signal a rank process's whole group (gone already is fine)."""
         try:

@@ -100,8 +100,10 @@ class Launcher:
         ``spec`` as its first line on stdin."""
         with self._lock:
             proc = self.standby.pop(index, None)
-        if proc is not None and spec.script is not None:  # a script runs in a child of its own: a standby's torch and
-            self.isolation.signal(proc, signal.SIGKILL)  # CUDA context would only hold memory meanwhile
+        if proc is not None and (spec.script is not None or not self.isolation.takes(proc, spec)):
+            # a script runs in a child of its own: a standby's torch and CUDA context would only
+            # hold memory meanwhile; a job in another image than the standby container's needs its own
+            self.isolation.signal(proc, signal.SIGKILL)
             proc.wait()
             proc = None
         if proc is not None and proc.poll() is None:

@@ -75,6 +75,7 @@ class RankContainer:
         self.isolation, self.env = isolation, env
         self.id: str | None = None
         self.uid: int | None = None
+        self.image: str = isolation.confinement.image
         self.spec: RankSpec | None = None
         self.stdin = _Stdin(self)
         self.returncode: int | None = None
@@ -114,8 +115,7 @@ class RankContainer:
             self.returncode = 125
             self._done.set()
             if spec is not None:  # the submitter reads why
-                report_unstarted(spec, f"its container (image {self.isolation.confinement.image}) could not start: "
-                                       f"{exc}")
+                report_unstarted(spec, f"its container could not start: {exc}")
             raise OSError(f"the rank's container could not start: {exc}") from exc
         try:
             self.pid = self.isolation.docker.api.inspect_container(self.id)["State"]["Pid"]
@@ -168,7 +168,7 @@ class RankContainer:
         time.sleep(0.2)  # its last output, still in the stream
         if code != 0 and not self.started and self.spec is not None:
             tail = self._tail.decode(errors="replace").strip()[-1500:]
-            report_unstarted(self.spec, f"its container (image {self.isolation.confinement.image}) exited with "
+            report_unstarted(self.spec, f"its container (image {self.image}) exited with "
                                         f"code {code} before the rank started" + (f": {tail}" if tail else ""))
         self.isolation.ended(self)
         self._done.set()

@@ -33,6 +33,8 @@ from procs import ROOT, SLACK, GpuClient, Server, wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 IMAGE = dockerd.CLIENT_IMAGE
+#: Another name of the same image, which only the GPU client ``right`` allows.
+ALIAS = "zwdx-test-alias:1"
 MiB = 1024**2
 DECOY = "decoy-secret-7f3a"
 
@@ -102,14 +104,16 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(engine, tmp_path_factory):
-    """Clients ``left`` (3g, 512 pids) and ``right`` (the defaults), and ``py399``, whose image runs
-    another Python: no job of these tests is placed on it, and one that needs it says why."""
+    """Clients ``left`` (3g, 512 pids) and ``right`` (the defaults; it allows ``ALIAS`` too), and
+    ``py399``, whose image runs another Python: no job of these tests is placed on it, and one
+    that needs it says why."""
     stack = Stack(str(tmp_path_factory.mktemp("boxes")))
     try:
         other = _derived_image("zwdx-test-py399:latest", tmp_path_factory.mktemp("py399"), [
             "RUN echo 'import platform; platform.python_version = lambda: \"3.99.0\"' > /opt/zwdx/sitecustomize.py"])
+        dockerd.docker("tag", IMAGE, ALIAS)
         left = stack.start("left", "--container-memory", "3g", "--container-pids", "512")
-        right = stack.start("right")
+        right = stack.start("right", "--allow-image", ALIAS)
         stack.online(left, right, stack.start("py399", image=other))
         yield stack
     finally:
@@ -303,6 +307,19 @@ def _derived_image(tag: str, folder, lines: list[str]) -> str:
     (folder / "Dockerfile").write_text("\n".join([f"FROM {IMAGE}", "USER root", *lines, "USER 10001:10001", ""]))
     dockerd.docker("build", "-q", "-t", tag, str(folder), timeout=600)
     return tag
+
+
+def test_a_job_runs_in_an_image_its_donor_allows_and_else_waits_naming_who_allows_what(stack):
+    job = _submit(stack, mnist.train, epochs=1, image=ALIAS)
+    assert job["complete"] and [p["client_id"] for p in job["placement"]] == ["right"]  # the one that allows it
+    state = stack.sdk.get_job(job["job_id"], room_token=stack.token)["ranks"]["0"]
+    assert state["terms"]["image"] == ALIAS
+    job_id = _submit(stack, mnist.train, image="evil:latest", wait=False)
+    reason = wait_until(lambda: stack.sdk.get_job(job_id, room_token=stack.token).get("waiting_reason"), 30,
+                        what="a waiting reason")
+    assert "do not run image evil:latest" in reason and f"gpu client left allows {IMAGE};" in reason, reason
+    assert f"gpu client right allows {IMAGE}, {ALIAS}" in reason, reason
+    stack.sdk.cancel_job(job_id, room_token=stack.token)
 
 
 def test_an_image_on_another_python_keeps_a_job_that_needs_it_waiting_naming_the_client(stack):

@@ -186,6 +186,8 @@ class JobAssign(Answer):
     max_restarts: int = defaults.MAX_RESTARTS
     #: DILOCO's settings; None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: The image the job's ranks run in (None: this client's default).
+    image: str | None = None
     #: The addresses of every GPU client of the placement (this one's too): where the ranks'
     #: collectives go, and all a rank in a container may reach besides the server (container.py).
     peers: list[str] = []

@@ -86,6 +86,8 @@ class JobSpec(Record):
     gpus_per_client: int | None = None
     #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: The image its ranks run in (GPU clients that allow it only); None: any client's default.
+    image: str | None = None
 
 
 class PlacementEntry(Record):

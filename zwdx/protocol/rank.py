@@ -83,6 +83,8 @@ class RankSpec(Message):
     threads: Annotated[int, Field(ge=1, le=4096)]
     #: DILOCO's settings (this rank is one worker); None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: The image the rank's container runs (``--isolation docker``; None: the client's default).
+    image: Annotated[str, StringConstraints(max_length=255)] | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

@@ -190,6 +190,10 @@ class SubmitJob(Message):
     #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
     #: the defaults when this is left out.
     diloco: DilocoSettings | None = None
+    #: The image its ranks run in (``--isolation docker``): only GPU clients whose donor allows it
+    #: take the job (``zwdx gpu-client --allow-image``). None: any client, in its default image.
+    image: Annotated[str, StringConstraints(min_length=1, max_length=255,
+                                            pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")] | None = None
 
     @field_validator("parallelism", mode="before")
     @classmethod

@@ -52,7 +52,10 @@ def _kept(ctx, job: JobRecord, rank: int) -> dict:
         return {}
     slot = next((s for s in ctx.store.list_slots(job.room_id, place.client_id) if s.get("index") == place.gpu_index),
                 None) or {}
-    return {"isolation": slot.get("isolation"), "terms": slot.get("terms")}
+    terms = slot.get("terms")
+    if terms and job.spec.image:  # the job's own image, of those its donor allows
+        terms = {**terms, "image": job.spec.image, "image_id": ""}
+    return {"isolation": slot.get("isolation"), "terms": terms}
 
 
 def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,
