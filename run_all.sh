@@ -37,7 +37,7 @@ if [[ "${1:-}" == "--tests" ]]; then
         lane "dashboard (vitest)" bash -c "cd ui && npm test --silent"
     fi
     lane "fast lane (pytest -m 'not slow')" "$PY" -m pytest -m "not slow" "${extra[@]}"
-    lane "slow lane (pytest -m slow)" "$PY" -m pytest -m slow "${extra[@]}"
+    lane "slow lane (pytest -m slow)" "$PY" -m pytest -m slow --durations=30 "${extra[@]}"
     exit 0
 fi
 

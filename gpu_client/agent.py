@@ -10,6 +10,12 @@ assigned gets one ``RankSpec`` with that rank's key (and no other secret of the 
 runs in its own process (``launcher.py``), in the job's sandbox: in a container of its own where
 Docker can, else as a user of its own per job when the agent is root (``isolation.py``; each
 slot registers which isolation it has, and a container's image and limits).
+
+As it registers it says how its peers reach it (``advertise_addr``, and the port of its
+reachability listener, ``reach.py``) and its link to the server (``link.py``, measured at most
+every ``LINK_REFRESH`` seconds). Before the ranks of a DDP/FSDP job start, it connects to the
+job's other GPU clients; one it cannot reach is reported (``Unreachable``) and its ranks are not
+started: the server fails the job at once, naming the pair.
 """
 from __future__ import annotations
 
@@ -20,25 +26,25 @@ import socket
 import threading
 import time
 import traceback
-from urllib.parse import urlparse
 
-import psutil
 import requests
 import socketio
 
 from zwdx import defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
-                           EV_RESERVE_PORT, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
+                           EV_RESERVE_PORT, EV_UNREACHABLE, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
 from zwdx.protocol.base import parse
-from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, RankPlace, RanksExited, Register,
-                               RegisterAnswer, ReservePort, Running)
+from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
+                               Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, health, host, script
+from . import gpus, health, host, link, reach, script
+from .reach import free_port, interface_of, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
+from .datasets import DatasetCache, share as share_datasets
 from .workspace import Workspace
 from .reporter import http_session
 
@@ -54,32 +60,6 @@ CA_FILE = "ca.pem"
 WRONG_SECRET = "client_secret"
 
 
-def reaching_address(server_url: str) -> str:
-    """The address of this machine's interface that reaches the server."""
-    parsed = urlparse(server_url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))  # UDP: no packet is sent, the kernel just picks a route
-        return probe.getsockname()[0]
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def interface_of(addr: str) -> str | None:
-    """The network interface holding ``addr`` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
-    try:
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.address == addr for a in addrs):
-                return name
-    except Exception:
-        pass
-    return None
-
-
 class Agent:
     """``room_token``: the room's donor token (a legacy room token works too). ``isolation``:
     ``user``, ``process`` or None (``user`` as root, else ``process``); ``rank_uids`` and
@@ -89,7 +69,7 @@ class Agent:
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
-                 ca_file: str | None = None, confinement=None):
+                 ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None):
         self.server = server.rstrip("/")
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
@@ -102,6 +82,7 @@ class Agent:
         self.isolation.check()
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
+        self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES)
         self.hostname = socket.gethostname()
         terms = self.isolation.terms()
         self.slots = [s.model_copy(update={"isolation": self.isolation.kind, "terms": terms}) for s in found]
@@ -117,8 +98,11 @@ class Agent:
         self.stop = threading.Event()
         self.fatal: str | None = None
         self._registered = threading.Event()
+        self.link: Link | None = None            # its link to the server, measured at a register
+        self.listener: reach.Listener | None = None  # answers its peers' reachability probes
+        self.http = self._session()
         self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
-                                   randomization_factor=0.5, http_session=self._session())
+                                   randomization_factor=0.5, http_session=self.http)
         self._bind()
 
     def _session(self, rank_key: str | None = None) -> requests.Session:
@@ -151,9 +135,14 @@ class Agent:
         if iface:  # ranks talk over the interface that reaches the server, not the hostname's
             self.launcher.network = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", iface),
                                      "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", iface)}
+        if self.listener is None:
+            self.listener = reach.Listener(self.advertise_addr, self.client_id)
+        if self.link is None or time.time() - self.link.measured_at > defaults.LINK_REFRESH:
+            self.link = link.measure(self.http, self.server, self.token) or self.link
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
                          versions=self.isolation.versions(runtime_versions()), modules=self.modules, advertise_addr=self.advertise_addr,
-                         running=self._running(), client_secret=self.identity.secret)
+                         reach_port=self.listener.port, link=self.link, running=self._running(),
+                         client_secret=self.identity.secret)
         try:
             data = self.sio.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=15)
         except Exception as exc:
@@ -175,8 +164,8 @@ class Agent:
         health.beat(self.work_dir)
         for slot in self.slots:
             self._want_standby(slot.index)
-        log.info("gpu-client %s: registered in room %s with %d slot(s): %s", self.client_id, answer.room_id,
-                 len(self.slots), ", ".join(s.name for s in self.slots))
+        log.info("gpu-client %s: registered in room %s with %d slot(s): %s%s", self.client_id, answer.room_id,
+                 len(self.slots), ", ".join(s.name for s in self.slots), _link_line(self.link))
 
     def _on_connect_error(self, data=None):
         message = data.get("message") if isinstance(data, dict) else str(data)
@@ -245,12 +234,14 @@ class Agent:
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
-            peers=assign.peers, backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
+            peers=assign.addresses, backend=assign.backend, device=self._device(place.gpu_index, place.kind),
+            parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             diloco=assign.diloco, image=assign.image,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
-            bundle_pending=pending, assigned_at=assigned_at, server=self.server, client_id=self.client_id,
+            bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
+            assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
             sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
             **script.rank_fields(assign, place, local_rank, job.sandbox.dir))
@@ -264,11 +255,25 @@ class Agent:
             self.workspace.keep_bundle(assign.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
                                        f"bundle of job {assign.job_id}")
 
+    def _provide_datasets(self, job: RunningJob, assign: JobAssign) -> None:
+        """The job's datasets from the cache (``datasets.py``), into its sandbox's ``data``."""
+        session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's datasets
+        try:
+            provided = self.datasets.lend(assign.datasets, lambda p: share_datasets(self.isolation, job.sandbox, p),
+                                          session, f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}")
+        finally:
+            session.close()
+        log.info("gpu-client %s: job %s datasets ready: %s", self.client_id, job.job_id,
+                 ", ".join(f"{p.name} ({'fetched' if p.fetched else 'cached'}, {p.size} bytes)" for p in provided))
+
     def _run_job(self, job: RunningJob, assign: JobAssign, assigned_at: float) -> None:
         """Start the job's ranks at once, so that they join their process group while the
         bundle is checked in the cache (its sha256, on every use) or fetched; tell them when it
         is there."""
         exits: dict[str, int] = {}
+        if self._peers_unreachable(assign):
+            self._after_job(job, assign, {str(r.rank): NOT_STARTED for r in assign.ranks})
+            return
         try:
             bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
             self.launcher.lease(job, self.client_id)
@@ -282,6 +287,8 @@ class Agent:
             if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
                 self._fetch_bundle(assign)
             self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
+            if assign.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before the code runs
+                self._provide_datasets(job, assign)
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
@@ -291,6 +298,9 @@ class Agent:
             self.launcher.kill(job)
             for r in assign.ranks:
                 exits.setdefault(str(r.rank), job.procs[r.rank].wait() if r.rank in job.procs else NOT_STARTED)
+        self._after_job(job, assign, exits)
+
+    def _after_job(self, job: RunningJob, assign: JobAssign, exits: dict[str, int]) -> None:
         log.info("gpu-client %s: job %s (attempt %d) ranks exited: %s", self.client_id, job.job_id, job.attempt,
                  exits)
         self.launcher.release(job)
@@ -301,6 +311,26 @@ class Agent:
         self.finished += 1
         if self.max_jobs is not None and self.finished >= self.max_jobs:
             self.stop.set()
+
+    def _peers_unreachable(self, assign: JobAssign) -> bool:
+        """Connect to the job's other GPU clients (``reach.py``); tell the server of those that
+        did not answer, and say whether there were any (then the ranks are not started)."""
+        if not assign.peers:
+            return False
+        missed = reach.unreachable(assign.peers, self.client_id)
+        if not missed:
+            return False
+        log.error("gpu-client %s: job %s: cannot reach %s", self.client_id, assign.job_id,
+                  "; ".join(f"{peer} ({why})" for peer, why in missed.items()))
+        report = Unreachable(job_id=assign.job_id, attempt=assign.attempt, peers=missed)
+        try:
+            answer = _answer(Ack, self.sio.call(EV_UNREACHABLE, report.model_dump(), namespace=GPU_NAMESPACE,
+                                                timeout=15))
+            if not answer.ok:
+                log.warning("gpu-client %s: unreachable peers not taken: %s", self.client_id, answer.error)
+        except Exception as exc:  # its ranks' exits still fail the job
+            log.warning("gpu-client %s: unreachable peers not reported: %s", self.client_id, exc)
+        return True
 
     def _refuse_assign(self, data, err: BadRequest) -> None:
         """A ``job_assign`` this client cannot read (a server of another version?): fail its ranks
@@ -408,7 +438,16 @@ class Agent:
             self.sio.disconnect()
         except Exception:
             pass
+        if self.listener is not None:
+            self.listener.close()
         self.workspace.close()
+
+
+def _link_line(measured: Link | None) -> str:
+    if measured is None:
+        return ""
+    return (f"; link to the server: down {measured.down * 8 / 1e6:,.0f} Mbit/s, up {measured.up * 8 / 1e6:,.0f} "
+            f"Mbit/s, rtt {measured.rtt * 1000:.1f} ms")
 
 
 def _answer(model, data):

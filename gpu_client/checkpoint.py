@@ -125,7 +125,6 @@ class Checkpointer:
         folder = tempfile.mkdtemp(prefix=f"zwdx-ckpt-{n}-r{self.rank}-")
         try:
             write = self._stage_shards() if self.format == CheckpointFormat.SHARDS else self._stage_torch(folder)
-            self.staging.ready()
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -186,7 +185,7 @@ class Checkpointer:
         if self.rank == 0:
             files[files_of.STATE] = self.staging.tree({
                 "model": self.model.module.state_dict(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None}, "state")
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None})
             if self.tracked:
                 path = os.path.join(folder, EXTRA)
                 torch.save({"tracked": self._tracked()}, path)
@@ -212,7 +211,9 @@ class Checkpointer:
                 shards.check(state["tracked"], "tracked")
             except TypeError as exc:
                 raise TypeError(f"reporter.track: {_TRACKABLE}: {exc}") from None
-        encoded = shards.encode(state, self.rank, self.world, stage=self.staging.tensor)
+        local: list[tuple[str, torch.Tensor]] = []
+        encoded = shards.encode(state, self.rank, self.world, stage=lambda key, t: local.append((key, t)) or t)
+        encoded["tensors"] = dict(zip((k for k, _ in local), self.staging.copy(local)))
         return lambda into: shards.write(encoded, into)
 
     def restore(self) -> None:

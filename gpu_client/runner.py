@@ -132,7 +132,8 @@ class Trainer:
         the loader's next pass starts (and before train_func, for code that ignores the loader)."""
         loaders = call_with(self.bundle["data_loader_func"], {"rank": self.spec.rank,
                                                               "world_size": self.spec.world_size,
-                                                              "device": self.device}, "data_loader_func")
+                                                              "device": self.device, "data_dir": self.spec.data_dir},
+                            "data_loader_func")
         train_loader, eval_loader = (loaders if isinstance(loaders, tuple) and len(loaders) == 2
                                      else (loaders, loaders))
         self.startup.mark("data_loader")

@@ -12,7 +12,8 @@ torchrun's environment:
     it), TORCHELASTIC_RUN_ID (the job id), TORCHELASTIC_RESTART_COUNT (the attempt: 0, then 1
     after the first restart), TORCHELASTIC_MAX_RESTARTS; CUDA_VISIBLE_DEVICES (this client's
     GPUs of the job in local-rank order, so ``cuda:LOCAL_RANK`` is the rank's own; empty on a
-    CPU slot); ZWDX_OUTPUT_DIR, ZWDX_JOB_ID; and the job's ``env``.
+    CPU slot); ZWDX_OUTPUT_DIR, ZWDX_JOB_ID; ZWDX_DATA_DIR (the job's datasets, one folder each,
+    when it names any); and the job's ``env``.
 
 The script's stdout and stderr lines are the job's log lines as they come (and the rank's log
 file); its exit code is the rank's outcome: 0 completed, else failed with the tail of its
@@ -103,7 +104,8 @@ def environ(spec: RankSpec, outputs: str) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": spec.job_id, "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "CUDA_VISIBLE_DEVICES": visible_devices(spec.local_gpus), "PYTHONUNBUFFERED": "1",
-            "ZWDX_OUTPUT_DIR": outputs, "ZWDX_JOB_ID": spec.job_id}
+            "ZWDX_OUTPUT_DIR": outputs, "ZWDX_JOB_ID": spec.job_id,
+            **({"ZWDX_DATA_DIR": spec.data_dir} if spec.data_dir else {})}
 
 
 def visible_devices(gpus: list[int]) -> str:

@@ -1,15 +1,16 @@
 """Host copies of a checkpoint's tensors, taken while training waits, written out after.
 
 A checkpoint stalls training only for the copy of its tensors off the device: ``Staging``
-copies each into a host buffer kept from one checkpoint to the next (pinned when the tensor is
-on a GPU, so the copies run asynchronously and together; one synchronisation at the end), and
-the files are written and uploaded from those copies in the background (``checkpoint.py``).
-The buffers are reused only once the previous checkpoint's background work is done with them.
+copies them into one host block kept from one checkpoint to the next (pinned when the tensors
+are on a GPU, so the copies run asynchronously, together, at the link's speed; one
+synchronisation at the end), and the files are written and uploaded from those copies in the
+background (``checkpoint.py``). The block is made at the first checkpoint (pinning memory is
+slow: about a second per few GB, paid once) and again only when the tensors' sizes change; it
+is reused only once the previous checkpoint's background work is done with it.
 
     staging = Staging()
-    copy = staging.tensor("model.w", tensor)     # one tensor, into the buffer kept under that key
-    tree = staging.tree(state)                   # a state's tree, every tensor copied (keys: paths)
-    staging.ready()                              # wait for the device's copies
+    copies = staging.copy([("model.w", tensor), ...])   # host copies, in the block
+    tree = staging.tree(state)                          # a state's tree, every tensor copied
 """
 from __future__ import annotations
 
@@ -17,53 +18,89 @@ import copy as copying
 
 import torch
 
+_ALIGN = 64  # bytes: each copy starts on a cache line
+
 
 class Staging:
     def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._devices: set[torch.device] = set()
+        self._block: torch.Tensor | None = None
+        self._layout: list[tuple] = []  # (shape, dtype) of each copy, in order, the block is laid out for
 
-    def tensor(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``tensor`` in the buffer kept under ``key`` (made, or made again when
-        the shape or dtype changed). Call ``ready()`` before reading it."""
-        tensor = tensor.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
-            buffer = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-        if tensor.device.type == "cuda":
-            buffer.copy_(tensor, non_blocking=True)
-            self._devices.add(tensor.device)
-        else:
-            buffer.copy_(tensor)
-        return buffer
+    def copy(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Host copies of the tensors of ``items`` ((key, tensor) pairs), in the block; the copies
+        off a GPU are complete when this returns."""
+        tensors = [t.detach() for _, t in items]
+        layout = [(tuple(t.shape), t.dtype) for t in tensors]
+        cuda = [t.device for t in tensors if t.device.type == "cuda"]
+        if layout != self._layout or self._block is None:
+            self._make(layout, pin=bool(cuda))
+        copies = self._views(layout)
+        for target, source in zip(copies, tensors):
+            target.copy_(source, non_blocking=source.device.type == "cuda")
+        for device in set(cuda):
+            torch.cuda.synchronize(device)
+        return copies
 
-    def tree(self, value, key: str = "", seen: dict | None = None):
+    def tree(self, value) -> object:
         """``value`` with every tensor replaced by its host copy and every list, tuple and dict
         rebuilt (what training changes next cannot reach the copy); a tensor met twice (tied
         weights) is copied once. Other values are deep-copied."""
-        seen = {} if seen is None else seen
+        found: dict[int, torch.Tensor] = {}
+        self._collect(value, found)
+        copies = dict(zip(found, self.copy([(str(i), t) for i, t in enumerate(found.values())])))
+        return self._rebuild(value, copies)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._block is None else self._block.numel()
+
+    # -- the block ------------------------------------------------------------------------------
+    def _make(self, layout: list[tuple], pin: bool) -> None:
+        self._block = None  # the old one goes first
+        total = sum(_aligned(_nbytes(shape, dtype)) for shape, dtype in layout)
+        self._block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+        self._layout = layout
+
+    def _views(self, layout: list[tuple]) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for shape, dtype in layout:
+            size = _nbytes(shape, dtype)
+            views.append(self._block[offset:offset + size].view(dtype).view(shape))
+            offset += _aligned(size)
+        return views
+
+    # -- trees ----------------------------------------------------------------------------------
+    def _collect(self, value, found: dict) -> None:
         if isinstance(value, torch.Tensor):
-            if id(value) not in seen:
-                seen[id(value)] = self.tensor(key, value)
-            return seen[id(value)]
+            found.setdefault(id(value), value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                self._collect(v, found)
+        elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            for v in value:
+                self._collect(v, found)
+
+    def _rebuild(self, value, copies: dict):
+        if isinstance(value, torch.Tensor):
+            return copies[id(value)]
         if isinstance(value, dict):
-            out = {k: self.tree(v, f"{key}/{k}", seen) for k, v in value.items()}
+            out = {k: self._rebuild(v, copies) for k, v in value.items()}
             if type(value) is not dict:
                 out = type(value)(out)  # an OrderedDict (a state_dict), with its _metadata
                 if hasattr(value, "_metadata"):
                     out._metadata = copying.deepcopy(value._metadata)
             return out
         if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            return type(value)(self.tree(v, f"{key}/{i}", seen) for i, v in enumerate(value))
+            return type(value)(self._rebuild(v, copies) for v in value)
         return copying.deepcopy(value)
 
-    def ready(self) -> None:
-        """Wait for the copies off the GPU(s)."""
-        for device in self._devices:
-            torch.cuda.synchronize(device)
-        self._devices.clear()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN

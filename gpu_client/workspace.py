@@ -8,13 +8,16 @@
             bundles/<sha256>.zwdx    the bundle cache (0700, files 0600): a cached file is hashed
                                      again on every use, and one whose bytes are not the sha256 it
                                      is named after is fetched again, never run
+            datasets/<key>/          the dataset cache (0700; ``datasets.py``): by version or URL,
+                                     size-bounded, least recently used first out, each file
+                                     hashed again on every use
             jobs/<job id>/           one job's files (0700): its ranks' logs
             standby/                 the standby rank processes' logs (0700)
 
 A rank checks the bundle it loads once more, in its own memory (``zwdx.bundle.load``): what it
 runs is what the server stored, whatever happened to the file in between. An agent whose
 client id was made up at its start (no ``--client-id``) will never be that agent again: it
-deletes its bundle cache when it stops.
+deletes its bundle and dataset caches when it stops.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class Workspace:
             log.warning("gpu-client %s: another agent of this id uses %s; this one keeps its files in %s",
                         client_id, os.path.join(agents, client_id), self.dir)
         self.bundles = private_dir(os.path.join(self.dir, "bundles"))
+        self.datasets = os.path.join(self.dir, "datasets")  # the dataset cache's (``datasets.py``)
 
     def folder(self, *parts: str) -> str:
         """A folder of this agent's (``jobs/<job id>``, ``standby``), 0700."""
@@ -121,6 +125,7 @@ class Workspace:
         """The agent stops: let the folder go (an agent whose id was made up takes its cache along)."""
         if self.ephemeral:
             shutil.rmtree(self.bundles, ignore_errors=True)
+            shutil.rmtree(self.datasets, ignore_errors=True)
         try:
             os.close(self._lock)
         except OSError:

@@ -51,3 +51,8 @@ def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
     needs.tool("tc", "apt-get install iproute2 (./setup.sh --test)")
     out = bench("wan.py", "--links", "100", "--steps", "12", timeout=600)
     assert "| DDP" in out and "DILOCO H=50 int8" in out and "DILOCO H=500 int8" in out
+
+
+def test_checkpoint_stall_runs():
+    out = bench("checkpoint_stall.py", "--gpus", "0", "--cpu-ranks", "2", "--checkpoints", "2", "--between", "2")
+    assert "| this checkout |" in out and "first checkpoint's stall" in out

@@ -116,8 +116,13 @@ def test_room_show_and_clients(cluster):
     shown = zwdx(cluster, "room", "show")
     assert "2 online of 2" in shown.stdout and cluster.room["id"] in shown.stdout
     clients = zwdx(cluster, "room", "clients").stdout
-    assert "client-a" in clients and "client-b" in clients and "free" in clients
-    assert {c["id"] for c in json.loads(zwdx(cluster, "room", "clients", "--json").stdout)} == {"client-a", "client-b"}
+    assert "client-a" in clients and "client-b" in clients and "free" in clients and "LINK" in clients
+    listed = json.loads(zwdx(cluster, "room", "clients", "--json").stdout)
+    assert {c["id"] for c in listed} == {"client-a", "client-b"}
+    for c in listed:  # the link each measured to the server as it registered, and where its peers probe it
+        assert c["link"]["rtt"] > 0 and c["link"]["up"] > 0 and c["link"]["down"] > 0, c
+        assert c["reach_port"] and c["unreachable"] == [], c
+        assert "ms" in clients.split(c["id"], 1)[1].splitlines()[0]  # its row shows the link
 
 
 def test_without_a_token_it_says_how_to_give_one(cluster):

@@ -373,6 +373,9 @@ def test_a_rooms_artifact_is_found_by_kind_and_sha256(store):
     assert store.find_artifact("r1", "bundle", "cd" * 32) is None
     assert store.find_artifact("r1", "workdir", "ef" * 32) is None
     assert store.find_artifact("r3", "workdir", "cd" * 32) is None
+    assert [a["id"] for a in store.list_room_artifacts("r1", "workdir")] == ["w1", "w2"]
+    assert [a["id"] for a in store.list_room_artifacts("r2", "workdir")] == ["w3"]
+    assert store.list_room_artifacts("r1", "dataset") == []
 
 
 # -- artifact bytes (files in the data dir, or GridFS) -----------------------------------------

@@ -1,5 +1,5 @@
 """The `zwdx` command: server, room create|tokens|show|clients, gpu-client, run (a torchrun script), jobs
-(``jobs_cli.py``).
+(``jobs_cli.py``), data (a room's datasets, ``data_cli.py``).
 
 Which token goes where: ``zwdx room create`` prints a submitter token (``zs_``: ``zwdx jobs``,
 ``zwdx room tokens``, the SDK, the dashboard) and a donor token (``zd_``: ``zwdx gpu-client``).
@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from . import defaults, jobs_cli
+from . import data_cli, defaults, jobs_cli
 from .errors import ZwdxError
 from .token_source import token_from
 
@@ -160,6 +160,7 @@ def _gpu_client(args) -> int:
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
+                 dataset_cache_bytes=args.dataset_cache_bytes,
                  confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
                                          pids=args.container_pids, shm=args.container_shm))
 
@@ -229,7 +230,7 @@ def _run_script(args) -> int:
         result = sdk.submit_script(args.script, script_args, nproc=args.nproc, working_dir=args.working_dir,
                                    gpus_per_client=args.gpus_per_client, memory_required=args.memory, name=args.name,
                                    env=env, max_restarts=args.max_restarts, max_workdir_bytes=args.max_workdir_bytes,
-                                   wait=not args.detach)
+                                   datasets=args.dataset, wait=not args.detach)
     except JobFailed as err:
         result = err.result
         for rank in result["failure_order"]:
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per CPU rank")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
+    p.add_argument("--dataset-cache-bytes", type=byte_size, default=defaults.DATASET_CACHE_BYTES, metavar="SIZE",
+                   help="most bytes of datasets kept for later jobs (50GiB, 500MB); the least recently used go "
+                        "first, and the cache never fills the disk (default: 50GiB)")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
     iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")
@@ -371,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the script (repeat it)")
     p.add_argument("--working-dir", default=".", help="the folder to pack and run in (default: here)")
+    p.add_argument("--dataset", action="append", default=[], metavar="NAME|URL",
+                   help="a dataset of the room (zwdx data push) or a URL the GPU clients fetch, in "
+                        "$ZWDX_DATA_DIR/<name> before the script starts (repeat it)")
     p.add_argument("--max-workdir-bytes", type=byte_size, default=None,
                    help="largest working dir (default: $ZWDX_MAX_WORKDIR_BYTES, else 256MiB)")
     p.add_argument("--max-restarts", type=int, default=defaults.MAX_RESTARTS,
@@ -383,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run_script)
 
     jobs_cli.add_jobs_parser(sub, _server_arguments, _token_arguments, _run)
+    data_cli.add_data_parser(sub, _server_arguments, _token_arguments, _run)
     return parser
 
 

@@ -64,3 +64,27 @@ OUTAGE_TOLERANCE = 600.0
 MAX_REQUIRED_MODULES = 1000
 MAX_CLIENT_MODULES = 50000
 MAX_MODULE_NAME = 200
+#: Bytes each way of a GPU client's link measurement at register (``gpu_client/link.py``), and
+#: the most the server sends or reads for one (``GET``/``POST /api/v1/link``).
+LINK_PROBE_BYTES = 1024**2
+LINK_PROBE_MAX_BYTES = 4 * 1024**2
+#: Seconds a GPU client keeps its link figures before it measures again at a register.
+LINK_REFRESH = 3600.0
+#: Link measurement requests one address may make (a rate, as Flask-Limiter writes it).
+RATE_LIMIT_LINK = "30 per minute; 300 per day"
+#: Seconds a GPU client waits for a TCP connection to a peer of a DDP/FSDP job before it calls
+#: the peer unreachable (``gpu_client/reach.py``).
+REACH_TIMEOUT = 3.0
+#: Seconds the server remembers that two GPU clients could not reach each other.
+UNREACHABLE_TTL = 3600.0
+#: Datasets (``zwdx data push``, ``zwdx.datasets``): the size files are cut into chunks at, the
+#: largest chunk the server takes, the most files one version holds, the most chunks one
+#: question may ask about, and the most datasets one job may name.
+DATASET_CHUNK_BYTES = 8 * 1024**2
+MAX_DATASET_CHUNK_BYTES = 256 * 1024**2
+MAX_DATASET_FILES = 20000
+MAX_DATASET_CHUNK_QUERY = 10000
+MAX_JOB_DATASETS = 16
+#: Bytes a GPU client's dataset cache may hold (``zwdx gpu-client --dataset-cache-bytes``): the
+#: least recently used datasets go to make room; it also never fills the disk past what is free.
+DATASET_CACHE_BYTES = 50 * 1024**3

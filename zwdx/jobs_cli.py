@@ -108,6 +108,9 @@ def jobs_show(sdk, args) -> int:
               ("attempt", f"{job.get('attempt', 0)} ({job.get('restarts', 0)} restart(s))"),
               ("submitted", _ago(job.get("created_at"), now)), ("started", _ago(job.get("started_at"), now)),
               ("ended", _ago(job.get("ended_at"), now)), ("final loss", _number(job.get("final_loss")))]
+    if spec.get("datasets"):
+        fields.append(("datasets", ", ".join(f"{d['name']} ({d['url'] if d.get('url') else d['version'][:12]})"
+                                             for d in spec["datasets"])))
     if job.get("waiting_reason"):
         fields.append(("waiting because", job["waiting_reason"]))
     if job.get("reason"):
@@ -217,10 +220,25 @@ def room_clients(sdk, args) -> int:
             rows.append([c["id"], c.get("hostname") or "", c["status"], s.get("index", "-"),
                          f"{s.get('kind', '-')} {s.get('name') or ''}".strip(), _gib(s.get("memory_free")),
                          _gib(s.get("memory_total")), s.get("isolation") or "-", busy if s else "-",
-                         _ago(c.get("last_seen"), now)])
+                         _link(c.get("link")), _ago(c.get("last_seen"), now)])
     print(tabulate(rows, headers=["GPU CLIENT", "HOST", "STATUS", "SLOT", "DEVICE", "FREE", "TOTAL", "ISOLATION",
-                                  "RUNNING", "LAST SEEN"]))
+                                  "RUNNING", "LINK (DOWN/UP, RTT)", "LAST SEEN"]))
+    apart = sorted({tuple(sorted((c["id"], peer))) for c in room["clients"] for peer in c.get("unreachable") or []})
+    for a, b in apart:
+        print(f"{a} and {b} cannot reach each other: DDP/FSDP jobs keep them apart (DILOCO goes anywhere)")
     return 0
+
+
+def _mbit(bytes_per_second: float) -> str:
+    bits = bytes_per_second * 8
+    return f"{bits / 1e9:.1f}G" if bits >= 1e9 else f"{bits / 1e6:.0f}M" if bits >= 1e6 else f"{bits / 1e3:.0f}k"
+
+
+def _link(link: dict | None) -> str:
+    """'940M/910M 0.4ms': bits per second down and up (to the server), and the round trip."""
+    if not link:
+        return "-"
+    return f"{_mbit(link['down'])}/{_mbit(link['up'])} {link['rtt'] * 1000:.1f}ms"
 
 
 JOB_ACTIONS = {"list": jobs_list, "show": jobs_show, "status": jobs_show, "logs": jobs_logs, "metrics": jobs_metrics,

@@ -26,6 +26,7 @@ from .protocol import JobKind, runtime_versions
 from .protocol.base import parse
 from .protocol.rest import SubmitJob
 from .protocol.script import ScriptSpec
+from .datasets import check_datasets
 from .workdir import Packed, human, pack
 
 
@@ -91,7 +92,7 @@ class ScriptJobs:
                memory_required: int = 0, name: str = "", env: dict | None = None, room_token: str | None = None,
                wait: bool = True, progress: bool = True, raise_on_failure: bool = True, timeout: float | None = None,
                max_restarts: int = defaults.MAX_RESTARTS, fail_if_unschedulable: bool = False,
-               cancel_on_interrupt: bool = True, max_workdir_bytes: int | None = None):
+               cancel_on_interrupt: bool = True, max_workdir_bytes: int | None = None, datasets=None):
         sdk = self.sdk
         token = sdk._token(room_token)
         if isinstance(args, str) or not all(isinstance(a, str) for a in args):
@@ -103,7 +104,8 @@ class ScriptJobs:
             fields = {"kind": JobKind.SCRIPT.value, "script": run.model_dump(), "world_size": nproc,
                       "gpus_per_client": gpus_per_client, "memory_required": memory_required,
                       "name": name or os.path.basename(packed.script), "versions": runtime_versions(),
-                      "max_restarts": max_restarts, "fail_if_unschedulable": fail_if_unschedulable}
+                      "max_restarts": max_restarts, "fail_if_unschedulable": fail_if_unschedulable,
+                      "datasets": check_datasets(sdk, token, datasets)}
             parse(SubmitJob, {**fields, "bundle_artifact": "pending"})  # the server's own check, before the upload
             workdir = self.push_workdir(packed, token)
             try:

@@ -29,6 +29,7 @@ import requests
 from . import defaults, tls, trackers as _trackers
 from .bundle import pack, required_modules
 from .credentials import CredentialStore, remember_by_default
+from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
 from .protocol import WAITING, JobStatus, runtime_versions
 from .protocol.base import parse
@@ -246,7 +247,7 @@ class ZWDX:
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None,
-                   image: str | None = None):
+                   datasets=None, image: str | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -281,7 +282,13 @@ class ZWDX:
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
         your API key stays here, nothing of it goes to a donor) or ``zwdx.trackers.Tracker``
-        objects; ``export_metrics`` sends a finished job's."""
+        objects; ``export_metrics`` sends a finished job's.
+
+        ``datasets``: what the GPU clients fetch before the job's code runs (``zwdx.datasets``):
+        the room's datasets by name (``zwdx data push``; the newest version, pinned now), URLs
+        (``https://``, ``s3://``) or ``{"url": ..., "sha256": ..., "name": ...}``. ``data_loader_func``
+        then gets ``data_dir``: a read-only folder holding one folder per dataset, by its name
+        (``data_dir/digits/...``). A name the room has none of is refused here, naming it."""
         token = self._token(room_token)
         _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
         if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO"):
@@ -294,6 +301,7 @@ class ZWDX:
         if diloco is not None:  # checked as the server will, before anything is uploaded
             parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
                               "parallelism": str(parallelism).upper(), "diloco": diloco})
+        datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()
         artifact = self._json("POST", "/artifacts", token, data=blob,
@@ -305,7 +313,7 @@ class ZWDX:
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob), "diloco": diloco, "image": image})
+            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
@@ -322,6 +330,26 @@ class ZWDX:
                 self._interrupted(job["id"], token, cancel_on_interrupt)
             raise
 
+    # -- datasets (zwdx.datasets) ---------------------------------------------------------------
+    def push_dataset(self, path: str, name: str, room_token: str | None = None, progress: bool = True,
+                     chunk_bytes: int = defaults.DATASET_CHUNK_BYTES) -> dict:
+        """Upload a folder as a version of the room's dataset ``name`` (what ``zwdx data push``
+        does): only the chunks the room lacks travel, so a push cut short resumes. ``{"name",
+        "version", "files", "size", "chunks", "uploaded_chunks", "uploaded_bytes", "new_version"}``."""
+        return Datasets(self).push(path, name, room_token, progress, chunk_bytes)
+
+    def list_datasets(self, room_token: str | None = None) -> list[dict]:
+        """The room's datasets, each with its versions (the newest first)."""
+        return Datasets(self).list(room_token)
+
+    def get_dataset(self, name: str, room_token: str | None = None) -> dict:
+        """One dataset: its versions, and its newest version's files (``manifest``)."""
+        return Datasets(self).get(name, room_token)
+
+    def remove_dataset(self, name: str, room_token: str | None = None) -> dict:
+        """Remove a dataset, every version (refused while a waiting or running job uses it)."""
+        return Datasets(self).remove(name, room_token)
+
     # -- script jobs (zwdx.script_jobs) -------------------------------------------------------
     def submit_script(self, script: str, args=(), *, nproc: int, working_dir: str = ".", **options):
         """Run an existing torchrun script unchanged on ``nproc`` ranks of the room (what ``zwdx
@@ -331,7 +359,8 @@ class ZWDX:
         does, with ``"workdir"`` (``sha256``, ``size``, ``uploaded``); ``wait=False``: the job id.
         Options: ``gpus_per_client``, ``memory_required``, ``name``, ``env``, ``room_token``,
         ``wait``, ``progress``, ``raise_on_failure``, ``timeout``, ``max_restarts``,
-        ``fail_if_unschedulable``, ``cancel_on_interrupt``, ``max_workdir_bytes``."""
+        ``fail_if_unschedulable``, ``cancel_on_interrupt``, ``max_workdir_bytes``, ``datasets`` (as
+        ``submit_job``'s; the script finds them under ``$ZWDX_DATA_DIR/<name>``)."""
         from .script_jobs import ScriptJobs
         return ScriptJobs(self).submit(script, args, nproc=nproc, working_dir=working_dir, **options)
 

@@ -59,6 +59,7 @@ class World:
     keys: dict = field(default_factory=dict)        # "rank0", "rank1", "old_attempt", "ended" -> a rank key
     bundle: str = ""                                # the live job's bundle (room A)
     weights: str = ""                               # the done job's weights (room A)
+    dataset: dict = field(default_factory=dict)     # room A's dataset "tiny", which the live job uses: version, chunk
     _mongo: object = None                           # the snapshot's MongoDB client, kept
 
     @property
@@ -84,6 +85,19 @@ class World:
             "bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()}, **fields})
         assert resp.status_code == 201, resp.text
         return resp.json
+
+    def push_dataset(self, name: str, data: bytes | None = None) -> dict:
+        """A dataset of room A of one file, one chunk: ``{"version", "chunk", "data"}``."""
+        import hashlib
+        data = data or f"a dataset {uuid.uuid4().hex}".encode()
+        chunk = hashlib.sha256(data).hexdigest()
+        resp = self.request("PUT", f"/datasets/chunks/{chunk}", self.as_submitter(), data=data)
+        assert resp.status_code in (200, 201), resp.text
+        resp = self.request("POST", "/datasets", self.as_submitter(), json={
+            "name": name, "chunk_bytes": 1024, "files": [{"path": "x", "size": len(data), "sha256": chunk,
+                                                          "chunks": [chunk]}]})
+        assert resp.status_code == 201, resp.text
+        return {"version": resp.json["latest"]["version"], "chunk": chunk, "data": data}
 
     def place(self, job_id: str, ranks: dict[int, str], keys: dict[int, str]) -> None:
         """Place the job as the scheduler does: rank -> slot id, under these rank keys."""
@@ -130,7 +144,8 @@ def build(app, backend: Backend) -> World:
     for client_id, room in (("a1", "A"), ("a2", "A"), ("b1", "B")):
         w.register(client_id, w.rooms[room]["donor_token"])
 
-    live = w.submit(world_size=2, parallelism="DILOCO")
+    w.dataset = w.push_dataset("tiny")
+    live = w.submit(world_size=2, parallelism="DILOCO", datasets=["tiny"])
     w.jobs["live"], w.bundle = live["id"], live["spec"]["bundle_artifact"]
     w.keys["old_attempt"], old_rank1 = f"rk_old0_{uuid.uuid4().hex}", f"rk_old1_{uuid.uuid4().hex}"
     w.place(live["id"], {0: "a1:0", 1: "a2:0"}, {0: w.keys["old_attempt"], 1: old_rank1})
@@ -191,7 +206,8 @@ def shared_world(request, tmp_path_factory) -> World:
         config = {"DATA_DIR": str(base / "mongo-app"), "MONGO_URI": backend.where}
     # Its tests ask with hundreds of wrong credentials from one address: not rate-limited here.
     app = create_app({"MONGO_URI": None, "SCHEDULER": False, "TESTING": True,
-                      "RATE_LIMIT_AUTH_FAILURES": "100000 per minute", **config})
+                      "RATE_LIMIT_AUTH_FAILURES": "100000 per minute", "RATE_LIMIT_LINK": "100000 per minute",
+                      **config})
     try:
         w = build(app, backend)
         yield w

@@ -8,8 +8,8 @@ REST columns (the header a request carries):
     wrong            a room token no room has
     revoked          a submitter token of room A, revoked
     other_submitter  room B's submitter token      (its own room: a room-A object is "not found")
-    other_donor      room B's donor token           (opens no REST route)
-    donor            room A's donor token           (opens no REST route)
+    other_donor      room B's donor token           (opens only the link measurement, /link)
+    donor            room A's donor token           (opens only the link measurement, /link)
     legacy           room A's legacy zr_ token      (a submitter token until rotated)
     submitter        room A's submitter token       the right token of a room route
     wrong_key        a rank key no rank has
@@ -65,8 +65,8 @@ def headers(w: World, column: str) -> dict:
 @dataclass
 class Route:
     """How to call one endpoint, and what its right caller gets."""
-    #: "public" (anyone), "room" (a submitter token), "job" (a rank key), "room_or_job", "page",
-    #: "no_route" (the API's 404 for what it does not have)
+    #: "public" (anyone), "room" (a submitter token), "job" (a rank key), "room_or_job", "donor"
+    #: (a donor token: a GPU client's), "page", "no_route" (the API's 404 for what it does not have)
     auth: str
     #: (world, column, made) -> (method, url, keyword arguments of the test client's ``open``)
     call: Callable[[World, str, object], tuple[str, str, dict]]
@@ -112,7 +112,9 @@ def fresh_token(w: World) -> str:
 
 
 #: The files of a DDP checkpoint of the live job (world size 2), and the rank that sends each.
-CHECKPOINT = {"state.pt": "rank0", "rng-0.pt": "rank0", "rng-1.pt": "rank1"}
+# The live job is DILOCO: its checkpoints are rank 0's alone (another rank's file is refused:
+# test_integrity.py covers DDP's files of every rank)
+CHECKPOINT = {"state.pt": "rank0", "rng-0.pt": "rank0"}
 
 
 def uploaded(w: World) -> None:
@@ -152,6 +154,21 @@ def outputs(w: World) -> None:
     assert resp.status_code == 201, resp.text
 
 
+def fresh_manifest(w: World) -> dict:
+    """A manifest of a new dataset over a chunk room A has (uploaded now)."""
+    data, sha = fresh_workdir(w)
+    assert w.request("PUT", f"/datasets/chunks/{sha}", w.as_submitter(), data=data).status_code == 201
+    return {"name": f"d{sha[:8]}", "chunk_bytes": 1024,
+            "files": [{"path": "f", "size": len(data), "sha256": sha, "chunks": [sha]}]}
+
+
+def fresh_dataset(w: World) -> str:
+    """A dataset of room A no job uses: its name."""
+    name = f"spare{secrets.token_hex(4)}"
+    w.push_dataset(name)
+    return name
+
+
 ROUTES: dict[str, Route] = {
     "api.health": Route("public", lambda w, c, m: ("GET", "/health", {}), 200),
     "api.create_room": Route("public", lambda w, c, m: ("POST", f"{P}/rooms", {"json": {"name": "new"}}), 201),
@@ -186,8 +203,7 @@ ROUTES: dict[str, Route] = {
     # Each rank sends its own file (another rank's is refused: test_integrity.py), to a checkpoint not
     # committed yet (checkpoint 0 is, by the commit route's cells).
     "checkpoints.put_checkpoint_file": Route("job", lambda w, c, m: (
-        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/1/rng-{1 if c == 'other_rank' else 0}.pt", {"data": b"rng"}),
-        201, any_rank=True),
+        "PUT", f"{P}/jobs/{job_of(w, c)}/checkpoints/1/rng-0.pt", {"data": b"rng"}), 201),
     "checkpoints.commit_checkpoint": Route("job", lambda w, c, m: (
         "POST", f"{P}/jobs/{job_of(w, c)}/checkpoints/0/commit", {"json": {"files": list(CHECKPOINT)}}), 201,
         prepare=uploaded),
@@ -213,6 +229,25 @@ ROUTES: dict[str, Route] = {
                                  own_room=201, prepare=fresh_workdir),
     "scripts.get_workdir": Route("room", lambda w, c, m: ("GET", f"{P}/workdirs/{m}", {}), 200,
                                  prepare=stored_workdir),
+    # A GPU client's link measurement: any room's donor token (it names nothing of a room).
+    "links.link_down": Route("donor", lambda w, c, m: ("GET", f"{P}/link?bytes=1000", {}), 200),
+    "links.link_up": Route("donor", lambda w, c, m: ("POST", f"{P}/link", {"data": b"x" * 1000}), 200),
+    "datasets.missing_chunks": Route("room", lambda w, c, m: (
+        "POST", f"{P}/datasets/chunks/missing", {"json": {"chunks": [w.dataset["chunk"]]}}), 200, own_room=200),
+    "datasets.put_chunk": Route("room", lambda w, c, m: ("PUT", f"{P}/datasets/chunks/{m[1]}", {"data": m[0]}), 201,
+                                own_room=201, prepare=fresh_workdir),
+    # Room B's submitter naming room A's chunk: not in its room (400, nothing stored).
+    "datasets.create_version": Route("room", lambda w, c, m: ("POST", f"{P}/datasets", {"json": m}), 201,
+                                     own_room=400, prepare=fresh_manifest),
+    "datasets.list_datasets": Route("room", lambda w, c, m: ("GET", f"{P}/datasets", {}), 200, own_room=200),
+    "datasets.get_dataset": Route("room", lambda w, c, m: ("GET", f"{P}/datasets/tiny", {}), 200),
+    "datasets.remove_dataset": Route("room", lambda w, c, m: ("DELETE", f"{P}/datasets/{m}", {}), 200,
+                                     prepare=fresh_dataset),
+    "datasets.get_job_manifest": Route("job", lambda w, c, m: (
+        "GET", f"{P}/jobs/{job_of(w, c)}/datasets/{w.dataset['version']}", {}), 200, any_rank=True),
+    "datasets.get_job_chunk": Route("job", lambda w, c, m: (
+        "GET", f"{P}/jobs/{job_of(w, c)}/datasets/{w.dataset['version']}/chunks/{w.dataset['chunk']}", {}), 200,
+        any_rank=True),
     "scripts.put_outputs": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/outputs", {"data": b"t"}),
                                  201),
     "scripts.get_outputs": Route("room", lambda w, c, m: ("GET", f"{P}/jobs/{w.jobs['live']}/outputs", {}), 200,
@@ -226,6 +261,9 @@ def expected(route: Route, column: str) -> int:
         return route.ok
     if route.auth == "no_route":
         return 404
+    if route.auth == "donor":  # a submitter token is refused (403), a rank key is no room token (401)
+        return {"donor": route.ok, "legacy": route.ok, "other_donor": route.ok, "submitter": 403,
+                "other_submitter": 403}.get(column, 401)
     room = {"none": 401, "wrong": 401, "revoked": 401, "other_donor": 403, "donor": 403, "legacy": route.ok,
             "submitter": route.ok, "other_submitter": route.own_room or 404}
     keys = {"wrong_key": 403, "old_attempt": 403, "ended_job": 403, "rank": route.ok,
@@ -248,7 +286,8 @@ def test_every_route_and_event_has_an_entry(make_app):
     for endpoint in endpoints:  # the matrix's kind of each route is the one its operation declares
         op = getattr(app.view_functions[endpoint], "operation", None)
         if op is not None and endpoint != "api.no_route":
-            kind = {"none": "public", "room": "room", "job": "job", "room or job": "room_or_job"}[op.auth.value]
+            kind = {"none": "public", "room": "room", "job": "job", "room or job": "room_or_job",
+                    "donor": "donor"}[op.auth.value]
             assert ROUTES[endpoint].auth == kind, endpoint
     names = {value for name, value in vars(ev).items() if name.startswith("EV_")}
     assert names == set(EVENTS), f"events without an entry: {names - set(EVENTS)}"
@@ -388,6 +427,46 @@ def ranks_exited_cells(w: World):
     sock.disconnect(namespace=ev.GPU_NAMESPACE)
 
 
+def unreachable_cells(w: World):
+    """A GPU client says which peers of a DDP/FSDP job it cannot reach: only for a job of its room
+    that it and those peers are placed on. Accepted, the job is placed again without the pair (or
+    fails naming it) and both remember it."""
+    w.store.release_slots(w.jobs["done"])
+    live = w.submit(world_size=2)["id"]  # DDP
+    w.place(live, {0: "a1:1", 1: "a2:1"}, {0: f"rk_ddp0_{secrets.token_hex(8)}", 1: f"rk_ddp1_{secrets.token_hex(8)}"})
+    report = {"job_id": live, "attempt": 0, "peers": {"a2": "no route to host"}}
+    sock = connect(w, ev.GPU_NAMESPACE, "donor")
+    before = snapshot(w)
+    assert sock.emit(ev.EV_UNREACHABLE, report, namespace=ev.GPU_NAMESPACE, callback=True) == \
+        {"ok": False, "error": "unreachable before register"}
+    assert snapshot(w) == before
+    sock.disconnect(namespace=ev.GPU_NAMESPACE)
+    for column, client_id, sent, error in [
+            ("other_donor", "b1", report, "no such job in this room"),
+            ("donor", "a3", report, "has no rank on this gpu client"),             # of room A, not placed
+            ("donor", "a1", {**report, "peers": {"b1": "refused"}}, "no peers"),  # room B's client
+            ("donor", "a1", {**report, "peers": {"a1": "refused"}}, "no peers"),  # itself
+            ("donor", "a1", {**report, "job_id": w.jobs["live"], "attempt": 1}, "need not reach")]:  # DILOCO
+        sock = connect(w, ev.GPU_NAMESPACE, column)
+        answer = _register(sock, client_id, w.secrets.get(client_id), w if client_id in ("a1", "a2") else None)
+        assert answer["ok"], answer
+        w.secrets.setdefault(client_id, answer.get("client_secret"))
+        before = snapshot(w)
+        answer = sock.emit(ev.EV_UNREACHABLE, sent, namespace=ev.GPU_NAMESPACE, callback=True)
+        assert answer["ok"] is False and error in answer["error"], (column, client_id, answer)
+        assert snapshot(w) == before, (column, client_id)
+        sock.disconnect(namespace=ev.GPU_NAMESPACE)
+    sock = connect(w, ev.GPU_NAMESPACE, "donor")
+    assert _register(sock, "a1", w.secrets["a1"], w)["ok"]
+    assert sock.emit(ev.EV_UNREACHABLE, report, namespace=ev.GPU_NAMESPACE, callback=True) == {"ok": True}
+    job = w.store.get_job(live)  # no other GPU client of room A online (a3 left): it fails (test_reach.py: placed again)
+    assert job.status == "failed" and "a1 (host h) and a2 (host h) cannot reach each other" in job.reason
+    assert 'parallelism="DILOCO"' in job.reason
+    apart = {cid: [e["client_id"] for e in w.store.get_client(cid).get("unreachable") or []] for cid in ("a1", "a2", "b1")}
+    assert apart == {"a1": ["a2"], "a2": ["a1"], "b1": []}
+    sock.disconnect(namespace=ev.GPU_NAMESPACE)
+
+
 def _received(sock, namespace: str) -> dict[str, list]:
     """What came to ``sock`` since last asked: event -> its payloads, in order."""
     out: dict[str, list] = {}
@@ -444,6 +523,7 @@ EVENTS = {
     ev.EV_REGISTER: register_cells,
     ev.EV_HEARTBEAT: heartbeat_cells,
     ev.EV_RANKS_EXITED: ranks_exited_cells,
+    ev.EV_UNREACHABLE: unreachable_cells,
     ev.EV_RESERVE_PORT: server_to_client_cells,
     ev.EV_JOB_ASSIGN: server_to_client_cells,
     ev.EV_JOB_CANCEL: server_to_client_cells,

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from . import events as ev
-from .gpu import Ack, Heartbeat, JobAssign, JobCancel, PortOffer, RanksExited, Register, RegisterAnswer, ReservePort
+from .gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, RanksExited, Register, RegisterAnswer, ReservePort,
+                  Unreachable)
 from .job import JobView
 from .rest import ClientsUpdate, JobEvents
 
@@ -45,13 +46,18 @@ class Event:
 EVENTS = (
     Event(ev.EV_REGISTER, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, Register, RegisterAnswer,
           "First thing after connecting, and again after every reconnect: its slots, versions, importable "
-          "modules and the jobs whose ranks it still runs. The first register of a client id is answered with "
-          "its client secret; every later one must carry it."),
+          "modules, the jobs whose ranks it still runs, where its peers reach it (`reach_port`) and its link to "
+          "the server (`link`, measured over `/api/v1/link`). The first register of a client id is answered "
+          "with its client secret; every later one must carry it."),
     Event(ev.EV_HEARTBEAT, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, Heartbeat, Ack,
           "Every `heartbeat_interval` seconds: fresh figures of its slots. Silent for `CLIENT_TIMEOUT`: lost."),
     Event(ev.EV_RANKS_EXITED, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, RanksExited, Ack,
           "Its rank processes of one attempt of a job exited (rank → exit code): their slots are free. Only "
           "for ranks placed on it."),
+    Event(ev.EV_UNREACHABLE, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, Unreachable, Ack,
+          "Before the ranks of a DDP/FSDP job start, it could not connect to these other GPU clients of the job "
+          "(`JobAssign.peers`): the job fails at once naming the pairs, and the scheduler keeps them apart. "
+          "Only for a job it and those peers are placed on."),
     Event(ev.EV_RESERVE_PORT, ev.GPU_NAMESPACE, SERVER_TO_RANK0, ReservePort, PortOffer,
           "The scheduler placed a job: where will the ranks meet? The scheduler does not wait for the answer."),
     Event(ev.EV_JOB_ASSIGN, ev.GPU_NAMESPACE, SERVER_TO_CLIENT, JobAssign, None,

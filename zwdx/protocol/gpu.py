@@ -1,7 +1,7 @@
 """What GPU clients and the server say to each other on the ``/gpu`` Socket.IO namespace.
 
     client -> server   register (Register -> RegisterAnswer), heartbeat (Heartbeat -> Ack),
-                       ranks_exited (RanksExited -> Ack)
+                       ranks_exited (RanksExited -> Ack), unreachable (Unreachable -> Ack)
     server -> client   reserve_port (ReservePort -> PortOffer, a call to the rank-0 client),
                        job_assign (JobAssign), job_cancel (JobCancel)
 
@@ -21,6 +21,7 @@ from pydantic import Field, StringConstraints, field_validator
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
 from .tokens import Secret
+from .dataset import DatasetPin
 from .diloco import DilocoSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
@@ -79,6 +80,17 @@ class Running(Message):
     attempt: Count = 0
 
 
+class Link(Message):
+    """A GPU client's link to the server, as it measured it (``gpu_client/link.py``): the
+    shortest round trip of a few small requests, and the bytes per second of one timed transfer
+    each way (a lower bound on a slow-starting link)."""
+    rtt: Annotated[float, Field(ge=0, le=600)]
+    up: Annotated[float, Field(ge=0, le=1e13)]
+    down: Annotated[float, Field(ge=0, le=1e13)]
+    #: When (the client's clock, seconds since the epoch).
+    measured_at: Annotated[float, Field(ge=0)]
+
+
 class Register(Message):
     """The first thing a connected GPU client says (and again after every reconnect)."""
     client_id: Id
@@ -91,6 +103,11 @@ class Register(Message):
     #: Top-level modules it can import (None: not told, so not checked).
     modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_CLIENT_MODULES)] | None = None
     advertise_addr: Annotated[str, StringConstraints(max_length=255)] | None = None
+    #: The port on ``advertise_addr`` where it answers its peers' reachability probes (``Peer``);
+    #: None: an older client, which is not probed.
+    reach_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    #: Its link to the server (None: not measured).
+    link: Link | None = None
     running: Annotated[list[Running], Field(max_length=1024)] = []
     #: The secret the first ``register`` of this client id was answered with; None the first time.
     client_secret: Secret | None = None
@@ -146,6 +163,25 @@ class PortOffer(Message):
     port: Annotated[int, Field(ge=1, le=65535)]
 
 
+class Peer(Answer):
+    """Another GPU client of a DDP/FSDP job, where its reachability probe answers: each client
+    of the job connects to every other's before its ranks start (``gpu_client/reach.py``)."""
+    client_id: str
+    hostname: str = ""
+    addr: str
+    port: int
+
+
+class Unreachable(Message):
+    """A GPU client of a DDP/FSDP job could not open TCP to these peers of it: the job fails at
+    once (its ranks would wait for the collective timeout), naming the pairs, and the scheduler
+    keeps the pairs apart (``zwdx/server/reach.py``)."""
+    job_id: Id
+    attempt: Count = 0
+    #: peer client id -> what the connection said (timeout, no route to host, ...)
+    peers: Annotated[dict[Id, Annotated[str, StringConstraints(max_length=300)]], Field(min_length=1, max_length=1024)]
+
+
 class RankPlace(Answer):
     """One of the job's ranks that a client runs, on which of its slots, and its rank key: the
     rank's only credential, good for this rank of this attempt from this client while the job
@@ -186,11 +222,16 @@ class JobAssign(Answer):
     max_restarts: int = defaults.MAX_RESTARTS
     #: DILOCO's settings; None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: The job's GPU clients, rank 0's first, for the reachability probe (empty: none to probe,
+    #: as for DILOCO, which syncs through the server).
+    peers: list[Peer] = []
+    #: The datasets to fetch before the ranks run the job's code (pinned at submit).
+    datasets: list[DatasetPin] = []
     #: The image the job's ranks run in (None: this client's default).
     image: str | None = None
-    #: The addresses of every GPU client of the placement (this one's too): where the ranks'
-    #: collectives go, and all a rank in a container may reach besides the server (container.py).
-    peers: list[str] = []
+    #: The addresses of every GPU client of the placement (this one's too): all a rank in a
+    #: container may reach besides the server (``gpu_client/container.py``).
+    addresses: list[str] = []
 
 
 class JobCancel(Answer):
@@ -200,5 +241,5 @@ class JobCancel(Answer):
     reason: str = ""
 
 
-__all__ = ["Slot", "SlotStats", "Running", "Register", "RegisterAnswer", "Heartbeat", "Ack", "RanksExited",
+__all__ = ["Slot", "SlotStats", "Running", "Link", "Register", "Peer", "Unreachable", "RegisterAnswer", "Heartbeat", "Ack", "RanksExited",
            "ReservePort", "PortOffer", "RankPlace", "JobAssign", "JobCancel", "Seconds"]

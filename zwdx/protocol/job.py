@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import defaults
 from .base import Answer
+from .dataset import DatasetPin
 from .diloco import DilocoSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
@@ -86,6 +87,8 @@ class JobSpec(Record):
     gpus_per_client: int | None = None
     #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: The datasets its GPU clients fetch, pinned at submit (``zwdx.protocol.dataset``).
+    datasets: list[DatasetPin] = Field(default_factory=list)
     #: The image its ranks run in (GPU clients that allow it only); None: any client's default.
     image: str | None = None
 

@@ -67,7 +67,7 @@ class RankSpec(Message):
     # -- how the ranks meet and train ------------------------------------------------------------
     master_addr: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     master_port: Annotated[int, Field(ge=1, le=65535)]
-    #: The addresses of the job's GPU clients (``JobAssign.peers``).
+    #: The addresses of the job's GPU clients (``JobAssign.addresses``): where a rank in a container may connect.
     peers: Annotated[list[Annotated[str, StringConstraints(max_length=255)]], Field(max_length=4096)] = []
     backend: Literal["nccl", "gloo"]
     device: Device
@@ -92,6 +92,9 @@ class RankSpec(Message):
     bundle_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     #: True: the agent is still fetching it, and says ``ready`` on stdin once it is there.
     bundle_pending: bool
+    #: The job's datasets, one folder each, read-only (``data_loader_func``'s ``data_dir``, a
+    #: script's ``$ZWDX_DATA_DIR``): there by ``ready``. None: the job names none.
+    data_dir: Path | None = None
 
     # -- who speaks, to whom ---------------------------------------------------------------------
     #: When the job reached the GPU client (seconds since the epoch): the origin of the startup times.

@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Message
+from .dataset import DatasetRef
 from .diloco import DilocoSettings
 from .gpu import ModuleName
 from .job import CheckpointEntry, JobView
@@ -78,6 +79,15 @@ class SlotView(Answer):
     rank: int | None = None
 
 
+class LinkView(Answer):
+    """A GPU client's link to the server as it measured it at register: round trip in seconds,
+    bytes per second up (to the server) and down."""
+    rtt: float
+    up: float
+    down: float
+    measured_at: float
+
+
 class ClientView(Answer):
     id: str
     room_id: str
@@ -91,6 +101,12 @@ class ClientView(Answer):
     registered_at: float | None = None
     disconnected_at: float | None = None
     lost_at: float | None = None
+    #: Where its peers' reachability probes reach it (on ``advertise_addr``).
+    reach_port: int | None = None
+    link: LinkView | None = None
+    #: GPU clients it could not reach, or that could not reach it, lately: DDP and FSDP jobs
+    #: keep them apart (``zwdx/server/reach.py``).
+    unreachable: list[str] = []
     slots: list[SlotView] = []
 
 
@@ -190,6 +206,9 @@ class SubmitJob(Message):
     #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
     #: the defaults when this is left out.
     diloco: DilocoSettings | None = None
+    #: Datasets the GPU clients fetch before the job's code runs (``zwdx.protocol.dataset``): a
+    #: room dataset's name (its newest version, pinned now), a URL, or ``{"url", "sha256", "name"}``.
+    datasets: Annotated[list[DatasetRef], Field(max_length=defaults.MAX_JOB_DATASETS)] = []
     #: The image its ranks run in (``--isolation docker``): only GPU clients whose donor allows it
     #: take the job (``zwdx gpu-client --allow-image``). None: any client, in its default image.
     image: Annotated[str, StringConstraints(min_length=1, max_length=255,
@@ -277,6 +296,16 @@ class JobsQuery(Query):
 class JobQuery(Query):
     """``GET /api/v1/jobs/<id>?events_after=N``: with it, the job's events after ``seq`` N too."""
     events_after: Count | None = None
+
+
+class LinkQuery(Query):
+    """``GET /api/v1/link?bytes=N``: N bytes to time a GPU client's download (0: a round trip)."""
+    bytes: Annotated[int, Field(ge=0, le=defaults.LINK_PROBE_MAX_BYTES)] = 0
+
+
+class LinkReceived(Answer):
+    """``POST /api/v1/link``: how many bytes of the upload the server read."""
+    bytes: int
 
 
 # -- events (metrics and log lines) ---------------------------------------------------------------

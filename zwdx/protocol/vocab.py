@@ -120,11 +120,13 @@ class ArtifactKind(str, Enum):
     OUTPUT = "output"      # the files a script job's rank 0 wrote under $ZWDX_OUTPUT_DIR (a tar)
     PSEUDO_GRADIENT = "pseudo_gradient"   # a DILOCO worker's upload for one round
     OUTER_GRADIENT = "outer_gradient"     # a round's average of them, which every worker fetches
+    DATASET = "dataset"                   # a version of a room dataset: its manifest (JSON), the room's
+    DATASET_CHUNK = "dataset_chunk"       # a piece of a dataset's file, the room's, found by its sha256
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it
 # declares (the runner passes them, the SDK checks a function's signature against them at submit).
-LOADER_ARGS = ("rank", "world_size", "device")
+LOADER_ARGS = ("rank", "world_size", "device", "data_dir")
 TRAIN_ARGS = ("model", "loader", "optimizer", "optim", "rank", "world_size", "epochs", "device", "eval_func",
               "reporter", "start_epoch", "resume")
 EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")

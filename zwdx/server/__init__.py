@@ -26,7 +26,7 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
 from ..protocol.report import to_wire
-from . import api, checkpoints, dashboard_api, diloco, events, limits, openapi, prometheus, scripts, tokens, ui
+from . import api, checkpoints, dashboard_api, datasets, diloco, events, limits, links, openapi, prometheus, scripts, tokens, ui
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
@@ -144,6 +144,9 @@ def create_app(config: dict | None = None) -> Flask:
         ROOM_MAX_ARTIFACT_BYTES=defaults.ROOM_MAX_ARTIFACT_BYTES,
         RATE_LIMIT_ROOMS=defaults.RATE_LIMIT_ROOMS,
         RATE_LIMIT_AUTH_FAILURES=defaults.RATE_LIMIT_AUTH_FAILURES,
+        RATE_LIMIT_LINK=defaults.RATE_LIMIT_LINK,
+        LINK_PROBE_MAX_BYTES=defaults.LINK_PROBE_MAX_BYTES,
+        UNREACHABLE_TTL=defaults.UNREACHABLE_TTL,
         SWEEP_INTERVAL=defaults.SWEEP_INTERVAL,
         UNATTACHED_GRACE=defaults.UNATTACHED_GRACE,
         ARTIFACT_RETENTION=defaults.ARTIFACT_RETENTION,
@@ -176,7 +179,9 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(checkpoints.bp)
     app.register_blueprint(dashboard_api.bp)
+    app.register_blueprint(datasets.bp)
     app.register_blueprint(diloco.bp)
+    app.register_blueprint(links.bp)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(prometheus.bp)
     app.register_blueprint(scripts.bp)

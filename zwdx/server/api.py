@@ -24,7 +24,7 @@ from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, RoomCreated, RoomDetail, SubmitJob)
 from ..protocol.report import NON_FINITE
-from . import limits, lifecycle, notify
+from . import limits, lifecycle, manifests, notify
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job
@@ -131,10 +131,11 @@ def create_job(room: dict, body: SubmitJob):
     if bundle.get("job_id"):  # a working dir is the room's, any number of its jobs run it
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
     limits.check_job_quota(room)
+    pins = manifests.pin(ctx().store, room["id"], body.datasets)  # a name the room lacks: 400 naming it
     now = time.time()
     spec = JobSpec.model_validate({
-        **body.model_dump(exclude={"name", "fail_if_unschedulable", "required_modules", "versions"}),
-        "versions": body.versions.model_dump(exclude_none=True),
+        **body.model_dump(exclude={"name", "fail_if_unschedulable", "required_modules", "versions", "datasets"}),
+        "versions": body.versions.model_dump(exclude_none=True), "datasets": [p.model_dump() for p in pins],
         "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"],
         "required_modules": sorted(set(body.required_modules))})
     job = JobRecord(id=uuid.uuid4().hex[:12], room_id=room["id"], status=JobStatus.QUEUED, name=body.name,

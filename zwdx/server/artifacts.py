@@ -11,6 +11,7 @@ import abc
 import hashlib
 import os
 import tempfile
+import time
 from typing import BinaryIO, Iterator
 
 from .. import defaults
@@ -57,6 +58,7 @@ def copy_hashed(stream: BinaryIO, sink: BinaryIO, max_bytes: int, expected_sha25
                                   limit=max_bytes)
         digest.update(block)
         sink.write(block)
+        time.sleep(0)  # under gevent: the server's other requests (heartbeats) run between two chunks
     sha = digest.hexdigest()
     if expected_sha256 and sha != expected_sha256.lower():
         raise IntegrityError(f"artifact sha256 mismatch: announced {expected_sha256}, received {sha}",
@@ -103,6 +105,7 @@ class FileArtifactStore(ArtifactStore):
                     if not block:
                         return
                     yield block
+                    time.sleep(0)  # as in copy_hashed
         return chunks()
 
     def delete(self, artifact_id):

@@ -7,7 +7,7 @@ a client id is answered with a client secret, which every later one must present
 without it changes nothing), and its ``ranks_exited`` speaks only for ranks placed on it.
 
 Every /gpu payload is checked once, against its type in ``zwdx.protocol.gpu`` (``Register``,
-``Heartbeat``, ``RanksExited``), before its handler sees it: a wrong one is answered
+``Heartbeat``, ``RanksExited``, ``Unreachable``), before its handler sees it: a wrong one is answered
 ``Ack(ok=False, error=...)`` naming the field and what was expected, and changes nothing. The
 handlers receive typed messages and answer typed answers; none raises (an unexpected error is
 logged and answered as a refusal). They sit at module level (Flask-SocketIO-Chat's habit);
@@ -27,11 +27,11 @@ from pydantic import BaseModel
 from .. import defaults
 from ..errors import AuthError, BadRequest, Forbidden, RateLimited
 from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
-                        GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
+                        EV_UNREACHABLE, GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
 from ..protocol.base import parse
-from ..protocol.gpu import Ack, Heartbeat, JobCancel, RanksExited, Register, RegisterAnswer
+from ..protocol.gpu import Ack, Heartbeat, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
-from . import limits, lifecycle, notify
+from . import limits, lifecycle, notify, reach
 from .auth import Caller, donor, hash_secret, new_secret, submitter
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,10 @@ def on_register(hello: Register) -> RegisterAnswer:
     client = {"id": client_id, "room_id": sess["room_id"], "hostname": hello.hostname, "host_id": hello.host_id,
               # one string: cheap to read
               "modules": None if hello.modules is None else " ".join(sorted(set(hello.modules))),
-              "versions": hello.versions, "advertise_addr": hello.advertise_addr,
+              "versions": hello.versions, "advertise_addr": hello.advertise_addr, "reach_port": hello.reach_port,
+              # its link as measured now, else as last measured (a client measures every LINK_REFRESH s)
+              "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
+              "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers
               "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
               "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
               "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),
@@ -217,6 +220,14 @@ def on_ranks_exited(report: RanksExited) -> Ack:
     return Ack(ok=True)
 
 
+@checked(EV_UNREACHABLE, Unreachable)
+def on_unreachable(report: Unreachable) -> Ack:
+    sess = _session()
+    if sess is None:
+        return Ack(ok=False, error="unreachable before register")
+    return reach.reported(_ctx(), sess["room_id"], sess["client_id"], report)
+
+
 def on_gpu_disconnect(*_):
     _ctx().connections.pop(request.sid, None)
     sess = _sessions.pop(request.sid, None)
@@ -252,7 +263,8 @@ def on_ui_disconnect(*_):
 def register(socketio) -> None:
     """Bind the handlers to ``socketio`` (the app's Flask-SocketIO)."""
     for event, handler in (("connect", on_gpu_connect), (EV_REGISTER, on_register), (EV_HEARTBEAT, on_heartbeat),
-                           (EV_RANKS_EXITED, on_ranks_exited), ("disconnect", on_gpu_disconnect)):
+                           (EV_RANKS_EXITED, on_ranks_exited), (EV_UNREACHABLE, on_unreachable),
+                           ("disconnect", on_gpu_disconnect)):
         socketio.on_event(event, handler, namespace=GPU_NAMESPACE)
     socketio.on_event("connect", on_ui_connect, namespace=UI_NAMESPACE)
     socketio.on_event("disconnect", on_ui_disconnect, namespace=UI_NAMESPACE)

@@ -9,7 +9,8 @@ once, at the edge (FastAPI's habit, applied to Flask), and the helpers handlers 
    (``room``; ``job`` too when the path names a job, which must be the room's: other rooms'
    jobs are "not found"), ``Auth.JOB`` the key of a rank of the job's current attempt
    (``job`` and ``sender``, the rank it speaks for; ``late``: also for a moment after the job
-   failed), ``Auth.ROOM_OR_JOB`` either, ``Auth.NONE`` nothing;
+   failed), ``Auth.ROOM_OR_JOB`` either, ``Auth.DONOR`` a donor token (a GPU client's link
+   measurement), ``Auth.NONE`` nothing;
 2. checks the path's integers, then the query as ``query`` (a ``zwdx.protocol.rest.Query``)
    and the JSON body as ``body`` (a ``Message``), each through ``parse``: a wrong one is a 400
    whose ``field`` names its path, and nothing is changed;
@@ -46,7 +47,7 @@ from ..errors import BadRequest, NotFound, PayloadTooLarge
 from ..protocol.base import parse
 from ..protocol.rest import ArtifactView
 from . import limits
-from .auth import job_in_room, rank_sender, request_token, submitter
+from .auth import donor, job_in_room, rank_sender, request_token, submitter
 
 #: Where every REST route lives.
 P = defaults.API_PREFIX
@@ -70,6 +71,7 @@ class Auth(str, Enum):
     ROOM = "room"                # a submitter token of the room (X-Zwdx-Room-Token); a donor token is refused
     JOB = "job"                  # a rank key of the job's current attempt (X-Zwdx-Rank-Key): its rank processes
     ROOM_OR_JOB = "room or job"  # either (a checkpoint's files: the submitter, and the ranks that resume from it)
+    DONOR = "donor"              # a donor token of the room (a GPU client's); a submitter token is refused
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
             key = request.headers.get(defaults.RANK_KEY_HEADER)
             if auth is Auth.JOB or (auth is Auth.ROOM_OR_JOB and key is not None):
                 args["job"], args["sender"] = rank_sender(path["job_id"], key, late)
+            elif auth is Auth.DONOR:
+                args["caller"] = donor(request_token())
+                args["room"] = args["caller"].room
             elif auth is not Auth.NONE:
                 args["caller"] = submitter(request_token())
                 room = args["room"] = args["caller"].room

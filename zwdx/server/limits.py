@@ -7,6 +7,8 @@
   ``RATELIMIT_STORAGE_URI`` names a shared one, such as ``redis://``, for several server
   processes; memory storage works under gevent):
   - ``POST /api/v1/rooms``: ``RATE_LIMIT_ROOMS``;
+  - ``GET``/``POST /api/v1/link`` (a GPU client's link measurement, donor token): together
+    ``RATE_LIMIT_LINK``;
   - failed authentication: once an address made ``RATE_LIMIT_AUTH_FAILURES`` requests with a
     wrong room token or rank key (answered 401 or 403), every request it makes to a route that
     authenticates is refused (429) until the window passes; Socket.IO connections with a wrong
@@ -30,6 +32,8 @@ from ..protocol.rest import RoomUsage
 
 #: The route that creates rooms (anyone may call it): rate-limited per address.
 ROOM_CREATION = "api.create_room"
+#: The routes a GPU client times its link with: one rate limit for both, per address.
+LINK_PROBES = ("links.link_down", "links.link_up")
 #: Answers that mean the caller's token or rank key was wrong.
 FAILED_AUTH = (401, 403)
 #: The statuses a job counts against its room's ``ROOM_MAX_JOBS`` in.
@@ -49,6 +53,10 @@ def init_app(app: Flask) -> Limiter:
     app.view_functions[ROOM_CREATION] = limiter.limit(
         lambda: current_app.config["RATE_LIMIT_ROOMS"], scope="rooms",
         error_message="too many rooms created from this address; wait and retry")(view)
+    shared = limiter.shared_limit(lambda: current_app.config["RATE_LIMIT_LINK"], scope="link",
+                                  error_message="too many link measurements from this address; wait and retry")
+    for endpoint in LINK_PROBES:
+        app.view_functions[endpoint] = shared(app.view_functions[endpoint])
     return limiter
 
 

@@ -38,6 +38,13 @@ JOBS_ENDED = Counter("zwdx_jobs_ended", "Jobs that ended, by room and how", ["ro
 RESTARTS = Counter("zwdx_job_restarts", "Times a job went back to waiting after losing a GPU client", ["room"],
                    registry=REGISTRY)
 
+DATASET_BYTES = Counter("zwdx_dataset_bytes_served", "Bytes of dataset chunks sent to GPU clients", ["room"],
+                        registry=REGISTRY)
+
+
+def dataset_served(room_id: str, size: int) -> None:
+    DATASET_BYTES.labels(room_id).inc(size)
+
 
 def request_done(method: str, route: str, status: int, seconds: float) -> None:
     REQUEST_SECONDS.labels(method, route, str(status)).observe(seconds)

@@ -55,6 +55,7 @@ _SECURITY = {
     Auth.ROOM: [{"roomToken": []}],
     Auth.JOB: [{"rankKey": []}],
     Auth.ROOM_OR_JOB: [{"roomToken": []}, {"rankKey": []}],
+    Auth.DONOR: [{"roomToken": []}],
 }
 
 _BINARY = {"type": "string", "contentMediaType": OCTET}
@@ -183,7 +184,8 @@ def document(app) -> dict:
                  "description": "Pool the GPUs people lend and train PyTorch models on them. Every call that "
                                 "touches a room needs a submitter token of the room in "
                                 f"`{defaults.TOKEN_HEADER}` (or `Authorization: Bearer`); a donor token "
-                                "connects GPU clients on Socket.IO and opens no route here. The rank "
+                                "connects GPU clients on Socket.IO and opens only `/link` here (the "
+                                "clients' link measurement). The rank "
                                 "processes of a job call with their rank's key in "
                                 f"`{defaults.RANK_KEY_HEADER}` instead. Errors are `{{\"error\": {{\"code\", \"message\", "
                                 "...}}}` with the matching status. Socket.IO events: docs/events.md."},
@@ -193,7 +195,7 @@ def document(app) -> dict:
             "securitySchemes": {
                 "roomToken": {"type": "apiKey", "in": "header", "name": defaults.TOKEN_HEADER,
                               "description": "A submitter token of the room (zs_..., or a legacy zr_...), "
-                                             "shown once when it was made."},
+                                             "shown once when it was made; on `/link`, a donor token (zd_...)."},
                 "rankKey": {"type": "apiKey", "in": "header", "name": defaults.RANK_KEY_HEADER,
                             "description": "The key of one rank of the current attempt of a running job "
                                            "(rk_...), given only to the GPU client that runs it."}}},

@@ -11,10 +11,13 @@ minor version (cloudpickled code needs it), can import every package the bundle 
 (GPU clients that report the same ``host_id``) share its RAM: the CPU ranks placed on a host
 need at most its free RAM, and with the ranks other jobs hold there, at most its total RAM.
 A script job (``kind: "script"``) runs on any Python; with ``gpus_per_client`` N, a job takes
-N slots of each GPU client it runs on (torchrun's ``--nproc-per-node``).
+N slots of each GPU client it runs on (torchrun's ``--nproc-per-node``). A job whose ranks meet
+over TCP (DDP, FSDP, a script: all but DILOCO) goes only on GPU clients none of which is known
+to be unable to reach another (``apart``: what their jobs found, ``reach.py``).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 
 from ..protocol import ClientStatus, JobStatus, python_minor
@@ -120,6 +123,53 @@ def whole_groups(order: list[dict], per: int) -> tuple[list[dict], int]:
     return kept, len(by_client) - len(full)
 
 
+def apart_from(client: dict, now: float) -> list[str]:
+    """The GPU clients this one is known not to reach, or not to be reached by, at ``now`` (its
+    record's ``unreachable``: ``[{"client_id", "until"}]``, written by ``reach.py``)."""
+    held = client.get("unreachable")
+    if not isinstance(held, list):
+        return []
+    return sorted({e["client_id"] for e in held if isinstance(e, dict) and isinstance(e.get("client_id"), str)
+                   and isinstance(e.get("until"), (int, float)) and e["until"] > now})
+
+
+def apart(clients: dict, now: float) -> set[frozenset]:
+    """Pairs of the room's GPU clients known not to reach each other at ``now``."""
+    return {frozenset((cid, peer)) for cid, client in clients.items() for peer in apart_from(client, now)
+            if peer != cid}
+
+
+def meets_over_tcp(spec: dict) -> bool:
+    """Whether the job's ranks open TCP to each other (all but DILOCO, which syncs through the server)."""
+    return spec.get("parallelism") != "DILOCO"
+
+
+def _reachable(order: list[dict], pairs: set[frozenset], want: int | None) -> list[dict]:
+    """The slots of ``order`` on GPU clients that all reach each other: greedily from each GPU
+    client in turn, the first group with ``want`` slots (or the largest one)."""
+    clients = list(dict.fromkeys(s["client_id"] for s in order))
+    best: list[dict] = []
+    for first in clients:
+        group = [first]
+        for other in clients:
+            if other != first and all(frozenset((other, g)) not in pairs for g in group):
+                group.append(other)
+        kept = [s for s in order if s["client_id"] in group]
+        if len(kept) > len(best):
+            best = kept
+        if want is not None and len(best) >= want:
+            break
+    return best
+
+
+def _pairs_named(pairs: set[frozenset], clients: dict) -> str:
+    names = sorted(" and ".join(sorted(f"{c} (host {clients.get(c, {}).get('hostname') or '?'})" for c in pair))
+                   for pair in pairs)
+    shown = "; ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more pair(s)" if len(names) > NAMED else "")
+    return (f"gpu clients {shown} cannot reach each other: DDP and FSDP need every GPU client of a job to reach "
+            f"the others (parallelism=\"DILOCO\" syncs through the server)")
+
+
 def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it."""
     need_py = needs_python(spec)
@@ -182,11 +232,13 @@ def _within_host_ram(order: list[dict], mem: int, hosts: dict, clients: dict) ->
     return kept, why
 
 
-def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None) -> tuple[list[dict] | None, str]:
+def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
+         now: float | None = None) -> tuple[list[dict] | None, str]:
     """Choose the slots for a job, rank order grouped by GPU client; or None and the reason.
     ``held``: bytes per rank of the jobs holding slots (those on CPU slots count against their
     host's RAM)."""
     spec = job["spec"]
+    pairs = apart(clients, time.time() if now is None else now) if meets_over_tcp(spec) else set()
     if not any(online(c) for c in clients.values()):
         return None, no_clients(clients.values())
     eligible, why = _eligible(spec, slots, clients)
@@ -212,6 +264,12 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None) 
             chosen, fewer = whole_groups(chosen, per)
             if fewer:
                 why.append(f"{fewer} gpu client(s) have fewer than {per} such slot(s) free (gpus_per_client {per})")
+        if pairs and chosen:
+            group = _reachable(chosen, pairs, want)
+            if len(group) < len(chosen):
+                among = {s["client_id"] for s in chosen}
+                why.append(_pairs_named({p for p in pairs if p <= among}, clients))
+                chosen = group
         have = max(have, len(chosen))
         if not chosen:
             continue

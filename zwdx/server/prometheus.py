@@ -7,7 +7,8 @@ Two sources, one answer:
 - what this process counted as it happened (``meters.py``): REST request latencies, job wait
   times, durations, ends and restarts.
 
-Labels are bounded: a room's id, a GPU client's id and slot index, a status, a route's rule;
+Labels are bounded: a room's id, a GPU client's id and slot index, a status, a direction (up,
+down), a route's rule;
 never a job id, never a token. Who may scrape: with ``METRICS_TOKEN`` set (``zwdx server
 --metrics-token-file``), whoever sends ``Authorization: Bearer <it>``; without it, only
 loopback addresses (a Prometheus or an agent on the server's machine). Behind a reverse proxy
@@ -30,6 +31,7 @@ from ..errors import AuthError, Forbidden
 from ..protocol import WAITING, ClientStatus
 from . import meters
 from .http import Auth, ctx, operation
+from .placement import apart_from
 
 bp = Blueprint("prometheus", __name__)
 
@@ -78,13 +80,30 @@ class StoreCollector(Collector):
                                  labels=["room", "client", "slot", "kind"])
         total = GaugeMetricFamily("zwdx_slot_memory_total_bytes", "A slot's memory", labels=["room", "client", "slot",
                                                                                           "kind"])
-        by_status, by_state = Tally(), Tally()
+        rtt = GaugeMetricFamily("zwdx_client_link_rtt_seconds", "A GPU client's round trip to the server, "
+                                "measured at register", labels=["room", "client"])
+        rate = GaugeMetricFamily("zwdx_client_link_bytes_per_second", "A GPU client's link to the server, measured "
+                                 "at register (up: to the server)", labels=["room", "client", "direction"])
+        apart = GaugeMetricFamily("zwdx_unreachable_pairs", "Pairs of a room's GPU clients known not to reach each "
+                                  "other (kept apart for DDP and FSDP)", labels=["room"])
+        by_status, by_state, pairs = Tally(), Tally(), {}
+        now = self.clock()
         for client in self.store.list_clients(None):
             room = client.get("room_id")
             if not isinstance(room, str):
                 continue
             online = client.get("status") == ClientStatus.ONLINE.value
             by_status[(room, ClientStatus.ONLINE.value if online else ClientStatus.OFFLINE.value)] += 1
+            pairs.setdefault(room, set()).update(frozenset((str(client.get("id")), peer))
+                                                 for peer in apart_from(client, now))
+            link = client.get("link")
+            if online and isinstance(link, dict):
+                for family, labels, key in ((rtt, [room, str(client.get("id"))], "rtt"),
+                                            (rate, [room, str(client.get("id")), "up"], "up"),
+                                            (rate, [room, str(client.get("id")), "down"], "down")):
+                    value = link.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        family.add_metric(labels, float(value))
             for slot in client.get("slots") or []:
                 by_state[(room, "lost" if not online else "busy" if slot.get("job_id") else "free")] += 1
                 if not online:
@@ -98,7 +117,9 @@ class StoreCollector(Collector):
             clients.add_metric([room, status], n)
         for (room, state), n in sorted(by_state.items()):
             slots.add_metric([room, state], n)
-        yield from (clients, slots, utilization, free, total)
+        for room, held in sorted(pairs.items()):
+            apart.add_metric([room], len(held))
+        yield from (clients, slots, utilization, free, total, rtt, rate, apart)
 
 
 class _Meters(Collector):

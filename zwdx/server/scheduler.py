@@ -33,14 +33,14 @@ from ..errors import BadRequest
 from ..protocol import ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, SlotKind
 from ..protocol.base import parse
 from ..protocol.checkpoint import resumable
-from ..protocol.gpu import JobAssign, PortOffer, RankPlace, ReservePort
+from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
 from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job
-from .placement import plan, unschedulable
+from .placement import meets_over_tcp, plan, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -324,8 +324,12 @@ class Scheduler:
         spec = job.spec
         timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
         groups = list(dict.fromkeys(p.client_id for p in job.placement))  # a script's GROUP_RANK: its client's place
-        clients = {c: self.ctx.store.get_client(c) or {} for c in groups}
-        peers = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")} | {job.master.addr})
+        clients = {client_id: self.ctx.store.get_client(client_id) or {} for client_id in groups}
+        peers = [Peer(client_id=c["id"], hostname=c.get("hostname") or "", addr=c["advertise_addr"],
+                      port=c["reach_port"]) for c in clients.values() if c.get("advertise_addr") and c.get("reach_port")] \
+            if len(groups) > 1 and meets_over_tcp({"parallelism": spec.parallelism.value}) else []
+        addresses = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")}
+                           | {job.master.addr})
         for group_rank, client_id in enumerate(groups):
             client = clients[client_id]
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
@@ -341,5 +345,5 @@ class Scheduler:
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, peers=peers,
-                image=spec.image)
+                datasets=spec.datasets, image=spec.image, addresses=addresses)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -9,6 +9,7 @@ Every ``SWEEP_INTERVAL`` seconds (0: never), in a background thread of the serve
 - script jobs' working dirs (the room's, ``scripts.py``) that no job of the room names (but a
   job whose artifacts went after ``ARTIFACT_RETENTION``), once uploaded and last used
   ``UNATTACHED_GRACE`` ago;
+- (never a room dataset's chunks or versions: they stay until ``zwdx data rm``, ``datasets.py``)
 - what an upload cut short left (a temporary file, GridFS chunks with no file), and bytes that
   no record names (a server stopped between the two), once ``UNATTACHED_GRACE`` old;
 - of a finished job, the artifacts its record does not name: weights it uploaded but never
@@ -31,6 +32,9 @@ from ..protocol import FINISHED, ArtifactKind, JobKind
 from ..protocol.job import Job as JobRecord
 
 log = logging.getLogger(__name__)
+
+#: A room's datasets: its chunks and versions stay until removed (``zwdx data rm``).
+DATASETS = (ArtifactKind.DATASET.value, ArtifactKind.DATASET_CHUNK.value)
 
 
 def referenced(job: JobRecord) -> set[str]:
@@ -100,6 +104,8 @@ class Sweeper:
         gone = Counter()
         in_use: dict[str, set[str] | None] = {}  # room id -> the working dirs its jobs name
         for artifact in store.list_unattached_artifacts(now - grace):
+            if artifact.get("kind") in DATASETS:
+                continue  # the room's until zwdx data rm (datasets.py)
             if artifact.get("kind") == ArtifactKind.WORKDIR.value:
                 if float(artifact.get("used_at") or 0) >= now - grace or \
                         self._workdir_in_use(artifact, in_use, now - retention if retention else None):

@@ -2,8 +2,11 @@
 internals removed; a job's failures by rank with ``failure_order`` (``JobView``)."""
 from __future__ import annotations
 
+import time
+
 from ..protocol.job import Job as JobRecord, JobView, Submitted
 from ..protocol.rest import RoomView
+from .placement import apart_from
 
 _CLIENT_HIDDEN = {"sid", "modules", "lost_after", "secret_hash"}  # modules: hundreds of names, for the scheduler only
 
@@ -18,9 +21,12 @@ def submitted_view(job: JobRecord, unschedulable: str | None) -> Submitted:
     return Submitted.of(job, unschedulable=unschedulable)
 
 
-def client_view(client: dict) -> dict:
-    """A GPU client's document without what only the server uses (``ClientView`` declares the rest)."""
-    return {k: v for k, v in client.items() if k not in _CLIENT_HIDDEN}
+def client_view(client: dict, now: float | None = None) -> dict:
+    """A GPU client's document without what only the server uses (``ClientView`` declares the
+    rest); ``unreachable`` as the peers it is kept apart from now (``reach.py``)."""
+    view = {k: v for k, v in client.items() if k not in _CLIENT_HIDDEN}
+    view["unreachable"] = apart_from(client, time.time() if now is None else now)
+    return view
 
 
 def room_view(room: dict) -> RoomView:

@@ -78,3 +78,17 @@ export function formatAgo(unix, now = Date.now() / 1000) {
   if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
   return `${Math.floor(s / 86400)} d ago`;
 }
+
+// bits per second, from bytes per second (a link's figures are bytes per second on the wire)
+function formatRate(bytesPerSecond) {
+  const bits = bytesPerSecond * 8;
+  if (bits >= 1e9) return `${(bits / 1e9).toFixed(1)} Gbit/s`;
+  if (bits >= 1e6) return `${Math.round(bits / 1e6)} Mbit/s`;
+  return `${Math.round(bits / 1e3)} kbit/s`;
+}
+
+// A GPU client's link to the server, as it measured it at register; null when it did not.
+export function formatLink(link) {
+  if (!link) return null;
+  return `↓ ${formatRate(link.down)} ↑ ${formatRate(link.up)} · rtt ${(link.rtt * 1000).toFixed(1)} ms`;
+}

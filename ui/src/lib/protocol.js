@@ -91,6 +91,8 @@ export const ArtifactKind = Object.freeze({
   OUTPUT: "output",
   PSEUDO_GRADIENT: "pseudo_gradient",
   OUTER_GRADIENT: "outer_gradient",
+  DATASET: "dataset",
+  DATASET_CHUNK: "dataset_chunk",
 });
 
 /** Statuses of a job that ended; it changes no more. */

@@ -4,7 +4,7 @@ import { useEffect, useState } from "react";
 import { api } from "../lib/api.js";
 import { useAuth } from "../lib/auth.jsx";
 import { useLive } from "../lib/LiveProvider.jsx";
-import { formatAgo, formatBytes, formatIsolation, formatNumber, formatTerms, formatTime } from "../lib/format.js";
+import { formatAgo, formatBytes, formatIsolation, formatLink, formatNumber, formatTerms, formatTime } from "../lib/format.js";
 import { queueOf } from "../lib/jobs.js";
 import { ClientStatus, SlotKind } from "../lib/protocol.js";
 import RoomTokens from "../components/RoomTokens.jsx";
@@ -100,12 +100,22 @@ function Clients({ clients, slotHistory, jobs, now }) {
         <span className="mono muted">{c.id}</span>
         <span className={`badge badge-${c.status}`}>{c.status}</span>
         <span className="muted small">last seen {formatAgo(c.last_seen, now)}</span>
+        {c.link && (
+          <span className="muted small" data-testid="link" title="its link to the server, measured as it registered">
+            {formatLink(c.link)}
+          </span>
+        )}
         <span className="muted small right">
           {Object.entries(c.versions || {})
             .map(([k, v]) => `${k} ${v}`)
             .join(" · ")}
         </span>
       </div>
+      {c.unreachable?.length > 0 && (
+        <div className="muted small" data-testid="unreachable">
+          cannot reach {c.unreachable.join(", ")}: DDP/FSDP jobs keep them apart (DILOCO goes anywhere)
+        </div>
+      )}
       <table className="slots">
         <thead>
           <tr>

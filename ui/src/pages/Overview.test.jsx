@@ -69,7 +69,8 @@ describe("the room overview", () => {
 
   it("shows clients online and offline, each GPU's memory and utilisation, and which job a slot runs", async () => {
     const clients = [
-      gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" }), slot("a", 2, { isolation: "docker", terms: { image: "zwdx-gpu-client", pids: 512, memory_bytes: 2 ** 32, shm_bytes: 2 ** 31, root_fs: "read-only", capabilities: "none", network: "host" } })]),
+      { ...gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" }), slot("a", 2, { isolation: "docker", terms: { image: "zwdx-gpu-client", pids: 512, memory_bytes: 2 ** 32, shm_bytes: 2 ** 31, root_fs: "read-only", capabilities: "none", network: "host" } })]),
+        link: { rtt: 0.0123, up: 12.5e6, down: 117e6, measured_at: 1700000000 }, unreachable: ["b"] },
       gpuClient("b", "offline", [slot("b", 0)]),
     ];
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [job("j1", 1, "running")] } });
@@ -89,6 +90,9 @@ describe("the room overview", () => {
     expect(within(boxed).getByTestId("isolation")).toHaveTextContent("container");
     expect(within(boxed).getByTestId("isolation")).toHaveAttribute("title", expect.stringContaining("zwdx-gpu-client · memory 4.0 GiB · pids 512"));
     expect(within(within(cards[1]).getByTestId("slot")).queryByTestId("isolation")).toBeNull(); // an older client: not told
+    expect(within(cards[0]).getByTestId("link")).toHaveTextContent("↓ 936 Mbit/s ↑ 100 Mbit/s · rtt 12.3 ms");
+    expect(within(cards[0]).getByTestId("unreachable")).toHaveTextContent("cannot reach b");
+    expect(within(cards[1]).queryByTestId("link")).toBeNull(); // not measured: nothing shown
   });
 
   it("names a GPU slot gpu and the CPU slot of a client without GPUs cpu, and counts only online clients", async () => {

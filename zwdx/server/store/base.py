@@ -317,6 +317,10 @@ class Store(abc.ABC):
         sha256), or None."""
 
     @abc.abstractmethod
+    def list_room_artifacts(self, room_id: str, kind: str) -> list[dict]:
+        """The room's artifacts of that kind (a room dataset's chunks and manifests), oldest first."""
+
+    @abc.abstractmethod
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         """Forget an artifact's metadata (with ``if_unattached``, only while it belongs to no
         job: one conditional write, so a submit that attaches it meanwhile wins). True if it was

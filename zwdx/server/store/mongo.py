@@ -426,6 +426,9 @@ class MongoStore(Store):
         found = self._artifacts.find({"room_id": room_id, "kind": kind, "sha256": sha256}).sort("_order", ASCENDING)
         return next((_public(d) for d in found.limit(1)), None)
 
+    def list_room_artifacts(self, room_id: str, kind: str) -> list[dict]:
+        return [_public(d) for d in self._artifacts.find({"room_id": room_id, "kind": kind}).sort("_order", ASCENDING)]
+
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         where = {"_id": artifact_id, **({"job_id": None} if if_unattached else {})}
         return self._artifacts.delete_one(where).deleted_count == 1

@@ -372,6 +372,11 @@ class SQLiteStore(Store):
                              "json_extract(doc, '$.sha256')=? ORDER BY rowid LIMIT 1", (room_id, kind, sha256))
         return json.loads(rows[0][0]) if rows else None
 
+    def list_room_artifacts(self, room_id: str, kind: str) -> list[dict]:
+        rows = self.db.query("SELECT doc FROM artifacts WHERE json_extract(doc, '$.room_id')=? AND kind=? "
+                             "ORDER BY rowid", (room_id, kind))
+        return [json.loads(r[0]) for r in rows]
+
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         with self.db.tx() as db:
             sql = "DELETE FROM artifacts WHERE id=?" + (" AND job_id IS NULL" if if_unattached else "")
