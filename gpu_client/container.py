@@ -8,7 +8,8 @@ donor who runs strangers' code would want (``Confinement``):
 - a non-root uid of its own per container, a read-only root filesystem, every capability
   dropped, no-new-privileges, Docker's default seccomp profile, an init as pid 1;
 - pids and memory limits (no swap), a bounded /dev/shm;
-- a private tmpfs work dir, ``/work``, holding the job's sandbox (its bundle, the CA file, its
+- a private tmpfs over the agent's directory of sandboxes (``rank_dir``), holding the job's
+  sandbox at the path it has on the host (its bundle, the CA file, its datasets, its
   checkpoints and outputs) and nothing of the host; of the agent's environment only what
   libraries read;
 - the host's network (peers elsewhere reach its rendezvous and collective ports), egress
@@ -16,8 +17,9 @@ donor who runs strangers' code would want (``Confinement``):
 
 It has the interface of the other kinds (check, kind, label, importable, popen, lease, share,
 release, signal): ``popen`` answers a ``RankContainer`` (rank_container.py) that the launcher
-treats as a rank process. The sandbox a rank sees is a directory in its tmpfs; what the agent
-``share``s into it is staged on the host and streamed in once the bundle is there.
+treats as a rank process. The sandbox is a directory on the host and, at the same path, in the
+container's tmpfs: what the agent ``share``s into it on the host (bundle, CA file, datasets) is
+streamed into the container's once the bundle is there.
 Containers are removed when their rank ends (``auto_remove``), end themselves when their agent
 is gone (the stream ends), and those of an agent killed before it could stop them are removed
 when an agent of that work dir starts again (``reap``).
@@ -29,18 +31,17 @@ import ipaddress
 import json
 import logging
 import os
-import shutil
 import socket
 import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from zwdx.protocol.rank import RankSpec, Sandbox
+from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import Isolation
 
 from .egress import Egress
 from .isolation import IsolationError, ProcessIsolation
-from .rank_container import WORK, RankContainer
+from .rank_container import RankContainer
 
 log = logging.getLogger("gpu_client.container")
 
@@ -134,7 +135,6 @@ class DockerIsolation(ProcessIsolation):
         self.memory = self.confinement.memory or 0
         self.egress: Egress | None = None
         self.live: dict[int, RankContainer] = {}      # uid -> container
-        self.staged: dict[str, str] = {}              # sandbox dir (inside) -> its files on the host
         self._versions: dict | None = None
         self._modules: list[str] | None = None
         self._lock = threading.Lock()
@@ -201,7 +201,7 @@ class DockerIsolation(ProcessIsolation):
         return {"image": c.image, "image_id": self.images.get(c.image, "")[:19], "allowed_images": list(c.images),
                 "user": f"uid {self.uid_base}+ (not root)", "root_fs": "read-only", "capabilities": "none",
                 "no_new_privileges": True, "seccomp": "default", "pids": c.pids, "memory_bytes": self.memory,
-                "shm_bytes": c.shm, "work_dir": f"tmpfs {WORK}, nothing of the host mounted",
+                "shm_bytes": c.shm, "work_dir": f"tmpfs {self.rank_dir}, nothing of the host mounted",
                 "network": "host, egress only to the server and the job's peers"
                            if self.egress is not None and self.egress.available
                            else "host, egress NOT filtered (iptables rules need root)"}
@@ -217,9 +217,9 @@ class DockerIsolation(ProcessIsolation):
         c = self.confinement
         return dict(user=f"{uid}:{uid}", read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
                     pids_limit=c.pids, mem_limit=self.memory, memswap_limit=self.memory, shm_size=c.shm, init=True,
-                    tmpfs={WORK: f"rw,nosuid,nodev,size={c.work or self.memory},uid={uid},gid={uid},mode=0700",
+                    tmpfs={self.rank_dir: f"rw,nosuid,nodev,size={c.work or self.memory},uid={uid},gid={uid},mode=0700",
                            "/tmp": "rw,nosuid,nodev,size=64m,mode=1777"},
-                    working_dir=WORK, ipc_mode="private")
+                    working_dir=self.rank_dir, ipc_mode="private")
 
     # -- rank containers ------------------------------------------------------------------------------
     def popen(self, argv: list[str], stdout, env: dict[str, str]) -> RankContainer:
@@ -249,7 +249,8 @@ class DockerIsolation(ProcessIsolation):
         handle.uid = uid
         if self.egress is not None and self.egress.available:
             self.egress.allow(uid, destinations(spec) if spec else [])
-        env = {**handle.env, "HOME": WORK, "TMPDIR": WORK, "USER": "zwdx-rank", "XDG_CACHE_HOME": f"{WORK}/.cache"}
+        work = self.rank_dir
+        env = {**handle.env, "HOME": work, "TMPDIR": work, "USER": "zwdx-rank", "XDG_CACHE_HOME": f"{work}/.cache"}
         if gpus:  # NCCL would take ranks of one host for one machine, and fail to share memory across containers
             env["NCCL_HOSTID"] = f"{socket.gethostname()}-{self.tag}-{uid}"
         command = ["python", "-m", "gpu_client.rank_container"]
@@ -263,7 +264,7 @@ class DockerIsolation(ProcessIsolation):
             host_config=self.docker.api.create_host_config(
                 auto_remove=True, network_mode="host", log_config={"type": "none", "config": {}},
                 extra_hosts=_hosts(self.server), device_requests=requests, **host),
-            user=f"{uid}:{uid}", working_dir=WORK)
+            user=f"{uid}:{uid}", working_dir=self.rank_dir)
         return created["Id"]
 
     def let_out(self, handle: RankContainer, spec: RankSpec) -> None:
@@ -289,36 +290,18 @@ class DockerIsolation(ProcessIsolation):
     def signal(self, proc, signum: int) -> None:
         proc.kill(signum)
 
-    # -- sandboxes: a directory of the rank's tmpfs; what is shared into it is staged here ----------
-    def lease(self, client_id: str, job_id: str, attempt: int) -> Sandbox:
-        staged = super().lease(client_id, job_id, attempt).dir
-        inside = f"{WORK}/{os.path.basename(staged)}"
-        self.staged[inside] = staged
-        return Sandbox(dir=inside)
-
-    def share(self, source: str, box: Sandbox, name: str = "bundle.zwdx", link: bool = True) -> str:
-        path = os.path.join(self.staged[box.dir], name)
-        if os.path.lexists(path):
-            os.unlink(path)
-        try:
-            if not link:
-                raise OSError("copied")
-            os.link(source, path)
-        except OSError:
-            shutil.copyfile(source, path)
-        return os.path.join(box.dir, name)
-
-    def files(self, box_dir: str) -> list[tuple[str, str]]:
-        """(name, host path) of what was shared into a sandbox: what its containers are sent."""
-        staged = self.staged.get(box_dir)
-        if staged is None or not os.path.isdir(staged):
-            return []
-        return [(e.name, e.path) for e in os.scandir(staged) if e.is_file()]
-
-    def release(self, box: Sandbox) -> None:
-        staged = self.staged.pop(box.dir, None)
-        if staged:
-            shutil.rmtree(staged, ignore_errors=True)
+    # -- sandboxes: a directory on the host (``lease``, ``share``, ``release`` as for a process),
+    # -- and the same path in the rank's tmpfs, where what was shared is streamed in ---------
+    @staticmethod
+    def files(box_dir: str) -> list[tuple[str, str]]:
+        """(path in the sandbox, host path) of what was shared into it: what its containers are sent."""
+        found = []
+        for folder, _, names in os.walk(box_dir):
+            for name in sorted(names):
+                path = os.path.join(folder, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    found.append((os.path.relpath(path, box_dir), path))
+        return found
 
     def shutdown(self) -> None:
         """Stop every container left (the launcher stopped its own), then lift the egress rules."""

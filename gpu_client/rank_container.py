@@ -11,7 +11,7 @@ fails the rank with its last output, so that the submitter reads why.
 
 Inside (``python -m gpu_client.rank_container [--standby DEVICE]``, what the container runs):
 prepare as a standby process does, read the spec, take the files in while the rank joins its
-peers (runner.BundleLoader waits for "ready"), enter the sandbox (a directory of the tmpfs),
+peers (runner.BundleLoader waits for "ready"), enter the sandbox (its path on the host, in the tmpfs),
 run the rank as ``runner`` would; and when the stream ends while the rank runs, the agent is
 gone: end at once (PR_SET_PDEATHSIG's part for a rank process).
 """
@@ -32,8 +32,6 @@ from zwdx.protocol.vocab import RankStatus
 
 log = logging.getLogger("gpu_client.rank_container")
 
-#: Inside the container: the work dir (a tmpfs); each job's sandbox is a directory in it.
-WORK = "/work"
 #: What the container prints once it holds its spec: it started (before it, an exit is a failure to start).
 STARTED = b"zwdx-container: rank started"
 
@@ -136,6 +134,8 @@ class RankContainer:
         self._delivered = True
         try:
             for name, path in self.isolation.files(str(self.spec.sandbox.dir)):
+                if "\n" in name:
+                    continue  # no such name in a bundle, a CA file or a dataset of zwdx's
                 with open(path, "rb") as fh:
                     self.send(f"file {name} {os.fstat(fh.fileno()).st_size}\n".encode())
                     while block := fh.read(1 << 20):
@@ -257,18 +257,24 @@ def main(argv: list[str]) -> int:
 
 
 def _take_files(stdin, box: str, ready_w: int) -> None:
+    """``file PATH SIZE`` and SIZE bytes, each into the sandbox, then ``ready``; then wait for the
+    stream's end (the agent gone), and end the container."""
     try:
         while True:
-            header = stdin.readline().split()
-            if header[:1] != [b"file"] or len(header) != 3:
+            line = stdin.readline().rstrip(b"\n")
+            if not line.startswith(b"file "):
                 break
-            name, left = os.path.basename(header[1].decode()), int(header[2])
-            with open(os.path.join(box, name), "wb") as fh:
+            name, size = line[5:].rsplit(b" ", 1)
+            left, path = int(size), os.path.normpath(os.path.join(box, name.decode()))
+            if not path.startswith(box + os.sep):
+                break  # not the agent's: it sends paths inside the sandbox only
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            with open(path, "wb") as fh:
                 while left and (block := stdin.read(min(left, 1 << 20))):
                     fh.write(block)
                     left -= len(block)
-            os.chmod(os.path.join(box, name), 0o400)
-        if header == [b"ready"]:
+            os.chmod(path, 0o444)
+        if line == b"ready":
             os.write(ready_w, b"ready\n")
         os.close(ready_w)  # no "ready" before it closes: the bundle did not come
         while stdin.read(1 << 16):

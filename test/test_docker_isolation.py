@@ -134,7 +134,7 @@ def _submit(stack: Stack, train, **kwargs) -> dict:
 
 def probe(target: str, agent_dir: str):
     """The job's code: from inside its container, what it is, has and can reach (``target``:
-    ``host:port`` neither the server nor a peer; ``agent_dir``: the agent's work dir)."""
+    ``host:port`` neither the server nor a peer; ``agent_dir``: the agents' work dirs' parent)."""
     def what_the_rank_sees(model, loader, optim, rank, world_size, epochs=1, reporter=None):
         return _sees(target, agent_dir)
     return what_the_rank_sees
@@ -168,11 +168,14 @@ def _sees(target: str, agent_dir: str) -> dict:
     return {
         "uid": os.getuid(), "cap_eff": status["CapEff"].strip(), "no_new_privs": status["NoNewPrivs"].strip(),
         "seccomp": status["Seccomp"].strip(), "root": root, "cwd": os.getcwd(), "home": env.get("HOME", ""),
-        "work_fs": mounts.get("/work", ""), "bundle_here": os.path.exists("bundle.zwdx"),
+        "work_fs": max(((m, fs) for m, fs in mounts.items() if os.getcwd().startswith(m.rstrip("/") + "/")),
+                       key=lambda mf: len(mf[0]))[1],
+        "bundle_here": os.path.exists("bundle.zwdx"),
         "pids_max": read("/sys/fs/cgroup/pids/pids.max").strip() or read("/sys/fs/cgroup/pids.max").strip(),
         "memory_max": read("/sys/fs/cgroup/memory/memory.limit_in_bytes").strip(),
         "env_names": ",".join(sorted(env)), "env_values": "\n".join(env.values()), "egress": egress,
-        "agent_dir": os.path.exists(agent_dir),
+        "agent_dir": [p for p in ("secrets", "agents", "bundles", "jobs", "standby")
+                      if any(os.path.exists(os.path.join(agent_dir, c, p)) for c in ("left", "right"))],
     }
 
 
@@ -211,10 +214,11 @@ def test_a_rank_runs_in_a_locked_down_container_under_the_terms_its_job_page_sho
     assert int(seen["cap_eff"], 16) == 0 and seen["no_new_privs"] == "1"  # no capabilities, no setuid gains
     assert seen["seccomp"] == "2"                                         # Docker's default seccomp filter
     assert seen["root"] == "Read-only file system"
-    assert seen["work_fs"] == "tmpfs" and seen["cwd"] == seen["home"] and seen["home"].startswith("/work/")
+    assert seen["cwd"] == seen["home"] and seen["home"].startswith(os.path.join(stack.root, name, "ranks") + "/")
+    assert seen["work_fs"] == "tmpfs"                                     # the sandbox: in the container's tmpfs
     assert seen["bundle_here"]                                            # the job's bundle, in its sandbox
     assert seen["pids_max"] == str(terms["pids"]) and int(seen["memory_max"]) == terms["memory_bytes"]
-    assert not seen["agent_dir"]                                          # nothing of the host's files
+    assert seen["agent_dir"] == []                                        # nothing of the agent's files
     assert "DECOY_SECRET" not in seen["env_names"] and "ZWDX_ROOM_TOKEN" not in seen["env_names"]
     assert DECOY not in seen["env_values"] and donor not in seen["env_values"]
     if _egress_filtered():
