@@ -326,6 +326,37 @@ def test_a_job_runs_in_an_image_its_donor_allows_and_else_waits_naming_who_allow
     stack.sdk.cancel_job(job_id, room_token=stack.token)
 
 
+def _noise_loader(data_dir):
+    import os
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    raw = open(os.path.join(data_dir, "noise", "sub dir", "noise.bin"), "rb").read()
+    x = torch.frombuffer(bytearray(raw[:64 * 100]), dtype=torch.uint8).float().reshape(100, 64) / 255
+    return DataLoader(TensorDataset(x, torch.zeros(100, dtype=torch.long)), batch_size=50)
+
+
+def _noise_train(model, loader, optimizer):
+    import torch.nn.functional as F
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    return {"final_loss": float(loss)}
+
+
+def test_a_jobs_dataset_reaches_its_container(stack, tmp_path):
+    folder = tmp_path / "noise" / "sub dir"
+    folder.mkdir(parents=True)
+    (folder / "noise.bin").write_bytes(os.urandom(64 * 100))
+    stack.sdk.push_dataset(str(tmp_path / "noise"), "noise", room_token=stack.token, progress=False)
+    model = torch.nn.Linear(64, 2)
+    job = stack.sdk.submit_job(model, _noise_loader, _noise_train, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                               "DDP", 0, room_token=stack.token, datasets=["noise"], world_size=1, progress=False)
+    assert job["complete"], job  # its loader read the dataset's file, nested, in the container's sandbox
+
+
 def test_an_image_on_another_python_keeps_a_job_that_needs_it_waiting_naming_the_client(stack):
     clients = {c["id"]: c for c in stack.sdk.get_room(stack.token)["clients"]}
     assert clients["py399"]["versions"]["python"] == "3.99.0"  # what its image runs, not its agent
