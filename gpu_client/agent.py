@@ -7,8 +7,9 @@ re-registers with the jobs it still runs. What it says and hears are the types o
 ``zwdx.protocol.gpu``: it builds ``Register``, ``Heartbeat`` and ``RanksExited``, and reads
 ``JobAssign``, ``JobCancel`` and ``ReservePort`` through them. Each rank of a job it is
 assigned gets one ``RankSpec`` with that rank's key (and no other secret of the agent) and
-runs in its own process (``launcher.py``), in the job's sandbox: as a user of its own per job
-when the agent is root (``isolation.py``; each slot registers which isolation it has).
+runs in its own process (``launcher.py``), in the job's sandbox: in a container of its own where
+Docker can, else as a user of its own per job when the agent is root (``isolation.py``; each
+slot registers which isolation it has, and a container's image and limits).
 
 As it registers it says how its peers reach it (``advertise_addr``, and the port of its
 reachability listener, ``reach.py``) and its link to the server (``link.py``, measured at most
@@ -68,20 +69,23 @@ class Agent:
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
-                 ca_file: str | None = None, dataset_cache_bytes: int | None = None):
+                 ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None):
         self.server = server.rstrip("/")
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
         self.verify = self.ca_file or True
         self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
         # first: an isolation that cannot hold refuses to start (IsolationError) before anything is written
-        self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids)
+        found = gpus.discover(gpus_only, cpu)
+        docker = {"confinement": confinement, "server": self.server, "slots": len(found)}
+        self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids, **docker)
         self.isolation.check()
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
         self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES)
         self.hostname = socket.gethostname()
-        self.slots = [s.model_copy(update={"isolation": self.isolation.kind}) for s in gpus.discover(gpus_only, cpu)]
+        terms = self.isolation.terms()
+        self.slots = [s.model_copy(update={"isolation": self.isolation.kind, "terms": terms}) for s in found]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
         self.advertise_addr = advertise_addr
@@ -136,7 +140,7 @@ class Agent:
         if self.link is None or time.time() - self.link.measured_at > defaults.LINK_REFRESH:
             self.link = link.measure(self.http, self.server, self.token) or self.link
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
-                         versions=runtime_versions(), modules=self.modules, advertise_addr=self.advertise_addr,
+                         versions=self.isolation.versions(runtime_versions()), modules=self.modules, advertise_addr=self.advertise_addr,
                          reach_port=self.listener.port, link=self.link, running=self._running(),
                          client_secret=self.identity.secret)
         try:
@@ -230,10 +234,11 @@ class Agent:
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
-            backend=assign.backend, device=self._device(place.gpu_index, place.kind), parallelism=assign.parallelism,
+            peers=assign.addresses, backend=assign.backend, device=self._device(place.gpu_index, place.kind),
+            parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
-            diloco=assign.diloco, joining=assign.joining,
+            diloco=assign.diloco, joining=assign.joining, image=assign.image,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
             bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,
@@ -387,7 +392,7 @@ class Agent:
     def run(self) -> int:
         """Serve until stopped (SIGINT/SIGTERM, burst done, or refused). Returns an exit code."""
         self.modules = self.isolation.importable(self.modules)  # what its ranks can import
-        log.info("gpu-client %s: %s", self.client_id, self.isolation.describe())
+        print(f"gpu-client {self.client_id}: {self.isolation.describe()}", flush=True)
         tls.warn_if_plain(self.server, f"gpu-client {self.client_id}")
         backoff = 0.5
         threading.Thread(target=self._heartbeats, daemon=True).start()

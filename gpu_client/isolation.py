@@ -3,6 +3,7 @@ rank processes. The launcher asks this module how to start a rank process, and t
 it for each job's sandbox.
 
     iso = build("user", work_dir, rank_dir=None, uids=None)  # zwdx gpu-client --isolation user
+    iso = build("docker", work_dir, confinement=..., server=url, slots=n)  # --isolation docker
     iso.check()                       at the agent's start: IsolationError saying what to change
     iso.kind, iso.label               what the agent registers per slot, and says at its start
     iso.importable(modules)           the modules a rank can import (a per-job user: asked as one)
@@ -11,6 +12,10 @@ it for each job's sandbox.
     iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx);
                                       the same for the CA file that verifies the server
     iso.release(box)                  its ranks exited: end what is left of the job, remove its dir
+    iso.signal(proc, signum)          signal a rank (its process group, or its container)
+    iso.versions(v), iso.terms()      what ranks run (a container's image: its Python, torch), and
+                                      a container's image and limits (None for a process)
+    iso.shutdown()                    the agent stops: end what the isolation still holds
 
 A sandbox (``zwdx.protocol.rank.Sandbox``) travels in each rank's ``RankSpec``; the rank process
 enters it (``enter``) right after reading its spec and opening its log, before it touches
@@ -32,7 +37,15 @@ Kinds (``zwdx.protocol.Isolation``):
   ``/proc/<pid>/environ``). The job's bundle is a hard link in the sandbox, read-only (root's,
   0444). When the ranks are gone, every process left of the uid is killed and its files in
   /tmp, /var/tmp and /dev/shm removed, before the uid serves another job.
-- ``docker`` ("container", ``gpu_client/container.py``, the Docker issue): a container per job.
+- ``docker`` ("container", ``gpu_client/container.py``; the default where a Docker engine answers,
+  the image is here and the GPU client does not run in a container itself): each rank in a fresh
+  container of an image the donor allows, as a non-root uid, read-only root, no capabilities,
+  no-new-privileges, the default seccomp profile, pids and memory limits, the rank's GPU only,
+  egress only to the server and the job's peers (as root). The sandbox is a directory of the
+  container's tmpfs; what ``share`` puts there is streamed in. ``popen`` answers a handle that
+  the launcher treats as a rank process; ``signal`` is how the launcher signals any rank.
+  ``terms()`` says which image and limits ranks run under (registered per slot, kept on each
+  rank's state for the job's page).
 
 One user per job rather than per rank process: the ranks of one job on one machine share
 /dev/shm segments and CUDA IPC handles (NCCL), which need one uid. A standby process (started
@@ -93,9 +106,20 @@ def parse_uids(text: str) -> range:
 
 
 def build(kind: str | Isolation | None, work_dir: str, rank_dir: str | None = None,
-          uids: range | None = None) -> "ProcessIsolation":
-    """The isolation asked for; None: a per-job user when this process is root, else the same user."""
-    kind = Isolation(kind) if kind else (Isolation.USER if os.geteuid() == 0 else Isolation.PROCESS)
+          uids: range | None = None, **docker) -> "ProcessIsolation":
+    """The isolation asked for; None: a container per rank where Docker can (``container.usable``),
+    else a per-job user when this process is root, else the same user. ``docker``: the docker
+    kind's options (``container.DockerIsolation``: confinement, server, slots)."""
+    if not kind:
+        from .container import usable
+        why_not = usable(docker["confinement"].images if docker.get("confinement") else None)
+        kind = Isolation.DOCKER if why_not is None else Isolation.USER if os.geteuid() == 0 else Isolation.PROCESS
+        if why_not is not None:
+            log.info("isolation %s: not docker, as %s", kind.value, why_not)
+    kind = Isolation(kind)
+    if kind == Isolation.DOCKER:
+        from .container import DockerIsolation
+        return DockerIsolation(work_dir, rank_dir=rank_dir, **docker)
     if kind == Isolation.USER:
         return UserIsolation(rank_dir or SYSTEM_RANK_DIR, uids or DEFAULT_UIDS, work_dir)
     return ProcessIsolation(rank_dir or os.path.join(work_dir, "ranks"), work_dir)
@@ -124,6 +148,28 @@ class ProcessIsolation:
     def importable(self, agent_modules: list[str] | None) -> list[str] | None:
         """The top-level modules a rank can import (``host.importable_modules``): the agent's."""
         return agent_modules
+
+    def versions(self, agent_versions: dict) -> dict:
+        """The Python and torch its ranks run (the scheduler matches jobs to them): the agent's."""
+        return agent_versions
+
+    def terms(self) -> dict | None:
+        """The image and limits ranks run under (a container's; None for a process)."""
+        return None
+
+    def takes(self, standby, spec) -> bool:
+        """Whether a standby process may take this rank (a container: of the job's image)."""
+        return True
+
+    def signal(self, proc, signum: int) -> None:
+        """Signal a rank process's whole group (gone already is fine)."""
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def shutdown(self) -> None:
+        """The agent stops: end what the isolation still holds (nothing here)."""
 
     def describe(self) -> str:
         return (f"ranks run as this GPU client's own user (isolation: {self.label}); job code can read what "

@@ -7,7 +7,8 @@ a job or is started fresh; while the job's bundle is still being fetched a secon
 ``ready``, tells it the bundle is on disk.
 
 How a rank process is started and where it runs is the isolation's (``isolation.py``): as a
-user of its own per job when the GPU client is root, else as the client's own user; each job's
+user of its own per job when the GPU client is root, else as the client's own user, or in a
+container of its own (``container.py``, whose handles stand for processes here); each job's
 ranks in a private directory (their sandbox, in the spec), which ``release`` removes with
 whatever the job left once its ranks are gone.
 
@@ -17,7 +18,6 @@ Only what libraries read themselves is added to a rank's environment (``OMP_NUM_
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -100,9 +100,10 @@ class Launcher:
         ``spec`` as its first line on stdin."""
         with self._lock:
             proc = self.standby.pop(index, None)
-        if proc is not None and spec.script is not None:  # a script runs in a child of its own: a standby's torch and
-            with contextlib.suppress(ProcessLookupError):  # CUDA context would only hold memory meanwhile
-                os.killpg(proc.pid, signal.SIGKILL)
+        if proc is not None and (spec.script is not None or not self.isolation.takes(proc, spec)):
+            # a script runs in a child of its own: a standby's torch and CUDA context would only
+            # hold memory meanwhile; a job in another image than the standby container's needs its own
+            self.isolation.signal(proc, signal.SIGKILL)
             proc.wait()
             proc = None
         if proc is not None and proc.poll() is None:
@@ -135,24 +136,17 @@ class Launcher:
             except OSError:
                 pass  # the rank is gone already; its exit code says so
 
-    @staticmethod
-    def kill(job: RunningJob, grace: float = 3.0) -> None:
+    def kill(self, job: RunningJob, grace: float = 3.0) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds."""
         for proc in list(job.procs.values()):
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                self.isolation.signal(proc, signal.SIGTERM)
         deadline = time.time() + grace
         for proc in list(job.procs.values()):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.isolation.signal(proc, signal.SIGKILL)
 
     # -- sandboxes -----------------------------------------------------------------------------------
     def lease(self, job: RunningJob, client_id: str) -> Sandbox:
@@ -174,9 +168,7 @@ class Launcher:
         self.stopping.set()
         with self._lock:
             for proc in self.standby.values():
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.isolation.signal(proc, signal.SIGKILL)
                 proc.wait()
             self.standby.clear()
+        self.isolation.shutdown()

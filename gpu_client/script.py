@@ -76,11 +76,12 @@ def rank_fields(assign, place, local_rank: int, job_dir: str) -> dict:
             "work_dir": os.path.join(job_dir, f"attempt{assign.attempt}", f"rank{place.rank}")}
 
 
-def unpack(archive: str, dest: str) -> None:
+def unpack(archive: str, dest: str, where: str = "this GPU client") -> None:
     """The working dir's archive into ``dest``; an entry that would land outside it (or is a
-    device, a link out of the tree) is refused, naming it, and nothing is run."""
+    device, a link out of the tree) is refused, naming it, and nothing is run. ``where``: the
+    GPU client, as a refusal names it."""
     if not hasattr(tarfile, "data_filter"):
-        raise RuntimeError(f"this GPU client's Python {sys.version.split()[0]} lacks tarfile's data filter "
+        raise RuntimeError(f"{where}: its Python {sys.version.split()[0]} lacks tarfile's data filter "
                            f"(3.10.12, 3.11.4 and later have it): it does not unpack working dirs")
     os.makedirs(dest, exist_ok=True)
     try:
@@ -185,7 +186,7 @@ class ScriptRank:
         spec = self.spec
         if spec.bundle_pending and not sys.stdin.readline().strip():
             raise RuntimeError("the GPU client could not fetch the job's working dir")
-        unpack(spec.bundle_path, self.tree)
+        unpack(spec.bundle_path, self.tree, spec.where)
         os.makedirs(self.outputs, exist_ok=True)
         if not os.path.isfile(os.path.join(self.tree, spec.script.path)):
             raise FileNotFoundError(f"the working dir has no script {spec.script.path}")

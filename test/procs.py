@@ -60,9 +60,15 @@ class Server(ServerProc):
 
 
 class GpuClient(GpuClientProc):
-    """A GPU-client process with one CPU slot and one thread (tests run without GPUs)."""
+    """A GPU-client process with one CPU slot and one thread (tests run without GPUs), its ranks
+    processes (``PROCESSES``, whatever Docker engine the machine has) unless ``extra`` says."""
 
     def __init__(self, server_url: str, token: str, work_dir: str, client_id: str | None = None,
                  extra: list[str] | None = None, env: dict | None = None):
         super().__init__(server_url, token, work_dir, client_id or f"test-{os.path.basename(work_dir)}",
-                         extra=extra, env=env)
+                         extra=extra, env={**PROCESSES, **(env or {})})
+
+
+#: The isolation of test GPU clients that do not ask for one: the default without Docker (a
+#: per-job user as root, else the same user), even where an engine answers (CI starts one).
+PROCESSES = {"ZWDX_ISOLATION": "user" if os.geteuid() == 0 else "process"}

@@ -14,7 +14,7 @@ import torch
 
 import mnist
 import needs
-from procs import SLACK, Proc, free_port, wait_until
+from procs import PROCESSES, SLACK, Proc, free_port, wait_until
 from workloads import slow_train
 from zwdx import ZWDX
 from zwdx.server.scheduler import REAP_INTERVAL
@@ -116,7 +116,7 @@ def net_cluster(net_hosts, tmp_path):
         procs.append(net_hosts.run(name, [sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url,
                                           "--cpu", "--threads", "1", "--client-id", name,
                                           "--work-dir", str(tmp_path / name)], str(tmp_path / f"{name}.log"),
-                                   env={"ZWDX_ROOM_TOKEN": room["donor_token"]}))
+                                   env={"ZWDX_ROOM_TOKEN": room["donor_token"], **PROCESSES}))
     wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == len(names), 30,
                what="gpu clients online")
     yield net_hosts, sdk, url

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SERVER = os.environ.get("ZWDX_SERVER_URL", f"http://localhost:{defaults.PORT}")
 ASYNC_MODES = ("gevent", "threading")
 #: ``zwdx gpu-client --isolation`` (``zwdx.protocol.Isolation``).
-ISOLATIONS = ("user", "process")
+ISOLATIONS = ("docker", "user", "process")
 
 
 def _patch_for_gevent() -> bool:
@@ -145,10 +145,14 @@ def _gpu_client(args) -> int:
         return 2
     from gpu_client.isolation import IsolationError, parse_uids
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    from gpu_client.container import DEFAULT_IMAGE, Confinement
     try:
         if args.isolation not in (None, *ISOLATIONS):
             raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
         uids = parse_uids(args.rank_uids) if args.rank_uids else None
+        if args.isolation in ("user", "process") and (args.allow_image or args.container_memory):
+            raise IsolationError("--allow-image and --container-memory apply to --isolation docker (a container per "
+                                 "rank); pass it, or leave them out")
     except IsolationError as err:
         print(f"zwdx gpu-client: {err}", file=sys.stderr)
         return 2
@@ -156,7 +160,9 @@ def _gpu_client(args) -> int:
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
-                 dataset_cache_bytes=args.dataset_cache_bytes)
+                 dataset_cache_bytes=args.dataset_cache_bytes,
+                 confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
+                                         pids=args.container_pids, shm=args.container_shm))
 
 
 def _sdk(args):
@@ -331,14 +337,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
     iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")
     iso.add_argument("--isolation", choices=ISOLATIONS, default=os.environ.get("ZWDX_ISOLATION") or None,
-                     help="user: each job's ranks run as an unprivileged user of their own (needs root); process: "
-                          "as this client's user (default: $ZWDX_ISOLATION, else user as root and process otherwise)")
+                     help="docker: each rank in a fresh locked-down container (docs/docker.md); user: each job's ranks "
+                          "run as an unprivileged user of their own (needs root); process: as this client's user "
+                          "(default: $ZWDX_ISOLATION, else docker where an engine answers, the image is here and this "
+                          "client does not run in a container itself, else user as root and process otherwise)")
     iso.add_argument("--rank-uids", default=os.environ.get("ZWDX_RANK_UIDS"), metavar="START-END",
                      help="uids (and gids) per-job users are taken from; uids with a passwd or group entry are "
                           "skipped (default: $ZWDX_RANK_UIDS, else 2000000000-2000065535)")
     iso.add_argument("--rank-dir", default=os.environ.get("ZWDX_RANK_DIR"),
                      help="where each job gets its private directory (default: $ZWDX_RANK_DIR, else "
                           "/var/lib/zwdx/ranks with --isolation user, WORK_DIR/ranks otherwise)")
+    iso.add_argument("--allow-image", action="append", default=None, metavar="IMAGE",
+                     help="--isolation docker: an image ranks may run in (repeat for more); the first is the one "
+                          "they run in (default: zwdx-gpu-client)")
+    iso.add_argument("--container-memory", type=byte_size, default=None, metavar="SIZE",
+                     help="--isolation docker: memory of a rank container, e.g. 16g (default: RAM shared out over "
+                          "the slots)")
+    iso.add_argument("--container-pids", type=int, default=4096, help="--isolation docker: processes and threads of "
+                                                                       "a rank container")
+    iso.add_argument("--container-shm", type=byte_size, default=2 * 1024**3, metavar="SIZE",
+                     help="--isolation docker: /dev/shm of a rank container (default 2g)")
     p.set_defaults(func=_gpu_client)
 
     p = sub.add_parser("run", help="run a torchrun script unchanged on the room's GPUs",

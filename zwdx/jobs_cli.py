@@ -46,6 +46,19 @@ def _number(v) -> str:
     return "-" if v is None else str(v)
 
 
+#: How a slot keeps job code (``Isolation``'s values), in the dashboard's words.
+ISOLATION_WORDS = {"docker": "container", "user": "per-job user", "process": "same user"}
+
+
+def terms_line(terms: dict) -> str:
+    """A container's image and limits (``protocol.gpu.Terms``) on one line."""
+    return (f"image {terms.get('image')} ({terms.get('image_id') or '?'}), {terms.get('user')}, root "
+            f"{terms.get('root_fs')}, capabilities {terms.get('capabilities')}, "
+            f"{'no-new-privileges, ' if terms.get('no_new_privileges') else ''}seccomp {terms.get('seccomp')}, "
+            f"memory {_gib(terms.get('memory_bytes'))}, pids {terms.get('pids')}, /dev/shm "
+            f"{_gib(terms.get('shm_bytes'))}, work dir {terms.get('work_dir')}; network: {terms.get('network')}")
+
+
 def _print_json(doc) -> None:
     print(json.dumps(doc, indent=2, default=str))
 
@@ -108,9 +121,14 @@ def jobs_show(sdk, args) -> int:
     placement = job.get("placement") or []
     if placement:
         print()
+        ranks = job.get("ranks") or {}
         print(tabulate([[p["rank"], p.get("hostname") or "", p["client_id"], p.get("gpu_index"), p.get("gpu_name") or "",
-                         (job.get("ranks") or {}).get(str(p["rank"]), {}).get("status", "-")] for p in placement],
-                       headers=["RANK", "HOST", "GPU CLIENT", "SLOT", "GPU", "STATUS"]))
+                         ranks.get(str(p["rank"]), {}).get("status", "-"),
+                         ISOLATION_WORDS.get(ranks.get(str(p["rank"]), {}).get("isolation"), "-")] for p in placement],
+                       headers=["RANK", "HOST", "GPU CLIENT", "SLOT", "GPU", "STATUS", "ISOLATION"]))
+        for rank, state in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+            if state.get("terms"):
+                print(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
     for rank in job.get("failure_order") or []:
         print(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}")
     return 0

@@ -247,7 +247,7 @@ class ZWDX:
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None,
-                   datasets=None):
+                   datasets=None, image: str | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -274,6 +274,10 @@ class ZWDX:
         an outer step through the server every ``inner_steps``. ``diloco`` sets it: ``{"inner_steps":
         500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "compression": "int8"}``
         (those are the defaults; ``"fp16"`` and ``"none"`` compress less).
+
+        ``image``: the container image its ranks run in; only GPU clients that run ranks in
+        containers and whose donor allows that image take the job (it waits, saying which
+        images each client allows). None: any client, ranks in its default image or none.
 
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
@@ -309,7 +313,7 @@ class ZWDX:
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets})
+            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token

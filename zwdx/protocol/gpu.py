@@ -32,6 +32,25 @@ ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAM
 Percent = Annotated[float, Field(ge=0, le=100)]
 
 
+class Terms(Message):
+    """The image and limits the ranks of a container-isolated slot run under (``--isolation
+    docker``, ``gpu_client/container.py``): what the donor set, shown on the dashboard and kept on
+    each rank's state when it starts."""
+    image: Text
+    image_id: Text = ""
+    allowed_images: Annotated[list[Text], Field(max_length=64)] = []
+    user: Text = ""
+    root_fs: Text = ""
+    capabilities: Text = ""
+    no_new_privileges: bool = True
+    seccomp: Text = ""
+    pids: Count
+    memory_bytes: Bytes
+    shm_bytes: Bytes = 0
+    work_dir: Text = ""
+    network: Text = ""
+
+
 class Slot(Message):
     """A GPU (or the CPU) a client offers, as it registers."""
     index: Count
@@ -43,6 +62,8 @@ class Slot(Message):
     #: How job code on this slot is kept from the GPU client and other jobs (None: an older
     #: client, which did not say).
     isolation: Annotated[Isolation, ByValue] | None = None
+    #: A container's image and limits (``isolation: docker``); None otherwise.
+    terms: Terms | None = None
 
 
 class SlotStats(Message):
@@ -209,6 +230,11 @@ class JobAssign(Answer):
     #: DILOCO: the ranks join a running job in dropped workers' places (they start from the
     #: global weights another worker sends at its next round).
     joining: bool = False
+    #: The image the job's ranks run in (None: this client's default).
+    image: str | None = None
+    #: The addresses of every GPU client of the placement (this one's too): all a rank in a
+    #: container may reach besides the server (``gpu_client/container.py``).
+    addresses: list[str] = []
 
 
 class JobCancel(Answer):

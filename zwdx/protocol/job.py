@@ -89,6 +89,8 @@ class JobSpec(Record):
     diloco: DilocoSettings | None = None
     #: The datasets its GPU clients fetch, pinned at submit (``zwdx.protocol.dataset``).
     datasets: list[DatasetPin] = Field(default_factory=list)
+    #: The image its ranks run in (GPU clients that allow it only); None: any client's default.
+    image: str | None = None
 
 
 class PlacementEntry(Record):
@@ -112,6 +114,10 @@ class RankState(Record):
     ended_at: float | None = Field(default=None, exclude_if=_absent)
     #: sha256 of the rank's trained weights: equal on every rank after a correct run.
     fingerprint: str | None = Field(default=None, exclude_if=_absent)
+    #: How its slot kept it (``Isolation``'s value), and a container's image and limits
+    #: (``protocol.gpu.Terms``' fields), as its GPU client registered them when it started.
+    isolation: str | None = Field(default=None, exclude_if=_absent)
+    terms: dict | None = Field(default=None, exclude_if=_absent)
 
 
 class DilocoJoin(Record):

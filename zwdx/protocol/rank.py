@@ -67,6 +67,8 @@ class RankSpec(Message):
     # -- how the ranks meet and train ------------------------------------------------------------
     master_addr: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     master_port: Annotated[int, Field(ge=1, le=65535)]
+    #: The addresses of the job's GPU clients (``JobAssign.addresses``): where a rank in a container may connect.
+    peers: Annotated[list[Annotated[str, StringConstraints(max_length=255)]], Field(max_length=4096)] = []
     backend: Literal["nccl", "gloo"]
     device: Device
     parallelism: Annotated[Parallelism, ByValue]
@@ -83,6 +85,8 @@ class RankSpec(Message):
     diloco: DilocoSettings | None = None
     #: DILOCO: this worker joins a running job (``JobAssign.joining``).
     joining: bool = False
+    #: The image the rank's container runs (``--isolation docker``; None: the client's default).
+    image: Annotated[str, StringConstraints(max_length=255)] | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

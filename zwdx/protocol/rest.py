@@ -73,6 +73,8 @@ class SlotView(Answer):
     utilization: float | None = None
     #: How job code on the slot is kept from its GPU client and other jobs (None: not told).
     isolation: Isolation | None = None
+    #: A container's image and limits (``isolation: docker``; ``protocol.gpu.Terms``' fields).
+    terms: dict[str, Any] | None = None
     job_id: str | None = None
     rank: int | None = None
 
@@ -207,6 +209,10 @@ class SubmitJob(Message):
     #: Datasets the GPU clients fetch before the job's code runs (``zwdx.protocol.dataset``): a
     #: room dataset's name (its newest version, pinned now), a URL, or ``{"url", "sha256", "name"}``.
     datasets: Annotated[list[DatasetRef], Field(max_length=defaults.MAX_JOB_DATASETS)] = []
+    #: The image its ranks run in (``--isolation docker``): only GPU clients whose donor allows it
+    #: take the job (``zwdx gpu-client --allow-image``). None: any client, in its default image.
+    image: Annotated[str, StringConstraints(min_length=1, max_length=255,
+                                            pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")] | None = None
 
     @field_validator("parallelism", mode="before")
     @classmethod

@@ -71,6 +71,7 @@ class Isolation(str, Enum):
     (``gpu_client/isolation.py``; ``zwdx gpu-client --isolation``)."""
     USER = "user"          # per-job user: each job's ranks run as an unprivileged uid of their own
     PROCESS = "process"    # same user: ranks run as the GPU client's own user (it is not root)
+    DOCKER = "docker"      # container: each rank in a fresh locked-down container (gpu_client/container.py)
 
 
 class CheckpointFormat(str, Enum):

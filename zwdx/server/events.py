@@ -134,7 +134,8 @@ def on_register(hello: Register) -> RegisterAnswer:
         return RegisterAnswer(ok=False, error=refusal, code=WRONG_SECRET)
     slots = [{"id": f"{client_id}:{s.index}", "client_id": client_id, "room_id": sess["room_id"], "index": s.index,
               "kind": s.kind.value, "name": s.name, "memory_total": s.memory_total, "memory_free": s.memory_free,
-              "utilization": s.utilization, "isolation": s.isolation and s.isolation.value} for s in hello.slots]
+              "utilization": s.utilization, "isolation": s.isolation and s.isolation.value,
+              "terms": s.terms and s.terms.model_dump(mode="json")} for s in hello.slots]
     client = {"id": client_id, "room_id": sess["room_id"], "hostname": hello.hostname, "host_id": hello.host_id,
               # one string: cheap to read
               "modules": None if hello.modules is None else " ".join(sorted(set(hello.modules))),

@@ -142,10 +142,11 @@ class Job:
         return self._took(self.store.set_job(self.id, {"master": master}, when=[JobStatus.STARTING]))
 
     # -- what ranks report -----------------------------------------------------------------
-    def rank_running(self, rank: int) -> bool:
-        """A rank started; the first one moves the job starting -> running (True then)."""
+    def rank_running(self, rank: int, isolation: str | None = None, terms: dict | None = None) -> bool:
+        """A rank started (how its slot keeps it: ``isolation``, a container's ``terms``); the
+        first one moves the job starting -> running (True then)."""
         now = self.clock()
-        entry = RankState(status=RankStatus.RUNNING, started_at=now)
+        entry = RankState(status=RankStatus.RUNNING, started_at=now, isolation=isolation, terms=terms)
         if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
             return False
         return self._move(JobStatus.RUNNING, [JobStatus.STARTING], now, {"running_at": now},
@@ -162,7 +163,8 @@ class Job:
                                                     "weights_artifact": weights_artifact}, when=_ACTIVE))
         before = self.record.ranks.get(str(rank))
         entry = RankState(status=RankStatus.COMPLETED, started_at=before.started_at if before else None,
-                          ended_at=now, fingerprint=fingerprint)
+                          ended_at=now, fingerprint=fingerprint, isolation=before.isolation if before else None,
+                          terms=before.terms if before else None)
         if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
             return False
         return self.complete()

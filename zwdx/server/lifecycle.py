@@ -38,10 +38,24 @@ def _stop_ranks(ctx, job: JobRecord, reason: str) -> None:
 
 def rank_started(ctx, job: JobRecord, rank: int) -> None:
     handle = Job(ctx.store, job)
-    if handle.rank_running(rank):
+    if handle.rank_running(rank, **_kept(ctx, job, rank)):
         log.info("job %s: running (world size %d, attempt %d)", job.id, handle.record.world_size,
                  handle.record.attempt)
         notify.job_changed(handle.record)
+
+
+def _kept(ctx, job: JobRecord, rank: int) -> dict:
+    """How the rank's slot keeps it (isolation, a container's image and limits), as its GPU client
+    registered them: what the job's page shows its ranks ran under."""
+    place = next((p for p in job.placement or [] if p.rank == rank), None)
+    if place is None:
+        return {}
+    slot = next((s for s in ctx.store.list_slots(job.room_id, place.client_id) if s.get("index") == place.gpu_index),
+                None) or {}
+    terms = slot.get("terms")
+    if terms and job.spec.image:  # the job's own image, of those its donor allows
+        terms = {**terms, "image": job.spec.image, "image_id": ""}
+    return {"isolation": slot.get("isolation"), "terms": terms}
 
 
 def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,

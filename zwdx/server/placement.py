@@ -175,13 +175,18 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
     need_py = needs_python(spec)
     mem = _n(spec.get("memory_required"))
     ok, too_small, busy, wrong_py, missing = [], 0, 0, Counter(), {}
+    image, no_image = spec.get("image"), {}
     for slot in slots:
         client = clients.get(slot["client_id"])
         if not online(client):
             continue
+        allowed = (slot.get("terms") or {}).get("allowed_images") or []
+        if image and image not in allowed:  # a container's image only its donor allows
+            no_image.setdefault(client["id"], [0, allowed])[0] += 1
+            continue
         have_py = python_minor(_python(client))
         if need_py is not None and have_py != need_py:
-            wrong_py[have_py] += 1
+            wrong_py[f"{have_py} (gpu client {client['id']})"] += 1
             continue
         if client["id"] not in missing:
             missing[client["id"]] = missing_modules(spec, client)
@@ -194,6 +199,10 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
         else:
             ok.append(slot)
     why = []
+    if no_image:
+        theirs = "; ".join(f"gpu client {c} allows {', '.join(a)}" if a else f"gpu client {c} runs no containers"
+                           for c, (_, a) in sorted(no_image.items()))
+        why.append(f"{sum(n for n, _ in no_image.values())} slot(s) do not run image {image} ({theirs})")
     if wrong_py:
         why.append(f"{sum(wrong_py.values())} slot(s) on Python {', '.join(sorted(wrong_py))} cannot load "
                    f"a bundle made with Python {need_py}")
@@ -286,7 +295,7 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     need_py = needs_python(spec)
     runs = [c for c in alive if need_py is None or python_minor(_python(c)) == need_py]
     if not runs:
-        theirs = sorted({python_minor(_python(c)) for c in alive})
+        theirs = sorted({f"{python_minor(_python(c))} (gpu client {c['id']})" for c in alive})
         return (f"no GPU client online runs Python {need_py}, the submitter's (they run {', '.join(theirs)}); "
                 f"a bundle loads only on the Python minor version that made it")
     missing = {c["id"]: missing_modules(spec, c) for c in runs}

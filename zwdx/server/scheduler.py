@@ -364,6 +364,8 @@ class Scheduler:
         peers = [Peer(client_id=c["id"], hostname=c.get("hostname") or "", addr=c["advertise_addr"],
                       port=c["reach_port"]) for c in clients.values() if c.get("advertise_addr") and c.get("reach_port")] \
             if len(groups) > 1 and meets_over_tcp({"parallelism": spec.parallelism.value}) else []
+        addresses = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")}
+                           | {job.master.addr})
         for group_rank, client_id in enumerate(groups):
             client = clients[client_id]
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
@@ -381,5 +383,5 @@ class Scheduler:
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, peers=peers,
-                datasets=spec.datasets, joining=joining)
+                datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

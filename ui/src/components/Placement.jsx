@@ -1,4 +1,6 @@
-// Which rank runs where: one box per GPU client, one tile per GPU with its rank.
+// Which rank runs where: one box per GPU client, one tile per GPU with its rank, and how its
+// slot kept it (a container's image and limits, as the rank's state recorded them at its start).
+import { formatIsolation, formatTerms } from "../lib/format.js";
 import { SlotKind } from "../lib/protocol.js";
 
 export function groupPlacement(placement) {
@@ -11,7 +13,7 @@ export function groupPlacement(placement) {
   return [...clients.values()];
 }
 
-export default function Placement({ placement }) {
+export default function Placement({ placement, ranks }) {
   const clients = groupPlacement(placement);
   if (!clients.length) return <p className="muted">Not placed yet: ranks get GPUs when the job starts.</p>;
   return (
@@ -29,11 +31,29 @@ export default function Placement({ placement }) {
                   {g.kind === SlotKind.CPU ? "CPU" : "GPU"} {g.gpu_index}
                 </span>
                 <span className="muted small">{g.gpu_name}</span>
+                <Kept state={(ranks || {})[String(g.rank)]} />
               </div>
             ))}
           </div>
         </div>
       ))}
     </div>
+  );
+}
+
+function Kept({ state }) {
+  if (!state || !state.isolation) return null;
+  return (
+    <span className="small" data-testid="rank-isolation">
+      <span className="isolation-tag" title="how the rank was kept from its GPU client and other jobs">
+        {formatIsolation(state.isolation)}
+      </span>
+      {state.terms && (
+        <span className="muted mono" data-testid="terms">
+          {" "}
+          {formatTerms(state.terms)}
+        </span>
+      )}
+    </span>
   );
 }

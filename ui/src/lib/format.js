@@ -1,12 +1,26 @@
 // How numbers, sizes and times read on the page.
 import { Isolation } from "./protocol.js";
 
-const ISOLATION_WORDS = { [Isolation.USER]: "per-job user", [Isolation.PROCESS]: "same user" };
+const ISOLATION_WORDS = { [Isolation.DOCKER]: "container", [Isolation.USER]: "per-job user", [Isolation.PROCESS]: "same user" };
 
 /** How a slot keeps job code from its GPU client and other jobs, in words ("" when not told). */
 export function formatIsolation(isolation) {
   if (!isolation) return "";
   return ISOLATION_WORDS[isolation] || isolation;
+}
+
+/** A container's image and limits (`Terms`, gpu_client/container.py) on one line. */
+export function formatTerms(t) {
+  if (!t) return "";
+  return [
+    t.image,
+    `memory ${formatBytes(t.memory_bytes)}`,
+    `pids ${t.pids}`,
+    `shm ${formatBytes(t.shm_bytes)}`,
+    `${t.root_fs} root`,
+    `capabilities ${t.capabilities}`,
+    `network: ${t.network}`,
+  ].join(" · ");
 }
 
 export function formatBytes(bytes) {

@@ -49,6 +49,7 @@ export const SlotKind = Object.freeze({
 export const Isolation = Object.freeze({
   USER: "user",
   PROCESS: "process",
+  DOCKER: "docker",
 });
 
 /** How a checkpoint's files were written; the server decides it from the job's parallelism (`zwdx.protocol.checkpoint`), never from what a rank says. */

@@ -243,7 +243,7 @@ export default function JobPage() {
       </section>
       <section className="card">
         <h2>Placement</h2>
-        <Placement placement={job.placement} />
+        <Placement placement={job.placement} ranks={job.ranks} />
       </section>
       <section className="card">
         <h2>Logs</h2>

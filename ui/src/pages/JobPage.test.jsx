@@ -46,6 +46,18 @@ describe("the job page", () => {
     expect(placement).toHaveTextContent("GPU 1");
   });
 
+  it("shows the isolation, image and limits each rank ran under", async () => {
+    const terms = { image: "zwdx-gpu-client:1.4", image_id: "sha256:abc", allowed_images: ["zwdx-gpu-client:1.4"], user: "uid 2000000+ (not root)", root_fs: "read-only", capabilities: "none", no_new_privileges: true, seccomp: "default", pids: 512, memory_bytes: 3 * 2 ** 30, shm_bytes: 2 ** 31, work_dir: "tmpfs /work", network: "host, egress only to the server and the job's peers" };
+    const ranks = { 0: { status: "running", isolation: "docker", terms }, 1: { status: "running", isolation: "user" } };
+    mockFetch(routes({ ...running, ranks }));
+    renderApp("/jobs/j1");
+    const kept = await screen.findAllByTestId("rank-isolation");
+    expect(kept[0]).toHaveTextContent("container");
+    expect(within(kept[0]).getByTestId("terms")).toHaveTextContent("zwdx-gpu-client:1.4 · memory 3.0 GiB · pids 512");
+    expect(kept[1]).toHaveTextContent("per-job user");
+    expect(within(kept[1]).queryByTestId("terms")).toBeNull(); // no container: no image, no limits
+  });
+
   it("says the train function's default decides the epochs when none were submitted", async () => {
     mockFetch(routes({ ...running, spec: { ...running.spec, epochs: null } }));
     renderApp("/jobs/j1");

@@ -4,7 +4,7 @@ import { useEffect, useState } from "react";
 import { api } from "../lib/api.js";
 import { useAuth } from "../lib/auth.jsx";
 import { useLive } from "../lib/LiveProvider.jsx";
-import { formatAgo, formatBytes, formatIsolation, formatLink, formatNumber, formatTime } from "../lib/format.js";
+import { formatAgo, formatBytes, formatIsolation, formatLink, formatNumber, formatTerms, formatTime } from "../lib/format.js";
 import { queueOf } from "../lib/jobs.js";
 import { ClientStatus, SlotKind } from "../lib/protocol.js";
 import RoomTokens from "../components/RoomTokens.jsx";
@@ -33,7 +33,11 @@ function SlotRow({ slot, history, jobs }) {
       <td>
         {slot.name || "—"}
         {slot.isolation && (
-          <span className="isolation-tag" data-testid="isolation" title="how job code here is kept from the GPU client and other jobs">
+          <span
+            className="isolation-tag"
+            data-testid="isolation"
+            title={slot.terms ? `a container per rank: ${formatTerms(slot.terms)}` : "how job code here is kept from the GPU client and other jobs"}
+          >
             {formatIsolation(slot.isolation)}
           </span>
         )}

@@ -69,7 +69,7 @@ describe("the room overview", () => {
 
   it("shows clients online and offline, each GPU's memory and utilisation, and which job a slot runs", async () => {
     const clients = [
-      { ...gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" })]),
+      { ...gpuClient("a", "online", [slot("a", 0, { job_id: "j1", rank: 0, isolation: "user" }), slot("a", 1, { isolation: "process" }), slot("a", 2, { isolation: "docker", terms: { image: "zwdx-gpu-client", pids: 512, memory_bytes: 2 ** 32, shm_bytes: 2 ** 31, root_fs: "read-only", capabilities: "none", network: "host" } })]),
         link: { rtt: 0.0123, up: 12.5e6, down: 117e6, measured_at: 1700000000 }, unreachable: ["b"] },
       gpuClient("b", "offline", [slot("b", 0)]),
     ];
@@ -78,7 +78,7 @@ describe("the room overview", () => {
     const cards = await screen.findAllByTestId("client");
     expect(cards.map((c) => c.dataset.status)).toEqual(["online", "offline"]);
     expect(screen.getByTestId("stat-online")).toHaveTextContent("1 GPU client online");
-    const [busy, idle] = within(cards[0]).getAllByTestId("slot");
+    const [busy, idle, boxed] = within(cards[0]).getAllByTestId("slot");
     expect(busy).toHaveTextContent("NVIDIA H100");
     expect(busy).toHaveTextContent("60.0 GiB free of 80.0 GiB");
     expect(busy).toHaveTextContent("40 %");
@@ -87,6 +87,8 @@ describe("the room overview", () => {
     expect(idle).toHaveTextContent("idle");
     expect(within(busy).getByTestId("isolation")).toHaveTextContent("per-job user");
     expect(within(idle).getByTestId("isolation")).toHaveTextContent("same user");
+    expect(within(boxed).getByTestId("isolation")).toHaveTextContent("container");
+    expect(within(boxed).getByTestId("isolation")).toHaveAttribute("title", expect.stringContaining("zwdx-gpu-client · memory 4.0 GiB · pids 512"));
     expect(within(within(cards[1]).getByTestId("slot")).queryByTestId("isolation")).toBeNull(); // an older client: not told
     expect(within(cards[0]).getByTestId("link")).toHaveTextContent("↓ 936 Mbit/s ↑ 100 Mbit/s · rtt 12.3 ms");
     expect(within(cards[0]).getByTestId("unreachable")).toHaveTextContent("cannot reach b");
