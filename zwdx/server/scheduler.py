@@ -365,7 +365,7 @@ class Scheduler:
                       port=c["reach_port"]) for c in clients.values() if c.get("advertise_addr") and c.get("reach_port")] \
             if len(groups) > 1 and meets_over_tcp({"parallelism": spec.parallelism.value}) else []
         addresses = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")}
-                           | {job.master.addr})
+                           | ({job.master.addr} if job.master else set()))
         for group_rank, client_id in enumerate(groups):
             client = clients[client_id]
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
