@@ -41,6 +41,8 @@ def _server(args) -> int:
     config = {"DATA_DIR": os.path.abspath(args.data_dir), "ASYNC_MODE": args.async_mode}
     if args.mongo_uri:
         config["MONGO_URI"] = args.mongo_uri
+    if args.message_queue:
+        config["MESSAGE_QUEUE"] = args.message_queue
     if args.max_artifact_bytes:
         config["MAX_ARTIFACT_BYTES"] = args.max_artifact_bytes
     if args.client_timeout:
@@ -252,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded store and artifacts live here")
     p.add_argument("--mongo-uri", default=os.environ.get("ZWDX_MONGO_URI"),
                    help="use MongoDB instead of the embedded store")
+    p.add_argument("--message-queue", default=os.environ.get("ZWDX_MESSAGE_QUEUE"), metavar="URL",
+                   help="Socket.IO's message queue (redis://host:6379/0) shared by several server processes on one "
+                        "store, behind a load balancer: docs/deploy-scale.md (default: $ZWDX_MESSAGE_QUEUE)")
     p.add_argument("--max-artifact-bytes", type=int, default=None)
     p.add_argument("--client-timeout", type=float, default=None, help="seconds of silence before a GPU client is lost")
     p.add_argument("--async-mode", choices=ASYNC_MODES, default=os.environ.get("ZWDX_ASYNC_MODE", "gevent"),
