@@ -13,6 +13,7 @@ import time
 
 import pytest
 import requests
+import socketio
 import torch
 
 import mnist
@@ -20,6 +21,7 @@ import needs
 from procs import SLACK, Server, wait_until
 from workloads import slow_train
 from zwdx import ZWDX, defaults
+from zwdx.protocol import EV_JOB_UPDATE, UI_NAMESPACE
 from zwdx.testing import BalancerProc, GpuClientProc, MongoProc, RedisProc
 
 pytestmark = pytest.mark.slow
@@ -36,6 +38,20 @@ def leads(server: Server) -> bool:
         return False
     found = re.search(r"^zwdx_scheduler_leader (\S+)$", text, re.M)
     return bool(found) and float(found.group(1)) == 1.0
+
+
+class Dashboard(socketio.Client):
+    """A dashboard's /ui connection over Socket.IO's long-polling (a browser's first transport):
+    each poll is its own HTTP request, which must reach the server that holds the session."""
+
+    def __init__(self, url: str, token: str):
+        super().__init__(reconnection=False)
+        self.updates: list[dict] = []
+        self.on(EV_JOB_UPDATE, self.updates.append, namespace=UI_NAMESPACE)
+        self.connect(url, namespaces=[UI_NAMESPACE], auth={"token": token}, transports=["polling"], wait_timeout=30)
+
+    def saw(self, job_id: str, status: str) -> bool:
+        return any(u["id"] == job_id and u["status"] == status for u in list(self.updates))
 
 
 @pytest.fixture
@@ -71,11 +87,17 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
     try:
         wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(room["token"])["clients"]) == 2, 60,
                    what="both gpu clients online through the balancer")
+        leader, other = (s1, s2) if leads(s1) else (s2, s1)
+        watching = Dashboard(other.url, room["token"])  # the scheduler's moves reach it through Redis
+        balanced = Dashboard(balancer.url, room["token"])  # its polls stay on one server (HAProxy's cookie)
         job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
                                 optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
                                 room_token=room["token"], world_size=2, epochs=2, wait=False, progress=False)
         wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training under way")
-        leader, other = (s1, s2) if leads(s1) else (s2, s1)
+        assert leads(leader) and not leads(other)
+        wait_until(lambda: watching.saw(job_id, "starting") and watching.saw(job_id, "running") and
+                   balanced.saw(job_id, "running"), 30, what="both dashboards told the job was placed and runs")
+        balanced.disconnect()
         on_leader = set(re.findall(r"gpu-client (\S+): registered", leader.output()))
         assert on_leader, "the balancer (leastconn) put no gpu client on the leading server"
         leader.kill(signal.SIGKILL)
@@ -86,6 +108,8 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
 
         result = sdk.wait(job_id, progress=False, timeout=300)
         assert result["status"] == "completed", result["reason"]
+        wait_until(lambda: watching.saw(job_id, "completed"), 30, what="the dashboard on the survivor told")
+        watching.disconnect()
         assert sdk.get_job(job_id).get("restarts", 0) == 0  # the ranks rode through; nothing restarted
         series = sdk.get_job_metrics(job_id)["loss"]
         for rank in (0, 1):

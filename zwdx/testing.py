@@ -276,14 +276,15 @@ class RedisProc(Child):
             return s.connect_ex(("127.0.0.1", self.port)) == 0
 
 
-#: HAProxy in front of zwdx servers (docker/haproxy.cfg is the same for the compose file's scale
-#: profile): each new connection to the server with the fewest (websockets spread evenly), a
-#: websocket kept on its server, a Socket.IO long-polling session kept on its server by a cookie; a server that stops answering /health is out within
-#: two seconds, and a connection it refuses is tried on another.
+#: HAProxy in front of zwdx servers (the compose file's scale profile has the same): each new
+#: connection to the server with the fewest (websockets spread evenly), a websocket kept on its
+#: server, a Socket.IO long-polling session kept on its server by a cookie; a server that stops
+#: answering /health is out within two seconds, and a connection it refuses is tried on another.
 HAPROXY_CFG = """global
     # maxconn: from the open-files limit HAProxy finds
 defaults
     mode http
+    option forwardfor
     option redispatch
     retries 3
     timeout connect 2s
