@@ -3,7 +3,8 @@ server`s on one MongoDB store (nx-27017, standing in for a replica set: one proc
 failover of its own) and one Redis message queue, HAProxy in front; two GPU clients and the SDK
 reach the servers through the balancer only. The server that runs the scheduler is SIGKILLed
 mid-job: the other one takes its lease over, the GPU clients reconnect through the balancer,
-and the job completes with every metric once.
+and the job completes with every metric once. Then Redis restarts, and the survivor places the
+next job through it again.
 """
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def leads(server: Server) -> bool:
     return bool(found) and float(found.group(1)) == 1.0
 
 
+def subscribers(redis: RedisProc) -> int:
+    """Server processes listening on Flask-SocketIO's channel."""
+    import redis as redis_py
+    client = redis_py.Redis.from_url(redis.url)
+    try:
+        return int(dict(client.pubsub_numsub("flask-socketio"))[b"flask-socketio"])
+    finally:
+        client.close()
+
+
 class Dashboard(socketio.Client):
     """A dashboard's /ui connection over Socket.IO's long-polling (a browser's first transport):
     each poll is its own HTTP request, which must reach the server that holds the session."""
@@ -71,14 +82,14 @@ def servers(tmp_path):
             started.append(Server(str(tmp_path / name), extra=["--mongo-uri", mongo.uri], env=env))
         balancer = BalancerProc(str(tmp_path), [s.url for s in started[2:]])
         started.append(balancer)
-        yield started[2:4], balancer
+        yield started[2:4], balancer, redis
     finally:
         for proc in reversed(started):
             proc.stop()
 
 
 def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp_path):
-    (s1, s2), balancer = servers
+    (s1, s2), balancer, redis = servers
     wait_until(lambda: leads(s1) != leads(s2), LEASE_TTL + SLACK, what="one of the two servers leading")
     sdk = ZWDX(balancer.url)
     room = sdk.create_room("scale")
@@ -109,7 +120,6 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
         result = sdk.wait(job_id, progress=False, timeout=300)
         assert result["status"] == "completed", result["reason"]
         wait_until(lambda: watching.saw(job_id, "completed"), 30, what="the dashboard on the survivor told")
-        watching.disconnect()
         assert sdk.get_job(job_id).get("restarts", 0) == 0  # the ranks rode through; nothing restarted
         series = sdk.get_job_metrics(job_id)["loss"]
         for rank in (0, 1):
@@ -122,12 +132,19 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
         print(f"\nscheduler's server SIGKILL -> lease taken over {took_over:.2f} s, gpu clients back "
               f"{back - killed_at:.2f} s (lease ttl {LEASE_TTL:g} s, client timeout {defaults.CLIENT_TIMEOUT:g} s)")
 
-        # the survivor places new work on clients that reconnected to it
+        # Redis restarts (it keeps nothing): the survivor subscribes again, and places new work on
+        # the clients that reconnected to it through the queue, telling the dashboard
+        redis.stop()
+        redis = RedisProc(str(tmp_path), port=redis.port)
+        wait_until(lambda: subscribers(redis) == 1, 30, what="the surviving server subscribed to Redis again")
         again = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
                                optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
                                room_token=room["token"], world_size=2, epochs=1, wait=True, progress=False,
                                timeout=300)
         assert again["status"] == "completed", again.get("reason")
+        wait_until(lambda: watching.saw(again["job_id"], "completed"), 30, what="the dashboard told after Redis restarted")
+        watching.disconnect()
     finally:
         for client in clients:
             client.stop()
+        redis.stop()

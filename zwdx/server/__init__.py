@@ -216,6 +216,10 @@ def create_app(config: dict | None = None) -> Flask:
     ctx.lease.start(ctx.stopping)
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
              app.config["DATA_DIR"], mode, app.config["UI_DIR"])
+    if not ctx.lease.shared and ctx.store.lease_holder("scheduler"):
+        log.warning("server: another server process on this store runs with a message queue (it holds the "
+                    "scheduler's lease), and this one without: this one schedules too and cannot reach that one's GPU "
+                    "clients. Start every server process with the same ZWDX_MESSAGE_QUEUE (docs/deploy-scale.md)")
     if ctx.lease.shared:
         log.info("server: one of several processes (message queue %s); this one is %s", _without_password(
             app.config["MESSAGE_QUEUE"]), ctx.lease.holder)
