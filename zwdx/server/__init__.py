@@ -30,7 +30,7 @@ from . import api, checkpoints, dashboard_api, datasets, diloco, events, limits,
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
-from .lease import Lease
+from .lease import NAME as SCHEDULER_LEASE, Lease
 from .scheduler import Scheduler
 from .store import open_store
 from .sweeper import Sweeper
@@ -216,7 +216,7 @@ def create_app(config: dict | None = None) -> Flask:
     ctx.lease.start(ctx.stopping)
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
              app.config["DATA_DIR"], mode, app.config["UI_DIR"])
-    if not ctx.lease.shared and ctx.store.lease_holder("scheduler"):
+    if not ctx.lease.shared and ctx.store.lease_holder(SCHEDULER_LEASE):
         log.warning("server: another server process on this store runs with a message queue (it holds the "
                     "scheduler's lease), and this one without: this one schedules too and cannot reach that one's GPU "
                     "clients. Start every server process with the same ZWDX_MESSAGE_QUEUE (docs/deploy-scale.md)")
