@@ -78,18 +78,21 @@ def servers(tmp_path):
         redis = RedisProc(str(tmp_path))
         started.append(redis)
         env = {"ZWDX_MESSAGE_QUEUE": redis.url, "ZWDX_SCHEDULER_LEASE_TTL": str(LEASE_TTL)}
-        for name in ("s1", "s2"):
-            started.append(Server(str(tmp_path / name), extra=["--mongo-uri", mongo.uri], env=env))
-        balancer = BalancerProc(str(tmp_path), [s.url for s in started[2:]])
+
+        def start(data_dir: str, port: int | None = None) -> Server:
+            started.append(Server(data_dir, port=port, extra=["--mongo-uri", mongo.uri], env=env))
+            return started[-1]
+        servers = [start(str(tmp_path / name)) for name in ("s1", "s2")]
+        balancer = BalancerProc(str(tmp_path), [s.url for s in servers])
         started.append(balancer)
-        yield started[2:4], balancer, redis
+        yield servers, balancer, redis, start
     finally:
         for proc in reversed(started):
             proc.stop()
 
 
 def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp_path):
-    (s1, s2), balancer, redis = servers
+    (s1, s2), balancer, redis, start = servers
     wait_until(lambda: leads(s1) != leads(s2), LEASE_TTL + SLACK, what="one of the two servers leading")
     sdk = ZWDX(balancer.url)
     room = sdk.create_room("scale")
@@ -144,6 +147,18 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
         assert again["status"] == "completed", again.get("reason")
         wait_until(lambda: watching.saw(again["job_id"], "completed"), 30, what="the dashboard told after Redis restarted")
         watching.disconnect()
+
+        # the killed server, started again, joins as it is (no lease, every GPU client still
+        # online); a donor token revoked through it closes the connections the survivor holds
+        restarted = start(leader.data_dir, leader.port)
+        time.sleep(LEASE_TTL)  # a few tries for the lease
+        assert leads(other) and not leads(restarted)
+        assert all(c["status"] == "online" for c in sdk.get_room(room["token"])["clients"])
+        through = ZWDX(restarted.url, room_token=room["token"])
+        donor = next(t for t in through.tokens.list() if t["role"] == "donor")
+        through.tokens.revoke(donor["id"])
+        wait_until(lambda: all(c["status"] == "offline" for c in sdk.get_room(room["token"])["clients"]),
+                   LEASE_TTL + SLACK, what="the survivor closing the connections of the revoked donor token")
     finally:
         for client in clients:
             client.stop()
