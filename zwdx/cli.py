@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from . import data_cli, defaults, jobs_cli
@@ -73,6 +74,13 @@ def _server(args) -> int:
         log.warning("server: serving plain HTTP on %s: tokens and bundles cross the network unencrypted; pass "
                     "--tls-cert/--tls-key, or put a reverse proxy with TLS in front (docs/deploy-tls.md)", args.host)
     app = create_app(config)
+    lease = app.extensions["zwdx"].lease
+    if lease.shared:  # one of several: SIGTERM gives the scheduler's lease up, for another to take at once
+
+        def _terminate(*_):
+            lease.release()
+            raise SystemExit(0)
+        signal.signal(signal.SIGTERM, _terminate)
     print(f"zwdx server on {'https' if context else 'http'}://{args.host}:{args.port} (data in "
           f"{config['DATA_DIR']}, {socketio.async_mode})", flush=True)
     serve(app, args.host, args.port, context)

@@ -102,6 +102,7 @@ class Lease:
         if self.shared and self.held():
             self._until = 0.0
             try:
-                self.store.release_lease(NAME, self.holder)
+                if self.store.release_lease(NAME, self.holder):
+                    log.info("lease: this server process gave the scheduler's lease up")
             except Exception:
                 log.exception("lease: cannot give the scheduler's lease up; it expires by itself")
