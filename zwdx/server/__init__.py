@@ -124,7 +124,7 @@ class ServerContext:
         #: token hash -> its credential and room, as read lately (``auth.CredentialCache``)
         self.credentials = CredentialCache()
         #: Socket.IO sid -> (namespace, credential id, its hash then) of the connections to this process
-        self.connections: dict[str, tuple[str, str]] = {}
+        self.connections: dict[str, tuple[str, str, str | None]] = {}
 
     def close(self) -> None:
         """Stop the background loops and release the store (an app in a test, at its end)."""

@@ -63,12 +63,11 @@ def _close(server_ctx, sids: list[str]) -> None:
 def close_revoked(server_ctx) -> None:
     """Close this process's connections whose token was revoked or rotated since they were made
     (through another server process): one store read per credential in use."""
-    held: dict[str, list[str]] = {}
+    held: dict[tuple[str, str | None], list[str]] = {}
     for sid, (_, credential_id, token_hash) in list(server_ctx.connections.items()):
-        held.setdefault(f"{credential_id} {token_hash}", []).append(sid)
+        held.setdefault((credential_id, token_hash), []).append(sid)
     gone = []
-    for key, sids in held.items():
-        credential_id, token_hash = key.split(" ", 1)
+    for (credential_id, token_hash), sids in held.items():
         credential = server_ctx.store.get_credential(credential_id)
         if credential is None or credential.get("revoked_at") or credential.get("hash") != token_hash:
             server_ctx.credentials.forget(credential_id)
