@@ -2,7 +2,8 @@
 # Install what zwdx needs on this machine.
 #   ./setup.sh          the package, its dependencies and the dashboard's build
 #   ./setup.sh --test   also what the test suite needs (pytest, a MongoDB wire-protocol server,
-#                       headless Chromium, docker-compose and hadolint to check the Docker files)
+#                       headless Chromium, docker-compose and hadolint to check the Docker files,
+#                       redis-server and haproxy for several servers behind a balancer)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -26,6 +27,8 @@ if [[ "${1:-}" == "--test" ]]; then
     command -v chromium >/dev/null || missing+=(chromium)
     command -v docker-compose >/dev/null || missing+=(docker-compose)
     command -v ip >/dev/null || missing+=(iproute2)
+    command -v redis-server >/dev/null || missing+=(redis-server)  # test/test_scale.py: the message queue
+    command -v haproxy >/dev/null || missing+=(haproxy)  # test/test_scale.py: the balancer
     if (( ${#missing[@]} )); then
         if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
             apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

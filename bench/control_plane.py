@@ -2,6 +2,7 @@
 
     python bench/control_plane.py --clients 100,250,500,1000 --store sqlite,mongo --out $OUT/control.md
     python bench/control_plane.py --clients 100,200 --procs 1 --async-mode threading --all --profile
+    python bench/control_plane.py --clients 1000,2000,5000 --store mongo --servers 1,2,4 --all
 
 For each store and each level of simulated GPU clients it starts a fresh server (and, for
 ``mongo``, a MongoDB wire-protocol server, nx-27017), then ``--procs`` load generators
@@ -15,7 +16,11 @@ latency, the server's CPU and its peak memory. A level passes when every p99 is 
 ``--p99-limit`` ms with every client held and no errors; the ramp stops after the first
 failing level unless ``--all``. ``--async-mode`` passes the server's own flag (gevent, its
 default, or threading). ``--profile`` samples the server with py-spy during the window and
-prints where its Python time goes.
+prints where its Python time goes. ``--servers N`` (a list: each count a level of its own) runs
+N server processes on the level's store with a Redis message queue and HAProxy in front, both
+started by the bench (``redis-server`` and ``haproxy`` on PATH; docs/deploy-scale.md): the
+clients, users and dashboards reach them through the balancer only, and the server CPU is
+theirs added up (the peak memory, the largest one's).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from harness import Child, MongoProc, ServerProc, percentile, proc_status, table  # noqa: E402
+from harness import BalancerProc, Child, MongoProc, RedisProc, ServerProc, percentile, proc_status, table  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOCKET_KINDS = ("socket.io heartbeat", "socket.io register", "socket.io ranks_exited")
@@ -45,10 +50,11 @@ def level_database(uri: str, level_dir: str) -> str:
     return urlunsplit(parts._replace(path="/" + os.path.basename(level_dir).replace("-", "_")))
 
 
-def run_level(args, store: str, clients: int, work: str) -> dict:
+def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> dict:
     import requests
-    level_dir = tempfile.mkdtemp(prefix=f"zwdx-bench-{store}-{clients}-", dir=args.data_root or work)
-    mongo = server = None
+    level_dir = tempfile.mkdtemp(prefix=f"zwdx-bench-{store}-{clients}-{n_servers}-", dir=args.data_root or work)
+    mongo = redis = balancer = None
+    servers: list[ServerProc] = []
     gens: list[Child] = []
     spy = None
     try:
@@ -62,14 +68,22 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             env.update({"ZWDX_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                         "ZWDX_CLIENT_TIMEOUT": str(max(10.0, 5 * args.heartbeat_interval))})
         mongo_uri = mongo.uri if mongo else (level_database(args.mongo_uri, level_dir) if store == "mongo" else None)
-        server = ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo_uri,
-                            extra=["--async-mode", args.async_mode] if args.async_mode else None, env=env)
-        async_mode = requests.get(f"{server.url}/health", timeout=10).json().get("async_mode", "threading")
-        rooms = [requests.post(f"{server.url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()
+        if n_servers > 1:  # several processes: one message queue, the balancer in front (deploy-scale.md)
+            redis = RedisProc(level_dir)
+            env["ZWDX_MESSAGE_QUEUE"] = redis.url
+        for _ in range(n_servers):  # on SQLite they share the data dir, on MongoDB the database
+            servers.append(ServerProc(os.path.join(level_dir, "server"), mongo_uri=mongo_uri,
+                                      extra=["--async-mode", args.async_mode] if args.async_mode else None, env=env))
+        if n_servers > 1:
+            balancer = BalancerProc(level_dir, [s.url for s in servers])
+        server = servers[0]
+        url = balancer.url if balancer else server.url
+        async_mode = requests.get(f"{url}/health", timeout=10).json().get("async_mode", "threading")
+        rooms = [requests.post(f"{url}/api/v1/rooms", json={"name": f"bench-{i}"}).json()
                  for i in range(args.rooms)]
         tokens = [{"submitter": r["submitter_token"], "donor": r["donor_token"]} for r in rooms]
         users = max(1, round(clients * args.users_per_100 / 100))
-        plan = {"url": server.url, "tokens": tokens, "clients": clients, "users": users, "procs": args.procs,
+        plan = {"url": url, "tokens": tokens, "clients": clients, "users": users, "procs": args.procs,
                 "connect_rate": args.connect_rate, "connect_timeout": 60, "world_size": args.world_size,
                 "job_seconds": args.job_seconds, "metric_interval": args.metric_interval,
                 "events_per_post": args.events_per_post, "bundle_bytes": args.bundle_kb * 1024,
@@ -87,8 +101,9 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             for g in gens:
                 if not g.alive():
                     raise RuntimeError(f"load generator exited:\n{g.tail()}")
-            if not server.alive():
-                raise RuntimeError(f"server exited:\n{server.tail()}")
+            for srv in servers:
+                if not srv.alive():
+                    raise RuntimeError(f"server exited:\n{srv.tail()}")
             return all(os.path.exists(os.path.join(level_dir, f"ready-{i}")) for i in range(args.procs))
         harness.wait_until(ready, clients / args.connect_rate + 120, interval=0.2, what="simulated clients registered")
         ramp_s = time.time() - ramp_started
@@ -101,7 +116,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
         with open(os.path.join(level_dir, "go"), "w") as fh:
             json.dump({"t0": t0, "t1": t1}, fh)
         time.sleep(max(0.0, t0 - time.time()))
-        cpu0, w0 = harness.cpu_seconds(server.pid), time.time()
+        cpu0, w0 = sum(harness.cpu_seconds(srv.pid) for srv in servers), time.time()
         gen0 = sum(harness.cpu_seconds(g.pid) for g in gens)
         mongo0 = harness.cpu_seconds(mongo.pid) if mongo else None
         if args.profile:
@@ -111,15 +126,17 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(max(0.0, t1 - time.time()))
         window = time.time() - w0
-        cpu = (harness.cpu_seconds(server.pid) - cpu0) / window
+        cpu = (sum(harness.cpu_seconds(srv.pid) for srv in servers) - cpu0) / window
         gen_cpu = (sum(harness.cpu_seconds(g.pid) for g in gens) - gen0) / window
         mongo_cpu = (harness.cpu_seconds(mongo.pid) - mongo0) / window if mongo else None
-        status = proc_status(server.pid)
+        each = [proc_status(srv.pid) for srv in servers]
+        status = {"VmRSS": max(e["VmRSS"] for e in each), "VmHWM": max(e["VmHWM"] for e in each),
+                  "Threads": max(e["Threads"] for e in each)}
         mongo_status = proc_status(mongo.pid) if mongo else None
         online = None
         try:
             online = sum(c["status"] == "online" for t in tokens for c in requests.get(
-                f"{server.url}/api/v1/room", headers={"X-Zwdx-Room-Token": t["submitter"]}, timeout=30).json()["clients"])
+                f"{url}/api/v1/room", headers={"X-Zwdx-Room-Token": t["submitter"]}, timeout=30).json()["clients"])
         except Exception:
             pass
         for g in gens:
@@ -150,7 +167,7 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             counts.update(r["counts"])
             samples += r["error_samples"]
             held += r.get("held_at_end", 0)
-        return {"store": store, "clients": clients, "async_mode": async_mode, "users": users, "rooms": args.rooms,
+        return {"store": store, "servers": n_servers, "clients": clients, "async_mode": async_mode, "users": users, "rooms": args.rooms,
                 "ramp_s": ramp_s,
                 "held_ready": held_ready, "held": held, "online": online, "hold_s": args.hold,
                 "cpu": cpu, "gen_cpu": gen_cpu, "rss": status["VmRSS"], "hwm": status["VmHWM"], "threads": status["Threads"],
@@ -162,8 +179,12 @@ def run_level(args, store: str, clients: int, work: str) -> dict:
             os.killpg(spy.pid, 9)
         for g in gens:
             g.stop(5)
-        if server is not None:
-            server.stop()
+        if balancer is not None:
+            balancer.stop()
+        for srv in servers:
+            srv.stop()
+        if redis is not None:
+            redis.stop()
         if mongo is not None:
             mongo.stop()
         if not args.keep:
@@ -229,7 +250,7 @@ def report(results: list[dict], args) -> str:
     rows, details = [], []
     for r in results:
         if "pending" in r:
-            rows.append([r["store"], r["clients"]] + ["-"] * 12 + [f"pending: {r['pending']}"])
+            rows.append([r["store"], r.get("servers", 1), r["clients"]] + ["-"] * 12 + [f"pending: {r['pending']}"])
             continue
         ok, why = passed(r, args.p99_limit)
         lat = r["lat"]
@@ -237,7 +258,7 @@ def report(results: list[dict], args) -> str:
         rest_all = [v for v in rest.values()]
         hb = lat.get("socket.io heartbeat", {"n": 0, "p50": None, "p99": None})
         dash = lat.get("metric -> dashboard", {"n": 0, "p50": None, "p99": None})
-        rows.append([r["store"], r["clients"], f"{r['held']}", hb["n"] / r["hold_s"],
+        rows.append([r["store"], r.get("servers", 1), r["clients"], f"{r['held']}", hb["n"] / r["hold_s"],
                      r["counts"].get("metric events stored", 0) / r["hold_s"],
                      sum(v["n"] for v in rest_all) / r["hold_s"],
                      max((v["p50"] for v in rest_all), default=None), max((v["p99"] for v in rest_all), default=None),
@@ -248,7 +269,8 @@ def report(results: list[dict], args) -> str:
         det += [[f"count: {k}", v, "", "", ""] for k, v in sorted(r["counts"].items())]
         det += [[f"errors: {k}", v, "", "", ""] for k, v in sorted(r["errors"].items())]
         details.append(table(["call", "n", "p50 ms", "p99 ms", "max ms"], det,
-                             f"{r['store']}, {r['clients']} clients, {r['users']} SDK users, {r['rooms']} room(s): "
+                             f"{r['store']}, {r.get('servers', 1)} server process(es), {r['clients']} clients, "
+                             f"{r['users']} SDK users, {r['rooms']} room(s): "
                              f"every call in the {r['hold_s']:g} s window (ramp {r['ramp_s']:.0f} s, "
                              f"{r['threads']} server threads, RSS {r['rss'] / mib:,.0f} MiB at the end"
                              + (f", nx-27017 peak {r['mongo_hwm'] / mib:,.0f} MiB, CPU {100 * r['mongo_cpu']:.0f}%"
@@ -263,18 +285,21 @@ def report(results: list[dict], args) -> str:
     best = {}
     for r in results:
         if "pending" not in r and passed(r, args.p99_limit)[0]:
-            best[r["store"]] = max(best.get(r["store"], 0), r["clients"])
+            key = f"{r['store']} x{r.get('servers', 1)}"
+            best[key] = max(best.get(key, 0), r["clients"])
     modes = ", ".join(dict.fromkeys(r["async_mode"] for r in results if "async_mode" in r)) or "-"
-    head = (f"\n## Control plane under load: {harness.machine()}; server in one process ({modes}), "
+    counts = ", ".join(str(n) for n in dict.fromkeys(r.get("servers", 1) for r in results)) or "1"
+    head = (f"\n## Control plane under load: {harness.machine()}; server in {counts} process(es) ({modes}; several: "
+            f"Redis and HAProxy in front, started by the bench), "
             f"load generators in {args.procs} process(es) on the same machine\n\n"
             f"Per client: heartbeat every {args.heartbeat_interval or 2:g} s. SDK users: {args.users_per_100:g} "
             f"per 100 clients, jobs of {args.world_size} ranks for 0.5-1.5 x {args.job_seconds:g} s, polled every "
             f"{args.poll_interval:g} s as ZWDX.wait does (the job with its new events, one call). Each running "
             f"rank posts {args.events_per_post} metric events every {args.metric_interval:g} s. "
             f"{args.rooms} room(s), one dashboard each. Window {args.hold:g} s after {args.warm:g} s warm-up.\n"
-            f"Most clients one server holds with every p99 under {args.p99_limit:g} ms: "
+            f"Most clients held (store x server processes) with every p99 under {args.p99_limit:g} ms: "
             + (", ".join(f"{k}: {v}" for k, v in best.items()) or "none of the levels tried") + "\n\n")
-    summary = table(["store", "clients", "held", "heartbeats/s", "metric events/s", "REST calls/s",
+    summary = table(["store", "servers", "clients", "held", "heartbeats/s", "metric events/s", "REST calls/s",
                      "REST worst p50 ms", "REST worst p99 ms", "heartbeat p50 ms", "heartbeat p99 ms",
                      "metric->dashboard p99 ms", "server CPU", "load generators CPU", "server peak MiB", "verdict"], rows, "Summary")
     return head + summary + "\n" + "\n".join(details)
@@ -287,6 +312,9 @@ def main() -> int:
     parser.add_argument("--mongo-uri", default=None,
                         help="for --store mongo: this MongoDB (a database per level is made there) instead "
                              "of an nx-27017 stand-in started by the script")
+    parser.add_argument("--servers", default="1",
+                        help="server processes (a list: 1,2,4); more than one: with a Redis message queue and HAProxy "
+                             "in front, started here (redis-server and haproxy on PATH)")
     parser.add_argument("--rooms", type=int, default=1, help="rooms the clients and users are spread over")
     parser.add_argument("--users-per-100", type=float, default=10, help="SDK users per 100 GPU clients")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per simulated job")
@@ -314,7 +342,15 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep logs and raw results")
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
     args = parser.parse_args()
-    harness.require(harness.SERVER_MODULES + ["aiohttp"] + (["pymongo"] if "mongo" in args.store else []))
+    server_counts = [int(n) for n in args.servers.split(",") if n.strip()]
+    harness.require(harness.SERVER_MODULES + ["aiohttp"] + (["pymongo"] if "mongo" in args.store else [])
+                    + (["redis"] if max(server_counts) > 1 else []))
+    if max(server_counts) > 1:
+        missing = [tool for tool in ("redis-server", "haproxy") if not shutil.which(tool)]
+        if missing:
+            print(f"bench control_plane: --servers {args.servers} needs {' and '.join(missing)} (apt-get install "
+                  f"redis-server haproxy)", file=sys.stderr)
+            return 2
     limit = harness.raise_fd_limit()
     if limit < 4 * max(int(c) for c in args.clients.split(",")):
         print(f"bench control_plane: only {limit} open files allowed; the largest levels may fail for it",
@@ -324,22 +360,24 @@ def main() -> int:
     try:
         started, longest = time.time(), 0.0
         for store in [s.strip() for s in args.store.split(",") if s.strip()]:
-            for clients in [int(c) for c in args.clients.split(",")]:
-                if args.budget and time.time() - started + 1.5 * longest > args.budget:
-                    print(f"  {store} {clients} clients: skipped (--budget {args.budget:g} s)", flush=True)
-                    continue
-                level_started = time.time()
-                r = run_level(args, store, clients, work)
-                longest = max(longest, time.time() - level_started)
-                results.append(r)
-                if "pending" in r:
-                    print(f"  {store}: pending ({r['pending']})", flush=True)
-                    break
-                ok, why = passed(r, args.p99_limit)
-                print(f"  {store} {clients} clients: {'PASS' if ok else 'FAIL'} ({why}); server CPU "
-                      f"{100 * r['cpu']:.0f}%, peak {r['hwm'] / 2**20:,.0f} MiB", flush=True)
-                if not ok and not args.all:
-                    break
+            for n_servers in server_counts:
+                for clients in [int(c) for c in args.clients.split(",")]:
+                    name = f"{store} x{n_servers} {clients} clients"
+                    if args.budget and time.time() - started + 1.5 * longest > args.budget:
+                        print(f"  {name}: skipped (--budget {args.budget:g} s)", flush=True)
+                        continue
+                    level_started = time.time()
+                    r = run_level(args, store, clients, work, n_servers)
+                    longest = max(longest, time.time() - level_started)
+                    results.append(r)
+                    if "pending" in r:
+                        print(f"  {store}: pending ({r['pending']})", flush=True)
+                        break
+                    ok, why = passed(r, args.p99_limit)
+                    print(f"  {name}: {'PASS' if ok else 'FAIL'} ({why}); server CPU "
+                          f"{100 * r['cpu']:.0f}%, peak {r['hwm'] / 2**20:,.0f} MiB", flush=True)
+                    if not ok and not args.all:
+                        break
     finally:
         if args.keep:
             print(f"logs kept in {work}")

@@ -21,7 +21,8 @@ if ROOT not in sys.path:
 
 # The child processes (any command, the server, GPU clients, nx-27017) and waiting for them are
 # zwdx/testing.py's, which the test suite uses too.
-from zwdx.testing import Child, GpuClientProc, MongoProc, ServerProc, free_port, wait_until  # noqa: E402,F401
+from zwdx.testing import (BalancerProc, Child, GpuClientProc, MongoProc, RedisProc, ServerProc, free_port,  # noqa: E402,F401
+                          wait_until)
 
 #: What the server and a GPU client need, by import name (the wheels to carry to a bare host).
 SERVER_MODULES = ["flask", "flask_socketio", "socketio", "engineio", "simple_websocket", "gevent", "requests"]

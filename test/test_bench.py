@@ -34,10 +34,15 @@ def test_job_end_runs():
     assert "job completed" in bench("job_end.py", "--jobs", "2", "--settle", "0.5").lower()
 
 
-def test_control_plane_runs_with_rank_keys_and_donor_tokens():
+def test_control_plane_runs_with_rank_keys_and_donor_tokens_on_one_and_two_servers():
+    import needs
+    needs.tool("redis-server", "apt-get install redis-server (./setup.sh --test)")
+    needs.tool("haproxy", "apt-get install haproxy (./setup.sh --test)")
     out = bench("control_plane.py", "--clients", "10", "--hold", "4", "--warm", "2", "--procs", "1",
-                "--job-seconds", "2", "--users-per-100", "20")
-    assert "| PASS" in out and "count: jobs completed" in out  # a level with an error is not a PASS
+                "--job-seconds", "2", "--users-per-100", "20", "--servers", "1,2", "--all")
+    # a level with an error is not a PASS; two servers: behind HAProxy, on one SQLite file
+    assert "sqlite x1 10 clients: PASS" in out and "sqlite x2 10 clients: PASS" in out, out[-4000:]
+    assert "count: jobs completed" in out
 
 
 def test_diloco_sync_runs_both_ways():

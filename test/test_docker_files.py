@@ -69,6 +69,12 @@ def test_compose_services_all_have_healthchecks_and_the_profiles_their_parts():
     assert {n for n, p in profiles.items() if "gpu" in p} == {"room", "gpu-client"}
     assert {n for n, p in profiles.items() if "cpu" in p} == {"room", "cpu-client"}
     assert {n for n, p in profiles.items() if "tls" in p} == {"proxy"}
+    assert {n for n, p in profiles.items() if "scale" in p} == {"redis", "server-2", "balancer"}
+    queue = services["server-2"]["environment"]["ZWDX_MESSAGE_QUEUE"]
+    assert queue.startswith("redis://redis:") and services["server-2"]["environment"]["ZWDX_MONGO_URI"] == \
+        services["server"]["environment"]["ZWDX_MONGO_URI"]  # one store, one queue
+    cfg = services["balancer"]["environment"]["HAPROXY_CFG"]
+    assert "server:4461" in cfg and "server-2:4461" in cfg and "cookie ZWDX_SERVER insert" in cfg
     proxy = services["proxy"]
     assert proxy["image"].startswith("caddy:") and "server:4461" in proxy["command"]
     assert {v.split(":")[1] for v in proxy["volumes"]} == {"/data", "/config"}  # certificates kept
@@ -80,7 +86,7 @@ def test_compose_supports_profiles():
     done = run([tool("docker-compose"), "version", "--short"])
     version = tuple(int(p) for p in re.findall(r"\d+", done.stdout)[:2])
     assert version >= (1, 29), done.stdout
-    for profile in ("gpu", "cpu", "tls"):
+    for profile in ("gpu", "cpu", "tls", "scale"):
         done = run([tool("docker-compose"), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"])
         assert done.returncode == 0, done.stderr
 

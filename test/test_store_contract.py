@@ -462,3 +462,35 @@ def test_artifacts_stream_through_without_being_held_whole_in_memory(artifact_st
     assert saved == (size, digest.hexdigest()) and total == size
     assert peak_save < size / 3, f"saving {size} bytes peaked at {peak_save} bytes of Python memory"
     assert peak_read < size / 3, f"reading {size} bytes peaked at {peak_read} bytes of Python memory"
+
+
+# -- leases (the scheduler's, across server processes) ----------------------------------------
+def test_a_lease_has_one_holder_until_it_expires_or_is_given_up(store):
+    assert store.lease_holder("scheduler", now=100.0) is None
+    assert store.take_lease("scheduler", "a", ttl=10, now=100.0) == 110.0
+    assert store.take_lease("scheduler", "b", ttl=10, now=105.0) is None  # a's, and not expired
+    assert store.lease_holder("scheduler", now=105.0) == "a"
+    assert store.take_lease("scheduler", "a", ttl=10, now=108.0) == 118.0  # renewed
+    assert store.take_lease("scheduler", "b", ttl=10, now=117.0) is None
+    assert store.take_lease("scheduler", "b", ttl=10, now=119.0) == 129.0  # expired: taken over
+    assert store.lease_holder("scheduler", now=120.0) == "b"
+    assert store.take_lease("scheduler", "a", ttl=10, now=120.0) is None  # a lost it for good
+    assert store.take_lease("other", "a", ttl=10, now=120.0) == 130.0  # leases are independent
+    assert not store.release_lease("scheduler", "a")  # not a's to give up
+    assert store.release_lease("scheduler", "b")
+    assert store.lease_holder("scheduler", now=120.0) is None
+    assert store.take_lease("scheduler", "a", ttl=10, now=121.0) == 131.0  # free again
+
+
+def test_holders_racing_for_an_expired_lease_get_it_once(backend):
+    from concurrent.futures import ThreadPoolExecutor
+    stores = [backend.open() for _ in range(4)]
+    stores[0].take_lease("scheduler", "old", ttl=1, now=50.0)
+    for round_ in range(5):
+        now = 100.0 + 10 * round_
+        with ThreadPoolExecutor(len(stores)) as pool:
+            taken = list(pool.map(lambda i: stores[i].take_lease("scheduler", f"h{i}", ttl=5, now=now),
+                                  range(len(stores))))
+        winners = [i for i, t in enumerate(taken) if t is not None]
+        assert len(winners) == 1, taken
+        assert stores[0].lease_holder("scheduler", now=now) == f"h{winners[0]}"

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from . import data_cli, defaults, jobs_cli
@@ -41,6 +42,8 @@ def _server(args) -> int:
     config = {"DATA_DIR": os.path.abspath(args.data_dir), "ASYNC_MODE": args.async_mode}
     if args.mongo_uri:
         config["MONGO_URI"] = args.mongo_uri
+    if args.message_queue:
+        config["MESSAGE_QUEUE"] = args.message_queue
     if args.max_artifact_bytes:
         config["MAX_ARTIFACT_BYTES"] = args.max_artifact_bytes
     if args.client_timeout:
@@ -71,6 +74,13 @@ def _server(args) -> int:
         log.warning("server: serving plain HTTP on %s: tokens and bundles cross the network unencrypted; pass "
                     "--tls-cert/--tls-key, or put a reverse proxy with TLS in front (docs/deploy-tls.md)", args.host)
     app = create_app(config)
+    lease = app.extensions["zwdx"].lease
+    if lease.shared:  # one of several: SIGTERM gives the scheduler's lease up, for another to take at once
+
+        def _terminate(*_):
+            lease.release()
+            raise SystemExit(0)
+        signal.signal(signal.SIGTERM, _terminate)
     print(f"zwdx server on {'https' if context else 'http'}://{args.host}:{args.port} (data in "
           f"{config['DATA_DIR']}, {socketio.async_mode})", flush=True)
     serve(app, args.host, args.port, context)
@@ -258,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded store and artifacts live here")
     p.add_argument("--mongo-uri", default=os.environ.get("ZWDX_MONGO_URI"),
                    help="use MongoDB instead of the embedded store")
+    p.add_argument("--message-queue", default=os.environ.get("ZWDX_MESSAGE_QUEUE"), metavar="URL",
+                   help="Socket.IO's message queue (redis://host:6379/0) shared by several server processes on one "
+                        "store, behind a load balancer: docs/deploy-scale.md (default: $ZWDX_MESSAGE_QUEUE)")
     p.add_argument("--max-artifact-bytes", type=int, default=None)
     p.add_argument("--client-timeout", type=float, default=None, help="seconds of silence before a GPU client is lost")
     p.add_argument("--async-mode", choices=ASYNC_MODES, default=os.environ.get("ZWDX_ASYNC_MODE", "gevent"),

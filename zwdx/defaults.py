@@ -88,3 +88,7 @@ MAX_JOB_DATASETS = 16
 #: Bytes a GPU client's dataset cache may hold (``zwdx gpu-client --dataset-cache-bytes``): the
 #: least recently used datasets go to make room; it also never fills the disk past what is free.
 DATASET_CACHE_BYTES = 50 * 1024**3
+#: Seconds the scheduler's lease lasts unless renewed, when several server processes share a
+#: store (``ZWDX_MESSAGE_QUEUE`` set): another process takes it over this long after its
+#: holder died. Renewed every third of it.
+SCHEDULER_LEASE_TTL = 6.0

@@ -9,6 +9,8 @@ stopped by pid (never by name). The test suite (test/procs.py) and the benchmark
     ServerProc(data_dir, ...)               ``python -m zwdx.cli server``, waited for until healthy
     GpuClientProc(server_url, token, ...)   ``python -m zwdx.cli gpu-client`` (the token in its environment)
     MongoProc(log_dir)                      nx-27017, in memory
+    RedisProc(log_dir)                      redis-server, in memory (Socket.IO's message queue)
+    BalancerProc(log_dir, server_urls)      HAProxy in front of several servers (``url``)
 
 A child starts in its own session (so its process group is everything it started that did not
 leave it), in the directory that holds the zwdx package this process imported (so it runs the
@@ -254,3 +256,71 @@ class MongoProc(Child):
             raise RuntimeError(f"nx-27017 exited:\n{self.tail()}")
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+
+class RedisProc(Child):
+    """``redis-server`` (Debian's redis-server), in memory only, for Socket.IO's message queue
+    (``url``); ``port`` to start it again where it was."""
+
+    def __init__(self, log_dir: str, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no"], os.path.join(log_dir, f"redis-{self.port}.log"))
+        wait_until(self._up, 30, what=f"redis-server on port {self.port}")
+
+    def _up(self) -> bool:
+        if not self.alive():
+            raise RuntimeError(f"redis-server exited:\n{self.tail()}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+
+#: HAProxy in front of zwdx servers (the compose file's scale profile has the same): each new
+#: connection to the server with the fewest (websockets spread evenly), a websocket kept on its
+#: server, a Socket.IO long-polling session kept on its server by a cookie; a server that stops
+#: answering /health is out within two seconds, and a connection it refuses is tried on another.
+HAPROXY_CFG = """global
+    # maxconn: from the open-files limit HAProxy finds
+defaults
+    mode http
+    option forwardfor
+    option redispatch
+    retries 3
+    timeout connect 2s
+    timeout client 1h
+    timeout server 1h
+    timeout tunnel 1h
+frontend zwdx
+    bind 127.0.0.1:{port}
+    default_backend servers
+backend servers
+    balance leastconn
+    option httpchk GET /health
+    cookie ZWDX_SERVER insert indirect nocache
+{servers}
+"""
+
+
+class BalancerProc(Child):
+    """HAProxy (Debian's haproxy) on a free port (``url``) in front of ``server_urls``."""
+
+    def __init__(self, log_dir: str, server_urls: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        servers = "\n".join(f"    server s{i} {url.split('://', 1)[1]} check inter 1s fall 2 rise 1 cookie s{i}"
+                            for i, url in enumerate(server_urls))
+        config = os.path.join(log_dir, f"haproxy-{self.port}.cfg")
+        with open(config, "w") as fh:
+            fh.write(HAPROXY_CFG.format(port=self.port, servers=servers))
+        super().__init__(["haproxy", "-db", "-f", config], os.path.join(log_dir, f"haproxy-{self.port}.log"))
+        wait_until(self._up, 30, what=f"haproxy on port {self.port}")
+
+    def _up(self) -> bool:
+        import requests
+        if not self.alive():
+            raise RuntimeError(f"haproxy exited:\n{self.tail()}")
+        try:
+            return requests.get(f"{self.url}/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False

@@ -30,6 +30,7 @@ from . import api, checkpoints, dashboard_api, datasets, diloco, events, limits,
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
+from .lease import NAME as SCHEDULER_LEASE, Lease
 from .scheduler import Scheduler
 from .store import open_store
 from .sweeper import Sweeper
@@ -112,20 +113,25 @@ class ServerContext:
             self.artifacts = GridFSArtifactStore(cfg["MONGO_URI"])
         else:
             self.artifacts = FileArtifactStore(os.path.join(cfg["DATA_DIR"], "artifacts"))
+        #: whether this process leads (runs the scheduler and the sweeper): always alone, the
+        #: lease's holder among processes that share a store and a message queue (``lease.py``)
+        self.lease = Lease(self.store, shared=bool(cfg.get("MESSAGE_QUEUE")),
+                           ttl=float(cfg.get("SCHEDULER_LEASE_TTL") or defaults.SCHEDULER_LEASE_TTL))
         self.scheduler = Scheduler(self)
         self.sweeper = Sweeper(self)
         self.limiter = None  # limits.init_app, once the routes are registered
         self.stopping = threading.Event()
         #: token hash -> its credential and room, as read lately (``auth.CredentialCache``)
         self.credentials = CredentialCache()
-        #: Socket.IO sid -> (namespace, credential id) of the connections to this process
-        self.connections: dict[str, tuple[str, str]] = {}
+        #: Socket.IO sid -> (namespace, credential id, its hash then) of the connections to this process
+        self.connections: dict[str, tuple[str, str, str | None]] = {}
 
     def close(self) -> None:
         """Stop the background loops and release the store (an app in a test, at its end)."""
         self.stopping.set()
         self.scheduler.stop()
         self.sweeper.stop()
+        self.lease.release()
         self.store.close()
         close = getattr(self.artifacts, "close", None)
         if close:
@@ -156,6 +162,11 @@ def create_app(config: dict | None = None) -> Flask:
         RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
         METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
+        #: Socket.IO's message queue (redis://host:port/db), shared by several server processes on one
+        #: store: an emit of any of them reaches a client connected to any other; the scheduler runs
+        #: in the one that holds the store's lease (docs/deploy-scale.md). None: one process.
+        MESSAGE_QUEUE=None,
+        SCHEDULER_LEASE_TTL=defaults.SCHEDULER_LEASE_TTL,
         PROXY_HOPS=0,  # reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
     )
     app.config.from_prefixed_env("ZWDX")
@@ -191,17 +202,37 @@ def create_app(config: dict | None = None) -> Flask:
     app.after_request(_security_headers)
     prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
-    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON)
+    queue = {"message_queue": app.config["MESSAGE_QUEUE"]} if app.config["MESSAGE_QUEUE"] else {}
+    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON, **queue)
     events.register(socketio)
+    if ctx.lease.shared:  # a token revoked through another process closes this one's connections too
+        ctx.lease.every_try.append(lambda: tokens.close_revoked(ctx))
     hops = int(app.config["PROXY_HOPS"])
     if hops:  # the client's address, not the proxy's, for rate limits (outside Socket.IO's middleware: both see it)
         from werkzeug.middleware.proxy_fix import ProxyFix
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops)
     ctx.scheduler.start(app)
     ctx.sweeper.start()
+    ctx.lease.start(ctx.stopping)
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
              app.config["DATA_DIR"], mode, app.config["UI_DIR"])
+    if not ctx.lease.shared and ctx.store.lease_holder(SCHEDULER_LEASE):
+        log.warning("server: another server process on this store runs with a message queue (it holds the "
+                    "scheduler's lease), and this one without: this one schedules too and cannot reach that one's GPU "
+                    "clients. Start every server process with the same ZWDX_MESSAGE_QUEUE (docs/deploy-scale.md)")
+    if ctx.lease.shared:
+        log.info("server: one of several processes (message queue %s); this one is %s", _without_password(
+            app.config["MESSAGE_QUEUE"]), ctx.lease.holder)
     return app
+
+
+def _without_password(url: str) -> str:
+    """The URL as a log may show it: a password in it replaced by ``***``."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@", 1)
+    return url
 
 
 def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:

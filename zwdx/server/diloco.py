@@ -56,6 +56,11 @@ bp = Blueprint("diloco", __name__)
 #: Held while a round is averaged on this server process: each round is averaged once.
 _averaging = threading.Lock()
 
+#: Among several server processes, the one that averages a round holds the store's lease
+#: ``diloco:<job>:<round>`` meanwhile (the others answer 202); one that died averaging lets
+#: another take it over after this long.
+AVERAGING_LEASE_S = 120.0
+
 
 def _diloco(job: JobRecord) -> None:
     if job.spec.parallelism != Parallelism.DILOCO:
@@ -278,7 +283,17 @@ def close(job: JobRecord, n: int) -> dict | None:
         round_state, average, uploads = state(job, n)  # made meanwhile?
         if average is not None or not _due(job, round_state, uploads):
             return average
-        return _average(job, n, round_state, uploads)
+        lease, name = ctx().lease, f"diloco:{job.id}:{n}"
+        if lease.shared and ctx().store.take_lease(name, lease.holder, AVERAGING_LEASE_S) is None:
+            return None  # another server process averages it now
+        try:
+            round_state, average, uploads = state(job, n)  # made by another process meanwhile?
+            if average is not None or not _due(job, round_state, uploads):
+                return average
+            return _average(job, n, round_state, uploads)
+        finally:
+            if lease.shared:
+                ctx().store.release_lease(name, lease.holder)
 
 
 def _due(job: JobRecord, round_state: RoundState, uploads: dict[int, dict]) -> bool:

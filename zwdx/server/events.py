@@ -64,7 +64,7 @@ def _caller_from_auth(auth, namespace: str) -> Caller:
         raise ConnectionRefusedError(err.message)
     except RateLimited as err:
         raise ConnectionRefusedError(err.message)
-    _ctx().connections[request.sid] = (namespace, caller.credential["id"])
+    _ctx().connections[request.sid] = (namespace, caller.credential["id"], caller.credential.get("hash"))
     return caller
 
 

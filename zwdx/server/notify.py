@@ -38,8 +38,11 @@ def ui_room(room_id: str) -> str:
     return f"room:{room_id}"
 
 
-def watched(room_id: str) -> bool:
-    """Whether a dashboard of this server process is connected to the room."""
+def watched(ctx, room_id: str) -> bool:
+    """Whether a dashboard may watch the room: one of this server process is connected to it;
+    among several processes (a message queue), one of another process may be, unseen here."""
+    if ctx.lease.shared:
+        return True
     return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
 
 
@@ -83,7 +86,7 @@ def _flush_loop(ctx) -> None:
             for room_id in rooms:
                 del _due[room_id]
         for room_id in rooms:
-            if not watched(room_id):
+            if not watched(ctx, room_id):
                 continue  # no dashboard open on this room: nothing to list
             try:
                 socketio.emit(EV_CLIENTS_UPDATE, clients_payload(ctx, room_id), to=ui_room(room_id),

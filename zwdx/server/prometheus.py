@@ -5,7 +5,7 @@ Two sources, one answer:
   room's queue (depth, the longest wait so far), GPU clients online and offline, slots free,
   busy and lost, and each online slot's utilisation and memory as its last heartbeat said;
 - what this process counted as it happened (``meters.py``): REST request latencies, job wait
-  times, durations, ends and restarts.
+  times, durations, ends and restarts; and whether it runs the scheduler (``lease.py``).
 
 Labels are bounded: a room's id, a GPU client's id and slot index, a status, a direction (up,
 down), a route's rule;
@@ -123,10 +123,17 @@ class StoreCollector(Collector):
 
 
 class _Meters(Collector):
-    """What this process counted (``meters.REGISTRY``), in the same answer."""
+    """What this process counted (``meters.REGISTRY``), in the same answer, and whether it leads."""
+
+    def __init__(self, lease):
+        self.lease = lease
 
     def collect(self):
         yield from meters.REGISTRY.collect()
+        leader = GaugeMetricFamily("zwdx_scheduler_leader", "1 while this server process runs the scheduler and the "
+                                   "sweeper (alone: always; among several: while it holds the store's lease)")
+        leader.add_metric([], 1 if self.lease.held() else 0)
+        yield leader
 
 
 def _may_scrape() -> None:
@@ -154,7 +161,7 @@ def metrics():
     _may_scrape()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(ctx().store))
-    registry.register(_Meters())
+    registry.register(_Meters(ctx().lease))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST.split(";")[0],
                     content_type=CONTENT_TYPE_LATEST)
 

@@ -110,7 +110,10 @@ class Scheduler:
     def start(self, app) -> None:
         if self.ctx.config.get("SCHEDULER", True) is False:
             return
-        self.grace_after_restart()
+        if self.ctx.lease.shared:  # it leads once it holds the lease, and may take it over from another
+            self.ctx.lease.on_taken.append(self.took_over)
+        else:
+            self.grace_after_restart()
         self._thread = threading.Thread(target=self._loop, args=(app,), name="zwdx-scheduler", daemon=True)
         self._thread.start()
 
@@ -127,6 +130,8 @@ class Scheduler:
             while not self.ctx.stopping.is_set():
                 self._wake.wait(timeout=REAP_INTERVAL)
                 self._wake.clear()
+                if not self.ctx.lease.held():
+                    continue  # another server process schedules (lease.py)
                 settle, self._settle = self._settle, False
                 if time.time() >= next_round:  # on the clock, not on every kick
                     next_round = time.time() + REAP_INTERVAL
@@ -166,6 +171,18 @@ class Scheduler:
             if client.get("status") == ClientStatus.ONLINE.value or any(s.get("job_id") for s in client["slots"]):
                 self.ctx.store.update_client(client["id"], {"status": ClientStatus.OFFLINE.value, "sid": None,
                                                             "lost_after": until})
+
+    def took_over(self) -> None:
+        """This process starts leading among several: the GPU clients that were online or running
+        ranks get ``CLIENT_TIMEOUT`` from now before they are declared lost (those of a process
+        that died reconnect through the balancer to another one), their records left as they
+        are (the others are connected, to other processes)."""
+        until = time.time() + float(self.ctx.config["CLIENT_TIMEOUT"])
+        for client in self.ctx.store.list_clients(None):
+            if (client.get("status") == ClientStatus.ONLINE.value or any(s.get("job_id") for s in client["slots"])) \
+                    and float(client.get("lost_after") or 0) < until:
+                self.ctx.store.update_client(client["id"], {"lost_after": until})
+        self.kick(settle=True)
 
     # -- placing jobs ----------------------------------------------------------------------
     def schedule_once(self) -> int:

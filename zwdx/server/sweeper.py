@@ -69,6 +69,8 @@ class Sweeper:
 
     def _loop(self, interval: float) -> None:
         while not self.ctx.stopping.wait(interval):
+            if not self.ctx.lease.held():
+                continue  # another server process sweeps (lease.py)
             try:
                 self.sweep()
             except Exception:  # the next pass tries again

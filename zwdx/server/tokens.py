@@ -9,7 +9,8 @@
 The room's last submitter token cannot be revoked (409): its owner could never get back in.
 Revoking or rotating a donor token closes the GPU-client connections made with it on this
 server process (they cannot connect again with the old secret); a submitter token's dashboard
-connections close the same way.
+connections close the same way. Among several server processes (a message queue), the others
+close theirs within a lease interval (``close_revoked``, run after each try for the lease).
 """
 from __future__ import annotations
 
@@ -46,12 +47,34 @@ def _gone(credential: dict) -> None:
     """This process forgets the credential and closes the Socket.IO connections made with it
     (``ServerContext.connections``, kept by ``events.py``)."""
     ctx().credentials.forget(credential["id"])
-    for sid, (namespace, credential_id) in list(ctx().connections.items()):
-        if credential_id == credential["id"]:
-            try:
-                socketio.server.disconnect(sid, namespace=namespace)
-            except Exception:  # gone already
-                log.debug("tokens: connection %s already closed", sid)
+    _close(ctx(), [sid for sid, (_, credential_id, _) in list(ctx().connections.items())
+                   if credential_id == credential["id"]])
+
+
+def _close(server_ctx, sids: list[str]) -> None:
+    for sid in sids:
+        namespace = (server_ctx.connections.get(sid) or ("/",))[0]
+        try:
+            socketio.server.disconnect(sid, namespace=namespace, ignore_queue=True)  # this process's own
+        except Exception:  # gone already
+            log.debug("tokens: connection %s already closed", sid)
+
+
+def close_revoked(server_ctx) -> None:
+    """Close this process's connections whose token was revoked or rotated since they were made
+    (through another server process): one store read per credential in use."""
+    held: dict[tuple[str, str | None], list[str]] = {}
+    for sid, (_, credential_id, token_hash) in list(server_ctx.connections.items()):
+        held.setdefault((credential_id, token_hash), []).append(sid)
+    gone = []
+    for (credential_id, token_hash), sids in held.items():
+        credential = server_ctx.store.get_credential(credential_id)
+        if credential is None or credential.get("revoked_at") or credential.get("hash") != token_hash:
+            server_ctx.credentials.forget(credential_id)
+            gone += sids
+    if gone:
+        log.info("tokens: closing %d connection(s) whose token was revoked or rotated elsewhere", len(gone))
+        _close(server_ctx, gone)
 
 
 @operation(bp, "GET", "/room/tokens", "The room's tokens, by name and role", answer=TokenList, tag="rooms")

@@ -340,3 +340,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def known_artifacts(self, artifact_ids: Iterable[str]) -> set[str]:
         """Which of these ids name an artifact's metadata (bytes without it are garbage)."""
+
+    # -- leases (one holder at a time across server processes: the scheduler's) ------------------
+    @abc.abstractmethod
+    def take_lease(self, name: str, holder: str, ttl: float, now: float | None = None) -> float | None:
+        """Take lease ``name`` for ``holder``, or renew it, until ``now + ttl``: one atomic write
+        that applies only while the lease is free, expired, or ``holder``'s already. Returns the
+        new expiry, or None while another holder has it. ``now`` is this process's clock: the
+        servers that share a lease need clocks that agree to well within ``ttl``."""
+
+    @abc.abstractmethod
+    def release_lease(self, name: str, holder: str) -> bool:
+        """Give lease ``name`` up, if ``holder`` has it (another may take it at once)."""
+
+    @abc.abstractmethod
+    def lease_holder(self, name: str, now: float | None = None) -> str | None:
+        """Who holds lease ``name`` now, or None when it is free or expired."""

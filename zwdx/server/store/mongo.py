@@ -78,6 +78,7 @@ class MongoStore(Store):
         self._meta, self._rooms, self._clients, self._slots = db.meta, db.rooms, db.clients, db.slots
         self._credentials = db.credentials
         self._jobs, self._events, self._artifacts, self._counters = db.jobs, db.events, db.artifacts, db.counters
+        self._leases = db.leases
         prepare(db, self.where)
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -449,3 +450,23 @@ class MongoStore(Store):
         for start in range(0, len(ids), 500):
             known |= {d["_id"] for d in self._artifacts.find({"_id": {"$in": ids[start:start + 500]}}, {"_id": 1})}
         return known
+
+    # -- leases ----------------------------------------------------------------------------------
+    def take_lease(self, name: str, holder: str, ttl: float, now: float | None = None) -> float | None:
+        now = _now() if now is None else float(now)
+        until = {"$set": {"holder": holder, "expires_at": now + ttl}}
+        for where in ({"_id": name, "holder": holder}, {"_id": name, "expires_at": {"$lt": now}}):  # ours, expired
+            if self._leases.find_one_and_update(where, until, {"_id": 1}) is not None:
+                return now + ttl
+        try:  # free: never taken, or given up
+            self._leases.insert_one({"_id": name, "holder": holder, "expires_at": now + ttl})
+        except DuplicateKeyError:
+            return None  # another holder's, or taken just now
+        return now + ttl
+
+    def release_lease(self, name: str, holder: str) -> bool:
+        return self._leases.delete_one({"_id": name, "holder": holder}).deleted_count == 1
+
+    def lease_holder(self, name: str, now: float | None = None) -> str | None:
+        doc = self._leases.find_one({"_id": name, "expires_at": {"$gte": _now() if now is None else float(now)}})
+        return doc["holder"] if doc else None

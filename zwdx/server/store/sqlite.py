@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sqlite3
+import time
 from typing import Any, Callable, Iterable, Mapping
 
 from ...errors import StoreError
@@ -402,6 +403,25 @@ class SQLiteStore(Store):
             known |= {r[0] for r in self.db.query(
                 f"SELECT id FROM artifacts WHERE id IN ({','.join('?' * len(part))})", tuple(part))}
         return known
+
+    # -- leases ----------------------------------------------------------------------------------
+    def take_lease(self, name: str, holder: str, ttl: float, now: float | None = None) -> float | None:
+        now = time.time() if now is None else float(now)
+        with self.db.tx() as db:  # the upsert's WHERE: free, expired, or ours
+            rows = db.execute("INSERT INTO leases VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
+                              "holder=excluded.holder, expires_at=excluded.expires_at WHERE leases.holder=? OR "
+                              "leases.expires_at<? RETURNING expires_at", (name, holder, now + ttl, holder, now))
+            taken = rows.fetchall()
+        return float(taken[0][0]) if taken else None
+
+    def release_lease(self, name: str, holder: str) -> bool:
+        with self.db.tx() as db:
+            return db.execute("DELETE FROM leases WHERE name=? AND holder=?", (name, holder)).rowcount == 1
+
+    def lease_holder(self, name: str, now: float | None = None) -> str | None:
+        rows = self.db.query("SELECT holder FROM leases WHERE name=? AND expires_at>=?",
+                             (name, time.time() if now is None else float(now)))
+        return rows[0][0] if rows else None
 
 
 class _Abort(Exception):

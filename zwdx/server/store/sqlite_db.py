@@ -50,6 +50,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS events_dedup ON events (job_id, rank, key);
 CREATE INDEX IF NOT EXISTS events_kind ON events (job_id, kind, seq);
 CREATE TABLE IF NOT EXISTS artifacts (id TEXT PRIMARY KEY, job_id TEXT, kind TEXT, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS artifacts_job ON artifacts (job_id, kind);
+CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS artifacts_room ON artifacts (json_extract(doc, '$.room_id'));
 """
 
