@@ -333,7 +333,8 @@ def wanting(record: JobRecord) -> list[int]:
     """DILOCO: the dropped ranks of a running job that a new worker may join in place of (none
     placed in their place since they were dropped)."""
     if record.spec.parallelism != Parallelism.DILOCO or record.status != JobStatus.RUNNING or \
-            not any(s.status == RankStatus.RUNNING for s in record.ranks.values()):
+            not any(s.status == RankStatus.RUNNING for s in record.ranks.values()) or \
+            record.spec.diloco.ranks_per_worker > 1:  # a worker of several ranks: its place stays empty
         return []  # (with no worker still training, none would send the joiner the global weights)
     return [int(rank) for rank, state in sorted(record.ranks.items(), key=lambda kv: int(kv[0]))
             if state.status == RankStatus.DROPPED and not rejoined(record, int(rank))]
