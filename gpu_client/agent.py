@@ -81,7 +81,8 @@ class Agent:
         self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
         self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES)
         self.hostname = socket.gethostname()
-        self.slots = [s.model_copy(update={"isolation": self.isolation.kind}) for s in gpus.discover(gpus_only, cpu, cpu_slots)]
+        self.slots = [s.model_copy(update={"isolation": self.isolation.kind})
+                      for s in gpus.discover(gpus_only, cpu, cpu_slots)]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
         self.advertise_addr = advertise_addr

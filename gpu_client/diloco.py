@@ -17,9 +17,11 @@ state across rounds. Nothing but HTTPS to the server: the worker's process group
 other. A worker of several ranks holds the same weights on each (DDP), so its first rank alone
 computes what travels, uploads it and fetches the average, and broadcasts that average (and
 whether the worker was in it) to the worker's other ranks at the sync point, in the training
-thread: every rank of the worker then steps the same outer optimizer with the same values; where they all do (``all_reduce``, tried once at the start: ``peers.py``), a
-round averages by a gloo all-reduce among them instead, until one fails or leaves. A worker
-that joins a running job starts from the global weights another sends (``joining.py``).
+thread: every rank of the worker then steps the same outer optimizer with the same values.
+Where the workers all reach each other (``all_reduce``, tried once at the start by their first
+ranks: ``peers.py``), a round averages by a gloo all-reduce among them instead, until one fails
+or leaves. A worker that joins a running job starts from the global weights another sends
+(``joining.py``; not a worker of several ranks: the server places none).
 
 Overlapped (``overlap``, a one-step delay): at round k's sync point the worker's pseudo-gradient
 is its progress since round k-1's (``anchor - local``); it applies round k-1's average (waiting
@@ -136,8 +138,8 @@ class Diloco:
                                   if self.peers else f"DILOCO: the workers do not all reach each other ({why}): rounds "
                                                      f"go through the server")
         if self.spec.rank == 0:
-            self.reporter.log(f"DILOCO: worker {self.worker} of {self.workers}"
-                              f"{f' ({self.per} ranks each, DDP among them)' if self.per > 1 else ''}, an outer step every "
+            each = f" ({self.per} ranks each, DDP among them)" if self.per > 1 else ""
+            self.reporter.log(f"DILOCO: worker {self.worker} of {self.workers}{each}, an outer step every "
                               f"{s.inner_steps} inner steps {'by all-reduce' if self.peers else 'through the server'}"
                               f"{', overlapped with the next round (one-step delay)' if s.overlap else ''} "
                               f"({s.compression.value}, outer SGD "
