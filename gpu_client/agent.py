@@ -69,14 +69,15 @@ class Agent:
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
-                 ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None):
+                 ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None,
+                 cpu_slots: int = 1):
         self.server = server.rstrip("/")
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
         self.verify = self.ca_file or True
         self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
         # first: an isolation that cannot hold refuses to start (IsolationError) before anything is written
-        found = gpus.discover(gpus_only, cpu)
+        found = gpus.discover(gpus_only, cpu, cpu_slots)
         docker = {"confinement": confinement, "server": self.server, "slots": len(found)}
         self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids, **docker)
         self.isolation.check()
@@ -229,7 +230,7 @@ class Agent:
             self.launcher.want_standby(index, self._device(index, slot.kind), self._threads(len(self.slots)))
 
     def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, job: RunningJob, pending: bool,
-                   assigned_at: float) -> RankSpec:
+                   assigned_at: float, worker_port: int | None = None) -> RankSpec:
         logs = self.workspace.job_dir(assign.job_id)
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
@@ -238,7 +239,7 @@ class Agent:
             parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
-            diloco=assign.diloco, joining=assign.joining, image=assign.image,
+            diloco=assign.diloco, joining=assign.joining, image=assign.image, worker_port=worker_port,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
             bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,
@@ -279,8 +280,10 @@ class Agent:
             self.launcher.lease(job, self.client_id)
             if self.ca_file:  # where the ranks can read it
                 self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
+            # DILOCO, several ranks per worker: this client's ranks are one worker, meeting on loopback
+            worker_port = free_port("127.0.0.1") if assign.diloco and assign.diloco.ranks_per_worker > 1 else None
             for local_rank, place in enumerate(assign.ranks):
-                spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at)
+                spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at, worker_port)
                 job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
                          job.procs[place.rank].pid)

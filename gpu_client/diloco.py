@@ -1,6 +1,8 @@
-"""DILOCO on a GPU client: this rank is one worker (one rank per worker, for now). It trains on
-its own with the submitter's optimizer, the inner one, and every ``inner_steps`` of it takes an
-outer step with the other workers, through the server (DiLoCo, arXiv 2311.08105):
+"""DILOCO on a GPU client: this rank is one worker, or with ``ranks_per_worker`` N one of the N
+ranks of one GPU client that make a worker. A worker trains on its own with the submitter's
+optimizer, the inner one (its ranks as DDP among themselves, over their own process group on
+127.0.0.1), and every ``inner_steps`` of it takes an outer step with the other workers, through
+the server (DiLoCo, arXiv 2311.08105):
 
     pseudo-gradient = global weights - this worker's weights   (float32, on the CPU)
     -> encoded (``zwdx.codec``: int8 with a scale per block, fp16 or none) and uploaded as round k
@@ -11,10 +13,15 @@ outer step with the other workers, through the server (DiLoCo, arXiv 2311.08105)
 Every worker decodes the same averaged bytes and steps the same outer optimizer from the same
 state, so the global weights are the same on each, to the bit. The inner optimizer keeps its
 state across rounds. Nothing but HTTPS to the server: the worker's process group is its own
-(world of one; its ranks would share it once a worker has several), so workers never need to
-reach each other; where they all do (``all_reduce``, tried once at the start: ``peers.py``), a
-round averages by a gloo all-reduce among them instead, until one fails or leaves. A worker
-that joins a running job starts from the global weights another sends (``joining.py``).
+(a world of one, or its ranks on the GPU client's loopback), so workers never need to reach each
+other. A worker of several ranks holds the same weights on each (DDP), so its first rank alone
+computes what travels, uploads it and fetches the average, and broadcasts that average (and
+whether the worker was in it) to the worker's other ranks at the sync point, in the training
+thread: every rank of the worker then steps the same outer optimizer with the same values.
+Where the workers all reach each other (``all_reduce``, tried once at the start by their first
+ranks: ``peers.py``), a round averages by a gloo all-reduce among them instead, until one fails
+or leaves. A worker that joins a running job starts from the global weights another sends
+(``joining.py``; not a worker of several ranks: the server places none).
 
 Overlapped (``overlap``, a one-step delay): at round k's sync point the worker's pseudo-gradient
 is its progress since round k-1's (``anchor - local``); it applies round k-1's average (waiting
@@ -73,6 +80,10 @@ class Diloco:
 
     def __init__(self, spec: RankSpec, reporter: Reporter):
         self.spec, self.reporter, self.settings = spec, reporter, spec.diloco
+        #: This worker's ranks (one GPU client's); its first rank speaks for it.
+        self.per = self.settings.ranks_per_worker
+        self.lead = spec.rank % self.per == 0
+        self.worker, self.workers = spec.rank // self.per, spec.world_size // self.per
         self.base = f"{reporter.base}/diloco"
         self.url = f"{self.base}/rounds"
         self.round = 0   # the next round
@@ -97,8 +108,14 @@ class Diloco:
 
     # -- the strategy's surface ----------------------------------------------------------------
     def rendezvous(self) -> dict:
-        """``init_process_group``'s arguments: a group of this worker alone (no peer, no port)."""
-        return {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        """``init_process_group``'s arguments: a group of this worker alone (no peer, no port),
+        or of its ranks, on the port the agent picked on 127.0.0.1."""
+        if self.per == 1:
+            return {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        if self.spec.worker_port is None:
+            raise RuntimeError("a DILOCO worker of several ranks needs its worker_port (an older GPU client?)")
+        return {"init_method": f"tcp://127.0.0.1:{self.spec.worker_port}", "rank": self.spec.rank % self.per,
+                "world_size": self.per}
 
     def attach(self, model: torch.nn.Module, checkpointer) -> None:
         """Keep the global weights and the outer optimizer (in every checkpoint, restored from
@@ -113,15 +130,16 @@ class Diloco:
         self.reporter.outer_step = self.sync
         if self.spec.joining:
             self._join()
-        elif s.all_reduce and self.spec.world_size > 1:
-            self.peers, why = form(self.spec.master_addr, self.spec.master_port, self.spec.rank, self.spec.world_size,
+        elif s.all_reduce and self.workers > 1 and self.lead:  # the workers' first ranks
+            self.peers, why = form(self.spec.master_addr, self.spec.master_port, self.worker, self.workers,
                                    self.spec.collective_timeout)
             if self.spec.rank == 0:
                 self.reporter.log("DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)"
                                   if self.peers else f"DILOCO: the workers do not all reach each other ({why}): rounds "
                                                      f"go through the server")
         if self.spec.rank == 0:
-            self.reporter.log(f"DILOCO: worker {self.spec.rank} of {self.spec.world_size}, an outer step every "
+            each = f" ({self.per} ranks each, DDP among them)" if self.per > 1 else ""
+            self.reporter.log(f"DILOCO: worker {self.worker} of {self.workers}{each}, an outer step every "
                               f"{s.inner_steps} inner steps {'by all-reduce' if self.peers else 'through the server'}"
                               f"{', overlapped with the next round (one-step delay)' if s.overlap else ''} "
                               f"({s.compression.value}, outer SGD "
@@ -129,8 +147,8 @@ class Diloco:
 
     def uploads_weights(self) -> bool:
         """Whether this worker uploads the job's weights: the first rank not dropped (rank 0,
-        unless it was), as the server takes them."""
-        return self.spec.rank == next(r for r in range(self.spec.world_size) if r not in self.dropped)
+        unless it was; a worker's first rank), as the server takes them."""
+        return self.spec.rank == next(r for r in range(0, self.spec.world_size, self.per) if r not in self.dropped)
 
     def trained(self) -> None:
         """After ``train_func``: the worker's last round, then no more outer steps."""
@@ -179,7 +197,7 @@ class Diloco:
         started, n = time.time(), self.round
         values = self.global_.detach() - self._local() if self.steps else torch.empty(0)
         self._finite(n, values)
-        average, counted, sent, received = self._exchange(n, values, last)
+        average, counted, sent, received = self._shared(self._exchange(n, values, last))
         self._apply(n, average)
         self._send_state(n)
         self._to_local()
@@ -215,7 +233,7 @@ class Diloco:
     def _settle(self) -> bool:
         """The round in flight: wait for its average and step the global weights with it."""
         transfer, self.pending = self.pending, None
-        average, counted, sent, received = transfer.result()
+        average, counted, sent, received = self._shared(transfer.result())
         self._apply(transfer.round, average)
         self._send_state(transfer.round)
         self.reporter.log_system(outer_round=transfer.round, sent_bytes=sent, received_bytes=received,
@@ -230,7 +248,10 @@ class Diloco:
     def _exchange(self, n: int, values: torch.Tensor, last: bool) -> tuple[torch.Tensor, bool, int, int]:
         """Round ``n``: this worker's pseudo-gradient out, the round's average in, by all-reduce
         among the workers where they reach each other (``peers``), else through the server. The
-        average, whether this worker is in it, and the bytes sent and received."""
+        average, whether this worker is in it, and the bytes sent and received; None on a
+        worker's other ranks (its first rank's answer reaches them by ``_shared``)."""
+        if not self.lead:
+            return None
         compression = self.settings.compression.value
         if self.peers is not None:
             try:
@@ -261,6 +282,25 @@ class Diloco:
                 self._upload(n + 1, codec.encode(values.numpy()[:0], compression), True)  # the server: it left
             self.peers = None
         return mean, True, wire, wire
+
+    def _shared(self, out: tuple | None) -> tuple[torch.Tensor, bool, int, int]:
+        """A worker of several ranks: its first rank's ``_exchange`` answer on every rank of it (a
+        broadcast over the worker's group, in the training thread: it orders with DDP's
+        collectives). The other ranks sent and received nothing over the network."""
+        if self.per == 1:
+            return out
+        device = self.params[0].device
+        head = torch.zeros(4, dtype=torch.float64, device=device)
+        if out is not None:
+            head = torch.tensor([out[0].numel(), out[1], out[2], out[3]], dtype=torch.float64, device=device)
+        dist.broadcast(head, src=0)
+        numel, counted, sent, received = (int(v) for v in head.tolist())
+        average = out[0] if out is not None else torch.empty(numel, dtype=torch.float32)
+        if numel:
+            moved = average.to(device)
+            dist.broadcast(moved, src=0)
+            average = moved.cpu()
+        return average, bool(counted), sent if self.lead else 0, received if self.lead else 0
 
     def _apply(self, n: int, average: torch.Tensor) -> None:
         """One outer step of the global weights with round ``n``'s average."""

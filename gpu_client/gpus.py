@@ -21,21 +21,22 @@ def _nvml():
         return None
 
 
-def cpu_slot() -> Slot:
+def cpu_slot(index: int = 0) -> Slot:
     try:
         with open("/proc/meminfo") as fh:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
         total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
     except OSError:
         total = free = 0
-    return Slot(index=0, kind=SlotKind.CPU, name=f"CPU ({os.cpu_count()} cores)", memory_total=total,
+    return Slot(index=index, kind=SlotKind.CPU, name=f"CPU ({os.cpu_count()} cores)", memory_total=total,
                 memory_free=free, utilization=None)
 
 
-def discover(only: list[int] | None = None, cpu: bool = False) -> list[Slot]:
-    """One slot per visible GPU (optionally only those indices), or one CPU slot."""
+def discover(only: list[int] | None = None, cpu: bool = False, cpu_slots: int = 1) -> list[Slot]:
+    """One slot per visible GPU (optionally only those indices), or ``cpu_slots`` CPU slots (they
+    share the machine's cores and RAM)."""
     if cpu:
-        return [cpu_slot()]
+        return [cpu_slot(i) for i in range(cpu_slots)]
     nvml = _nvml()
     if nvml is None or nvml.nvmlDeviceGetCount() == 0:
         log.info("gpus: no NVIDIA GPU found; offering one CPU slot")
@@ -66,7 +67,7 @@ def stats(slots: list[Slot]) -> list[SlotStats]:
     out = []
     for slot in slots:
         try:
-            fresh = cpu_slot() if slot.kind == SlotKind.CPU else read(slot.index)
+            fresh = cpu_slot(slot.index) if slot.kind == SlotKind.CPU else read(slot.index)
         except Exception as exc:
             log.debug("gpus: cannot read GPU %s: %s", slot.index, exc)
             continue

@@ -116,7 +116,8 @@ class Trainer:
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
         checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
-                                    dist.get_world_size(), self.device, latest,
+                                    1 if spec.parallelism == Parallelism.DILOCO else dist.get_world_size(),
+                                    self.device, latest,
                                     writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO,
                                     commit_timeout=spec.collective_timeout)
         if latest is not None and spec.joining:

@@ -76,10 +76,12 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     job = submit(api, parallelism="diloco").json
     assert job["spec"]["parallelism"] == "DILOCO"
     assert job["spec"]["diloco"] == {"inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
-                                     "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True}
+                                     "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True,
+                                     "ranks_per_worker": 1}
     job = submit(api, parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
     assert job["spec"]["diloco"] == {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
-                                     "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True}
+                                     "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True,
+                                     "ranks_per_worker": 1}
     assert submit(api, parallelism="DDP").json["spec"]["diloco"] is None
 
 
@@ -92,7 +94,11 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     ({"parallelism": "DILOCO", "diloco": {"compression": "int4"}}, "diloco.compression"),
     ({"parallelism": "DILOCO", "diloco": {"inner_steps": "50"}}, "diloco.inner_steps"),
     ({"parallelism": "DILOCO", "diloco": {"round_timeout": 0}}, "diloco.round_timeout"),
-    ({"parallelism": "DILOCO", "diloco": {"H": 50}}, "diloco.H")])
+    ({"parallelism": "DILOCO", "diloco": {"H": 50}}, "diloco.H"),
+    ({"parallelism": "DILOCO", "diloco": {"ranks_per_worker": 0}}, "diloco.ranks_per_worker"),
+    ({"parallelism": "DILOCO", "diloco": {"ranks_per_worker": 2}}, "diloco"),                   # no world_size
+    ({"parallelism": "DILOCO", "world_size": 3, "diloco": {"ranks_per_worker": 2}}, "diloco"),  # not a divisor
+    ({"parallelism": "DILOCO", "world_size": 4, "gpus_per_client": 4, "diloco": {"ranks_per_worker": 2}}, "diloco")])
 def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, field):
     before = api.jobs()
     resp = submit(api, **fields)
@@ -282,3 +288,23 @@ def test_a_diloco_checkpoint_is_rank_0s_alone_so_a_dropped_worker_never_holds_it
         assert r0.put(f"/jobs/{job['id']}/checkpoints/0/{name}", data=b"x").status_code == 201
     resp = r0.post(f"/jobs/{job['id']}/checkpoints/0/commit", json={"files": ["rng-0.pt", "state.pt"]})
     assert resp.status_code == 201 and sorted(resp.json["files"]) == ["rng-0.pt", "state.pt"], resp.json
+
+
+def test_a_worker_of_two_ranks_uploads_once_and_one_rank_lost_drops_the_whole_worker(app):
+    from zwdx.server import lifecycle
+    room, ranks, job = placed(app, world_size=4, compression="none", ranks_per_worker=2)
+    assert job["spec"]["gpus_per_client"] == 2  # a worker's ranks are placed on one GPU client
+    refused = put(ranks[1], job, 0, [9.0, 9.0], "none")
+    assert refused.status_code == 409 and "rank 0 uploads for its worker" in refused.json["error"]["message"]
+    assert put(ranks[0], job, 0, [1.0, 3.0], "none").json["waiting_for"] == [2]  # workers, not ranks
+    both = put(ranks[2], job, 0, [3.0, 1.0], "none").json
+    assert both["ready"] and both["expected"] == [0, 2] and both["members"] == [0, 2]
+    fetched = [r.get(f"/jobs/{job['id']}/diloco/rounds/0") for r in ranks]  # any rank of the job may fetch
+    assert {f.status_code for f in fetched} == {200} and codec.decode(fetched[3].data).tolist() == [2.0, 2.0]
+    lifecycle.client_lost(app.extensions["zwdx"], f"gpu-{job['id']}-3", "staged")  # one rank of worker 1
+    after = room.get(f"/jobs/{job['id']}").json
+    assert {r: s["status"] for r, s in after["ranks"].items()} == {"2": "dropped", "3": "dropped"}
+    assert after["restarts"] == 0
+    assert after["timeline"][-1]["reason"].endswith("rank(s) 2, 3 dropped, 1 worker(s) go on")
+    alone = put(ranks[0], job, 1, [1.0, 1.0], "none").json
+    assert alone["ready"] and alone["expected"] == [0] and alone["dropped"] == [2, 3]

@@ -156,6 +156,9 @@ def _gpu_client(args) -> int:
     from gpu_client.isolation import IsolationError, parse_uids
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     from gpu_client.container import DEFAULT_IMAGE, Confinement
+    if args.cpu_slots is not None and args.cpu_slots < 1:
+        print(f"zwdx gpu-client: --cpu-slots must be at least 1, got {args.cpu_slots}", file=sys.stderr)
+        return 2
     try:
         if args.isolation not in (None, *ISOLATIONS):
             raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
@@ -166,7 +169,8 @@ def _gpu_client(args) -> int:
     except IsolationError as err:
         print(f"zwdx gpu-client: {err}", file=sys.stderr)
         return 2
-    return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu,
+    return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu or bool(args.cpu_slots),
+                 cpu_slots=args.cpu_slots or 1,
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
@@ -337,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     _token_arguments(p, "the room's donor token, zd_...")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")
     p.add_argument("--cpu", action="store_true", help="offer one CPU slot instead of GPUs")
+    p.add_argument("--cpu-slots", type=int, default=None, metavar="N",
+                   help="offer N CPU slots instead of GPUs (their ranks share this machine's cores and RAM)")
     p.add_argument("--advertise-addr", default=None,
                    help="address other GPU clients reach this one at (default: the interface that reaches the server)")
     p.add_argument("--client-id", default=None)

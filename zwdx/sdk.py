@@ -300,7 +300,8 @@ class ZWDX:
             raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
         if diloco is not None:  # checked as the server will, before anything is uploaded
             parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
-                              "parallelism": str(parallelism).upper(), "diloco": diloco})
+                              "parallelism": str(parallelism).upper(), "diloco": diloco,
+                              "world_size": world_size})
         datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()

@@ -42,6 +42,10 @@ class DilocoSettings(Message):
     #: rendezvous address of rank 0's GPU client), a round averages by all-reduce among them
     #: instead of through the server; False: always through the server.
     all_reduce: bool = True
+    #: The ranks of one worker: one GPU client's, training as DDP among themselves over their
+    #: local link and taking the outer steps together (the job's ``gpus_per_client``; a divisor
+    #: of its ``world_size``). 1: every rank a worker of its own.
+    ranks_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
 
     @field_validator("nesterov")
     @classmethod

@@ -87,6 +87,9 @@ class RankSpec(Message):
     joining: bool = False
     #: The image the rank's container runs (``--isolation docker``; None: the client's default).
     image: Annotated[str, StringConstraints(max_length=255)] | None = None
+    #: DILOCO with several ranks per worker: the port on 127.0.0.1 where this GPU client's ranks
+    #: of the job (one worker) meet as their own process group (the agent picks it); None: one rank.
+    worker_port: Annotated[int, Field(ge=1, le=65535)] | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

@@ -261,6 +261,14 @@ class SubmitJob(Message):
         parallelism = info.data.get("parallelism")
         if value is not None and parallelism is not None and parallelism != Parallelism.DILOCO:
             raise ValueError(f"applies to parallelism DILOCO only, not {parallelism.value}")
+        per = value.ranks_per_worker if value is not None else 1
+        world_size, gpus = info.data.get("world_size"), info.data.get("gpus_per_client")
+        if per > 1 and (world_size is None or world_size % per):
+            raise ValueError(f"ranks_per_worker ({per}) must divide world_size ({world_size}): every worker is "
+                             f"{per} ranks of one GPU client")
+        if per > 1 and gpus is not None and gpus != per:
+            raise ValueError(f"ranks_per_worker ({per}) and gpus_per_client ({gpus}) differ: a DILOCO worker is "
+                             f"one GPU client's ranks (leave gpus_per_client out)")
         return value
 
     @field_validator("min_world_size")
@@ -275,6 +283,8 @@ class SubmitJob(Message):
     def _diloco_defaults(self):
         if self.parallelism == Parallelism.DILOCO and self.diloco is None:
             self.diloco = DilocoSettings()
+        if self.diloco is not None and self.diloco.ranks_per_worker > 1:
+            self.gpus_per_client = self.diloco.ranks_per_worker  # placement: a worker's ranks on one GPU client
         return self
 
 

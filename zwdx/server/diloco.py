@@ -1,4 +1,5 @@
-"""DILOCO's outer steps, through the server: every worker (one rank) of a DILOCO job uploads its
+"""DILOCO's outer steps, through the server: every worker of a DILOCO job (one rank, or with
+``ranks_per_worker`` N the N ranks of one GPU client, whose first rank speaks for it) uploads its
 pseudo-gradient for a round over the HTTPS connection it already has, the server averages them
 once every worker the round waits for has uploaded, and every worker fetches the average. A
 worker needs outbound access to the server and nothing else: no open port, no peer to reach.
@@ -94,8 +95,10 @@ def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, di
     left = sorted(averages[max(earlier)].get("left") or []) if earlier else []
     dropped = {int(r) for r, s in job.ranks.items() if s.status == RankStatus.DROPPED and not rejoined(job, int(r))}
     later = {int(r) for r, j in job.joins.items() if j.round is None or n < j.round}  # joining, not in yet
-    expected = average["expected"] if average else [r for r in range(job.world_size or 0)
-                                                    if r not in left and r not in dropped and r not in later]
+    per = job.spec.diloco.ranks_per_worker  # a worker's first rank uploads for it; one rank of it lost drops it
+    out = {r - r % per for r in dropped}
+    expected = average["expected"] if average else [r for r in range(0, job.world_size or 0, per)
+                                                    if r not in left and r not in out and r not in later]
     return RoundState(job_id=job.id, attempt=job.attempt, round=n, ready=average is not None, expected=expected,
                       uploaded=sorted(uploads), waiting_for=[] if average else [r for r in expected if r not in uploads],
                       members=average["members"] if average else [], left=average["left"] if average else left,
@@ -150,6 +153,10 @@ def put_round(job: JobRecord, sender: Sender, n: int, query: RoundUpload):
     older than the last averaged, 409. ``last``: the worker's last round; later rounds do not
     wait for it. The upload that completes a round has it averaged before the answer."""
     _diloco(job)
+    per = job.spec.diloco.ranks_per_worker
+    if sender.rank % per:
+        raise Conflict(f"rank {sender.rank} uploads no rounds: rank {sender.rank - sender.rank % per} uploads for "
+                       f"its worker (ranks_per_worker {per})", job_id=job.id)
     round_state, average, uploads = state(job, n)
     newest = max(_averages(job), default=-1)
     if average is not None or n < newest:

@@ -185,6 +185,7 @@ class Job:
         goes on with the others, which are not waited for by later rounds. False (nothing
         changed) when no other worker is left running: the caller interrupts the job then."""
         r, now = self.record, self.clock()
+        per = r.spec.diloco.ranks_per_worker if r.spec.diloco else 1
         gone = {str(rank) for rank in ranks}
         going_on = [i for i in range(r.world_size or 0) if str(i) not in gone and
                     (r.ranks.get(str(i)) is None or r.ranks[str(i)].status in (RankStatus.RUNNING,
@@ -199,8 +200,8 @@ class Job:
         if not self._took(self.store.put_job_entries(self.id, "ranks", entries, when=_ACTIVE)):
             return False
         self.append_timeline(TimelineEntry(status=self.status, at=now, attempt=r.attempt, world_size=len(going_on),
-                                           reason=f"{reason}: rank(s) {', '.join(sorted(gone))} dropped, "
-                                                  f"{len(going_on)} worker(s) go on"), when=_ACTIVE)
+                                           reason=f"{reason}: rank(s) {', '.join(sorted(gone, key=int))} dropped, "
+                                                  f"{len({i // per for i in going_on})} worker(s) go on"), when=_ACTIVE)
         self.complete()  # the others may all be done already
         return True
 
@@ -335,7 +336,8 @@ def wanting(record: JobRecord) -> list[int]:
     """DILOCO: the dropped ranks of a running job that a new worker may join in place of (none
     placed in their place since they were dropped)."""
     if record.spec.parallelism != Parallelism.DILOCO or record.status != JobStatus.RUNNING or \
-            not any(s.status == RankStatus.RUNNING for s in record.ranks.values()):
+            not any(s.status == RankStatus.RUNNING for s in record.ranks.values()) or \
+            record.spec.diloco.ranks_per_worker > 1:  # a worker of several ranks: its place stays empty
         return []  # (with no worker still training, none would send the joiner the global weights)
     return [int(rank) for rank, state in sorted(record.ranks.items(), key=lambda kv: int(kv[0]))
             if state.status == RankStatus.DROPPED and not rejoined(record, int(rank))]

@@ -131,6 +131,8 @@ def drop(ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
     True when there was nothing to drop (those ranks completed already)."""
     if job.spec.parallelism != Parallelism.DILOCO or job.status not in ACTIVE:
         return False
+    per = job.spec.diloco.ranks_per_worker  # a worker is all its ranks: one lost drops them all
+    ranks = sorted({r - r % per + i for r in ranks for i in range(per)})
     ranks = [r for r in ranks if (state := job.ranks.get(str(r))) is None or state.status != RankStatus.COMPLETED]
     if not ranks:
         return True
