@@ -1,12 +1,14 @@
 """Host copies of a checkpoint's tensors, taken while training waits, written out after.
 
 A checkpoint stalls training only for the copy of its tensors off the device: ``Staging``
-copies them into one host block kept from one checkpoint to the next (pinned when the tensors
-are on a GPU, so the copies run asynchronously, together, at the link's speed; one
-synchronisation at the end), and the files are written and uploaded from those copies in the
-background (``checkpoint.py``). The block is made at the first checkpoint (pinning memory is
-slow: about a second per few GB, paid once) and again only when the tensors' sizes change; it
-is reused only once the previous checkpoint's background work is done with it.
+copies them into host blocks kept from one checkpoint to the next, one block per dtype (pinned
+when the tensors are on a GPU, so the copies run asynchronously, together, at the link's speed;
+one synchronisation at the end), and the files are written and uploaded from those copies in
+the background (``checkpoint.py``). One block per dtype, not one for all: ``torch.save`` refuses
+tensors that view one storage as different types. The blocks are made at the first checkpoint
+(pinning memory is slow: about a second per few GB, paid once) and again only when the
+tensors' sizes change; they are reused only once the previous checkpoint's background work is
+done with them.
 
     staging = Staging()
     copies = staging.copy([("model.w", tensor), ...])   # host copies, in the block
@@ -23,8 +25,8 @@ _ALIGN = 64  # bytes: each copy starts on a cache line
 
 class Staging:
     def __init__(self):
-        self._block: torch.Tensor | None = None
-        self._layout: list[tuple] = []  # (shape, dtype) of each copy, in order, the block is laid out for
+        self._blocks: dict[torch.dtype, torch.Tensor] = {}
+        self._layout: list[tuple] = []  # (shape, dtype) of each copy, in order, the blocks are laid out for
 
     def copy(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Host copies of the tensors of ``items`` ((key, tensor) pairs), in the block; the copies
@@ -32,7 +34,7 @@ class Staging:
         tensors = [t.detach() for _, t in items]
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
         cuda = [t.device for t in tensors if t.device.type == "cuda"]
-        if layout != self._layout or self._block is None:
+        if layout != self._layout or (layout and not self._blocks):
             self._make(layout, pin=bool(cuda))
         copies = self._views(layout)
         for target, source in zip(copies, tensors):
@@ -52,21 +54,24 @@ class Staging:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._block is None else self._block.numel()
+        return sum(b.numel() * b.element_size() for b in self._blocks.values())
 
-    # -- the block ------------------------------------------------------------------------------
+    # -- the blocks -----------------------------------------------------------------------------
     def _make(self, layout: list[tuple], pin: bool) -> None:
-        self._block = None  # the old one goes first
-        total = sum(_aligned(_nbytes(shape, dtype)) for shape, dtype in layout)
-        self._block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+        self._blocks = {}  # the old ones go first
+        totals: dict[torch.dtype, int] = {}
+        for shape, dtype in layout:
+            totals[dtype] = totals.get(dtype, 0) + _aligned(_numel(shape), dtype)
+        pin = pin and torch.cuda.is_available()
+        self._blocks = {dtype: torch.empty(max(n, 1), dtype=dtype, pin_memory=pin) for dtype, n in totals.items()}
         self._layout = layout
 
     def _views(self, layout: list[tuple]) -> list[torch.Tensor]:
-        views, offset = [], 0
+        views, offsets = [], dict.fromkeys(self._blocks, 0)
         for shape, dtype in layout:
-            size = _nbytes(shape, dtype)
-            views.append(self._block[offset:offset + size].view(dtype).view(shape))
-            offset += _aligned(size)
+            n, at = _numel(shape), offsets[dtype]
+            views.append(self._blocks[dtype][at:at + n].view(shape))
+            offsets[dtype] = at + _aligned(n, dtype)
         return views
 
     # -- trees ----------------------------------------------------------------------------------
@@ -95,12 +100,14 @@ class Staging:
         return copying.deepcopy(value)
 
 
-def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+def _numel(shape: tuple) -> int:
     n = 1
     for d in shape:
         n *= d
-    return n * torch.empty(0, dtype=dtype).element_size()
+    return n
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _aligned(n: int, dtype: torch.dtype) -> int:
+    """``n`` elements of ``dtype``, rounded up so that the next copy starts on a cache line."""
+    per = max(_ALIGN // torch.empty(0, dtype=dtype).element_size(), 1)
+    return -(-n // per) * per
