@@ -209,6 +209,7 @@ WAYS = {
     "all": [("DDP", None), ("DILOCO", {"inner_steps": 50, "compression": "int8"}),
             ("DILOCO", {"inner_steps": 50, "compression": "fp16"}), ("DILOCO", {"inner_steps": 500, "compression": "int8"}),
             ("DILOCO", {"inner_steps": 50, "compression": "int8", "outer_lr": 1.0, "outer_momentum": 0.0})],
+    "smoke": [("DDP", None), ("DILOCO", {"inner_steps": 4, "compression": "int8"})],
     "overlap": [("DILOCO", {"inner_steps": h, "compression": "int8", **extra})
                 for h in (50, 10) for extra in ({}, {"overlap": True})]}
 
@@ -220,7 +221,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--ways", default="all", choices=sorted(WAYS),
                         help="all: DDP and DILOCO (H 50, 500; int8, fp16); overlap: DILOCO H=50 and 10, int8, waiting "
-                             "for each round vs overlapped with the next round's compute")
+                             "for each round vs overlapped with the next round's compute; smoke: DDP and DILOCO "
+                             "H=4, for the test suite")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("tc"):

@@ -54,8 +54,8 @@ def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
     import needs
     needs.root("network namespaces and tc")
     needs.tool("tc", "apt-get install iproute2 (./setup.sh --test)")
-    out = bench("wan.py", "--links", "100", "--steps", "12", timeout=600)
-    assert "| DDP" in out and "DILOCO H=50 int8" in out and "DILOCO H=500 int8" in out
+    out = bench("wan.py", "--links", "100", "--steps", "8", "--ways", "smoke", timeout=600)
+    assert "| DDP" in out and "DILOCO H=4 int8" in out
 
 
 def test_checkpoint_stall_runs():
