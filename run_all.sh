@@ -37,7 +37,9 @@ if [[ "${1:-}" == "--tests" ]]; then
         lane "dashboard (vitest)" bash -c "cd ui && npm test --silent"
     fi
     lane "fast lane (pytest -m 'not slow')" "$PY" -m pytest -m "not slow" "${extra[@]}"
-    lane "slow lane (pytest -m slow)" "$PY" -m pytest -m slow --durations=30 "${extra[@]}"
+    # two workers: most of a slow test is waiting (processes starting, heartbeats, timeouts), so two
+    # overlap well on two cores; a file's tests stay together on one worker (test/conftest.py)
+    lane "slow lane (pytest -m slow)" "$PY" -m pytest -m slow -n 2 --dist loadgroup --durations=30 "${extra[@]}"
     exit 0
 fi
 

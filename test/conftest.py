@@ -39,6 +39,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "app_config(**config): the config of the in-process `app` fixture "
                                        "(e.g. SCHEDULER=True)")
     config.addinivalue_line("markers", "server_args(*args): more arguments for the `server` fixture's process")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker (set per file below)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m picks the lane
@@ -46,6 +47,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        # under pytest-xdist (the slow lane runs on 2 workers: run_all.sh --tests), a file's tests
+        # stay on one worker, in order (module-scoped clusters start once), and the Docker files
+        # share one (one engine: test_docker_isolation.py runs the image test_docker.py builds)
+        if item.get_closest_marker("xdist_group") is None:
+            group = "docker" if item.get_closest_marker("docker") else item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 # -- under CI, nothing may be skipped ---------------------------------------------------------------
