@@ -28,6 +28,7 @@ import requests
 
 from . import defaults, tls, trackers as _trackers
 from .bundle import pack, required_modules
+from .checks import check_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -247,7 +248,7 @@ class ZWDX:
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None,
-                   datasets=None):
+                   datasets=None, pipeline: dict | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -275,6 +276,13 @@ class ZWDX:
         500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "compression": "int8"}``
         (those are the defaults; ``"fp16"`` and ``"none"`` compress less).
 
+        ``parallelism="PIPELINE"`` cuts the model into stages, one a rank (``torch.distributed.pipelining``).
+        ``pipeline`` sets it: ``{"schedule": "gpipe" | "1f1b", "microbatches": n (default: the
+        stages), "stage_plan": [(0, 6), (6, 12)] (ranges of the repeated blocks) or
+        ["transformer.h.6"] (where stages begin)}``; left out, the blocks are cut evenly.
+        ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)`` for
+        forward and backward (it returns the batch's loss); see the README.
+
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
         your API key stays here, nothing of it goes to a donor) or ``zwdx.trackers.Tracker``
@@ -287,16 +295,20 @@ class ZWDX:
         (``data_dir/digits/...``). A name the room has none of is refused here, naming it."""
         token = self._token(room_token)
         _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
-        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO"):
-            raise BadRequest(f"parallelism must be 'DDP', 'FSDP' or 'DILOCO', got {parallelism!r}",
+        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO", "PIPELINE"):
+            raise BadRequest(f"parallelism must be 'DDP', 'FSDP', 'DILOCO' or 'PIPELINE', got {parallelism!r}",
                              field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
         if fsdp_units is not None and str(parallelism).upper() != "FSDP":
             raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
-        if diloco is not None:  # checked as the server will, before anything is uploaded
-            parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
-                              "parallelism": str(parallelism).upper(), "diloco": diloco})
+        if diloco is not None or pipeline is not None:  # checked as the server will, before anything is uploaded
+            checked = parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
+                                        "parallelism": str(parallelism).upper(), "diloco": diloco,
+                                        "pipeline": pipeline, "world_size": world_size})
+            if checked.pipeline is not None:
+                pipeline = checked.pipeline.model_dump(mode="json")
+                check_plan(model, checked.pipeline.stage_plan)
         datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()
@@ -309,7 +321,8 @@ class ZWDX:
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets})
+            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets,
+            "pipeline": pipeline})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token

@@ -31,6 +31,7 @@ from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
 from .base import ByValue, Count, Id, Message, Seconds, Text
 from .diloco import DilocoSettings
+from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptSpec
 from .vocab import JobKind, Parallelism
@@ -81,6 +82,8 @@ class RankSpec(Message):
     threads: Annotated[int, Field(ge=1, le=4096)]
     #: DILOCO's settings (this rank is one worker); None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: PIPELINE's settings; None for the other modes.
+    pipeline: PipelineSettings | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path
