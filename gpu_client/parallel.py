@@ -225,7 +225,8 @@ def rebuild_optimizer(spec: dict | None, model: torch.nn.Module, part: bool = Fa
     if len(groups) > 1:
         log.warning("optimizer: %d param groups over parameters of another model instance; "
                     "rebuilding one group with the first group's settings", len(groups))
-    return cls(list(named.values()), **defaults)
+    trainable = [p for p in named.values() if p.requires_grad]  # a LoRA model's: the adapter's
+    return cls(trainable or list(named.values()), **defaults)
 
 
 def full_state_dict(model: torch.nn.Module, parallelism: str, rank: int) -> dict | None:

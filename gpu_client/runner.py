@@ -180,6 +180,7 @@ class Trainer:
         """eval_func, the weights (uploaded by rank 0), and the rank's result."""
         import torch.distributed as dist
 
+        from .lora import returned_state
         from .parallel import fingerprint
         spec, eval_func = self.spec, self.bundle["eval_func"]
         self.strategy.sync_buffers(self.model)  # rank 0's buffers on every rank, for eval_func and the weights
@@ -191,7 +192,7 @@ class Trainer:
                 eval_out = call_with(eval_func, {"model": model, "loader": self.eval_loader, "rank": spec.rank,
                                                  "world_size": spec.world_size, "device": device}, "eval_func")
         results, final_loss = _results(train_out, eval_out)
-        state = self.strategy.full_state(self.model)
+        state = returned_state(self.bundle["model"], self.strategy.full_state(self.model))  # LoRA: the adapter
         weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
         self.checkpointer.wait()  # the last checkpoint's upload, if still going
         dist.barrier()

@@ -90,6 +90,8 @@ class JobSpec(Record):
     diloco: DilocoSettings | None = None
     #: PIPELINE's settings (defaults resolved at submit); None for the other modes.
     pipeline: PipelineSettings | None = None
+    #: A LoRA job's adapter config (peft's JSON); None for a job without LoRA.
+    lora: dict | None = None
     #: The datasets its GPU clients fetch, pinned at submit (``zwdx.protocol.dataset``).
     datasets: list[DatasetPin] = Field(default_factory=list)
 

@@ -9,6 +9,7 @@ status, checkpoints) in ``zwdx.protocol.report``.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
@@ -208,6 +209,10 @@ class SubmitJob(Message):
     #: PIPELINE's settings (``zwdx.protocol.pipeline``); only with parallelism PIPELINE, which
     #: takes the defaults when this is left out.
     pipeline: PipelineSettings | None = Field(default=None, validate_default=True)
+    #: A LoRA job's adapter config, as peft writes ``adapter_config.json`` (the SDK sets it from
+    #: ``lora=``; the server keeps it for ``get_trained_model``, and reads nothing in it but
+    #: ``peft_type``). Only with DDP or FSDP.
+    lora: dict[str, Any] | None = None
     #: Datasets the GPU clients fetch before the job's code runs (``zwdx.protocol.dataset``): a
     #: room dataset's name (its newest version, pinned now), a URL, or ``{"url", "sha256", "name"}``.
     datasets: Annotated[list[DatasetRef], Field(max_length=defaults.MAX_JOB_DATASETS)] = []
@@ -297,6 +302,20 @@ class SubmitJob(Message):
         if self.parallelism == Parallelism.DILOCO and self.diloco is None:
             self.diloco = DilocoSettings()
         return self
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_config(cls, value, info):
+        if value is None:
+            return None
+        parallelism = info.data.get("parallelism")
+        if parallelism not in (Parallelism.DDP, Parallelism.FSDP) or info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError(f"LoRA jobs run with DDP or FSDP, not {getattr(parallelism, 'value', parallelism)}")
+        if not isinstance(value.get("peft_type"), str) or not value["peft_type"]:
+            raise ValueError("must be a peft config as JSON, with its peft_type (\"LORA\")")
+        if len(json.dumps(value)) > defaults.MAX_LORA_CONFIG_BYTES:
+            raise ValueError(f"must take at most {defaults.MAX_LORA_CONFIG_BYTES} bytes as JSON")
+        return value
 
     @model_validator(mode="after")
     def _pipeline_world(self):
