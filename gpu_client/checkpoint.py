@@ -8,6 +8,8 @@ enforces), never what a file or a record says:
   number generators (``rng-<rank>.pt``). Each is read with ``torch.load(weights_only=True)``
   and torch's own allowlist only (``plain_load``): no global a library or the job's code added
   at run time, and the result checked to be the shape zwdx wrote.
+- PIPELINE (``stages``): as DDP's, but every rank saves its own stage's model and optimizer
+  state (``stage-<rank>.pt``), and restores it.
 - FSDP (``shards``): every rank writes its local shards of the model and optimizer state,
   its generators and (rank 0) the tracked state as safetensors with a JSON index
   (``shards.py``), with no full gather on one rank; a resumed job of any world size reads
