@@ -5,9 +5,9 @@ Every rank traces the whole model (on the CPU, with one micro-batch of the first
 example input) and cuts it where the plan says: each stage after the first begins at a module
 (``torch.distributed.pipelining.SplitPoint.BEGINNING``). The plan (``zwdx.protocol.pipeline``)
 gives block ranges or module names; left out, the model's repeated blocks (the units FSDP
-shards, ``parallel.fsdp_plan``) are cut into equal runs, the first stages one block longer when
-they do not divide. (Placement does not weigh the cut by each slot's free memory or speed yet:
-every stage gets its share of blocks.) The rank keeps only its stage's module, on its device;
+shards, ``parallel.fsdp_plan``) are cut in proportion to each stage's free GPU memory (the ranks
+all-gather it first), or into equal runs on CPU slots (those of one host share its RAM); each cut at the block
+boundary nearest to its share. Speed is not weighed yet. The rank keeps only its stage's module, on its device;
 the stage's parameters keep the model's names (``transformer.h.3.mlp.weight``), so the rebuilt
 optimizer's param groups, the checkpoints and the returned weights use the names the user knows.
 
@@ -76,7 +76,7 @@ class Pipeline(Collective):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
         from torch.distributed.pipelining import pipeline as trace
         self.device = device
-        points, line = split_points(model, self.settings.stage_plan, self.stages)
+        points, line = split_points(model, self.settings.stage_plan, self.stages, self._free_memory(device))
         x = _inputs(example())
         if x.shape[0] < self.microbatches:
             raise ValueError(f"a batch of {x.shape[0]} cannot be split into {self.microbatches} micro-batches "
@@ -99,6 +99,18 @@ class Pipeline(Collective):
             report(line)
         return stage.submod
 
+    def _free_memory(self, device) -> list[int] | None:
+        """Every stage's free device memory, in rank order (one small all-gather), when every
+        stage is on a GPU; None when one is on a CPU slot (those of a host share its RAM: an
+        even cut)."""
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        comm = self._comm_device()
+        mine = torch.tensor([free], dtype=torch.int64, device=comm)
+        every = [torch.zeros_like(mine) for _ in range(self.stages)]
+        dist.all_gather(every, mine)
+        sizes = [int(t.item()) for t in every]
+        return sizes if all(sizes) else None
+
     def sync_buffers(self, model: nn.Module) -> None:
         """Nothing: each stage's buffers are its own."""
 
@@ -107,7 +119,7 @@ class Pipeline(Collective):
         state = self.full_state(model)
         if state is None:
             return None
-        self.whole.load_state_dict(state)
+        self.whole.to("cpu").load_state_dict(state)  # its first stage's parameters went to the device
         return self.whole, torch.device("cpu")
 
     def full_state(self, model: nn.Module) -> dict | None:
@@ -162,9 +174,10 @@ class Pipeline(Collective):
         return state
 
 
-def split_points(model: nn.Module, plan, stages: int) -> tuple[list[str], str]:
+def split_points(model: nn.Module, plan, stages: int, memory: list[int] | None = None) -> tuple[list[str], str]:
     """The module names where stages 1.. begin, and a line for the job's log. ``plan``: block
-    ranges, module names, or None (the repeated blocks cut evenly)."""
+    ranges, module names, or None: the repeated blocks cut in proportion to each stage's free
+    ``memory`` (None: evenly)."""
     blocks = [name for name, _ in repeated_blocks(model)]
     if plan is not None and isinstance(plan[0], str):
         known = dict(model.named_modules())
@@ -175,7 +188,7 @@ def split_points(model: nn.Module, plan, stages: int) -> tuple[list[str], str]:
     if not blocks and stages > 1:
         raise ValueError(f"PIPELINE: {type(model).__name__} has no repeated blocks (a ModuleList or Sequential of "
                          f"modules of one class) to cut into stages; name the split points in pipeline.stage_plan")
-    ranges = plan if plan is not None else even_ranges(len(blocks), stages)
+    ranges = plan if plan is not None else weighted_ranges(len(blocks), memory or [1] * stages)
     if ranges[-1][1] != len(blocks) or len(ranges) != stages:
         raise ValueError(f"pipeline.stage_plan {ranges} must cover the model's {len(blocks)} blocks in {stages} "
                          f"stage(s)")
@@ -184,17 +197,19 @@ def split_points(model: nn.Module, plan, stages: int) -> tuple[list[str], str]:
     return points, f"PIPELINE: {stages} stages over {len(blocks)} blocks: {shown}"
 
 
-def even_ranges(blocks: int, stages: int) -> list[list[int]]:
-    """``blocks`` cut into ``stages`` runs as equal as can be, the longer ones first."""
+def weighted_ranges(blocks: int, weights: list[int]) -> list[list[int]]:
+    """``blocks`` cut into one run a weight, each run's length in proportion to its weight: each
+    cut at the block boundary nearest to the running share (halves up), at least one block a run."""
+    stages = len(weights)
     if blocks < stages:
         raise ValueError(f"PIPELINE: {blocks} repeated block(s) cannot make {stages} stages; use fewer ranks")
-    size, extra = divmod(blocks, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + size + (1 if i < extra else 0)
-        ranges.append([start, end])
-        start = end
-    return ranges
+    total, cuts, share = sum(weights), [0], 0
+    for i, weight in enumerate(weights[:-1], start=1):
+        share += weight
+        cut = (2 * blocks * share + total) // (2 * total)  # the nearest block boundary, halves up
+        cuts.append(min(max(cut, cuts[-1] + 1), blocks - (stages - i)))
+    cuts.append(blocks)
+    return [[a, b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _inputs(batch):

@@ -70,6 +70,18 @@ def test_the_sdk_checks_the_plan_against_the_model_before_uploading_anything():
     assert err.value.field == "pipeline.schedule"
 
 
+def test_the_automatic_cut_follows_each_stages_free_memory_with_a_block_at_least():
+    from gpu_client.pipeline import weighted_ranges
+    assert weighted_ranges(4, [1, 1]) == [[0, 2], [2, 4]]  # CPU slots: even
+    assert weighted_ranges(5, [1, 1]) == [[0, 3], [3, 5]]
+    gib = 2**30
+    assert weighted_ranges(12, [24 * gib, 80 * gib]) == [[0, 3], [3, 12]]
+    assert weighted_ranges(8, [80 * gib, 1 * gib]) == [[0, 7], [7, 8]]  # never an empty stage
+    assert weighted_ranges(3, [1, 5, 1]) == [[0, 1], [1, 2], [2, 3]]
+    with pytest.raises(ValueError, match="2 repeated block"):
+        weighted_ranges(2, [1, 1, 1])
+
+
 # -- jobs ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
