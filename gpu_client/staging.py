@@ -1,7 +1,7 @@
 """Host copies of a checkpoint's tensors, taken while training waits, written out after.
 
 A checkpoint stalls training only for the copy of its tensors off the device: ``Staging``
-copies them into one host block kept from one checkpoint to the next (pinned when the tensors
+copies them into one host block a dtype, kept from one checkpoint to the next (pinned when the tensors
 are on a GPU, so the copies run asynchronously, together, at the link's speed; one
 synchronisation at the end), and the files are written and uploaded from those copies in the
 background (``checkpoint.py``). The block is made at the first checkpoint (pinning memory is
@@ -23,7 +23,9 @@ _ALIGN = 64  # bytes: each copy starts on a cache line
 
 class Staging:
     def __init__(self):
-        self._block: torch.Tensor | None = None
+        # One block a dtype: torch.save refuses views of one storage as different types (a
+        # BatchNorm's int64 counter beside float weights).
+        self._blocks: dict[torch.dtype, torch.Tensor] | None = None
         self._layout: list[tuple] = []  # (shape, dtype) of each copy, in order, the block is laid out for
 
     def copy(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -32,7 +34,7 @@ class Staging:
         tensors = [t.detach() for _, t in items]
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
         cuda = [t.device for t in tensors if t.device.type == "cuda"]
-        if layout != self._layout or self._block is None:
+        if layout != self._layout or self._blocks is None:
             self._make(layout, pin=bool(cuda))
         copies = self._views(layout)
         for target, source in zip(copies, tensors):
@@ -52,21 +54,24 @@ class Staging:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._block is None else self._block.numel()
+        return 0 if self._blocks is None else sum(block.numel() for block in self._blocks.values())
 
     # -- the block ------------------------------------------------------------------------------
     def _make(self, layout: list[tuple], pin: bool) -> None:
-        self._block = None  # the old one goes first
-        total = sum(_aligned(_nbytes(shape, dtype)) for shape, dtype in layout)
-        self._block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+        self._blocks = None  # the old ones go first
+        totals: dict[torch.dtype, int] = {}
+        for shape, dtype in layout:
+            totals[dtype] = totals.get(dtype, 0) + _aligned(_nbytes(shape, dtype))
+        self._blocks = {dtype: torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+                        for dtype, total in totals.items()}
         self._layout = layout
 
     def _views(self, layout: list[tuple]) -> list[torch.Tensor]:
-        views, offset = [], 0
+        views, offsets = [], {}
         for shape, dtype in layout:
-            size = _nbytes(shape, dtype)
-            views.append(self._block[offset:offset + size].view(dtype).view(shape))
-            offset += _aligned(size)
+            size, offset = _nbytes(shape, dtype), offsets.get(dtype, 0)
+            views.append(self._blocks[dtype][offset:offset + size].view(dtype).view(shape))
+            offsets[dtype] = offset + _aligned(size)
         return views
 
     # -- trees ----------------------------------------------------------------------------------

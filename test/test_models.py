@@ -2,7 +2,8 @@
 Hugging Face GPT-2 and a model in nanoGPT's shape (ModuleDict of blocks, tied embeddings, two
 param groups), both unchanged. What comes back evaluates locally to the loss the job reported,
 with its tied weights still tied; FSDP really shards; BatchNorm buffers come back as rank 0's;
-a sharded checkpoint carries an FSDP job over a lost GPU client.
+a sharded checkpoint carries an FSDP job over a lost GPU client; LoRA (peft) on the GPT-2 trains
+and brings back the adapter alone.
 
 The module's jobs share one server and two GPU clients (each process start imports torch)."""
 from __future__ import annotations
