@@ -144,7 +144,8 @@ class Trainer:
                                 self._epoch_end if self.spec.checkpoint_every_epoch else None,
                                 on_first_step=self._first_step, on_first_pass=self.checkpointer.restore_rng)
         self.reporter.attach(self.checkpointer, loader)
-        self.system = SystemMetrics(self.reporter, loader, self.spec.rank, self.spec.world_size, self.device)
+        replicas = self.strategy.loader_arguments()["world_size"]  # a pipeline is one: throughput counts it once
+        self.system = SystemMetrics(self.reporter, loader, self.spec.rank, replicas, self.device)
         return loader, eval_loader
 
     def _epoch_end(self, passes: int) -> None:
