@@ -8,6 +8,8 @@ enforces), never what a file or a record says:
   number generators (``rng-<rank>.pt``). Each is read with ``torch.load(weights_only=True)``
   and torch's own allowlist only (``plain_load``): no global a library or the job's code added
   at run time, and the result checked to be the shape zwdx wrote.
+- PIPELINE (``stages``): as DDP's, but every rank saves its own stage's model and optimizer
+  state (``stage-<rank>.pt``), and restores it.
 - FSDP (``shards``): every rank writes its local shards of the model and optimizer state,
   its generators and (rank 0) the tracked state as safetensors with a JSON index
   (``shards.py``), with no full gather on one rank; a resumed job of any world size reads
@@ -182,10 +184,11 @@ class Checkpointer:
         generators. The tracked state is written and checked here (small; a state the checkpoint
         cannot hold is the caller's error, raised now); the rest is copied to host buffers."""
         files = {files_of.rng_file(self.rank): rng_states(self.device)}
-        if self.rank == 0:
-            files[files_of.STATE] = self.staging.tree({
-                "model": self.model.module.state_dict(),
+        if self.rank == 0 or self.format == CheckpointFormat.STAGES:  # PIPELINE: every rank its stage
+            files[self._state_file()] = self.staging.tree({
+                "model": self._module().state_dict(),
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None})
+        if self.rank == 0:
             if self.tracked:
                 path = os.path.join(folder, EXTRA)
                 torch.save({"tracked": self._tracked()}, path)
@@ -253,14 +256,23 @@ class Checkpointer:
             self.reporter.download(f"checkpoints/{entry.n}/{name}", path)
         return path
 
+    def _module(self):
+        """The user's module inside DDP's wrapper; a PIPELINE stage's module is its own."""
+        return self.model if self.format == CheckpointFormat.STAGES else getattr(self.model, "module", self.model)
+
+    def _state_file(self) -> str:
+        """The file of the model and optimizer state this rank writes and reads: DDP's one
+        ``state.pt`` (rank 0's), or (PIPELINE) its own stage's."""
+        return files_of.stage_file(self.rank) if self.format == CheckpointFormat.STAGES else files_of.STATE
+
     def _restore_torch(self, entry: CheckpointEntry, folder: str) -> None:
-        state = plain_load(self._fetch(entry, folder, files_of.STATE), self.device)
+        name = self._state_file()
+        state = plain_load(self._fetch(entry, folder, name), self.device)
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or \
                 not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["model"].items()) or \
                 not isinstance(state.get("optimizer"), (dict, type(None))):
-            raise ValueError(f"checkpoint {entry.n}: {files_of.STATE} is not a model and optimizer state")
-        target = self.model.module if hasattr(self.model, "module") else self.model
-        target.load_state_dict(state["model"])
+            raise ValueError(f"checkpoint {entry.n}: {name} is not a model and optimizer state")
+        self._module().load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if EXTRA in entry.files:

@@ -39,8 +39,8 @@ every worker still in has uploaded, or ``round_timeout`` after its first upload:
 comes later takes that average and goes on (two rounds late in a row, it is dropped). A worker
 whose average does not come within twice that fails as one that lost its peers.
 
-The strategy's surface, as ``parallel.Collective``'s: ``rendezvous()``, ``wrap_as``,
-``attach(model, checkpointer)``, ``trained()``.
+The strategy's surface, as ``parallel.Collective``'s (a subclass): ``rendezvous()``, ``wrap_as``,
+``attach(model, checkpointer)``, ``trained()``, ``uploads_weights()``.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ from zwdx.protocol.rank import RankSpec
 from . import joining
 from .failures import collectives
 from .peers import Peers, form
+from .parallel import Collective
 from .reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class RoundTimeout(TimeoutError):
     """A round's peers did not upload in time: this worker lost them."""
 
 
-class Diloco:
+class Diloco(Collective):
     """One worker of a DILOCO job: its outer steps (see the module's docstring)."""
 
     #: How the model is wrapped and checkpointed: DDP, over this worker's own process group.

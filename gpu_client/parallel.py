@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zwdx.checks import has_forward as _has_forward
+from zwdx.checks import repeated_blocks as _repeated_blocks
+
 from .failures import watch_gradients
 
 log = logging.getLogger(__name__)
@@ -30,13 +33,18 @@ FINGERPRINT_MAX_NUMEL = 200_000_000
 
 class Collective:
     """The strategy of DDP and FSDP: every rank of the job in one process group (rank 0's port),
-    the model wrapped as the job says. ``diloco.Diloco`` is the other one; the runner asks the
-    strategy ``strategy(spec, reporter)`` picks where the two differ."""
+    the model wrapped as the job says. ``diloco.Diloco`` and ``pipeline.Pipeline`` are the others
+    (subclasses); the runner asks the strategy ``strategy(spec, reporter)`` picks where they differ:
+    how to meet (``rendezvous``), what the loader and train_func are told, how the model is
+    wrapped, which model ``eval_func`` sees, and how the whole weights come back."""
 
     def __init__(self, spec):
         self.spec = spec
         #: How ``wrap``, the checkpoints and ``full_state_dict`` treat the model.
         self.wrap_as = spec.parallelism.value
+
+    #: Whether this rank's model is a part of the submitted one (a pipeline's stage).
+    part = False
 
     def rendezvous(self) -> dict:
         """``init_process_group``'s arguments: where and as which rank to meet the others."""
@@ -54,12 +62,40 @@ class Collective:
         """Whether this rank uploads the job's weights: rank 0."""
         return self.spec.rank == 0
 
+    def loader_arguments(self) -> dict:
+        """What ``data_loader_func`` is told of the ranks: this one's place among the replicas."""
+        return {"rank": self.spec.rank, "world_size": self.spec.world_size}
+
+    def train_arguments(self) -> dict:
+        """Arguments of the strategy's own that ``train_func`` may declare (``pipeline``)."""
+        return {"pipeline": None}
+
+    def wrap(self, model: nn.Module, device: torch.device, bundle: dict, report, example=None) -> nn.Module:
+        """The user's model on ``device``, wrapped as the job says (``example``: a first batch,
+        which only a pipeline needs)."""
+        return wrap(model.to(device), self.wrap_as, device, units=bundle.get("fsdp_units"), report=report)
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        sync_buffers(model)
+
+    def evaluated(self, model: nn.Module, device: torch.device) -> tuple[nn.Module, torch.device] | None:
+        """The model ``eval_func`` gets on this rank, and its device (None: not called here)."""
+        return model, device
+
+    def full_state(self, model: nn.Module) -> dict | None:
+        """The whole model's weights on CPU (``full_state_dict``)."""
+        return full_state_dict(model, self.wrap_as, self.spec.rank)
+
 
 def strategy(spec, reporter):
-    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Collective`` for DDP and FSDP."""
+    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE, ``Collective``
+    for DDP and FSDP."""
     if spec.parallelism.value == "DILOCO":
         from .diloco import Diloco
         return Diloco(spec, reporter)
+    if spec.parallelism.value == "PIPELINE":
+        from .pipeline import Pipeline
+        return Pipeline(spec)
     return Collective(spec)
 
 
@@ -92,22 +128,6 @@ def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, r
 
 def _depth(name: str) -> int:
     return name.count(".") + 1
-
-
-def _has_forward(module: nn.Module) -> bool:
-    return type(module).forward is not nn.Module.forward
-
-
-def _repeated_blocks(module: nn.Module, path: str = "") -> list[tuple[str, nn.Module]]:
-    """The modules of the outermost ModuleLists/Sequentials of two or more same-class modules."""
-    kids = list(module.named_children())
-    if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(kids) > 1 \
-            and len({type(kid) for _, kid in kids}) == 1 and _has_forward(kids[0][1]):
-        return [(f"{path}{name}", kid) for name, kid in kids]
-    found = []
-    for name, kid in kids:
-        found.extend(_repeated_blocks(kid, f"{path}{name}."))
-    return found
 
 
 def _selector(units):
@@ -183,13 +203,18 @@ def _plain_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return named
 
 
-def rebuild_optimizer(spec: dict | None, model: torch.nn.Module):
-    """The submitter's optimizer class and settings, over this rank's (wrapped) parameters."""
+def rebuild_optimizer(spec: dict | None, model: torch.nn.Module, part: bool = False):
+    """The submitter's optimizer class and settings, over this rank's (wrapped) parameters.
+    ``part``: the model is a part of the submitted one (a pipeline stage), each param group
+    keeps the parameters the part has."""
     if spec is None:
         return None
     import inspect
     cls, groups = spec["cls"], spec["groups"]
     named = _plain_names(model)
+    if part and all(g["params"] is not None for g in groups):
+        groups = [{**g, "params": [n for n in g["params"] if n in named]} for g in groups]
+        groups = [g for g in groups if g["params"]] or groups[:1]
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     defaults = {k: v for k, v in groups[0]["hyper"].items() if k in accepted}
     if all(g["params"] is not None for g in groups):
@@ -200,7 +225,8 @@ def rebuild_optimizer(spec: dict | None, model: torch.nn.Module):
     if len(groups) > 1:
         log.warning("optimizer: %d param groups over parameters of another model instance; "
                     "rebuilding one group with the first group's settings", len(groups))
-    return cls(list(named.values()), **defaults)
+    trainable = [p for p in named.values() if p.requires_grad]  # a LoRA model's: the adapter's
+    return cls(trainable or list(named.values()), **defaults)
 
 
 def full_state_dict(model: torch.nn.Module, parallelism: str, rank: int) -> dict | None:

@@ -8,8 +8,9 @@ job's private directory, and under a per-job user that user, for good) before an
 job is read. A script job's rank runs ``gpu_client.script.ScriptRank`` instead (``rank_for``).
 
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU,
-the job's collective timeout) while the bundle loads, wraps the model (DDP/FSDP), rebuilds the
-optimizer, restores the checkpoint and makes the loaders; ``train`` calls the user's
+the job's collective timeout) while the bundle loads, makes the loaders, wraps the model (the
+job's strategy: DDP/FSDP, a pipeline stage, a DILOCO worker), rebuilds the optimizer and
+restores the checkpoint; ``train`` calls the user's
 ``train_func`` with the arguments it declares; ``finish`` runs ``eval_func``, gathers the
 weights, uploads them from rank 0 and reports the result. A failure is reported with its
 traceback, and whether the rank's own code raised or it lost its peers (``failures.py``),
@@ -80,6 +81,7 @@ class Trainer:
         self.device = self._join()
         self.bundle = bundle.result()
         self.reporter.status(RankStatus.RUNNING.value)
+        self.loaders = self._user_loaders()
         self.model, self.optimizer = self._build()
         self.checkpointer = self._restore()
         self.strategy.attach(self.model, self.checkpointer)
@@ -101,13 +103,11 @@ class Trainer:
 
     def _build(self):
         """The user's model on this rank's device, wrapped; the optimizer over its parameters."""
-        from .parallel import rebuild_optimizer, wrap
-        model = self.bundle["model"].to(self.device)
-        self.startup.mark("on_device")
-        model = wrap(model, self.strategy.wrap_as, self.device, units=self.bundle.get("fsdp_units"),
-                     report=self.reporter.log)
+        from .parallel import rebuild_optimizer
+        model = self.strategy.wrap(self.bundle["model"], self.device, self.bundle, self.reporter.log,
+                                   example=lambda: first_batch(self.loaders[0]))
         self.startup.mark("wrapped")
-        return model, rebuild_optimizer(self.bundle["optimizer"], model)
+        return model, rebuild_optimizer(self.bundle["optimizer"], model, part=self.strategy.part)
 
     def _restore(self):
         """The job's Checkpointer, with the checkpoint this attempt goes on from loaded."""
@@ -129,22 +129,26 @@ class Trainer:
         self.startup.mark("optimizer_checkpoint")
         return checkpointer
 
-    def _loaders(self):
-        """The user's loaders; the training one counts samples, and ends epochs with a checkpoint.
-        A resumed rank's generators go back where the checkpoint found them: where it was taken, as
-        the loader's next pass starts (and before train_func, for code that ignores the loader)."""
-        loaders = call_with(self.bundle["data_loader_func"], {"rank": self.spec.rank,
-                                                              "world_size": self.spec.world_size,
+    def _user_loaders(self):
+        """``data_loader_func``'s training and eval loaders (one loader: both). A pipeline's
+        stages are one replica: each is told rank 0 of 1 (``strategy.loader_arguments``)."""
+        loaders = call_with(self.bundle["data_loader_func"], {**self.strategy.loader_arguments(),
                                                               "device": self.device, "data_dir": self.spec.data_dir},
                             "data_loader_func")
-        train_loader, eval_loader = (loaders if isinstance(loaders, tuple) and len(loaders) == 2
-                                     else (loaders, loaders))
         self.startup.mark("data_loader")
+        return loaders if isinstance(loaders, tuple) and len(loaders) == 2 else (loaders, loaders)
+
+    def _loaders(self):
+        """The training loader counts samples, and ends epochs with a checkpoint. A resumed
+        rank's generators go back where the checkpoint found them: where it was taken, as the
+        loader's next pass starts (and before train_func, for code that ignores the loader)."""
+        train_loader, eval_loader = self.loaders
         loader = CountingLoader(train_loader, self.model,
                                 self._epoch_end if self.spec.checkpoint_every_epoch else None,
                                 on_first_step=self._first_step, on_first_pass=self.checkpointer.restore_rng)
         self.reporter.attach(self.checkpointer, loader)
-        self.system = SystemMetrics(self.reporter, loader, self.spec.rank, self.spec.world_size, self.device)
+        replicas = self.strategy.loader_arguments()["world_size"]  # a pipeline is one: throughput counts it once
+        self.system = SystemMetrics(self.reporter, loader, self.spec.rank, replicas, self.device)
         return loader, eval_loader
 
     def _epoch_end(self, passes: int) -> None:
@@ -168,7 +172,8 @@ class Trainer:
             "model": self.model, "loader": self.loader, "optimizer": self.optimizer, "optim": self.optimizer,
             "rank": spec.rank, "world_size": spec.world_size, **epochs_argument(spec.epochs, train_func),
             "device": self.device, "eval_func": self.bundle["eval_func"], "reporter": reporter,
-            "start_epoch": reporter.start_epoch, "resume": reporter.resume}, "train_func")
+            "start_epoch": reporter.start_epoch, "resume": reporter.resume, **self.strategy.train_arguments()},
+            "train_func")
         self.system.finish()
         self.strategy.trained()  # DILOCO: the last outer step
         self.loader.finish()  # the last epoch's checkpoint, now that train_func is done with it
@@ -179,15 +184,19 @@ class Trainer:
         """eval_func, the weights (uploaded by rank 0), and the rank's result."""
         import torch.distributed as dist
 
-        from .parallel import fingerprint, full_state_dict, sync_buffers
+        from .lora import returned_state
+        from .parallel import fingerprint
         spec, eval_func = self.spec, self.bundle["eval_func"]
-        sync_buffers(self.model)  # rank 0's buffers on every rank, for eval_func and the weights
+        self.strategy.sync_buffers(self.model)  # rank 0's buffers on every rank, for eval_func and the weights
         eval_out = None
         if eval_func is not None:
-            eval_out = call_with(eval_func, {"model": self.model, "loader": self.eval_loader, "rank": spec.rank,
-                                             "world_size": spec.world_size, "device": self.device}, "eval_func")
+            evaluated = self.strategy.evaluated(self.model, self.device)  # a pipeline's: the whole model, rank 0
+            if evaluated is not None:
+                model, device = evaluated
+                eval_out = call_with(eval_func, {"model": model, "loader": self.eval_loader, "rank": spec.rank,
+                                                 "world_size": spec.world_size, "device": device}, "eval_func")
         results, final_loss = _results(train_out, eval_out)
-        state = full_state_dict(self.model, self.strategy.wrap_as, spec.rank)
+        state = returned_state(self.bundle["model"], self.strategy.full_state(self.model))  # LoRA: the adapter
         weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
         self.checkpointer.wait()  # the last checkpoint's upload, if still going
         dist.barrier()
@@ -284,6 +293,13 @@ class BundleLoader(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.bundle
+
+
+def first_batch(loader):
+    """The loader's first batch, drawn without moving the generators the job's training uses."""
+    import torch
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(loader))
 
 
 def epochs_argument(epochs: int | None, train_func) -> dict:

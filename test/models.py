@@ -272,3 +272,94 @@ def bn_local_eval_loss(model) -> float:
         return sum(bn_loss(model, (xb, yb)).double().item() * len(xb)
                    for xb, yb in zip(x.split(16), y.split(16))) / len(x)
 
+
+
+# -- a pipeline's model: tokens in, logits out, nothing tied ---------------------------------------
+class StageLM(nn.Module):
+    """nanoGPT's blocks without the loss inside or tied weights: what a pipeline cuts into stages
+    (the loss is the last stage's ``loss_fn``)."""
+
+    def __init__(self, config: GPTConfig | None = None):
+        super().__init__()
+        config = config or GPTConfig(n_layer=4)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def stage_lm(seed: int = 0) -> StageLM:
+    torch.manual_seed(seed)
+    return StageLM()
+
+
+def next_token_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.reshape(-1))
+
+
+def shifted(t: torch.Tensor) -> TensorDataset:
+    return TensorDataset(t[:, :-1], t[:, 1:])
+
+
+def pipe_loaders(rank, world_size):
+    """(train, eval) of (tokens, next tokens); a pipeline is one replica, told rank 0 of 1."""
+    train = shifted(tokens(128, seed=1))
+    return (DataLoader(train, batch_size=16, drop_last=True,
+                       sampler=DistributedSampler(train, world_size, rank, seed=0)),
+            DataLoader(shifted(eval_tokens()), batch_size=16))
+
+
+def pipe_train(model, loader, optimizer, epochs, reporter, pipeline):
+    """The plain loop, with ``pipeline.step`` where forward and backward were."""
+    model.train()
+    loss = None
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = pipeline.step(x, y, next_token_loss)
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item())
+    return loss.item()
+
+
+def pipe_eval(model, loader, device):
+    """Mean loss per sequence over the held-out batches (one replica: no all-reduce)."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in loader:
+            total += next_token_loss(model(x.to(device)), y.to(device)).double().item() * len(x)
+            count += len(x)
+    return {"eval_loss": total / count}
+
+
+def pipe_local_eval_loss(model) -> float:
+    return pipe_eval(model, DataLoader(shifted(eval_tokens()), batch_size=16), "cpu")["eval_loss"]
+
+
+def pipe_alone(epochs: int, microbatches: int, seed: int = 0) -> tuple[StageLM, list[float]]:
+    """The same training in one process, each batch split into the same micro-batches, each
+    micro-batch's loss scaled by 1/micro-batches: what a pipeline of any split must equal."""
+    model = stage_lm(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader, _ = pipe_loaders(0, 1)
+    losses = []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            parts = [next_token_loss(model(xm), ym) for xm, ym in zip(x.tensor_split(microbatches),
+                                                                     y.tensor_split(microbatches))]
+            for part in parts:
+                (part / microbatches).backward()
+            optimizer.step()
+            losses.append(torch.stack([p.detach() for p in parts]).mean().item())
+    return model, losses

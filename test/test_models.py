@@ -2,7 +2,8 @@
 Hugging Face GPT-2 and a model in nanoGPT's shape (ModuleDict of blocks, tied embeddings, two
 param groups), both unchanged. What comes back evaluates locally to the loss the job reported,
 with its tied weights still tied; FSDP really shards; BatchNorm buffers come back as rank 0's;
-a sharded checkpoint carries an FSDP job over a lost GPU client.
+a sharded checkpoint carries an FSDP job over a lost GPU client; LoRA (peft) on the GPT-2 trains
+and brings back the adapter alone.
 
 The module's jobs share one server and two GPU clients (each process start imports torch)."""
 from __future__ import annotations
@@ -206,3 +207,36 @@ def test_fsdp_job_goes_on_from_a_sharded_checkpoint_after_a_lost_gpu_client(pool
     finally:
         victim.stop()
         pool.start(victim.client_id.removeprefix("client-") + "2")
+
+
+# -- LoRA ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
+def test_lora_trains_only_the_adapter_and_brings_back_the_adapter_alone(pool, parallelism):
+    needs.module("peft", "pip install peft (pip install -e '.[test]')")
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    model = make("gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders,
+                                 train_func=models.lm_train(models.hf_loss), eval_func=models.lm_eval(models.hf_loss),
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), parallelism=parallelism,
+                                 epochs=2, world_size=2, lora=config, progress=False, timeout=300)
+    assert result["status"] == "completed"
+    job_id, reported = result["job_id"], result["results"]["eval_loss"]
+    assert not isinstance(model, PeftModel) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert pool.sdk.get_job(job_id)["spec"]["lora"]["target_modules"] == ["c_attn"]
+
+    # only the adapter came back, and it trained (lora_B starts at zero)
+    adapter = pool.sdk.get_adapter(job_id)
+    assert set(adapter) == set(get_peft_model_state_dict(get_peft_model(make("gpt2"), config)))
+    assert all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    assert all(v.abs().sum() > 0 for k, v in adapter.items() if ".lora_B." in k)
+    ranks = pool.sdk.get_job(job_id)["ranks"]
+    assert {r["fingerprint"] for r in ranks.values()} == {fingerprint(adapter)}, ranks
+
+    # the adapter on the untouched base model evaluates here to what the job reported: the ranks'
+    # base weights did not move
+    trained = pool.sdk.get_trained_model(job_id, make("gpt2"))
+    assert isinstance(trained, PeftModel)
+    assert models.local_eval_loss(trained, models.hf_loss) == pytest.approx(reported, rel=1e-4)
+    assert reported < models.local_eval_loss(make("gpt2"), models.hf_loss) - 0.05  # the adapter learned

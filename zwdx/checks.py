@@ -5,7 +5,7 @@ zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuse
 function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
 the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
 from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
-``fsdp_units``. Every refusal is a ``BadRequest`` naming the field.
+``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``. Every refusal is a ``BadRequest`` naming the field.
 """
 from __future__ import annotations
 
@@ -43,6 +43,45 @@ def fsdp_units_spec(units, model):
         return units
     raise BadRequest(f"fsdp_units must be a list of torch.nn.Module classes or a function fn(module) -> bool, "
                      f"got {type(units).__name__}", field="fsdp_units")
+
+
+def has_forward(module) -> bool:
+    """Whether ``module`` has a forward of its own (a ModuleList or ModuleDict has none)."""
+    import torch
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def repeated_blocks(module, path: str = "") -> list:
+    """The modules of the outermost ModuleLists/Sequentials of two or more same-class modules,
+    as ``[(name, module)]``: FSDP's units by default, and what a pipeline is cut between."""
+    import torch
+    kids = list(module.named_children())
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(kids) > 1 \
+            and len({type(kid) for _, kid in kids}) == 1 and has_forward(kids[0][1]):
+        return [(f"{path}{name}", kid) for name, kid in kids]
+    found = []
+    for name, kid in kids:
+        found.extend(repeated_blocks(kid, f"{path}{name}."))
+    return found
+
+
+def check_plan(model, plan) -> None:
+    """A PIPELINE job's ``stage_plan`` against the model: the modules it names exist, its
+    ranges cover the model's repeated blocks. ``BadRequest`` naming ``pipeline.stage_plan``."""
+    if plan is None:
+        return
+    field = "pipeline.stage_plan"
+    if isinstance(plan[0], str):
+        known = {name for name, _ in model.named_modules()}
+        missing = [name for name in plan if name not in known]
+        if missing:
+            raise BadRequest(f"field '{field}': the model has no module {missing[0]!r}", field=field)
+        return
+    blocks = repeated_blocks(model)
+    if plan[-1][1] != len(blocks):
+        raise BadRequest(f"field '{field}': the ranges end at block {plan[-1][1]}, but the model has {len(blocks)} "
+                         f"repeated blocks ({blocks[0][0] + ' ...' if blocks else 'none'}): they must cover them all",
+                         field=field)
 
 
 def _fn_name(fn) -> str:

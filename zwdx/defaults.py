@@ -62,6 +62,8 @@ OUTAGE_TOLERANCE = 600.0
 #: Most top-level module names a job may require (``required_modules``) and a GPU client may
 #: report it can import (at registration), and the longest such name.
 MAX_REQUIRED_MODULES = 1000
+#: The most bytes a LoRA job's adapter config (peft's JSON) may take in its spec.
+MAX_LORA_CONFIG_BYTES = 64 * 1024
 MAX_CLIENT_MODULES = 50000
 MAX_MODULE_NAME = 200
 #: Bytes each way of a GPU client's link measurement at register (``gpu_client/link.py``), and

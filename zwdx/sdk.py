@@ -27,7 +27,9 @@ import time
 import requests
 
 from . import defaults, tls, trackers as _trackers
+from . import lora as _lora
 from .bundle import pack, required_modules
+from .checks import check_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -247,7 +249,7 @@ class ZWDX:
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None,
-                   datasets=None, image: str | None = None):
+                   datasets=None, image: str | None = None, pipeline: dict | None = None, lora=None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -278,6 +280,17 @@ class ZWDX:
         ``image``: the container image its ranks run in; only GPU clients that run ranks in
         containers and whose donor allows that image take the job (it waits, saying which
         images each client allows). None: any client, ranks in its default image or none.
+        ``parallelism="PIPELINE"`` cuts the model into stages, one a rank (``torch.distributed.pipelining``).
+        ``pipeline`` sets it: ``{"schedule": "gpipe" | "1f1b", "microbatches": n (default: the
+        stages), "stage_plan": [(0, 6), (6, 12)] (ranges of the repeated blocks) or
+        ["transformer.h.6"] (where stages begin)}``; left out, the blocks are cut evenly.
+        ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)`` for
+        forward and backward (it returns the batch's loss); see the README.
+
+        ``lora``: a ``peft.LoraConfig``: a copy of the model gets the adapter
+        (``peft.get_peft_model``) and only the adapter trains and comes back; a peft model given
+        as ``model`` does the same. ``get_trained_model`` returns the peft model with the trained
+        adapter, ``get_adapter`` the adapter's tensors alone. DDP or FSDP.
 
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
@@ -291,17 +304,23 @@ class ZWDX:
         (``data_dir/digits/...``). A name the room has none of is refused here, naming it."""
         token = self._token(room_token)
         _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
-        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO"):
-            raise BadRequest(f"parallelism must be 'DDP', 'FSDP' or 'DILOCO', got {parallelism!r}",
+        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO", "PIPELINE"):
+            raise BadRequest(f"parallelism must be 'DDP', 'FSDP', 'DILOCO' or 'PIPELINE', got {parallelism!r}",
                              field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
         if fsdp_units is not None and str(parallelism).upper() != "FSDP":
             raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
-        if diloco is not None:  # checked as the server will, before anything is uploaded
-            parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
-                              "parallelism": str(parallelism).upper(), "diloco": diloco,
-                              "world_size": world_size})
+        if diloco is not None or pipeline is not None:  # checked as the server will, before anything is uploaded
+            checked = parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
+                                        "parallelism": str(parallelism).upper(), "diloco": diloco,
+                                        "pipeline": pipeline, "world_size": world_size})
+            if checked.pipeline is not None:
+                pipeline = checked.pipeline.model_dump(mode="json")
+                check_plan(model, checked.pipeline.stage_plan)
+        if (lora is not None or _lora.is_peft_model(model)) and str(parallelism).upper() not in ("DDP", "FSDP"):
+            raise BadRequest(f"LoRA jobs run with DDP or FSDP, not {parallelism}", field="lora")
+        model, lora_config = _lora.prepare(model, lora)  # the model with its adapter, the adapter's config
         datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
         blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
         sha = hashlib.sha256(blob).hexdigest()
@@ -314,7 +333,8 @@ class ZWDX:
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image})
+            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image,
+            "pipeline": pipeline, "lora": lora_config})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
@@ -526,17 +546,33 @@ class ZWDX:
 
     def get_trained_model(self, job_id: str, model, room_token: str | None = None):
         """Load the job's trained weights into ``model`` and return it. The weights arrive as
-        safetensors: nothing the GPU clients sent is unpickled."""
+        safetensors: nothing the GPU clients sent is unpickled. A LoRA job's are its adapter:
+        ``model`` (the base model, or a peft model of the same config) comes back as the peft
+        model with the trained adapter loaded."""
+        config = (self.get_job(job_id, room_token).get("spec") or {}).get("lora")
+        state = self._weights(job_id, room_token)
+        if config is not None:
+            return _lora.load_adapter(model, config, state)
+        model.load_state_dict(state)
+        return model
+
+    def get_adapter(self, job_id: str, room_token: str | None = None) -> dict:
+        """A LoRA job's trained adapter: its tensors by name, as ``peft.get_peft_model_state_dict``
+        names them (``set_peft_model_state_dict`` loads them)."""
+        if (self.get_job(job_id, room_token).get("spec") or {}).get("lora") is None:
+            raise BadRequest(f"job {job_id} is not a LoRA job: its weights are the whole model "
+                             f"(get_trained_model)", field="job_id")
+        return self._weights(job_id, room_token)
+
+    def _weights(self, job_id: str, room_token: str | None) -> dict:
         from safetensors.torch import load_file
         fd, path = tempfile.mkstemp(suffix=".safetensors")
         os.close(fd)
         try:
             self.download_weights(job_id, path, room_token)
-            state = load_file(path)
+            return load_file(path)
         finally:
             os.unlink(path)
-        model.load_state_dict(state)
-        return model
 
     def download_weights(self, job_id: str, path: str, room_token: str | None = None) -> dict:
         """Write the job's trained weights (a safetensors file) to ``path``, checked against the

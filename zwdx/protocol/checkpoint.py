@@ -17,6 +17,10 @@ sent a file).
                     shard-<r>.json          each rank r: the index (the state's tree, each
                                             tensor's global shape and this shard's offsets)
                     no pickle anywhere (``gpu_client/shards.py`` writes and reads them)
+    stages  (PIPELINE)  stage-<r>.pt  each rank r: its stage's model and optimizer state
+                    rng-<r>.pt    each rank r: its random number generators
+                    extra.pt      rank 0, when train_func tracks objects (optional)
+                    read as ``torch``'s files are
 
 ``dcp`` (torch.distributed.checkpoint, written by FSDP jobs of earlier versions) is neither
 committed nor read: its ``.metadata`` is a pickle.
@@ -36,13 +40,17 @@ _PER_RANK = {
     CheckpointFormat.TORCH: (re.compile(r"^rng-(0|[1-9][0-9]{0,6})\.pt$"),),
     CheckpointFormat.SHARDS: (re.compile(r"^shard-(0|[1-9][0-9]{0,6})\.safetensors$"),
                               re.compile(r"^shard-(0|[1-9][0-9]{0,6})\.json$")),
+    CheckpointFormat.STAGES: (re.compile(r"^stage-(0|[1-9][0-9]{0,6})\.pt$"),
+                              re.compile(r"^rng-(0|[1-9][0-9]{0,6})\.pt$")),
 }
-_RANK_0 = {CheckpointFormat.TORCH: (STATE, EXTRA), CheckpointFormat.SHARDS: ()}
+_RANK_0 = {CheckpointFormat.TORCH: (STATE, EXTRA), CheckpointFormat.SHARDS: (), CheckpointFormat.STAGES: (EXTRA,)}
 
 
 def format_for(parallelism: Parallelism | str) -> CheckpointFormat:
-    """The format a job of this parallelism writes: ``torch`` for DDP, ``shards`` for FSDP."""
-    return CheckpointFormat.SHARDS if Parallelism(parallelism) == Parallelism.FSDP else CheckpointFormat.TORCH
+    """The format a job of this parallelism writes: ``shards`` for FSDP, ``stages`` for
+    PIPELINE, ``torch`` for the others."""
+    return {Parallelism.FSDP: CheckpointFormat.SHARDS,
+            Parallelism.PIPELINE: CheckpointFormat.STAGES}.get(Parallelism(parallelism), CheckpointFormat.TORCH)
 
 
 def writers(parallelism: Parallelism | str, world_size: int) -> int:
@@ -68,6 +76,11 @@ def shard_files(rank: int) -> tuple[str, str]:
     return f"shard-{rank}.safetensors", f"shard-{rank}.json"
 
 
+def stage_file(rank: int) -> str:
+    """PIPELINE: rank ``rank``'s stage (its model and optimizer state)."""
+    return f"stage-{rank}.pt"
+
+
 def required(fmt: CheckpointFormat, world_size: int) -> set[str]:
     """Every file a checkpoint of ``fmt`` written by ``world_size`` ranks must hold."""
     fmt = CheckpointFormat(fmt)
@@ -75,12 +88,14 @@ def required(fmt: CheckpointFormat, world_size: int) -> set[str]:
         return {STATE, *(rng_file(r) for r in range(world_size))}
     if fmt == CheckpointFormat.SHARDS:
         return {name for r in range(world_size) for name in shard_files(r)}
+    if fmt == CheckpointFormat.STAGES:
+        return {name for r in range(world_size) for name in (stage_file(r), rng_file(r))}
     return set()  # dcp: nothing is ever complete
 
 
 def optional(fmt: CheckpointFormat) -> set[str]:
     """Files a checkpoint of ``fmt`` may hold beside the required ones."""
-    return {EXTRA} if CheckpointFormat(fmt) == CheckpointFormat.TORCH else set()
+    return {EXTRA} if CheckpointFormat(fmt) in (CheckpointFormat.TORCH, CheckpointFormat.STAGES) else set()
 
 
 def owner(fmt: CheckpointFormat, name: str, world_size: int) -> int | None:
@@ -104,7 +119,9 @@ def describe(fmt: CheckpointFormat, world_size: int) -> str:
         return f"state.pt, rng-0.pt .. rng-{last}.pt and optionally extra.pt"
     if fmt == CheckpointFormat.SHARDS:
         return f"shard-<rank>.safetensors and shard-<rank>.json for ranks 0 .. {last}"
+    if fmt == CheckpointFormat.STAGES:
+        return f"stage-<rank>.pt and rng-<rank>.pt for ranks 0 .. {last}, and optionally extra.pt"
     return "nothing: this format is not accepted"
 
 
-__all__ = ["STATE", "EXTRA", "format_for", "writers", "resumable", "rng_file", "shard_files", "required", "optional", "owner", "describe"]
+__all__ = ["STATE", "EXTRA", "format_for", "writers", "resumable", "rng_file", "shard_files", "stage_file", "required", "optional", "owner", "describe"]

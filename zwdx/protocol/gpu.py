@@ -23,6 +23,7 @@ from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, 
 from .tokens import Secret
 from .dataset import DatasetPin
 from .diloco import DilocoSettings
+from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
 from .vocab import Isolation, JobKind, Parallelism, SlotKind
@@ -222,6 +223,8 @@ class JobAssign(Answer):
     max_restarts: int = defaults.MAX_RESTARTS
     #: DILOCO's settings; None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: PIPELINE's settings; None for the other modes.
+    pipeline: PipelineSettings | None = None
     #: The job's GPU clients, rank 0's first, for the reachability probe (empty: none to probe,
     #: as for DILOCO, which syncs through the server).
     peers: list[Peer] = []

@@ -29,6 +29,7 @@ from .. import defaults
 from .base import Answer
 from .dataset import DatasetPin
 from .diloco import DilocoSettings
+from .pipeline import PipelineSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
 from .vocab import CheckpointFormat, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
@@ -87,6 +88,10 @@ class JobSpec(Record):
     gpus_per_client: int | None = None
     #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
     diloco: DilocoSettings | None = None
+    #: PIPELINE's settings (defaults resolved at submit); None for the other modes.
+    pipeline: PipelineSettings | None = None
+    #: A LoRA job's adapter config (peft's JSON); None for a job without LoRA.
+    lora: dict | None = None
     #: The datasets its GPU clients fetch, pinned at submit (``zwdx.protocol.dataset``).
     datasets: list[DatasetPin] = Field(default_factory=list)
     #: The image its ranks run in (GPU clients that allow it only); None: any client's default.

@@ -31,6 +31,7 @@ from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
 from .base import ByValue, Count, Id, Message, Seconds, Text
 from .diloco import DilocoSettings
+from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptSpec
 from .vocab import JobKind, Parallelism
@@ -90,6 +91,8 @@ class RankSpec(Message):
     #: DILOCO with several ranks per worker: the port on 127.0.0.1 where this GPU client's ranks
     #: of the job (one worker) meet as their own process group (the agent picks it); None: one rank.
     worker_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    #: PIPELINE's settings; None for the other modes.
+    pipeline: PipelineSettings | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

@@ -9,6 +9,7 @@ status, checkpoints) in ``zwdx.protocol.report``.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
@@ -19,10 +20,11 @@ from .base import Answer, Bytes, ByValue, Count, Id, Message
 from .dataset import DatasetRef
 from .diloco import DilocoSettings
 from .gpu import ModuleName
+from .pipeline import PipelineSettings
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
 from .script import ScriptSpec
-from .vocab import ArtifactKind, ClientStatus, EventKind, Isolation, JobKind, JobStatus, Parallelism, SlotKind
+from .vocab import ArtifactKind, ClientStatus, EventKind, Isolation, JobKind, JobStatus, Parallelism, PipelineSchedule, SlotKind
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -206,6 +208,13 @@ class SubmitJob(Message):
     #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
     #: the defaults when this is left out.
     diloco: DilocoSettings | None = None
+    #: PIPELINE's settings (``zwdx.protocol.pipeline``); only with parallelism PIPELINE, which
+    #: takes the defaults when this is left out.
+    pipeline: PipelineSettings | None = Field(default=None, validate_default=True)
+    #: A LoRA job's adapter config, as peft writes ``adapter_config.json`` (the SDK sets it from
+    #: ``lora=``; the server keeps it for ``get_trained_model``, and reads nothing in it but
+    #: ``peft_type``). Only with DDP or FSDP.
+    lora: dict[str, Any] | None = None
     #: Datasets the GPU clients fetch before the job's code runs (``zwdx.protocol.dataset``): a
     #: room dataset's name (its newest version, pinned now), a URL, or ``{"url", "sha256", "name"}``.
     datasets: Annotated[list[DatasetRef], Field(max_length=defaults.MAX_JOB_DATASETS)] = []
@@ -277,6 +286,29 @@ class SubmitJob(Message):
         world_size = info.data.get("world_size")
         if value is not None and world_size is not None and value > world_size:
             raise ValueError(f"must be at most world_size ({world_size})")
+        if value is not None and info.data.get("parallelism") == Parallelism.PIPELINE and value != world_size:
+            raise ValueError(f"must equal world_size ({world_size}) with PIPELINE: every stage needs its rank")
+        return value
+
+    @field_validator("pipeline")
+    @classmethod
+    def _pipeline_only(cls, value, info):
+        """Only with PIPELINE, which takes the defaults when it is left out; one stage a rank."""
+        parallelism = info.data.get("parallelism")
+        if parallelism != Parallelism.PIPELINE:
+            if value is not None and parallelism is not None:
+                raise ValueError(f"applies to parallelism PIPELINE only, not {parallelism.value}")
+            return value
+        if info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError("a script job has no model to cut into stages: PIPELINE is for submit_job's functions")
+        value = value or PipelineSettings()
+        stages, world_size = value.stages, info.data.get("world_size")
+        if stages is not None and world_size is not None and stages != world_size:
+            raise ValueError(f"stage_plan names {stages} stage(s) but world_size is {world_size}: one stage a rank")
+        n = world_size or stages
+        if value.schedule == PipelineSchedule.ONE_F_ONE_B and n and value.microbatches is not None \
+                and value.microbatches < n:
+            raise ValueError(f"microbatches must be at least the number of stages ({n}) with 1F1B")
         return value
 
     @model_validator(mode="after")
@@ -285,6 +317,27 @@ class SubmitJob(Message):
             self.diloco = DilocoSettings()
         if self.diloco is not None and self.diloco.ranks_per_worker > 1:
             self.gpus_per_client = self.diloco.ranks_per_worker  # placement: a worker's ranks on one GPU client
+        return self
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_config(cls, value, info):
+        if value is None:
+            return None
+        parallelism = info.data.get("parallelism")
+        if parallelism not in (Parallelism.DDP, Parallelism.FSDP) or info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError(f"LoRA jobs run with DDP or FSDP, not {getattr(parallelism, 'value', parallelism)}")
+        if not isinstance(value.get("peft_type"), str) or not value["peft_type"]:
+            raise ValueError("must be a peft config as JSON, with its peft_type (\"LORA\")")
+        if len(json.dumps(value)) > defaults.MAX_LORA_CONFIG_BYTES:
+            raise ValueError(f"must take at most {defaults.MAX_LORA_CONFIG_BYTES} bytes as JSON")
+        return value
+
+    @model_validator(mode="after")
+    def _pipeline_world(self):
+        """A PIPELINE job's plan, if it names its stages, says how many ranks it has."""
+        if self.pipeline is not None and self.world_size is None:
+            self.world_size = self.pipeline.stages
         return self
 
 

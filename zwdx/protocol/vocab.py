@@ -36,6 +36,15 @@ class Parallelism(str, Enum):
     #: Each GPU client a worker, training alone for ``inner_steps``; outer steps sync through the
     #: server (``zwdx.protocol.diloco``).
     DILOCO = "DILOCO"
+    #: The model cut into stages, one per rank, run as a pipeline over micro-batches
+    #: (``torch.distributed.pipelining``; ``zwdx.protocol.pipeline``).
+    PIPELINE = "PIPELINE"
+
+
+class PipelineSchedule(str, Enum):
+    """The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes)."""
+    GPIPE = "gpipe"  # every forward, then every backward (ScheduleGPipe)
+    ONE_F_ONE_B = "1f1b"  # one forward, one backward, once the pipeline is full (Schedule1F1B)
 
 
 class Compression(str, Enum):
@@ -81,6 +90,7 @@ class CheckpointFormat(str, Enum):
     SHARDS = "shards"  # FSDP: each rank's shards as safetensors with a JSON index; no pickle
     DCP = "dcp"        # FSDP of earlier versions (torch.distributed.checkpoint, whose metadata is
                        # a pickle): in old records only; never committed, never read
+    STAGES = "stages"  # PIPELINE: each rank its stage's model and optimizer state, read as TORCH's
 
 
 class CredentialRole(str, Enum):
@@ -129,7 +139,7 @@ class ArtifactKind(str, Enum):
 # declares (the runner passes them, the SDK checks a function's signature against them at submit).
 LOADER_ARGS = ("rank", "world_size", "device", "data_dir")
 TRAIN_ARGS = ("model", "loader", "optimizer", "optim", "rank", "world_size", "epochs", "device", "eval_func",
-              "reporter", "start_epoch", "resume")
+              "reporter", "start_epoch", "resume", "pipeline")
 EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")
 
 
@@ -153,4 +163,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

@@ -399,6 +399,6 @@ class Scheduler:
                 checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
-                group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, peers=peers,
-                datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses)
+                group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
+                peers=peers, datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -16,6 +16,13 @@ export const Parallelism = Object.freeze({
   DDP: "DDP",
   FSDP: "FSDP",
   DILOCO: "DILOCO",
+  PIPELINE: "PIPELINE",
+});
+
+/** The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes). */
+export const PipelineSchedule = Object.freeze({
+  GPIPE: "gpipe",
+  ONE_F_ONE_B: "1f1b",
 });
 
 /** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */
@@ -57,6 +64,7 @@ export const CheckpointFormat = Object.freeze({
   TORCH: "torch",
   SHARDS: "shards",
   DCP: "dcp",
+  STAGES: "stages",
 });
 
 /** What a room's token may do: a submitter's submits and reads jobs, a donor's connects GPU clients (`zwdx.protocol.tokens`). */

@@ -1,0 +1,221 @@
+"""PIPELINE on a GPU client: this rank runs one stage of the model, the ranks in stage order, with
+``torch.distributed.pipelining`` (its tracer frontend and its schedules, as the PyTorch docs show).
+
+Every rank traces the whole model (on the CPU, with one micro-batch of the first batch as the
+example input) and cuts it where the plan says: each stage after the first begins at a module
+(``torch.distributed.pipelining.SplitPoint.BEGINNING``). The plan (``zwdx.protocol.pipeline``)
+gives block ranges or module names; left out, the model's repeated blocks (the units FSDP
+shards, ``parallel.fsdp_plan``) are cut in proportion to each stage's free GPU memory (the ranks
+all-gather it first), or into equal runs on CPU slots (those of one host share its RAM); each cut at the block
+boundary nearest to its share. Speed is not weighed yet. The rank keeps only its stage's module, on its device;
+the stage's parameters keep the model's names (``transformer.h.3.mlp.weight``), so the rebuilt
+optimizer's param groups, the checkpoints and the returned weights use the names the user knows.
+
+Why ``train_func`` cannot run its plain loop: ``model(x)`` on a stage would take the previous
+stage's activations, not ``x``, and ``loss.backward()`` needs the gradient the next stage sends.
+So a PIPELINE job's ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)``
+where it would run forward and backward: the schedule (GPipe or 1F1B) splits the batch into
+micro-batches, runs them through the stages, and accumulates every micro-batch's gradient (scaled
+by 1/micro-batches: the gradient of the batch's mean loss). ``step`` returns that mean loss,
+computed by the last stage and sent to every stage (one small broadcast), so the rest of the
+loop (``optimizer.step()``, ``zero_grad()``, ``reporter.log_metrics(loss=...)``) stays as it was.
+
+After training, rank 0 gathers every stage's weights (plain tensor sends, each of a shape rank 0
+traced itself: nothing is unpickled), loads them into the whole model and runs ``eval_func`` on
+it, on the CPU; the whole weights are what it uploads.
+
+The strategy's surface, as ``parallel.Collective``'s; the data: a pipeline is one replica of the
+model, so ``data_loader_func`` gets rank 0 of a world of 1 on every stage (all read the same
+batches: the first stage uses the inputs, the last the targets).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zwdx.protocol.pipeline import PipelineSettings
+from zwdx.protocol.vocab import PipelineSchedule
+
+from zwdx.checks import repeated_blocks
+
+from .parallel import Collective
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline(Collective):
+    """One stage of a PIPELINE job (see the module's docstring); ``step`` is what train_func gets."""
+
+    part = True  # the rank's model is its stage
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.settings = spec.pipeline or PipelineSettings()
+        self.stages, self.index = spec.world_size, spec.rank
+        self.microbatches = self.settings.microbatches or self.stages
+        self.whole: nn.Module | None = None     # rank 0: the whole model, the returned weights loaded
+        self.layout: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
+        self.schedule = None
+        self._loss_fn = None
+        self._state: dict | None = None
+        self._gathered = False
+
+    # -- the strategy's surface ----------------------------------------------------------------
+    def loader_arguments(self) -> dict:
+        return {"rank": 0, "world_size": 1}
+
+    def train_arguments(self) -> dict:
+        return {"pipeline": self}
+
+    def wrap(self, model: nn.Module, device, bundle: dict, report, example=None) -> nn.Module:
+        """Trace ``model`` (on the CPU) with one micro-batch of ``example()``'s batch, cut it, and keep this
+        rank's stage on ``device``; it is what the optimizer, the checkpoints and train_func see."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
+        from torch.distributed.pipelining import pipeline as trace
+        self.device = device
+        points, line = split_points(model, self.settings.stage_plan, self.stages, self._free_memory(device))
+        x = _inputs(example())
+        if x.shape[0] < self.microbatches:
+            raise ValueError(f"a batch of {x.shape[0]} cannot be split into {self.microbatches} micro-batches "
+                             f"(pipeline.microbatches)")
+        pipe = trace(model, mb_args=(x.tensor_split(self.microbatches)[0],),
+                     split_spec={name: SplitPoint.BEGINNING for name in points})
+        if pipe.num_stages != self.stages:
+            raise ValueError(f"the model traced into {pipe.num_stages} stage(s), not {self.stages}: a split point "
+                             f"({', '.join(points)}) is not called in the model's forward")
+        self.layout = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
+                       for i in range(self.stages)]
+        stage = pipe.build_stage(self.index, device)
+        cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
+        self.schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
+        self.whole = model if self.index == 0 else None
+        if self.index == 0:
+            line = (f"{line}; {self.microbatches} micro-batches of {x.shape[0] // self.microbatches}, "
+                    f"schedule {self.settings.schedule.value}")
+            log.info("%s", line)
+            report(line)
+        return stage.submod
+
+    def _free_memory(self, device) -> list[int] | None:
+        """Every stage's free device memory, in rank order (one small all-gather), when every
+        stage is on a GPU; None when one is on a CPU slot (those of a host share its RAM: an
+        even cut)."""
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        comm = self._comm_device()
+        mine = torch.tensor([free], dtype=torch.int64, device=comm)
+        every = [torch.zeros_like(mine) for _ in range(self.stages)]
+        dist.all_gather(every, mine)
+        sizes = [int(t.item()) for t in every]
+        return sizes if all(sizes) else None
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Nothing: each stage's buffers are its own."""
+
+    def evaluated(self, model: nn.Module, device=None) -> tuple[nn.Module, torch.device] | None:
+        """Rank 0: the whole model with every stage's trained weights, on the CPU; the others: None."""
+        state = self.full_state(model)
+        if state is None:
+            return None
+        self.whole.to("cpu").load_state_dict(state)  # its first stage's parameters went to the device
+        return self.whole, torch.device("cpu")
+
+    def full_state(self, model: nn.Module) -> dict | None:
+        """Rank 0: the whole model's weights, gathered once; the others: None. Collective."""
+        if not self._gathered:
+            self._state, self._gathered = self._gather(model), True
+        return self._state
+
+    # -- what train_func calls -----------------------------------------------------------------
+    def step(self, x=None, y=None, loss_fn=None) -> torch.Tensor:
+        """One batch forward and backward through every stage: ``x`` the first stage's input,
+        ``y`` and ``loss_fn(output, y)`` the last stage's (every rank may pass all three).
+        Gradients accumulate into this stage's parameters; returns the batch's mean loss over
+        its micro-batches (a 0-d tensor, on every stage)."""
+        first, last = self.index == 0, self.index == self.stages - 1
+        if last and (y is None or loss_fn is None):
+            raise ValueError("pipeline.step(x, y, loss_fn): the last stage needs the targets y and the loss_fn")
+        self._loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        args = (x.to(self.device),) if first else ()
+        kwargs = {"target": y.to(self.device), "losses": losses} if last else {}
+        self.schedule.step(*args, **kwargs)
+        comm = self._comm_device()
+        loss = torch.stack([v.detach().float() for v in losses]).mean().to(comm) if last \
+            else torch.zeros((), dtype=torch.float32, device=comm)
+        if self.stages > 1:
+            dist.broadcast(loss, src=self.stages - 1)
+        return loss
+
+    def _loss(self, output, target):
+        return self._loss_fn(output, target)
+
+    # -- the weights -----------------------------------------------------------------------------
+    def _comm_device(self):
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _gather(self, model: nn.Module) -> dict | None:
+        """Every stage's state to rank 0, each tensor sent whole, in name order: rank 0 allocates
+        what it traced, so only raw bytes cross (no pickle). Collective: every rank calls it."""
+        comm = self._comm_device()
+        mine = model.state_dict()
+        if self.index != 0:
+            for name, _, _ in self.layout[self.index]:
+                dist.send(mine[name].detach().to(comm).contiguous(), dst=0)
+            return None
+        state = {k: v.detach().cpu() for k, v in mine.items()}
+        for stage in range(1, self.stages):
+            for name, shape, dtype in self.layout[stage]:
+                buf = torch.empty(shape, dtype=dtype, device=comm)
+                dist.recv(buf, src=stage)
+                state[name] = buf.cpu()
+        return state
+
+
+def split_points(model: nn.Module, plan, stages: int, memory: list[int] | None = None) -> tuple[list[str], str]:
+    """The module names where stages 1.. begin, and a line for the job's log. ``plan``: block
+    ranges, module names, or None: the repeated blocks cut in proportion to each stage's free
+    ``memory`` (None: evenly)."""
+    blocks = [name for name, _ in repeated_blocks(model)]
+    if plan is not None and isinstance(plan[0], str):
+        known = dict(model.named_modules())
+        missing = [name for name in plan if name not in known]
+        if missing:
+            raise ValueError(f"pipeline.stage_plan: the model has no module {missing[0]!r}")
+        return list(plan), f"PIPELINE: {stages} stages, beginning at the root, {', '.join(plan)}"
+    if not blocks and stages > 1:
+        raise ValueError(f"PIPELINE: {type(model).__name__} has no repeated blocks (a ModuleList or Sequential of "
+                         f"modules of one class) to cut into stages; name the split points in pipeline.stage_plan")
+    ranges = plan if plan is not None else weighted_ranges(len(blocks), memory or [1] * stages)
+    if ranges[-1][1] != len(blocks) or len(ranges) != stages:
+        raise ValueError(f"pipeline.stage_plan {ranges} must cover the model's {len(blocks)} blocks in {stages} "
+                         f"stage(s)")
+    points = [blocks[start] for start, _ in ranges[1:]]
+    shown = ", ".join(f"{blocks[a]}..{blocks[b - 1]}" for a, b in ranges)
+    return points, f"PIPELINE: {stages} stages over {len(blocks)} blocks: {shown}"
+
+
+def weighted_ranges(blocks: int, weights: list[int]) -> list[list[int]]:
+    """``blocks`` cut into one run a weight, each run's length in proportion to its weight: each
+    cut at the block boundary nearest to the running share (halves up), at least one block a run."""
+    stages = len(weights)
+    if blocks < stages:
+        raise ValueError(f"PIPELINE: {blocks} repeated block(s) cannot make {stages} stages; use fewer ranks")
+    total, cuts, share = sum(weights), [0], 0
+    for i, weight in enumerate(weights[:-1], start=1):
+        share += weight
+        cut = (2 * blocks * share + total) // (2 * total)  # the nearest block boundary, halves up
+        cuts.append(min(max(cut, cuts[-1] + 1), blocks - (stages - i)))
+    cuts.append(blocks)
+    return [[a, b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _inputs(batch):
+    """The model's input in a batch from the loader: the batch, or its first item."""
+    x = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"PIPELINE: the loader's batches must be tensors or (input, target) pairs of tensors, "
+                        f"got {type(x).__name__}")
+    return x

@@ -1,0 +1,143 @@
+"""PIPELINE: the settings checked at the edge (in-process), and, with a server and two GPU clients
+(CPU slots, gloo), a 4-block model cut into 2 stages by the automatic plan and by explicit ones:
+the loss equals one process's over the same micro-batches (the split is exact), the returned
+weights (every stage's, assembled) evaluate here to the loss the job reported, and each stage
+writes its own checkpoint."""
+from __future__ import annotations
+
+import platform
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import models
+from conftest import Api
+from procs import GpuClient, Server, wait_until
+from zwdx import ZWDX
+from zwdx.errors import BadRequest
+
+
+# -- the settings, at the edge --------------------------------------------------------------------
+def submit(api: Api, **fields):
+    bundle = api.upload()
+    return api.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
+                                   **fields})
+
+
+def test_a_pipeline_job_takes_the_defaults_and_its_plan_sets_its_world_size(api):
+    job = submit(api, parallelism="pipeline").json
+    assert job["spec"]["parallelism"] == "PIPELINE"
+    assert job["spec"]["pipeline"] == {"schedule": "gpipe", "microbatches": None, "stage_plan": None}
+    job = submit(api, parallelism="PIPELINE", pipeline={"schedule": "1F1B", "microbatches": 4,
+                                                        "stage_plan": [[0, 3], [3, 4]]}).json
+    assert job["spec"]["pipeline"] == {"schedule": "1f1b", "microbatches": 4, "stage_plan": [[0, 3], [3, 4]]}
+    assert job["spec"]["world_size"] == 2
+    assert submit(api, parallelism="DDP").json["spec"]["pipeline"] is None
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"parallelism": "DDP", "pipeline": {}}, "pipeline"),
+    ({"parallelism": "PIPELINE", "pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
+    ({"parallelism": "PIPELINE", "pipeline": {"microbatches": 0}}, "pipeline.microbatches"),
+    ({"parallelism": "PIPELINE", "pipeline": {"stage_plan": [[0, 2], [3, 4]]}}, "pipeline.stage_plan"),
+    ({"parallelism": "PIPELINE", "pipeline": {"stage_plan": [[1, 2]]}}, "pipeline.stage_plan"),
+    ({"parallelism": "PIPELINE", "pipeline": {"stage_plan": ["h.2", "not a name"]}}, "pipeline.stage_plan"),
+    ({"parallelism": "PIPELINE", "pipeline": {"stage_plan": "h.2"}}, "pipeline.stage_plan"),
+    ({"parallelism": "PIPELINE", "world_size": 3, "pipeline": {"stage_plan": [[0, 2], [2, 4]]}}, "pipeline"),
+    ({"parallelism": "PIPELINE", "world_size": 3, "pipeline": {"schedule": "1f1b", "microbatches": 2}}, "pipeline"),
+    ({"parallelism": "PIPELINE", "world_size": 2, "min_world_size": 1}, "min_world_size"),
+    ({"parallelism": "PIPELINE", "pipeline": {"stages": 2}}, "pipeline.stages")])
+def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, field):
+    before = api.jobs()
+    resp = submit(api, **fields)
+    assert resp.status_code == 400, resp.json
+    assert resp.json["error"]["field"] == field, resp.json
+    assert api.jobs() == before
+
+
+def test_the_sdk_checks_the_plan_against_the_model_before_uploading_anything():
+    sdk = ZWDX("http://127.0.0.1:9", room_token="zs_unused", remember=False)  # nothing listens: nothing is sent
+    for plan, says in [([[0, 2], [2, 3]], "the model has 4 repeated blocks"), (["h.9"], "no module 'h.9'")]:
+        with pytest.raises(BadRequest, match=says) as err:
+            sdk.submit_job(models.stage_lm(), models.pipe_loaders, models.pipe_train, parallelism="PIPELINE",
+                           pipeline={"stage_plan": plan})
+        assert err.value.field == "pipeline.stage_plan"
+    with pytest.raises(BadRequest) as err:
+        sdk.submit_job(models.stage_lm(), models.pipe_loaders, models.pipe_train, parallelism="PIPELINE",
+                       pipeline={"schedule": "interleaved"})
+    assert err.value.field == "pipeline.schedule"
+
+
+def test_the_automatic_cut_follows_each_stages_free_memory_with_a_block_at_least():
+    from gpu_client.pipeline import weighted_ranges
+    assert weighted_ranges(4, [1, 1]) == [[0, 2], [2, 4]]  # CPU slots: even
+    assert weighted_ranges(5, [1, 1]) == [[0, 3], [3, 5]]
+    gib = 2**30
+    assert weighted_ranges(12, [24 * gib, 80 * gib]) == [[0, 3], [3, 12]]
+    assert weighted_ranges(8, [80 * gib, 1 * gib]) == [[0, 7], [7, 8]]  # never an empty stage
+    assert weighted_ranges(3, [1, 5, 1]) == [[0, 1], [1, 2], [2, 3]]
+    with pytest.raises(ValueError, match="2 repeated block"):
+        weighted_ranges(2, [1, 1, 1])
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pipeline")
+    server = Server(str(base / "server"))
+    sdk = ZWDX(server.url)
+    made = sdk.create_room("pipeline")
+    sdk.room_token = made["token"]
+    clients = [GpuClient(server.url, made["donor_token"], str(base / name), client_id=f"client-{name}")
+               for name in ("a", "b")]
+    try:
+        wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == 2, 60,
+                   what="two gpu clients online")
+        yield SimpleNamespace(sdk=sdk, clients=clients)
+    finally:
+        for client in clients:
+            client.stop()
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline, says", [
+    (None, "PIPELINE: 2 stages over 4 blocks: h.0..h.1, h.2..h.3; 2 micro-batches of 8, schedule gpipe"),
+    ({"stage_plan": [(0, 1), (1, 4)], "schedule": "1f1b", "microbatches": 4},
+     "PIPELINE: 2 stages over 4 blocks: h.0..h.0, h.1..h.3; 4 micro-batches of 4, schedule 1f1b"),
+    ({"stage_plan": ["h.3"]}, "PIPELINE: 2 stages, beginning at the root, h.3; 2 micro-batches of 8")])
+def test_two_stages_on_two_gpu_clients_train_as_one_process_would(pool, pipeline, says):
+    epochs, microbatches = 2, (pipeline or {}).get("microbatches", 2)
+    model = models.stage_lm()
+    started = time.time()
+    result = pool.sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
+                                 torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs,
+                                 world_size=2, pipeline=pipeline, progress=False, timeout=300)
+    print(f"\npipeline {pipeline}: {time.time() - started:.1f} s, eval loss {result['results']['eval_loss']:.4f}")
+    assert result["status"] == "completed", result
+    job_id = result["job_id"]
+    job = pool.sdk.get_job(job_id)
+    assert {p["client_id"] for p in job["placement"]} == {"client-a", "client-b"}  # a stage on each
+    logs = [line["text"] for line in pool.sdk.get_job_logs(job_id)]
+    assert any(says in t for t in logs), logs
+
+    # the split is exact: each step's loss, the last stage's, is one process's over the same micro-batches
+    alone, losses = models.pipe_alone(epochs, microbatches)
+    series = pool.sdk.get_job_metrics(job_id)["loss"]
+    assert [p["value"] for p in series if p["rank"] == 0] == pytest.approx(losses, rel=1e-4)
+    assert [p["value"] for p in series if p["rank"] == 1] == pytest.approx(losses, rel=1e-4)
+    assert result["results"]["final_loss"] == pytest.approx(losses[-1], rel=1e-4)
+
+    # the weights come back whole, every stage's, and evaluate here to what the job reported
+    trained = pool.sdk.get_trained_model(job_id, models.stage_lm(seed=1))
+    reported = result["results"]["eval_loss"]
+    assert models.pipe_local_eval_loss(trained) == pytest.approx(reported, rel=1e-4)
+    assert models.pipe_local_eval_loss(alone) == pytest.approx(reported, rel=1e-3)
+    assert reported < models.pipe_local_eval_loss(models.stage_lm())  # it learned
+
+    # a checkpoint per epoch, each stage's state in its own file
+    checkpoint = job["latest_checkpoint"]
+    assert checkpoint["format"] == "stages"
+    assert {"stage-0.pt", "stage-1.pt", "rng-0.pt", "rng-1.pt"} <= set(checkpoint["files"])

@@ -1,0 +1,82 @@
+"""PIPELINE: what a submitter sets (``submit_job(..., pipeline={...})``).
+
+    PipelineSettings   SubmitJob.pipeline -> JobSpec.pipeline -> JobAssign.pipeline -> RankSpec.pipeline
+
+The model is cut into as many stages as the job has ranks, one stage a rank, in rank order
+(``gpu_client/pipeline.py``). Where it is cut: ``stage_plan``, either ranges of the model's
+repeated blocks (``[[0, 6], [6, 12]]``: blocks 0 to 5 on rank 0, 6 to 11 on rank 1; the modules
+before the blocks go with the first stage, those after with the last) or the names of the
+modules each stage after the first begins at (``["transformer.h.6"]``); left out, the blocks are
+cut evenly. Which blocks a model has is checked where the model is, by the SDK before upload.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+
+from .base import ByValue, Message
+from .vocab import PipelineSchedule
+
+#: A module's name in the model (``transformer.h.6``), as ``named_modules`` says it.
+_MODULE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+#: The most stages a plan may name.
+MAX_STAGES = 1024
+
+
+class PipelineSettings(Message):
+    #: GPipe (every forward, then every backward) or 1F1B (one forward, one backward).
+    schedule: Annotated[PipelineSchedule, ByValue] = PipelineSchedule.GPIPE
+    #: How many micro-batches each batch is split into; None: the number of stages.
+    microbatches: Annotated[int, Field(ge=1, le=65_536)] | None = None
+    #: Ranges ``[start, end)`` of the repeated blocks, one a stage; or the module names where the
+    #: stages after the first begin; None: the blocks cut evenly.
+    stage_plan: list[Any] | None = None
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _lower(cls, value):
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("stage_plan", mode="before")
+    @classmethod
+    def _plan(cls, value):
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError("must be a non-empty list of block ranges [start, end] or of module names")
+        if len(value) > MAX_STAGES:
+            raise ValueError(f"must have at most {MAX_STAGES} entries")
+        if all(isinstance(v, str) for v in value):
+            bad = next((v for v in value if not _MODULE.match(v) or len(v) > 300), None)
+            if bad is not None:
+                raise ValueError(f"must name modules (like 'transformer.h.6'), got {bad!r}")
+            if len(set(value)) != len(value):
+                raise ValueError("names a module twice")
+            return list(value)
+        ranges = []
+        for v in value:
+            if (not isinstance(v, (list, tuple)) or len(v) != 2
+                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in v)):
+                raise ValueError(f"must be a list of block ranges [start, end] (whole numbers) or of module names, "
+                                 f"got {v!r}")
+            ranges.append([v[0], v[1]])
+        if ranges[0][0] != 0:
+            raise ValueError(f"must start at block 0, got {ranges[0][0]}")
+        for (start, end), nxt in zip(ranges, ranges[1:] + [None]):
+            if end <= start:
+                raise ValueError(f"range [{start}, {end}] must hold at least one block")
+            if nxt is not None and nxt[0] != end:
+                raise ValueError(f"ranges must follow each other: [{start}, {end}] then [{nxt[0]}, {nxt[1]}]")
+        return ranges
+
+    @property
+    def stages(self) -> int | None:
+        """How many stages the plan names (None: as many as the job's ranks)."""
+        if self.stage_plan is None:
+            return None
+        return len(self.stage_plan) + 1 if isinstance(self.stage_plan[0], str) else len(self.stage_plan)
+
+
+__all__ = ["PipelineSettings", "MAX_STAGES"]
