@@ -178,7 +178,7 @@ def script_job(sdk, out, problems) -> None:
 def diloco_on_gpus(sdk, out, problems) -> None:
     """G: the MNIST example as DILOCO and as DDP on 2 GPU clients, the same samples."""
     out("## G. DILOCO against DDP (MNIST example, 2 GPU clients, 3 epochs)")
-    out("| parallelism | final loss | held-out accuracy | MB sent per worker | rounds | wall s |")
+    out("| parallelism | final loss | held-out accuracy | MB of the largest round upload (rank 0) | rounds | wall s |")
     out("|---|---|---|---|---|---|")
     for par, extra in (("DDP", {}), ("DILOCO", {"diloco": {"inner_steps": 20, "compression": "int8"}})):
         t0 = time.time()
