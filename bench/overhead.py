@@ -108,10 +108,9 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
         "->rank process": marks["rank_process"],
         "join process group": at["joined"] - at["rank_process"],
         "(bundle fetch+load, meanwhile)": at["bundle_loaded"] - at["rank_process"],
-        "model to GPU": at["on_device"] - joined,
-        f"wrap {cfg.get('parallelism', 'DDP')}": at["wrapped"] - at["on_device"],
+        "user's data_loader_func": at["data_loader"] - joined,  # before the model: a pipeline traces a batch
+        f"model to GPU, wrap {cfg.get('parallelism', 'DDP')}": at["wrapped"] - at["data_loader"],
         "optimizer": at["optimizer_checkpoint"] - at["wrapped"],
-        "user's data_loader_func": at["data_loader"] - at["optimizer_checkpoint"],
         "train_func->step": r["first_step_start"] - r["entered_at"],
         "first step": r["first_step_done"] - r["first_step_start"],
         "total to first step": r["first_step_start"] - submitted,
