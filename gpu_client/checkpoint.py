@@ -50,8 +50,7 @@ EXTRA = files_of.EXTRA
 
 class Checkpointer:
     def __init__(self, reporter, model, optimizer, parallelism: Parallelism, rank: int, world: int, device,
-                 latest: CheckpointEntry | None = None, writes: bool = True, commit_timeout: float = 600.0):
-        self.writes = writes  # False: this rank writes no checkpoint (a DILOCO job's are its rank 0's alone)
+                 latest: CheckpointEntry | None = None, commit_timeout: float = 600.0):
         self.reporter, self.model, self.optimizer = reporter, model, optimizer
         self.parallelism, self.rank, self.world, self.device = parallelism, rank, world, device
         self.latest = latest  # the checkpoint this attempt goes on from
@@ -117,10 +116,11 @@ class Checkpointer:
         one's tensors off the device; the files are written, uploaded and (rank 0, once every
         rank's are up) committed in the background. A failure there fails the rank at its next
         ``save`` or ``wait``; a rank lost before the commit leaves the previous checkpoint the
-        latest. A rank that does not ``write`` (a DILOCO worker but rank 0) skips it."""
+        latest. A rank outside the checkpoint's world (a DILOCO worker but rank 0: the job's
+        checkpoints are rank 0's alone, a world of one) skips it."""
         n = self.next_n
         self.next_n += 1
-        if not self.writes:
+        if self.rank >= self.world:
             return n
         self.wait()
         started = time.monotonic()

@@ -117,9 +117,7 @@ class Trainer:
         spec, latest = self.spec, self.spec.checkpoint
         checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
                                     1 if spec.parallelism == Parallelism.DILOCO else dist.get_world_size(),
-                                    self.device, latest,
-                                    writes=spec.rank == 0 or spec.parallelism != Parallelism.DILOCO,
-                                    commit_timeout=spec.collective_timeout)
+                                    self.device, latest, commit_timeout=spec.collective_timeout)
         if latest is not None and spec.joining:
             pass  # a DILOCO worker joining: the epoch to go on from, but its weights come from a worker
         elif latest is not None:
