@@ -63,7 +63,9 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
                 return {"store": store, "clients": clients, "pending": "zwdx/server/store/mongo.py is not there yet"}
             if not args.mongo_uri:
                 mongo = MongoProc(level_dir)
-        env = {}
+        # The simulated SDK users all share one room: its quota of open jobs (ROOM_MAX_JOBS) would
+        # refuse their submits past 100, which limits the room, not the server.
+        env = {"ZWDX_ROOM_MAX_JOBS": "0"}
         if args.heartbeat_interval:
             env.update({"ZWDX_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                         "ZWDX_CLIENT_TIMEOUT": str(max(10.0, 5 * args.heartbeat_interval))})

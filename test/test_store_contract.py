@@ -243,6 +243,24 @@ def test_list_slots_by_room_or_all_or_one_client(store):
 
 
 # -- reservations ------------------------------------------------------------------------------
+def test_jobs_are_listed_by_mode_and_the_unsettled_alone_when_asked(store):
+    from zwdx.protocol.job import JobSpec, Master
+    make_room(store)
+    spec = JobSpec(world_size=2, versions={"python": "3.11"}, bundle_artifact="b", bundle_sha256="ab" * 32,
+                   parallelism="DILOCO")
+    store.create_job(job_record("d1", status="running", spec=spec, master=Master(addr="10.0.0.1", port=1)))
+    store.create_job(job_record("r1", status="running", master=Master(addr="10.0.0.1", port=2)))
+    store.create_job(job_record("s1", status="starting"))                      # no rendezvous yet
+    store.create_job(job_record("s2", status="starting", master=Master(addr="10.0.0.1", port=3)))
+    store.create_job(job_record("f1", status="running", failing_since=5.0, master=Master(addr="10.0.0.1", port=4)))
+    store.create_job(job_record("p1", status="running", suspect_since=6.0, master=Master(addr="10.0.0.1", port=5)))
+    active = ["starting", "running"]
+    assert [j.id for j in store.list_jobs(None, active, parallelism="DILOCO")] == ["d1"]
+    assert [j.id for j in store.list_jobs("r1", active, parallelism="DDP")] == ["r1", "s1", "s2", "f1", "p1"]
+    assert [j.id for j in store.list_jobs("r1", active, unsettled=True)] == ["s1", "f1", "p1"]
+    assert [j.id for j in store.list_jobs("r1", ["running"], unsettled=True)] == ["f1", "p1"]
+
+
 def test_reserve_slots_gives_the_slots_and_moves_the_job(store):
     make_client(store, "c1", gpus=2)
     make_client(store, "c2", gpus=1)

@@ -171,7 +171,7 @@ def settle_suspects(ctx, room_id: str | None = None) -> None:
     ranks raised and every rank reported, or their ranks lost their peers and no GPU client
     turned out lost."""
     assign_timeout = 2 * float(ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT)) + 5.0
-    for record in ctx.store.list_jobs(room_id, statuses=list(ACTIVE)):
+    for record in ctx.store.list_jobs(room_id, statuses=list(ACTIVE), unsettled=True):  # the others are not overdue
         handle = Job(ctx.store, record)
         offline = set()
         if record.suspect_since is not None:

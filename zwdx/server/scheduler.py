@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import BadRequest
-from ..protocol import ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, SlotKind
+from ..protocol import (ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, Parallelism,
+                        SlotKind)
 from ..protocol.base import parse
 from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
@@ -277,7 +278,7 @@ class Scheduler:
         once (the job's rendezvous is done). After the queues are placed: a waiting job that fits goes first.
         Returns how many joined."""
         joined = 0
-        for record in self.ctx.store.list_jobs(None, statuses=[JobStatus.RUNNING]):
+        for record in self.ctx.store.list_jobs(None, statuses=[JobStatus.RUNNING], parallelism=Parallelism.DILOCO):
             joined += _guarded(f"a worker joining job {record.id}", self._join, record) or 0
         return joined
 

@@ -259,8 +259,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def list_jobs(self, room_id: str | None = None, statuses: Iterable[str] | None = None,
-                  limit: int | None = None) -> list[JobRecord]:
-        """Jobs of a room (every room when None), filtered by status, in submission order."""
+                  limit: int | None = None, parallelism: str | None = None,
+                  unsettled: bool = False) -> list[JobRecord]:
+        """Jobs of a room (every room when None), filtered by status, in submission order; with
+        ``parallelism``, only the jobs of that mode; with ``unsettled``, only those a settling pass
+        must look at (``Job.overdue``): a rank failed (``failing_since``) or lost its peers
+        (``suspect_since``), or the job is starting with no rendezvous yet (``master`` null).
+        The filters run in the database: the scheduler's passes parse only what they act on."""
 
     @abc.abstractmethod
     def set_job(self, job_id: str, fields: Mapping[str, Any], when: Iterable[str] | None = None,

@@ -35,6 +35,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from ...errors import StoreError
 from ...protocol.job import Job as JobRecord
+from ...protocol.vocab import JobStatus
 from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
 from .mongo_db import connect, describe, guarded, plain, prepare, schema_version
 
@@ -319,10 +320,15 @@ class MongoStore(Store):
         where = {"room_id": room_id, "status": {"$in": status_values(statuses)}}
         return [d["_id"] for d in self._jobs.find(where, {"_id": 1}).sort("seq", ASCENDING)]
 
-    def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[JobRecord]:
+    def list_jobs(self, room_id=None, statuses=None, limit=None, parallelism=None, unsettled=False) -> list[JobRecord]:
         where = {} if room_id is None else {"room_id": room_id}
         if statuses is not None:
             where["status"] = {"$in": status_values(statuses)}
+        if parallelism is not None:
+            where["spec.parallelism"] = str(getattr(parallelism, "value", parallelism))
+        if unsettled:
+            where["$or"] = [{"failing_since": {"$ne": None}}, {"suspect_since": {"$ne": None}},
+                            {"$and": [{"status": JobStatus.STARTING.value}, {"master": {"$eq": None}}]}]
         cursor = self._jobs.find(where).sort("seq", ASCENDING)
         if limit:
             cursor = cursor.limit(int(limit))

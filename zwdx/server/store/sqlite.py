@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ...errors import StoreError
 from ...protocol.job import Job as JobRecord
+from ...protocol.vocab import JobStatus
 from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
 from .sqlite_db import Database, dump
 
@@ -257,7 +258,7 @@ class SQLiteStore(Store):
                              f"ORDER BY seq", (room_id, *wanted))
         return [r[0] for r in rows]
 
-    def list_jobs(self, room_id=None, statuses=None, limit=None) -> list[JobRecord]:
+    def list_jobs(self, room_id=None, statuses=None, limit=None, parallelism=None, unsettled=False) -> list[JobRecord]:
         sql, args = "SELECT doc FROM jobs WHERE 1=1", []
         if room_id is not None:
             sql += " AND room_id=?"
@@ -266,6 +267,13 @@ class SQLiteStore(Store):
             wanted = status_values(statuses)
             sql += f" AND status IN ({','.join('?' * len(wanted))})"
             args += wanted
+        if parallelism is not None:
+            sql += " AND json_extract(doc, '$.spec.parallelism')=?"
+            args.append(str(getattr(parallelism, "value", parallelism)))
+        if unsettled:
+            sql += (" AND (json_extract(doc, '$.failing_since') IS NOT NULL OR json_extract(doc, '$.suspect_since')"
+                    " IS NOT NULL OR (status=? AND json_extract(doc, '$.master') IS NULL))")
+            args.append(JobStatus.STARTING.value)
         sql += " ORDER BY seq"
         if limit:
             sql += f" LIMIT {int(limit)}"
