@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 #: the longest a pass waits for a kick).
 REAP_INTERVAL = 1.0
 
+#: The least seconds from one placement pass's start to the next one's: kicks that come
+#: meanwhile (every submit, rank report and exit kicks) are served together, so that a busy room
+#: does not list its GPU clients many times a second.
+PASS_INTERVAL = 0.2
+
 #: What became of a job the scheduler tried to start (``Scheduler._try_start``).
 _STARTED, _BLOCKED, _PASSED = "started", "blocked", "passed"
 
@@ -126,11 +131,14 @@ class Scheduler:
             self._thread.join(timeout)
 
     def _loop(self, app) -> None:
-        next_round = 0.0
+        next_round = next_pass = 0.0
         with app.app_context():
             while not self.ctx.stopping.is_set():
                 self._wake.wait(timeout=REAP_INTERVAL)
+                if next_pass > time.time():  # kicked again soon after a pass: wait out the interval
+                    self.ctx.stopping.wait(next_pass - time.time())
                 self._wake.clear()
+                next_pass = time.time() + PASS_INTERVAL
                 if not self.ctx.lease.held():
                     continue  # another server process schedules (lease.py)
                 settle, self._settle = self._settle, False
@@ -205,11 +213,13 @@ class Scheduler:
     def schedule_room(self, room_id: str) -> int:
         """Place the room's waiting jobs in FIFO order: the head of the queue goes first and the
         rest wait behind it, except behind a job the room could never run. How many started."""
-        started = 0
+        started, clients = 0, None
         for job in self.ctx.store.list_jobs(room_id, statuses=list(WAITING)):
-            outcome = self._try_start(job)
+            if clients is None:  # the room's clients, each with its slots: read once a pass, and again after a start
+                clients = {c["id"]: c for c in self.ctx.store.list_clients(room_id)}
+            outcome = self._try_start(job, clients)
             if outcome is _STARTED:
-                started += 1
+                started, clients = started + 1, None
             elif outcome is _BLOCKED:
                 break
         return started
@@ -237,11 +247,11 @@ class Scheduler:
             held[job_id] = other.spec.memory_required if other else 0
         return held
 
-    def _try_start(self, record: JobRecord):
+    def _try_start(self, record: JobRecord, clients: dict):
         """``_STARTED``; ``_BLOCKED`` (it waits, and the jobs behind it too); or ``_PASSED`` (it
-        waits for what the room could never give it now, and holds back no one)."""
+        waits for what the room could never give it now, and holds back no one). ``clients``: the
+        room's, by id, each with its slots (the reservation itself is checked in the store)."""
         store = self.ctx.store
-        clients = {c["id"]: c for c in store.list_clients(record.room_id)}  # each with its slots
         slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
         if any(s.get("job_id") == record.id for s in slots):
             return _BLOCKED  # ranks of its last attempt are still stopping
