@@ -210,7 +210,7 @@ def summarize(values: list[float]) -> dict:
             "max": max(values) if values else None}
 
 
-def summarize_profile(path: str, top: int = 25) -> list[tuple[str, float, float]]:
+def summarize_profile(path: str, top: int = 40) -> list[tuple[str, float, float]]:
     """py-spy's raw stacks -> the frames holding the GIL longest: (frame, self %, inclusive %)."""
     own, incl, total = Counter(), Counter(), 0
     try:

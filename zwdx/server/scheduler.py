@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 #: the longest a pass waits for a kick).
 REAP_INTERVAL = 1.0
 
-#: The least seconds from one placement pass's start to the next one's: kicks that come
-#: meanwhile (every submit, rank report and exit kicks) are served together, so that a busy room
-#: does not list its GPU clients many times a second.
+#: The least seconds from one placement pass's start to the next one's (or three times the
+#: pass's own time, if more): kicks that come meanwhile (every submit, rank report and exit
+#: kicks) are served together, so that a busy room does not list its GPU clients many times a second.
 PASS_INTERVAL = 0.2
 
 #: What became of a job the scheduler tried to start (``Scheduler._try_start``).
@@ -138,7 +138,7 @@ class Scheduler:
                 if next_pass > time.time():  # kicked again soon after a pass: wait out the interval
                     self.ctx.stopping.wait(next_pass - time.time())
                 self._wake.clear()
-                next_pass = time.time() + PASS_INTERVAL
+                began = time.time()
                 if not self.ctx.lease.held():
                     continue  # another server process schedules (lease.py)
                 settle, self._settle = self._settle, False
@@ -151,6 +151,9 @@ class Scheduler:
                 _guarded("finishing placements", self.finish_placements)
                 _guarded("placing jobs", self.schedule_once)
                 _guarded("placing joining DILOCO workers", self.join_workers)
+                # A pass that took long (a large room) leaves the process twice as long to its
+                # connections before the next one.
+                next_pass = began + max(PASS_INTERVAL, 3 * (time.time() - began))
 
     # -- lost clients ----------------------------------------------------------------------
     def reap_silent_clients(self) -> None:
@@ -215,11 +218,12 @@ class Scheduler:
         rest wait behind it, except behind a job the room could never run. How many started."""
         started, clients = 0, None
         for job in self.ctx.store.list_jobs(room_id, statuses=list(WAITING)):
-            if clients is None:  # the room's clients, each with its slots: read once a pass, and again after a start
-                clients = {c["id"]: c for c in self.ctx.store.list_clients(room_id)}
+            if clients is None:  # the room's clients, each with its slots: read once a pass (a start
+                clients = {c["id"]: c for c in self.ctx.store.list_clients(room_id)}  # marks its slots)
+                time.sleep(0)  # under gevent, let the connections waiting meanwhile be served first
             outcome = self._try_start(job, clients)
             if outcome is _STARTED:
-                started, clients = started + 1, None
+                started += 1
             elif outcome is _BLOCKED:
                 break
         return started
@@ -275,6 +279,8 @@ class Scheduler:
         rank_keys = {p.rank: new_secret(RANK_KEY_PREFIX) for p in placement}
         if not job.start(placement, [s["id"] for s in chosen], {r: hash_secret(k) for r, k in rank_keys.items()}):
             return _BLOCKED  # another scheduler got there first; look again next pass
+        for rank, slot in enumerate(chosen):  # the pass's view of the room, as the store now has it
+            slot["job_id"], slot["rank"] = record.id, rank
         log.info("job %s: placed on %d slot(s): %s", job.id, len(chosen),
                  ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement))
         self._ask_port(job.record, rank_keys, clients[placement[0].client_id])
