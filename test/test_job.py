@@ -291,6 +291,21 @@ def test_queued_jobs_can_be_cancelled_or_failed_but_not_moved_otherwise(store, c
     assert statuses(job) == ["queued", "failed"] and job.record.timeline[-1].reason == "refused"
 
 
+def test_a_placement_no_gpu_client_was_told_of_is_undone_and_the_job_waits_again(store, clock):
+    job = submit(store, clock)
+    assert place(job)
+    clock.advance(ASSIGN_TIMEOUT + 1)
+    assert job.unplace("placed again: the server stopped")
+    store.release_slots("j1")
+    r = store.get_job("j1")
+    assert (r.status, r.placement, r.restarts, r.waiting_reason) == (
+        JobStatus.QUEUED, None, 0, "placed again: the server stopped")
+    assert statuses(job) == ["queued", "starting", "queued"] and set(held(store).values()) == {None}
+    assert place(job) and store.get_job("j1").status == JobStatus.STARTING  # placed again, as any queued job
+    assert job.rendezvous(Master(addr="10.0.0.1", port=29500))
+    assert not job.unplace("too late: its clients were told")
+
+
 def test_a_starting_job_no_gpu_client_was_told_of_is_overdue(store, clock):
     job = submit(store, clock)
     assert place(job)

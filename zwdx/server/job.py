@@ -35,6 +35,11 @@ _ACTIVE = tuple(ACTIVE)
 _OPEN = (*ACTIVE, *WAITING)
 
 
+#: Why a starting job with no rendezvous ``assign_timeout`` after its placement is overdue:
+#: settling places it again (``unplace``).
+NO_RENDEZVOUS = "no rendezvous address came from rank 0's gpu client (the server that placed the job stopped)"
+
+
 class Job:
     """One job's record and the store it lives in; ``clock`` tells the time (tests pass a fake)."""
 
@@ -114,6 +119,19 @@ class Job:
         if not self.append_timeline(entry, when=[JobStatus.STARTING]):
             self.refresh()  # cancelled in between: it keeps its slots until the caller lets go
         return True
+
+    def unplace(self, reason: str) -> bool:
+        """starting -> queued (resuming, if it ran before): a placement none of whose GPU clients
+        was told where to meet (the server that placed it stopped first) is undone, and the job
+        waits to be placed again, ``reason`` on its timeline; no restart is counted, as nothing
+        ran. The caller frees its slots. False: it moved on meanwhile."""
+        r = self.record
+        if r.status != JobStatus.STARTING or r.master is not None:
+            return False
+        back = JobStatus.RESUMING if r.restarts or r.latest_checkpoint else JobStatus.QUEUED
+        fields = {"placement": None, "world_size": None, "rank_keys": {}, "started_at": None, "waiting_reason": reason,
+                  "ranks": {}, "exits": {}}
+        return self._move(back, [JobStatus.STARTING], self.clock(), fields, reason=reason)
 
     def join(self, entry: PlacementEntry, slot_id: str, key_hash: str) -> bool:
         """DILOCO: a worker joins the running job in dropped rank ``entry.rank``'s place, on
@@ -305,7 +323,7 @@ class Job:
                 return r.suspect_reason or "a rank lost its peers and no GPU client was lost"
             return None
         if r.status == JobStatus.STARTING and r.master is None and (r.started_at or now) < now - assign_timeout:
-            return "no rendezvous address came from rank 0's gpu client (the server that placed the job stopped)"
+            return NO_RENDEZVOUS
         return None
 
     def all_heard(self, failures: dict) -> bool:

@@ -18,7 +18,7 @@ from ..protocol.gpu import JobCancel
 from ..protocol.job import Job as JobRecord
 from . import notify
 from .extensions import socketio
-from .job import Job
+from .job import NO_RENDEZVOUS, Job
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,13 @@ def settle_suspects(ctx, room_id: str | None = None) -> None:
             offline = {p.client_id for p in record.placement or []
                        if (ctx.store.get_client(p.client_id) or {}).get("status") != ClientStatus.ONLINE.value}
         reason = handle.overdue(offline, float(ctx.config["CLIENT_TIMEOUT"]), assign_timeout)
-        if reason is not None and fail(ctx, record.id, reason) and record.master is None:
+        if reason == NO_RENDEZVOUS and handle.unplace(f"placed again: {reason}"):
+            log.warning("job %s: %s; placing it again", record.id, reason)
+            ctx.store.release_slots(record.id)  # no GPU client was told of it
+            notify.job_changed(handle.record)
+            notify.clients_changed(ctx, record.room_id)
+            ctx.scheduler.kick()
+        elif reason is not None and fail(ctx, record.id, reason) and record.master is None:
             ctx.store.release_slots(record.id)  # no GPU client was told of it: none will say its ranks exited
 
 
