@@ -2,7 +2,7 @@
 (in-process), the shares and the sampler (plain functions), where such a job may go; and, with a
 server and real processes, a job placed on a GPU and a CPU slot (gloo, and its timeline says
 what that costs) and a CPU+CPU job on two GPU clients of truly different speed (one shares its
-core with busy loops): the slower rank gets the smaller batch, a step is one process's over the
+core with three busy loops): the slower rank gets the smaller batch, a step is one process's over the
 whole global batch, and the returned weights evaluate here to the loss the job reported."""
 from __future__ import annotations
 
@@ -260,10 +260,10 @@ def test_the_slower_rank_takes_the_smaller_batch_and_a_step_is_the_whole_global_
     made = sdk.create_room("mixed-speeds")
     sdk.room_token = made["token"]
     base = server.base
-    # the slow GPU client shares core 1 with two busy loops; the fast one has core 0 to itself (or shares it
+    # the slow GPU client shares core 1 with three busy loops; the fast one has core 0 to itself (or shares it
     # with whatever else runs on this machine: only the order of the two speeds is asserted)
     busy = [Proc(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"], str(base / f"busy{i}.log"))
-            for i in range(2)]
+            for i in range(3)]
     clients = [gpu_client(server.url, made["donor_token"], str(base / "fast"), "fast", core=0),
                gpu_client(server.url, made["donor_token"], str(base / "slow"), "slow", core=1)]
     try:
