@@ -112,7 +112,7 @@ class Mixed(Collective):
             self.reporter.log(line)
 
     def replicas(self) -> float:
-        """Rank 0's samples times this make the job's: the global batch over its share."""
+        """This rank's samples times this make the job's (rank 0 counts them): the global batch over its share."""
         return self.global_batch / self.batch
 
     # -- the model -------------------------------------------------------------------------------

@@ -181,6 +181,19 @@ def test_the_ranks_slices_of_each_step_are_one_global_batch_of_one_order():
         Sampling(0, 5, 10)(range(9))
 
 
+def test_the_layout_of_a_mixed_rank_gives_its_batch_its_gradient_share_and_its_device():
+    from gpu_client.mixed import Mixed
+    from zwdx.protocol import Devices, Parallelism
+    rank = Mixed(SimpleNamespace(rank=1, world_size=2, parallelism=Parallelism.DDP, devices=Devices.MIXED))
+    rank.global_batch, rank.batches, rank.speeds, rank.device = 128, [96, 32], [3000.0, 1000.0], torch.device("cpu")
+    layout = rank.layout(Net())
+    assert {k: layout[k] for k in ("role", "batch", "weight", "device", "modules")} == {
+        "role": "replica", "batch": 32, "weight": 0.25, "device": "cpu", "modules": ["body"]}
+    assert layout["params"] == sum(p.numel() for p in Net().parameters())
+    assert layout["text"] == "a replica on cpu: batch 32 of 128 (25% of the gradient), measured 1000 samples/s"
+    assert rank.replicas() == 4  # throughput: rank 0's samples count for the global batch
+
+
 # -- where a mixed job may go -------------------------------------------------------------------
 def slot(client, index, kind):
     return {"id": f"{client}:{index}", "client_id": client, "index": index, "kind": kind, "memory_free": 8 << 30,
