@@ -247,15 +247,15 @@ def measure(model: nn.Module, device: torch.device, batch, steps: int = PROBE_ST
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     n = _size(batch)
 
-    def step():
-        _first_tensor(_call(probe, batch)).float().sum().backward()
+    def step(model):
+        _first_tensor(_call(model, batch)).float().sum().backward()
     try:
         with torch.random.fork_rng(devices=cuda):  # dropout draws: the job's generators stay where they were
-            step()
+            step(probe)
             _synchronize(device)
             began, done = time.perf_counter(), 0
             while done < steps or time.perf_counter() - began < seconds:
-                step()
+                step(probe)
                 done += 1
             _synchronize(device)
             took = time.perf_counter() - began
@@ -284,10 +284,10 @@ def same_steps(loader, rank: int, device: torch.device) -> None:
     counts = [int(c) for c in gather_floats(float(mine), device)]
     if -1 in counts or len(set(counts)) == 1:
         return
-    raise ValueError(f"devices=\"mixed\": the ranks' loaders take different numbers of steps per pass ("
+    raise ValueError("devices=\"mixed\": the ranks' loaders take different numbers of steps per pass ("
                      + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)) + "); DDP needs the same on every "
-                     f"rank: build the DataLoader with batch_size=batch_size and sampler=sampler(dataset), the "
-                     f"two data_loader_func gets")
+                     "rank: build the DataLoader with batch_size=batch_size and sampler=sampler(dataset), the "
+                     "two data_loader_func gets")
 
 
 def _to(batch, device: torch.device):

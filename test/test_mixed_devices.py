@@ -1,105 +1,25 @@
 """Mixed devices in one job (``devices="mixed"``): the settings checked at the edge and by the SDK
 (in-process), the shares and the sampler (plain functions), where such a job may go; and, with a
 server and real processes, a job placed on a GPU and a CPU slot (gloo, and its timeline says
-what that costs) and a CPU+CPU job on two GPU clients of truly different speed (one shares its
-core with three busy loops): the slower rank gets the smaller batch, a step is one process's over the
-whole global batch, and the returned weights evaluate here to the loss the job reported."""
+what that costs) and a CPU+CPU job on two GPU clients of truly different speed (one runs torch
+without AVX, as an older CPU would): the slower rank gets the smaller batch, a step is one
+process's over the whole global batch, and the returned weights evaluate here to the loss the
+job reported."""
 from __future__ import annotations
 
 import copy
-import os
 import platform
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from donor import Donor
-from procs import PROCESSES, Proc, Server, wait_until
+from mixed_job import EPOCHS, G, LR, Net, farthest, local_eval_loss, mixed_eval, mixed_loaders, mixed_train, reference
+from procs import GpuClient, Server, wait_until
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 from zwdx.server.placement import mixed, plan, unschedulable
-
-# -- the job the processes run ------------------------------------------------------------------
-N, D, H, G, EPOCHS, LR, SEED = 2048, 32, 256, 128, 2, 0.05, 3
-
-
-class Net(nn.Module):
-    """No layer that depends on the batch (no BatchNorm): each rank's gradient is its batch's mean."""
-
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.body = nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(), nn.Linear(H, 4))
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def data(n: int = N, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, D, generator=g)
-    return x, torch.sin(x[:, :4] * 2) + 0.1 * x[:, 4:8]
-
-
-def mixed_loaders(rank, world_size, batch_size=64, sampler=None):
-    from torch.utils.data import DataLoader, TensorDataset
-    train = TensorDataset(*data())
-    evaluated = TensorDataset(*data(512, seed=1))
-    return (DataLoader(train, batch_size=batch_size, sampler=sampler(train, shuffle=True, seed=SEED)),
-            DataLoader(evaluated, batch_size=512))
-
-
-def mixed_train(model, loader, optimizer, epochs, reporter, device):
-    loss = None
-    for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.mse_loss(model(x.to(device)), y.to(device))
-            loss.backward()
-            optimizer.step()
-            reporter.log_metrics(loss=loss.item())
-    return loss.item()
-
-
-def mixed_eval(model, loader, device):
-    model.eval()
-    with torch.no_grad():
-        x, y = next(iter(loader))
-        return {"eval_loss": F.mse_loss(model(x.to(device)), y.to(device)).item()}
-
-
-def reference(model: nn.Module, split: tuple[int, ...] | None = None) -> nn.Module:
-    """One process over the same global batches (the sampler's order: ``randperm`` seeded with
-    seed + epoch, cut into global batches); ``split``: DDP's plain mean of the ranks' means instead."""
-    x, y = data()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for epoch in range(EPOCHS):
-        order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED + epoch))
-        for step in range(N // G):
-            at = order[step * G:(step + 1) * G]
-            optimizer.zero_grad()
-            parts = [at] if split is None else list(at.split(list(split)))
-            (sum(F.mse_loss(model(x[p]), y[p]) for p in parts) / len(parts)).backward()
-            optimizer.step()
-    return model
-
-
-def farthest(a: nn.Module, b: nn.Module) -> float:
-    """The largest difference between two models' tensors, relative to each tensor's largest value."""
-    sa, sb = a.state_dict(), b.state_dict()
-    return max(float((sa[k] - sb[k]).abs().max() / sb[k].abs().max()) for k in sb)
-
-
-def local_eval_loss(model: nn.Module) -> float:
-    x, y = data(512, seed=1)
-    with torch.no_grad():
-        return F.mse_loss(model.eval()(x), y).item()
-
 
 # -- the settings, at the edge ------------------------------------------------------------------
 def submit(api, **fields):
@@ -259,12 +179,10 @@ def test_a_job_on_a_gpu_and_a_cpu_slot_meets_over_gloo_and_says_what_it_costs(se
             donor.stop()
 
 
-def gpu_client(url: str, token: str, work_dir: str, client_id: str, core: int) -> Proc:
-    """A GPU client with one CPU slot, it and its ranks confined to one core (``taskset``)."""
-    os.makedirs(work_dir, exist_ok=True)
-    return Proc(["taskset", "-c", str(core), sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url, "--cpu",
-                 "--threads", "1", "--client-id", client_id, "--work-dir", work_dir],
-                os.path.join(work_dir, "gpu-client.log"), env={"ZWDX_ROOM_TOKEN": token, **PROCESSES})
+#: What makes a GPU client truly slower here: its torch without AVX, as on an older CPU (ATen's kernels
+#: unvectorised, MKL's and oneDNN's limited to SSE4): about 4 times slower on this model, whatever
+#: else the machine runs (a busy loop on a pinned core is undone by the scheduler moving the rest).
+OLDER_CPU = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
 
 
 @pytest.mark.slow
@@ -272,13 +190,8 @@ def test_the_slower_rank_takes_the_smaller_batch_and_a_step_is_the_whole_global_
     sdk = ZWDX(server.url, remember=False)
     made = sdk.create_room("mixed-speeds")
     sdk.room_token = made["token"]
-    base = server.base
-    # the slow GPU client shares core 1 with three busy loops; the fast one has core 0 to itself (or shares it
-    # with whatever else runs on this machine: only the order of the two speeds is asserted)
-    busy = [Proc(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"], str(base / f"busy{i}.log"))
-            for i in range(3)]
-    clients = [gpu_client(server.url, made["donor_token"], str(base / "fast"), "fast", core=0),
-               gpu_client(server.url, made["donor_token"], str(base / "slow"), "slow", core=1)]
+    clients = [GpuClient(server.url, made["donor_token"], str(server.base / "fast"), client_id="fast"),
+               GpuClient(server.url, made["donor_token"], str(server.base / "slow"), client_id="slow", env=OLDER_CPU)]
     try:
         wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == 2, 60,
                    what="two gpu clients online")
@@ -287,8 +200,8 @@ def test_the_slower_rank_takes_the_smaller_batch_and_a_step_is_the_whole_global_
                                 torch.optim.SGD(model.parameters(), lr=LR), "DDP", epochs=EPOCHS, world_size=2,
                                 devices="mixed", global_batch=G, progress=False, timeout=300)
     finally:
-        for proc in busy + clients:
-            proc.stop()
+        for client in clients:
+            client.stop()
     assert result["status"] == "completed", result
     job_id = result["job_id"]
     on = {p["client_id"]: p["rank"] for p in result["placement"]}
