@@ -34,9 +34,9 @@ FINGERPRINT_MAX_NUMEL = 200_000_000
 class Collective:
     """The strategy of DDP and FSDP: every rank of the job in one process group (rank 0's port),
     the model wrapped as the job says. ``diloco.Diloco``, ``pipeline.Pipeline`` and ``mixed.Mixed``
-    are the others (subclasses); the runner asks the strategy ``strategy(spec, reporter)`` picks where they differ:
-    how to meet (``rendezvous``), what the loader and train_func are told, how the model is
-    wrapped, which model ``eval_func`` sees, and how the whole weights come back."""
+    are the others (subclasses); the runner asks the strategy ``strategy(spec, reporter)`` picks
+    where they differ: how to meet (``rendezvous``), what the loader and train_func are told, how
+    the model is wrapped, which model ``eval_func`` sees, and how the whole weights come back."""
 
     def __init__(self, spec):
         self.spec = spec

@@ -8,7 +8,10 @@ job reported."""
 from __future__ import annotations
 
 import copy
+import os
 import platform
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +19,7 @@ import torch
 
 from donor import Donor
 from mixed_job import EPOCHS, G, LR, Net, farthest, local_eval_loss, mixed_eval, mixed_loaders, mixed_train, reference
-from procs import GpuClient, Server, wait_until
+from procs import ROOT, GpuClient, Server, wait_until
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 from zwdx.server.placement import mixed, plan, unschedulable
@@ -215,6 +218,14 @@ def test_the_slower_rank_takes_the_smaller_batch_and_a_step_is_the_whole_global_
     assert speed[slow] < speed[fast] and batch[slow] < batch[fast]
     assert batch[slow] + batch[fast] == G
     split = (batch[0], batch[1])
+    shown = subprocess.run([sys.executable, "-m", "zwdx.cli", "jobs", "show", job_id, "--server", server.url],
+                           capture_output=True, text=True, timeout=120, env={
+                               **{k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")},
+                               "PYTHONPATH": ROOT, "ZWDX_ROOM_TOKEN": made["token"], "ZWDX_REMEMBER": "0"})
+    assert f"mixed, global batch {G}" in shown.stdout, shown.stdout + shown.stderr
+    rows = {int(line.split()[0]): line.split()[-1] for line in shown.stdout.splitlines()
+            if line.split() and line.split()[0] in ("0", "1")}
+    assert rows == {0: str(batch[0]), 1: str(batch[1])}, shown.stdout  # the BATCH column
     logs = [line["text"] for line in sdk.get_job_logs(job_id)]
     assert any(f"the global batch of {G} shared out by measured speed: {split[0]} + {split[1]}" in t
                for t in logs), logs
