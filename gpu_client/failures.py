@@ -49,15 +49,16 @@ class CollectiveWatch:
 collectives = CollectiveWatch()
 
 
-def watch_gradients(model) -> None:
+def watch_gradients(model, weight: float | None = None) -> None:
     """DDP's gradient all-reduce as a comm hook that notes a failure in ``collectives``. Same
     arithmetic as DDP's own (each bucket divided by the world size, then summed), on gloo
-    (CPU) only: see the module's docstring. A DDP model takes one comm hook: the user's code
-    cannot register another on a CPU job's model."""
+    (CPU) only: see the module's docstring. ``weight``: each bucket multiplied by it instead
+    (a mixed-devices rank's share of the global batch, ``mixed.py``). A DDP model takes one comm
+    hook: the user's code cannot register another on a CPU job's model."""
     import torch.distributed as dist
 
     def allreduce(watch: CollectiveWatch, bucket):
-        tensor = bucket.buffer().div_(dist.get_world_size())
+        tensor = bucket.buffer().div_(dist.get_world_size()) if weight is None else bucket.buffer().mul_(weight)
 
         def settled(fut):
             try:

@@ -74,12 +74,13 @@ def _batch_size(batch) -> int:
 
 class SystemMetrics(threading.Thread):
     """The platform's metrics of one rank, in a thread: ``throughput`` (samples/s of the whole
-    job: rank 0's count times the world size) from rank 0, ``gpu_utilization`` (percent, from
+    job: rank 0's count times ``world``, the replicas, or for mixed devices the global batch over
+    rank 0's share) from rank 0, ``gpu_utilization`` (percent, from
     NVML) from every rank on a GPU. A sample is taken after the first step, every
     ``SYSTEM_METRICS_INTERVAL`` seconds and at the end (``finish``), so a job shorter than the
     interval has its samples too. ``needed`` is False where there is nothing to sample."""
 
-    def __init__(self, reporter, loader: CountingLoader, rank: int, world: int, device):
+    def __init__(self, reporter, loader: CountingLoader, rank: int, world: float, device):
         super().__init__(name="zwdx-system-metrics", daemon=True)
         self.reporter, self.loader, self.world = reporter, loader, world
         self.counts = rank == 0

@@ -33,10 +33,10 @@ FINGERPRINT_MAX_NUMEL = 200_000_000
 
 class Collective:
     """The strategy of DDP and FSDP: every rank of the job in one process group (rank 0's port),
-    the model wrapped as the job says. ``diloco.Diloco`` and ``pipeline.Pipeline`` are the others
-    (subclasses); the runner asks the strategy ``strategy(spec, reporter)`` picks where they differ:
-    how to meet (``rendezvous``), what the loader and train_func are told, how the model is
-    wrapped, which model ``eval_func`` sees, and how the whole weights come back."""
+    the model wrapped as the job says. ``diloco.Diloco``, ``pipeline.Pipeline`` and ``mixed.Mixed``
+    are the others (subclasses); the runner asks the strategy ``strategy(spec, reporter)`` picks
+    where they differ: how to meet (``rendezvous``), what the loader and train_func are told, how
+    the model is wrapped, which model ``eval_func`` sees, and how the whole weights come back."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -66,6 +66,15 @@ class Collective:
         """What ``data_loader_func`` is told of the ranks: this one's place among the replicas."""
         return {"rank": self.spec.rank, "world_size": self.spec.world_size}
 
+    def loaders(self, make, bundle: dict, device: torch.device) -> tuple:
+        """The job's (train, eval) loaders: ``make(arguments)`` calls ``data_loader_func`` with
+        ``loader_arguments`` (a mixed-devices rank measures its speed first, ``mixed.py``)."""
+        return make(self.loader_arguments())
+
+    def replicas(self) -> float:
+        """Rank 0's samples times this make the job's (for ``throughput``): the replicas."""
+        return self.loader_arguments()["world_size"]
+
     def train_arguments(self) -> dict:
         """Arguments of the strategy's own that ``train_func`` may declare (``pipeline``)."""
         return {"pipeline": None}
@@ -88,14 +97,17 @@ class Collective:
 
 
 def strategy(spec, reporter):
-    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE, ``Collective``
-    for DDP and FSDP."""
+    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE, ``Mixed`` for a
+    DDP job over mixed devices, ``Collective`` for DDP and FSDP."""
     if spec.parallelism.value == "DILOCO":
         from .diloco import Diloco
         return Diloco(spec, reporter)
     if spec.parallelism.value == "PIPELINE":
         from .pipeline import Pipeline
         return Pipeline(spec)
+    if spec.devices.value == "mixed":
+        from .mixed import Mixed
+        return Mixed(spec, reporter)
     return Collective(spec)
 
 

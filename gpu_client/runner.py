@@ -7,9 +7,10 @@ Once it has its spec and its log, the process enters the job's sandbox (``isolat
 job's private directory, and under a per-job user that user, for good) before anything of the
 job is read. A script job's rank runs ``gpu_client.script.ScriptRank`` instead (``rank_for``).
 
-``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU,
-the job's collective timeout) while the bundle loads, makes the loaders, wraps the model (the
-job's strategy: DDP/FSDP, a pipeline stage, a DILOCO worker), rebuilds the optimizer and
+``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU
+and on mixed devices, the job's collective timeout) while the bundle loads, makes the loaders,
+wraps the model (the job's strategy: DDP/FSDP, a pipeline stage, a DILOCO worker, a replica of
+a mixed-devices job), rebuilds the optimizer and
 restores the checkpoint; ``train`` calls the user's
 ``train_func`` with the arguments it declares; ``finish`` runs ``eval_func``, gathers the
 weights, uploads them from rank 0 and reports the result. A failure is reported with its
@@ -129,11 +130,15 @@ class Trainer:
 
     def _user_loaders(self):
         """``data_loader_func``'s training and eval loaders (one loader: both). A pipeline's
-        stages are one replica: each is told rank 0 of 1 (``strategy.loader_arguments``)."""
-        loaders = call_with(self.bundle["data_loader_func"], {**self.strategy.loader_arguments(),
-                                                              "device": self.device, "data_dir": self.spec.data_dir},
-                            "data_loader_func")
+        stages are one replica: each is told rank 0 of 1 (``strategy.loader_arguments``); a
+        mixed-devices rank is told its share of the global batch (``strategy.loaders``)."""
+        loaders = self.strategy.loaders(self._call_loader, self.bundle, self.device)
         self.startup.mark("data_loader")
+        return loaders
+
+    def _call_loader(self, arguments: dict):
+        loaders = call_with(self.bundle["data_loader_func"], {**arguments, "device": self.device,
+                                                              "data_dir": self.spec.data_dir}, "data_loader_func")
         return loaders if isinstance(loaders, tuple) and len(loaders) == 2 else (loaders, loaders)
 
     def _loaders(self):
@@ -145,7 +150,7 @@ class Trainer:
                                 self._epoch_end if self.spec.checkpoint_every_epoch else None,
                                 on_first_step=self._first_step, on_first_pass=self.checkpointer.restore_rng)
         self.reporter.attach(self.checkpointer, loader)
-        replicas = self.strategy.loader_arguments()["world_size"]  # a pipeline is one: throughput counts it once
+        replicas = self.strategy.replicas()  # a pipeline is one; mixed devices: the global batch over rank 0's
         self.system = SystemMetrics(self.reporter, loader, self.spec.rank, replicas, self.device)
         return loader, eval_loader
 

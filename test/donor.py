@@ -1,8 +1,9 @@
 """A GPU client and a dashboard spoken by the test itself, over the server's real wire: for the
 tests of who may read and write what, which need placed jobs and their rank keys but no training.
 
-    Donor(url, donor_token, client_id, slots=1)  registers CPU slots on /gpu (keeping the client
-                                                 secret it is answered), heartbeats, offers a
+    Donor(url, donor_token, client_id, slots=1)  registers CPU slots (``kind="cuda"``: GPUs) on
+                                                 /gpu (keeping the client secret it is
+                                                 answered), heartbeats, offers a
                                                  rendezvous port when asked, keeps each JobAssign
                                                  (``rank_key(job_id, rank)``); it starts no rank
     Rank(url, rank_key, job_id, rank=0)          what a rank process sends, with its rank key
@@ -31,10 +32,10 @@ GiB = 1 << 30
 
 
 class Donor(socketio.Client):
-    """A GPU client with ``slots`` CPU slots in the room of ``token`` (a donor token); it runs
-    nothing. ``client_secret``: what its first register was answered with."""
+    """A GPU client with ``slots`` CPU slots (GPUs: ``kind="cuda"``) in the room of ``token`` (a
+    donor token); it runs nothing. ``client_secret``: what its first register was answered with."""
 
-    def __init__(self, url: str, token: str, client_id: str, slots: int = 1):
+    def __init__(self, url: str, token: str, client_id: str, slots: int = 1, kind: str = "cpu"):
         super().__init__(reconnection=False)
         self.client_id, self.slots = client_id, slots
         self.assigned: dict[str, JobAssign] = {}  # job id -> what the server assigned
@@ -45,7 +46,7 @@ class Donor(socketio.Client):
         self.connect(url, namespaces=[GPU_NAMESPACE], auth={"token": token}, transports=["websocket"],
                      wait_timeout=30)
         hello = Register(client_id=client_id, hostname=f"host-{client_id}", versions=runtime_versions(),
-                         slots=[Slot(index=i, kind="cpu", name="CPU", memory_total=8 * GiB, memory_free=8 * GiB)
+                         slots=[Slot(index=i, kind=kind, name=kind.upper(), memory_total=8 * GiB, memory_free=8 * GiB)
                                 for i in range(slots)])
         answer = self.call(EV_REGISTER, hello.model_dump(mode="json"), namespace=GPU_NAMESPACE, timeout=30)
         assert answer["ok"], answer

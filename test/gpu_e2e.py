@@ -20,7 +20,11 @@ F: a torchrun script run unchanged as a script job (test/scripts/ddp.py, PyTorch
    both ranks' final losses equal, the job's outputs downloaded.
 G: the MNIST example as DILOCO (inner steps 20, int8) against DDP on 2 GPU clients, the same
    samples: the final losses, the bytes each worker sent, the rounds.
-``--only F,G`` runs the sections named (of A, C, D, E, F, G; B runs with 3 GPUs).
+M: mixed devices (``devices="mixed"``): a GPU client lending GPU 0 and one lending a CPU slot, in
+   a room of their own, one DDP job over both (test/mixed_job.py): placement, backend (gloo),
+   the timeline's words, each rank's measured samples/s and batch, the weights against one
+   process over the same global batches, the eval loss recomputed here.
+``--only F,G`` runs the sections named (of A, C, D, E, F, G, M; B runs with 3 GPUs).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mixed_job  # noqa: E402
 import mnist  # noqa: E402
 import models  # noqa: E402
 from procs import Proc, Server, wait_until  # noqa: E402
@@ -94,7 +99,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default="/tmp/zwdx-gpu-e2e")
     parser.add_argument("--lm-only", action="store_true", help="run section D only")
-    parser.add_argument("--only", default="A,B,C,D,E,F,G", help="the sections to run, comma-separated")
+    parser.add_argument("--only", default="A,B,C,D,E,F,G,M", help="the sections to run, comma-separated")
     args = parser.parse_args()
     ngpu = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0) if ngpu else "none"
@@ -129,6 +134,8 @@ def main() -> None:
             language_models(sdk, out)
         if "E" in only:
             metrics_of_a_short_job(sdk, out, problems)
+        if "M" in only:
+            mixed_devices(server.url, args.work, out, problems)
         if len(clients) >= 3 and "B" in only:
             server = lost_client(args, sdk, server, clients, token, out)
         if "C" in only:
@@ -172,6 +179,55 @@ def script_job(sdk, out, problems) -> None:
     out(f"outputs: {outputs}")
     if r["status"] != "completed" or zw != tr or "model.pt" not in outputs:
         problems.append(f"F: script job {r['status']}, losses zwdx {zw} torchrun {tr}, outputs {outputs}")
+    out("")
+
+
+def mixed_devices(url, work, out, problems) -> None:
+    """M: one devices="mixed" DDP job on GPU 0 and a CPU slot (GPU clients of a room of their own)."""
+    import copy
+    out("## M. Mixed devices: GPU 0 and a CPU slot in one DDP job (gloo, batches by measured speed)")
+    sdk = ZWDX(url)
+    room = sdk.create_room("mixed")
+    sdk.room_token = room["token"]
+    clients = [Proc([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", url, *slot, "--client-id", name,
+                     "--work-dir", os.path.join(work, name)], os.path.join(work, f"{name}.log"),
+                    env={"ZWDX_ROOM_TOKEN": room["donor_token"]})
+               for name, slot in (("mixed-gpu0", ["--gpus", "0"]), ("mixed-cpu", ["--cpu"]))]
+    try:
+        online(sdk, 2)
+        model = mixed_job.Net()
+        t0 = time.time()
+        r = sdk.submit_job(model, mixed_job.mixed_loaders, mixed_job.mixed_train, mixed_job.mixed_eval,
+                           torch.optim.SGD(model.parameters(), lr=mixed_job.LR), "DDP", epochs=mixed_job.EPOCHS,
+                           world_size=2, devices="mixed", global_batch=mixed_job.G, progress=False, timeout=600,
+                           raise_on_failure=False)
+        wall = time.time() - t0
+    finally:
+        for c in clients:
+            c.stop()
+    job = sdk.get_job(r["job_id"])
+    if r["status"] != "completed":
+        problems.append(f"M: mixed job {r['status']}: {r.get('reason')}")
+        out(f"mixed job {r['status']}: {r.get('reason')}")
+        return
+    metrics = sdk.get_job_metrics(r["job_id"])
+    speed = {p["rank"]: p["value"] for p in metrics["measured_speed"]}
+    batch = {p["rank"]: int(p["value"]) for p in metrics["batch_size"]}
+    kinds = {p["rank"]: p["kind"] for p in job["placement"]}
+    started = [e.get("reason") for e in job["timeline"] if e["status"] == "starting"][-1]
+    trained = sdk.get_trained_model(r["job_id"], mixed_job.Net(seed=1))
+    off = mixed_job.farthest(trained, mixed_job.reference(copy.deepcopy(model)))
+    here, reported = mixed_job.local_eval_loss(trained), r["results"]["eval_loss"]
+    out("| rank | slot | measured samples/s | batch |")
+    out("|---|---|---|---|")
+    for rank in sorted(kinds):
+        out(f"| {rank} | {kinds[rank]} | {speed[rank]:.0f} | {batch[rank]} |")
+    out(f"backend {job['backend']}; timeline: {started}; weights vs one process: {off:.2e} (relative); eval loss "
+        f"reported {reported:.6f}, here {here:.6f}; wall {wall:.1f} s")
+    if set(kinds.values()) != {"cuda", "cpu"} or job["backend"] != "gloo" or off > 1e-4 \
+            or abs(here - reported) > 1e-4 * abs(reported) or sum(batch.values()) != mixed_job.G:
+        problems.append(f"M: kinds {kinds}, backend {job['backend']}, weights off by {off:.2e}, eval {here} vs "
+                        f"{reported}, batches {batch}")
     out("")
 
 

@@ -61,3 +61,8 @@ def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
 def test_checkpoint_stall_runs():
     out = bench("checkpoint_stall.py", "--gpus", "0", "--cpu-ranks", "2", "--checkpoints", "2", "--between", "2")
     assert "| this checkout |" in out and "first checkpoint's stall" in out
+
+
+def test_mixed_devices_runs_both_sharings():
+    out = bench("mixed_devices.py", "--steps", "2", "--warmup", "1", "--hidden", "64", "--global-batch", "32")
+    assert "| unweighted | 16 + 16 |" in out and "| weighted |" in out and "weighted / unweighted speed" in out

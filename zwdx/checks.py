@@ -5,7 +5,8 @@ zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuse
 function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
 the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
 from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
-``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``. Every refusal is a ``BadRequest`` naming the field.
+``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``, ``check_devices`` a mixed-devices
+job's ``data_loader_func``. Every refusal is a ``BadRequest`` naming the field.
 """
 from __future__ import annotations
 
@@ -82,6 +83,33 @@ def check_plan(model, plan) -> None:
         raise BadRequest(f"field '{field}': the ranges end at block {plan[-1][1]}, but the model has {len(blocks)} "
                          f"repeated blocks ({blocks[0][0] + ' ...' if blocks else 'none'}): they must cover them all",
                          field=field)
+
+
+def check_devices(mixed: bool, global_batch, data_loader_func) -> None:
+    """A mixed-devices job (``devices="mixed"``) tells ``data_loader_func`` its share of the
+    global batch (``batch_size``) and a ``sampler``; only such a job does. ``BadRequest`` naming
+    ``data_loader_func`` or ``global_batch``."""
+    try:
+        params = inspect.signature(data_loader_func).parameters
+    except (TypeError, ValueError):
+        return
+    name = _fn_name(data_loader_func)
+    if not mixed:
+        needed = [n for n in ("batch_size", "sampler") if n in params and params[n].default is params[n].empty]
+        if needed:
+            raise BadRequest(f"data_loader_func {name!r} needs {_quoted(needed, 'argument')}, which zwdx gives only "
+                             f"to a job over mixed devices (devices=\"mixed\"): give it a default",
+                             field="data_loader_func")
+        return
+    if "batch_size" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise BadRequest(f"devices=\"mixed\": data_loader_func {name!r} must declare batch_size, its rank's share "
+                         f"of the global batch (and use sampler, which cuts every global batch into the shares)",
+                         field="data_loader_func")
+    default = params["batch_size"].default if "batch_size" in params else None
+    if global_batch is None and (not isinstance(default, int) or isinstance(default, bool) or default < 1):
+        raise BadRequest("devices=\"mixed\" needs global_batch (the samples of one step over every rank), or a "
+                         "default for data_loader_func's batch_size (then the global batch is the world size times "
+                         "it)", field="global_batch")
 
 
 def _fn_name(fn) -> str:

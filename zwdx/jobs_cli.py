@@ -111,6 +111,11 @@ def jobs_show(sdk, args) -> int:
     if spec.get("datasets"):
         fields.append(("datasets", ", ".join(f"{d['name']} ({d['url'] if d.get('url') else d['version'][:12]})"
                                              for d in spec["datasets"])))
+    mixed = spec.get("devices") == "mixed"
+    if mixed:
+        placed = [e.get("reason") for e in job.get("timeline") or [] if e.get("status") == "starting"]
+        fields.append(("devices", f"mixed, global batch {spec.get('global_batch') or 'from data_loader_func'}"
+                                  + (f" ({placed[-1]})" if placed and placed[-1] else "")))
     if job.get("waiting_reason"):
         fields.append(("waiting because", job["waiting_reason"]))
     if job.get("reason"):
@@ -122,16 +127,25 @@ def jobs_show(sdk, args) -> int:
     if placement:
         print()
         ranks = job.get("ranks") or {}
+        batch = _batches(sdk, job["id"]) if mixed else {}  # each rank's share of the global batch, as measured
         print(tabulate([[p["rank"], p.get("hostname") or "", p["client_id"], p.get("gpu_index"), p.get("gpu_name") or "",
                          ranks.get(str(p["rank"]), {}).get("status", "-"),
-                         ISOLATION_WORDS.get(ranks.get(str(p["rank"]), {}).get("isolation"), "-")] for p in placement],
-                       headers=["RANK", "HOST", "GPU CLIENT", "SLOT", "GPU", "STATUS", "ISOLATION"]))
+                         ISOLATION_WORDS.get(ranks.get(str(p["rank"]), {}).get("isolation"), "-"),
+                         *([batch.get(p["rank"], "-")] if mixed else [])] for p in placement],
+                       headers=["RANK", "HOST", "GPU CLIENT", "SLOT", "GPU", "STATUS", "ISOLATION",
+                                *(["BATCH"] if mixed else [])]))
         for rank, state in sorted(ranks.items(), key=lambda kv: int(kv[0])):
             if state.get("terms"):
                 print(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
     for rank in job.get("failure_order") or []:
         print(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}")
     return 0
+
+
+def _batches(sdk, job_id: str) -> dict:
+    """rank -> its batch (the ``batch_size`` metric a mixed-devices rank records at its start)."""
+    return {p["rank"]: int(p["value"]) for p in sdk.get_job_metrics(job_id).get("batch_size", [])
+            if isinstance(p.get("value"), (int, float))}
 
 
 def jobs_logs(sdk, args) -> int:

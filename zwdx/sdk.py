@@ -29,7 +29,7 @@ import requests
 from . import defaults, tls, trackers as _trackers
 from . import lora as _lora
 from .bundle import pack, required_modules
-from .checks import check_plan
+from .checks import check_devices, check_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -249,7 +249,8 @@ class ZWDX:
                    max_restarts: int = defaults.MAX_RESTARTS, keep_checkpoints: int = defaults.KEEP_CHECKPOINTS,
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None,
-                   datasets=None, image: str | None = None, pipeline: dict | None = None, lora=None):
+                   datasets=None, image: str | None = None, pipeline: dict | None = None, lora=None,
+                   devices: str = "same", global_batch: int | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -292,6 +293,13 @@ class ZWDX:
         as ``model`` does the same. ``get_trained_model`` returns the peft model with the trained
         adapter, ``get_adapter`` the adapter's tensors alone. DDP or FSDP.
 
+        ``devices="mixed"`` (DDP): GPU and CPU slots together, over gloo; each rank measures its
+        speed on a sample batch and takes its share of ``global_batch`` (None: the world size
+        times the default of ``data_loader_func``'s ``batch_size``), which ``data_loader_func``
+        gets as ``batch_size`` with a ``sampler`` (``sampler(dataset, shuffle=True, seed=0)``)
+        that cuts every global batch into the shares; each rank's gradient is weighted by its
+        share, so a step is one process's over the global batch. See the README.
+
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;
         your API key stays here, nothing of it goes to a donor) or ``zwdx.trackers.Tracker``
@@ -311,13 +319,16 @@ class ZWDX:
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
         if fsdp_units is not None and str(parallelism).upper() != "FSDP":
             raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
-        if diloco is not None or pipeline is not None:  # checked as the server will, before anything is uploaded
-            checked = parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),
-                                        "parallelism": str(parallelism).upper(), "diloco": diloco,
-                                        "pipeline": pipeline, "world_size": world_size})
+        if diloco is not None or pipeline is not None or devices != "same" or global_batch is not None:
+            checked = parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),  # as the server
+                                        "parallelism": str(parallelism).upper(), "diloco": diloco,  # will, before
+                                        "pipeline": pipeline, "world_size": world_size,  # anything is uploaded
+                                        "devices": devices, "global_batch": global_batch})
             if checked.pipeline is not None:
                 pipeline = checked.pipeline.model_dump(mode="json")
                 check_plan(model, checked.pipeline.stage_plan)
+            devices = checked.devices.value
+        check_devices(devices == "mixed", global_batch, data_loader_func)
         if (lora is not None or _lora.is_peft_model(model)) and str(parallelism).upper() not in ("DDP", "FSDP"):
             raise BadRequest(f"LoRA jobs run with DDP or FSDP, not {parallelism}", field="lora")
         model, lora_config = _lora.prepare(model, lora)  # the model with its adapter, the adapter's config
@@ -334,7 +345,7 @@ class ZWDX:
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
             "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image,
-            "pipeline": pipeline, "lora": lora_config})
+            "pipeline": pipeline, "lora": lora_config, "devices": devices, "global_batch": global_batch})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token

@@ -26,7 +26,7 @@ from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
-from .vocab import Isolation, JobKind, Parallelism, SlotKind
+from .vocab import Devices, Isolation, JobKind, Parallelism, SlotKind
 
 #: A top-level module name a GPU client can import.
 ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -238,6 +238,10 @@ class JobAssign(Answer):
     #: The addresses of every GPU client of the placement (this one's too): all a rank in a
     #: container may reach besides the server (``gpu_client/container.py``).
     addresses: list[str] = []
+    #: "mixed": the ranks weigh their batches by measured speed (``gpu_client/mixed.py``).
+    devices: Devices = Devices.SAME
+    #: devices "mixed": the samples of one step over every rank (None: from data_loader_func).
+    global_batch: int | None = None
 
 
 class JobCancel(Answer):

@@ -32,7 +32,7 @@ from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
-from .vocab import CheckpointFormat, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .vocab import CheckpointFormat, Devices, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
 
 
 def _absent(value) -> bool:
@@ -96,6 +96,11 @@ class JobSpec(Record):
     datasets: list[DatasetPin] = Field(default_factory=list)
     #: The image its ranks run in (GPU clients that allow it only); None: any client's default.
     image: str | None = None
+    #: "mixed": GPU and CPU slots together over gloo, batches weighted by measured speed.
+    devices: Devices = Devices.SAME
+    #: devices "mixed": the samples of one step over every rank; None: the world size times the
+    #: default of ``data_loader_func``'s ``batch_size``.
+    global_batch: int | None = None
 
 
 class PlacementEntry(Record):

@@ -34,7 +34,7 @@ from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptSpec
-from .vocab import JobKind, Parallelism
+from .vocab import Devices, JobKind, Parallelism
 
 #: Where a rank's tensors live: the CPU, or one GPU of this machine.
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
@@ -93,6 +93,12 @@ class RankSpec(Message):
     worker_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     #: PIPELINE's settings; None for the other modes.
     pipeline: PipelineSettings | None = None
+    #: "mixed": this rank's batch is its share of ``global_batch``, weighted by measured speed
+    #: (``gpu_client/mixed.py``).
+    devices: Annotated[Devices, ByValue] = Devices.SAME
+    #: devices "mixed": the samples of one step over every rank; None: the world size times the
+    #: default of ``data_loader_func``'s ``batch_size``.
+    global_batch: Annotated[int, Field(ge=1)] | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

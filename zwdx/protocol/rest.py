@@ -24,7 +24,8 @@ from .pipeline import PipelineSettings
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
 from .script import ScriptSpec
-from .vocab import ArtifactKind, ClientStatus, EventKind, Isolation, JobKind, JobStatus, Parallelism, PipelineSchedule, SlotKind
+from .vocab import (ArtifactKind, ClientStatus, Devices, EventKind, Isolation, JobKind, JobStatus, Parallelism,
+                    PipelineSchedule, SlotKind)
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -222,6 +223,12 @@ class SubmitJob(Message):
     #: take the job (``zwdx gpu-client --allow-image``). None: any client, in its default image.
     image: Annotated[str, StringConstraints(min_length=1, max_length=255,
                                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")] | None = None
+    #: "mixed": GPU and CPU slots together over gloo, each rank's batch weighted by its measured
+    #: speed (DDP only; ``gpu_client/mixed.py``); "same": one kind of slot.
+    devices: Annotated[Devices, ByValue] = Devices.SAME
+    #: devices "mixed": the samples of one step over every rank, shared out by speed; None: the
+    #: world size times the default of ``data_loader_func``'s ``batch_size``.
+    global_batch: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(default=None, validate_default=True)
 
     @field_validator("parallelism", mode="before")
     @classmethod
@@ -331,6 +338,36 @@ class SubmitJob(Message):
             raise ValueError("must be a peft config as JSON, with its peft_type (\"LORA\")")
         if len(json.dumps(value)) > defaults.MAX_LORA_CONFIG_BYTES:
             raise ValueError(f"must take at most {defaults.MAX_LORA_CONFIG_BYTES} bytes as JSON")
+        return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _lower_devices(cls, value):
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("devices")
+    @classmethod
+    def _mixed_ddp(cls, value, info):
+        """Mixed devices: DDP's replicas only (FSDP's shards would need every rank's gradient
+        scaled before a reduce-scatter; a pipeline or DILOCO has no shared batch to weigh)."""
+        parallelism = info.data.get("parallelism")
+        if value == Devices.MIXED and info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError("devices \"mixed\" weighs the batches of submit_job's functions; a script job "
+                             "runs its own loop")
+        if value == Devices.MIXED and parallelism is not None and parallelism != Parallelism.DDP:
+            raise ValueError(f"devices \"mixed\" runs with DDP only, not {parallelism.value}")
+        return value
+
+    @field_validator("global_batch")
+    @classmethod
+    def _batch_of_mixed(cls, value, info):
+        if value is None:
+            return value
+        if info.data.get("devices") != Devices.MIXED:
+            raise ValueError("applies to devices \"mixed\" only (the batch is shared out by the ranks' speed)")
+        world_size = info.data.get("world_size")
+        if world_size is not None and value < world_size:
+            raise ValueError(f"must be at least world_size ({world_size}): every rank takes a sample at least")
         return value
 
     @model_validator(mode="after")

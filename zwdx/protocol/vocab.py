@@ -54,6 +54,13 @@ class Compression(str, Enum):
     NONE = "none"    # float32 as computed
 
 
+class Devices(str, Enum):
+    """Which kinds of slot one job's ranks take (``submit_job(..., devices=...)``)."""
+    SAME = "same"      # one kind: every rank on a GPU, or every rank on a CPU slot (NCCL or gloo)
+    MIXED = "mixed"    # GPU and CPU slots together, over gloo; each rank's batch weighted by its
+                       # measured speed (gpu_client/mixed.py)
+
+
 class JobKind(str, Enum):
     """What a job runs: the submitter's functions over a pickled bundle, or a script of an
     uploaded working dir under torchrun's environment (``zwdx run``)."""
@@ -137,7 +144,7 @@ class ArtifactKind(str, Enum):
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it
 # declares (the runner passes them, the SDK checks a function's signature against them at submit).
-LOADER_ARGS = ("rank", "world_size", "device", "data_dir")
+LOADER_ARGS = ("rank", "world_size", "device", "data_dir", "batch_size", "sampler")
 TRAIN_ARGS = ("model", "loader", "optimizer", "optim", "rank", "world_size", "epochs", "device", "eval_func",
               "reporter", "start_epoch", "resume", "pipeline")
 EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")
@@ -163,4 +170,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'Devices', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

@@ -99,23 +99,25 @@ class Job:
             return False
         return self._took(self.store.set_job(self.id, {"waiting_reason": reason}, when=[self.status]))
 
-    def start(self, placement: list[PlacementEntry], slot_ids: list[str], key_hashes: dict[int, str]) -> bool:
+    def start(self, placement: list[PlacementEntry], slot_ids: list[str], key_hashes: dict[int, str],
+              note: str | None = None) -> bool:
         """queued|resuming -> starting: the slots (one per rank, in rank order) are the job's,
         the new attempt starts with nothing heard from its ranks, and each rank's key (its hash,
-        bound to the attempt and the rank's GPU client) replaces the last attempt's. False: a
-        slot or the job was taken meanwhile (nothing changed)."""
+        bound to the attempt and the rank's GPU client) replaces the last attempt's. NCCL when
+        every rank is on a GPU, gloo otherwise. ``note``: what the timeline says of the
+        placement (mixed devices). False: a slot or the job was taken meanwhile (nothing changed)."""
         now, attempt, size = self.clock(), self.record.restarts, len(placement)
         keys = {str(p.rank): RankCredential(hash=key_hashes[p.rank], client_id=p.client_id, attempt=attempt)
                 for p in placement}
         fields = {"status": JobStatus.STARTING, "placement": placement, "world_size": size, "attempt": attempt,
-                  "backend": "nccl" if placement[0].kind == SlotKind.CUDA else "gloo",
+                  "backend": "nccl" if all(p.kind == SlotKind.CUDA for p in placement) else "gloo",
                   "rank_keys": keys, "started_at": now, "waiting_reason": None, "master": None,
                   "ranks": {}, "exits": {}, "failures": {}, "joins": {}, "suspect_since": None, "suspect_reason": None,
                   "failing_since": None, "failing_reason": None}
         if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):
             return False
         meters.job_placed(self.record, now)
-        entry = TimelineEntry(status=JobStatus.STARTING, at=now, attempt=attempt, world_size=size)
+        entry = TimelineEntry(status=JobStatus.STARTING, at=now, attempt=attempt, world_size=size, reason=note)
         if not self.append_timeline(entry, when=[JobStatus.STARTING]):
             self.refresh()  # cancelled in between: it keeps its slots until the caller lets go
         return True

@@ -14,6 +14,11 @@ A script job (``kind: "script"``) runs on any Python; with ``gpus_per_client`` N
 N slots of each GPU client it runs on (torchrun's ``--nproc-per-node``). A job whose ranks meet
 over TCP (DDP, FSDP, a script: all but DILOCO) goes only on GPU clients none of which is known
 to be unable to reach another (``apart``: what their jobs found, ``reach.py``).
+
+A job runs on slots of one kind (GPUs, or CPU slots), unless it asks for mixed devices
+(``devices: "mixed"``): then GPU and CPU slots count together, GPUs first, and ``mixed`` says
+what a placement of both kinds costs (``gpu_client/mixed.py`` weighs each rank's batch by its
+speed).
 """
 from __future__ import annotations
 
@@ -139,6 +144,21 @@ def apart(clients: dict, now: float) -> set[frozenset]:
             if peer != cid}
 
 
+def mixes_devices(spec: dict) -> bool:
+    """Whether the job may take GPU and CPU slots together (``devices: "mixed"``)."""
+    return spec.get("devices") == "mixed"
+
+
+#: What a placement of GPU and CPU slots together costs, on its timeline and in the scheduler's log.
+MIXED_COST = "gloo on every rank, gradients through host memory; each rank's batch weighted by its measured speed"
+
+
+def mixed(kinds) -> str | None:
+    """The line for a placement over these slot kinds when they differ ("mixed cuda+cpu: ..."), else None."""
+    kinds = sorted(set(kinds), key=lambda k: (k != "cuda", k))
+    return f"mixed {'+'.join(kinds)}: {MIXED_COST}" if len(kinds) > 1 else None
+
+
 def meets_over_tcp(spec: dict) -> bool:
     """Whether the job's ranks open TCP to each other (all but DILOCO, which syncs through the server)."""
     return spec.get("parallelism") != "DILOCO"
@@ -250,15 +270,18 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
     least = None  # a new job waits for its world size; one resuming may go on with min_world_size
     if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
         want, least = job["world_size"], spec.get("min_world_size")  # the size it ran at, or at least that
-    have = 0
-    for kind in ("cuda", "cpu"):
-        chosen = by_kind.get(kind) or []
-        # Fill whole clients first: fewer hosts, more ranks over local links.
-        per_client = Counter(s["client_id"] for s in chosen)
-        chosen = sorted(chosen, key=lambda s: (-per_client[s["client_id"]], s["client_id"], s["index"]))
-        if kind == "cpu" and mem and chosen:
-            chosen, short = _within_host_ram(chosen, mem, _host_ram(slots, clients, held or {}), clients)
-            why += short
+    have, kinds_apart = 0, []
+    for kinds in ([("cuda", "cpu")] if mixes_devices(spec) else [("cuda",), ("cpu",)]):
+        chosen = []
+        for kind in kinds:
+            of_kind = by_kind.get(kind) or []
+            # Fill whole clients first: fewer hosts, more ranks over local links.
+            per_client = Counter(s["client_id"] for s in of_kind)
+            of_kind = sorted(of_kind, key=lambda s: (-per_client[s["client_id"]], s["client_id"], s["index"]))
+            if kind == "cpu" and mem and of_kind:
+                of_kind, short = _within_host_ram(of_kind, mem, _host_ram(slots, clients, held or {}), clients)
+                why += short
+            chosen += of_kind  # a mixed job: GPUs first
         per = _n(spec.get("gpus_per_client"))
         if per and chosen:
             chosen, fewer = whole_groups(chosen, per)
@@ -271,6 +294,7 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
                 why.append(_pairs_named({p for p in pairs if p <= among}, clients))
                 chosen = group
         have = max(have, len(chosen))
+        kinds_apart.append(len(chosen))
         if not chosen:
             continue
         if want is None:
@@ -280,7 +304,11 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
         if len(chosen) >= want:
             return sorted(chosen[:want], key=lambda s: (s["client_id"], s["index"])), ""
     each = f" with {gib(mem)} free each" if mem else ""
-    reason = f"waiting for {want or 1} free slot(s){each}; {have} available"
+    slots_of = "GPU or CPU slot(s), together (devices \"mixed\")" if mixes_devices(spec) else "slot(s)"
+    reason = f"waiting for {want or 1} free {slots_of}{each}; {have} available"
+    if len(kinds_apart) == 2 and all(kinds_apart) and sum(kinds_apart) >= (want or 1):
+        why.append(f"{kinds_apart[0]} GPU and {kinds_apart[1]} CPU slot(s) free: a job runs on one kind, unless "
+                   f"submitted with devices=\"mixed\"")
     return None, reason + (f" ({'; '.join(why)})" if why else "")
 
 
@@ -331,12 +359,14 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
             fits = min(fits, len(whole_groups(host_slots, per)[0]))
         cpus += fits
     need = spec.get("world_size") or 1  # min_world_size only lets a resumed job go on with fewer ranks
-    if max(gpus, cpus) >= need:
+    most = gpus + cpus if mixes_devices(spec) else max(gpus, cpus)
+    if most >= need:
         return None
     kinds = [f"{n} {kind} slot(s)" for n, kind in ((gpus, "GPU"), (cpus, "CPU")) if n]
-    notes = shared + (["a job runs on GPU slots or on CPU slots, not both"] if len(kinds) == 2 else []) + \
+    apart = "a job runs on GPU slots or on CPU slots, not both, unless submitted with devices=\"mixed\""
+    notes = shared + ([apart] if len(kinds) == 2 and not mixes_devices(spec) else []) + \
         ([f"counting only GPU clients with {per} slots for it (gpus_per_client)"] if per else [])
-    return (f"world_size {need} is more than the {max(gpus, cpus)} slot(s) this room could give the job even with "
+    return (f"world_size {need} is more than the {most} slot(s) this room could give the job even with "
             f"every slot idle ({' and '.join(kinds) or 'none'}{''.join('; ' + n for n in notes)})")
 
 

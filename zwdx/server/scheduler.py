@@ -41,7 +41,7 @@ from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job, wanting
-from .placement import meets_over_tcp, plan, unschedulable
+from .placement import meets_over_tcp, mixed, plan, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -277,12 +277,15 @@ class Scheduler:
             "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
             for rank, slot in enumerate(chosen)]
         rank_keys = {p.rank: new_secret(RANK_KEY_PREFIX) for p in placement}
-        if not job.start(placement, [s["id"] for s in chosen], {r: hash_secret(k) for r, k in rank_keys.items()}):
+        note = mixed(p.kind.value for p in placement)  # GPU and CPU slots together: what it costs
+        if not job.start(placement, [s["id"] for s in chosen], {r: hash_secret(k) for r, k in rank_keys.items()},
+                         note=note):
             return _BLOCKED  # another scheduler got there first; look again next pass
         for rank, slot in enumerate(chosen):  # the pass's view of the room, as the store now has it
             slot["job_id"], slot["rank"] = record.id, rank
-        log.info("job %s: placed on %d slot(s): %s", job.id, len(chosen),
-                 ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement))
+        log.info("job %s: placed on %d slot(s): %s%s", job.id, len(chosen),
+                 ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement),
+                 f" ({note})" if note else "")
         self._ask_port(job.record, rank_keys, clients[placement[0].client_id])
         notify.job_changed(job.record)
         notify.clients_changed(self.ctx, job.record.room_id)
@@ -417,5 +420,6 @@ class Scheduler:
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
-                peers=peers, datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses)
+                peers=peers, datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses,
+                devices=spec.devices, global_batch=spec.global_batch)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

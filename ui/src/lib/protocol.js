@@ -32,6 +32,12 @@ export const Compression = Object.freeze({
   NONE: "none",
 });
 
+/** Which kinds of slot one job's ranks take (`submit_job(..., devices=...)`). */
+export const Devices = Object.freeze({
+  SAME: "same",
+  MIXED: "mixed",
+});
+
 /** What a job runs: the submitter's functions over a pickled bundle, or a script of an uploaded working dir under torchrun's environment (`zwdx run`). */
 export const JobKind = Object.freeze({
   FUNCTION: "function",
