@@ -47,6 +47,15 @@ class PipelineSchedule(str, Enum):
     ONE_F_ONE_B = "1f1b"  # one forward, one backward, once the pipeline is full (Schedule1F1B)
 
 
+class LayoutRole(str, Enum):
+    """What a rank holds of the model, as its layout says (``zwdx.protocol.layout``)."""
+    REPLICA = "replica"  # the whole model (DDP, a DILOCO worker)
+    SHARD = "shard"      # a share of each FSDP unit's weights
+    STAGE = "stage"      # a run of layers: a PIPELINE stage
+    TP = "tp"            # halves of layers (tensor parallel)
+    FSDP_TP = "fsdp+tp"  # FSDP across clients, tensor parallel within one
+
+
 class Compression(str, Enum):
     """How a DILOCO worker's pseudo-gradients travel (``zwdx.codec``)."""
     INT8 = "int8"    # int8 codes with one float32 scale per block of 4,096 values: about 1/4 of float32
@@ -163,4 +172,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'LayoutRole', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

@@ -25,6 +25,15 @@ export const PipelineSchedule = Object.freeze({
   ONE_F_ONE_B: "1f1b",
 });
 
+/** What a rank holds of the model, as its layout says (`zwdx.protocol.layout`). */
+export const LayoutRole = Object.freeze({
+  REPLICA: "replica",
+  SHARD: "shard",
+  STAGE: "stage",
+  TP: "tp",
+  FSDP_TP: "fsdp+tp",
+});
+
 /** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */
 export const Compression = Object.freeze({
   INT8: "int8",
