@@ -41,6 +41,7 @@ from zwdx.protocol.vocab import PipelineSchedule
 
 from zwdx.checks import repeated_blocks
 
+from .layout import amount, device_of, held_modules, line, local_params
 from .parallel import Collective
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class Pipeline(Collective):
         self.stages, self.index = spec.world_size, spec.rank
         self.microbatches = self.settings.microbatches or self.stages
         self.whole: nn.Module | None = None     # rank 0: the whole model, the returned weights loaded
-        self.layout: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
+        self.tensors: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
+        self.held: list[str] = []  # the modules this rank's stage holds (``layout``)
         self.schedule = None
         self._loss_fn = None
         self._state: dict | None = None
@@ -86,8 +88,9 @@ class Pipeline(Collective):
         if pipe.num_stages != self.stages:
             raise ValueError(f"the model traced into {pipe.num_stages} stage(s), not {self.stages}: a split point "
                              f"({', '.join(points)}) is not called in the model's forward")
-        self.layout = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
-                       for i in range(self.stages)]
+        self.tensors = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
+                        for i in range(self.stages)]
+        self.held = held_modules(model, [name for name, _, _ in self.tensors[self.index]])
         stage = pipe.build_stage(self.index, device)
         cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
         self.schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
@@ -110,6 +113,13 @@ class Pipeline(Collective):
         dist.all_gather(every, mine)
         sizes = [int(t.item()) for t in every]
         return sizes if all(sizes) else None
+
+    def layout(self, model: nn.Module) -> dict:
+        """This rank's stage: its place in the order and the modules it holds."""
+        params = local_params(model)
+        return {"role": "stage", "stage": {"index": self.index, "of": self.stages}, "modules": self.held,
+                "params": params, "device": device_of(model),
+                "text": line(f"stage {self.index} of {self.stages}: {', '.join(self.held)} ({amount(params)} params)")}
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Nothing: each stage's buffers are its own."""
@@ -162,12 +172,12 @@ class Pipeline(Collective):
         comm = self._comm_device()
         mine = model.state_dict()
         if self.index != 0:
-            for name, _, _ in self.layout[self.index]:
+            for name, _, _ in self.tensors[self.index]:
                 dist.send(mine[name].detach().to(comm).contiguous(), dst=0)
             return None
         state = {k: v.detach().cpu() for k, v in mine.items()}
         for stage in range(1, self.stages):
-            for name, shape, dtype in self.layout[stage]:
+            for name, shape, dtype in self.tensors[stage]:
                 buf = torch.empty(shape, dtype=dtype, device=comm)
                 dist.recv(buf, src=stage)
                 state[name] = buf.cpu()

@@ -137,6 +137,13 @@ def test_two_stages_on_two_gpu_clients_train_as_one_process_would(pool, pipeline
     assert models.pipe_local_eval_loss(alone) == pytest.approx(reported, rel=1e-3)
     assert reported < models.pipe_local_eval_loss(models.stage_lm())  # it learned
 
+    # each stage said what it holds (the job's page draws it): the first the embeddings, the last the head
+    layouts = [job["ranks"][str(i)]["layout"] for i in range(2)]
+    assert [(lay["role"], lay["stage"]) for lay in layouts] == [("stage", {"index": i, "of": 2}) for i in range(2)]
+    assert layouts[0]["modules"][:2] == ["wte", "wpe"] and layouts[1]["modules"][-2:] == ["ln_f", "head"]
+    assert layouts[0]["text"].startswith("stage 0 of 2: wte, wpe, h.0")
+    assert sum(lay["params"] for lay in layouts) == sum(p.numel() for p in model.parameters())
+
     # a checkpoint per epoch, each stage's state in its own file
     checkpoint = job["latest_checkpoint"]
     assert checkpoint["format"] == "stages"
