@@ -114,3 +114,67 @@ def test_a_running_rank_reports_its_own_layout_and_no_other_ranks(app):
                                                              "stage": {"index": 1, "of": 2}}).json["ok"]
     assert rank1.post(f"/jobs/{job_id}/ranks/1", json={"status": "completed"}).status_code == 200
     assert ranks_of(room, job_id)["1"]["layout"]["text"] == "stage 1 of 2"
+
+
+def test_jobs_show_prints_the_plan_and_a_pipelines_stage_order():
+    from zwdx.jobs_cli import plan_lines
+    job = {"spec": {"parallelism": "PIPELINE", "pipeline": {"schedule": "1f1b", "microbatches": None}},
+           "placement": [{"rank": 0, "client_id": "gpu-b", "hostname": "beta", "gpu_index": 0},
+                         {"rank": 1, "client_id": "gpu-a", "hostname": "alpha", "gpu_index": 0}],
+           "ranks": {"0": {"status": "running", "layout": {**STAGE_0, "stage": {"index": 1, "of": 2}}},
+                     "1": {"status": "running", "layout": {"role": "stage", "text": "stage 0 of 2: embed",
+                                                           "stage": {"index": 0, "of": 2}, "device": "cuda:0"}}}}
+    assert plan_lines(job) == [
+        "", "plan:",
+        "  rank 0 on beta (cpu), stage: stage 0 of 2: embed, blocks.0-1, 1,234 params",
+        "  rank 1 on alpha (cuda:0), stage: stage 0 of 2: embed",
+        "  stages: 0 (rank 1) -> 1 (rank 0); schedule 1f1b, 2 micro-batches a batch"]
+    assert plan_lines({"ranks": {"0": {"status": "running"}}}) == []
+
+
+# -- what the strategies say (a process group of one, in process) ---------------------------------
+@pytest.fixture
+def group_of_one():
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def spec(parallelism: str):
+    from types import SimpleNamespace
+
+    from zwdx.protocol.vocab import Parallelism
+    return SimpleNamespace(parallelism=Parallelism(parallelism), rank=0, world_size=1)
+
+
+def test_the_modules_a_rank_holds_are_named_top_level_ish_with_runs_of_blocks_folded():
+    import models
+    from gpu_client.layout import fold, held_modules
+    model = models.stage_lm()
+    assert held_modules(model) == ["wte", "wpe", "h.0-3", "ln_f", "head"]
+    assert held_modules(model, [k for k in model.state_dict() if k.startswith(("h.2.", "h.3.", "head"))]) \
+        == ["h.2-3", "head"]
+    assert fold(["h.0", "h.1", "x", "h.2", "h.4", "h.5"]) == ["h.0-1", "x", "h.2", "h.4-5"]
+    assert fold([f"m{i}" for i in range(70)], 64)[-1] == "... and 7 more"
+
+
+@pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
+def test_ddp_says_a_replica_and_fsdp_its_units_and_share(group_of_one, parallelism):
+    import torch
+
+    import models
+    from gpu_client.parallel import Collective
+    strategy = Collective(spec(parallelism))
+    model = strategy.wrap(models.stage_lm(), torch.device("cpu"), {}, report=lambda line: None)
+    layout = parse(RankLayout, strategy.layout(model)).model_dump(mode="json")  # within the message's bounds
+    assert layout["params"] == sum(p.numel() for p in models.stage_lm().parameters())
+    assert layout["device"] == "cpu"
+    if parallelism == "DDP":
+        assert layout["role"] == "replica" and layout["modules"] == ["wte", "wpe", "h.0-3", "ln_f", "head"]
+        assert layout["text"].startswith("the whole model, ")
+    else:
+        assert layout["role"] == "shard" and layout["modules"] == ["h.0-3", "(root)"]
+        assert layout["text"].startswith("1/1 of each of 5 FSDP units' weights (h.0-3, then the root)")

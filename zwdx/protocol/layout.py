@@ -27,9 +27,9 @@ MAX_LAYOUT_CHARS = 16_384
 MAX_VIRTUAL = 64
 
 #: One line of text: no control characters (a newline, an escape).
-Line = Annotated[str, StringConstraints(min_length=1, max_length=500, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Line = Annotated[str, StringConstraints(min_length=1, max_length=500, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")]
 #: A module's name as ``named_modules`` says it, or a folded run (``transformer.h.0-5``).
-ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")]
 #: An optional field, left out of the JSON when it is not set.
 _unset = {"default": None, "exclude_if": lambda value: value is None}
 
