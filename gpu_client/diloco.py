@@ -148,11 +148,11 @@ class Diloco(Collective):
 
     def layout(self, model: torch.nn.Module) -> dict:
         """A worker holds the whole model (its ranks, DDP replicas of it)."""
-        from .layout import amount, line
+        from .layout import line
         out = super().layout(model)
         each = f", rank {self.spec.rank % self.per} of its {self.per} (DDP)" if self.per > 1 else ""
         return {**out, "text": line(f"DiLoCo worker {self.worker} of {self.workers}{each}: the whole model, "
-                                    f"{amount(out['params'])} params, an outer step every "
+                                    f"an outer step every "
                                     f"{self.settings.inner_steps} inner steps")}
 
     def uploads_weights(self) -> bool:

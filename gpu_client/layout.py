@@ -83,14 +83,6 @@ def device_of(model: nn.Module) -> str | None:
     return f"{device.type}:{device.index}" if device.index is not None else device.type
 
 
-def amount(n: int) -> str:
-    """A count the way a person reads it: 950, 12.3K, 1.2M, 7.0B."""
-    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
-
-
 def line(text: str) -> str:
     """``text`` as one line of at most ``MAX_TEXT`` characters."""
     text = " ".join(text.split())

@@ -80,7 +80,7 @@ class Collective:
         DDP the whole model (a replica); FSDP a 1/world share of each unit's weights."""
         from zwdx.protocol.layout import MAX_MODULES
 
-        from .layout import amount, device_of, fold, held_modules, line, local_params
+        from .layout import device_of, fold, held_modules, line, local_params
         inner = model.module if hasattr(model, "module") else model  # DDP's wrapper
         world, params = dist.get_world_size(), local_params(inner)
         out = {"params": params, "device": device_of(inner)}
@@ -90,10 +90,9 @@ class Collective:
             shown = fold(units, MAX_MODULES - 1)
             return {**out, "role": "shard", "modules": [*shown, "(root)"],
                     "text": line(f"1/{world} of each of {len(units) + 1} FSDP units' weights "
-                                 f"({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}, then the root): "
-                                 f"{amount(params)} params here")}
+                                 f"({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}, then the root)")}
         return {**out, "role": "replica", "modules": held_modules(inner),
-                "text": line(f"the whole model, {amount(params)} params (replica {dist.get_rank()} of {world})")}
+                "text": line(f"the whole model (replica {dist.get_rank()} of {world})")}
 
     def sync_buffers(self, model: nn.Module) -> None:
         sync_buffers(model)

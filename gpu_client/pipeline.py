@@ -41,7 +41,7 @@ from zwdx.protocol.vocab import PipelineSchedule
 
 from zwdx.checks import repeated_blocks
 
-from .layout import amount, device_of, held_modules, line, local_params
+from .layout import device_of, held_modules, line, local_params
 from .parallel import Collective
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Pipeline(Collective):
         params = local_params(model)
         return {"role": "stage", "stage": {"index": self.index, "of": self.stages}, "modules": self.held,
                 "params": params, "device": device_of(model),
-                "text": line(f"stage {self.index} of {self.stages}: {', '.join(self.held)} ({amount(params)} params)")}
+                "text": line(f"stage {self.index} of {self.stages}: {', '.join(self.held)}")}
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Nothing: each stage's buffers are its own."""

@@ -174,7 +174,7 @@ def test_ddp_says_a_replica_and_fsdp_its_units_and_share(group_of_one, paralleli
     assert layout["device"] == "cpu"
     if parallelism == "DDP":
         assert layout["role"] == "replica" and layout["modules"] == ["wte", "wpe", "h.0-3", "ln_f", "head"]
-        assert layout["text"].startswith("the whole model, ")
+        assert layout["text"] == "the whole model (replica 0 of 1)"
     else:
         assert layout["role"] == "shard" and layout["modules"] == ["h.0-3", "(root)"]
         assert layout["text"].startswith("1/1 of each of 5 FSDP units' weights (h.0-3, then the root)")

@@ -6,6 +6,7 @@ writes its own checkpoint."""
 from __future__ import annotations
 
 import platform
+import signal
 import time
 from types import SimpleNamespace
 
@@ -148,3 +149,36 @@ def test_two_stages_on_two_gpu_clients_train_as_one_process_would(pool, pipeline
     checkpoint = job["latest_checkpoint"]
     assert checkpoint["format"] == "stages"
     assert {"stage-0.pt", "stage-1.pt", "rng-0.pt", "rng-1.pt"} <= set(checkpoint["files"])
+
+
+@pytest.mark.slow
+def test_a_pipeline_whose_gpu_client_is_lost_resumes_from_its_stages_checkpoint(sdk, room, start_client):
+    clients = [start_client(name) for name in ("a", "b", "c")]  # two stages and a spare
+    epochs, microbatches = 3, 2
+    model = models.stage_lm()
+    job_id = sdk.submit_job(model, models.pipe_loaders, models.pipe_train_then_wait, models.pipe_eval,
+                            torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs, world_size=2,
+                            room_token=room["token"], progress=False, wait=False)
+    job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and j, 120, what="epoch 0's checkpoint")
+    saved = job["latest_checkpoint"]
+    assert (saved["format"], saved["epoch"], saved["step"]) == ("stages", 0, 8), saved
+    victim = next(c for c in clients if c.client_id == next(p["client_id"] for p in job["placement"] if p["rank"] == 0))
+    victim.kill(signal.SIGKILL)
+
+    result = sdk.wait(job_id, progress=False, timeout=300)
+    assert result["status"] == "completed", result.get("reason")
+    job = sdk.get_job(job_id)
+    assert job["restarts"] == 1 and victim.client_id not in {p["client_id"] for p in job["placement"]}
+    assert job["restart_history"][0]["from_checkpoint"]["n"] == saved["n"]
+    logs = [line["text"] for line in sdk.get_job_logs(job_id)]
+    assert any(f"resumed from checkpoint {saved['n']} (epoch 0, step 8)" in t for t in logs), logs
+
+    # the losses go on from the checkpoint's step as if nothing happened: one process's, step for step
+    _, losses = models.pipe_alone(epochs, microbatches)
+    series = [p for p in sdk.get_job_metrics(job_id)["loss"] if p["rank"] == 1]  # the last stage's
+    assert [p["step"] for p in series] == list(range(len(losses)))
+    assert [p["value"] for p in series] == pytest.approx(losses, rel=1e-4)
+
+    # the weights come back whole and evaluate here to what the job reported
+    trained = sdk.get_trained_model(job_id, models.stage_lm(seed=1))
+    assert models.pipe_local_eval_loss(trained) == pytest.approx(result["results"]["eval_loss"], rel=1e-4)

@@ -19,16 +19,20 @@ export function planColumns(job) {
   return [...clients.values()];
 }
 
-/** A pipeline's stages in order, each with the rank that runs it and where: from the ranks'
- * layouts, or rank i as stage i while they have not said. */
+/** A pipeline's stages in order, each with the rank that runs it and where (its GPU client's
+ * host name, or its id where two clients share a host name): from the ranks' layouts, or rank i
+ * as stage i while they have not said. */
 export function stageOrder(job) {
   const placed = new Map((job.placement || []).map((p) => [p.rank, p]));
+  const hosts = new Map((job.placement || []).map((p) => [p.client_id, p.hostname]));
+  const byId = new Set(hosts.values()).size < hosts.size;
   const stages = [];
   for (let rank = 0; rank < (job.world_size || 0); rank++) {
     const layout = job.ranks?.[String(rank)]?.layout;
     const index = layout?.stage?.index ?? rank;
     const place = placed.get(rank);
-    stages.push({ index, rank, layout: layout || null, client: place?.hostname || place?.client_id || "" });
+    const client = (byId ? place?.client_id : place?.hostname || place?.client_id) || "";
+    stages.push({ index, rank, layout: layout || null, client });
   }
   return stages.sort((a, b) => a.index - b.index);
 }

@@ -85,6 +85,11 @@ describe("the plan's columns and stages", () => {
     ]);
   });
 
+  it("names a stage's GPU client by its id where two clients share a host name", () => {
+    const twins = { ...job, placement: job.placement.map((p) => ({ ...p, hostname: "vm" })) };
+    expect(stageOrder(twins).map((s) => s.client)).toEqual(["a", "b", "b"]);
+  });
+
   it("takes the schedule from the job's settings, a micro-batch per stage by default", () => {
     expect(scheduleOf(job)).toEqual({ schedule: "1f1b", stages: 3, microbatches: 3 });
     expect(scheduleOf({ ...job, spec: { parallelism: "DDP" } })).toBe(null);
