@@ -55,8 +55,11 @@ class Pipeline(Collective):
     def __init__(self, spec):
         super().__init__(spec)
         self.settings = spec.pipeline or PipelineSettings()
-        self.stages, self.index = spec.world_size, spec.rank
-        self.microbatches = self.settings.microbatches or self.stages
+        #: The ranks, the stages each runs, all the stages; this rank, and its stages (r, r + ranks, ...).
+        self.ranks, self.per = spec.world_size, self.settings.stages_per_rank or 1
+        self.stages, self.index = self.ranks * self.per, spec.rank
+        self.mine = [self.index + k * self.ranks for k in range(self.per)]
+        self.microbatches = self.settings.microbatches or self.ranks
         self.whole: nn.Module | None = None     # rank 0: the whole model, the returned weights loaded
         self.tensors: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
         self.held: list[str] = []  # the modules this rank's stage holds (``layout``)
@@ -75,10 +78,12 @@ class Pipeline(Collective):
     def wrap(self, model: nn.Module, device, bundle: dict, report, example=None) -> nn.Module:
         """Trace ``model`` (on the CPU) with one micro-batch of ``example()``'s batch, cut it, and keep this
         rank's stage on ``device``; it is what the optimizer, the checkpoints and train_func see."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint
         from torch.distributed.pipelining import pipeline as trace
         self.device = device
-        points, line = split_points(model, self.settings.stage_plan, self.stages, self._free_memory(device))
+        free = self._free_memory(device)  # a rank's memory shared by its stages
+        points, line = split_points(model, self.settings.stage_plan, self.stages,
+                                    free and [free[i % self.ranks] for i in range(self.stages)])
         x = _inputs(example())
         if x.shape[0] < self.microbatches:
             raise ValueError(f"a batch of {x.shape[0]} cannot be split into {self.microbatches} micro-batches "
@@ -90,17 +95,25 @@ class Pipeline(Collective):
                              f"({', '.join(points)}) is not called in the model's forward")
         self.tensors = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
                         for i in range(self.stages)]
-        self.held = held_modules(model, [name for name, _, _ in self.tensors[self.index]])
-        stage = pipe.build_stage(self.index, device)
-        cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
-        self.schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
+        self.held = held_modules(model, [name for name, _, _ in self._tensors_of(self.index)])
+        stages = [pipe.build_stage(i, device) for i in self.mine]
+        if self.settings.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.microbatches, loss_fn=self._loss)
+        else:
+            cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
+            self.schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=self._loss)
         self.whole = model if self.index == 0 else None
         if self.index == 0:
+            each = f" ({self.per} stages a rank, rank r runs r, r + {self.ranks}, ...)" if self.per > 1 else ""
             line = (f"{line}; {self.microbatches} micro-batches of {x.shape[0] // self.microbatches}, "
-                    f"schedule {self.settings.schedule.value}")
+                    f"schedule {self.settings.schedule.value}{each}")
             log.info("%s", line)
             report(line)
-        return stage.submod
+        return stages[0].submod if self.per == 1 else Stages([stage.submod for stage in stages])
+
+    def _tensors_of(self, rank: int) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """The tensors of every stage ``rank`` runs, stage by stage."""
+        return [t for k in range(self.per) for t in self.tensors[rank + k * self.ranks]]
 
     def _free_memory(self, device) -> list[int] | None:
         """Every stage's free device memory, in rank order (one small all-gather), when every
@@ -109,7 +122,7 @@ class Pipeline(Collective):
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         comm = self._comm_device()
         mine = torch.tensor([free], dtype=torch.int64, device=comm)
-        every = [torch.zeros_like(mine) for _ in range(self.stages)]
+        every = [torch.zeros_like(mine) for _ in range(self.ranks)]
         dist.all_gather(every, mine)
         sizes = [int(t.item()) for t in every]
         return sizes if all(sizes) else None
@@ -117,9 +130,11 @@ class Pipeline(Collective):
     def layout(self, model: nn.Module) -> dict:
         """This rank's stage: its place in the order and the modules it holds."""
         params = local_params(model)
-        return {"role": "stage", "stage": {"index": self.index, "of": self.stages}, "modules": self.held,
+        place = {"index": self.mine[0], "of": self.stages, **({"virtual": self.mine} if self.per > 1 else {})}
+        which = f"stage {self.index}" if self.per == 1 else f"stages {', '.join(map(str, self.mine))}"
+        return {"role": "stage", "stage": place, "modules": self.held,
                 "params": params, "device": device_of(model),
-                "text": line(f"stage {self.index} of {self.stages}: {', '.join(self.held)}")}
+                "text": line(f"{which} of {self.stages}: {', '.join(self.held)}")}
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Nothing: each stage's buffers are its own."""
@@ -144,7 +159,7 @@ class Pipeline(Collective):
         ``y`` and ``loss_fn(output, y)`` the last stage's (every rank may pass all three).
         Gradients accumulate into this stage's parameters; returns the batch's mean loss over
         its micro-batches (a 0-d tensor, on every stage)."""
-        first, last = self.index == 0, self.index == self.stages - 1
+        first, last = self.index == 0, self.index == self.ranks - 1  # stage 0's rank, the last stage's
         if last and (y is None or loss_fn is None):
             raise ValueError("pipeline.step(x, y, loss_fn): the last stage needs the targets y and the loss_fn")
         self._loss_fn = loss_fn
@@ -155,8 +170,8 @@ class Pipeline(Collective):
         comm = self._comm_device()
         loss = torch.stack([v.detach().float() for v in losses]).mean().to(comm) if last \
             else torch.zeros((), dtype=torch.float32, device=comm)
-        if self.stages > 1:
-            dist.broadcast(loss, src=self.stages - 1)
+        if self.ranks > 1:
+            dist.broadcast(loss, src=self.ranks - 1)
         return loss
 
     def _loss(self, output, target):
@@ -172,16 +187,46 @@ class Pipeline(Collective):
         comm = self._comm_device()
         mine = model.state_dict()
         if self.index != 0:
-            for name, _, _ in self.tensors[self.index]:
+            for name, _, _ in self._tensors_of(self.index):
                 dist.send(mine[name].detach().to(comm).contiguous(), dst=0)
             return None
         state = {k: v.detach().cpu() for k, v in mine.items()}
-        for stage in range(1, self.stages):
-            for name, shape, dtype in self.tensors[stage]:
+        for rank in range(1, self.ranks):
+            for name, shape, dtype in self._tensors_of(rank):
                 buf = torch.empty(shape, dtype=dtype, device=comm)
-                dist.recv(buf, src=stage)
+                dist.recv(buf, src=rank)
                 state[name] = buf.cpu()
         return state
+
+
+class Stages(nn.Module):
+    """The stages one rank runs (interleaved) as one module for the optimizer, the checkpoints and
+    the weights: their parameters and buffers under the model's own names (the stages share none);
+    ``train()``/``eval()`` reach every stage. Its forward is the schedule's, never called."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self._parts = list(parts)  # a plain list: registered, their names would be prefixed
+        for part in parts:
+            persistent = set(part.state_dict())
+            for name, param in part.named_parameters():
+                self._holder(name).register_parameter(name.rsplit(".", 1)[-1], param)
+            for name, buf in part.named_buffers():
+                self._holder(name).register_buffer(name.rsplit(".", 1)[-1], buf, persistent=name in persistent)
+
+    def _holder(self, name: str) -> nn.Module:
+        node = self
+        for part in name.split(".")[:-1]:
+            if part not in node._modules:
+                node.add_module(part, nn.Module())
+            node = node._modules[part]
+        return node
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for part in self._parts:
+            part.train(mode)
+        return self
 
 
 def split_points(model: nn.Module, plan, stages: int, memory: list[int] | None = None) -> tuple[list[str], str]:

@@ -36,6 +36,13 @@ def test_a_pipeline_job_takes_the_defaults_and_its_plan_sets_its_world_size(api)
     assert job["spec"]["pipeline"] == {"schedule": "1f1b", "microbatches": 4, "stage_plan": [[0, 3], [3, 4]]}
     assert job["spec"]["world_size"] == 2
     assert submit(api, parallelism="DDP").json["spec"]["pipeline"] is None
+    # interleaved: several stages a rank, as the plan names them or 2
+    job = submit(api, parallelism="PIPELINE", pipeline={"schedule": "interleaved1f1b",
+                                                        "stage_plan": [[0, 1], [1, 2], [2, 3], [3, 4]]}).json
+    assert job["spec"]["world_size"] == 2 and job["spec"]["pipeline"]["stages_per_rank"] == 2
+    job = submit(api, parallelism="PIPELINE", world_size=3, pipeline={"schedule": "interleaved1f1b"}).json
+    assert job["spec"]["pipeline"] == {"schedule": "interleaved1f1b", "microbatches": None, "stage_plan": None,
+                                       "stages_per_rank": 2}
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -49,7 +56,18 @@ def test_a_pipeline_job_takes_the_defaults_and_its_plan_sets_its_world_size(api)
     ({"parallelism": "PIPELINE", "world_size": 3, "pipeline": {"stage_plan": [[0, 2], [2, 4]]}}, "pipeline"),
     ({"parallelism": "PIPELINE", "world_size": 3, "pipeline": {"schedule": "1f1b", "microbatches": 2}}, "pipeline"),
     ({"parallelism": "PIPELINE", "world_size": 2, "min_world_size": 1}, "min_world_size"),
-    ({"parallelism": "PIPELINE", "pipeline": {"stages": 2}}, "pipeline.stages")])
+    ({"parallelism": "PIPELINE", "pipeline": {"stages": 2}}, "pipeline.stages"),
+    ({"parallelism": "PIPELINE", "pipeline": {"stages_per_rank": 2}}, "pipeline"),
+    ({"parallelism": "PIPELINE", "pipeline": {"schedule": "interleaved1f1b", "stages_per_rank": 1}}, "pipeline"),
+    ({"parallelism": "PIPELINE", "pipeline": {"schedule": "interleaved1f1b", "stages_per_rank": 0}},
+     "pipeline.stages_per_rank"),
+    ({"parallelism": "PIPELINE", "world_size": 3, "pipeline": {"schedule": "interleaved1f1b",
+                                                               "stage_plan": [[0, 1], [1, 2], [2, 3], [3, 4]]}},
+     "pipeline"),
+    ({"parallelism": "PIPELINE", "pipeline": {"schedule": "interleaved1f1b", "stages_per_rank": 3,
+                                              "stage_plan": [[0, 1], [1, 2], [2, 3], [3, 4]]}}, "pipeline"),
+    ({"parallelism": "PIPELINE", "world_size": 2, "pipeline": {"schedule": "interleaved1f1b", "microbatches": 5}},
+     "pipeline")])
 def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, field):
     before = api.jobs()
     resp = submit(api, **fields)
@@ -108,7 +126,10 @@ def pool(tmp_path_factory):
     (None, "PIPELINE: 2 stages over 4 blocks: h.0..h.1, h.2..h.3; 2 micro-batches of 8, schedule gpipe"),
     ({"stage_plan": [(0, 1), (1, 4)], "schedule": "1f1b", "microbatches": 4},
      "PIPELINE: 2 stages over 4 blocks: h.0..h.0, h.1..h.3; 4 micro-batches of 4, schedule 1f1b"),
-    ({"stage_plan": ["h.3"]}, "PIPELINE: 2 stages, beginning at the root, h.3; 2 micro-batches of 8")])
+    ({"stage_plan": ["h.3"]}, "PIPELINE: 2 stages, beginning at the root, h.3; 2 micro-batches of 8"),
+    ({"stage_plan": [(0, 1), (1, 2), (2, 3), (3, 4)], "schedule": "interleaved1f1b", "microbatches": 4},
+     "PIPELINE: 4 stages over 4 blocks: h.0..h.0, h.1..h.1, h.2..h.2, h.3..h.3; 4 micro-batches of 4, schedule "
+     "interleaved1f1b (2 stages a rank, rank r runs r, r + 2, ...)")])
 def test_two_stages_on_two_gpu_clients_train_as_one_process_would(pool, pipeline, says):
     epochs, microbatches = 2, (pipeline or {}).get("microbatches", 2)
     model = models.stage_lm()
@@ -140,9 +161,13 @@ def test_two_stages_on_two_gpu_clients_train_as_one_process_would(pool, pipeline
 
     # each stage said what it holds (the job's page draws it): the first the embeddings, the last the head
     layouts = [job["ranks"][str(i)]["layout"] for i in range(2)]
-    assert [(lay["role"], lay["stage"]) for lay in layouts] == [("stage", {"index": i, "of": 2}) for i in range(2)]
+    interleaved = (pipeline or {}).get("schedule") == "interleaved1f1b"
+    assert [(lay["role"], lay["stage"]) for lay in layouts] == ([
+        ("stage", {"index": i, "of": 4, "virtual": [i, i + 2]}) for i in range(2)] if interleaved else [
+        ("stage", {"index": i, "of": 2}) for i in range(2)])
     assert layouts[0]["modules"][:2] == ["wte", "wpe"] and layouts[1]["modules"][-2:] == ["ln_f", "head"]
-    assert layouts[0]["text"].startswith("stage 0 of 2: wte, wpe, h.0")
+    assert layouts[0]["text"].startswith("stages 0, 2 of 4: wte, wpe, h.0, h.2" if interleaved else
+                                         "stage 0 of 2: wte, wpe, h.0")
     assert sum(lay["params"] for lay in layouts) == sum(p.numel() for p in model.parameters())
 
     # a checkpoint per epoch, each stage's state in its own file

@@ -45,6 +45,9 @@ class PipelineSchedule(str, Enum):
     """The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes)."""
     GPIPE = "gpipe"  # every forward, then every backward (ScheduleGPipe)
     ONE_F_ONE_B = "1f1b"  # one forward, one backward, once the pipeline is full (Schedule1F1B)
+    #: 1F1B over several stages a rank (rank r runs stages r, r + ranks, ...): a smaller bubble
+    #: for more sends (ScheduleInterleaved1F1B)
+    INTERLEAVED_ONE_F_ONE_B = "interleaved1f1b"
 
 
 class LayoutRole(str, Enum):
