@@ -77,7 +77,8 @@ function StageOrder({ job }) {
 const CELL = { w: 26, h: 22, left: 64, top: 18 };
 
 function Schedule({ settings }) {
-  const { schedule, stages, microbatches } = settings;
+  const { schedule, stages, ranks, microbatches } = settings;
+  const interleaved = stages > ranks;
   if (stages > MAX_DRAWN.stages || microbatches > MAX_DRAWN.microbatches) {
     return (
       <p className="muted" data-testid="schedule">
@@ -85,29 +86,35 @@ function Schedule({ settings }) {
       </p>
     );
   }
-  const { cells, steps, idle } = pipelineSchedule(schedule, stages, microbatches);
+  const { cells, steps, idle } = pipelineSchedule(schedule, stages, microbatches, ranks);
   const width = CELL.left + steps * CELL.w + 4;
-  const height = CELL.top + stages * CELL.h + 4;
+  const height = CELL.top + ranks * CELL.h + 4;
   return (
     <figure className="schedule" data-testid="schedule" data-schedule={schedule} data-steps={steps}>
       <svg width={width} height={height} role="img"
         aria-label={`${schedule} schedule: ${stages} stages, ${microbatches} micro-batches, ${steps} steps`}>
         <text x={CELL.left} y={12} className="schedule-axis">time →</text>
-        {Array.from({ length: stages }, (_, s) => (
-          <text key={s} x={4} y={CELL.top + s * CELL.h + 15} className="schedule-axis">stage {s}</text>
+        {Array.from({ length: ranks }, (_, r) => (
+          <text key={r} x={4} y={CELL.top + r * CELL.h + 15} className="schedule-axis">
+            {interleaved ? `rank ${r}` : `stage ${r}`}
+          </text>
         ))}
         {cells.map((c) => (
-          <g key={`${c.kind}${c.stage}:${c.mb}`} data-kind={c.kind} data-stage={c.stage} data-mb={c.mb}>
-            <rect x={CELL.left + c.t * CELL.w} y={CELL.top + c.stage * CELL.h} width={CELL.w - 2} height={CELL.h - 2}
-              rx={3} className={c.kind === "F" ? "cell-forward" : "cell-backward"} />
-            <text x={CELL.left + c.t * CELL.w + (CELL.w - 2) / 2} y={CELL.top + c.stage * CELL.h + 14}
+          <g key={`${c.kind}${c.stage}:${c.mb}`} data-kind={c.kind} data-stage={c.stage} data-rank={c.rank} data-mb={c.mb}>
+            <title>{`stage ${c.stage}, micro-batch ${c.mb}: ${c.kind === "F" ? "forward" : "backward"}`}</title>
+            <rect x={CELL.left + c.t * CELL.w} y={CELL.top + c.rank * CELL.h} width={CELL.w - 2} height={CELL.h - 2}
+              rx={3} className={`${c.kind === "F" ? "cell-forward" : "cell-backward"}${
+                interleaved && Math.floor(c.stage / ranks) % 2 ? " cell-later" : ""}`} />
+            <text x={CELL.left + c.t * CELL.w + (CELL.w - 2) / 2} y={CELL.top + c.rank * CELL.h + 14}
               textAnchor="middle" className="schedule-cell">{c.kind}{c.mb}</text>
           </g>
         ))}
       </svg>
       <figcaption className="muted small">
-        {schedule}, {microbatches} micro-batches over {stages} stages: {steps} steps of one forward (F) or backward (B)
-        each, {Math.round(idle * 100)}% of the stages' time idle (the bubble).
+        {schedule}, {microbatches} micro-batches over {stages} stages
+        {interleaved ? ` on ${ranks} ranks (rank r runs stages r, r + ${ranks}, …; a later stage's cells darker)` : ""}:{" "}
+        {steps} steps of one forward (F) or backward (B) each, {Math.round(idle * 100)}% of the{" "}
+        {interleaved ? "ranks'" : "stages'"} time idle (the bubble).
       </figcaption>
     </figure>
   );

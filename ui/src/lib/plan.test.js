@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { pipelineSchedule, planColumns, scheduleOf, stageOps, stageOrder } from "./plan.js";
+import { interleavedOps, pipelineSchedule, planColumns, scheduleOf, stageOps, stageOrder } from "./plan.js";
 
 const row = (cells, stage) =>
   cells
@@ -43,6 +43,33 @@ describe("the micro-batch schedule", () => {
         const steps = new Set(cells.map((c) => `${c.stage}@${c.t}`));
         expect(steps.size).toBe(cells.length); // one operation a stage a step
       }
+    }
+  });
+
+  it("orders interleaved 1F1B's operations on each rank as torch's ScheduleInterleaved1F1B does", () => {
+    const ops = (r, w, v, m) => interleavedOps(r, w, v, m).map((o) => `${o.kind}${o.mb}s${o.stage}`).join(" ");
+    // torch 2.13's pipeline_order for these, its idle steps left out
+    expect(ops(0, 2, 2, 4)).toBe("F0s0 F1s0 F0s2 F1s2 F2s0 B0s2 F3s0 B1s2 F2s2 B0s0 F3s2 B1s0 B2s2 B3s2 B2s0 B3s0");
+    expect(ops(1, 2, 2, 4)).toBe("F0s1 F1s1 F0s3 B0s3 F1s3 B1s3 F2s1 B0s1 F3s1 B1s1 F2s3 B2s3 F3s3 B3s3 B2s1 B3s1");
+    expect(ops(1, 2, 2, 2)).toBe("F0s1 F1s1 F0s3 B0s3 F1s3 B1s3 B0s1 B1s1");
+    expect(ops(2, 3, 2, 6)).toBe(
+      "F0s2 F1s2 F2s2 F0s5 B0s5 F1s5 B1s5 F2s5 B2s5 F3s2 B0s2 F4s2 B1s2 F5s2 B2s2 F3s5 B3s5 F4s5 B4s5 F5s5 B5s5 B3s2 B4s2 B5s2",
+    );
+  });
+
+  it("runs interleaved stages on their ranks, each operation once and after what it needs", () => {
+    for (const [stages, ranks, mbs] of [[4, 2, 4], [4, 2, 2], [6, 3, 6], [6, 2, 4]]) {
+      const { cells, steps } = pipelineSchedule("interleaved1f1b", stages, mbs, ranks);
+      expect(cells.length).toBe(2 * stages * mbs);
+      const at = new Map(cells.map((c) => [`${c.kind}${c.stage}:${c.mb}`, c.t]));
+      expect(at.size).toBe(cells.length);
+      for (const c of cells) {
+        expect(c.stage % ranks).toBe(c.rank);
+        if (c.kind === "F" && c.stage > 0) expect(at.get(`F${c.stage - 1}:${c.mb}`)).toBeLessThan(c.t);
+        if (c.kind === "B" && c.stage < stages - 1) expect(at.get(`B${c.stage + 1}:${c.mb}`)).toBeLessThan(c.t);
+      }
+      expect(new Set(cells.map((c) => `${c.rank}@${c.t}`)).size).toBe(cells.length);
+      expect(steps).toBeLessThan(2 * stages * mbs); // the simulation ended: no operation waits forever
     }
   });
 
@@ -91,7 +118,10 @@ describe("the plan's columns and stages", () => {
   });
 
   it("takes the schedule from the job's settings, a micro-batch per stage by default", () => {
-    expect(scheduleOf(job)).toEqual({ schedule: "1f1b", stages: 3, microbatches: 3 });
+    expect(scheduleOf(job)).toEqual({ schedule: "1f1b", stages: 3, ranks: 3, microbatches: 3 });
+    const interleaved = { ...job, world_size: 2, ranks: {},
+      spec: { parallelism: "PIPELINE", pipeline: { schedule: "interleaved1f1b", stages_per_rank: 3, microbatches: 4 } } };
+    expect(scheduleOf(interleaved)).toEqual({ schedule: "interleaved1f1b", stages: 6, ranks: 2, microbatches: 4 });
     expect(scheduleOf({ ...job, spec: { parallelism: "DDP" } })).toBe(null);
   });
 });

@@ -23,6 +23,7 @@ export const Parallelism = Object.freeze({
 export const PipelineSchedule = Object.freeze({
   GPIPE: "gpipe",
   ONE_F_ONE_B: "1f1b",
+  INTERLEAVED_ONE_F_ONE_B: "interleaved1f1b",
 });
 
 /** What a rank holds of the model, as its layout says (`zwdx.protocol.layout`). */

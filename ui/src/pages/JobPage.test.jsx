@@ -115,6 +115,21 @@ describe("the job page", () => {
     expect(schedule).toHaveAttribute("data-steps", "10");
   });
 
+  it("draws an interleaved pipeline's schedule a row a rank, each rank running its stages", async () => {
+    const stage = (index) => ({ status: "running", layout: { role: "stage", text: `stages ${index}, ${index + 2} of 4`,
+      stage: { index, of: 4, virtual: [index, index + 2] } } });
+    const pipe = { ...running, ranks: { 0: stage(0), 1: stage(1) }, spec: { ...running.spec, parallelism: "PIPELINE",
+      pipeline: { schedule: "interleaved1f1b", microbatches: 4, stages_per_rank: 2 } } };
+    mockFetch(routes(pipe));
+    renderApp("/jobs/j1");
+    const schedule = await screen.findByTestId("schedule");
+    expect(schedule).toHaveTextContent("rank 1");
+    expect(schedule.querySelectorAll('[data-kind="F"]').length).toBe(16); // 4 stages x 4 micro-batches
+    for (const cell of schedule.querySelectorAll("[data-stage]")) {
+      expect(Number(cell.dataset.stage) % 2).toBe(Number(cell.dataset.rank));
+    }
+  });
+
   it("follows status changes and shows the log lines", async () => {
     mockFetch(routes(running, [{ seq: 1, kind: "log", rank: 0, data: { text: "epoch 0: loss 1.03" }, ts: 1700000004 }]));
     renderApp("/jobs/j1");
