@@ -101,6 +101,20 @@ def test_the_automatic_cut_follows_each_stages_free_memory_with_a_block_at_least
         weighted_ranges(2, [1, 1, 1])
 
 
+def test_the_automatic_cut_gives_a_faster_gpu_more_blocks_as_far_as_its_memory_holds_them():
+    from gpu_client.pipeline import BLOCK_FOOTPRINT, speed_shares, weighted_ranges
+    gib, block = 2**30, 2**20  # a block of 1 MiB of parameters takes 6 MiB on its GPU
+    assert weighted_ranges(12, speed_shares(12, [80 * gib, 80 * gib], [2e14, 1e14], block)) == [[0, 8], [8, 12]]
+    # equal speeds: equal runs, a smaller card as well, while its blocks fit it
+    assert weighted_ranges(12, speed_shares(12, [24 * gib, 80 * gib], [1e14, 1e14], block)) == [[0, 6], [6, 12]]
+    # the faster card holds only 4 blocks: it gets 4, the other the rest
+    small = 4 * block * BLOCK_FOOTPRINT
+    assert speed_shares(12, [small, 80 * gib], [3e14, 1e14], block) == [4, 8]
+    assert weighted_ranges(12, speed_shares(12, [small, 80 * gib], [3e14, 1e14], block)) == [[0, 4], [4, 12]]
+    # the blocks fit nowhere that way: by free memory, as before speed was measured
+    assert speed_shares(12, [small, small], [3e14, 1e14], block) == [small, small]
+
+
 # -- jobs ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):

@@ -8,7 +8,7 @@ rank (rank r runs stages r, r + ranks, ...). Where it is cut: ``stage_plan``, ei
 repeated blocks (``[[0, 6], [6, 12]]``: blocks 0 to 5 on rank 0, 6 to 11 on rank 1; the modules
 before the blocks go with the first stage, those after with the last) or the names of the
 modules each stage after the first begins at (``["transformer.h.6"]``); left out, the blocks are
-cut evenly. Which blocks a model has is checked where the model is, by the SDK before upload.
+cut by each GPU's speed as far as its memory holds them (evenly on CPU slots). Which blocks a model has is checked where the model is, by the SDK before upload.
 """
 from __future__ import annotations
 
