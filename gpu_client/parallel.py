@@ -81,7 +81,8 @@ class Collective:
         from zwdx.protocol.layout import MAX_MODULES
 
         from .layout import device_of, fold, held_modules, line, local_params
-        inner = model.module if hasattr(model, "module") else model  # DDP's wrapper
+        from torch.nn.parallel import DistributedDataParallel
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
         world, params = dist.get_world_size(), local_params(inner)
         out = {"params": params, "device": device_of(inner)}
         if self.wrap_as == "FSDP":

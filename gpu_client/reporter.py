@@ -118,7 +118,10 @@ class Reporter:
         if resp.status_code >= 400:
             log.warning("rank %d: layout refused (%d): %s", self.rank, resp.status_code, resp.text[:300])
             return False
-        return bool(resp.json().get("ok"))
+        try:
+            return bool(resp.json().get("ok"))
+        except ValueError:
+            return False
 
     def download(self, path: str, file_path: str) -> None:
         """GET ``<job url>/<path>`` into ``file_path``, streamed, checked against the sha256 the
