@@ -146,6 +146,15 @@ class Diloco(Collective):
                               f"({s.compression.value}, outer SGD "
                               f"lr {s.outer_lr} momentum {s.outer_momentum}{' Nesterov' if s.nesterov else ''})")
 
+    def layout(self, model: torch.nn.Module) -> dict:
+        """A worker holds the whole model (its ranks, DDP replicas of it)."""
+        from .layout import line
+        out = super().layout(model)
+        each = f", rank {self.spec.rank % self.per} of its {self.per} (DDP)" if self.per > 1 else ""
+        return {**out, "text": line(f"DiLoCo worker {self.worker} of {self.workers}{each}: the whole model, "
+                                    f"an outer step every "
+                                    f"{self.settings.inner_steps} inner steps")}
+
     def uploads_weights(self) -> bool:
         """Whether this worker uploads the job's weights: the first rank not dropped (rank 0,
         unless it was; a worker's first rank), as the server takes them."""

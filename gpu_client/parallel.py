@@ -84,6 +84,26 @@ class Collective:
         which only a pipeline needs)."""
         return wrap(model.to(device), self.wrap_as, device, units=bundle.get("fsdp_units"), report=report)
 
+    def layout(self, model: nn.Module) -> dict:
+        """What this rank holds of the wrapped ``model``, for the job's page (``zwdx.protocol.layout``):
+        DDP the whole model (a replica); FSDP a 1/world share of each unit's weights."""
+        from zwdx.protocol.layout import MAX_MODULES
+
+        from .layout import device_of, fold, held_modules, line, local_params
+        from torch.nn.parallel import DistributedDataParallel
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        world, params = dist.get_world_size(), local_params(inner)
+        out = {"params": params, "device": device_of(inner)}
+        if self.wrap_as == "FSDP":
+            from torch.distributed.fsdp import FSDPModule
+            units = [name for name, m in inner.named_modules() if name and isinstance(m, FSDPModule)]
+            shown = fold(units, MAX_MODULES - 1)
+            return {**out, "role": "shard", "modules": [*shown, "(root)"],
+                    "text": line(f"1/{world} of each of {len(units) + 1} FSDP units' weights "
+                                 f"({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}, then the root)")}
+        return {**out, "role": "replica", "modules": held_modules(inner),
+                "text": line(f"the whole model (replica {dist.get_rank()} of {world})")}
+
     def sync_buffers(self, model: nn.Module) -> None:
         sync_buffers(model)
 

@@ -1,13 +1,15 @@
 """PIPELINE on a GPU client: this rank runs one stage of the model, the ranks in stage order, with
-``torch.distributed.pipelining`` (its tracer frontend and its schedules, as the PyTorch docs show).
+``torch.distributed.pipelining`` (its tracer frontend and its schedules, as the PyTorch docs show);
+with interleaved 1F1B several (rank r: stages r, r + ranks, ...), held as one ``Stages`` module.
 
 Every rank traces the whole model (on the CPU, with one micro-batch of the first batch as the
 example input) and cuts it where the plan says: each stage after the first begins at a module
 (``torch.distributed.pipelining.SplitPoint.BEGINNING``). The plan (``zwdx.protocol.pipeline``)
 gives block ranges or module names; left out, the model's repeated blocks (the units FSDP
-shards, ``parallel.fsdp_plan``) are cut in proportion to each stage's free GPU memory (the ranks
-all-gather it first), or into equal runs on CPU slots (those of one host share its RAM); each cut at the block
-boundary nearest to its share. Speed is not weighed yet. The rank keeps only its stage's module, on its device;
+shards, ``parallel.fsdp_plan``) are cut by each rank's measured speed (a short matmul timing) as
+far as its free GPU memory holds its blocks (``speed_shares``; the ranks all-gather both first), or
+into equal runs on CPU slots (those of one host share its RAM and cores); each cut at the block
+boundary nearest to its share. The rank keeps only its stage's module, on its device;
 the stage's parameters keep the model's names (``transformer.h.3.mlp.weight``), so the rebuilt
 optimizer's param groups, the checkpoints and the returned weights use the names the user knows.
 
@@ -41,6 +43,7 @@ from zwdx.protocol.vocab import PipelineSchedule
 
 from zwdx.checks import repeated_blocks
 
+from .layout import device_of, held_modules, line, local_params
 from .parallel import Collective
 
 log = logging.getLogger(__name__)
@@ -54,10 +57,14 @@ class Pipeline(Collective):
     def __init__(self, spec):
         super().__init__(spec)
         self.settings = spec.pipeline or PipelineSettings()
-        self.stages, self.index = spec.world_size, spec.rank
-        self.microbatches = self.settings.microbatches or self.stages
+        #: The ranks, the stages each runs, all the stages; this rank, and its stages (r, r + ranks, ...).
+        self.ranks, self.per = spec.world_size, self.settings.stages_per_rank or 1
+        self.stages, self.index = self.ranks * self.per, spec.rank
+        self.mine = [self.index + k * self.ranks for k in range(self.per)]
+        self.microbatches = self.settings.microbatches or self.ranks
         self.whole: nn.Module | None = None     # rank 0: the whole model, the returned weights loaded
-        self.layout: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
+        self.tensors: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
+        self.held: list[str] = []  # the modules this rank's stage holds (``layout``)
         self.schedule = None
         self._loss_fn = None
         self._state: dict | None = None
@@ -73,10 +80,12 @@ class Pipeline(Collective):
     def wrap(self, model: nn.Module, device, bundle: dict, report, example=None) -> nn.Module:
         """Trace ``model`` (on the CPU) with one micro-batch of ``example()``'s batch, cut it, and keep this
         rank's stage on ``device``; it is what the optimizer, the checkpoints and train_func see."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint
         from torch.distributed.pipelining import pipeline as trace
         self.device = device
-        points, line = split_points(model, self.settings.stage_plan, self.stages, self._free_memory(device))
+        shares = self._shares(model, device)  # a rank's share shared by its stages
+        points, line = split_points(model, self.settings.stage_plan, self.stages,
+                                    shares and [shares[i % self.ranks] for i in range(self.stages)])
         x = _inputs(example())
         if x.shape[0] < self.microbatches:
             raise ValueError(f"a batch of {x.shape[0]} cannot be split into {self.microbatches} micro-batches "
@@ -86,30 +95,62 @@ class Pipeline(Collective):
         if pipe.num_stages != self.stages:
             raise ValueError(f"the model traced into {pipe.num_stages} stage(s), not {self.stages}: a split point "
                              f"({', '.join(points)}) is not called in the model's forward")
-        self.layout = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
-                       for i in range(self.stages)]
-        stage = pipe.build_stage(self.index, device)
-        cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
-        self.schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
+        self.tensors = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
+                        for i in range(self.stages)]
+        self.held = held_modules(model, [name for name, _, _ in self._tensors_of(self.index)])
+        stages = [pipe.build_stage(i, device) for i in self.mine]
+        if self.settings.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.microbatches, loss_fn=self._loss)
+        else:
+            cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
+            self.schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=self._loss)
         self.whole = model if self.index == 0 else None
         if self.index == 0:
+            each = f" ({self.per} stages a rank, rank r runs r, r + {self.ranks}, ...)" if self.per > 1 else ""
             line = (f"{line}; {self.microbatches} micro-batches of {x.shape[0] // self.microbatches}, "
-                    f"schedule {self.settings.schedule.value}")
+                    f"schedule {self.settings.schedule.value}{each}")
             log.info("%s", line)
             report(line)
-        return stage.submod
+        return stages[0].submod if self.per == 1 else Stages([stage.submod for stage in stages])
 
-    def _free_memory(self, device) -> list[int] | None:
-        """Every stage's free device memory, in rank order (one small all-gather), when every
-        stage is on a GPU; None when one is on a CPU slot (those of a host share its RAM: an
-        even cut)."""
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    def _tensors_of(self, rank: int) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """The tensors of every stage ``rank`` runs, stage by stage."""
+        return [t for k in range(self.per) for t in self.tensors[rank + k * self.ranks]]
+
+    def _shares(self, model: nn.Module, device) -> list[float] | None:
+        """Each rank's share of the blocks for the automatic cut, in rank order, from every rank's
+        free device memory and measured speed (one small all-gather; ``speed_shares``), when every
+        rank is on a GPU; None when one is on a CPU slot (those of a host share its RAM and cores:
+        an even cut). A plan the submitter gave: None, nothing measured."""
+        if self.settings.stage_plan is not None:
+            return None
+        on_gpu, speed = device.type == "cuda", 0.0
+        if on_gpu:
+            try:
+                speed = matmul_speed(device)
+            except Exception as exc:  # unmeasured: the cut goes by free memory alone
+                log.warning("PIPELINE: could not measure %s's speed: %s", device, exc)
+        mine = [float(torch.cuda.mem_get_info(device)[0]) if on_gpu else 0.0, speed]
         comm = self._comm_device()
-        mine = torch.tensor([free], dtype=torch.int64, device=comm)
-        every = [torch.zeros_like(mine) for _ in range(self.stages)]
-        dist.all_gather(every, mine)
-        sizes = [int(t.item()) for t in every]
-        return sizes if all(sizes) else None
+        every = [torch.zeros(2, dtype=torch.float64, device=comm) for _ in range(self.ranks)]
+        dist.all_gather(every, torch.tensor(mine, dtype=torch.float64, device=comm))
+        free, speed = zip(*([float(v) for v in t.tolist()] for t in every))
+        if not all(free):
+            return None
+        blocks = repeated_blocks(model)
+        if not all(speed) or not blocks:
+            return list(free)
+        block_bytes = sum(p.numel() * p.element_size() for _, b in blocks for p in b.parameters()) / len(blocks)
+        return speed_shares(len(blocks) * self.per, list(free), list(speed), block_bytes)
+
+    def layout(self, model: nn.Module) -> dict:
+        """This rank's stage: its place in the order and the modules it holds."""
+        params = local_params(model)
+        place = {"index": self.mine[0], "of": self.stages, **({"virtual": self.mine} if self.per > 1 else {})}
+        which = f"stage {self.index}" if self.per == 1 else f"stages {', '.join(map(str, self.mine))}"
+        return {"role": "stage", "stage": place, "modules": self.held,
+                "params": params, "device": device_of(model),
+                "text": line(f"{which} of {self.stages}: {', '.join(self.held)}")}
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Nothing: each stage's buffers are its own."""
@@ -134,7 +175,7 @@ class Pipeline(Collective):
         ``y`` and ``loss_fn(output, y)`` the last stage's (every rank may pass all three).
         Gradients accumulate into this stage's parameters; returns the batch's mean loss over
         its micro-batches (a 0-d tensor, on every stage)."""
-        first, last = self.index == 0, self.index == self.stages - 1
+        first, last = self.index == 0, self.index == self.ranks - 1  # stage 0's rank, the last stage's
         if last and (y is None or loss_fn is None):
             raise ValueError("pipeline.step(x, y, loss_fn): the last stage needs the targets y and the loss_fn")
         self._loss_fn = loss_fn
@@ -145,8 +186,8 @@ class Pipeline(Collective):
         comm = self._comm_device()
         loss = torch.stack([v.detach().float() for v in losses]).mean().to(comm) if last \
             else torch.zeros((), dtype=torch.float32, device=comm)
-        if self.stages > 1:
-            dist.broadcast(loss, src=self.stages - 1)
+        if self.ranks > 1:
+            dist.broadcast(loss, src=self.ranks - 1)
         return loss
 
     def _loss(self, output, target):
@@ -162,22 +203,52 @@ class Pipeline(Collective):
         comm = self._comm_device()
         mine = model.state_dict()
         if self.index != 0:
-            for name, _, _ in self.layout[self.index]:
+            for name, _, _ in self._tensors_of(self.index):
                 dist.send(mine[name].detach().to(comm).contiguous(), dst=0)
             return None
         state = {k: v.detach().cpu() for k, v in mine.items()}
-        for stage in range(1, self.stages):
-            for name, shape, dtype in self.layout[stage]:
+        for rank in range(1, self.ranks):
+            for name, shape, dtype in self._tensors_of(rank):
                 buf = torch.empty(shape, dtype=dtype, device=comm)
-                dist.recv(buf, src=stage)
+                dist.recv(buf, src=rank)
                 state[name] = buf.cpu()
         return state
 
 
-def split_points(model: nn.Module, plan, stages: int, memory: list[int] | None = None) -> tuple[list[str], str]:
+class Stages(nn.Module):
+    """The stages one rank runs (interleaved) as one module for the optimizer, the checkpoints and
+    the weights: their parameters and buffers under the model's own names (the stages share none);
+    ``train()``/``eval()`` reach every stage. Its forward is the schedule's, never called."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self._parts = list(parts)  # a plain list: registered, their names would be prefixed
+        for part in parts:
+            persistent = set(part.state_dict())
+            for name, param in part.named_parameters():
+                self._holder(name).register_parameter(name.rsplit(".", 1)[-1], param)
+            for name, buf in part.named_buffers():
+                self._holder(name).register_buffer(name.rsplit(".", 1)[-1], buf, persistent=name in persistent)
+
+    def _holder(self, name: str) -> nn.Module:
+        node = self
+        for part in name.split(".")[:-1]:
+            if part not in node._modules:
+                node.add_module(part, nn.Module())
+            node = node._modules[part]
+        return node
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for part in self._parts:
+            part.train(mode)
+        return self
+
+
+def split_points(model: nn.Module, plan, stages: int, weights: list[float] | None = None) -> tuple[list[str], str]:
     """The module names where stages 1.. begin, and a line for the job's log. ``plan``: block
-    ranges, module names, or None: the repeated blocks cut in proportion to each stage's free
-    ``memory`` (None: evenly)."""
+    ranges, module names, or None: the repeated blocks cut in proportion to each stage's
+    ``weights`` (None: evenly)."""
     blocks = [name for name, _ in repeated_blocks(model)]
     if plan is not None and isinstance(plan[0], str):
         known = dict(model.named_modules())
@@ -188,7 +259,7 @@ def split_points(model: nn.Module, plan, stages: int, memory: list[int] | None =
     if not blocks and stages > 1:
         raise ValueError(f"PIPELINE: {type(model).__name__} has no repeated blocks (a ModuleList or Sequential of "
                          f"modules of one class) to cut into stages; name the split points in pipeline.stage_plan")
-    ranges = plan if plan is not None else weighted_ranges(len(blocks), memory or [1] * stages)
+    ranges = plan if plan is not None else weighted_ranges(len(blocks), weights or [1] * stages)
     if ranges[-1][1] != len(blocks) or len(ranges) != stages:
         raise ValueError(f"pipeline.stage_plan {ranges} must cover the model's {len(blocks)} blocks in {stages} "
                          f"stage(s)")
@@ -197,7 +268,54 @@ def split_points(model: nn.Module, plan, stages: int, memory: list[int] | None =
     return points, f"PIPELINE: {stages} stages over {len(blocks)} blocks: {shown}"
 
 
-def weighted_ranges(blocks: int, weights: list[int]) -> list[list[int]]:
+#: What a block takes on its GPU, as a multiple of its parameters' bytes: the parameters, their
+#: gradients and two optimizer moments (AdamW's), and half again for activations.
+BLOCK_FOOTPRINT = 6.0
+
+
+def speed_shares(blocks: int, free: list[float], speed: list[float], block_bytes: float) -> list[float]:
+    """Each rank's share of ``blocks`` for the automatic cut: in proportion to its measured
+    ``speed``, as long as its blocks fit its ``free`` memory (``BLOCK_FOOTPRINT`` times
+    ``block_bytes`` a block); a rank whose share would not fit holds what fits and the others
+    share the rest by speed. When the blocks fit nowhere that way: in proportion to free memory."""
+    caps = [f / max(block_bytes * BLOCK_FOOTPRINT, 1.0) for f in free]
+    if sum(caps) < blocks:
+        return list(free)
+    shares = [0.0] * len(free)
+    open_, left = set(range(len(free))), float(blocks)
+    while open_:
+        total = sum(speed[i] for i in open_)
+        want = {i: left * speed[i] / total for i in open_}
+        full = {i for i in open_ if want[i] > caps[i]}
+        if not full:
+            for i in open_:
+                shares[i] = want[i]
+            break
+        for i in full:
+            shares[i] = caps[i]
+            left -= caps[i]
+        open_ -= full
+    return shares
+
+
+def matmul_speed(device, size: int = 2048, rounds: int = 10) -> float:
+    """How fast ``device`` (a GPU) multiplies matrices, in floating-point operations a second:
+    ``rounds`` half-precision products of two ``size`` x ``size`` matrices, timed on the device
+    after one untimed (a few milliseconds on a current GPU)."""
+    a = torch.randn(size, size, device=device, dtype=torch.float16)
+    b = torch.randn(size, size, device=device, dtype=torch.float16)
+    a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        a @ b
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    return 2 * size ** 3 * rounds / max(seconds, 1e-9)
+
+
+def weighted_ranges(blocks: int, weights: list[float]) -> list[list[int]]:
     """``blocks`` cut into one run a weight, each run's length in proportion to its weight: each
     cut at the block boundary nearest to the running share (halves up), at least one block a run."""
     stages = len(weights)
@@ -206,7 +324,7 @@ def weighted_ranges(blocks: int, weights: list[int]) -> list[list[int]]:
     total, cuts, share = sum(weights), [0], 0
     for i, weight in enumerate(weights[:-1], start=1):
         share += weight
-        cut = (2 * blocks * share + total) // (2 * total)  # the nearest block boundary, halves up
+        cut = int((2 * blocks * share + total) // (2 * total))  # the nearest block boundary, halves up
         cuts.append(min(max(cut, cuts[-1] + 1), blocks - (stages - i)))
     cuts.append(blocks)
     return [[a, b] for a, b in zip(cuts, cuts[1:])]

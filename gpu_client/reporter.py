@@ -102,6 +102,27 @@ class Reporter:
         resp = self.session.post(f"{self.base}/checkpoints/{n}/commit", json={"files": files, **fields}, timeout=60)
         resp.raise_for_status()
 
+    def send_layout(self, layout: dict) -> bool:
+        """Tell the server what this rank holds of the model (``zwdx.protocol.layout``), for the
+        job's page. It only describes: one that breaks a bound, or a server that does not take
+        it, is logged, never raised. True when the server kept it."""
+        from zwdx.errors import BadRequest
+        from zwdx.protocol.base import parse
+        from zwdx.protocol.layout import RankLayout
+        try:
+            body = parse(RankLayout, layout, "layout").model_dump(mode="json")
+            resp = self.session.post(f"{self.base}/ranks/{self.rank}/layout", json=body, timeout=30)
+        except (BadRequest, requests.RequestException) as exc:
+            log.warning("rank %d: layout not sent: %s", self.rank, exc)
+            return False
+        if resp.status_code >= 400:
+            log.warning("rank %d: layout refused (%d): %s", self.rank, resp.status_code, resp.text[:300])
+            return False
+        try:
+            return bool(resp.json().get("ok"))
+        except ValueError:
+            return False
+
     def download(self, path: str, file_path: str) -> None:
         """GET ``<job url>/<path>`` into ``file_path``, streamed, checked against the sha256 the
         server stored for it (``IOError`` and no file when it differs)."""

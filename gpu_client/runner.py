@@ -10,7 +10,8 @@ job is read. A script job's rank runs ``gpu_client.script.ScriptRank`` instead (
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU
 and on mixed devices, the job's collective timeout) while the bundle loads, makes the loaders,
 wraps the model (the job's strategy: DDP/FSDP, a pipeline stage, a DILOCO worker, a replica of
-a mixed-devices job), rebuilds the optimizer and
+a mixed-devices job), tells the server what the rank holds of it (``strategy.layout``: the
+job's page draws it), rebuilds the optimizer and
 restores the checkpoint; ``train`` calls the user's
 ``train_func`` with the arguments it declares; ``finish`` runs ``eval_func``, gathers the
 weights, uploads them from rank 0 and reports the result. A failure is reported with its
@@ -84,6 +85,7 @@ class Trainer:
         self.reporter.status(RankStatus.RUNNING.value)
         self.loaders = self._user_loaders()
         self.model, self.optimizer = self._build()
+        self._layout()
         self.checkpointer = self._restore()
         self.strategy.attach(self.model, self.checkpointer)
         self.loader, self.eval_loader = self._loaders()
@@ -109,6 +111,16 @@ class Trainer:
                                    example=lambda: first_batch(self.loaders[0]))
         self.startup.mark("wrapped")
         return model, rebuild_optimizer(self.bundle["optimizer"], model, part=self.strategy.part)
+
+    def _layout(self) -> None:
+        """Tell the server what this rank holds of the wrapped model (the strategy's ``layout``):
+        the job's page draws it. It only describes, so a failure to make it is logged, not raised."""
+        try:
+            layout = self.strategy.layout(self.model)
+        except Exception:
+            log.warning("rank %d: could not describe its layout", self.spec.rank, exc_info=True)
+            return
+        self.reporter.send_layout(layout)
 
     def _restore(self):
         """The job's Checkpointer, with the checkpoint this attempt goes on from loaded."""

@@ -330,6 +330,24 @@ def pipe_train(model, loader, optimizer, epochs, reporter, pipeline):
     return loss.item()
 
 
+def pipe_train_then_wait(model, loader, optimizer, epochs, reporter, pipeline, start_epoch):
+    """``pipe_train`` from ``start_epoch`` on; the first attempt stops as epoch 1 begins (epoch 0's
+    checkpoint is taken as that pass starts) and waits there for its GPU client to be taken away."""
+    import time
+    model.train()
+    loss = None
+    for epoch in range(start_epoch, epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            if epoch == 1 and reporter.resume is None:
+                time.sleep(3600)
+            optimizer.zero_grad()
+            loss = pipeline.step(x, y, next_token_loss)
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item())
+    return loss.item()
+
+
 def pipe_eval(model, loader, device):
     """Mean loss per sequence over the held-out batches (one replica: no all-reduce)."""
     model.eval()

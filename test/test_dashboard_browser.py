@@ -22,6 +22,7 @@ import requests
 import torch
 
 import mnist
+import models
 import needs
 from procs import ROOT, Server, build_ui, wait_until
 from workloads import slow_train
@@ -128,6 +129,36 @@ def js_number(value: float) -> str:
     return str(int(rounded)) if rounded.is_integer() else repr(rounded)
 
 
+def test_the_job_page_draws_a_running_pipelines_stages_and_schedule(cluster, page):
+    sdk, room, url = cluster.sdk, cluster.room, cluster.server.url
+    sign_in(page, url, room["token"])
+    model = models.stage_lm()
+    job_id = sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
+                            torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=100_000, world_size=2,
+                            pipeline={"schedule": "1f1b", "microbatches": 4}, room_token=room["token"], wait=False,
+                            progress=False, name=unique("pipeline"))  # runs until cancelled below
+    page.goto(f"{url}/jobs/{job_id}")  # open before the ranks say what they hold: the plan arrives live
+    page.get_by_test_id("job-page").wait_for()
+    stages = page.locator('[data-testid="plan-rank"][data-role="stage"]')
+    stages.nth(1).wait_for(timeout=120_000)
+    assert page.get_by_test_id("job-page").get_attribute("data-status") == "running"
+    columns = page.get_by_test_id("plan-client")
+    assert sorted(columns.evaluate_all("els => els.map(e => e.dataset.client)")) == ["client-a", "client-b"]
+    assert [columns.nth(i).locator('[data-role="stage"]').count() for i in range(2)] == [1, 1]  # a stage on each
+    first = page.locator('[data-testid="plan-rank"][data-rank="0"]').inner_text()
+    last = page.locator('[data-testid="plan-rank"][data-rank="1"]').inner_text()
+    assert "stage 0 of 2: wte, wpe, h.0-1" in first and "stage 1 of 2: h.2-3, ln_f, head" in last
+    assert "60.8K params" in first
+    order = page.get_by_test_id("stage-order")
+    assert order.locator("li").evaluate_all("els => els.map(e => e.dataset.stage)") == ["0", "1"]
+    assert "→" in order.inner_text()
+    schedule = page.get_by_test_id("schedule")
+    assert schedule.get_attribute("data-schedule") == "1f1b" and schedule.get_attribute("data-steps") == "10"
+    assert schedule.locator('[data-kind="F"]').count() == 8 and schedule.locator('[data-kind="B"]').count() == 8
+    shot(page, "05-job-plan-pipeline")
+    sdk.cancel_job(job_id, room_token=room["token"])
+
+
 @pytest.fixture(scope="module")
 def finished_job(shared_cluster):
     """A job of the module's room that completed (the MNIST example, one epoch): its id."""
@@ -209,6 +240,7 @@ def test_the_job_page_grows_the_loss_curve_live_and_shows_the_finished_job(clust
         == ["queued", "starting", "running", "completed"]
     placement = page.get_by_test_id("placement").inner_text()
     assert "client-a" in placement and "client-b" in placement and "rank 0" in placement and "rank 1" in placement
+    assert page.get_by_test_id("plan").locator('[data-testid="plan-rank"][data-role="replica"]').count() == 2
     last_line = [line["text"] for line in sdk.get_job_logs(job_id) if line["text"].startswith("epoch 2: loss ")]
     assert last_line and "epoch 2: loss" in page.get_by_test_id("logs").inner_text()
     # the final loss the page shows is the one the train function printed last (and returned)

@@ -44,6 +44,8 @@ def test_two_workers_of_two_ranks_train_with_one_upload_per_worker_a_round(sdk, 
     prints = {r: s["fingerprint"] for r, s in job["ranks"].items()}
     assert prints["0"] == prints["1"] and prints["2"] == prints["3"], prints  # each worker's ranks alike
     assert len(set(prints.values())) == 1, prints  # and the workers on the same global weights
+    texts = {r: s["layout"]["text"] for r, s in job["ranks"].items()}  # the job page's plan
+    assert texts["3"].startswith("DiLoCo worker 1 of 2, rank 1 of its 2 (DDP): the whole model"), texts
     trained = sdk.get_trained_model(result["job_id"], mnist.Net())
     assert fingerprint(trained.state_dict()) == prints["0"]
     local = held_out_loss(trained, None, 0, 1)["eval_loss"]

@@ -70,6 +70,10 @@ def test_example_job_trains_on_two_gpu_clients(cluster, parallelism):
     ranks = sdk.get_job(result["job_id"])["ranks"]
     prints = {r["fingerprint"] for r in ranks.values()}
     assert len(ranks) == 2 and len(prints) == 1, ranks  # both ranks ended with the same weights
+    # what each rank said it holds (the job page's plan) is what it held while it trained
+    layouts = {int(rank): state["layout"] for rank, state in ranks.items()}
+    assert {r: lay["params"] for r, lay in layouts.items()} == held
+    assert {lay["role"] for lay in layouts.values()} == {"shard" if parallelism == "FSDP" else "replica"}
     weights = requests.get(f"{cluster.server.url}{defaults.API_PREFIX}/jobs/{result['job_id']}/weights",
                            headers={defaults.TOKEN_HEADER: room["token"]}, timeout=30)
     assert weights_digest(weights.content) == prints.pop()  # and they are what came back

@@ -137,6 +137,8 @@ def jobs_show(sdk, args) -> int:
         for rank, state in sorted(ranks.items(), key=lambda kv: int(kv[0])):
             if state.get("terms"):
                 print(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
+    for line in plan_lines(job):
+        print(line)
     for rank in job.get("failure_order") or []:
         print(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}")
     return 0
@@ -146,6 +148,30 @@ def _batches(sdk, job_id: str) -> dict:
     """rank -> its batch (the ``batch_size`` metric a mixed-devices rank records at its start)."""
     return {p["rank"]: int(p["value"]) for p in sdk.get_job_metrics(job_id).get("batch_size", [])
             if isinstance(p.get("value"), (int, float))}
+
+
+def plan_lines(job: dict) -> list[str]:
+    """The job's plan as text (what the job page draws): each rank's layout, as it reported it
+    once its model was wrapped, and for a pipeline the stage order and its schedule."""
+    ranks, where = job.get("ranks") or {}, {p["rank"]: p for p in job.get("placement") or []}
+    said = sorted(((int(rank), state["layout"]) for rank, state in ranks.items() if state.get("layout")))
+    if not said:
+        return []
+    lines = ["", "plan:"]
+    for rank, layout in said:
+        place = where.get(rank) or {}
+        params = f", {layout['params']:,} params" if isinstance(layout.get("params"), int) else ""
+        lines.append(f"  rank {rank} on {place.get('hostname') or place.get('client_id') or '?'} "
+                     f"({layout.get('device') or 'slot ' + str(place.get('gpu_index', '?'))}), {layout['role']}: "
+                     f"{layout['text']}{params}")
+    stages = sorted((layout["stage"]["index"], rank) for rank, layout in said if layout.get("stage"))
+    if stages:
+        settings = (job.get("spec") or {}).get("pipeline") or {}
+        count = said[0][1]["stage"]["of"] if said[0][1].get("stage") else len(stages)
+        lines.append("  stages: " + " -> ".join(f"{index} (rank {rank})" for index, rank in stages)
+                     + f"; schedule {settings.get('schedule', 'gpipe')}, "
+                       f"{settings.get('microbatches') or count} micro-batches a batch")
+    return lines
 
 
 def jobs_logs(sdk, args) -> int:

@@ -282,9 +282,10 @@ class ZWDX:
         containers and whose donor allows that image take the job (it waits, saying which
         images each client allows). None: any client, ranks in its default image or none.
         ``parallelism="PIPELINE"`` cuts the model into stages, one a rank (``torch.distributed.pipelining``).
-        ``pipeline`` sets it: ``{"schedule": "gpipe" | "1f1b", "microbatches": n (default: the
-        stages), "stage_plan": [(0, 6), (6, 12)] (ranges of the repeated blocks) or
-        ["transformer.h.6"] (where stages begin)}``; left out, the blocks are cut evenly.
+        ``pipeline`` sets it: ``{"schedule": "gpipe" | "1f1b" | "interleaved1f1b", "microbatches": n
+        (default: the ranks), "stage_plan": [(0, 6), (6, 12)] (ranges of the repeated blocks) or
+        ["transformer.h.6"] (where stages begin), "stages_per_rank": n (interleaved1f1b only;
+        default 2, or as many as the plan names a rank)}``; left out, the blocks are cut evenly.
         ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)`` for
         forward and backward (it returns the batch's loss); see the README.
 

@@ -198,6 +198,9 @@ ROUTES: dict[str, Route] = {
         {"kind": "log", "data": {"text": f"written with {c}"}}]}}), 200, any_rank=True),
     "api.post_rank_status": Route("job", lambda w, c, m: ("POST", f"{P}/jobs/{job_of(w, c)}/ranks/0",
                                                           {"json": {"status": "running"}}), 200),
+    "api.post_rank_layout": Route("job", lambda w, c, m: ("POST", f"{P}/jobs/{job_of(w, c)}/ranks/0/layout",
+                                                          {"json": {"role": "replica", "text": "the whole model"}}),
+                                  200),
     "api.put_weights": Route("job", lambda w, c, m: ("PUT", f"{P}/jobs/{job_of(w, c)}/weights", {"data": b"w"}),
                              201),
     # Each rank sends its own file (another rank's is refused: test_integrity.py), to a checkpoint not

@@ -13,6 +13,7 @@
                 the files of each checkpoint format, and which rank writes each one
     rank.py     what a GPU client hands each rank process, once, on its stdin: RankSpec
     diloco.py   DILOCO's settings (DilocoSettings) and the state of one of its rounds (RoundState)
+    layout.py   what a rank holds of the model (RankLayout), for the job's page to draw
     dataset.py  a room's datasets (Manifest, its versions) and what a job pins of them (DatasetPin)
     catalog.py  every Socket.IO event with its payload and answer types (docs/events.md)
 

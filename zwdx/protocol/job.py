@@ -29,6 +29,7 @@ from .. import defaults
 from .base import Answer
 from .dataset import DatasetPin
 from .diloco import DilocoSettings
+from .layout import RankLayout
 from .pipeline import PipelineSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
@@ -128,6 +129,8 @@ class RankState(Record):
     #: (``protocol.gpu.Terms``' fields), as its GPU client registered them when it started.
     isolation: str | None = Field(default=None, exclude_if=_absent)
     terms: dict | None = Field(default=None, exclude_if=_absent)
+    #: What it holds of the model (``protocol.layout``), as it reported once the model was wrapped.
+    layout: RankLayout | None = Field(default=None, exclude_if=_absent)
 
 
 class DilocoJoin(Record):

@@ -3,18 +3,19 @@
     PipelineSettings   SubmitJob.pipeline -> JobSpec.pipeline -> JobAssign.pipeline -> RankSpec.pipeline
 
 The model is cut into as many stages as the job has ranks, one stage a rank, in rank order
-(``gpu_client/pipeline.py``). Where it is cut: ``stage_plan``, either ranges of the model's
+(``gpu_client/pipeline.py``); with the ``interleaved1f1b`` schedule, ``stages_per_rank`` stages a
+rank (rank r runs stages r, r + ranks, ...). Where it is cut: ``stage_plan``, either ranges of the model's
 repeated blocks (``[[0, 6], [6, 12]]``: blocks 0 to 5 on rank 0, 6 to 11 on rank 1; the modules
 before the blocks go with the first stage, those after with the last) or the names of the
 modules each stage after the first begins at (``["transformer.h.6"]``); left out, the blocks are
-cut evenly. Which blocks a model has is checked where the model is, by the SDK before upload.
+cut by each GPU's speed as far as its memory holds them (evenly on CPU slots). Which blocks a model has is checked where the model is, by the SDK before upload.
 """
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import ByValue, Message
 from .vocab import PipelineSchedule
@@ -23,6 +24,8 @@ from .vocab import PipelineSchedule
 _MODULE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 #: The most stages a plan may name.
 MAX_STAGES = 1024
+#: The most stages one rank may run (interleaved).
+MAX_VIRTUAL = 64
 
 
 class PipelineSettings(Message):
@@ -33,6 +36,10 @@ class PipelineSettings(Message):
     #: Ranges ``[start, end)`` of the repeated blocks, one a stage; or the module names where the
     #: stages after the first begin; None: the blocks cut evenly.
     stage_plan: list[Any] | None = None
+    #: How many stages each rank runs (rank r: stages r, r + ranks, r + 2 ranks, ...): more than one
+    #: with ``interleaved1f1b`` only, which runs 2 by default (or as many as its plan names a rank).
+    stages_per_rank: Annotated[int, Field(ge=1, le=MAX_VIRTUAL)] | None = Field(
+        default=None, exclude_if=lambda value: value is None)
 
     @field_validator("schedule", mode="before")
     @classmethod
@@ -71,12 +78,48 @@ class PipelineSettings(Message):
                 raise ValueError(f"ranges must follow each other: [{start}, {end}] then [{nxt[0]}, {nxt[1]}]")
         return ranges
 
+    @model_validator(mode="after")
+    def _per_rank(self):
+        interleaved = self.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B
+        if not interleaved and (self.stages_per_rank or 1) > 1:
+            raise ValueError(f"stages_per_rank: a rank runs several stages with the interleaved1f1b schedule "
+                             f"only, not {self.schedule.value}")
+        if interleaved and self.stages_per_rank == 1:
+            raise ValueError("stages_per_rank: interleaved1f1b runs at least 2 stages a rank (1f1b runs one)")
+        if interleaved and self.stages is not None and self.stages_per_rank is not None \
+                and self.stages % self.stages_per_rank:
+            raise ValueError(f"stage_plan names {self.stages} stages, which {self.stages_per_rank} stages a rank "
+                             f"cannot share out evenly")
+        return self
+
     @property
     def stages(self) -> int | None:
-        """How many stages the plan names (None: as many as the job's ranks)."""
+        """How many stages the plan names (None: as many as the job's ranks, times ``stages_per_rank``)."""
         if self.stage_plan is None:
             return None
         return len(self.stage_plan) + 1 if isinstance(self.stage_plan[0], str) else len(self.stage_plan)
+
+    def resolved(self, world_size: int | None) -> "PipelineSettings":
+        """The settings with ``stages_per_rank`` set (a job of ``world_size`` ranks; None: not
+        known yet), or ``ValueError`` saying why the plan and the ranks do not fit."""
+        per = self.stages_per_rank
+        if self.schedule != PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+            per = 1
+        elif per is None:
+            per = self.stages // world_size if self.stages and world_size and self.stages >= 2 * world_size else 2
+        stages = self.stages
+        if stages is not None and world_size is not None and stages != world_size * per:
+            raise ValueError(f"stage_plan names {stages} stage(s) but world_size is {world_size}"
+                             f"{f' with {per} stages a rank' if per > 1 else ''}: "
+                             f"{'one stage a rank' if per == 1 else 'the same number of stages a rank'}")
+        if stages is not None and stages % per:
+            raise ValueError(f"stage_plan names {stages} stages, which {per} stages a rank cannot share out evenly")
+        if per > 1 and self.microbatches is not None and world_size:
+            rounds = max(1, self.microbatches // world_size)
+            if self.microbatches % rounds:
+                raise ValueError(f"microbatches: interleaved1f1b runs them in rounds of the ranks' number "
+                                 f"({world_size}): {self.microbatches} is not a multiple of {rounds} rounds")
+        return self.model_copy(update={"stages_per_rank": per if per > 1 else None})
 
 
 __all__ = ["PipelineSettings", "MAX_STAGES"]

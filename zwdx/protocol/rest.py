@@ -309,10 +309,9 @@ class SubmitJob(Message):
         if info.data.get("kind") == JobKind.SCRIPT:
             raise ValueError("a script job has no model to cut into stages: PIPELINE is for submit_job's functions")
         value = value or PipelineSettings()
-        stages, world_size = value.stages, info.data.get("world_size")
-        if stages is not None and world_size is not None and stages != world_size:
-            raise ValueError(f"stage_plan names {stages} stage(s) but world_size is {world_size}: one stage a rank")
-        n = world_size or stages
+        world_size = info.data.get("world_size")
+        value = value.resolved(world_size)  # ValueError: the plan and the ranks do not fit
+        n = world_size or (value.stages // (value.stages_per_rank or 1) if value.stages else None)
         if value.schedule == PipelineSchedule.ONE_F_ONE_B and n and value.microbatches is not None \
                 and value.microbatches < n:
             raise ValueError(f"microbatches must be at least the number of stages ({n}) with 1F1B")
@@ -373,8 +372,8 @@ class SubmitJob(Message):
     @model_validator(mode="after")
     def _pipeline_world(self):
         """A PIPELINE job's plan, if it names its stages, says how many ranks it has."""
-        if self.pipeline is not None and self.world_size is None:
-            self.world_size = self.pipeline.stages
+        if self.pipeline is not None and self.world_size is None and self.pipeline.stages is not None:
+            self.world_size = self.pipeline.stages // (self.pipeline.stages_per_rank or 1)
         return self
 
 

@@ -45,6 +45,18 @@ class PipelineSchedule(str, Enum):
     """The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes)."""
     GPIPE = "gpipe"  # every forward, then every backward (ScheduleGPipe)
     ONE_F_ONE_B = "1f1b"  # one forward, one backward, once the pipeline is full (Schedule1F1B)
+    #: 1F1B over several stages a rank (rank r runs stages r, r + ranks, ...): a smaller bubble
+    #: for more sends (ScheduleInterleaved1F1B)
+    INTERLEAVED_ONE_F_ONE_B = "interleaved1f1b"
+
+
+class LayoutRole(str, Enum):
+    """What a rank holds of the model, as its layout says (``zwdx.protocol.layout``)."""
+    REPLICA = "replica"  # the whole model (DDP, a DILOCO worker)
+    SHARD = "shard"      # a share of each FSDP unit's weights
+    STAGE = "stage"      # a run of layers: a PIPELINE stage
+    TP = "tp"            # halves of layers (tensor parallel)
+    FSDP_TP = "fsdp+tp"  # FSDP across clients, tensor parallel within one
 
 
 class Compression(str, Enum):
@@ -170,4 +182,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'Devices', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'LayoutRole', 'Devices', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

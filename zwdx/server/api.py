@@ -20,6 +20,7 @@ from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, Z
 from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobKind, JobStatus, Parallelism, \
     RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
+from ..protocol.layout import RankLayout
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, RoomCreated, RoomDetail, SubmitJob)
@@ -283,6 +284,20 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
     else:
         lifecycle.rank_completed(ctx(), job, rank, fingerprint=body.fingerprint, results=body.results or {},
                                  final_loss=body.final_loss, weights_artifact=body.weights_artifact)
+    return RankReportAnswer(ok=True)
+
+
+@operation(bp, "POST", "/jobs/<job_id>/ranks/<rank>/layout", "Report what a rank holds of the model",
+           auth=Auth.JOB, body=RankLayout, answer=RankReportAnswer, tag="ranks")
+def post_rank_layout(job: JobRecord, sender: Sender, rank: int, body: RankLayout):
+    """Only the rank's own key reports its layout (403 otherwise), once it runs: the job's page
+    draws it (``protocol.layout``). A layout that breaks a bound is refused (400) and changes
+    nothing; one from a rank not running is ``ignored``."""
+    if job.world_size is None or not 0 <= rank < job.world_size:
+        raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")
+    only_rank(sender, rank, f"a layout for rank {rank}", job.id)
+    if not lifecycle.rank_layout(ctx(), job, rank, body):
+        return RankReportAnswer(ok=False, ignored=f"rank {rank} is not running")
     return RankReportAnswer(ok=True)
 
 

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Collection
 
 from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
+from ..protocol.layout import RankLayout
 from ..protocol.job import CheckpointEntry, DilocoJoin, Job as JobRecord, Master, PlacementEntry, RankCredential, \
     RankFailure, RankState, RestartEntry, TimelineEntry
 from . import meters
@@ -172,6 +173,15 @@ class Job:
         return self._move(JobStatus.RUNNING, [JobStatus.STARTING], now, {"running_at": now},
                           attempt=self.record.attempt)
 
+    def rank_layout(self, rank: int, layout: RankLayout) -> bool:
+        """A running rank said what it holds of the model (``protocol.layout``); kept on its state.
+        False: the rank is not running (it reports its layout after its start), or the job moved."""
+        before = self.record.ranks.get(str(rank))
+        if before is None or before.status != RankStatus.RUNNING:
+            return False
+        entry = before.model_copy(update={"layout": layout})
+        return self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE))
+
     def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
                        final_loss: float | None = None, weights_artifact: str | None = None) -> bool:
         """A rank reported its result (rank 0's carries the job's, or that of the rank that uploaded
@@ -184,7 +194,7 @@ class Job:
         before = self.record.ranks.get(str(rank))
         entry = RankState(status=RankStatus.COMPLETED, started_at=before.started_at if before else None,
                           ended_at=now, fingerprint=fingerprint, isolation=before.isolation if before else None,
-                          terms=before.terms if before else None)
+                          terms=before.terms if before else None, layout=before.layout if before else None)
         if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
             return False
         return self.complete()

@@ -58,6 +58,15 @@ def _kept(ctx, job: JobRecord, rank: int) -> dict:
     return {"isolation": slot.get("isolation"), "terms": terms}
 
 
+def rank_layout(ctx, job: JobRecord, rank: int, layout) -> bool:
+    """A running rank said what it holds of the model: kept on its state, and the dashboards told."""
+    handle = Job(ctx.store, job)
+    if not handle.rank_layout(rank, layout):
+        return False
+    notify.job_changed(handle.record)
+    return True
+
+
 def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,
                    final_loss: float | None = None, weights_artifact: str | None = None) -> None:
     handle = Job(ctx.store, job)

@@ -23,6 +23,16 @@ export const Parallelism = Object.freeze({
 export const PipelineSchedule = Object.freeze({
   GPIPE: "gpipe",
   ONE_F_ONE_B: "1f1b",
+  INTERLEAVED_ONE_F_ONE_B: "interleaved1f1b",
+});
+
+/** What a rank holds of the model, as its layout says (`zwdx.protocol.layout`). */
+export const LayoutRole = Object.freeze({
+  REPLICA: "replica",
+  SHARD: "shard",
+  STAGE: "stage",
+  TP: "tp",
+  FSDP_TP: "fsdp+tp",
 });
 
 /** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */

@@ -1,4 +1,5 @@
-// One job: status and timeline, live metric charts, placement, logs, failures, cancel, weights.
+// One job: status and timeline, live metric charts, placement, its plan (what each rank holds), logs,
+// failures, cancel, weights.
 import { useEffect, useMemo, useState } from "react";
 import { Link, useParams } from "react-router-dom";
 import { api } from "../lib/api.js";
@@ -12,6 +13,7 @@ import { useJobEvents } from "../lib/useJobEvents.js";
 import Chart from "../components/Chart.jsx";
 import LogView from "../components/LogView.jsx";
 import Placement from "../components/Placement.jsx";
+import Plan from "../components/Plan.jsx";
 import Timeline from "../components/Timeline.jsx";
 import { Loading, Notice, StatusBadge } from "../components/bits.jsx";
 
@@ -244,6 +246,10 @@ export default function JobPage() {
       <section className="card">
         <h2>Placement</h2>
         <Placement placement={job.placement} ranks={job.ranks} />
+      </section>
+      <section className="card">
+        <h2>Plan</h2>
+        <Plan job={job} />
       </section>
       <section className="card">
         <h2>Logs</h2>

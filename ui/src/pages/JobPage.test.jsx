@@ -80,6 +80,56 @@ describe("the job page", () => {
     expect(screen.getByTestId("chart-loss")).toHaveAttribute("data-points", "2"); // one mean per rank for epoch 0
   });
 
+  it("draws the plan live: each rank's layout in its GPU client's column, reported text shown as text", async () => {
+    mockFetch(routes({ ...running, ranks: { 0: { status: "running" }, 1: { status: "running" } } }));
+    renderApp("/jobs/j1");
+    const boxes = await screen.findAllByTestId("plan-rank");
+    expect(boxes.map((b) => b.dataset.role)).toEqual(["", ""]); // not said yet
+    const layout = (rank, text) => ({ role: "replica", text, params: 1200000, device: `cuda:${rank}`, modules: ["conv1", "fc2"] });
+    const ranks = { 0: { status: "running", layout: layout(0, "the whole model") }, 1: { status: "running", layout: layout(1, "<img src=x onerror=alert(1)>") } };
+    act(() => sockets.at(-1).fire("job_update", { ...running, ranks }));
+    const columns = screen.getAllByTestId("plan-client");
+    expect(columns.map((c) => c.dataset.client)).toEqual(["gpu-a", "gpu-b"]);
+    expect(within(columns[0]).getByTestId("plan-rank")).toHaveAttribute("data-role", "replica");
+    expect(columns[0]).toHaveTextContent("the whole model");
+    expect(columns[0]).toHaveTextContent("1.2M params");
+    expect(columns[0]).toHaveTextContent("2 modules");
+    expect(columns[1]).toHaveTextContent("<img src=x onerror=alert(1)>"); // text, not markup
+    expect(columns[1].querySelector("img")).toBe(null);
+    expect(screen.queryByTestId("schedule")).toBe(null); // DDP: no pipeline
+  });
+
+  it("draws a pipeline's stage order and its micro-batch schedule", async () => {
+    const stage = (index) => ({ status: "running", layout: { role: "stage", text: `stage ${index} of 2`, stage: { index, of: 2 } } });
+    const pipe = { ...running, spec: { ...running.spec, parallelism: "PIPELINE", pipeline: { schedule: "1f1b", microbatches: 4 } },
+      ranks: { 0: stage(0), 1: stage(1) } };
+    mockFetch(routes(pipe));
+    renderApp("/jobs/j1");
+    const order = await screen.findByTestId("stage-order");
+    expect([...order.querySelectorAll("li")].map((li) => li.dataset.stage)).toEqual(["0", "1"]);
+    expect(order).toHaveTextContent("stage 0 rank 0 · alpha→stage 1 rank 1 · beta");
+    const schedule = screen.getByTestId("schedule");
+    expect(schedule).toHaveAttribute("data-schedule", "1f1b");
+    expect(schedule.querySelectorAll('[data-kind="F"]').length).toBe(8);
+    expect(schedule.querySelectorAll('[data-kind="B"]').length).toBe(8);
+    expect(schedule).toHaveAttribute("data-steps", "10");
+  });
+
+  it("draws an interleaved pipeline's schedule a row a rank, each rank running its stages", async () => {
+    const stage = (index) => ({ status: "running", layout: { role: "stage", text: `stages ${index}, ${index + 2} of 4`,
+      stage: { index, of: 4, virtual: [index, index + 2] } } });
+    const pipe = { ...running, ranks: { 0: stage(0), 1: stage(1) }, spec: { ...running.spec, parallelism: "PIPELINE",
+      pipeline: { schedule: "interleaved1f1b", microbatches: 4, stages_per_rank: 2 } } };
+    mockFetch(routes(pipe));
+    renderApp("/jobs/j1");
+    const schedule = await screen.findByTestId("schedule");
+    expect(schedule).toHaveTextContent("rank 1");
+    expect(schedule.querySelectorAll('[data-kind="F"]').length).toBe(16); // 4 stages x 4 micro-batches
+    for (const cell of schedule.querySelectorAll("[data-stage]")) {
+      expect(Number(cell.dataset.stage) % 2).toBe(Number(cell.dataset.rank));
+    }
+  });
+
   it("follows status changes and shows the log lines", async () => {
     mockFetch(routes(running, [{ seq: 1, kind: "log", rank: 0, data: { text: "epoch 0: loss 1.03" }, ts: 1700000004 }]));
     renderApp("/jobs/j1");
