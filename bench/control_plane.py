@@ -122,7 +122,7 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
         gen0 = sum(harness.cpu_seconds(g.pid) for g in gens)
         mongo0 = harness.cpu_seconds(mongo.pid) if mongo else None
         if args.profile:
-            spy = subprocess.Popen([py_spy(), "record", "--pid", str(server.pid), "--gil", "--rate", "50",
+            spy = subprocess.Popen([py_spy(), "record", "--pid", str(server.pid), "--gil", "--rate", str(args.profile_rate),
                                     "--duration", str(int(args.hold)), "--format", "raw", "--nonblocking",
                                     "--output", os.path.join(level_dir, "server.pyspy.txt")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -339,6 +339,7 @@ def main() -> int:
                         help="where each level's server keeps its data dir (default: a temporary dir; "
                              "/dev/shm takes the disk out of the figures)")
     parser.add_argument("--profile", action="store_true", help="py-spy the server during each window")
+    parser.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: start no level that would likely end past this (keeps a run inside a limit)")
     parser.add_argument("--keep", action="store_true", help="keep logs and raw results")

@@ -50,7 +50,7 @@ class Message(BaseModel):
 class Answer(BaseModel):
     """A message we send: a peer of an older version ignores what it does not know."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, ser_json_inf_nan="strings")
 
 
 M = TypeVar("M", bound=BaseModel)

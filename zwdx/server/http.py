@@ -178,7 +178,9 @@ def _answer(op: Operation, out):
     if not (isinstance(declared, type) and isinstance(out, declared)):
         raise TypeError(f"{op.method} {op.rule} answered {type(out).__name__} with {status}, "
                         f"which it does not declare")
-    return jsonify(out.model_dump(mode="json")), status
+    # pydantic writes the JSON itself (non-finite numbers as strings: ``Answer``'s config), not
+    # through a dict and json.dumps: the most frequent answers are the largest (a job, its events).
+    return Response(out.model_dump_json(), status=status, mimetype="application/json")
 
 
 def _json_body():

@@ -231,7 +231,7 @@ class SQLiteStore(Store):
 
     def get_job(self, job_id: str) -> JobRecord | None:
         rows = self.db.query("SELECT doc FROM jobs WHERE id=?", (job_id,))
-        return JobRecord.model_validate(json.loads(rows[0][0])) if rows else None
+        return JobRecord.model_validate_json(rows[0][0]) if rows else None
 
     def count_jobs(self, room_id: str, statuses: Iterable[str], before_seq: int | None = None) -> int:
         wanted = status_values(statuses)
@@ -277,7 +277,7 @@ class SQLiteStore(Store):
         sql += " ORDER BY seq"
         if limit:
             sql += f" LIMIT {int(limit)}"
-        return [JobRecord.model_validate(json.loads(r[0])) for r in self.db.query(sql, tuple(args))]
+        return [JobRecord.model_validate_json(r[0]) for r in self.db.query(sql, tuple(args))]
 
     def _write_job(self, job_id: str, when, change: Callable[[dict], bool]) -> JobRecord | None:
         """Read the job's document, and if its status is one of ``when`` and ``change(doc)``
