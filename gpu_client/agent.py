@@ -240,7 +240,7 @@ class Agent:
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             diloco=assign.diloco, joining=assign.joining, image=assign.image, worker_port=worker_port,
-            pipeline=assign.pipeline,
+            pipeline=assign.pipeline, tp_plan=assign.tp_plan, tp_size=assign.tp_size,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
             bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,

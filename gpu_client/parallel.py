@@ -88,14 +88,17 @@ class Collective:
 
 
 def strategy(spec, reporter):
-    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE, ``Collective``
-    for DDP and FSDP."""
+    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE,
+    ``TensorParallel`` for TP and FSDP+TP, ``Collective`` for DDP and FSDP."""
     if spec.parallelism.value == "DILOCO":
         from .diloco import Diloco
         return Diloco(spec, reporter)
     if spec.parallelism.value == "PIPELINE":
         from .pipeline import Pipeline
         return Pipeline(spec)
+    if spec.parallelism.value in ("TP", "FSDP+TP"):
+        from .tensor_parallel import TensorParallel
+        return TensorParallel(spec)
     return Collective(spec)
 
 

@@ -5,7 +5,7 @@ zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuse
 function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
 the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
 from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
-``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``. Every refusal is a ``BadRequest`` naming the field.
+``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``, ``check_tp_plan`` a TP job's ``tp_plan``. Every refusal is a ``BadRequest`` naming the field.
 """
 from __future__ import annotations
 
@@ -82,6 +82,24 @@ def check_plan(model, plan) -> None:
         raise BadRequest(f"field '{field}': the ranges end at block {plan[-1][1]}, but the model has {len(blocks)} "
                          f"repeated blocks ({blocks[0][0] + ' ...' if blocks else 'none'}): they must cover them all",
                          field=field)
+
+
+def check_tp_plan(model, plan, parallelism: str) -> None:
+    """A TP or FSDP+TP job's ``tp_plan`` against the model (``zwdx.tp_plan.resolve``), or, left
+    out, that a plan can be derived from it. ``BadRequest`` naming ``tp_plan``."""
+    from . import tp_plan
+    if plan is not None:
+        try:
+            tp_plan.resolve(model, plan)
+        except ValueError as exc:
+            raise BadRequest(f"field 'tp_plan': {exc}", field="tp_plan") from None
+        return
+    derived, skipped = tp_plan.derive(model)
+    if not derived:
+        left = "; left whole: " + ", ".join(f"{n} ({why})" for n, why in skipped) if skipped else ""
+        raise BadRequest(f"{parallelism}: found no pair of Linear layers to split in {type(model).__name__} (an MLP's "
+                         f"up and down projections, attention's q/k/v and output){left}; give tp_plan="
+                         f"{{'module.name': 'colwise' | 'rowwise'}}", field="tp_plan")
 
 
 def _fn_name(fn) -> str:

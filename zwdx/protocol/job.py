@@ -32,7 +32,7 @@ from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
-from .vocab import CheckpointFormat, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .vocab import CheckpointFormat, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind, TpStyle
 
 
 def _absent(value) -> bool:
@@ -96,6 +96,10 @@ class JobSpec(Record):
     datasets: list[DatasetPin] = Field(default_factory=list)
     #: The image its ranks run in (GPU clients that allow it only); None: any client's default.
     image: str | None = None
+    #: TP and FSDP+TP (``zwdx.protocol.tensor_parallel``): the submitter's plan (None: derived by
+    #: the ranks) and TP group size (None: the ranks the placement puts on each GPU client).
+    tp_plan: dict[str, TpStyle] | None = None
+    tp_size: int | None = None
 
 
 class PlacementEntry(Record):

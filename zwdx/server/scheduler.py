@@ -40,7 +40,7 @@ from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job, wanting
-from .placement import meets_over_tcp, plan, unschedulable
+from .placement import meets_over_tcp, plan, tp_size, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -400,5 +400,6 @@ class Scheduler:
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
+                tp_plan=spec.tp_plan, tp_size=tp_size(spec, job.placement),
                 peers=peers, datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses)
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -17,12 +17,20 @@ export const Parallelism = Object.freeze({
   FSDP: "FSDP",
   DILOCO: "DILOCO",
   PIPELINE: "PIPELINE",
+  TP: "TP",
+  FSDP_TP: "FSDP+TP",
 });
 
 /** The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes). */
 export const PipelineSchedule = Object.freeze({
   GPIPE: "gpipe",
   ONE_F_ONE_B: "1f1b",
+});
+
+/** How a TP job splits one module of the model (`tp_plan`'s values; torch's parallel styles). */
+export const TpStyle = Object.freeze({
+  COLWISE: "colwise",
+  ROWWISE: "rowwise",
 });
 
 /** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */

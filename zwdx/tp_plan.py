@@ -1,0 +1,158 @@
+"""A TP job's plan: which modules of the model are split over a TP group, and how.
+
+The submitter's (``tp_plan={"blocks.*.mlp.up": "colwise", ...}``) is resolved against the model:
+each name, where ``*`` stands for one part of a module's name (as ``parallelize_module`` matches
+them), must name at least one ``nn.Linear`` or ``nn.Embedding``. Left out, a plan is derived
+(``derive``), for the layouts torchtitan's ``parallelize`` handles for llama and the PyTorch TP
+tutorial shows: in every module, its direct ``nn.Linear`` children that form a pair, the ones
+feeding it split by output features (``colwise``: an MLP's up and gate projections, attention's
+q, k and v) and the one they feed split by input features (``rowwise``: the down projection,
+attention's output). A pair is told by shapes: every other Linear maps d -> h, the output one
+h -> d; where several could be the output (attention's q, k, v and o are all d -> d) its name
+decides (``o_proj``, ``out_proj``, ``wo``, ``c_proj``, ``proj``, ``dense``, ...). Embeddings and the
+final head stay whole (replicated) in the derived plan.
+
+The SDK resolves the plan before it uploads (a ``BadRequest`` naming ``tp_plan``, or a model with
+no pair for a derived plan naming the model); the ranks resolve it again and apply it
+(``gpu_client/tensor_parallel.py``), checking that every split size divides by the TP group's.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+#: Names of the Linear an attention block's q, k, v feed (its output projection), for square pairs.
+OUTPUT_NAMES = ("o_proj", "out_proj", "wo", "o", "c_proj", "proj", "dense", "out", "output", "down_proj",
+                "down", "w2", "fc2", "fc_out")
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches a plan's ``pattern`` part by part (``*`` is one part)."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatchcase(p, w) for p, w in zip(parts, wanted))
+
+
+def resolve(model, plan: dict) -> dict[str, str]:
+    """The submitter's ``plan`` as ``{module name: "colwise" | "rowwise"}`` over ``model``'s modules;
+    ``ValueError`` naming the entry that names no module, or a module that is neither an
+    ``nn.Linear`` nor an ``nn.Embedding``, or one module named twice."""
+    from torch import nn
+    modules = [(name, m) for name, m in model.named_modules() if name]
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        style = getattr(style, "value", style)
+        if style not in ("colwise", "rowwise"):
+            raise ValueError(f"{pattern!r}: the style must be 'colwise' or 'rowwise', got {style!r}")
+        hits = [(name, m) for name, m in modules if matches(name, pattern)]
+        if not hits:
+            raise ValueError(f"{pattern!r} names no module of {type(model).__name__} (e.g. "
+                             f"{', '.join(repr(n) for n, _ in modules[:3])})")
+        for name, module in hits:
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise ValueError(f"{pattern!r} names {name}, a {type(module).__name__}: only nn.Linear and "
+                                 f"nn.Embedding modules are split")
+            if name in out:
+                raise ValueError(f"{name} is named twice (by {pattern!r} and an earlier entry)")
+            out[name] = style
+    return out
+
+
+def derive(model) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """A plan derived from ``model`` (see the module's docstring): ``({name: style}, [(module, why
+    its Linear children were left whole)])``. A module whose Linear children share a parameter
+    with another module (tied weights) is left whole."""
+    from torch import nn
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    plan: dict[str, str] = {}
+    skipped: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        linears = [(child, m) for child, m in module.named_children() if type(m) is nn.Linear]
+        if len(linears) < 2:
+            continue
+        output, why = _output(linears)
+        if output is None:
+            if why:
+                skipped.append((name or type(model).__name__, why))
+            continue
+        prefix = f"{name}." if name else ""
+        tied = [c for c, m in linears if any(len(owners[id(p)]) > 1 for p in m.parameters())]
+        if tied:
+            skipped.append((prefix + tied[0], "shares a weight with another module"))
+            continue
+        for child, _ in linears:
+            plan[prefix + child] = "rowwise" if child == output else "colwise"
+    return plan, skipped
+
+
+def _output(linears: list) -> tuple[str | None, str]:
+    """The Linear of a module's Linear children the others feed: every other maps d -> h and it
+    h -> d. (None, why) when there is none, or several that their names do not tell apart."""
+    def feeds(x, d) -> bool:
+        return x.out_features == d.in_features and x.in_features == d.out_features
+    candidates = [c for c, d in linears if all(feeds(x, d) for other, x in linears if other != c)]
+    if len(candidates) == 1:
+        return candidates[0], ""
+    if not candidates:
+        return None, ""
+    named = [c for c in candidates if c in OUTPUT_NAMES]
+    if len(named) == 1:
+        return named[0], ""
+    return None, (f"cannot tell which of {', '.join(candidates)} is the output projection (name it o_proj, "
+                  f"out_proj, wo or c_proj, or give tp_plan)")
+
+
+#: Attributes of an attention module that hold a head count (nanoGPT, llama, Hugging Face, torch).
+HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "nhead", "heads", "n_kv_heads", "num_attention_heads",
+               "num_key_value_heads")
+
+
+def whole_heads(model, plan: dict[str, str], size: int) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """A derived ``plan`` without the modules whose parent's head count (``HEAD_COUNTS``) a TP
+    group of ``size`` cannot split into whole heads, and those parents with why: DTensor cannot
+    view a split of part of a head as heads (``x.view(B, T, n_head, head_dim)``)."""
+    modules = dict(model.named_modules())
+    kept, skipped = {}, []
+    bad: dict[str, str] = {}
+    for name, style in plan.items():
+        parent = name.rpartition(".")[0]
+        if parent not in bad:
+            counts = [(a, getattr(modules[parent], a, None)) for a in HEAD_COUNTS]
+            odd = [(a, n) for a, n in counts if isinstance(n, int) and not isinstance(n, bool) and n % size]
+            bad[parent] = f"{odd[0][0]}={odd[0][1]} does not divide by the TP size {size}" if odd else ""
+            if odd:
+                skipped.append((parent or type(model).__name__, bad[parent]))
+        if not bad[parent]:
+            kept[name] = style
+    return kept, skipped
+
+
+def split_sizes(model, plan: dict[str, str], size: int) -> list[str]:
+    """The modules of ``plan`` whose split dimension ``size`` does not divide, with their sizes."""
+    from torch import nn
+    modules = dict(model.named_modules())
+    bad = []
+    for name, style in plan.items():
+        m = modules[name]
+        if isinstance(m, nn.Embedding):
+            n = m.num_embeddings if style == "rowwise" else m.embedding_dim
+        else:
+            n = m.out_features if style == "colwise" else m.in_features
+        if n % size:
+            bad.append(f"{name} ({style}: {n} features)")
+    return bad
+
+
+def describe(plan: dict[str, str]) -> str:
+    """The plan in a few words: ``4 colwise, 2 rowwise (blocks.0.attn.q, ... blocks.1.mlp.down)``."""
+    if not plan:
+        return "nothing split"
+    names = list(plan)
+    shown = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+    counts = ", ".join(f"{sum(1 for s in plan.values() if s == style)} {style}" for style in ("colwise", "rowwise")
+                       if style in plan.values())
+    return f"{counts} ({shown})"
+
+
+__all__ = ["OUTPUT_NAMES", "HEAD_COUNTS", "matches", "resolve", "derive", "whole_heads", "split_sizes", "describe"]
