@@ -215,6 +215,9 @@ def test_the_derived_plan_splits_attention_and_mlp_pairs_and_leaves_what_it_cann
         def __init__(self):
             super().__init__()
             self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+    import models  # nanoGPT's shape: a fused q/k/v (split after) stays whole, the MLP is split
+    assert tp_plan.derive(models.nanogpt()) == ({f"transformer.h.{i}.mlp.{n}": s for i in (0, 1)
+                                                 for n, s in (("c_fc", "colwise"), ("c_proj", "rowwise"))}, [])
     plan, skipped = tp_plan.derive(Square())
     assert plan == {} and "cannot tell which of a, b, c, d is the output projection" in skipped[0][1]
     assert tp_plan.split_sizes(tiny(), DERIVED, 3)[0] == "blocks.0.attn.q (colwise: 16 features)"

@@ -7,9 +7,12 @@ them), must name at least one ``nn.Linear`` or ``nn.Embedding``. Left out, a pla
 tutorial shows: in every module, its direct ``nn.Linear`` children that form a pair, the ones
 feeding it split by output features (``colwise``: an MLP's up and gate projections, attention's
 q, k and v) and the one they feed split by input features (``rowwise``: the down projection,
-attention's output). A pair is told by shapes: every other Linear maps d -> h, the output one
-h -> d; where several could be the output (attention's q, k, v and o are all d -> d) its name
-decides (``o_proj``, ``out_proj``, ``wo``, ``c_proj``, ``proj``, ``dense``, ...). Embeddings and the
+attention's output). A pair is told first by shapes: an output h -> d with h > d, fed by the
+Linear children that map d -> h (an MLP, gated or not); then by name, where shapes cannot tell
+(attention's q, k, v and o are all d -> d): an output named ``o_proj``, ``out_proj``, ``wo``,
+``c_proj``, ``proj``, ``dense``, ..., fed by the others that read d and make at most its input
+(q, k and v, also with fewer key/value heads). A fused q/k/v (d -> 3d, split after) is left
+whole: split by columns, its q, k and v parts would not be split alike. Embeddings and the
 final head stay whole (replicated) in the derived plan.
 
 The SDK resolves the plan before it uploads (a ``BadRequest`` naming ``tp_plan``, or a model with
@@ -58,11 +61,13 @@ def resolve(model, plan: dict) -> dict[str, str]:
 
 def derive(model) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """A plan derived from ``model`` (see the module's docstring): ``({name: style}, [(module, why
-    its Linear children were left whole)])``. A module whose Linear children share a parameter
-    with another module (tied weights) is left whole."""
+    (some of) its Linear children were left whole)])``, in the model's order. A pair that shares
+    a parameter with another module (tied weights) is left whole."""
     from torch import nn
     owners: dict[int, set[str]] = {}
+    order: dict[str, int] = {}
     for name, module in model.named_modules():
+        order[name] = len(order)
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(name)
     plan: dict[str, str] = {}
@@ -71,36 +76,45 @@ def derive(model) -> tuple[dict[str, str], list[tuple[str, str]]]:
         linears = [(child, m) for child, m in module.named_children() if type(m) is nn.Linear]
         if len(linears) < 2:
             continue
-        output, why = _output(linears)
-        if output is None:
-            if why:
-                skipped.append((name or type(model).__name__, why))
-            continue
+        pairs, why = _pairs(linears)
         prefix = f"{name}." if name else ""
-        tied = [c for c, m in linears if any(len(owners[id(p)]) > 1 for p in m.parameters())]
-        if tied:
-            skipped.append((prefix + tied[0], "shares a weight with another module"))
-            continue
-        for child, _ in linears:
-            plan[prefix + child] = "rowwise" if child == output else "colwise"
-    return plan, skipped
+        if why:
+            skipped.append((name or type(model).__name__, why))
+        children = dict(linears)
+        for output, feeders in pairs:
+            tied = [c for c in (output, *feeders) if any(len(owners[id(p)]) > 1 for p in children[c].parameters())]
+            if tied:
+                skipped.append((prefix + tied[0], "shares a weight with another module"))
+                continue
+            plan.update({prefix + c: "colwise" for c in feeders})
+            plan[prefix + output] = "rowwise"
+    return dict(sorted(plan.items(), key=lambda item: order[item[0]])), skipped
 
 
-def _output(linears: list) -> tuple[str | None, str]:
-    """The Linear of a module's Linear children the others feed: every other maps d -> h and it
-    h -> d. (None, why) when there is none, or several that their names do not tell apart."""
-    def feeds(x, d) -> bool:
-        return x.out_features == d.in_features and x.in_features == d.out_features
-    candidates = [c for c, d in linears if all(feeds(x, d) for other, x in linears if other != c)]
-    if len(candidates) == 1:
-        return candidates[0], ""
-    if not candidates:
-        return None, ""
-    named = [c for c in candidates if c in OUTPUT_NAMES]
-    if len(named) == 1:
-        return named[0], ""
-    return None, (f"cannot tell which of {', '.join(candidates)} is the output projection (name it o_proj, "
-                  f"out_proj, wo or c_proj, or give tp_plan)")
+def _pairs(linears: list) -> tuple[list[tuple[str, list[str]]], str]:
+    """The pairs among a module's Linear children, ``[(output, [its feeders])]``, and why some
+    were left whole. First by shapes: an output h -> d (h > d) fed by every other d -> h (an MLP's
+    down projection and its up and gate projections); then by name: an output of ``OUTPUT_NAMES``
+    fed by the others that read d and make at most its input (attention's q, k, v, also with
+    fewer key/value heads; a fused q/k/v, which makes more, is left whole)."""
+    left = dict(linears)
+    pairs = []
+    for by_name in (False, True):
+        for out, d in linears:
+            if out not in left or (out not in OUTPUT_NAMES if by_name else d.in_features <= d.out_features):
+                continue
+            feeders = [c for c, x in left.items() if c != out and x.in_features == d.out_features and
+                       (x.out_features <= d.in_features if by_name else x.out_features == d.in_features)]
+            if feeders:
+                pairs.append((out, feeders))
+                for c in (out, *feeders):
+                    left.pop(c)
+    square = [c for c, x in left.items() if x.in_features == x.out_features]
+    why = ""
+    if len(square) > 1 and not pairs:
+        why = (f"cannot tell which of {', '.join(square)} is the output projection (name it o_proj, out_proj, wo "
+               f"or c_proj, or give tp_plan)")
+    return pairs, why
 
 
 #: Attributes of an attention module that hold a head count (nanoGPT, llama, Hugging Face, torch).
