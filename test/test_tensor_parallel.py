@@ -379,3 +379,43 @@ def test_a_tp_job_no_gpu_client_can_hold_waits_saying_why(pool):
         assert job["status"] == "queued" and job["placement"] is None
     finally:
         pool.sdk.cancel_job(job_id)
+
+
+def resumable_train(model, loader, optimizer, epochs, reporter):
+    """``train``, going on from ``reporter.start_epoch``, slowed so that a GPU client can be lost mid-job."""
+    import time
+    torch.set_num_threads(1)
+    for _ in range(reporter.start_epoch, epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = lm_loss(model, x, y)
+            loss.backward()
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item())
+            time.sleep(0.1)
+    return loss.item()
+
+
+@pytest.mark.slow
+def test_a_tp_job_whose_gpu_client_is_lost_goes_on_from_its_checkpoint_on_another(pool):
+    """Last in the module: it kills a GPU client of the pool."""
+    import signal
+    epochs = 6
+    model = tiny()
+    job_id = pool.sdk.submit_job(model, loaders, resumable_train, evaluate, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                 "TP", epochs=epochs, world_size=2, wait=False, progress=False)
+    job = wait_until(lambda: (j := pool.sdk.get_job(job_id)).get("latest_checkpoint") and
+                     j["latest_checkpoint"]["epoch"] >= 1 and j, 120, what="a checkpoint of epoch 1")
+    first = job["placement"][0]["client_id"]
+    next(c for c in pool.clients if c.client_id == first).kill(signal.SIGKILL)
+    result = pool.sdk.wait(job_id, progress=False, timeout=300)
+    assert result["status"] == "completed", result
+    job = result["job"]
+    assert {p["client_id"] for p in job["placement"]} == {"client-a", "client-b"} - {first}
+    assert len(job["restart_history"]) == 1 and job["restart_history"][0]["from_checkpoint"]["epoch"] >= 1
+    # resumed from the shards checkpoint (weights, AdamW's state), it trained as one uninterrupted process
+    trained, losses = alone(epochs)
+    assert result["final_loss"] == pytest.approx(losses[-1], rel=1e-4)
+    returned = pool.sdk.get_trained_model(job_id, tiny(seed=1))
+    assert local_eval_loss(returned) == pytest.approx(result["results"]["eval_loss"], rel=1e-4)
+    assert local_eval_loss(returned) == pytest.approx(local_eval_loss(trained), rel=1e-3)
