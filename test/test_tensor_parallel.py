@@ -2,8 +2,9 @@
 TP group on one GPU client, the derived plan; and, with a server and two GPU clients of two CPU
 slots each (gloo), a small transformer trained with a derived and an explicit plan on one client
 (each step's loss is one process's, the returned weights evaluate here to the loss the job
-reported) and FSDP+TP over both clients (dp 2 x tp 2); the shards checkpoint of a TP model read
-back into a fresh one; a TP job no client can hold waits saying why."""
+reported) and FSDP+TP over both clients (dp 2 x tp 2); the shards checkpoint of an FSDP+TP model
+read back into a fresh one; a TP job no client can hold waits saying why; a TP job whose GPU
+client is lost goes on from its checkpoint on the other."""
 from __future__ import annotations
 
 import math
@@ -252,7 +253,7 @@ def test_placement_keeps_a_tp_group_on_one_gpu_client():
 
 
 # -- the shards checkpoint of a TP model -----------------------------------------------------------
-def _checkpoint_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
+def _checkpoint_worker(rank: int, world: int, port: int, folder: str, out: str, mode: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from gpu_client import shards
     from gpu_client.tensor_parallel import TensorParallel
@@ -261,7 +262,7 @@ def _checkpoint_worker(rank: int, world: int, port: int, folder: str, out: str) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         def wrapped(seed: int):
-            spec = SimpleNamespace(parallelism=Parallelism.TP, world_size=world, rank=rank, tp_size=world, tp_plan=None)
+            spec = SimpleNamespace(parallelism=Parallelism(mode), world_size=world, rank=rank, tp_size=2, tp_plan=None)
             model = TensorParallel(spec).wrap(tiny(seed), torch.device("cpu"), {}, print)
             return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optimizer = wrapped(0)
@@ -290,13 +291,15 @@ def _checkpoint_worker(rank: int, world: int, port: int, folder: str, out: str) 
 
 
 @pytest.mark.slow
-def test_a_tp_models_shards_checkpoint_reads_back_into_a_fresh_one(tmp_path):
+def test_an_fsdp_tp_models_shards_checkpoint_reads_back_into_a_fresh_one(tmp_path):
+    """dp 2 x tp 2: each split weight's FSDP shard of its TP shard is one box of the whole (a TP
+    job's checkpoint is read back by a real resume, at the end of this module)."""
     out = str(tmp_path / "out.pt")
-    mp.spawn(_checkpoint_worker, args=(2, free_port(), str(tmp_path), out), nprocs=2)
+    mp.spawn(_checkpoint_worker, args=(4, free_port(), str(tmp_path), out, "FSDP+TP"), nprocs=4)
     result = torch.load(out)
     assert result["equal"] and result["same_loss"]
     assert set(result["names"]) == set(tiny().state_dict())
-    index = (tmp_path / "shard-1.json").read_text()
+    index = (tmp_path / "shard-3.json").read_text()
     assert '"dtensor"' in index  # the split weights as local shards with their offsets
 
 
