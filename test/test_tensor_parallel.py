@@ -295,7 +295,8 @@ def test_an_fsdp_tp_models_shards_checkpoint_reads_back_into_a_fresh_one(tmp_pat
     """dp 2 x tp 2: each split weight's FSDP shard of its TP shard is one box of the whole (a TP
     job's checkpoint is read back by a real resume, at the end of this module)."""
     out = str(tmp_path / "out.pt")
-    mp.spawn(_checkpoint_worker, args=(4, free_port(), str(tmp_path), out, "FSDP+TP"), nprocs=4)
+    mp.start_processes(_checkpoint_worker, args=(4, free_port(), str(tmp_path), out, "FSDP+TP"), nprocs=4,
+                       start_method="fork")  # no torch import per rank
     result = torch.load(out)
     assert result["equal"] and result["same_loss"]
     assert set(result["names"]) == set(tiny().state_dict())
