@@ -69,12 +69,12 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, n_head: int = 2):
+    def __init__(self, n_head: int = 2, dim: int = DIM):
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(DIM, n_head, sdpa=False), Block(DIM, n_head, sdpa=True)])
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([Block(dim, n_head, sdpa=False), Block(dim, n_head, sdpa=True)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -83,9 +83,9 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x))
 
 
-def tiny(seed: int = 0, n_head: int = 2) -> TinyLM:
+def tiny(seed: int = 0, n_head: int = 2, dim: int = DIM) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM(n_head)
+    return TinyLM(n_head, dim)
 
 
 DERIVED = {f"blocks.{i}.{m}": s for i in (0, 1) for m, s in
@@ -302,6 +302,54 @@ def test_an_fsdp_tp_models_shards_checkpoint_reads_back_into_a_fresh_one(tmp_pat
     assert set(result["names"]) == set(tiny().state_dict())
     index = (tmp_path / "shard-3.json").read_text()
     assert '"dtensor"' in index  # the split weights as local shards with their offsets
+
+
+def _failure_worker(rank: int, world: int, port: int, out: str) -> None:
+    import datetime
+    import os
+    from gpu_client.failures import is_collective_error
+    from gpu_client.tensor_parallel import TensorParallel
+    from zwdx.protocol.vocab import Parallelism
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    seen = {}
+    x, y = tokens(4, seed=3).tensors
+
+    def wrapped(model, plan):
+        spec = SimpleNamespace(parallelism=Parallelism.TP, world_size=world, rank=rank, tp_size=world, tp_plan=plan)
+        return TensorParallel(spec).wrap(model, torch.device("cpu"), {}, print)
+    # the model's own error: 3 heads cannot be viewed from halves of q (a plan that splits them anyway)
+    odd = wrapped(tiny(n_head=3, dim=18), {"blocks.0.attn.q": "colwise", "blocks.0.attn.o": "rowwise"})
+    try:
+        lm_loss(odd, x, y)
+    except Exception as exc:
+        seen["own"] = (is_collective_error(exc), "\n".join(getattr(exc, "__notes__", [])))
+    model = wrapped(tiny(), None)  # a peer lost mid-training
+    try:
+        for step in range(20):
+            if rank == 1 and step == 2:
+                os._exit(0)
+            lm_loss(model, x, y).backward()
+    except Exception as exc:
+        seen["lost"] = is_collective_error(exc)
+    if rank == 0:
+        torch.save(seen, out)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_lost_tp_peer_is_told_from_the_models_own_error(tmp_path):
+    """A rank whose TP peer is gone failed by a collective (its job waits to see whether a GPU client
+    was lost); an op DTensor cannot split is the model's error, naming the module."""
+    out = str(tmp_path / "seen.pt")
+    ranks = mp.start_processes(_failure_worker, args=(2, free_port(), out), nprocs=2, start_method="fork", join=False)
+    while not ranks.join():  # one at a time: rank 1 leaves early
+        pass
+    seen = torch.load(out)
+    assert seen["lost"] is True
+    collective, notes = seen["own"]
+    assert collective is False and "TP: raised in blocks.0.attn (Attention), whose q, o the TP plan splits" in notes
 
 
 # -- jobs: a server and two GPU clients of two CPU slots each --------------------------------------
