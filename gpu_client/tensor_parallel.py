@@ -102,11 +102,9 @@ class TensorParallel(Collective):
             plan, skipped = tp_plan.derive(model)
             plan, odd = tp_plan.whole_heads(model, plan, self.tp)
             skipped += odd
-            how = "derived" + ("; left whole: " + ", ".join(f"{n} ({why})" for n, why in skipped) if skipped else "")
             if not plan:
-                raise ValueError(f"{mode}: found no pair of Linear layers to split in {type(model).__name__} (an MLP's "
-                                 f"up and down projections, attention's q/k/v and output){'; ' + how[9:] if skipped else ''}"
-                                 f"; give tp_plan={{'module.name': 'colwise' | 'rowwise'}}")
+                raise ValueError(tp_plan.no_pairs(model, mode, skipped))
+            how = "derived" + ("; " + tp_plan.left_whole(skipped) if skipped else "")
         bad = tp_plan.split_sizes(model, plan, self.tp)
         if bad:
             raise ValueError(f"{mode}: a TP group of {self.tp} cannot split {', '.join(bad[:4])}: the split features "

@@ -96,10 +96,7 @@ def check_tp_plan(model, plan, parallelism: str) -> None:
         return
     derived, skipped = tp_plan.derive(model)
     if not derived:
-        left = "; left whole: " + ", ".join(f"{n} ({why})" for n, why in skipped) if skipped else ""
-        raise BadRequest(f"{parallelism}: found no pair of Linear layers to split in {type(model).__name__} (an MLP's "
-                         f"up and down projections, attention's q/k/v and output){left}; give tp_plan="
-                         f"{{'module.name': 'colwise' | 'rowwise'}}", field="tp_plan")
+        raise BadRequest(tp_plan.no_pairs(model, parallelism, skipped), field="tp_plan")
 
 
 def _fn_name(fn) -> str:

@@ -158,6 +158,18 @@ def split_sizes(model, plan: dict[str, str], size: int) -> list[str]:
     return bad
 
 
+def left_whole(skipped: list[tuple[str, str]]) -> str:
+    """``derive``'s skipped modules in words: ``left whole: blocks.0.attn (why), ...``."""
+    return "left whole: " + ", ".join(f"{name} ({why})" for name, why in skipped) if skipped else ""
+
+
+def no_pairs(model, parallelism: str, skipped: list[tuple[str, str]]) -> str:
+    """Why a derived plan splits nothing of ``model``, and what to do."""
+    return (f"{parallelism}: found no pair of Linear layers to split in {type(model).__name__} (an MLP's up and down "
+            f"projections, attention's q/k/v and output){'; ' + left_whole(skipped) if skipped else ''}; give "
+            f"tp_plan={{'module.name': 'colwise' | 'rowwise'}}")
+
+
 def describe(plan: dict[str, str]) -> str:
     """The plan in a few words: ``4 colwise, 2 rowwise (blocks.0.attn.q, ... blocks.1.mlp.down)``."""
     if not plan:
@@ -169,4 +181,5 @@ def describe(plan: dict[str, str]) -> str:
     return f"{counts} ({shown})"
 
 
-__all__ = ["OUTPUT_NAMES", "HEAD_COUNTS", "matches", "resolve", "derive", "whole_heads", "split_sizes", "describe"]
+__all__ = ["OUTPUT_NAMES", "HEAD_COUNTS", "matches", "resolve", "derive", "whole_heads", "split_sizes", "left_whole",
+           "no_pairs", "describe"]
