@@ -1,4 +1,4 @@
-"""The bare-torchrun side of the overhead benchmark: a plain DDP (or FSDP2) script running bench/workload.py.
+"""The bare-torchrun side of the overhead benchmark: a plain DDP (or FSDP2, or TP) script running bench/workload.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node=N bench/ddp_train.py \\
         --config '{"model": "cnn", ...}' --result /tmp/result.json
@@ -6,7 +6,8 @@
 It does what the zwdx runner does around the same ``train``, and nothing else: NCCL (gloo on
 CPU), DDP over the device (or, with ``"parallelism": "FSDP"`` in the config, FSDP2's
 ``fully_shard`` on each transformer block and then the root, with parameters in fp32 and
-bf16 autocast in ``train``: the units and precision zwdx chooses for these models), the same
+bf16 autocast in ``train``: the units and precision zwdx chooses for these models; or with
+``"parallelism": "TP"`` the TP plan zwdx derives, applied by zwdx's own ``split``), the same
 optimizer, and rank 0 saving the trained weights (as safetensors, gathered whole, as zwdx's
 rank 0 gathers and uploads them). Rank 0 writes the figures as JSON.
 """
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gpu_client, zwdx (TP)
 import workload  # noqa: E402
 
 
@@ -44,13 +46,16 @@ def main() -> int:
                             **({"device_id": device} if cuda else {}))
     try:
         model, _ = workload.build(cfg)
+        tp = cfg.get("parallelism", "DDP") == "TP"
         if cfg.get("parallelism", "DDP") == "FSDP":
             ddp = shard(model.to(device), device)
+        elif tp:
+            ddp = tensor_split(model.to(device), device)
         else:
             ddp = DistributedDataParallel(model.to(device), device_ids=[local] if cuda else None)
         optimizer = workload.optimizer(ddp.parameters(), cfg)
         data_loader, train = workload.functions(cfg)
-        loader = data_loader(rank, world, device)
+        loader = data_loader(0, 1, device) if tp else data_loader(rank, world, device)  # a TP group: one replica
         result = train(ddp, loader, optimizer, rank, world, device)
         state = whole_state(ddp)  # every rank takes part (FSDP gathers the shards)
         if rank == 0:
@@ -77,6 +82,17 @@ def shard(model, device):
     for block in [m for m in model.modules() if isinstance(m, workload.Block)]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def tensor_split(model, device):
+    """TP over every rank: the plan zwdx derives (each block's MLP pair; the fused q/k/v stays
+    whole), applied as zwdx's ranks apply it (``gpu_client.tensor_parallel.split``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gpu_client.tensor_parallel import split
+    from zwdx import tp_plan
+    split(model, init_device_mesh(device.type, (dist.get_world_size(),)), tp_plan.derive(model)[0])
     return model
 
 

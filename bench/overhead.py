@@ -2,6 +2,7 @@
 
     python bench/overhead.py --gpus 2 --model cnn,gpt2 --out $OUT/overhead-2gpu.md
     python bench/overhead.py --gpus 2 --model gpt2 --parallelism FSDP    # FSDP2 against a torchrun FSDP2 script
+    python bench/overhead.py --gpus 2 --model gpt2 --parallelism TP      # TP (one GPU client with both GPUs)
     python bench/overhead.py --gpus 0 --cpu-ranks 2 --model cnn,gpt2     # CPU smoke run (gloo)
 
 The script starts a zwdx server and one GPU client per GPU (or per CPU rank), waits until they
@@ -146,8 +147,13 @@ def start_fleet(args, work: str):
     room = sdk.create_room("bench-overhead")
     token = room["submitter_token"]
     n = args.gpus or args.cpu_ranks
-    clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"client{i}"), f"bench-{i}",
-                             gpu=i if args.gpus else None, threads=args.threads) for i in range(n)]
+    if args.parallelism == "TP":  # a TP group is one GPU client's: one client with every GPU (or CPU slot)
+        clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, "client0"), "bench-0",
+                                 gpu=",".join(map(str, range(n))) if args.gpus else None, threads=args.threads,
+                                 extra=None if args.gpus else ["--cpu-slots", str(n)])]
+    else:
+        clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"client{i}"), f"bench-{i}",
+                                 gpu=i if args.gpus else None, threads=args.threads) for i in range(n)]
 
     def online():
         for c in clients:
@@ -155,8 +161,8 @@ def start_fleet(args, work: str):
                 raise RuntimeError(f"gpu client {c.client_id} exited:\n{c.tail()}")
         room = sdk.get_room(token)
         return [c for c in room["clients"] if c["status"] == "online"] if \
-            sum(c["status"] == "online" for c in room["clients"]) == n else None
-    registered = harness.wait_until(online, 120, what=f"{n} gpu clients online")
+            sum(c["status"] == "online" for c in room["clients"]) == len(clients) else None
+    registered = harness.wait_until(online, 120, what=f"{len(clients)} gpu clients online")
     kinds = {s.get("kind") for c in registered for s in c["slots"]}
     want = "cuda" if args.gpus else "cpu"
     if kinds != {want}:
@@ -180,8 +186,9 @@ def main() -> int:
                         help="which sides to run: torchrun, zwdx or both (the ratio needs both)")
     parser.add_argument("--settle", type=float, default=8.0,
                         help="seconds before each zwdx job, for the GPU clients' standby processes to be ready")
-    parser.add_argument("--parallelism", choices=["DDP", "FSDP"], default="DDP",
-                        help="DDP, or FSDP2 (each block a unit, then the root) on both sides")
+    parser.add_argument("--parallelism", choices=["DDP", "FSDP", "TP"], default="DDP",
+                        help="DDP, FSDP2 (each block a unit, then the root), or TP (the derived plan: each "
+                             "block's MLP pair split over all ranks, one GPU client) on both sides")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank, both sides")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
@@ -205,6 +212,7 @@ def main() -> int:
             for rep in range(args.repeat):
                 cfg = workload.config(model, device, steps=args.steps, warmup=args.warmup, batch=args.batch,
                                       seed=rep, parallelism=args.parallelism,
+                                      tp=n if args.parallelism == "TP" else 1,
                                       **{k: int(v) for k, v in (item.split("=", 1) for item in args.set)})
                 order = ["torchrun", "zwdx"] if rep % 2 == 0 else ["zwdx", "torchrun"]
                 order = [side for side in order if side in args.sides.split(",")]

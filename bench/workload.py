@@ -216,7 +216,7 @@ def functions(cfg: dict):
                 marks.append((step + 1, time.perf_counter()))
                 last_step_at = time.time()
         loop_done = time.time()  # after the epoch's end (under zwdx: its checkpoint)
-        per_sample = cfg["batch"] * world_size
+        per_sample = cfg["batch"] * world_size // cfg.get("tp", 1)  # a TP group of ranks is one replica
         rates = [(s1 - s0) * per_sample / (t1 - t0) for (s0, t0), (s1, t1) in itertools.pairwise(marks) if s1 > s0]
         span = marks[-1][1] - marks[0][1]
         target = getattr(model, "module", model)

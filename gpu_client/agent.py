@@ -241,6 +241,7 @@ class Agent:
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
             diloco=assign.diloco, joining=assign.joining, image=assign.image, worker_port=worker_port,
             pipeline=assign.pipeline, devices=assign.devices, global_batch=assign.global_batch,
+            tp_plan=assign.tp_plan, tp_size=assign.tp_size,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
             bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,

@@ -9,8 +9,11 @@ own ``TimeoutError("timed out reading data")`` is the user's):
 
 - torch.distributed's own exception types (``DistError`` and its kinds: backend, network, store);
 - a ``RuntimeError`` or ``OSError`` raised inside torch.distributed's code (the innermost frame
-  of its traceback is there, or in DDP's module): a collective, the rendezvous store, DDP's
-  bucket rebuild or buffer broadcast, FSDP's all-gathers and reduce-scatters;
+  of its traceback is there, or in DDP's module; torch's op dispatcher, ``torch/_ops.py``,
+  through which the functional collectives call their ops, does not count as a frame): a
+  collective, the rendezvous store, DDP's bucket rebuild or buffer broadcast, FSDP's
+  all-gathers and reduce-scatters, the all-reduces and all-gathers of TP's DTensors. Not
+  DTensor's own code (``torch/distributed/tensor/``: an op it cannot split is the model's);
 - a collective zwdx runs for the user that failed before (``collectives.failed``): DDP's
   gradient all-reduce runs inside the autograd engine, whose C++ error reaches ``backward()``
   as a bare ``RuntimeError`` with no torch.distributed frame, so on CPU (gloo) zwdx issues
@@ -28,8 +31,10 @@ from __future__ import annotations
 import os
 import threading
 
-#: torch.distributed's code, and DDP's module (which runs collectives in its forward).
+#: torch.distributed's code, and DDP's module (which runs collectives in its forward); and
+#: DTensor's code and torch's op dispatcher, which are not (see ``_innermost_file``).
 _DISTRIBUTED_CODE: tuple[str, ...] | None = None
+_NOT_DISTRIBUTED: tuple[str, ...] | None = None
 
 
 class CollectiveWatch:
@@ -75,22 +80,31 @@ def watch_gradients(model, weight: float | None = None) -> None:
 
 
 def _distributed_code() -> tuple[str, ...]:
-    global _DISTRIBUTED_CODE
+    global _DISTRIBUTED_CODE, _NOT_DISTRIBUTED
     if _DISTRIBUTED_CODE is None:
+        import torch
         import torch.distributed
         import torch.nn.parallel.distributed
-        _DISTRIBUTED_CODE = (os.path.dirname(os.path.realpath(torch.distributed.__file__)) + os.sep,
-                             os.path.realpath(torch.nn.parallel.distributed.__file__))
+        here = os.path.dirname(os.path.realpath(torch.distributed.__file__))
+        _DISTRIBUTED_CODE = (here + os.sep, os.path.realpath(torch.nn.parallel.distributed.__file__))
+        _NOT_DISTRIBUTED = (os.path.join(here, "tensor") + os.sep,)
     return _DISTRIBUTED_CODE
 
 
+def _dispatcher() -> str:
+    import torch
+    return os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "_ops.py")
+
+
 def _innermost_file(exc: BaseException) -> str | None:
+    """The file of the innermost frame of ``exc``'s traceback that is not torch's op dispatcher."""
+    files = []
     tb = exc.__traceback__
-    if tb is None:
-        return None
-    while tb.tb_next is not None:
+    while tb is not None:
+        files.append(os.path.realpath(tb.tb_frame.f_code.co_filename))
         tb = tb.tb_next
-    return os.path.realpath(tb.tb_frame.f_code.co_filename)
+    dispatcher = _dispatcher()
+    return next((f for f in reversed(files) if f != dispatcher), None)
 
 
 def _chain(exc: BaseException):
@@ -112,7 +126,8 @@ def raised_by_distributed(exc: BaseException) -> bool:
     if not isinstance(exc, (RuntimeError, OSError)):
         return False
     where = _innermost_file(exc)
-    return where is not None and any(where == code or where.startswith(code) for code in _distributed_code())
+    return where is not None and any(where == code or where.startswith(code) for code in _distributed_code()) \
+        and not where.startswith(_NOT_DISTRIBUTED)
 
 
 def is_collective_error(exc: BaseException) -> bool:

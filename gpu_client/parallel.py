@@ -117,14 +117,18 @@ class Collective:
 
 
 def strategy(spec, reporter):
-    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE, ``Mixed`` for a
-    DDP job over mixed devices, ``Collective`` for DDP and FSDP."""
+    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE,
+    ``TensorParallel`` for TP and FSDP+TP, ``Mixed`` for a DDP job over mixed devices,
+    ``Collective`` for DDP and FSDP."""
     if spec.parallelism.value == "DILOCO":
         from .diloco import Diloco
         return Diloco(spec, reporter)
     if spec.parallelism.value == "PIPELINE":
         from .pipeline import Pipeline
         return Pipeline(spec)
+    if spec.parallelism.value in ("TP", "FSDP+TP"):
+        from .tensor_parallel import TensorParallel
+        return TensorParallel(spec)
     if spec.devices.value == "mixed":
         from .mixed import Mixed
         return Mixed(spec, reporter)

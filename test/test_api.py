@@ -206,7 +206,7 @@ def test_history_names_a_wrong_status_and_starts_empty(api):
 def test_the_sdk_checks_its_arguments_before_it_calls_the_server():
     sdk = ZWDX(f"http://127.0.0.1:{free_port()}", remember=False)  # nothing listens there
     fine = dict(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train, room_token="zr_x")
-    for wrong, message in [({"parallelism": "TP"}, "parallelism"), ({"train_func": 42}, "train_func must be a function"),
+    for wrong, message in [({"parallelism": "ZeRO"}, "parallelism"), ({"train_func": 42}, "train_func must be a function"),
                            ({"model": "net"}, "model must be a torch.nn.Module"),
                            ({"room_token": None}, "room token")]:
         with pytest.raises(BadRequest, match=message):

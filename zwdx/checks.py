@@ -5,8 +5,9 @@ zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuse
 function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
 the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
 from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
-``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``, ``check_devices`` a mixed-devices
-job's ``data_loader_func``. Every refusal is a ``BadRequest`` naming the field.
+``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``, ``check_tp_plan`` a TP job's
+``tp_plan``, ``check_devices`` a mixed-devices job's ``data_loader_func``. Every refusal is a
+``BadRequest`` naming the field.
 """
 from __future__ import annotations
 
@@ -110,6 +111,21 @@ def check_devices(mixed: bool, global_batch, data_loader_func) -> None:
         raise BadRequest("devices=\"mixed\" needs global_batch (the samples of one step over every rank), or a "
                          "default for data_loader_func's batch_size (then the global batch is the world size times "
                          "it)", field="global_batch")
+
+
+def check_tp_plan(model, plan, parallelism: str) -> None:
+    """A TP or FSDP+TP job's ``tp_plan`` against the model (``zwdx.tp_plan.resolve``), or, left
+    out, that a plan can be derived from it. ``BadRequest`` naming ``tp_plan``."""
+    from . import tp_plan
+    if plan is not None:
+        try:
+            tp_plan.resolve(model, plan)
+        except ValueError as exc:
+            raise BadRequest(f"field 'tp_plan': {exc}", field="tp_plan") from None
+        return
+    derived, skipped = tp_plan.derive(model)
+    if not derived:
+        raise BadRequest(tp_plan.no_pairs(model, parallelism, skipped), field="tp_plan")
 
 
 def _fn_name(fn) -> str:

@@ -29,7 +29,7 @@ import requests
 from . import defaults, tls, trackers as _trackers
 from . import lora as _lora
 from .bundle import pack, required_modules
-from .checks import check_devices, check_plan
+from .checks import check_devices, check_plan, check_tp_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -250,7 +250,8 @@ class ZWDX:
                    checkpoint_every_epoch: bool = True, fail_if_unschedulable: bool = False,
                    cancel_on_interrupt: bool = True, fsdp_units=None, trackers=None, diloco: dict | None = None,
                    datasets=None, image: str | None = None, pipeline: dict | None = None, lora=None,
-                   devices: str = "same", global_batch: int | None = None):
+                   devices: str = "same", global_batch: int | None = None,
+                   tp_plan: dict | None = None, tp_size: int | None = None):
         """Send a training job to a room. Blocks with live progress until it ends and returns the
         result (``wait=False``: returns the job id at once). The first seven arguments may be
         given by position, in this order; the others only by name.
@@ -289,6 +290,13 @@ class ZWDX:
         ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)`` for
         forward and backward (it returns the batch's loss); see the README.
 
+        ``parallelism="TP"`` splits the model's Linear pairs over the job's ranks, all on one GPU
+        client (``torch.distributed.tensor.parallel``); ``"FSDP+TP"`` does so within each GPU
+        client's group of ``tp_size`` ranks (default: the ranks placed on each) and shards with
+        FSDP across the groups. ``tp_plan`` names the modules to split, ``{"blocks.*.mlp.up":
+        "colwise", "blocks.*.mlp.down": "rowwise"}``; left out, it is derived from the model's
+        MLP and attention Linear layers. Checked against the model here, before the upload.
+
         ``lora``: a ``peft.LoraConfig``: a copy of the model gets the adapter
         (``peft.get_peft_model``) and only the adapter trains and comes back; a peft model given
         as ``model`` does the same. ``get_trained_model`` returns the peft model with the trained
@@ -313,21 +321,25 @@ class ZWDX:
         (``data_dir/digits/...``). A name the room has none of is refused here, naming it."""
         token = self._token(room_token)
         _trackers.make(trackers)  # a wrong name is refused before anything is uploaded
-        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO", "PIPELINE"):
-            raise BadRequest(f"parallelism must be 'DDP', 'FSDP', 'DILOCO' or 'PIPELINE', got {parallelism!r}",
-                             field="parallelism")
+        if str(parallelism).upper() not in ("DDP", "FSDP", "DILOCO", "PIPELINE", "TP", "FSDP+TP"):
+            raise BadRequest(f"parallelism must be 'DDP', 'FSDP', 'DILOCO', 'PIPELINE', 'TP' or 'FSDP+TP', got "
+                             f"{parallelism!r}", field="parallelism")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise BadRequest(f"epochs must be a whole number of at least 1 or None, got {epochs!r}", field="epochs")
-        if fsdp_units is not None and str(parallelism).upper() != "FSDP":
-            raise BadRequest(f"fsdp_units applies to FSDP only, not {parallelism}", field="fsdp_units")
-        if diloco is not None or pipeline is not None or devices != "same" or global_batch is not None:
-            checked = parse(SubmitJob, {"bundle_artifact": "unsent", "versions": runtime_versions(),  # as the server
-                                        "parallelism": str(parallelism).upper(), "diloco": diloco,  # will, before
-                                        "pipeline": pipeline, "world_size": world_size,  # anything is uploaded
-                                        "devices": devices, "global_batch": global_batch})
+        if fsdp_units is not None and str(parallelism).upper() not in ("FSDP", "FSDP+TP"):
+            raise BadRequest(f"fsdp_units applies to FSDP and FSDP+TP only, not {parallelism}", field="fsdp_units")
+        tensor_parallel = str(parallelism).upper() in ("TP", "FSDP+TP")
+        if diloco is not None or pipeline is not None or tensor_parallel or tp_plan is not None or tp_size is not None \
+                or devices != "same" or global_batch is not None:
+            checked = parse(SubmitJob, {  # as the server will, before anything is uploaded
+                "bundle_artifact": "unsent", "versions": runtime_versions(), "parallelism": str(parallelism).upper(),
+                "diloco": diloco, "pipeline": pipeline, "world_size": world_size, "tp_plan": tp_plan,
+                "tp_size": tp_size, "min_world_size": min_world_size, "devices": devices, "global_batch": global_batch})
             if checked.pipeline is not None:
                 pipeline = checked.pipeline.model_dump(mode="json")
                 check_plan(model, checked.pipeline.stage_plan)
+            if tensor_parallel:
+                check_tp_plan(model, checked.tp_plan, str(parallelism).upper())
             devices = checked.devices.value
         check_devices(devices == "mixed", global_batch, data_loader_func)
         if (lora is not None or _lora.is_peft_model(model)) and str(parallelism).upper() not in ("DDP", "FSDP"):
@@ -346,7 +358,8 @@ class ZWDX:
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
             "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image,
-            "pipeline": pipeline, "lora": lora_config, "devices": devices, "global_batch": global_batch})
+            "pipeline": pipeline, "lora": lora_config, "devices": devices, "global_batch": global_batch,
+            "tp_plan": tp_plan, "tp_size": tp_size})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token

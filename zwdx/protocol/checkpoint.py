@@ -12,7 +12,8 @@ sent a file).
                     extra.pt      rank 0, when train_func tracks objects (optional)
                     each read with torch.load(weights_only=True), after checking that it names
                     no global beyond what that loader allows
-    shards  (FSDP)  shard-<r>.safetensors   each rank r: its local shards of the model and the
+    shards  (FSDP, and TP, FSDP+TP)
+                    shard-<r>.safetensors   each rank r: its local shards of the model and the
                                             optimizer state, its generators' tensors
                     shard-<r>.json          each rank r: the index (the state's tree, each
                                             tensor's global shape and this shard's offsets)
@@ -47,9 +48,10 @@ _RANK_0 = {CheckpointFormat.TORCH: (STATE, EXTRA), CheckpointFormat.SHARDS: (), 
 
 
 def format_for(parallelism: Parallelism | str) -> CheckpointFormat:
-    """The format a job of this parallelism writes: ``shards`` for FSDP, ``stages`` for
-    PIPELINE, ``torch`` for the others."""
-    return {Parallelism.FSDP: CheckpointFormat.SHARDS,
+    """The format a job of this parallelism writes: ``shards`` for FSDP, TP and FSDP+TP (their
+    DTensors' local shards), ``stages`` for PIPELINE, ``torch`` for the others."""
+    return {Parallelism.FSDP: CheckpointFormat.SHARDS, Parallelism.TP: CheckpointFormat.SHARDS,
+            Parallelism.FSDP_TP: CheckpointFormat.SHARDS,
             Parallelism.PIPELINE: CheckpointFormat.STAGES}.get(Parallelism(parallelism), CheckpointFormat.TORCH)
 
 

@@ -26,7 +26,7 @@ from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptRecord
-from .vocab import Devices, Isolation, JobKind, Parallelism, SlotKind
+from .vocab import Devices, Isolation, JobKind, Parallelism, SlotKind, TpStyle
 
 #: A top-level module name a GPU client can import.
 ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -225,6 +225,10 @@ class JobAssign(Answer):
     diloco: DilocoSettings | None = None
     #: PIPELINE's settings; None for the other modes.
     pipeline: PipelineSettings | None = None
+    #: TP and FSDP+TP: the submitter's plan (None: derived from the model), and the ranks of one
+    #: TP group, resolved (the job's ranks on each GPU client); None for the other modes.
+    tp_plan: dict[str, TpStyle] | None = None
+    tp_size: int | None = None
     #: The job's GPU clients, rank 0's first, for the reachability probe (empty: none to probe,
     #: as for DILOCO, which syncs through the server).
     peers: list[Peer] = []

@@ -33,7 +33,7 @@ from .layout import RankLayout
 from .pipeline import PipelineSettings
 from .report import Measured, Reported
 from .script import ScriptRecord
-from .vocab import CheckpointFormat, Devices, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind
+from .vocab import CheckpointFormat, Devices, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind, TpStyle
 
 
 def _absent(value) -> bool:
@@ -102,6 +102,10 @@ class JobSpec(Record):
     #: devices "mixed": the samples of one step over every rank; None: the world size times the
     #: default of ``data_loader_func``'s ``batch_size``.
     global_batch: int | None = None
+    #: TP and FSDP+TP (``zwdx.protocol.tensor_parallel``): the submitter's plan (None: derived by
+    #: the ranks) and TP group size (None: the ranks the placement puts on each GPU client).
+    tp_plan: dict[str, TpStyle] | None = None
+    tp_size: int | None = None
 
 
 class PlacementEntry(Record):

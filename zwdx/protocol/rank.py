@@ -34,7 +34,7 @@ from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
 from .job import CheckpointEntry
 from .script import ScriptSpec
-from .vocab import Devices, JobKind, Parallelism
+from .vocab import Devices, JobKind, Parallelism, TpStyle
 
 #: Where a rank's tensors live: the CPU, or one GPU of this machine.
 Device = Annotated[str, StringConstraints(pattern=r"^(cpu|cuda:[0-9]{1,3})$")]
@@ -99,6 +99,9 @@ class RankSpec(Message):
     #: devices "mixed": the samples of one step over every rank; None: the world size times the
     #: default of ``data_loader_func``'s ``batch_size``.
     global_batch: Annotated[int, Field(ge=1)] | None = None
+    #: TP and FSDP+TP (``JobAssign.tp_plan``, ``tp_size``): the plan (None: derived) and the TP group's size.
+    tp_plan: dict[str, Annotated[TpStyle, ByValue]] | None = None
+    tp_size: Annotated[int, Field(ge=1, le=1024)] | None = None
 
     # -- the job's code --------------------------------------------------------------------------
     bundle_path: Path

@@ -21,11 +21,13 @@ from .dataset import DatasetRef
 from .diloco import DilocoSettings
 from .gpu import ModuleName
 from .pipeline import PipelineSettings
+from .tensor_parallel import MODES as TP_MODES
+from .tensor_parallel import check_plan as check_tp_plan
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
 from .script import ScriptSpec
 from .vocab import (ArtifactKind, ClientStatus, Devices, EventKind, Isolation, JobKind, JobStatus, Parallelism,
-                    PipelineSchedule, SlotKind)
+                    PipelineSchedule, SlotKind, TpStyle)
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -229,6 +231,12 @@ class SubmitJob(Message):
     #: devices "mixed": the samples of one step over every rank, shared out by speed; None: the
     #: world size times the default of ``data_loader_func``'s ``batch_size``.
     global_batch: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(default=None, validate_default=True)
+    #: TP and FSDP+TP (``zwdx.protocol.tensor_parallel``): module names (``*`` one part of a name)
+    #: -> ``colwise`` or ``rowwise``; None: derived from the model by the ranks.
+    tp_plan: dict[str, Annotated[TpStyle, ByValue]] | None = None
+    #: The ranks of one TP group, all on one GPU client. TP: the job's world size (one group);
+    #: FSDP+TP: a divisor of it; None: as many as the placement puts on each GPU client.
+    tp_size: Annotated[int, Field(ge=1, le=1024)] | None = None
 
     @field_validator("parallelism", mode="before")
     @classmethod
@@ -269,6 +277,8 @@ class SubmitJob(Message):
         world_size = info.data.get("world_size")
         if value is not None and (world_size is None or world_size % value):
             raise ValueError(f"must divide world_size ({world_size}): every GPU client runs this many ranks")
+        if value is not None and info.data.get("parallelism") == Parallelism.TP and value != world_size:
+            raise ValueError(f"must equal world_size ({world_size}) with TP: its ranks are one GPU client's")
         return value
 
     @field_validator("diloco")
@@ -295,6 +305,9 @@ class SubmitJob(Message):
             raise ValueError(f"must be at most world_size ({world_size})")
         if value is not None and info.data.get("parallelism") == Parallelism.PIPELINE and value != world_size:
             raise ValueError(f"must equal world_size ({world_size}) with PIPELINE: every stage needs its rank")
+        if value is not None and info.data.get("parallelism") == Parallelism.TP and value != world_size:
+            raise ValueError(f"must equal world_size ({world_size}) with TP: the job is one TP group, on one GPU "
+                             f"client")
         return value
 
     @field_validator("pipeline")
@@ -368,6 +381,49 @@ class SubmitJob(Message):
         if world_size is not None and value < world_size:
             raise ValueError(f"must be at least world_size ({world_size}): every rank takes a sample at least")
         return value
+
+    @field_validator("tp_plan")
+    @classmethod
+    def _tp_plan(cls, value, info):
+        if value is None:
+            return None
+        parallelism = info.data.get("parallelism")
+        if parallelism not in TP_MODES or info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError(f"applies to parallelism TP and FSDP+TP only, not "
+                             f"{getattr(parallelism, 'value', parallelism)}")
+        return check_tp_plan(value)
+
+    @field_validator("tp_size")
+    @classmethod
+    def _tp_size(cls, value, info):
+        if value is None:
+            return None
+        parallelism = info.data.get("parallelism")
+        if parallelism not in TP_MODES or info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError(f"applies to parallelism TP and FSDP+TP only, not "
+                             f"{getattr(parallelism, 'value', parallelism)}")
+        world_size, gpus = info.data.get("world_size"), info.data.get("gpus_per_client")
+        if parallelism == Parallelism.TP and world_size is not None and value != world_size:
+            raise ValueError(f"must equal world_size ({world_size}) with TP: the job is one TP group (FSDP+TP "
+                             f"has several)")
+        if world_size is not None and world_size % value:
+            raise ValueError(f"must divide world_size ({world_size}): each TP group is {value} ranks of one GPU "
+                             f"client")
+        if gpus is not None and gpus != value:
+            raise ValueError(f"and gpus_per_client ({gpus}) differ: a TP group is one GPU client's ranks (leave "
+                             f"gpus_per_client out)")
+        return value
+
+    @model_validator(mode="after")
+    def _tp_groups(self):
+        """Placement keeps a TP group on one GPU client: as ``gpus_per_client`` places them."""
+        if self.parallelism == Parallelism.TP:
+            if self.world_size is None and self.tp_size is not None:
+                self.world_size = self.tp_size
+            self.gpus_per_client = self.world_size
+        elif self.parallelism == Parallelism.FSDP_TP and self.tp_size is not None:
+            self.gpus_per_client = self.tp_size
+        return self
 
     @model_validator(mode="after")
     def _pipeline_world(self):

@@ -39,6 +39,11 @@ class Parallelism(str, Enum):
     #: The model cut into stages, one per rank, run as a pipeline over micro-batches
     #: (``torch.distributed.pipelining``; ``zwdx.protocol.pipeline``).
     PIPELINE = "PIPELINE"
+    #: Tensor parallel: the job's ranks one group on one GPU client, each Linear pair split
+    #: column/row-wise over them (DTensor ``parallelize_module``; ``gpu_client/tensor_parallel.py``).
+    TP = "TP"
+    #: 2-D: TP inside each GPU client's group of ranks, FSDP2 ``fully_shard`` across the groups.
+    FSDP_TP = "FSDP+TP"
 
 
 class PipelineSchedule(str, Enum):
@@ -57,6 +62,12 @@ class LayoutRole(str, Enum):
     STAGE = "stage"      # a run of layers: a PIPELINE stage
     TP = "tp"            # halves of layers (tensor parallel)
     FSDP_TP = "fsdp+tp"  # FSDP across clients, tensor parallel within one
+
+
+class TpStyle(str, Enum):
+    """How a TP job splits one module of the model (``tp_plan``'s values; torch's parallel styles)."""
+    COLWISE = "colwise"  # the output features split over the TP group (ColwiseParallel)
+    ROWWISE = "rowwise"  # the input features split, the outputs summed (RowwiseParallel)
 
 
 class Compression(str, Enum):
@@ -182,4 +193,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'LayoutRole', 'Devices', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'LayoutRole', 'Devices', 'TpStyle', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

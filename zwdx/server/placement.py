@@ -13,7 +13,9 @@ need at most its free RAM, and with the ranks other jobs hold there, at most its
 A script job (``kind: "script"``) runs on any Python; with ``gpus_per_client`` N, a job takes
 N slots of each GPU client it runs on (torchrun's ``--nproc-per-node``). A job whose ranks meet
 over TCP (DDP, FSDP, a script: all but DILOCO) goes only on GPU clients none of which is known
-to be unable to reach another (``apart``: what their jobs found, ``reach.py``).
+to be unable to reach another (``apart``: what their jobs found, ``reach.py``). A TP job's ranks
+are one TP group on one GPU client; an FSDP+TP job's are whole groups of ``tp_size`` (or, left
+out, of the most ranks every GPU client of the job can take alike): ``tp_groups``.
 
 A job runs on slots of one kind (GPUs, or CPU slots), unless it asks for mixed devices
 (``devices: "mixed"``): then GPU and CPU slots count together, GPUs first, and ``mixed`` says
@@ -126,6 +128,40 @@ def whole_groups(order: list[dict], per: int) -> tuple[list[dict], int]:
             taken[slot["client_id"]] += 1
             kept.append(slot)
     return kept, len(by_client) - len(full)
+
+
+TP_MODES = ("TP", "FSDP+TP")
+
+
+def tp_groups(spec: dict, order: list[dict], want: int | None) -> int:
+    """How many ranks of a TP or FSDP+TP job go on each GPU client (its TP group's size), from
+    the slots in ``order``: ``gpus_per_client`` when the submit fixed it (TP: the world size;
+    FSDP+TP: ``tp_size``); else TP's largest group of one GPU client, and FSDP+TP's largest group
+    size (at least 2) that divides ``want`` and that enough GPU clients have (with no ``want``:
+    the size that places the most ranks). 0: no such group."""
+    fixed = _n(spec.get("gpus_per_client"))
+    if fixed:
+        return fixed
+    counts = Counter(s["client_id"] for s in order)
+    if spec.get("parallelism") == "TP":
+        return max(counts.values(), default=0)
+    if want is None:
+        sizes = [(p * sum(1 for n in counts.values() if n >= p), p) for p in set(counts.values()) if p >= 2]
+        return max(sizes)[1] if sizes else 0
+    fits = [p for p in range(want, 1, -1) if want % p == 0 and p * sum(1 for n in counts.values() if n >= p) >= want]
+    return fits[0] if fits else min((p for p in range(2, want + 1) if want % p == 0), default=0)
+
+
+def tp_size(spec, placement) -> int | None:
+    """The resolved TP group size of a placed TP or FSDP+TP job (``JobAssign.tp_size``): the
+    submitted ``tp_size``, else how many ranks the placement put on rank 0's GPU client (every
+    GPU client of the job holds as many); None for the other modes."""
+    if spec.parallelism.value not in TP_MODES:
+        return None
+    if spec.tp_size:
+        return spec.tp_size
+    first = placement[0].client_id
+    return sum(1 for p in placement if p.client_id == first)
 
 
 def apart_from(client: dict, now: float) -> list[str]:
@@ -282,10 +318,16 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
                 of_kind, short = _within_host_ram(of_kind, mem, _host_ram(slots, clients, held or {}), clients)
                 why += short
             chosen += of_kind  # a mixed job: GPUs first
-        per = _n(spec.get("gpus_per_client"))
+        tp = spec.get("parallelism") in TP_MODES
+        per = tp_groups(spec, chosen, want) if tp and chosen else _n(spec.get("gpus_per_client"))
+        if tp and per and spec.get("parallelism") == "TP":
+            want = per  # one group: the job's ranks
         if per and chosen:
             chosen, fewer = whole_groups(chosen, per)
-            if fewer:
+            if fewer and tp:
+                why.append(f"{spec['parallelism']} keeps a TP group of {per} rank(s) on one GPU client: {fewer} gpu "
+                           f"client(s) have fewer than {per} such slot(s) free")
+            elif fewer:
                 why.append(f"{fewer} gpu client(s) have fewer than {per} such slot(s) free (gpus_per_client {per})")
         if pairs and chosen:
             group = _reachable(chosen, pairs, want)
@@ -363,9 +405,12 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     if most >= need:
         return None
     kinds = [f"{n} {kind} slot(s)" for n, kind in ((gpus, "GPU"), (cpus, "CPU")) if n]
-    apart = "a job runs on GPU slots or on CPU slots, not both, unless submitted with devices=\"mixed\""
-    notes = shared + ([apart] if len(kinds) == 2 and not mixes_devices(spec) else []) + \
-        ([f"counting only GPU clients with {per} slots for it (gpus_per_client)"] if per else [])
+    tp = spec.get("parallelism") in TP_MODES
+    kinds_note = "a job runs on GPU slots or on CPU slots, not both, unless submitted with devices=\"mixed\""
+    notes = shared + ([kinds_note] if len(kinds) == 2 and not mixes_devices(spec) else []) + \
+        ([f"counting only GPU clients with {per} slots for it ({spec.get('parallelism')} keeps a TP group of {per} "
+          f"on one GPU client)" if tp else f"counting only GPU clients with {per} slots for it (gpus_per_client)"]
+         if per else [])
     return (f"world_size {need} is more than the {most} slot(s) this room could give the job even with "
             f"every slot idle ({' and '.join(kinds) or 'none'}{''.join('; ' + n for n in notes)})")
 

@@ -41,7 +41,7 @@ from . import lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job, wanting
-from .placement import meets_over_tcp, mixed, plan, unschedulable
+from .placement import meets_over_tcp, mixed, plan, tp_size, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -421,5 +421,6 @@ class Scheduler:
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
                 peers=peers, datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses,
-                devices=spec.devices, global_batch=spec.global_batch)
+                devices=spec.devices, global_batch=spec.global_batch, tp_plan=spec.tp_plan,
+                tp_size=tp_size(spec, job.placement))
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

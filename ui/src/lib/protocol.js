@@ -17,6 +17,8 @@ export const Parallelism = Object.freeze({
   FSDP: "FSDP",
   DILOCO: "DILOCO",
   PIPELINE: "PIPELINE",
+  TP: "TP",
+  FSDP_TP: "FSDP+TP",
 });
 
 /** The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes). */
@@ -33,6 +35,12 @@ export const LayoutRole = Object.freeze({
   STAGE: "stage",
   TP: "tp",
   FSDP_TP: "fsdp+tp",
+});
+
+/** How a TP job splits one module of the model (`tp_plan`'s values; torch's parallel styles). */
+export const TpStyle = Object.freeze({
+  COLWISE: "colwise",
+  ROWWISE: "rowwise",
 });
 
 /** How a DILOCO worker's pseudo-gradients travel (`zwdx.codec`). */
