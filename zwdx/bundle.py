@@ -45,6 +45,7 @@ import cloudpickle
 
 from .checks import check_signature, fsdp_units_spec, pickle_errors, unpicklable_error
 from .errors import BadRequest
+from .hashing import Behind
 from .protocol import runtime_versions
 
 log = logging.getLogger(__name__)
@@ -372,12 +373,13 @@ def load(path: str, sha256: str) -> dict:
             raise ValueError(f"bundle file {path} is empty")
         buffer = mmap.mmap(-1, size)
         view, digest, got = memoryview(buffer), hashlib.sha256(), 0
-        while got < size:
-            n = fh.readinto(view[got:got + _READ_BYTES])
-            if not n:
-                break
-            digest.update(view[got:got + n])
-            got += n
+        with Behind(digest.update) as behind:  # block k hashed while block k+1 is read
+            while got < size:
+                n = fh.readinto(view[got:got + _READ_BYTES])
+                if not n:
+                    break
+                behind.put(view[got:got + n])
+                got += n
         grew = fh.read(1)
     if got != size or grew or digest.hexdigest() != sha256:
         view.release()
