@@ -189,6 +189,31 @@ def start_fleet(args, work: str, started: list, code: str = harness.ROOT, env: d
     return server, clients, sdk, token
 
 
+def wait_warm(clients, settle: float, timeout: float = 180) -> None:
+    """Warm GPU clients: wait until every slot has a standby rank process waiting for its rank
+    (a child of the GPU client started with ``--standby``, blocked reading its stdin), then
+    ``settle`` seconds more. Read from /proc, so it holds for any checkout's code."""
+    import psutil
+
+    def waiting(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/wchan") as fh:
+                return "pipe" in fh.read()
+        except OSError:
+            return False
+
+    def ready(c) -> bool:
+        try:
+            kids = psutil.Process(c.pid).children()
+        except psutil.NoSuchProcess:
+            raise RuntimeError(f"gpu client {c.client_id} exited:\n{c.tail()}")
+        standby = [k for k in kids if "--standby" in " ".join(k.cmdline())]
+        return bool(standby) and all(waiting(k.pid) for k in standby)
+    harness.wait_until(lambda: all(ready(c) for c in clients), timeout,
+                       what="a standby rank process waiting on every slot")
+    time.sleep(settle)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=0, help="GPUs (one GPU client each); 0: CPU ranks on gloo")
@@ -204,7 +229,8 @@ def main() -> int:
     parser.add_argument("--sides", default="torchrun,zwdx",
                         help="which sides to run: torchrun, zwdx or both (the ratio needs both)")
     parser.add_argument("--settle", type=float, default=8.0,
-                        help="seconds before each zwdx job, for the GPU clients' standby processes to be ready")
+                        help="seconds before each zwdx job once every slot's standby rank process waits for "
+                             "its rank")
     parser.add_argument("--parallelism", choices=["DDP", "FSDP"], default="DDP",
                         help="DDP, or FSDP2 (each block a unit, then the root) on both sides")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank, both sides")
@@ -248,8 +274,8 @@ def main() -> int:
                         if side == "torchrun":
                             r = run_torchrun(cfg, n, args.threads, work, args.timeout)
                         else:
-                            time.sleep(args.settle)  # warm clients: the standby rank processes are ready
-                            _, _, sdk, token = fleet[side]
+                            _, clients, sdk, token = fleet[side]
+                            wait_warm(clients, args.settle)
                             r = run_zwdx(sdk, token, cfg, n, args.timeout)
                             r["side"] = side
                     except Exception as exc:  # report what did run; say what did not
