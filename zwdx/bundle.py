@@ -56,11 +56,18 @@ _ALIGN = 64
 _READ_BYTES = 8 << 20
 
 
-def _installed_roots() -> list[str]:
+def _installed_roots() -> tuple[str, ...]:
+    return _roots(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _roots(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The directories of the standard library and installed packages for this ``sys.path``
+    (asked once per module a bundle's code refers to: cached, it was most of a small ``pack``)."""
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.update(p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")))
-    return [os.path.realpath(r) for r in roots]
+    roots.update(p for p in path if p.rstrip("/").endswith(("site-packages", "dist-packages")))
+    return tuple(os.path.realpath(r) for r in roots)
 
 
 def is_user_module(module: types.ModuleType | None) -> bool:
