@@ -26,6 +26,9 @@ each defaults to what is expected to be fastest, and none changes what a CPU (gl
   (a tiny bf16 matmul and convolution), which the first step would otherwise make. Off by
   default: the same warm-up in the standby process (``standby.warm_up``, ``kernels``) cost
   2.6 % of steady-state throughput on 2 x H200 for reasons not known; measure before turning it on.
+- ``ZWDX_DDP_INIT_SYNC=1`` (``parallel.py``, CPU ranks too): DDP checks the ranks' shapes and
+  broadcasts rank 0's weights as it wraps, which the same sha256-checked bundle on every rank
+  makes needless (off by default).
 """
 from __future__ import annotations
 
