@@ -19,9 +19,11 @@ each defaults to what is expected to be fastest, and none changes what a CPU (gl
 
 - ``ZWDX_EAGER_NCCL=0``: no ``device_id``: NCCL's communicator is made at the first
   collective (DDP's broadcast in the wrap, FSDP's first all-gather) instead of in the join.
-- ``ZWDX_NCCL_CONNECT=runtime``: NCCL connects its peers at their first collective (NCCL's
-  own default since 2.22). The default here, ``init``, sets ``NCCL_RUNTIME_CONNECT=0`` for the
-  rank (unless the donor set it) so that the connections are made in the eager join too.
+- ``ZWDX_NCCL_CONNECT=init``: sets ``NCCL_RUNTIME_CONNECT=0`` for the rank (unless the donor
+  set it), so that NCCL connects its peers in the eager join, while the bundle loads, rather than
+  at the first collective. The default, ``runtime``, leaves NCCL's own (lazy since 2.22): eager
+  connections are every algorithm's (NVLS's buffers too where NVLink multicast is on), which costs
+  GPU memory and lengthens a join that nothing overlaps (a small bundle); measure first.
 - ``ZWDX_WARM_CUDA=1``: while the rank joins, a thread makes the cuBLAS and cuDNN handles
   (a tiny bf16 matmul and convolution), which the first step would otherwise make. Off by
   default: the same warm-up in the standby process (``standby.warm_up``, ``kernels``) cost
@@ -57,7 +59,7 @@ def join(arguments: dict, backend: str, device, timeout: float, mark) -> None:
     collective timeout in seconds; ``mark(name)``: the startup's."""
     import torch.distributed as dist
     cuda = device.type == "cuda"
-    if cuda and switch("ZWDX_NCCL_CONNECT", "init") == "init":
+    if cuda and switch("ZWDX_NCCL_CONNECT", "runtime") == "init":
         os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     warm = warm_cuda(device) if cuda and switch("ZWDX_WARM_CUDA", "0") == "1" else None
     wait = datetime.timedelta(seconds=timeout)
