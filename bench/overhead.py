@@ -108,6 +108,9 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
         "placed->at GPU client": assigned - job["started_at"],
         "->rank process": marks["rank_process"],
         "join process group": at["joined"] - at["rank_process"],
+        # of the join: every rank at rank 0's store (None: code that does not mark it); the rest
+        # is init_process_group (on CUDA, NCCL's communicator)
+        "(of which meeting at rank 0's store)": at["met"] - at["rank_process"] if "met" in at else None,
         "(bundle fetch+load, meanwhile)": at["bundle_loaded"] - at["rank_process"],
         "user's data_loader_func": at["data_loader"] - joined,  # before the model: a pipeline traces a batch
         f"model to GPU, wrap {cfg.get('parallelism', 'DDP')}": at["wrapped"] - at["data_loader"],
@@ -140,20 +143,44 @@ def len_mb(n: int) -> float:
     return n / 1e6
 
 
-def start_fleet(args, work: str):
-    server = ServerProc(os.path.join(work, "server"))
+def fleets(args) -> list[tuple[str, str, dict]]:
+    """The zwdx sides to run, each on a server and GPU clients of its own: ``(label, checkout,
+    environment of its GPU clients)``. This checkout is "zwdx"; ``--baseline DIR`` adds DIR's
+    code as "baseline"; each ``--variant LABEL:VAR=VALUE,...`` adds this checkout with those
+    variables (the rank processes' switches, rendezvous.py)."""
+    out = [("baseline", os.path.abspath(args.baseline), {})] if args.baseline else []
+    out.append(("zwdx", harness.ROOT, {}))
+    for item in args.variant:
+        label, _, assignments = item.partition(":")
+        env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+        out.append((label, harness.ROOT, env))
+    if len({label for label, _, _ in out} | {"torchrun"}) != len(out) + 1:
+        raise SystemExit("bench: each --variant needs a label of its own (not zwdx, baseline or torchrun)")
+    return out
+
+
+def start_fleet(args, work: str, started: list, code: str = harness.ROOT, env: dict | None = None):
+    """A server and one GPU client per GPU (or CPU rank) running ``code``'s zwdx, all registered;
+    each process is added to ``started`` as it starts (the caller stops them)."""
+    server = ServerProc(os.path.join(work, "server"), cwd=code)
+    started.append(server)
     from zwdx import ZWDX
     sdk = ZWDX(server.url)
     room = sdk.create_room("bench-overhead")
     token = room["submitter_token"]
     n = args.gpus or args.cpu_ranks
+    clients = []
     if args.parallelism == "TP":  # a TP group is one GPU client's: one client with every GPU (or CPU slot)
-        clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, "client0"), "bench-0",
-                                 gpu=",".join(map(str, range(n))) if args.gpus else None, threads=args.threads,
-                                 extra=None if args.gpus else ["--cpu-slots", str(n)])]
+        clients.append(GpuClientProc(server.url, room["donor_token"], os.path.join(work, "client0"), "bench-0",
+                                     gpu=",".join(map(str, range(n))) if args.gpus else None, threads=args.threads,
+                                     extra=None if args.gpus else ["--cpu-slots", str(n)], env=env, cwd=code))
+        started.insert(0, clients[-1])  # stopped before the server
     else:
-        clients = [GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"client{i}"), f"bench-{i}",
-                                 gpu=i if args.gpus else None, threads=args.threads) for i in range(n)]
+        for i in range(n):
+            clients.append(GpuClientProc(server.url, room["donor_token"], os.path.join(work, f"client{i}"),
+                                         f"bench-{i}", gpu=i if args.gpus else None, threads=args.threads, env=env,
+                                         cwd=code))
+            started.insert(0, clients[-1])  # stopped before the server
 
     def online():
         for c in clients:
@@ -168,6 +195,40 @@ def start_fleet(args, work: str):
     if kinds != {want}:
         raise RuntimeError(f"gpu clients offer {kinds} slots, expected {want} (is pynvml/nvidia-ml-py installed?)")
     return server, clients, sdk, token
+
+
+def wait_warm(clients, settle: float, timeout: float = 180) -> None:
+    """Warm GPU clients: wait until every slot has a standby rank process waiting for its rank
+    (a child of the GPU client started with ``--standby``, blocked reading its stdin: its
+    ``/proc/PID/wchan`` names a pipe, or where the kernel hides that, it sleeps and used no CPU for
+    half a second), then ``settle`` seconds more. Read from /proc, so it holds for any checkout."""
+    import psutil
+
+    def waiting(proc) -> bool:
+        try:
+            with open(f"/proc/{proc.pid}/wchan") as fh:
+                where = fh.read().strip()
+            if where not in ("", "0"):
+                return "pipe" in where
+            before = sum(proc.cpu_times()[:2])
+            time.sleep(0.5)
+            return proc.status() == psutil.STATUS_SLEEPING and sum(proc.cpu_times()[:2]) == before
+        except (OSError, psutil.Error):
+            return False
+
+    def ready(c) -> bool:
+        try:
+            kids = psutil.Process(c.pid).children()
+        except psutil.NoSuchProcess:
+            raise RuntimeError(f"gpu client {c.client_id} exited:\n{c.tail()}")
+        standby = [k for k in kids if "--standby" in " ".join(k.cmdline())]
+        return bool(standby) and all(waiting(k) for k in standby)
+    try:
+        harness.wait_until(lambda: all(ready(c) for c in clients), timeout,
+                           what="a standby rank process waiting on every slot")
+    except TimeoutError as exc:  # measure anyway, and say so
+        print(f"  warning: {exc}; the job starts without", flush=True)
+    time.sleep(settle)
 
 
 def main() -> int:
@@ -185,7 +246,8 @@ def main() -> int:
     parser.add_argument("--sides", default="torchrun,zwdx",
                         help="which sides to run: torchrun, zwdx or both (the ratio needs both)")
     parser.add_argument("--settle", type=float, default=8.0,
-                        help="seconds before each zwdx job, for the GPU clients' standby processes to be ready")
+                        help="seconds before each zwdx job once every slot's standby rank process waits for "
+                             "its rank")
     parser.add_argument("--parallelism", choices=["DDP", "FSDP", "TP"], default="DDP",
                         help="DDP, FSDP2 (each block a unit, then the root), or TP (the derived plan: each "
                              "block's MLP pair split over all ranks, one GPU client) on both sides")
@@ -193,6 +255,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="another checkout (e.g. a git worktree of main), run as a zwdx side of its own "
+                             "(its server and GPU clients), alternating with this one")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:VAR=VALUE,...",
+                        help="this checkout once more as a zwdx side of its own, its GPU clients (and ranks) with "
+                             "these variables, e.g. lazy-nccl:ZWDX_EAGER_NCCL=0")
     args = parser.parse_args()
     harness.require(harness.SERVER_MODULES + harness.CLIENT_MODULES + (["pynvml"] if args.gpus else []))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on lent machines
@@ -203,39 +271,45 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="zwdx-bench-overhead-")
     where = harness.machine()
     print(f"bench overhead: {n} {'GPU' if args.gpus else 'CPU'} rank(s) on {where}; work dir {work}", flush=True)
-    server, clients, sdk, token = None, [], None, None
+    fleet: dict[str, tuple] = {}  # zwdx side -> (server, clients, sdk, token)
+    started: list = []  # every process started, in the order to stop them
     runs: dict[str, list[dict]] = {}
     failures: list[str] = []
     try:
-        server, clients, sdk, token = start_fleet(args, work)
+        zwdx_sides = fleets(args) if "zwdx" in args.sides.split(",") else []
+        for label, code, env in zwdx_sides:
+            fleet[label] = start_fleet(args, os.path.join(work, label), started, code, env)
         for model in [m.strip() for m in args.model.split(",") if m.strip()]:
             for rep in range(args.repeat):
                 cfg = workload.config(model, device, steps=args.steps, warmup=args.warmup, batch=args.batch,
                                       seed=rep, parallelism=args.parallelism,
                                       tp=n if args.parallelism == "TP" else 1,
                                       **{k: int(v) for k, v in (item.split("=", 1) for item in args.set)})
-                order = ["torchrun", "zwdx"] if rep % 2 == 0 else ["zwdx", "torchrun"]
-                order = [side for side in order if side in args.sides.split(",")]
-                for side in order:
+                order = ["torchrun"] if "torchrun" in args.sides.split(",") else []
+                order += [label for label, _, _ in zwdx_sides]
+                shift = rep % len(order) if order else 0  # each side goes first in turn
+                for side in order[shift:] + order[:shift]:
                     try:
                         if side == "torchrun":
                             r = run_torchrun(cfg, n, args.threads, work, args.timeout)
                         else:
-                            time.sleep(args.settle)  # warm clients: the standby rank processes are ready
+                            _, clients, sdk, token = fleet[side]
+                            wait_warm(clients, args.settle)
                             r = run_zwdx(sdk, token, cfg, n, args.timeout)
+                            r["side"] = side
                     except Exception as exc:  # report what did run; say what did not
                         failures.append(f"{model} rep {rep} {side}: {exc}")
                         print(f"  {model} rep {rep} {side:8s}: FAILED: {exc}", flush=True)
                         continue
                     r["cfg"] = cfg
                     runs.setdefault(model, []).append(r)
+                    joined = r["breakdown"].get("join process group")
                     print(f"  {model} rep {rep} {side:8s}: {r['samples_per_s']:,.1f} samples/s, first step "
-                          f"{r['to_first_step']:.2f} s, wall {r['wall']:.1f} s", flush=True)
+                          f"{r['to_first_step']:.2f} s{f' (join {joined:.2f} s)' if joined is not None else ''}, "
+                          f"wall {r['wall']:.1f} s", flush=True)
     finally:
-        for c in clients:
-            c.stop()
-        if server is not None:
-            server.stop()
+        for proc in started:
+            proc.stop()
         if args.keep:
             print(f"logs kept in {work}")
         else:
@@ -251,36 +325,47 @@ def main() -> int:
 
 def report(runs: dict, n: int, args, where: str) -> str:
     unit = f"{n} x {'GPU' if args.gpus else 'CPU rank'}"
-    rows_t, rows_s, stages = [], [], {"torchrun": [], "zwdx": []}
-    for model, rs in runs.items():
-        side = {k: [r for r in rs if r["side"] == k] for k in ("torchrun", "zwdx")}
-        tr, zw = side["torchrun"], side["zwdx"]
+    rows_t, rows_s, stages = [], [], {}
 
-        def med(runs_, key, sub=None):
-            return median([(r[key] if sub is None else r[key][sub]) for r in runs_])
+    def med(runs_, key, sub=None):
+        values = [(r[key] if sub is None else r[key][sub]) for r in runs_]
+        return median([v for v in values if v is not None]) if any(v is not None for v in values) else None
+    for model, rs in runs.items():
+        side: dict[str, list] = {}
+        for r in rs:
+            side.setdefault(r["side"], []).append(r)
         for name, group in side.items():
-            if group:
-                keys = list(group[0]["breakdown"])
-                stages[name].append(([model] + [med(group, "breakdown", k) for k in keys], keys))
-        if not tr or not zw:
-            continue  # one side failed every time (listed under the failures), or was not asked for
-        cfg = rs[0]["cfg"]
-        t_sps, z_sps = med(tr, "samples_per_s"), med(zw, "samples_per_s")
-        rows_t.append([model, unit, cfg["batch"], f"{cfg['steps']} ({cfg['warmup']})", t_sps, z_sps,
-                       f"{100 * z_sps / t_sps:.2f}%", f"{med(tr, 'spread'):.1f}% / {med(zw, 'spread'):.1f}%"])
-        transfer = median([r["upload_s"] + r["download_s"] for r in zw])
-        to_first = med(zw, "to_first_step")
-        rows_s.append([model, med(tr, "to_first_step"), to_first, med(zw, "first_step_streamed"),
-                       med(zw, "bundle_mb"), med(zw, "pack_s"), transfer, to_first - transfer,
-                       median([r["raw"]["epoch_end_s"] for r in zw]), med(tr, "wall"), med(zw, "wall")])
+            keys = list(group[0]["breakdown"])
+            stages.setdefault(name, []).append(([model] + [med(group, "breakdown", k) for k in keys], keys))
+        tr = side.get("torchrun", [])
+        for name, zw in side.items():
+            if name == "torchrun":
+                continue
+            cfg = rs[0]["cfg"]
+            z_sps = med(zw, "samples_per_s")
+            if tr:
+                t_sps = med(tr, "samples_per_s")
+                rows_t.append([model, name, unit, cfg["batch"], f"{cfg['steps']} ({cfg['warmup']})", t_sps, z_sps,
+                               f"{100 * z_sps / t_sps:.2f}%", f"{med(tr, 'spread'):.1f}% / {med(zw, 'spread'):.1f}%"])
+            transfer = median([r["upload_s"] + r["download_s"] for r in zw])
+            to_first = med(zw, "to_first_step")
+            firsts = [r["to_first_step"] for r in zw]
+            rows_s.append([model, name, med(tr, "to_first_step") if tr else None, to_first,
+                           f"{min(firsts):.2f}-{max(firsts):.2f}", med(zw, "first_step_done"),
+                           med(zw, "first_step_streamed"),
+                           med(zw, "bundle_mb"), med(zw, "pack_s"), transfer, to_first - transfer,
+                           median([r["raw"]["epoch_end_s"] for r in zw]), med(tr, "wall") if tr else None,
+                           med(zw, "wall")])
     head = (f"\n## zwdx overhead over bare torchrun: {where}; {unit}, {args.parallelism}, "
             f"{'bf16 autocast' if args.gpus else 'fp32, gloo'}, median of {args.repeat} run(s) per side\n\n")
     out = [head]
     if rows_t:
-        out += [table(["model", "ranks", "batch/rank", "steps (warm-up)", "torchrun samples/s", "zwdx samples/s",
-                       "zwdx / torchrun", "window spread t / z"], rows_t, "Steady-state throughput"), "\n",
-                table(["model", "torchrun launch->1st step s", "zwdx submit->1st step s", "(as streamed) s",
-                       "bundle MB", "pack s", "upload+download s", "zwdx minus transfer s",
+        out += [table(["model", "side", "ranks", "batch/rank", "steps (warm-up)", "torchrun samples/s",
+                       "zwdx samples/s", "zwdx / torchrun", "window spread t / z"], rows_t,
+                      "Steady-state throughput"), "\n"]
+    if rows_s:
+        out += [table(["model", "side", "torchrun launch->1st step s", "zwdx submit->1st step s", "(each run) min-max s",
+                       "zwdx submit->1st step done s", "(as streamed) s", "bundle MB", "pack s", "upload+download s", "zwdx minus transfer s",
                        "zwdx epoch-end checkpoint s", "torchrun wall s", "zwdx wall s"], rows_s,
                       "Time to first step and whole job")]
     for name, rows in stages.items():

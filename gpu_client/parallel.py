@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,12 @@ class Collective:
     def wrap(self, model: nn.Module, device: torch.device, bundle: dict, report, example=None) -> nn.Module:
         """The user's model on ``device``, wrapped as the job says (``example``: a first batch,
         which only a pipeline needs)."""
-        return wrap(model.to(device), self.wrap_as, device, units=bundle.get("fsdp_units"), report=report)
+        # Every rank unpickled the same bundle, its sha256 checked: the weights are equal already,
+        # and DDP's check and broadcast of them at init (collectives over the whole model) would
+        # only cost the start time (ZWDX_DDP_INIT_SYNC=1 keeps them). FSDP2 assumes as much.
+        init_sync = os.environ.get("ZWDX_DDP_INIT_SYNC", "0") == "1"
+        return wrap(model.to(device), self.wrap_as, device, units=bundle.get("fsdp_units"), report=report,
+                    init_sync=init_sync)
 
     def layout(self, model: nn.Module) -> dict:
         """What this rank holds of the wrapped ``model``, for the job's page (``zwdx.protocol.layout``):
@@ -135,13 +141,15 @@ def strategy(spec, reporter):
     return Collective(spec)
 
 
-def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None) -> nn.Module:
+def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None,
+         init_sync: bool = True) -> nn.Module:
     """DDP or FSDP2 around ``model``, which is on ``device`` already. ``units``: the submitter's
-    ``fsdp_units`` (None: the automatic rule). ``report(line)``: rank 0 says what was sharded."""
+    ``fsdp_units`` (None: the automatic rule). ``report(line)``: rank 0 says what was sharded.
+    ``init_sync`` (DDP): check the ranks' parameter shapes and broadcast rank 0's weights first."""
     if parallelism == "DDP":
         from torch.nn.parallel import DistributedDataParallel
         ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=ids)
+        model = DistributedDataParallel(model, device_ids=ids, init_sync=init_sync)
         if device.type == "cpu":  # so that a lost peer in backward() is told from the user's own error
             watch_gradients(model)
         return model

@@ -20,7 +20,6 @@ before the process exits non-zero.
 """
 from __future__ import annotations
 
-import datetime
 import inspect
 import io
 import logging
@@ -91,17 +90,15 @@ class Trainer:
         self.loader, self.eval_loader = self._loaders()
 
     def _join(self):
-        """Join the job's process group (while the bundle loads)."""
+        """Join the job's process group (while the bundle loads): ``rendezvous.join``."""
         import torch
-        import torch.distributed as dist
+
+        from .rendezvous import join
         spec, device = self.spec, torch.device(self.spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(spec.backend, **self.strategy.rendezvous(),
-                                timeout=datetime.timedelta(seconds=spec.collective_timeout),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+        join(self.strategy.rendezvous(), spec.backend, device, spec.collective_timeout, self.startup.mark)
         self.joined = True
-        self.startup.mark("joined")
         return device
 
     def _build(self):

@@ -12,10 +12,15 @@ import os
 
 log = logging.getLogger("gpu_client.standby")
 
+#: The line a standby writes to its slot's log once it waits for a rank (bench/overhead.py waits for it).
+READY = "standby rank process ready"
+
 
 def prepare(device: str) -> None:
     """Everything a rank's first seconds would pay that does not depend on its job.
     ``ZWDX_STANDBY_WARMUP`` lists the optional parts (see ``warm_up``); "none" skips them."""
+    import time
+    started = time.time()
     import torch
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
@@ -26,6 +31,7 @@ def prepare(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)
     warm_up(torch.device(device), set(os.environ.get("ZWDX_STANDBY_WARMUP", "imports").split(",")))
+    print(f"{READY} on {device} after {time.time() - started:.1f} s", flush=True)  # into the slot's standby log
 
 
 def warm_up(device, parts: set[str]) -> None:

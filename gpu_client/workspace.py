@@ -30,6 +30,8 @@ import threading
 import uuid
 from typing import Iterable
 
+from zwdx.hashing import Behind
+
 log = logging.getLogger("gpu_client.workspace")
 
 _READ_BYTES = 8 << 20
@@ -110,9 +112,9 @@ class Workspace:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             with os.fdopen(fd, "wb") as fh:
-                for block in blocks:
-                    digest.update(block)
-                    fh.write(block)
+                with Behind(digest.update, fh.write) as behind:  # hashed and written while the next block arrives
+                    for block in blocks:
+                        behind.put(bytes(block))
             if digest.hexdigest() != sha256:
                 raise IOError(f"{what} arrived corrupted (sha256 mismatch)")
             os.replace(tmp, path)

@@ -76,11 +76,28 @@ def test_a_completed_job_stays_completed_when_its_lingering_rank_dies_with_its_g
                             progress=False, timeout=120)
     assert result["status"] == "completed"
     b.kill(signal.SIGKILL)  # rank 1 is still in its teardown there
+    assert_startup_line_lists_every_stage(sdk.get_job_logs(result["job_id"]))
     wait_until(lambda: any(c["id"] == "client-b" and c.get("lost_at") for c in sdk.get_room(room["token"])["clients"]),
                30, what="gpu client b declared lost")
     job = sdk.get_job(result["job_id"])
     assert job["status"] == "completed" and not job.get("restarts") and not job.get("failures"), job
     assert [t["status"] for t in job["timeline"]][-1] == "completed"
+
+
+#: The stages of a rank's start, in the order the rank's main thread passes them; the bundle is
+#: fetched and loaded meanwhile, in another thread, before the user's data_loader_func runs.
+MAIN_STAGES = ["rank_process", "met", "joined", "data_loader", "wrapped", "optimizer_checkpoint", "train_func"]
+
+
+def assert_startup_line_lists_every_stage(logs: list[dict]) -> None:
+    """Rank 0 says where its start went: one log line with every stage, in seconds after the
+    job reached its GPU client, in the order they happened."""
+    lines = [e["text"] for e in logs if e.get("rank") == 0 and e["text"].startswith("startup, ")]
+    assert len(lines) == 1, logs
+    marks = {k: float(v) for k, v in (p.split("=") for p in lines[0].split(": ", 1)[1].split())}
+    assert set(marks) == set(MAIN_STAGES) | {"bundle_fetched", "bundle_loaded"}, lines[0]
+    assert [marks[k] for k in MAIN_STAGES] == sorted(marks[k] for k in MAIN_STAGES), lines[0]
+    assert marks["bundle_fetched"] <= marks["bundle_loaded"] <= marks["data_loader"], lines[0]
 
 
 def test_metrics_always_have_the_platform_series_and_a_short_job_has_its_samples(sdk, room, start_client):

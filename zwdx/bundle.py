@@ -45,6 +45,7 @@ import cloudpickle
 
 from .checks import check_signature, fsdp_units_spec, pickle_errors, unpicklable_error
 from .errors import BadRequest
+from .hashing import Behind
 from .protocol import runtime_versions
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,18 @@ _ALIGN = 64
 _READ_BYTES = 8 << 20
 
 
-def _installed_roots() -> list[str]:
+def _installed_roots() -> tuple[str, ...]:
+    return _roots(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _roots(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The directories of the standard library and installed packages for this ``sys.path``
+    (asked once per module a bundle's code refers to: cached, it was most of a small ``pack``)."""
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.update(p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")))
-    return [os.path.realpath(r) for r in roots]
+    roots.update(p for p in path if p.rstrip("/").endswith(("site-packages", "dist-packages")))
+    return tuple(os.path.realpath(r) for r in roots)
 
 
 def is_user_module(module: types.ModuleType | None) -> bool:
@@ -372,12 +380,13 @@ def load(path: str, sha256: str) -> dict:
             raise ValueError(f"bundle file {path} is empty")
         buffer = mmap.mmap(-1, size)
         view, digest, got = memoryview(buffer), hashlib.sha256(), 0
-        while got < size:
-            n = fh.readinto(view[got:got + _READ_BYTES])
-            if not n:
-                break
-            digest.update(view[got:got + n])
-            got += n
+        with Behind(digest.update) as behind:  # block k hashed while block k+1 is read
+            while got < size:
+                n = fh.readinto(view[got:got + _READ_BYTES])
+                if not n:
+                    break
+                behind.put(view[got:got + n])
+                got += n
         grew = fh.read(1)
     if got != size or grew or digest.hexdigest() != sha256:
         view.release()

@@ -225,17 +225,19 @@ class GpuClientProc(Child):
     """``python -m zwdx.cli gpu-client`` in the room of ``token``: one CPU slot (``gpu=None``)
     or the GPUs listed (``gpu=0``, ``gpu="0,1"``); ``extra`` adds arguments. The token travels in
     its environment (``ZWDX_ROOM_TOKEN``), never on its command line, which every user of the
-    machine can read (None: the caller gives it otherwise, ``--room-token-file`` in ``extra``)."""
+    machine can read (None: the caller gives it otherwise, ``--room-token-file`` in ``extra``).
+    ``cwd``: the checkout whose zwdx it runs (and its ranks: they start there too)."""
 
     def __init__(self, server_url: str, token: str | None, work_dir: str, client_id: str, gpu: int | str | None = None,
-                 threads: int = 1, extra: list[str] | None = None, env: dict | None = None):
+                 threads: int = 1, extra: list[str] | None = None, env: dict | None = None,
+                 cwd: str = PACKAGE_PARENT):
         os.makedirs(work_dir, exist_ok=True)
         self.client_id = client_id
         slots = ["--gpus", str(gpu)] if gpu is not None else ["--cpu"]
         super().__init__([sys.executable, "-m", "zwdx.cli", "gpu-client", "--server", server_url,
                           *slots, "--threads", str(threads), "--client-id", client_id,
                           "--work-dir", work_dir, *(extra or [])], os.path.join(work_dir, "gpu-client.log"),
-                         {**({"ZWDX_ROOM_TOKEN": token} if token is not None else {}), **(env or {})})
+                         {**({"ZWDX_ROOM_TOKEN": token} if token is not None else {}), **(env or {})}, cwd)
 
 
 class MongoProc(Child):

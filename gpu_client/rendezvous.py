@@ -1,0 +1,125 @@
+"""How a rank joins its job's process group: meet at rank 0's store, then make the group.
+
+``join`` is the runner's first step with the job (it runs while the bundle loads, in another
+thread). Two stages, each a mark of the rank's startup line (``runner.Startup``):
+
+- **met**: every rank connected to rank 0's TCPStore (rank 0 listens on the rendezvous port its
+  GPU client offered and waits for the others there). torch's client, finding the port not yet
+  listening, tries again only after a backoff with jitter (500 ms +-50 %, then x1.5), so a rank
+  whose spec arrived a few milliseconds before rank 0's waited 0.25-0.75 s, and a job of N ranks
+  the longest of N-1 such waits: the near-constant "join process group" of the GPU runs. Here
+  every other rank first waits for the port to accept, trying every ``POLL`` seconds, and then
+  connects at once. The store is the one ``init_process_group(init_method="tcp://...")`` makes
+  (same keys, same prefix), so ranks of older GPU clients meet these.
+- **joined**: ``init_process_group`` over that store. On CUDA it is given ``device_id``, so
+  NCCL makes its communicator here, while the bundle loads, not at the first collective.
+
+Switches a GPU client's environment sets for its ranks (the bench compares them in one run);
+each defaults to what is expected to be fastest, and none changes what a CPU (gloo) rank does:
+
+- ``ZWDX_EAGER_NCCL=0``: no ``device_id``: NCCL's communicator is made at the first
+  collective (DDP's broadcast in the wrap, FSDP's first all-gather) instead of in the join.
+- ``ZWDX_NCCL_CONNECT=init``: sets ``NCCL_RUNTIME_CONNECT=0`` for the rank (unless the donor
+  set it), so that NCCL connects its peers in the eager join, while the bundle loads, rather than
+  at the first collective. The default, ``runtime``, leaves NCCL's own (lazy since 2.22): eager
+  connections are every algorithm's (NVLS's buffers too where NVLink multicast is on), which costs
+  GPU memory and lengthens a join that nothing overlaps (a small bundle); measure first.
+- ``ZWDX_WARM_CUDA=1``: while the rank joins, a thread makes the cuBLAS and cuDNN handles
+  (a tiny bf16 matmul and convolution), which the first step would otherwise make. Off by
+  default: the same warm-up in the standby process (``standby.warm_up``, ``kernels``) cost
+  2.6 % of steady-state throughput on 2 x H200 for reasons not known; measure before turning it on.
+- ``ZWDX_DDP_INIT_SYNC=1`` (``parallel.py``, CPU ranks too): DDP checks the ranks' shapes and
+  broadcasts rank 0's weights as it wraps, which the same sha256-checked bundle on every rank
+  makes needless (off by default).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+log = logging.getLogger("gpu_client.rendezvous")
+
+#: How often a rank tries rank 0's port until it listens (seconds).
+POLL = 0.005
+
+
+def switch(name: str, default: str) -> str:
+    """A ``ZWDX_*`` switch of this rank's environment, lower-cased."""
+    return (os.environ.get(name) or default).strip().lower()
+
+
+def join(arguments: dict, backend: str, device, timeout: float, mark) -> None:
+    """``init_process_group`` with the strategy's ``arguments`` (``rendezvous()``), marking
+    ``met`` and ``joined``. ``device``: the rank's torch.device; ``timeout``: the job's
+    collective timeout in seconds; ``mark(name)``: the startup's."""
+    import torch.distributed as dist
+    cuda = device.type == "cuda"
+    if cuda and switch("ZWDX_NCCL_CONNECT", "runtime") == "init":
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
+    warm = warm_cuda(device) if cuda and switch("ZWDX_WARM_CUDA", "0") == "1" else None
+    wait = datetime.timedelta(seconds=timeout)
+    init_method = arguments.get("init_method", "")
+    if init_method.startswith("tcp://"):
+        rank, world_size = arguments["rank"], arguments["world_size"]
+        store = meet(init_method, rank, world_size, timeout)
+        arguments = {"store": dist.PrefixStore("default_pg", store), "rank": rank, "world_size": world_size}
+    mark("met")
+    eager = cuda and switch("ZWDX_EAGER_NCCL", "1") != "0"
+    dist.init_process_group(backend, **arguments, timeout=wait, **({"device_id": device} if eager else {}))
+    if warm is not None:
+        warm.join()
+    mark("joined")
+
+
+def meet(init_method: str, rank: int, world_size: int, timeout: float):
+    """Rank 0's TCPStore at ``init_method`` (``tcp://host:port``): rank 0 makes it and waits
+    for the others; each other rank waits for it to listen, then connects."""
+    import torch.distributed as dist
+    url = urlparse(init_method)
+    host, port = url.hostname, url.port
+    deadline = time.monotonic() + timeout
+    if rank != 0:
+        listening(host, port, deadline)
+    left = max(deadline - time.monotonic(), 1.0)
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=left),
+                          multi_tenant=True)  # as torch's tcp:// rendezvous makes it
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
+
+
+def listening(host: str, port: int, deadline: float) -> bool:
+    """Wait until ``host:port`` accepts a connection (closed at once) or ``deadline``
+    (``time.monotonic``) passes; whether it did. A store that never comes is then torch's to
+    report, with its own error."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL)
+
+
+def warm_cuda(device) -> threading.Thread:
+    """Make the cuBLAS and cuDNN handles of ``device`` in a thread (PyTorch hands a finished
+    thread's handles to the next thread that asks), so the first step finds them made."""
+    def run():
+        import torch
+        try:
+            with torch.cuda.device(device):
+                a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+                (a @ a).sum().item()
+                conv = torch.nn.functional.conv2d
+                conv(torch.ones(1, 3, 8, 8, device=device, dtype=torch.bfloat16),
+                     torch.ones(4, 3, 3, 3, device=device, dtype=torch.bfloat16)).sum().item()
+        except Exception:  # a warm-up that fails costs the first step only
+            log.warning("warming %s failed", device, exc_info=True)
+    thread = threading.Thread(target=run, name="zwdx-warm-cuda", daemon=True)
+    thread.start()
+    return thread
