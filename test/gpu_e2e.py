@@ -24,7 +24,12 @@ M: mixed devices (``devices="mixed"``): a GPU client lending GPU 0 and one lendi
    a room of their own, one DDP job over both (test/mixed_job.py): placement, backend (gloo),
    the timeline's words, each rank's measured samples/s and batch, the weights against one
    process over the same global batches, the eval loss recomputed here.
-``--only F,G`` runs the sections named (of A, C, D, E, F, G, M; B runs with 3 GPUs).
+P: PIPELINE over NCCL on the 2 GPU clients: a 2-stage 1F1B job's losses against one process
+   over the same micro-batches, the weights that came back against the eval loss the job
+   reported; then a model whose training state does not fit one capped GPU (each rank process
+   capped with ``torch.cuda.set_per_process_memory_fraction``, a smaller card's stand-in): DDP
+   on one GPU runs out of memory, PIPELINE over two trains it.
+``--only F,G`` runs the sections named (of A, C, D, E, F, G, M, P; B runs with 3 GPUs).
 """
 from __future__ import annotations
 
@@ -99,7 +104,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default="/tmp/zwdx-gpu-e2e")
     parser.add_argument("--lm-only", action="store_true", help="run section D only")
-    parser.add_argument("--only", default="A,B,C,D,E,F,G,M", help="the sections to run, comma-separated")
+    parser.add_argument("--only", default="A,B,C,D,E,F,G,M,P", help="the sections to run, comma-separated")
     args = parser.parse_args()
     ngpu = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0) if ngpu else "none"
@@ -136,6 +141,8 @@ def main() -> None:
             metrics_of_a_short_job(sdk, out, problems)
         if "M" in only:
             mixed_devices(server.url, args.work, out, problems)
+        if "P" in only:
+            pipelines(sdk, out, problems)
         if len(clients) >= 3 and "B" in only:
             server = lost_client(args, sdk, server, clients, token, out)
         if "C" in only:
@@ -228,6 +235,87 @@ def mixed_devices(url, work, out, problems) -> None:
             or abs(here - reported) > 1e-4 * abs(reported) or sum(batch.values()) != mixed_job.G:
         problems.append(f"M: kinds {kinds}, backend {job['backend']}, weights off by {off:.2e}, eval {here} vs "
                         f"{reported}, batches {batch}")
+    out("")
+
+
+#: P: the capped GPU, a smaller card's stand-in, and the model whose state is over it.
+CAP_GIB = 2.5
+BIG = {"n_layer": 16, "n_head": 16, "n_embd": 1024}
+
+
+def capped_loaders(rank, world_size, device):
+    """``models.pipe_loaders``, this rank process's GPU capped at ``CAP_GIB`` first."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(CAP_GIB * 2**30 / total, device)
+    return models.pipe_loaders(rank, world_size)
+
+
+def one_gpu_train(model, loader, optimizer, epochs, reporter, device):
+    """The plain loop on one GPU (DDP of one rank)."""
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = models.next_token_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+            optimizer.step()
+            reporter.log_metrics(loss=loss.item())
+    return loss.item()
+
+
+def pipelines(sdk, out, problems) -> None:
+    """P: PIPELINE on 2 GPU clients over NCCL, and a model over one capped GPU."""
+    out("## P. PIPELINE over NCCL on 2 GPU clients")
+    out("| run | status | wall s | eval loss reported | here | losses vs one process (max rel) |")
+    out("|---|---|---|---|---|---|")
+    epochs, micro = 2, 4
+    model = models.stage_lm()
+    t0 = time.time()
+    r = sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
+                       torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs, world_size=2,
+                       pipeline={"schedule": "1f1b", "microbatches": micro}, progress=False, timeout=600,
+                       raise_on_failure=False)
+    wall = time.time() - t0
+    if r["status"] != "completed":
+        problems.append(f"P: pipeline job {r['status']}: {r.get('reason')}")
+        out(f"| 2 stages, 1F1B, {micro} micro-batches | {r['status']} | {wall:.1f} | {r.get('reason')} | | |")
+    else:
+        _, alone = models.pipe_alone(epochs, micro)
+        got = [p["value"] for p in sdk.get_job_metrics(r["job_id"])["loss"] if p["rank"] == 0]
+        off = max(abs(a - b) / abs(b) for a, b in zip(got, alone)) if len(got) == len(alone) else float("inf")
+        here = models.pipe_local_eval_loss(sdk.get_trained_model(r["job_id"], models.stage_lm(seed=1)))
+        reported = r["results"]["eval_loss"]
+        out(f"| 2 stages, 1F1B, {micro} micro-batches | completed | {wall:.1f} | {reported:.5f} | {here:.5f} | "
+            f"{off:.1e} ({len(got)} steps) |")
+        if off > 1e-3 or abs(here - reported) > 1e-4 * abs(reported):
+            problems.append(f"P: pipeline losses off by {off:.1e}, eval {here} vs {reported}")
+
+    # a model whose state (weights, gradients, AdamW's two moments: 16 bytes a parameter) is over one capped GPU
+    big = models.StageLM(models.GPTConfig(**BIG))
+    params = sum(p.numel() for p in big.parameters())
+    state = 16 * params / 2**30
+    out("")
+    out(f"Each rank process capped at {CAP_GIB} GiB (torch.cuda.set_per_process_memory_fraction); the model: "
+        f"{params / 1e6:.0f} M parameters, {state:.1f} GiB of weights, gradients and AdamW state")
+    out("")
+    out("| run | status | wall s | peak note |")
+    out("|---|---|---|---|")
+    for name, kwargs in (("DDP, 1 GPU", {"parallelism": "DDP", "world_size": 1, "train_func": one_gpu_train}),
+                         ("PIPELINE, 2 GPUs (GPipe, 2 stages)", {"parallelism": "PIPELINE", "world_size": 2,
+                                                                 "train_func": models.pipe_train})):
+        model = models.StageLM(models.GPTConfig(**BIG))
+        t0 = time.time()
+        r = sdk.submit_job(model, capped_loaders, kwargs["train_func"], models.pipe_eval,
+                           torch.optim.AdamW(model.parameters(), lr=1e-4), kwargs["parallelism"], epochs=1,
+                           world_size=kwargs["world_size"], progress=False, timeout=900, raise_on_failure=False,
+                           max_restarts=0)
+        wall = time.time() - t0
+        why = (r.get("reason") or "")[:160].replace("|", "/").replace("\n", " ")
+        out(f"| {name} | {r['status']} | {wall:.1f} | {why or 'eval loss ' + format(r['results']['eval_loss'], '.4f')} |")
+        expected = "failed" if kwargs["parallelism"] == "DDP" else "completed"
+        if r["status"] != expected:
+            problems.append(f"P: {name} {r['status']} ({why}), expected {expected}")
     out("")
 
 
