@@ -103,7 +103,7 @@ def test_the_automatic_rule_shards_each_repeated_block_and_keeps_tied_weights_to
 
 def test_bad_fsdp_units_are_refused_at_submit_naming_the_field(pool):
     before = len(pool.sdk.list_jobs())
-    cases = [("DDP", [models.Block], "FSDP only"), ("FSDP", "Block", "got str"),
+    cases = [("DDP", [models.Block], "FSDP and FSDP+TP only"), ("FSDP", "Block", "got str"),
              ("FSDP", [models.Block, "MLP"], "'MLP' is not a module class"),
              ("FSDP", [nn.Conv2d], "no module of class Conv2d")]
     for parallelism, units, says in cases:

@@ -118,12 +118,14 @@ def test_an_unmodified_torchrun_script_runs_on_two_gpu_clients_as_under_torchrun
         "net1.weight", "net1.bias", "net2.weight", "net2.bias"}
     # The same script under torchrun itself, on this machine: the same numbers.
     local = workdir(tmp_path / "torchrun", "ddp.py")
-    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ddp.py",
-                          "--steps", "3", "--lr", "0.05"], cwd=local, env=child_env(), capture_output=True, text=True,
-                         timeout=JOB_TIME)
+    # --tee: each rank's lines through its own file, whole (two ranks writing one pipe may cut them)
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+                          "ddp.py", "--steps", "3", "--lr", "0.05"], cwd=local, env=child_env(), capture_output=True,
+                         text=True, timeout=JOB_TIME)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     ours = losses(line.split(":", 1)[1] for line in lines if line.startswith("[rank"))
-    assert len(ours) == 7 and ours == losses(ran.stdout.splitlines())
+    theirs = losses(line.split(":", 1)[1] for line in ran.stdout.splitlines() if line.startswith("["))
+    assert len(ours) == 7 and ours == theirs, ran.stdout
     with open(os.path.join(outputs, "summary.txt")) as zwdx_summary, \
             open(os.path.join(local, "outputs", "summary.txt")) as torchrun_summary:
         assert zwdx_summary.read() == torchrun_summary.read()

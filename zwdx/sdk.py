@@ -495,7 +495,7 @@ class ZWDX:
                     _say(f"zwdx: job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                 if bar is not None:
                     bar.set_description(f"job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
-                    bar.set_postfix({k: f"{v:.4g}" for k, v in list(latest.items())[:6]}, refresh=True)
+                    bar.set_postfix({k: f"{v:.4g}" for k, v in sorted(latest.items())[:6]}, refresh=True)
                 if JobStatus(job["status"]).finished:
                     return job
                 if deadline and time.time() > deadline:
