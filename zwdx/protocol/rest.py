@@ -382,15 +382,21 @@ class SubmitJob(Message):
             raise ValueError(f"must be at least world_size ({world_size}): every rank takes a sample at least")
         return value
 
+    @staticmethod
+    def _tensor_parallel(info):
+        """The job's parallelism, which a TP setting needs to be TP or FSDP+TP (of a submit_job job)."""
+        parallelism = info.data.get("parallelism")
+        if parallelism not in TP_MODES or info.data.get("kind") == JobKind.SCRIPT:
+            raise ValueError(f"applies to parallelism TP and FSDP+TP only, not "
+                             f"{getattr(parallelism, 'value', parallelism)}")
+        return parallelism
+
     @field_validator("tp_plan")
     @classmethod
     def _tp_plan(cls, value, info):
         if value is None:
             return None
-        parallelism = info.data.get("parallelism")
-        if parallelism not in TP_MODES or info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError(f"applies to parallelism TP and FSDP+TP only, not "
-                             f"{getattr(parallelism, 'value', parallelism)}")
+        cls._tensor_parallel(info)
         return check_tp_plan(value)
 
     @field_validator("tp_size")
@@ -398,10 +404,7 @@ class SubmitJob(Message):
     def _tp_size(cls, value, info):
         if value is None:
             return None
-        parallelism = info.data.get("parallelism")
-        if parallelism not in TP_MODES or info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError(f"applies to parallelism TP and FSDP+TP only, not "
-                             f"{getattr(parallelism, 'value', parallelism)}")
+        parallelism = cls._tensor_parallel(info)
         world_size, gpus = info.data.get("world_size"), info.data.get("gpus_per_client")
         if parallelism == Parallelism.TP and world_size is not None and value != world_size:
             raise ValueError(f"must equal world_size ({world_size}) with TP: the job is one TP group (FSDP+TP "
