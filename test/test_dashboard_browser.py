@@ -63,8 +63,11 @@ def ui_dist():
     return build_ui()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """Chromium through playwright's sync API, closed with this module: an open sync_playwright
+    keeps its event loop running, and another file's test on the same worker (the CSP check in
+    test/security/test_limits.py) could not start its own."""
     chromium_path = needs.tool("chromium", "apt-get install chromium (./setup.sh --test)")  # as setup.sh finds it
     with sync_api.sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
