@@ -40,11 +40,13 @@ describe("signing in", () => {
   it("keeps a good token in the session and opens the room and its live connection with it", async () => {
     // the fake server answers only "zr_good", in the header: the room showing proves how it was sent
     mockFetch({ "GET /api/v1/room": { ...ROOM }, "GET /api/v1/jobs": { jobs: [] } }, { token: "zr_good" });
+    const before = sockets.length;
     renderApp("/signin", { token: null });
     await userEvent.type(screen.getByLabelText("Submitter token"), "  zr_good {Enter}");
     expect(await screen.findByTestId("overview")).toBeInTheDocument();
     expect(screen.getByTestId("room-name")).toHaveTextContent("lab");
     expect(window.sessionStorage.getItem("zwdx.roomToken")).toBe("zr_good");
+    await waitFor(() => expect(sockets.length).toBeGreaterThan(before)); // the page opens it once signed in
     act(() => sockets.at(-1).answer("zr_good")); // the /ui handshake, answered as the server does
     expect(screen.getByTestId("connection-state")).toHaveTextContent("live");
   });
