@@ -194,6 +194,15 @@ class Api:
         body = {"bundle_artifact": self.upload()["id"], "versions": {"python": platform.python_version()}, **fields}
         return self.post("/jobs", json=body)
 
+    def refused(self, field: str, **fields) -> dict:
+        """``submit(**fields)`` is a 400 naming ``field`` and stores no job; the error."""
+        before = self.jobs()
+        resp = self.submit(**fields)
+        assert resp.status_code == 400, resp.json
+        assert resp.json["error"]["field"] == field, resp.json
+        assert self.jobs() == before
+        return resp.json["error"]
+
     def jobs(self) -> list[dict]:
         resp = self.get("/jobs")
         assert resp.status_code == 200, resp.text

@@ -2,28 +2,20 @@
 is uploaded. The jobs themselves (GPT-2, DDP and FSDP on two GPU clients): test_models.py."""
 from __future__ import annotations
 
-import platform
 
 import pytest
 
 import models
 import needs
-from conftest import Api
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 
 LORA = {"peft_type": "LORA", "r": 4, "target_modules": ["c_attn"]}
 
 
-def submit(api: Api, **fields):
-    bundle = api.upload()
-    return api.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
-                                   **fields})
-
-
 def test_the_adapter_config_is_kept_with_the_job(api):
-    assert submit(api, parallelism="DDP", lora=LORA).json["spec"]["lora"] == LORA
-    assert submit(api, parallelism="FSDP").json["spec"]["lora"] is None
+    assert api.submit(parallelism="DDP", lora=LORA).json["spec"]["lora"] == LORA
+    assert api.submit(parallelism="FSDP").json["spec"]["lora"] is None
 
 
 @pytest.mark.parametrize("fields", [
@@ -31,10 +23,7 @@ def test_the_adapter_config_is_kept_with_the_job(api):
     {"parallelism": "DDP", "lora": {"r": 4}}, {"parallelism": "DDP", "lora": "LORA"},
     {"parallelism": "DDP", "lora": {**LORA, "padding": "x" * 70_000}}])
 def test_a_bad_lora_is_a_400_naming_it_and_stores_nothing(api, fields):
-    before = api.jobs()
-    resp = submit(api, **fields)
-    assert resp.status_code == 400 and resp.json["error"]["field"] == "lora", resp.json
-    assert api.jobs() == before
+    api.refused("lora", **fields)
 
 
 def test_the_sdk_refuses_a_lora_that_does_not_fit_before_uploading_anything():

@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from conftest import Api
 from procs import GpuClient, Server, free_port, wait_until
 from zwdx import ZWDX, tp_plan
 from zwdx.errors import BadRequest
@@ -149,20 +148,14 @@ def alone(epochs: int) -> tuple[TinyLM, list[float]]:
 
 
 # -- the settings, at the edge and in the SDK ------------------------------------------------------
-def submit(api: Api, **fields):
-    bundle = api.upload()
-    return api.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
-                                   **fields})
-
-
 def test_a_tp_job_is_one_group_on_one_gpu_client_and_fsdp_tp_groups_of_tp_size(api):
-    job = submit(api, parallelism="tp", world_size=2, tp_plan={"blocks.*.mlp.up": "colwise"}).json
+    job = api.submit(parallelism="tp", world_size=2, tp_plan={"blocks.*.mlp.up": "colwise"}).json
     assert job["spec"]["parallelism"] == "TP" and job["spec"]["gpus_per_client"] == 2
     assert job["spec"]["tp_plan"] == {"blocks.*.mlp.up": "colwise"}
-    assert submit(api, parallelism="TP", tp_size=2).json["spec"]["world_size"] == 2
-    job = submit(api, parallelism="fsdp+tp", world_size=4, tp_size=2).json
+    assert api.submit(parallelism="TP", tp_size=2).json["spec"]["world_size"] == 2
+    job = api.submit(parallelism="fsdp+tp", world_size=4, tp_size=2).json
     assert (job["spec"]["parallelism"], job["spec"]["gpus_per_client"], job["spec"]["tp_size"]) == ("FSDP+TP", 2, 2)
-    assert submit(api, parallelism="FSDP+TP", world_size=4).json["spec"]["gpus_per_client"] is None  # the placement's
+    assert api.submit(parallelism="FSDP+TP", world_size=4).json["spec"]["gpus_per_client"] is None  # the placement's
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -180,11 +173,7 @@ def test_a_tp_job_is_one_group_on_one_gpu_client_and_fsdp_tp_groups_of_tp_size(a
     ({"parallelism": "TP", "world_size": 2, "min_world_size": 1}, "min_world_size"),
     ({"parallelism": "TP", "lora": {"peft_type": "LORA"}}, "lora")])
 def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, field):
-    before = api.jobs()
-    resp = submit(api, **fields)
-    assert resp.status_code == 400, resp.json
-    assert resp.json["error"]["field"] == field, resp.json
-    assert api.jobs() == before
+    api.refused(field, **fields)
 
 
 def test_the_sdk_checks_the_plan_against_the_model_before_uploading_anything():
