@@ -320,9 +320,10 @@ class Cluster:
 
     NAMES = ("a", "b")
 
-    def __init__(self, base):
+    def __init__(self, base, client_args: list[str] | None = None):
+        """``client_args``: more options of each ``zwdx gpu-client`` (``["--cpu-slots", "2"]``)."""
         from zwdx import ZWDX
-        self.base = base
+        self.base, self.client_args = base, client_args
         self.server = Server(str(base / "server"))
         self.sdk = ZWDX(self.server.url, remember=False)
         self.room = self.sdk.create_room("cluster")
@@ -331,7 +332,8 @@ class Cluster:
         self.ready()
 
     def _start(self, name: str) -> GpuClient:
-        return GpuClient(self.server.url, self.room["donor_token"], str(self.base / name), client_id=f"client-{name}")
+        return GpuClient(self.server.url, self.room["donor_token"], str(self.base / name), client_id=f"client-{name}",
+                         extra=self.client_args)
 
     def _state(self) -> dict:
         return {c["id"]: c for c in self.sdk.get_room()["clients"]}

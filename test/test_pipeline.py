@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import signal
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import models
-from procs import GpuClient, Server, wait_until
+from procs import wait_until
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 
@@ -104,25 +103,6 @@ def test_the_automatic_cut_gives_a_faster_gpu_more_blocks_as_far_as_its_memory_h
 
 
 # -- jobs ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    base = tmp_path_factory.mktemp("pipeline")
-    server = Server(str(base / "server"))
-    sdk = ZWDX(server.url)
-    made = sdk.create_room("pipeline")
-    sdk.room_token = made["token"]
-    clients = [GpuClient(server.url, made["donor_token"], str(base / name), client_id=f"client-{name}")
-               for name in ("a", "b")]
-    try:
-        wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == 2, 60,
-                   what="two gpu clients online")
-        yield SimpleNamespace(sdk=sdk, clients=clients)
-    finally:
-        for client in clients:
-            client.stop()
-        server.stop()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline, says", [
     (None, "PIPELINE: 2 stages over 4 blocks: h.0..h.1, h.2..h.3; 2 micro-batches of 8, schedule gpipe"),
@@ -132,30 +112,30 @@ def pool(tmp_path_factory):
     ({"stage_plan": [(0, 1), (1, 2), (2, 3), (3, 4)], "schedule": "interleaved1f1b", "microbatches": 4},
      "PIPELINE: 4 stages over 4 blocks: h.0..h.0, h.1..h.1, h.2..h.2, h.3..h.3; 4 micro-batches of 4, schedule "
      "interleaved1f1b (2 stages a rank, rank r runs r, r + 2, ...)")])
-def test_two_stages_on_two_gpu_clients_train_as_one_process_would(pool, pipeline, says):
+def test_two_stages_on_two_gpu_clients_train_as_one_process_would(cluster, pipeline, says):
     epochs, microbatches = 2, (pipeline or {}).get("microbatches", 2)
     model = models.stage_lm()
     started = time.time()
-    result = pool.sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
+    result = cluster.sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
                                  torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs,
                                  world_size=2, pipeline=pipeline, progress=False, timeout=300)
     print(f"\npipeline {pipeline}: {time.time() - started:.1f} s, eval loss {result['results']['eval_loss']:.4f}")
     assert result["status"] == "completed", result
     job_id = result["job_id"]
-    job = pool.sdk.get_job(job_id)
+    job = cluster.sdk.get_job(job_id)
     assert {p["client_id"] for p in job["placement"]} == {"client-a", "client-b"}  # a stage on each
-    logs = [line["text"] for line in pool.sdk.get_job_logs(job_id)]
+    logs = [line["text"] for line in cluster.sdk.get_job_logs(job_id)]
     assert any(says in t for t in logs), logs
 
     # the split is exact: each step's loss, the last stage's, is one process's over the same micro-batches
     alone, losses = models.pipe_alone(epochs, microbatches)
-    series = pool.sdk.get_job_metrics(job_id)["loss"]
+    series = cluster.sdk.get_job_metrics(job_id)["loss"]
     assert [p["value"] for p in series if p["rank"] == 0] == pytest.approx(losses, rel=1e-4)
     assert [p["value"] for p in series if p["rank"] == 1] == pytest.approx(losses, rel=1e-4)
     assert result["results"]["final_loss"] == pytest.approx(losses[-1], rel=1e-4)
 
     # the weights come back whole, every stage's, and evaluate here to what the job reported
-    trained = pool.sdk.get_trained_model(job_id, models.stage_lm(seed=1))
+    trained = cluster.sdk.get_trained_model(job_id, models.stage_lm(seed=1))
     reported = result["results"]["eval_loss"]
     assert models.pipe_local_eval_loss(trained) == pytest.approx(reported, rel=1e-4)
     assert models.pipe_local_eval_loss(alone) == pytest.approx(reported, rel=1e-3)

@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from procs import GpuClient, Server, free_port, wait_until
+from conftest import Cluster
+from procs import free_port, wait_until
 from zwdx import ZWDX, tp_plan
 from zwdx.errors import BadRequest
 from zwdx.server.placement import plan as place
@@ -344,21 +345,10 @@ def test_a_lost_tp_peer_is_told_from_the_models_own_error(tmp_path):
 # -- jobs: a server and two GPU clients of two CPU slots each --------------------------------------
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    base = tmp_path_factory.mktemp("tp")
-    server = Server(str(base / "server"))
-    sdk = ZWDX(server.url, remember=False)
-    made = sdk.create_room("tp")
-    sdk.room_token = made["token"]
-    clients = [GpuClient(server.url, made["donor_token"], str(base / name), client_id=f"client-{name}",
-                         extra=["--cpu-slots", "2"]) for name in ("a", "b")]
-    try:
-        wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == 2, 60,
-                   what="two gpu clients online")
-        yield SimpleNamespace(sdk=sdk, clients=clients)
-    finally:
-        for client in clients:
-            client.stop()
-        server.stop()
+    """conftest's two GPU clients, each with 2 CPU slots: a TP group of 2 on either."""
+    cluster = Cluster(tmp_path_factory.mktemp("tp"), client_args=["--cpu-slots", "2"])
+    yield cluster
+    cluster.stop()
 
 
 def _run(pool, parallelism: str, world_size: int, epochs: int = 2, **options) -> tuple[dict, dict]:
