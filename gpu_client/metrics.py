@@ -33,7 +33,7 @@ class CountingLoader:
             hook()
         training = self._model is None or self._model.training
         for batch in self._loader:
-            self.samples += _batch_size(batch)
+            self.samples += batch_size(batch)
             yield batch
             self._first_step_done()
         if training and (self._model is None or self._model.training):
@@ -62,13 +62,15 @@ class CountingLoader:
         return getattr(self._loader, name)
 
 
-def _batch_size(batch) -> int:
+def batch_size(batch) -> int:
+    """Samples in a batch as loaders give them: a tensor's first dimension, that of the first
+    item of a tuple or list, or of a dict's first value; 1 otherwise."""
     if hasattr(batch, "shape") and len(batch.shape):
         return int(batch.shape[0])
     if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
+        return batch_size(batch[0])
     if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
+        return batch_size(next(iter(batch.values())))
     return 1
 
 

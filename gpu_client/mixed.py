@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .failures import watch_gradients
+from .metrics import batch_size
 from .parallel import Collective
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ def measure(model: nn.Module, device: torch.device, batch, steps: int = PROBE_ST
     ``batch`` (its output's sum as the loss): one warm-up step, then ``steps`` and ``seconds`` at least."""
     probe = copy.deepcopy(model).to(device).train()
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    n = _size(batch)
+    n = batch_size(batch)
 
     def step(model):
         _first_tensor(_call(model, batch)).float().sum().backward()
@@ -298,16 +299,6 @@ def _to(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: _to(v, device) for k, v in batch.items()}
     return batch
-
-
-def _size(batch) -> int:
-    if isinstance(batch, torch.Tensor) and batch.dim():
-        return int(batch.shape[0])
-    if isinstance(batch, (list, tuple)) and batch:
-        return _size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _size(next(iter(batch.values())))
-    return 1
 
 
 def _call(model: nn.Module, batch):

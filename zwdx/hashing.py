@@ -43,7 +43,6 @@ class Behind:
                     sink(block)
             except BaseException as exc:
                 self._error = exc
-        block = None
 
     def put(self, block) -> None:
         if self._error is not None:
