@@ -88,7 +88,7 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
     submitted = time.time()
     res = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train, optimizer=optimizer,
                          parallelism=cfg.get("parallelism", "DDP"), room_token=token, epochs=1, world_size=n, progress=False,
-                         name=f"bench-{cfg['model']}", timeout=timeout)
+                         name=f"bench-{cfg['model']}", timeout=timeout, **cfg.get("submit", {}))
     ended = time.time()
     job, r = res["job"], res["results"]
     if res["status"] != "completed":
@@ -221,7 +221,13 @@ def wait_warm(clients, settle: float, timeout: float = 180) -> None:
             kids = psutil.Process(c.pid).children()
         except psutil.NoSuchProcess:
             raise RuntimeError(f"gpu client {c.client_id} exited:\n{c.tail()}")
-        standby = [k for k in kids if "--standby" in " ".join(k.cmdline())]
+        standby = []
+        for kid in kids:
+            try:
+                if "--standby" in " ".join(kid.cmdline()):
+                    standby.append(kid)
+            except psutil.Error:  # a rank process that just ended, not reaped yet
+                continue
         return bool(standby) and all(waiting(k) for k in standby)
     try:
         harness.wait_until(lambda: all(ready(c) for c in clients), timeout,

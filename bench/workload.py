@@ -171,7 +171,12 @@ def functions(cfg: dict):
         loader.made_at = made_at
         return loader
 
-    def train(model, loader, optimizer, rank, world_size, device, reporter=None):
+    def loss_of(out, y):
+        return F.cross_entropy(out.float().view(-1, out.shape[-1]), y.view(-1))
+
+    def train(model, loader, optimizer, rank, world_size, device, reporter=None, pipeline=None):
+        """The timed loop; under a zwdx PIPELINE job ``pipeline.step`` runs forward and backward of
+        the batch's micro-batches through the stages (the pipeline is one replica)."""
         entered = time.time()
         device = torch.device(device)
         cuda = device.type == "cuda"
@@ -196,11 +201,14 @@ def functions(cfg: dict):
         for step, (x, y) in enumerate(loader):
             if step == 0:
                 first_start = time.time()
-            with autocast:
-                out = model(x)
-                loss = F.cross_entropy(out.float().view(-1, out.shape[-1]), y.view(-1))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            with autocast:
+                if pipeline is not None:
+                    loss = pipeline.step(x, y, loss_of)
+                else:
+                    loss = loss_of(model(x), y)
+            if pipeline is None:
+                loss.backward()
             optimizer.step()
             if step == 0:
                 sync()
@@ -216,7 +224,8 @@ def functions(cfg: dict):
                 marks.append((step + 1, time.perf_counter()))
                 last_step_at = time.time()
         loop_done = time.time()  # after the epoch's end (under zwdx: its checkpoint)
-        per_sample = cfg["batch"] * world_size // cfg.get("tp", 1)  # a TP group of ranks is one replica
+        # a TP group of ranks is one replica, and so is a pipeline
+        per_sample = cfg["batch"] * (1 if pipeline is not None else world_size // cfg.get("tp", 1))
         rates = [(s1 - s0) * per_sample / (t1 - t0) for (s0, t0), (s1, t1) in itertools.pairwise(marks) if s1 > s0]
         span = marks[-1][1] - marks[0][1]
         target = getattr(model, "module", model)
@@ -228,7 +237,8 @@ def functions(cfg: dict):
                   "epoch_end_s": loop_done - last_step_at,
                   "loader_made_at": getattr(loader, "made_at", None),
                   "unpickled_at": getattr(target, "unpickled_at", None),
-                  "process_started_at": process_started_at()}
+                  "process_started_at": process_started_at(),
+                  "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
         if reporter is not None:
             reporter.log_metrics(step=steps, samples_per_s=result["samples_per_s"])
         return result

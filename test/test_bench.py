@@ -30,6 +30,13 @@ def test_overhead_runs_fsdp_on_both_sides():
     assert "2 x CPU rank, FSDP" in out and "| gpt2" in out and "wrap FSDP" in out
 
 
+def test_strategies_runs_the_four_ways():
+    out = bench("strategies.py", "--gpus", "0", "--cpu-ranks", "2", "--model", "gpt2", "--steps", "8", "--warmup", "2",
+                "--microbatches", "4", "--settle", "1")
+    for way in ("| DDP", "| FSDP", "| TP", "| PIPELINE"):
+        assert way in out, out[-4000:]
+
+
 def test_job_end_runs():
     assert "job completed" in bench("job_end.py", "--jobs", "2", "--settle", "0.5").lower()
 
