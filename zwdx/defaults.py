@@ -12,7 +12,7 @@ MAX_REQUEST_BYTES = 8 * 1024**2
 ROOM_MAX_JOBS = 100
 #: Bytes of artifacts (bundles, checkpoints, weights) a room may keep (0: no limit).
 ROOM_MAX_ARTIFACT_BYTES = 100 * 1024**3
-#: Rooms one address may create (a rate, as Flask-Limiter writes it).
+#: Rooms one address may create (a rate, as the `limits` library parses it: "10 per minute").
 RATE_LIMIT_ROOMS = "20 per minute; 200 per day"
 #: Requests with a wrong room token or rank key one address may make before it is refused (429)
 #: for the rest of the window.
@@ -72,7 +72,7 @@ LINK_PROBE_BYTES = 1024**2
 LINK_PROBE_MAX_BYTES = 4 * 1024**2
 #: Seconds a GPU client keeps its link figures before it measures again at a register.
 LINK_REFRESH = 3600.0
-#: Link measurement requests one address may make (a rate, as Flask-Limiter writes it).
+#: Link measurement requests one address may make (a rate, as the `limits` library parses it: "10 per minute").
 RATE_LIMIT_LINK = "30 per minute; 300 per day"
 #: Seconds a GPU client waits for a TCP connection to a peer of a DDP/FSDP job before it calls
 #: the peer unreachable (``gpu_client/reach.py``).

@@ -3,7 +3,7 @@
 - Sizes: every request body but an artifact's bytes is at most ``MAX_REQUEST_BYTES`` (Flask's
   ``MAX_CONTENT_LENGTH``; ``http._json_body`` says it in words, 413); an artifact's bytes stream
   within ``MAX_ARTIFACT_BYTES`` and what is left of the room's quota (``artifact_allowance``).
-- Rate limits, by the caller's address (Flask-Limiter; its storage is in memory unless
+- Rate limits, by the caller's address (the ``limits`` library's moving windows; in memory unless
   ``RATELIMIT_STORAGE_URI`` names a shared one, such as ``redis://``, for several server
   processes; memory storage works under gevent):
   - ``POST /api/v1/rooms``: ``RATE_LIMIT_ROOMS``;
@@ -21,10 +21,12 @@
 """
 from __future__ import annotations
 
+import functools
+
 from flask import Flask, current_app, request
-from flask_limiter import ApplicationLimit, Limiter
-from flask_limiter.util import get_remote_address
 from limits import parse as parse_rate
+from limits.storage import storage_from_string
+from limits.strategies import MovingWindowRateLimiter
 
 from ..errors import QuotaExceeded, RateLimited
 from ..protocol import ACTIVE, WAITING
@@ -40,43 +42,78 @@ FAILED_AUTH = (401, 403)
 OPEN = [*WAITING, *ACTIVE]
 
 
-def init_app(app: Flask) -> Limiter:
-    """The app's Flask-Limiter (kept as ``ServerContext.limiter``): failed authentication counted
-    per address over every route that authenticates, room creation limited per address. Call
-    after the blueprints are registered."""
+class RateLimits:
+    """The server's rate limits: moving windows per caller address, counted in the storage
+    ``RATELIMIT_STORAGE_URI`` names (the ``limits`` library's; ``memory://`` by default). Checked
+    straight from the request hooks: a request costs one window lookup, and only a route that
+    authenticates pays it."""
+
+    def __init__(self, uri: str):
+        self.window = MovingWindowRateLimiter(storage_from_string(uri))
+
+    def allowed(self, setting: str, scope: str) -> bool:
+        """Whether the caller's address is still under ``setting``'s rate in ``scope`` (not counted)."""
+        return self.window.test(parse_rate(current_app.config[setting]), scope, _address())
+
+    def hit(self, setting: str, scope: str) -> bool:
+        """Count one for the caller's address; False when that took it over the rate."""
+        return self.window.hit(parse_rate(current_app.config[setting]), scope, _address())
+
+
+def _address() -> str:
+    return request.remote_addr or "?"  # behind PROXY_HOPS proxies, the client's (ProxyFix)
+
+
+def init_app(app: Flask) -> RateLimits:
+    """The app's rate limits (kept as ``ServerContext.limiter``): failed authentication counted
+    per address over every route that authenticates, room creation and link probes limited per
+    address. Call after the blueprints are registered."""
     app.config.setdefault("RATELIMIT_STORAGE_URI", "memory://")
-    limiter = Limiter(get_remote_address, app=app, application_limits=[ApplicationLimit(
-        lambda: current_app.config["RATE_LIMIT_AUTH_FAILURES"], scope="auth-failures",
-        deduct_when=lambda response: response.status_code in FAILED_AUTH, exempt_when=_not_authenticating,
-        error_message="too many requests with a wrong room token or rank key from this address; wait and retry")])
-    view = app.view_functions[ROOM_CREATION]
-    app.view_functions[ROOM_CREATION] = limiter.limit(
-        lambda: current_app.config["RATE_LIMIT_ROOMS"], scope="rooms",
-        error_message="too many rooms created from this address; wait and retry")(view)
-    shared = limiter.shared_limit(lambda: current_app.config["RATE_LIMIT_LINK"], scope="link",
-                                  error_message="too many link measurements from this address; wait and retry")
-    for endpoint in LINK_PROBES:
-        app.view_functions[endpoint] = shared(app.view_functions[endpoint])
+    limiter = RateLimits(app.config["RATELIMIT_STORAGE_URI"])
+
+    @app.before_request
+    def _refuse_after_failures():
+        if _authenticating() and not limiter.allowed("RATE_LIMIT_AUTH_FAILURES", "auth-failures"):
+            raise RateLimited("too many requests with a wrong room token or rank key from this address; wait and "
+                              "retry")
+
+    @app.after_request
+    def _count_failures(response):
+        if response.status_code in FAILED_AUTH and _authenticating():
+            limiter.hit("RATE_LIMIT_AUTH_FAILURES", "auth-failures")
+        return response
+
+    def limited(view, setting: str, scope: str, message: str):
+        @functools.wraps(view)
+        def checked(*args, **kwargs):
+            if not limiter.hit(setting, scope):
+                raise RateLimited(message)
+            return view(*args, **kwargs)
+        return checked
+
+    app.view_functions[ROOM_CREATION] = limited(app.view_functions[ROOM_CREATION], "RATE_LIMIT_ROOMS", "rooms",
+                                                "too many rooms created from this address; wait and retry")
+    for endpoint in LINK_PROBES:  # one window for both
+        app.view_functions[endpoint] = limited(app.view_functions[endpoint], "RATE_LIMIT_LINK", "link",
+                                               "too many link measurements from this address; wait and retry")
     return limiter
 
 
-def _not_authenticating() -> bool:
-    """Whether the request's route asks for no token (those are not counted nor refused)."""
+def _authenticating() -> bool:
+    """Whether the request's route asks for a token or key (those that do not are never counted nor refused)."""
     view = current_app.view_functions.get(request.endpoint or "")
     operation = getattr(view, "operation", None)
-    return operation is None or operation.auth.value == "none"
+    return operation is not None and operation.auth.value != "none"
 
 
 def socket_auth(ok: bool | None = None) -> None:
     """A Socket.IO connection's token: before it is checked (``ok`` None), ``RateLimited`` if
     the caller's address failed too often; afterwards, ``ok=False`` counts one failure."""
     limiter = current_app.extensions["zwdx"].limiter
-    rate = parse_rate(current_app.config["RATE_LIMIT_AUTH_FAILURES"])
-    who = ("socket-auth-failures", request.remote_addr or "?")
-    if ok is None and not limiter.limiter.test(rate, *who):
+    if ok is None and not limiter.allowed("RATE_LIMIT_AUTH_FAILURES", "socket-auth-failures"):
         raise RateLimited("too many connections with a wrong room token from this address; wait and retry")
     if ok is False:
-        limiter.limiter.hit(rate, *who)
+        limiter.hit("RATE_LIMIT_AUTH_FAILURES", "socket-auth-failures")
 
 
 # -- quotas --------------------------------------------------------------------------------------
