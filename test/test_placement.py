@@ -54,6 +54,19 @@ def waiting_reason(sdk, room, job_id: str, *fragments: str) -> str:
                       all(f in r for f in fragments) and r, 30, what=f"a waiting reason with {fragments}")
 
 
+def test_the_submit_hint_sees_a_gpu_client_that_joined_a_moment_ago(api, socket_client):
+    # the hint reads the room's clients at most once a second, and anew after a join or a loss
+    assert api.submit(world_size=1).json["unschedulable"] == "the room has no GPU clients online"
+    gpu = socket_client("/gpu", api.donor)
+    answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": "3.11.7"},
+                                   "slots": [{"index": 0, "kind": "cpu", "memory_total": 10, "memory_free": 10}]},
+                      namespace="/gpu", callback=True)
+    assert answer["ok"], answer
+    assert api.submit(world_size=1).json["unschedulable"] is None
+    gpu.disconnect(namespace="/gpu")
+    assert api.submit(world_size=1).json["unschedulable"]  # and a moment after it left, that it left
+
+
 @pytest.mark.app_config(SCHEDULER=True)  # in-process; the scheduler writes the waiting reason
 def test_a_room_without_gpu_clients_says_so_and_refuses_on_request(app, api):
     resp = api.submit(world_size=2, memory_required=3 << 30)

@@ -31,6 +31,7 @@ from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
 from .lease import NAME as SCHEDULER_LEASE, Lease
+from .placement import RecentClients
 from .scheduler import Scheduler
 from .store import open_store
 from .sweeper import Sweeper
@@ -118,6 +119,8 @@ class ServerContext:
         self.lease = Lease(self.store, shared=bool(cfg.get("MESSAGE_QUEUE")),
                            ttl=float(cfg.get("SCHEDULER_LEASE_TTL") or defaults.SCHEDULER_LEASE_TTL))
         self.scheduler = Scheduler(self)
+        #: each room's GPU clients as read lately, for the submit-time hint (``placement.RecentClients``)
+        self.recent_clients = RecentClients(self.store)
         self.sweeper = Sweeper(self)
         self.limiter = None  # limits.init_app, once the routes are registered
         self.stopping = threading.Event()

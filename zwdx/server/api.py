@@ -141,7 +141,8 @@ def create_job(room: dict, body: SubmitJob):
         "required_modules": sorted(set(body.required_modules))})
     job = JobRecord(id=uuid.uuid4().hex[:12], room_id=room["id"], status=JobStatus.QUEUED, name=body.name,
                     created_at=now, spec=spec, timeline=[TimelineEntry(status=JobStatus.QUEUED, at=now)])
-    reason = unschedulable(spec.model_dump(mode="json"), ctx().store.list_clients(room["id"]))
+    reason = unschedulable(spec.model_dump(mode="json"),
+                           ctx().recent_clients.of(room["id"], fresh=body.fail_if_unschedulable))
     if reason and body.fail_if_unschedulable:  # nothing stored: not the job, not its bundle
         if not script:  # the room's working dir stays, for its other jobs
             ctx().artifacts.delete(bundle_id)

@@ -70,6 +70,8 @@ def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
     """Mark the room's GPU-client list changed; the flusher sends it within a heartbeat
     interval, or within ``CLIENTS_PUSH_INTERVAL`` when a client ``joined_or_left``."""
     global _flusher
+    if joined_or_left:
+        ctx.recent_clients.forget(room_id)
     due = time.monotonic() + (0.0 if joined_or_left else float(ctx.config["HEARTBEAT_INTERVAL"]))
     with _lock:
         _due[room_id] = min(due, _due.get(room_id, due))

@@ -24,6 +24,7 @@ speed).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, defaultdict
 
@@ -352,6 +353,35 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
         why.append(f"{kinds_apart[0]} GPU and {kinds_apart[1]} CPU slot(s) free: a job runs on one kind, unless "
                    f"submitted with devices=\"mixed\"")
     return None, reason + (f" ({'; '.join(why)})" if why else "")
+
+
+class RecentClients:
+    """Each room's GPU clients as read at most ``ttl`` seconds ago (per server process), for the
+    submit-time ``unschedulable`` hint: a room of thousands of clients that takes many submits a
+    second is then read once a ``ttl``, not once a submit. A hint that refuses the job
+    (``fail_if_unschedulable``) and the scheduler's placement read the store itself."""
+
+    def __init__(self, store, ttl: float = 1.0):
+        self.store, self.ttl = store, ttl
+        self._held: dict[str, tuple[float, list[dict]]] = {}
+        self._lock = threading.Lock()
+
+    def of(self, room_id: str, fresh: bool = False) -> list[dict]:
+        now = time.monotonic()
+        with self._lock:
+            held = self._held.get(room_id)
+        if fresh or held is None or held[0] < now - self.ttl:
+            held = (now, self.store.list_clients(room_id))
+            with self._lock:
+                if len(self._held) > 10_000:  # rooms without end: forget, do not grow
+                    self._held.clear()
+                self._held[room_id] = held
+        return held[1]
+
+    def forget(self, room_id: str) -> None:
+        """A client of the room registered or left through this process: the next hint reads anew."""
+        with self._lock:
+            self._held.pop(room_id, None)
 
 
 def unschedulable(spec: dict, clients: list[dict]) -> str | None:
