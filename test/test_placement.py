@@ -55,7 +55,7 @@ def waiting_reason(sdk, room, job_id: str, *fragments: str) -> str:
 
 
 def test_the_submit_hint_sees_a_gpu_client_that_joined_a_moment_ago(api, socket_client):
-    # the hint reads the room's clients at most once a second, and anew after a join or a loss
+    # the hint reads the room's clients at most every 5 s, and anew after a join or a loss
     assert api.submit(world_size=1).json["unschedulable"] == "the room has no GPU clients online"
     gpu = socket_client("/gpu", api.donor)
     answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": "3.11.7"},

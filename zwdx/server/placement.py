@@ -361,7 +361,7 @@ class RecentClients:
     second is then read once a ``ttl``, not once a submit. A hint that refuses the job
     (``fail_if_unschedulable``) and the scheduler's placement read the store itself."""
 
-    def __init__(self, store, ttl: float = 1.0):
+    def __init__(self, store, ttl: float = 5.0):
         self.store, self.ttl = store, ttl
         self._held: dict[str, tuple[float, list[dict]]] = {}
         self._lock = threading.Lock()
