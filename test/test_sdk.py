@@ -372,3 +372,36 @@ def test_an_unschedulable_job_is_said_at_submit_and_refused_on_request(sdk, room
     lines = [line for line in capfd.readouterr().err.splitlines() if "cannot run in this room" in line]
     assert len(lines) == 1 and job_id in lines[0] and "fail_if_unschedulable=True" in lines[0], lines
     assert sdk.get_job(job_id, room["token"])["status"] == "queued"  # it waits: donors may join
+
+
+def test_a_bundle_the_server_hashes_differently_is_refused_before_any_job(tmp_path):
+    """The SDK uploads the bundle's buffers while hashing them; a server (or anything between)
+    that stored other bytes than were sent says so in its sha256, and no job is created."""
+    import http.server
+    seen = []
+
+    class Corrupting(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, len(body)))
+            answer = json.dumps({"id": "a1", "room_id": "r1", "kind": "bundle", "size": len(body),
+                                 "sha256": "0" * 64, "created_at": 0.0}).encode()
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Corrupting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sdk = ZWDX(f"http://127.0.0.1:{server.server_address[1]}", remember=False)
+        with pytest.raises(Exception, match="arrived changed"):
+            sdk.submit_job(torch.nn.Linear(64, 64), tiny_loader, train_with_default, room_token="zs_x", wait=False)
+    finally:
+        server.shutdown()
+    assert [path for path, _ in seen] == ["/api/v1/artifacts"]  # no POST /jobs followed
+    assert seen[0][1] > 64 * 64 * 4  # the weights travelled whole

@@ -209,6 +209,14 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None, fs
     """Cloudpickle what a rank needs into bytes (see the module's doc for the layout). Checks
     first what would otherwise fail only on the GPU clients: a function that declares an
     argument zwdx does not offer, and anything that cannot be pickled (named)."""
+    return b"".join(pack_parts(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units))
+
+
+def pack_parts(model, data_loader_func, train_func, eval_func=None, optimizer=None, fsdp_units=None) -> list:
+    """``pack``'s bytes as the buffers they are made of, in order, not joined: the head (magic,
+    lengths, the pickle, the tensor table; ``parts[:HEAD_PARTS]``) then each tensor's bytes
+    (views of the model's CPU tensors), so an upload sends a 500 MB model without copying it
+    once more."""
     functions = {"data_loader_func": data_loader_func, "train_func": train_func, "eval_func": eval_func}
     for name, fn in functions.items():
         if fn is None and name == "eval_func":
@@ -255,8 +263,12 @@ def pack(model, data_loader_func, train_func, eval_func=None, optimizer=None, fs
         offset += n + -n % _ALIGN
     table.append(offset)
     head_len = len(MAGIC) + 16 + len(pickled) + 8 * len(table)
-    return b"".join([MAGIC, struct.pack("<QQ", len(pickled), len(table)), pickled,
-                     struct.pack(f"<{len(table)}Q", *table), bytes(-head_len % _ALIGN), *parts])
+    return [MAGIC, struct.pack("<QQ", len(pickled), len(table)), pickled,
+            struct.pack(f"<{len(table)}Q", *table), bytes(-head_len % _ALIGN), *parts]
+
+
+#: How many of ``pack_parts``'s buffers are the head (``required_modules`` reads only those).
+HEAD_PARTS = 3
 
 
 #: Top-level modules every GPU client has (it runs them), left out of ``required_modules``.

@@ -22,13 +22,14 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import requests
 
 from . import defaults, tls, trackers as _trackers
 from . import lora as _lora
-from .bundle import pack, required_modules
+from .bundle import HEAD_PARTS, pack_parts, required_modules
 from .checks import check_devices, check_plan, check_tp_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
@@ -346,25 +347,22 @@ class ZWDX:
             raise BadRequest(f"LoRA jobs run with DDP or FSDP, not {parallelism}", field="lora")
         model, lora_config = _lora.prepare(model, lora)  # the model with its adapter, the adapter's config
         datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
-        blob = pack(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
-        sha = hashlib.sha256(blob).hexdigest()
-        artifact = self._json("POST", "/artifacts", token, data=blob,
-                              headers={defaults.SHA256_HEADER: sha, "Content-Type": "application/octet-stream"},
-                              timeout=max(self.timeout, 600))
+        parts = pack_parts(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
+        artifact, size = self._upload_bundle(token, parts), sum(memoryview(p).nbytes for p in parts)
         submit = parse(SubmitJob, {  # the server's own check, here first: a BadRequest naming the field
             "bundle_artifact": artifact["id"], "parallelism": str(parallelism).upper(), "epochs": epochs,
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(blob), "diloco": diloco, "datasets": datasets, "image": image,
+            "required_modules": required_modules(b"".join(parts[:HEAD_PARTS])), "diloco": diloco, "datasets": datasets, "image": image,
             "pipeline": pipeline, "lora": lora_config, "devices": devices, "global_batch": global_batch,
             "tp_plan": tp_plan, "tp_size": tp_size})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
             self._remember("remember_job", job["id"], job["room_id"], token)
-            log.info("job %s submitted (%d bytes bundle)", job["id"], len(blob))
+            log.info("job %s submitted (%d bytes bundle)", job["id"], size)
             if job.get("unschedulable"):
                 _say(f"zwdx: job {job['id']} cannot run in this room as it is now: {job['unschedulable']}; it "
                      f"waits for GPU clients that fit (submit_job(..., fail_if_unschedulable=True) refuses it)")
@@ -375,6 +373,22 @@ class ZWDX:
             if wait:
                 self._interrupted(job["id"], token, cancel_on_interrupt)
             raise
+
+    def _upload_bundle(self, token: str, parts: list) -> dict:
+        """Upload a bundle's buffers as they are (no joined copy), hashing them meanwhile on
+        another thread (sha256 releases the GIL): the server hashes what it received and says
+        so, and the two must agree, else the upload is refused here. The artifact's record."""
+        digest = hashlib.sha256()
+        hasher = threading.Thread(target=lambda: [digest.update(p) for p in parts], name="zwdx-bundle-sha256",
+                                  daemon=True)
+        hasher.start()
+        artifact = self._json("POST", "/artifacts", token, data=_Buffers(parts), timeout=max(self.timeout, 600),
+                              headers={"Content-Type": "application/octet-stream"})
+        hasher.join()
+        if artifact.get("sha256") != digest.hexdigest():
+            raise ZwdxError(f"the job bundle arrived changed (sha256 {artifact.get('sha256')} at the server, "
+                            f"{digest.hexdigest()} sent); submit again")
+        return artifact
 
     # -- datasets (zwdx.datasets) ---------------------------------------------------------------
     def push_dataset(self, path: str, name: str, room_token: str | None = None, progress: bool = True,
@@ -621,3 +635,17 @@ class ZWDX:
             if os.path.exists(partial):
                 os.unlink(partial)
         return {"path": path, "bytes": size, "sha256": digest.hexdigest()}
+
+
+class _Buffers:
+    """A request body made of buffers sent one after another (``requests`` sets the
+    Content-Length from ``len``; urllib3 hands each buffer to the socket as it is)."""
+
+    def __init__(self, parts: list):
+        self.parts = [memoryview(p).cast("B") for p in parts]
+
+    def __len__(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __iter__(self):
+        return iter(self.parts)
