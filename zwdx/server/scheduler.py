@@ -104,6 +104,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._asked: dict[str, PortRequest] = {}  # job id -> the port request of its placement
         self._asked_lock = threading.Lock()
+        self._port_answered = threading.Event()  # a rank-0 GPU client answered (or could not be asked)
         self._failing: dict[str, str] = {}  # room id -> the error that keeps its jobs from being placed
 
     def kick(self, settle: bool = False) -> None:
@@ -127,6 +128,7 @@ class Scheduler:
         """End the loop (the server's ``stopping`` is set) and wait for its pass to finish."""
         self.ctx.stopping.set()
         self._wake.set()
+        self._port_answered.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -135,8 +137,13 @@ class Scheduler:
         with app.app_context():
             while not self.ctx.stopping.is_set():
                 self._wake.wait(timeout=REAP_INTERVAL)
-                if next_pass > time.time():  # kicked again soon after a pass: wait out the interval
-                    self.ctx.stopping.wait(next_pass - time.time())
+                # Kicked again soon after a pass: wait out the interval, but finish at once a placement
+                # whose rank-0 GPU client answered (the job's clients wait for their assignment).
+                while (left := next_pass - time.time()) > 0 and not self.ctx.stopping.is_set():
+                    if self._port_answered.wait(left) and not self.ctx.stopping.is_set():
+                        self._port_answered.clear()
+                        if self.ctx.lease.held():
+                            _guarded("finishing placements", self.finish_placements)
                 self._wake.clear()
                 began = time.time()
                 if not self.ctx.lease.held():
@@ -335,6 +342,7 @@ class Scheduler:
 
         def answered(*answer):
             request.answer, request.answered = (answer[0] if answer else None), True
+            self._port_answered.set()
             self.kick()
         try:
             if not client.get("sid"):
@@ -343,6 +351,7 @@ class Scheduler:
                           namespace=GPU_NAMESPACE, callback=answered)
         except Exception as exc:  # the connection went away as we wrote
             request.error, request.answered = repr(exc), True
+            self._port_answered.set()
             self.kick()
 
     def finish_placements(self) -> int:
