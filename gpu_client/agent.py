@@ -230,7 +230,7 @@ class Agent:
             self.launcher.want_standby(index, self._device(index, slot.kind), self._threads(len(self.slots)))
 
     def _rank_spec(self, assign: JobAssign, place: RankPlace, local_rank: int, job: RunningJob, pending: bool,
-                   assigned_at: float, worker_port: int | None = None) -> RankSpec:
+                   assigned_at: float, worker_port: int | None = None, streamed: bool = False) -> RankSpec:
         logs = self.workspace.job_dir(assign.job_id)
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
@@ -243,20 +243,21 @@ class Agent:
             pipeline=assign.pipeline, devices=assign.devices, global_batch=assign.global_batch,
             tp_plan=assign.tp_plan, tp_size=assign.tp_size,
             bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
-            bundle_pending=pending, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
+            bundle_pending=pending, bundle_size=assign.bundle_size if streamed else None, data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
             sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
             **script.rank_fields(assign, place, local_rank, job.sandbox.dir))
 
-    def _fetch_bundle(self, assign: JobAssign) -> None:
-        """Into the cache (``workspace.py``), checked against the job's sha256."""
+    def _fetch_bundle(self, assign: JobAssign, shared=None) -> None:
+        """Into the cache (``workspace.py``), checked against the job's sha256; ``shared``: see
+        ``Workspace.keep_bundle`` (the ranks read it as it arrives)."""
         session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's bundle
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
         with session.get(url, stream=True, timeout=60) as resp:
             resp.raise_for_status()
             self.workspace.keep_bundle(assign.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
-                                       f"bundle of job {assign.job_id}")
+                                       f"bundle of job {assign.job_id}", shared)
 
     def _provide_datasets(self, job: RunningJob, assign: JobAssign) -> None:
         """The job's datasets from the cache (``datasets.py``), into its sandbox's ``data``."""
@@ -279,19 +280,27 @@ class Agent:
             return
         try:
             bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
+            # Not in the cache: the ranks read the bundle as it arrives, from the file being written.
+            streamed = bool(assign.bundle_size and self.isolation.streams_bundle and not assign.script
+                            and not os.path.exists(bundle))
             self.launcher.lease(job, self.client_id)
             if self.ca_file:  # where the ranks can read it
                 self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
             # DILOCO, several ranks per worker: this client's ranks are one worker, meeting on loopback
             worker_port = free_port("127.0.0.1") if assign.diloco and assign.diloco.ranks_per_worker > 1 else None
             for local_rank, place in enumerate(assign.ranks):
-                spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at, worker_port)
+                spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at, worker_port, streamed)
                 job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
                          job.procs[place.rank].pid)
-            if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
-                self._fetch_bundle(assign)
-            self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
+            if streamed:
+                self._fetch_bundle(assign, lambda part: self.isolation.share(part, job.sandbox))
+                if not os.path.samefile(self.isolation.bundle_path(job.sandbox), bundle):
+                    self.isolation.share(bundle, job.sandbox)  # it was copied, not linked: again, whole
+            else:
+                if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
+                    self._fetch_bundle(assign)
+                self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
             if assign.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before the code runs
                 self._provide_datasets(job, assign)
             self.launcher.ready(job, pending)

@@ -138,6 +138,9 @@ class ProcessIsolation:
 
     kind = Isolation.PROCESS
     label = "same user"
+    #: Whether a bundle being fetched can be shared into the sandbox as it arrives (a hard link
+    #: to the file the agent writes), so that the ranks read it as it grows.
+    streams_bundle = True
 
     def __init__(self, rank_dir: str, work_dir: str):
         self.rank_dir, self.work_dir = os.path.abspath(rank_dir), os.path.abspath(work_dir)

@@ -77,6 +77,7 @@ class Trainer:
         torch.set_num_threads(self.spec.threads)
         os.environ.update(self.spec.torch_environ())  # for libraries that read torch's variables
         bundle = BundleLoader(self.spec.bundle_path, self.spec.bundle_sha256, self.spec.bundle_pending, self.startup,
+                              self.spec.bundle_size,
                               self.spec.where)
         bundle.start()
         self.device = self._join()
@@ -278,23 +279,44 @@ class Startup:
 class BundleLoader(threading.Thread):
     """Loads the job's bundle while the main thread joins the process group, if its bytes are
     the job's (``sha256``; checked on every load). While the GPU client is still fetching it
-    (``pending``), a line on stdin says it has arrived (end of input: it could not be fetched)."""
+    (``pending``), a line on stdin says it has arrived (end of input: it could not be fetched);
+    with ``size`` the bundle is read and hashed as the GPU client writes it, and that line is
+    still waited for before the bundle is handed over (the job's datasets come before it)."""
 
-    def __init__(self, path: str, sha256: str, pending: bool, startup: Startup, where: str):
+    def __init__(self, path: str, sha256: str, pending: bool, startup: Startup, size: int | None, where: str):
         super().__init__(name="zwdx-bundle", daemon=True)
         self.path, self.sha256, self.pending, self.startup, self.where = path, sha256, pending, startup, where
+        self.size = size if pending else None
+        self.word: bool | None = None if pending else True  # the agent's: ready (True), could not fetch (False)
+        self._heard = threading.Event()
         self.bundle: dict | None = None
         self.error: BaseException | None = None
 
+    def _listen(self) -> None:
+        self.word = bool(sys.stdin.readline().strip())
+        self._heard.set()
+
+    def _arrived(self, wait: bool = False) -> bool | None:
+        """The agent's word on stdin, once it came (``wait``: until it comes)."""
+        if wait:
+            self._heard.wait()
+        return self.word
+
     def run(self) -> None:
+        if self.word is None:  # a line on stdin is awaited beside the reading (its buffer is stdin's own)
+            threading.Thread(target=self._listen, name="zwdx-bundle-word", daemon=True).start()
+        else:
+            self._heard.set()
         try:
-            if self.pending and not sys.stdin.readline().strip():
+            if self.size is None and not self._arrived(wait=True):
                 raise RuntimeError("the GPU client could not fetch the job's bundle")
             self.startup.mark("bundle_fetched")
             try:
-                self.bundle = load_bundle(self.path, self.sha256)
+                self.bundle = load_bundle(self.path, self.sha256, self.size, self._arrived)
             except ImportError as exc:
                 raise missing_package(exc, self.where) from exc
+            if not self._arrived(wait=True):  # read whole already; the datasets may still be on their way
+                raise RuntimeError("the GPU client could not make the job's files ready")
             register_sources(self.bundle["sources"])
             self.startup.mark("bundle_loaded")
         except BaseException as exc:  # re-raised in the main thread

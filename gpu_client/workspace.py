@@ -103,14 +103,18 @@ class Workspace:
             pass
         return False
 
-    def keep_bundle(self, sha256: str, blocks: Iterable[bytes], what: str) -> str:
+    def keep_bundle(self, sha256: str, blocks: Iterable[bytes], what: str, shared=None) -> str:
         """Write the bundle's bytes (as they arrive) into the cache, if they are the sha256's;
-        ``IOError`` and nothing cached otherwise. Its path."""
+        ``IOError`` and nothing cached otherwise. Its path. ``shared(path)``, if given, is called
+        with the file being written before its first byte (the agent links it into a sandbox,
+        where the ranks read it as it grows; what they read they hash themselves)."""
         path = self.bundle_path(sha256)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
         digest = hashlib.sha256()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            if shared is not None:
+                shared(tmp)
             with os.fdopen(fd, "wb") as fh:
                 with Behind(digest.update, fh.write) as behind:  # hashed and written while the next block arrives
                     for block in blocks:

@@ -136,3 +136,55 @@ def test_code_sent_by_value_keeps_its_file_name_and_its_lines_travel_with_it(tmp
                          env={**os.environ, "PYTHONPATH": root}, check=True).stdout
     assert f'File "{source}", line 3, in train' in out
     assert "raise RuntimeError('from their code')" in out
+
+
+def _write_slowly(path, blob, parts=7, pause=0.01, stop_at=None):
+    """The GPU client's fetch as a rank sees it: the file there from the start, growing."""
+    import time
+    with open(path, "wb") as fh:
+        step = len(blob) // parts + 1
+        for i in range(0, len(blob) if stop_at is None else stop_at, step):
+            fh.write(blob[i:i + step])
+            fh.flush()
+            time.sleep(pause)
+
+
+@pytest.mark.parametrize("case", ["whole", "corrupted", "fetch failed", "replaced by a copy"])
+def test_a_bundle_is_read_while_it_is_still_being_written(tmp_path, case):
+    import threading
+    torch.manual_seed(0)
+    model = Tied()
+    blob = pack(model, lambda rank: None, train)
+    path = str(tmp_path / "bundle")
+    sha = hashlib.sha256(blob).hexdigest()
+    word = {"said": None}
+    sent = bytearray(blob)
+    if case == "corrupted":
+        sent[len(sent) // 2] ^= 1  # a byte changed on the way: the rank's own hash says so
+
+    def agent():
+        if case == "replaced by a copy":  # the link failed: an empty copy first, the whole file after the fetch
+            open(path, "wb").close()
+            import os
+            tmp = path + ".whole"
+            with open(tmp, "wb") as fh:
+                fh.write(sent)
+            os.replace(tmp, path)
+        else:
+            _write_slowly(path, bytes(sent), stop_at=len(sent) // 3 if case == "fetch failed" else None)
+        word["said"] = case != "fetch failed"
+
+    writer = threading.Thread(target=agent)
+    writer.start()
+    try:
+        if case in ("whole", "replaced by a copy"):
+            got = load(path, sha, len(blob), lambda: word["said"])["model"]
+            assert torch.equal(got.emb.weight, model.emb.weight) and got.head.weight is got.emb.weight
+        elif case == "corrupted":
+            with pytest.raises(ValueError, match="not the job's bundle"):
+                load(path, sha, len(blob), lambda: word["said"])
+        else:
+            with pytest.raises(RuntimeError, match="could not fetch"):
+                load(path, sha, len(blob), lambda: word["said"])
+    finally:
+        writer.join()

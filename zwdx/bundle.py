@@ -39,6 +39,7 @@ import pickletools
 import struct
 import sys
 import sysconfig
+import time
 import types
 
 import cloudpickle
@@ -54,6 +55,7 @@ FORMAT = 2
 MAGIC = b"ZWDX-BUNDLE-2\n"
 _ALIGN = 64
 _READ_BYTES = 8 << 20
+_FOLLOW_S = 0.002  # how long a rank reading a bundle still being written waits for more
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -380,29 +382,61 @@ def register_sources(sources: dict[str, str]) -> None:
         linecache.cache[name] = (len(text), None, text.splitlines(True), name)
 
 
-def load(path: str, sha256: str) -> dict:
+def load(path: str, sha256: str, size: int | None = None, arrived=None) -> dict:
     """``unpack`` the bundle file at ``path``, if its bytes are the bundle whose sha256 is
     ``sha256`` (the job's, as the server stored it): read once into this process's own memory
     and hashed there, so the bytes unpickled are the bytes checked, whatever happens to the file
     meanwhile; ``ValueError`` otherwise, with nothing of it run. Tensors are views of that
-    memory (an anonymous map: pages are taken as they are read), never copied again."""
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
+    memory (an anonymous map: pages are taken as they are read), never copied again.
+
+    With ``size``, the file is still being written (the GPU client fetches it): it is read as it
+    grows, up to ``size`` bytes; ``arrived()`` is asked whenever the reading caught up: None (no
+    word yet), True (the writer is done: a file still short is read anew from ``path``, where a
+    whole copy may have replaced it) or False (the fetch failed: ``RuntimeError``)."""
+    fh = _growing(path, arrived) if size else open(path, "rb", buffering=0)
+    try:
+        total = size or os.fstat(fh.fileno()).st_size
+        if total == 0:
             raise ValueError(f"bundle file {path} is empty")
-        buffer = mmap.mmap(-1, size)
-        view, digest, got = memoryview(buffer), hashlib.sha256(), 0
+        buffer = mmap.mmap(-1, total)
+        view, digest, got, done = memoryview(buffer), hashlib.sha256(), 0, False
         with Behind(digest.update) as behind:  # block k hashed while block k+1 is read
-            while got < size:
+            while got < total:
                 n = fh.readinto(view[got:got + _READ_BYTES])
-                if not n:
+                if n:
+                    behind.put(view[got:got + n])
+                    got += n
+                    continue
+                if not size or done:
                     break
-                behind.put(view[got:got + n])
-                got += n
+                word = arrived()
+                if word is False:
+                    raise RuntimeError("the GPU client could not fetch the job's bundle")
+                if word:  # written whole: what is left, from the file as it is now
+                    done = True
+                    fh.close()
+                    fh = open(path, "rb", buffering=0)
+                    fh.seek(got)
+                else:
+                    time.sleep(_FOLLOW_S)
         grew = fh.read(1)
-    if got != size or grew or digest.hexdigest() != sha256:
+    finally:
+        fh.close()
+    if got != total or grew or digest.hexdigest() != sha256:
         view.release()
         buffer.close()
         raise ValueError(f"bundle file {path} is not the job's bundle (its sha256 is not {sha256}): "
                          f"changed or cut short on disk since it was fetched; not loaded")
     return unpack(view)
+
+
+def _growing(path: str, arrived):
+    """``path`` opened for reading once it is there (the GPU client links it in as it starts
+    writing); ``RuntimeError`` if the fetch failed first."""
+    while True:
+        try:
+            return open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            if arrived() is False:
+                raise RuntimeError("the GPU client could not fetch the job's bundle") from None
+            time.sleep(_FOLLOW_S)

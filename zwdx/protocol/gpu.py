@@ -207,6 +207,8 @@ class JobAssign(Answer):
     backend: Literal["nccl", "gloo"]
     bundle_artifact: str
     bundle_sha256: str
+    #: The bundle's size in bytes (None: a server that does not say; the ranks then wait for it whole).
+    bundle_size: int | None = None
     parallelism: Parallelism
     #: None: the train function's own default (1 if it has none).
     epochs: int | None = None

@@ -109,6 +109,10 @@ class RankSpec(Message):
     bundle_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     #: True: the agent is still fetching it, and says ``ready`` on stdin once it is there.
     bundle_pending: bool
+    #: Set: the agent writes the fetched bytes into ``bundle_path`` as they arrive, and the rank
+    #: reads (and hashes) them as they grow, up to this size, instead of waiting for ``ready``
+    #: first (it still waits for ``ready`` before it goes on: the datasets come before it).
+    bundle_size: Annotated[int, Field(ge=1)] | None = None
     #: The job's datasets, one folder each, read-only (``data_loader_func``'s ``data_dir``, a
     #: script's ``$ZWDX_DATA_DIR``): there by ``ready``. None: the job names none.
     data_dir: Path | None = None

@@ -424,6 +424,7 @@ class Scheduler:
                        for p in job.placement if p.client_id == client_id and p.rank in rank_keys],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
                 bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
+                bundle_size=spec.bundle_size or None,
                 parallelism=spec.parallelism, epochs=spec.epochs,
                 checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
