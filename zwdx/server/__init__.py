@@ -208,7 +208,7 @@ def create_app(config: dict | None = None) -> Flask:
     queue = {"message_queue": app.config["MESSAGE_QUEUE"]} if app.config["MESSAGE_QUEUE"] else {}
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON,
                       manage_session=False, **queue)  # no Flask session is used: its copy per event is saved
-    events.register(socketio)
+    events.register(socketio, ctx)
     if ctx.lease.shared:  # a token revoked through another process closes this one's connections too
         ctx.lease.every_try.append(lambda: tokens.close_revoked(ctx))
     hops = int(app.config["PROXY_HOPS"])
