@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -163,6 +164,27 @@ def machine() -> str:
     except Exception:
         pass
     return ", ".join(parts)
+
+
+def stop_all(started: list, work: str, keep: bool) -> None:
+    """Stop every process a bench started (in ``started``'s order), then remove its work dir
+    (``keep``: leave it, and say where)."""
+    for proc in started:
+        proc.stop()
+    if keep:
+        print(f"logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def finish(out: str | None, text: str, failures: list[str], data: dict) -> int:
+    """Print a bench's tables, with the runs that failed after them; append both to ``out``
+    (``write_out``, ``failures`` in the raw figures too). The exit code: 1 if a run failed."""
+    if failures:
+        text += "\nRuns that failed (not in the tables):\n" + "".join(f"- {f[:2000]}\n" for f in failures)
+    print(text)
+    write_out(out, text, {**data, "failures": failures})
+    return 1 if failures else 0
 
 
 def write_out(path: str | None, text: str, data: dict | None = None) -> None:

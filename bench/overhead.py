@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -314,19 +313,9 @@ def main() -> int:
                           f"{r['to_first_step']:.2f} s{f' (join {joined:.2f} s)' if joined is not None else ''}, "
                           f"wall {r['wall']:.1f} s", flush=True)
     finally:
-        for proc in started:
-            proc.stop()
-        if args.keep:
-            print(f"logs kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    text = report(runs, n, args, where)
-    if failures:
-        text += "\nRuns that failed (not in the tables):\n" + "".join(f"- {f[:2000]}\n" for f in failures)
-    print(text)
-    harness.write_out(args.out, text, {"bench": "overhead", "machine": where, "ranks": n, "runs": runs,
-                                       "failures": failures})
-    return 1 if failures else 0
+        harness.stop_all(started, work, args.keep)
+    return harness.finish(args.out, report(runs, n, args, where), failures,
+                          {"bench": "overhead", "machine": where, "ranks": n, "runs": runs})
 
 
 def report(runs: dict, n: int, args, where: str) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 
@@ -107,19 +106,9 @@ def main() -> int:
                 print(f"  {way:8s} rep {rep}: {r['samples_per_s']:,.1f} samples/s, step "
                       f"{r['raw']['step_ms']:.1f} ms, wall {r['wall']:.1f} s", flush=True)
     finally:
-        for proc in started:
-            proc.stop()
-        if args.keep:
-            print(f"logs kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    text = report(runs, n, args, where)
-    if failures:
-        text += "\nRuns that failed (not in the table):\n" + "".join(f"- {f[:2000]}\n" for f in failures)
-    print(text)
-    harness.write_out(args.out, text, {"bench": "strategies", "machine": where, "ranks": n, "runs": runs,
-                                       "failures": failures})
-    return 1 if failures else 0
+        harness.stop_all(started, work, args.keep)
+    return harness.finish(args.out, report(runs, n, args, where), failures,
+                          {"bench": "strategies", "machine": where, "ranks": n, "runs": runs})
 
 
 def report(runs: dict, n: int, args, where: str) -> str:
@@ -137,7 +126,8 @@ def report(runs: dict, n: int, args, where: str) -> str:
                      ", ".join(f"{r['samples_per_s']:,.0f}" for r in rs)])
     cfg = next(iter(runs.values()))[0]["cfg"] if runs else {}
     head = (f"\n## One model, four ways: {where}; {args.model}, {n} x {'GPU' if args.gpus else 'CPU rank'}, "
-            f"{'bf16 autocast' if args.gpus else 'fp32, gloo'}, {cfg.get('steps')} steps ({cfg.get('warmup')} warm-up), "
+            f"{'bf16 autocast' if args.gpus else 'fp32, gloo'}, {cfg.get('steps')} steps "
+            f"({cfg.get('warmup')} warm-up), "
             f"median of {args.repeat} run(s) a way\n\n")
     return head + table(["way", "GPU clients", "batch a replica", "micro-batches", "samples/s", "per GPU",
                          "vs DDP", "window spread", "step ms", "rank 0 peak GiB", "each run samples/s"], rows,
