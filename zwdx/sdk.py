@@ -348,21 +348,22 @@ class ZWDX:
         model, lora_config = _lora.prepare(model, lora)  # the model with its adapter, the adapter's config
         datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
         parts = pack_parts(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
-        artifact, size = self._upload_bundle(token, parts), sum(memoryview(p).nbytes for p in parts)
+        artifact = self._upload_bundle(token, parts)
         submit = parse(SubmitJob, {  # the server's own check, here first: a BadRequest naming the field
             "bundle_artifact": artifact["id"], "parallelism": str(parallelism).upper(), "epochs": epochs,
             "world_size": world_size, "memory_required": memory_required, "versions": runtime_versions(),
             "name": name or getattr(train_func, "__name__", ""), "collective_timeout": collective_timeout,
             "min_world_size": min_world_size, "max_restarts": max_restarts, "keep_checkpoints": keep_checkpoints,
             "checkpoint_every_epoch": checkpoint_every_epoch, "fail_if_unschedulable": fail_if_unschedulable,
-            "required_modules": required_modules(b"".join(parts[:HEAD_PARTS])), "diloco": diloco, "datasets": datasets, "image": image,
+            "required_modules": required_modules(b"".join(parts[:HEAD_PARTS])), "diloco": diloco,
+            "datasets": datasets, "image": image,
             "pipeline": pipeline, "lora": lora_config, "devices": devices, "global_batch": global_batch,
             "tp_plan": tp_plan, "tp_size": tp_size})
         job = self._json("POST", "/jobs", token, json=submit.model_dump(mode="json"))
         try:  # from here on, Ctrl-C has a job to cancel
             self._job_tokens[job["id"]] = token
             self._remember("remember_job", job["id"], job["room_id"], token)
-            log.info("job %s submitted (%d bytes bundle)", job["id"], size)
+            log.info("job %s submitted (%d bytes bundle)", job["id"], artifact["size"])
             if job.get("unschedulable"):
                 _say(f"zwdx: job {job['id']} cannot run in this room as it is now: {job['unschedulable']}; it "
                      f"waits for GPU clients that fit (submit_job(..., fail_if_unschedulable=True) refuses it)")

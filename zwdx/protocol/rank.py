@@ -4,9 +4,9 @@ The agent writes it as one JSON line on the rank process's stdin, to a standby p
 ahead, torch imported) and to a fresh one alike; when the job's bundle is still being fetched
 (``bundle_pending``) a second line, ``ready``, follows once it is on disk (end of input: it could
 not be fetched); with ``bundle_size`` the rank reads and hashes the file as the agent writes it,
-and still waits for that line before it goes on. Nothing else travels: no ``ZWDX_*`` environment variables. The environment keeps
-only what libraries read themselves (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME`` /
-``NCCL_SOCKET_IFNAME``, ``PYTHONUNBUFFERED``); the rank process sets torch's ``RANK``,
+and still waits for that line before it goes on. Nothing else travels: no ``ZWDX_*`` environment
+variables. The environment keeps only what libraries read themselves (``OMP_NUM_THREADS``,
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, ``PYTHONUNBUFFERED``); the rank process sets torch's ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the spec for libraries
 that read them.
 
