@@ -182,10 +182,11 @@ class Checkpointer:
     def _stage_torch(self, folder: str):
         """DDP: rank 0 the model and optimizer state and the tracked objects'; every rank its
         generators. The tracked state is written and checked here (small; a state the checkpoint
-        cannot hold is the caller's error, raised now); the rest is copied to host buffers."""
+        cannot hold is the caller's error, raised now); the rest is staged (``Staging.stage_tree``)
+        and copied to host buffers in the background."""
         files = {files_of.rng_file(self.rank): rng_states(self.device)}
         if self.rank == 0 or self.format == CheckpointFormat.STAGES:  # PIPELINE: every rank its stage
-            files[self._state_file()] = self.staging.tree({
+            files[self._state_file()] = self.staging.stage_tree({
                 "model": self._module().state_dict(),
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None})
         if self.rank == 0:
@@ -199,7 +200,7 @@ class Checkpointer:
 
         def write(into: str) -> None:
             for name, state in files.items():
-                torch.save(state, os.path.join(into, name))
+                torch.save(state() if callable(state) else state, os.path.join(into, name))
         return write
 
     def _stage_shards(self):
@@ -216,8 +217,12 @@ class Checkpointer:
                 raise TypeError(f"reporter.track: {_TRACKABLE}: {exc}") from None
         local: list[tuple[str, torch.Tensor]] = []
         encoded = shards.encode(state, self.rank, self.world, stage=lambda key, t: local.append((key, t)) or t)
-        encoded["tensors"] = dict(zip((k for k, _ in local), self.staging.copy(local)))
-        return lambda into: shards.write(encoded, into)
+        host = self.staging.stage(local)
+
+        def write(into: str) -> None:
+            encoded["tensors"] = dict(zip((k for k, _ in local), host()))
+            shards.write(encoded, into)
+        return write
 
     def restore(self) -> None:
         """Load the latest checkpoint into the wrapped model and the optimizer (collective for FSDP),

@@ -65,7 +65,7 @@ def save(state: dict, folder: str, rank: int, world_size: int) -> list[str]:
 
 def encode(state: dict, rank: int, world_size: int, stage=None) -> dict:
     """Rank ``rank``'s part of ``state``, its tensors on the host: ``stage(key, tensor)`` gives
-    each one's host copy (``staging.Staging.tensor``; a fresh copy when None). ``write`` it."""
+    each one's host copy (``staging.Staging.stage``; a fresh copy when None). ``write`` it."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}  # one tensor under two names (tied weights) is written once
     tree = _encode(state, tensors, seen, "state", stage=stage)

@@ -1,26 +1,39 @@
 """Host copies of a checkpoint's tensors, taken while training waits, written out after.
 
-A checkpoint stalls training only for the copy of its tensors off the device: ``Staging``
-copies them into host blocks kept from one checkpoint to the next, one block per dtype (pinned
-when the tensors are on a GPU, so the copies run asynchronously, together, at the link's speed;
-one synchronisation at the end), and the files are written and uploaded from those copies in
-the background (``checkpoint.py``). One block per dtype, not one for all: ``torch.save`` refuses
-tensors that view one storage as different types. The blocks are made at the first checkpoint
-(pinning memory is slow: about a second per few GB, paid once) and again only when the
-tensors' sizes change; they are reused only once the previous checkpoint's background work is
-done with them.
+A checkpoint stalls training as little as the device allows:
+
+- **A snapshot on the device** when it has room (``stage``): each tensor is cloned on its GPU,
+  queued on the training stream (milliseconds, no synchronisation), and the copy to the host
+  happens in the background on a stream of its own, while training goes on. The clones are
+  freed once copied. Room means the driver's free memory holds the state with a margin: the
+  memory the next steps' activations come back for is not counted.
+- **Otherwise a copy to the host while training waits**, as ``copy`` does: the copies off a GPU
+  run asynchronously, together, at the link's speed, with one synchronisation at the end.
+
+Either way the host copies go into blocks kept from one checkpoint to the next, one block per
+dtype (pinned when the tensors are on a GPU), and the files are written and uploaded from
+those copies in the background (``checkpoint.py``). One block per dtype, not one for all:
+``torch.save`` refuses tensors that view one storage as different types. The blocks are made at
+the first checkpoint (pinning memory is slow: about a second per 1.5 GB, paid in the
+background when there is a snapshot) and again only when the tensors' sizes change; they are
+reused only once the previous checkpoint's background work is done with them.
 
     staging = Staging()
-    copies = staging.copy([("model.w", tensor), ...])   # host copies, in the block
-    tree = staging.tree(state)                          # a state's tree, every tensor copied
+    copies = staging.copy([("model.w", tensor), ...])   # host copies, in the block, now
+    host = staging.stage([("model.w", tensor), ...])    # while training waits ...
+    copies = host()                                     # ... and in the background
+    host = staging.stage_tree(state)                    # a state's tree, every tensor staged
+    tree = host()
 """
 from __future__ import annotations
 
 import copy as copying
+from typing import Callable
 
 import torch
 
 _ALIGN = 64  # bytes: each copy starts on a cache line
+_MARGIN = 512 << 20  # bytes of a GPU's free memory a snapshot leaves free
 
 
 class Staging:
@@ -28,29 +41,91 @@ class Staging:
         self._blocks: dict[torch.dtype, torch.Tensor] = {}
         self._layout: list[tuple] = []  # (shape, dtype) of each copy, in order, the blocks are laid out for
 
-    def copy(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def copy(self, items: list[tuple[str, torch.Tensor]], streams: dict | None = None) -> list[torch.Tensor]:
         """Host copies of the tensors of ``items`` ((key, tensor) pairs), in the block; the copies
-        off a GPU are complete when this returns."""
+        off a GPU are complete when this returns. With ``streams`` (device -> CUDA stream), the
+        copies off each GPU run on its stream, and only that stream is waited for."""
         tensors = [t.detach() for _, t in items]
         layout = [(tuple(t.shape), t.dtype) for t in tensors]
-        cuda = [t.device for t in tensors if t.device.type == "cuda"]
+        cuda = {t.device for t in tensors if t.device.type == "cuda"}
         if layout != self._layout or (layout and not self._blocks):
             self._make(layout, pin=bool(cuda))
         copies = self._views(layout)
         for target, source in zip(copies, tensors):
-            target.copy_(source, non_blocking=source.device.type == "cuda")
-        for device in set(cuda):
-            torch.cuda.synchronize(device)
+            if source.device.type == "cuda" and streams:
+                with torch.cuda.stream(streams[source.device]):
+                    target.copy_(source, non_blocking=True)
+            else:
+                target.copy_(source, non_blocking=source.device.type == "cuda")
+        for device in cuda:
+            if streams:
+                streams[device].synchronize()
+            else:
+                torch.cuda.synchronize(device)
         return copies
 
-    def tree(self, value) -> object:
-        """``value`` with every tensor replaced by its host copy and every list, tuple and dict
-        rebuilt (what training changes next cannot reach the copy); a tensor met twice (tied
-        weights) is copied once. Other values are deep-copied."""
+    def stage(self, items: list[tuple[str, torch.Tensor]]) -> Callable[[], list[torch.Tensor]]:
+        """While training waits: a snapshot of the tensors of ``items`` on their GPUs, when every
+        GPU has room for it, else their host copies (``copy``). Returns a function, for the
+        background, that gives the host copies (copied off the snapshot on streams of their own,
+        the snapshot then freed); call it once, before the next ``stage`` or ``copy``."""
+        _, finish = self._stage([t.detach() for _, t in items])
+        return finish
+
+    def stage_tree(self, value) -> Callable[[], object]:
+        """``stage`` for a state's tree: returns a function, for the background, that gives what
+        ``tree`` would have given at the time of this call."""
         found: dict[int, torch.Tensor] = {}
         self._collect(value, found)
-        copies = dict(zip(found, self.copy([(str(i), t) for i, t in enumerate(found.values())])))
-        return self._rebuild(value, copies)
+        staged, finish = self._stage(list(found.values()))
+        held = [self._rebuild(value, dict(zip(found, staged)))]  # non-tensor values copied now
+        del staged
+
+        def tree():
+            skeleton = held.pop()  # the snapshot is freed once copied: nothing else holds it
+            found.clear()
+            self._collect(skeleton, found)
+            return self._rebuild(skeleton, dict(zip(found, finish())))
+        return tree
+
+    def _stage(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]]]:
+        """(what was taken while training waits: the snapshot or the host copies, a function that
+        gives the host copies)."""
+        if not self._room_for_snapshot(tensors):
+            copies = self.copy([(str(i), t) for i, t in enumerate(tensors)])
+            return copies, lambda: copies
+        snapshot = [t.clone() for t in tensors]  # queued on the training streams, before what they do next
+        marks = {}
+        for t in snapshot:
+            if t.device.type == "cuda" and t.device not in marks:
+                marks[t.device] = torch.cuda.current_stream(t.device).record_event()
+
+        def finish() -> list[torch.Tensor]:
+            streams = {device: torch.cuda.Stream(device) for device in marks}
+            for device, mark in marks.items():
+                streams[device].wait_event(mark)
+            try:
+                return self.copy([(str(i), t) for i, t in enumerate(snapshot)], streams=streams)
+            finally:
+                snapshot.clear()  # the device memory goes back now, not with the closure
+        return list(snapshot), finish
+
+    @staticmethod
+    def _room_for_snapshot(tensors: list[torch.Tensor]) -> bool:
+        """Whether every GPU among ``tensors``' devices has the free memory (the driver's, beyond
+        what the allocator keeps for the next steps) to hold a second copy of its tensors, plus
+        a margin. No GPU tensors: no snapshot (host copies are as quick)."""
+        need: dict[torch.device, int] = {}
+        for t in tensors:
+            if t.device.type == "cuda":
+                need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+        if not need:
+            return False
+        for device, n in need.items():
+            free, _ = torch.cuda.mem_get_info(device)
+            if n + _MARGIN > free:
+                return False
+        return True
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,91 @@
+"""Checkpoint staging (gpu_client/staging.py): what a checkpoint holds is the state at the moment
+training was let go, whatever training does to its tensors after; the snapshot on a GPU is
+freed once copied to the host. The GPU cases run where CUDA is (the device machine:
+``python -m pytest test/test_staging.py``)."""
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from gpu_client.staging import Staging
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _state(device):
+    weight = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
+    model = OrderedDict(w=weight, tied=weight, b=torch.ones(4, dtype=torch.bfloat16, device=device))
+    return {"model": model, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
+                                          "param_groups": [{"lr": 0.1, "params": [0]}]}}
+
+
+def _train_on(state):
+    """What the next steps do to a state, in place: every tensor and the learning rate change."""
+    state["model"]["w"].add_(100)
+    state["model"]["b"].mul_(7)
+    state["optimizer"]["state"][0]["step"].add_(1)
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+
+
+def _check(tree, device_before):
+    assert torch.equal(tree["model"]["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert tree["model"]["tied"] is tree["model"]["w"], "a tied weight is copied once"
+    assert torch.equal(tree["model"]["b"], torch.ones(4, dtype=torch.bfloat16))
+    assert tree["optimizer"]["state"][0]["step"].item() == 3.0
+    assert tree["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert isinstance(tree["model"], OrderedDict)
+    assert all(t.device.type == "cpu" for t in (tree["model"]["w"], tree["model"]["b"]))
+    assert device_before["model"]["w"][0, 0].item() == 100.0  # training went on
+
+
+def test_a_staged_tree_is_the_state_when_it_was_staged_not_after_training_went_on():
+    staging = Staging()
+    state = _state("cpu")
+    host = staging.stage_tree(state)
+    _train_on(state)
+    _check(host(), state)
+
+
+def test_the_host_blocks_are_reused_from_one_checkpoint_to_the_next():
+    staging = Staging()
+    state = _state("cpu")
+    first = staging.stage_tree(state)()
+    blocks = {dtype: b.data_ptr() for dtype, b in staging._blocks.items()}
+    second = staging.stage_tree(state)()
+    assert {dtype: b.data_ptr() for dtype, b in staging._blocks.items()} == blocks
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
+
+
+@gpu
+def test_on_a_gpu_the_snapshot_is_taken_without_waiting_and_freed_once_copied():
+    staging = Staging()
+    state = _state("cuda")
+    big = torch.zeros(64 << 20, device="cuda")  # 256 MB: the snapshot's memory shows
+    state["model"]["big"] = big
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    host = staging.stage_tree(state)
+    assert torch.cuda.memory_allocated() >= before + big.numel() * 4, "the snapshot is on the device"
+    _train_on(state)
+    big.add_(1)
+    tree = host()
+    assert torch.cuda.memory_allocated() == before, "the snapshot is freed once copied"
+    _check(tree, state)
+    assert tree["model"]["big"].sum().item() == 0.0
+    assert tree["model"]["w"].is_pinned()
+
+
+@gpu
+def test_a_gpu_without_room_for_a_snapshot_gets_its_host_copies_while_training_waits():
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(max(free - (256 << 20), 0), dtype=torch.uint8, device="cuda")  # leaves < the margin
+    try:
+        staging = Staging()
+        state = _state("cuda")
+        before = torch.cuda.memory_allocated()
+        host = staging.stage_tree(state)
+        assert torch.cuda.memory_allocated() == before, "no snapshot"
+        _train_on(state)
+        _check(host(), state)
+    finally:
+        del filler
