@@ -4,12 +4,13 @@ dashboards, all in one asyncio loop (python-socketio's AsyncClient, aiohttp for 
     python bench/simulate.py --plan plan.json --index 0 --result r0.json     # started by control_plane.py
 
 A simulated GPU client connects to /gpu with its room's token, registers one CUDA slot,
-heartbeats at the interval the server asks for, answers ``reserve_port``, and for each
+heartbeats at the interval the server asks for (at register, and anew in a heartbeat's answer), answers ``reserve_port``, and for each
 ``job_assign`` plays its ranks as gpu_client.runner would over REST: ``running``, a batch of
 metric events every ``metric_interval`` s, ``completed`` after 0.5 to 1.5 x ``job_seconds``, then
 ``ranks_exited`` over Socket.IO. A simulated SDK user submits a job (bundle upload, create),
-waits on it as ``ZWDX.wait`` does (the job with its new events, one call every
-``poll_interval``, 0.5 s in the SDK) and reads its metrics, again and again. A dashboard joins
+waits on it as ``ZWDX.wait`` does (the job with its new events, one call held up to
+``long_poll`` s until the job has news, at most one every ``poll_interval``, 0.5 s in the SDK;
+``long_poll`` 0: a plain poll every ``poll_interval``) and reads its metrics, again and again. A dashboard joins
 /ui and notes how long each metric event took from the rank's report to its screen. Only what
 happens inside the measurement window is kept.
 """
@@ -156,7 +157,9 @@ class Sim:
                     self.rec.note("socket.io heartbeat", t)
                     if answer and not answer.get("ok"):  # declared lost: register again, as the agent does
                         self.rec.count("re-registrations (declared lost)")
-                        await register()
+                        answer = await register() or {}
+                    if answer and answer.get("heartbeat_interval"):  # the server's new pace, as the agent takes it
+                        interval = float(answer["heartbeat_interval"])
                 except Exception as exc:
                     self.rec.error("socket.io heartbeat", exc)
                     if not sio.connected:
@@ -236,16 +239,25 @@ class Sim:
                 continue
             submitted, after = time.time(), 0
             while not self.stop.is_set():  # as ZWDX.wait: the job and its new events in one call
-                doc = await self.rest("GET /jobs/<id>?events_after", "GET", f"/jobs/{job['id']}", token,
-                                      params={"events_after": str(after)})
+                asked = time.monotonic()
+                if plan["long_poll"]:  # held until the job has news: its time is not a latency
+                    doc = await self.rest("GET /jobs/<id>?wait (held)", "GET", f"/jobs/{job['id']}", token,
+                                          params={"events_after": str(after), "wait": str(plan["long_poll"])})
+                else:
+                    doc = await self.rest("GET /jobs/<id>?events_after", "GET", f"/jobs/{job['id']}", token,
+                                          params={"events_after": str(after)})
                 if doc and doc.get("events"):
                     after = doc["events"][-1]["seq"]
+                    now = time.time()
+                    for ev in doc["events"]:
+                        if ev.get("kind") == "metric" and ev.get("ts"):
+                            self.rec.note("metric -> SDK", float(ev["ts"]), now)
                 if doc and doc["status"] in ("completed", "failed", "cancelled"):
                     self.rec.count(f"jobs {doc['status']}")
                     if doc["status"] == "completed":
                         self.rec.note("job submit->completed", submitted)
                     break
-                await asyncio.sleep(plan["poll_interval"])
+                await asyncio.sleep(max(0.0, plan["poll_interval"] - (time.monotonic() - asked)))
             await self.rest("GET /jobs/<id>/metrics", "GET", f"/jobs/{job['id']}/metrics", token)
 
     # -- a dashboard ----------------------------------------------------------------------

@@ -35,7 +35,7 @@ from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                            EV_RESERVE_PORT, EV_UNREACHABLE, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
 from zwdx.protocol.base import parse
-from zwdx.protocol.gpu import (Ack, Heartbeat, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
+from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
                                Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
 
@@ -396,9 +396,11 @@ class Agent:
             except Exception as exc:
                 log.debug("gpu-client %s: heartbeat failed: %s", self.client_id, exc)
                 continue
-            answer = _answer(Ack, data)
+            answer = _answer(HeartbeatAnswer, data)
             if answer.ok:
                 health.beat(self.work_dir)  # the container's healthcheck (gpu_client/health.py)
+                if answer.heartbeat_interval:  # the server's new pace (it has many clients, or fewer again)
+                    self.heartbeat_interval = answer.heartbeat_interval
             else:
                 log.warning("gpu-client %s: %s", self.client_id, answer.error)
                 self._registered.clear()

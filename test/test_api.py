@@ -172,6 +172,46 @@ def test_job_with_its_new_events_in_one_call(api):
     assert resp.status_code == 400 and "events_after" in resp.json["error"]["message"]
 
 
+def test_a_held_poll_answers_as_soon_as_the_job_has_news_and_not_before(app):
+    """``?wait=``: what ``ZWDX.wait`` calls, one call where polls every 0.5 s would be many."""
+    import threading
+    import time
+
+    from conftest import Api, placed_job
+    room, rank0, job = placed_job(app, "held")
+    seen = room.get(f"/jobs/{job['id']}?events_after=0").json
+    last = seen["events"][-1]["seq"] if seen["events"] else 0
+
+    started = time.monotonic()  # nothing new: held the whole wait, then the job as it is
+    quiet = room.get(f"/jobs/{job['id']}?events_after={last}&wait=0.6")
+    assert quiet.status_code == 200 and quiet.json["events"] == [] and quiet.json["status"] == seen["status"]
+    assert time.monotonic() - started >= 0.6
+
+    def report():
+        time.sleep(0.4)
+        Api(app.test_client(), rank_key=rank0.rank_key).post(f"/jobs/{job['id']}/events", json={"events": [
+            {"kind": "metric", "rank": 0, "key": "0:1", "step": 0, "data": {"loss": 1.5}, "ts": time.time()}]})
+    reporter = threading.Thread(target=report)
+    started = time.monotonic()
+    reporter.start()
+    news = room.get(f"/jobs/{job['id']}?events_after={last}&wait=20")
+    reporter.join()
+    assert news.status_code == 200 and [e["data"] for e in news.json["events"]] == [{"loss": 1.5}]
+    assert 0.4 <= time.monotonic() - started < 5, "answered when the event came, not at the end of the wait"
+
+    started = time.monotonic()  # a job that changed status (cancelled) ends the wait as well
+    canceller = threading.Timer(0.3, lambda: Api(app.test_client(), room.token).post(f"/jobs/{job['id']}/cancel"))
+    canceller.start()
+    ended = room.get(f"/jobs/{job['id']}?events_after={news.json['events'][-1]['seq']}&wait=20")
+    canceller.join()
+    assert ended.json["status"] in ("cancelled", "cancelling") or ended.json["events"], ended.json
+    assert time.monotonic() - started < 5
+
+    for query, field in (("wait=5", "wait"), ("events_after=0&wait=26", "wait"), ("events_after=0&wait=x", "wait")):
+        bad = room.get(f"/jobs/{job['id']}?{query}")
+        assert bad.status_code == 400 and field in bad.json["error"]["message"], (query, bad.json)
+
+
 @pytest.mark.parametrize("namespace", ["/gpu", "/ui"])
 def test_socketio_refuses_a_missing_or_wrong_token(api, socket_client, namespace):
     assert not socket_client(namespace).is_connected(namespace)

@@ -8,6 +8,7 @@ stay up. A real server process, and a raw Socket.IO client standing in for a GPU
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import requests
@@ -169,3 +170,46 @@ def loader(rank, world_size):
 
 def train(model, loader):
     return {"loss": 0.0}
+
+
+def test_a_server_with_many_gpu_clients_asks_them_to_beat_less_often_and_waits_longer(tmp_path):
+    """``--heartbeat-rate``: past that many heartbeats a second at the usual interval, a server
+    process stretches the interval it asks for (register answer, then any heartbeat answer when
+    it changes) and the silence after which a client is lost alike; fewer clients, back again."""
+    # one beat a second: 2 clients at 2 s; silent for 2 s (stretched alike): lost
+    server = Server(str(tmp_path / "server"), extra=["--heartbeat-rate", "1", "--client-timeout", "2"])
+    try:
+        from zwdx import ZWDX
+        room = ZWDX(server.url).create_room("paced")
+        socks = []
+
+        def join(n: int):
+            sio = socketio.Client(reconnection=False)
+            sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["donor_token"]},
+                        transports=["websocket"], wait_timeout=30)
+            socks.append(sio)
+            return call(sio, "register", {**HELLO, "client_id": f"paced-{n}"})
+
+        first = join(0)
+        assert first["ok"] and first["heartbeat_interval"] == defaults.HEARTBEAT_INTERVAL
+        assert call(socks[0], "heartbeat", {"slots": []}) == {"ok": True}  # nothing changed: nothing said
+        for n in (1, 2, 3):
+            join(n)
+        # five connections at one beat a second together: every 5 s, and lost after 5 s of silence
+        assert join(4)["heartbeat_interval"] == 5.0
+        assert call(socks[0], "heartbeat", {"slots": []}) == {"ok": True, "heartbeat_interval": 5.0}
+        assert call(socks[0], "heartbeat", {"slots": []}) == {"ok": True}  # told once
+        time.sleep(3.0)  # silent past the 2 s timeout, within the 5 s it is stretched to
+        assert {c["id"]: c["status"] for c in room_clients(server, room)}["paced-0"] == "online"
+        wait_until(lambda: {c["id"]: c["status"] for c in room_clients(server, room)}["paced-0"] == "offline", 15,
+                   what="paced-0 lost once silent past its stretched timeout")
+        assert not call(socks[0], "heartbeat", {"slots": []})["ok"]
+        assert call(socks[0], "register", {**HELLO, "client_id": "paced-0"})["ok"]
+        for sio in socks[1:]:
+            sio.disconnect()
+        wait_until(lambda: call(socks[0], "heartbeat", {"slots": []}).get("heartbeat_interval") == 2.0, 30,
+                   what="the usual interval again, once the others left")
+    finally:
+        for sio in socks:
+            sio.disconnect()
+        server.stop()

@@ -163,6 +163,17 @@ def api_schema(live):
     return schemathesis.openapi.from_url(f"{live.url}/api/v1/openapi.json")
 
 
+def _short_hold(case) -> None:
+    """A held poll (``?wait=``) of a job without news lasts its whole wait: at most 0.2 s here,
+    where only what the server answers is checked (test_api.py checks the holding)."""
+    wait = (case.query or {}).get("wait")
+    try:
+        if float(wait) > 0.2:
+            case.query["wait"] = 0.2
+    except (TypeError, ValueError):
+        pass
+
+
 try:
     import schemathesis
     from hypothesis import HealthCheck, settings
@@ -188,5 +199,6 @@ else:
         rank key speaks)."""
         if "job_id" in (case.path_parameters or {}) and len(case.path_parameters["job_id"]) % 4:
             case.path_parameters["job_id"] = live.job_id
+        _short_hold(case)
         case.call_and_validate(headers={defaults.TOKEN_HEADER: live.token, defaults.RANK_KEY_HEADER: live.rank_key},
                                checks=CHECKS, timeout=30)

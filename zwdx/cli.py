@@ -48,6 +48,8 @@ def _server(args) -> int:
         config["MAX_ARTIFACT_BYTES"] = args.max_artifact_bytes
     if args.client_timeout:
         config["CLIENT_TIMEOUT"] = args.client_timeout
+    if args.heartbeat_rate is not None:
+        config["HEARTBEAT_RATE"] = args.heartbeat_rate
     if args.ui_dir:
         config["UI_DIR"] = args.ui_dir
     for name in ("max_request_bytes", "room_max_jobs", "room_max_artifact_bytes", "rate_limit_rooms",
@@ -277,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "store, behind a load balancer: docs/deploy-scale.md (default: $ZWDX_MESSAGE_QUEUE)")
     p.add_argument("--max-artifact-bytes", type=int, default=None)
     p.add_argument("--client-timeout", type=float, default=None, help="seconds of silence before a GPU client is lost")
+    p.add_argument("--heartbeat-rate", type=float, default=None,
+                   help=f"heartbeats/s past which this process asks its GPU clients to beat less often, and waits "
+                        f"longer before calling one lost (default {defaults.HEARTBEAT_RATE:g}; 0: never)")
     p.add_argument("--async-mode", choices=ASYNC_MODES, default=os.environ.get("ZWDX_ASYNC_MODE", "gevent"),
                    help="gevent: every connection a greenlet (default); threading: an OS thread per "
                         "connection (default: $ZWDX_ASYNC_MODE or %(default)s)")

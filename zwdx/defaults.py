@@ -23,11 +23,17 @@ SWEEP_INTERVAL = 300.0
 UNATTACHED_GRACE = 3600.0
 #: Seconds a finished job keeps its artifacts (bundle, checkpoints, weights; 0: for ever).
 ARTIFACT_RETENTION = 0.0
-#: Seconds between a GPU client's heartbeats.
+#: Seconds between a GPU client's heartbeats (the shortest: see HEARTBEAT_RATE).
 HEARTBEAT_INTERVAL = 2.0
 #: A GPU client silent for this long is declared lost (also the grace a restarted server gives
-#: its GPU clients to reconnect).
+#: its GPU clients to reconnect). Stretched with the heartbeat interval (HEARTBEAT_RATE).
 CLIENT_TIMEOUT = 8.0
+#: Heartbeats per second one server process aims at, all its GPU clients together: past
+#: HEARTBEAT_RATE x HEARTBEAT_INTERVAL clients, it asks them for a longer interval (in 0.5 s
+#: steps, at most HEARTBEAT_MAX_STRETCH x HEARTBEAT_INTERVAL) and stretches CLIENT_TIMEOUT alike.
+#: 0: the interval stays HEARTBEAT_INTERVAL.
+HEARTBEAT_RATE = 250.0
+HEARTBEAT_MAX_STRETCH = 3.0
 #: A GPU client whose connection dropped is declared lost if it is not back within this time.
 DISCONNECT_GRACE = 3.0
 #: Checkpoints kept per job (older ones are deleted).
@@ -36,8 +42,16 @@ KEEP_CHECKPOINTS = 2
 COLLECTIVE_TIMEOUT = 300
 #: Seconds the rank-0 GPU client gets to answer a port reservation.
 RESERVE_TIMEOUT = 10.0
-#: Seconds between the SDK's polls of a job it waits on.
-POLL_INTERVAL = 0.5
+#: Shortest time between the SDK's polls of a job it waits on: after an answer that brought
+#: news at once, it waits out the rest before asking again, so that more news gathers.
+POLL_INTERVAL = 1.0
+#: Longest a poll of a job may be held on the server until the job has news (``?wait=``).
+LONG_POLL_MAX = 25.0
+#: Seconds the SDK asks a poll to be held for (below its request timeout, and the balancer's).
+LONG_POLL = 10.0
+#: Seconds between a held poll's looks at the store, for news a wake-up did not bring (from
+#: another server process).
+LONG_POLL_RECHECK = 1.0
 #: Chunk size for streaming artifacts.
 CHUNK_BYTES = 1024 * 1024
 #: Header that carries a room token (a submitter token on REST; see zwdx.protocol.tokens).

@@ -466,8 +466,9 @@ class ZWDX:
 
     def _follow(self, job_id: str, token: str, progress: bool, timeout: float | None, trackers=None,
                 on_log=None) -> dict:
-        """Poll the job until it ends; show its progress (``on_log``: each log event to it, and
-        changes of status as lines, instead of a progress bar; ``trackers``: its metrics to them).
+        """Follow the job (held polls, ``GET /jobs/<id>?wait=``) until it ends; show its progress
+        (``on_log``: each log event to it, and changes of status as lines, instead of a progress
+        bar; ``trackers``: its metrics to them).
         Returns its last document."""
         bar, feed, said = None, None, None
         if trackers:
@@ -479,8 +480,14 @@ class ZWDX:
         unreachable_since = None
         try:
             while True:
+                asked = time.monotonic()
                 try:
-                    job = self._json("GET", f"/jobs/{job_id}", token, params={"events_after": after})
+                    # A long poll: the server holds the call until the job has news (at most
+                    # LONG_POLL s), so waiting on a quiet job costs a call every LONG_POLL s.
+                    hold = defaults.LONG_POLL if not deadline else max(0.0, min(defaults.LONG_POLL,
+                                                                               deadline - time.time()))
+                    job = self._json("GET", f"/jobs/{job_id}", token, params={"events_after": after, "wait": hold},
+                                     timeout=max(self.timeout, defaults.LONG_POLL + 15))
                     events = job.pop("events", [])
                     unreachable_since = None
                 except ServerUnreachable:
@@ -515,7 +522,9 @@ class ZWDX:
                     return job
                 if deadline and time.time() > deadline:
                     raise TimeoutError(f"job {job_id} still {job['status']} after {timeout} s")
-                time.sleep(defaults.POLL_INTERVAL)
+                # News came at once: let more gather (one call per POLL_INTERVAL at most, also
+                # against a server that does not hold polls).
+                time.sleep(max(0.0, defaults.POLL_INTERVAL - (time.monotonic() - asked)))
         finally:
             if bar is not None:
                 bar.close()

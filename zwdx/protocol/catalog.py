@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from . import events as ev
-from .gpu import (Ack, Heartbeat, JobAssign, JobCancel, PortOffer, RanksExited, Register, RegisterAnswer, ReservePort,
+from .gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, PortOffer, RanksExited, Register, RegisterAnswer, ReservePort,
                   Unreachable)
 from .job import JobView
 from .rest import ClientsUpdate, JobEvents
@@ -49,8 +49,10 @@ EVENTS = (
           "modules, the jobs whose ranks it still runs, where its peers reach it (`reach_port`) and its link to "
           "the server (`link`, measured over `/api/v1/link`). The first register of a client id is answered "
           "with its client secret; every later one must carry it."),
-    Event(ev.EV_HEARTBEAT, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, Heartbeat, Ack,
-          "Every `heartbeat_interval` seconds: fresh figures of its slots. Silent for `CLIENT_TIMEOUT`: lost."),
+    Event(ev.EV_HEARTBEAT, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, Heartbeat, HeartbeatAnswer,
+          "Every `heartbeat_interval` seconds (from the register's answer, then from the last heartbeat "
+          "answer that carried one: a server process with many GPU clients stretches it): fresh figures of "
+          "its slots. Silent for `CLIENT_TIMEOUT`, stretched alike: lost."),
     Event(ev.EV_RANKS_EXITED, ev.GPU_NAMESPACE, CLIENT_TO_SERVER, RanksExited, Ack,
           "Its rank processes of one attempt of a job exited (rank → exit code): their slots are free. Only "
           "for ranks placed on it."),

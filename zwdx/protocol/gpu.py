@@ -146,6 +146,13 @@ class Ack(Answer):
     error: str | None = None
 
 
+class HeartbeatAnswer(Ack):
+    """The answer to a heartbeat. ``heartbeat_interval``: beat at this interval from now on; sent
+    when the server changes the pace it asks for (it stretches the interval as its GPU clients
+    grow in number: ``HEARTBEAT_RATE``), absent otherwise."""
+    heartbeat_interval: Annotated[float, Field(gt=0, le=3600)] | None = None
+
+
 class RanksExited(Message):
     """The client's rank processes of one attempt of a job are gone: rank -> exit code."""
     job_id: Id
@@ -257,5 +264,6 @@ class JobCancel(Answer):
     reason: str = ""
 
 
-__all__ = ["Slot", "SlotStats", "Running", "Link", "Register", "Peer", "Unreachable", "RegisterAnswer", "Heartbeat", "Ack", "RanksExited",
+__all__ = ["Slot", "SlotStats", "Running", "Link", "Register", "Peer", "Unreachable", "RegisterAnswer", "Heartbeat", "Ack",
+           "HeartbeatAnswer", "RanksExited",
            "ReservePort", "PortOffer", "RankPlace", "JobAssign", "JobCancel", "Seconds"]

@@ -452,8 +452,17 @@ class JobsQuery(Query):
 
 
 class JobQuery(Query):
-    """``GET /api/v1/jobs/<id>?events_after=N``: with it, the job's events after ``seq`` N too."""
+    """``GET /api/v1/jobs/<id>?events_after=N``: with it, the job's events after ``seq`` N too.
+    ``&wait=S`` (with ``events_after``) holds the answer up to S seconds until the job has new
+    events, changes status, or ends: a long poll, one call where polls would be many."""
     events_after: Count | None = None
+    wait: Annotated[float, Field(ge=0, le=defaults.LONG_POLL_MAX)] | None = None
+
+    @model_validator(mode="after")
+    def _wait_needs_events_after(self):
+        if self.wait and self.events_after is None:
+            raise ValueError("wait needs events_after (the last event seen)")
+        return self
 
 
 class LinkQuery(Query):

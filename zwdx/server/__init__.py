@@ -161,6 +161,7 @@ def create_app(config: dict | None = None) -> Flask:
         ARTIFACT_RETENTION=defaults.ARTIFACT_RETENTION,
         CLIENT_TIMEOUT=defaults.CLIENT_TIMEOUT,
         HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
+        HEARTBEAT_RATE=defaults.HEARTBEAT_RATE,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
         RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
         METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)

@@ -16,6 +16,7 @@ import uuid
 from flask import Blueprint, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from .. import defaults
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
 from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobKind, JobStatus, Parallelism, \
     RankStatus
@@ -168,13 +169,44 @@ def list_jobs(room: dict, query: JobsQuery):
            answer=JobDetail, tag="jobs")
 def get_job(job: JobRecord, query: JobQuery):
     """``queue_position`` (1 for the head of the room's queue) while it is queued; with
-    ``events_after``, the job's events after that ``seq`` too, in one call."""
+    ``events_after``, the job's events after that ``seq`` too, in one call; with ``wait`` as
+    well, the answer is held until the job has news (``_held``)."""
+    detail = _job_detail(job, query)
+    if query.wait and not detail.events and not job.status.finished:
+        detail = _held(job, query, detail)
+    return detail
+
+
+def _job_detail(job: JobRecord, query: JobQuery) -> JobDetail:
     extra = {}
     if job.status == JobStatus.QUEUED:
         extra["queue_position"] = ctx().store.count_jobs(job.room_id, [JobStatus.QUEUED], before_seq=job.seq) + 1
     if query.events_after is not None:
         extra["events"] = ctx().store.get_events(job.id, after=query.events_after, limit=10000)
     return JobDetail.of(job, **extra)
+
+
+def _held(job: JobRecord, query: JobQuery, detail: JobDetail) -> JobDetail:
+    """A long poll: the job once it has new events, or what the SDK shows of it (status, why it
+    waits, its place in the queue) changed, or ``query.wait`` seconds passed. It sleeps on this
+    process's changes to the job (``notify.watching``) and looks at the store every
+    ``LONG_POLL_RECHECK`` seconds for those of other processes. A held poll is one greenlet
+    asleep: one such call costs the server far less than the polls it replaces."""
+    def shown(d: JobDetail) -> tuple:
+        return d.status, d.waiting_reason, d.queue_position, d.attempt
+    seen = shown(detail)
+    deadline = time.monotonic() + query.wait
+    with notify.watching(job.id) as changed:
+        while (left := deadline - time.monotonic()) > 0:
+            changed.wait(min(left, defaults.LONG_POLL_RECHECK))
+            changed.clear()
+            record = ctx().store.get_job(job.id)
+            if record is None:
+                break
+            detail = _job_detail(record, query)
+            if detail.events or record.status.finished or shown(detail) != seen:
+                break
+    return detail
 
 
 @operation(bp, "POST", "/jobs/<job_id>/cancel", "Cancel a job", answer=JobView, errors=(409,), tag="jobs")

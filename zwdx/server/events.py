@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import math
 import time
 
 from flask import current_app, request
@@ -29,7 +30,7 @@ from ..errors import AuthError, BadRequest, Forbidden, RateLimited
 from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                         EV_UNREACHABLE, GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
 from ..protocol.base import parse
-from ..protocol.gpu import Ack, Heartbeat, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
+from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
 from . import limits, lifecycle, notify, reach
 from .auth import Caller, donor, hash_secret, new_secret, submitter
@@ -137,6 +138,7 @@ def on_register(hello: Register) -> RegisterAnswer:
     if refusal is not None:
         log.warning("gpu-client %s: register refused in room %s: no right client secret", client_id, sess["room_id"])
         return RegisterAnswer(ok=False, error=refusal, code=WRONG_SECRET)
+    pace = heartbeat_pace(ctx)
     slots = [{"id": f"{client_id}:{s.index}", "client_id": client_id, "room_id": sess["room_id"], "index": s.index,
               "kind": s.kind.value, "name": s.name, "memory_total": s.memory_total, "memory_free": s.memory_free,
               "utilization": s.utilization, "isolation": s.isolation and s.isolation.value,
@@ -149,13 +151,13 @@ def on_register(hello: Register) -> RegisterAnswer:
               "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
               "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers
               "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
-              "lost_after": now + float(current_app.config["CLIENT_TIMEOUT"]), "disconnected_at": None,
+              "lost_after": now + pace[1], "disconnected_at": None,
               "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),
               "secret_hash": secret_hash}
     if not ctx.store.upsert_client(client, slots):  # registered meanwhile, by another connection
         return RegisterAnswer(ok=False, error=f"gpu client id {client_id} was registered by another connection "
                                               f"just now: register under a new id", code=WRONG_SECRET)
-    sess["client_id"] = client_id
+    sess["client_id"], sess["interval"] = client_id, pace[0]
     running = {r.job_id: r.attempt for r in hello.running}  # the jobs it still runs ranks of
     _forget_ranks_gone(ctx, sess["room_id"], client_id, running)
     _stop_ranks_not_wanted(ctx, client_id, running)
@@ -163,8 +165,24 @@ def on_register(hello: Register) -> RegisterAnswer:
              len(slots), client["hostname"])
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
     ctx.scheduler.kick()
-    return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=current_app.config["HEARTBEAT_INTERVAL"],
-                          client_secret=secret)
+    return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=pace[0], client_secret=secret)
+
+
+def heartbeat_pace(ctx) -> tuple[float, float]:
+    """(the heartbeat interval this process asks of its GPU clients, the silence after which one
+    is lost). ``HEARTBEAT_INTERVAL`` and ``CLIENT_TIMEOUT``, both stretched once the process's
+    connections would beat more than ``HEARTBEAT_RATE`` times a second together at that interval:
+    in 0.5 s steps, at most ``HEARTBEAT_MAX_STRETCH`` times. A heartbeat costs a server process
+    about a millisecond, so 250 a second is a quarter of it; past that, figures a few seconds
+    staler and a slower verdict on a silent client buy room for everything else (see
+    docs/deploy-scale.md)."""
+    base, timeout = float(ctx.config["HEARTBEAT_INTERVAL"]), float(ctx.config["CLIENT_TIMEOUT"])
+    rate = float(ctx.config["HEARTBEAT_RATE"])
+    if rate <= 0:
+        return base, timeout
+    wanted = math.ceil(2.0 * len(_sessions) / rate) / 2.0
+    interval = min(max(base, wanted), base * defaults.HEARTBEAT_MAX_STRETCH)
+    return interval, timeout * interval / base
 
 
 def _forget_ranks_gone(ctx, room_id: str, client_id: str, running: dict[str, int]) -> None:
@@ -187,23 +205,29 @@ def _stop_ranks_not_wanted(ctx, client_id: str, running: dict[str, int]) -> None
             _socketio().emit(EV_JOB_CANCEL, cancel.model_dump(), to=request.sid, namespace=GPU_NAMESPACE)
 
 
-def heartbeat(ctx, sid: str, beat: Heartbeat) -> Ack:
+def heartbeat(ctx, sid: str, beat: Heartbeat) -> HeartbeatAnswer:
     """A registered client's heartbeat. Bound on python-socketio's own server (``register``), not
     through Flask-SocketIO: the most frequent event needs only its connection and the server's
     context, not the Flask request context Flask-SocketIO makes for every event (8% of a
     server's time at 1,000 clients)."""
     sess = _sessions.get(sid)
     if sess is None or not sess["client_id"]:
-        return Ack(ok=False, error="heartbeat before register")
+        return HeartbeatAnswer(ok=False, error="heartbeat before register")
     now = time.time()
     stats = [s.model_dump(exclude_unset=True) for s in beat.slots]  # only the figures it sent
-    # One store write: the client's deadline and its slots' stats, if it is still online.
+    interval, timeout = heartbeat_pace(ctx)
+    told = sess.get("interval") or interval
+    # One store write: the client's deadline and its slots' stats, if it is still online. Until it
+    # hears of a new pace it beats at the one it was told: the deadline allows for the longer.
     if not ctx.store.touch_client(sess["client_id"], {
-            "last_seen": now, "lost_after": now + float(ctx.config["CLIENT_TIMEOUT"])}, stats,
+            "last_seen": now, "lost_after": now + timeout * max(interval, told) / interval}, stats,
             expect_status=ClientStatus.ONLINE.value):
-        return Ack(ok=False, error="unknown or lost gpu client: register again")
+        return HeartbeatAnswer(ok=False, error="unknown or lost gpu client: register again")
     notify.clients_changed(ctx, sess["room_id"])
-    return Ack(ok=True)
+    if interval != told:
+        sess["interval"] = interval
+        return HeartbeatAnswer(ok=True, heartbeat_interval=interval)
+    return HeartbeatAnswer(ok=True)
 
 
 @checked(EV_RANKS_EXITED, RanksExited)

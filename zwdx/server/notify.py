@@ -1,18 +1,24 @@
 """Push changes to dashboards over Socket.IO (namespace /ui, one Socket.IO room per zwdx room).
 
-Job changes and job events go out at once. The GPU-client list of a room is coalesced, and
+Job changes and job events go out at once, to dashboards and to the SDK polls held on the job
+(``watching``). The GPU-client list of a room is coalesced, and
 sent only while a dashboard watches the room (one that connects gets the list at once): a GPU
 client that joined, left or was lost shows within ``CLIENTS_PUSH_INTERVAL`` seconds; fresh
 heartbeat figures (free memory, utilisation, last seen) and slots taken or freed by jobs
 (which ``job_update`` already told) within one heartbeat interval, the pace the figures change
 at. A room's list costs the same to send whatever part of it changed, so in a busy room this
-is about one list per heartbeat interval, whatever the number of GPU clients and jobs.
+is about one list per heartbeat interval, whatever the number of GPU clients and jobs. A list
+costs in proportion to the room's clients, so a room's lists are also paced by what they cost:
+one that took t to make and send is followed by the next no sooner than t x
+(1 / ``CLIENTS_PUSH_SHARE`` - 1) later, which holds them to a tenth of the process in a room of
+thousands of clients that join and leave all the time.
 
 Each payload is a declared answer (``docs/events.md``): ``job_update`` a ``JobView``,
 ``job_events`` a ``JobEvents``, ``clients_update`` a ``ClientsUpdate``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,8 +34,11 @@ log = logging.getLogger(__name__)
 
 #: Longest delay of a GPU client's change of state on its way to the dashboards, in seconds.
 CLIENTS_PUSH_INTERVAL = 0.5
+#: The largest share of a server process's time one room's GPU-client lists may take.
+CLIENTS_PUSH_SHARE = 0.1
 
 _due: dict[str, float] = {}  # room id -> when its client list should go out
+_earliest: dict[str, float] = {}  # room id -> when its next list may go out, by what the last one cost
 _lock = threading.Lock()
 _flusher: threading.Thread | None = None
 
@@ -46,13 +55,44 @@ def watched(ctx, room_id: str) -> bool:
     return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
 
 
+_watchers: dict[str, set[threading.Event]] = {}  # job id -> the held polls of it (``watching``)
+
+
+@contextlib.contextmanager
+def watching(job_id: str):
+    """An event set whenever this process changes the job or adds events to it, while the
+    ``with`` lasts: what a held poll (``GET /jobs/<id>?wait=``) sleeps on. Changes made by
+    another server process do not set it; the poll looks at the store now and then for those."""
+    changed = threading.Event()
+    with _lock:
+        _watchers.setdefault(job_id, set()).add(changed)
+    try:
+        yield changed
+    finally:
+        with _lock:
+            held = _watchers.get(job_id)
+            if held is not None:
+                held.discard(changed)
+                if not held:
+                    del _watchers[job_id]
+
+
+def _wake(job_id: str) -> None:
+    with _lock:
+        held = list(_watchers.get(job_id, ()))
+    for changed in held:
+        changed.set()
+
+
 def job_changed(job: JobRecord) -> None:
+    _wake(job.id)
     socketio.emit(EV_JOB_UPDATE, job_view(job).model_dump(mode="json"), to=ui_room(job.room_id),
                   namespace=UI_NAMESPACE)
 
 
 def events_added(job: JobRecord, events: list[dict]) -> None:
     if events:
+        _wake(job.id)
         payload = JobEvents.model_validate({"job_id": job.id, "events": events})
         socketio.emit(EV_JOB_EVENTS, payload.model_dump(mode="json"), to=ui_room(job.room_id), namespace=UI_NAMESPACE)
 
@@ -84,14 +124,17 @@ def _flush_loop(ctx) -> None:
     while not ctx.stopping.wait(CLIENTS_PUSH_INTERVAL):
         now = time.monotonic()
         with _lock:
-            rooms = [room_id for room_id, due in _due.items() if due <= now]
+            rooms = [room_id for room_id, due in _due.items() if due <= now and _earliest.get(room_id, 0.0) <= now]
             for room_id in rooms:
                 del _due[room_id]
         for room_id in rooms:
             if not watched(ctx, room_id):
                 continue  # no dashboard open on this room: nothing to list
+            started = time.monotonic()
             try:
                 socketio.emit(EV_CLIENTS_UPDATE, clients_payload(ctx, room_id), to=ui_room(room_id),
                               namespace=UI_NAMESPACE)
             except Exception:
                 log.exception("notify: clients of room %s not sent", room_id)
+            ended = time.monotonic()
+            _earliest[room_id] = ended + (ended - started) * (1.0 / CLIENTS_PUSH_SHARE - 1.0)
