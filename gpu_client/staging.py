@@ -81,11 +81,13 @@ class Staging:
         held = [self._rebuild(value, dict(zip(found, staged)))]  # non-tensor values copied now
         del staged
 
+        found.clear()  # the state's own tensors: not held past this call
+
         def tree():
             skeleton = held.pop()  # the snapshot is freed once copied: nothing else holds it
-            found.clear()
-            self._collect(skeleton, found)
-            return self._rebuild(skeleton, dict(zip(found, finish())))
+            staged_now: dict[int, torch.Tensor] = {}
+            self._collect(skeleton, staged_now)
+            return self._rebuild(skeleton, dict(zip(staged_now, finish())))
         return tree
 
     def _stage(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]]]:

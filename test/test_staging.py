@@ -56,6 +56,31 @@ def test_the_host_blocks_are_reused_from_one_checkpoint_to_the_next():
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
 
 
+def test_a_snapshot_is_freed_once_copied_to_the_host(monkeypatch):
+    """The snapshot path, on the CPU (as on a GPU with room for it): training goes on past the
+    snapshot, and once the background copy is done nothing holds the snapshot any more (on a
+    GPU it is device memory the next steps want back)."""
+    import gc
+    import weakref
+    monkeypatch.setattr(Staging, "_room_for_snapshot", staticmethod(lambda tensors: True))
+    taken, stage = [], Staging._stage
+
+    def watched(self, tensors):
+        staged, finish = stage(self, tensors)
+        taken.extend(weakref.ref(t) for t in staged)
+        return staged, finish
+    monkeypatch.setattr(Staging, "_stage", watched)
+    state = _state("cpu")
+    host = Staging().stage_tree(state)
+    gc.collect()
+    assert taken and all(ref() is not None for ref in taken), "the snapshot is held for the background"
+    _train_on(state)
+    tree = host()
+    _check(tree, state)
+    gc.collect()
+    assert all(ref() is None for ref in taken), "the snapshot outlived the copy"
+
+
 @gpu
 def test_on_a_gpu_the_snapshot_is_taken_without_waiting_and_freed_once_copied():
     staging = Staging()

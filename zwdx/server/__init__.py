@@ -21,6 +21,8 @@ import sys
 import threading
 import types
 
+import orjson
+
 from flask import Flask
 from flask.json.provider import DefaultJSONProvider
 
@@ -85,8 +87,19 @@ def wire_dumps(obj, **kwargs) -> str:
         return json.dumps(to_wire(obj), allow_nan=False, **kwargs)
 
 
-#: What Socket.IO encodes its packets with (``json.loads`` reads them).
-SOCKET_JSON = types.SimpleNamespace(dumps=wire_dumps, loads=json.loads)
+def wire_loads(text, **kwargs):
+    """``json.loads``, through orjson where it can (several times faster: every Socket.IO packet
+    a GPU client sends is read with it); ``json`` reads what orjson refuses (NaN)."""
+    if not kwargs:
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text, **kwargs)
+
+
+#: What Socket.IO encodes and reads its packets with.
+SOCKET_JSON = types.SimpleNamespace(dumps=wire_dumps, loads=wire_loads)
 
 
 def private_dir(path: str) -> str:
@@ -246,6 +259,7 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     (``zwdx.tls.server_context``, ``zwdx server --tls-cert/--tls-key``) both serve HTTPS and WSS
     only."""
     _raise_open_files_limit()
+    app.extensions["zwdx"].store.serving()
     tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":
         socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class(), **tls)

@@ -126,6 +126,10 @@ class Store(abc.ABC):
     def close(self) -> None:
         """Release connections. The store may not be used afterwards."""
 
+    def serving(self) -> None:
+        """This process is a server that will use the store for long and hard: start what only
+        such a process needs (SQLite: a checkpointer thread). Nothing by default."""
+
     # -- rooms and their credentials ---------------------------------------------------------
     @abc.abstractmethod
     def create_room(self, room: dict) -> dict:

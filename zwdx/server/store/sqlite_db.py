@@ -19,6 +19,8 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Callable
 
+import orjson
+
 from ...errors import SchemaVersionError, StoreError
 from . import base
 from .migrations import job_1_to_2, job_2_to_3, legacy_credential, room_2_to_3
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: Idle connections kept for the next call.
 POOL_SIZE = 8
+#: Seconds between the background checkpointer's passes (``Database.checkpoint_in_background``).
+CHECKPOINT_INTERVAL = 1.0
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -59,6 +63,16 @@ def dump(doc) -> str:
     return json.dumps(doc, separators=(",", ":"))
 
 
+def load(text: str):
+    """A stored document: orjson reads them 3 to 5 times faster than ``json`` (a room of 1,000
+    GPU clients: 15 ms a listing, most of the scheduler's pass and of the dashboards' client
+    list); ``json`` takes what orjson refuses (NaN, which ``dump`` may have written)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
 def _jobs_1_to_2(db: sqlite3.Connection) -> None:
     for job_id, doc in db.execute("SELECT id, doc FROM jobs").fetchall():
         db.execute("UPDATE jobs SET doc=? WHERE id=?", (dump(job_1_to_2(json.loads(doc))), job_id))
@@ -89,6 +103,21 @@ def _credentials_2_to_3(db: sqlite3.Connection) -> None:
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _jobs_1_to_2, 2: _credentials_2_to_3}
 
 
+def _original(module: str, name: str):
+    """``module.name`` as it was before gevent patched it, if it did."""
+    try:
+        from gevent import monkey
+        return monkey.get_original(module, name)
+    except ImportError:
+        import importlib
+        return getattr(importlib.import_module(module), name)
+
+
+def _os_thread(target: Callable[[], None]) -> None:
+    """Run ``target`` in an OS thread, not a greenlet, even in a gevent-patched process."""
+    _original("_thread", "start_new_thread")(target, ())
+
+
 def _private(path: str) -> None:
     """The database file readable by its owner only (0600), created so before SQLite opens it;
     SQLite gives its -wal and -shm files the database file's mode."""
@@ -109,6 +138,8 @@ class Database:
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         _private(path)
         self._idle: deque[sqlite3.Connection] = deque()  # append and pop are atomic
+        self._checkpointer = False  # a thread of its own checkpoints the log (checkpoint_in_background)
+        self._closed = False
         with self.conn() as conn:
             try:
                 conn.executescript(DDL)
@@ -122,6 +153,8 @@ class Database:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=30000")
+            if self._checkpointer:
+                conn.execute("PRAGMA wal_autocheckpoint=0")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the embedded store at {self.path}: {exc}") from exc
         return conn
@@ -192,7 +225,36 @@ class Database:
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(found),))
             log.info("store: migrated %s to schema version %d", self.path, found)
 
+    def checkpoint_in_background(self) -> None:
+        """Copy the write-ahead log into the database file from an OS thread of its own, every
+        ``CHECKPOINT_INTERVAL`` s, instead of in whichever call's commit fills the log past 1,000
+        pages. That copy ends in an fsync; under gevent a call that made it held every
+        connection of the server still for as long (hundreds of milliseconds on a busy disk).
+        SQLite releases the GIL while it works, so the thread holds up nothing. A PASSIVE
+        checkpoint waits for no reader or writer. For a server process (``zwdx server``), not
+        for every process that opens the store."""
+        if self._checkpointer:
+            return
+        self._checkpointer = True
+        for conn in list(self._idle):
+            conn.execute("PRAGMA wal_autocheckpoint=0")
+        _os_thread(self._checkpoint_loop)
+
+    def _checkpoint_loop(self) -> None:
+        sleep = _original("time", "sleep")
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+        try:
+            while not self._closed:
+                sleep(CHECKPOINT_INTERVAL)
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:
+                    log.warning("store: checkpoint of %s failed (tried again): %s", self.path, exc)
+        finally:
+            conn.close()
+
     def close(self) -> None:
+        self._closed = True
         while self._idle:
             try:
                 self._idle.pop().close()
