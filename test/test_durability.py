@@ -132,3 +132,23 @@ def test_a_serving_sqlite_store_copies_its_log_into_the_file_from_a_thread_of_it
         assert store.get_room("r199")["name"].startswith("room 199")
     finally:
         store.close()
+
+
+def test_a_server_process_freezes_what_survives_a_full_collection(tmp_path):
+    """``zwdx server`` keeps full garbage collections short (zwdx/server/collector.py): what
+    survived one is frozen within a second, so the next walks only what is newer. Run in a
+    process of its own: freezing is process-wide."""
+    import subprocess
+    import sys
+    script = (
+        "import gc, threading, time\n"
+        "from zwdx.server import collector\n"
+        "collector.keep_pauses_short(threading.Event())\n"
+        "frozen = gc.get_freeze_count()\n"
+        "kept = [[i] for i in range(50000)]\n"  # long-lived, as a server's connections are
+        "gc.collect()\n"
+        "time.sleep(1.5)\n"
+        "print(frozen, gc.get_freeze_count())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    before, after = map(int, out.stdout.split())
+    assert after >= before + 50000, out.stdout

@@ -28,7 +28,8 @@ from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
 from ..protocol.report import to_wire
-from . import api, checkpoints, dashboard_api, datasets, diloco, events, limits, links, openapi, prometheus, scripts, tokens, ui
+from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, events, limits, links, openapi, prometheus,
+               scripts, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
@@ -259,7 +260,9 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     (``zwdx.tls.server_context``, ``zwdx server --tls-cert/--tls-key``) both serve HTTPS and WSS
     only."""
     _raise_open_files_limit()
-    app.extensions["zwdx"].store.serving()
+    ctx = app.extensions["zwdx"]
+    ctx.store.serving()
+    collector.keep_pauses_short(ctx.stopping)
     tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":
         socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class(), **tls)
