@@ -10,7 +10,8 @@ needs nothing else from the code it measures, so the same script measures older 
 (copy it into their tree and run it there). Where the GPU clients' logs say when the ranks'
 processes exited ("ranks exited"), it also shows the last rank's report -> the last process
 exit seen by its GPU client: the teardown a rank does after reporting. And the last report ->
-``submit_job`` returned, which adds the SDK's polling (every ``POLL_INTERVAL``, 0.5 s).
+``submit_job`` returned, which adds the SDK's wait (a held poll, answered when the job ends;
+up to ``POLL_INTERVAL``, 1 s, more when news had just come).
 """
 from __future__ import annotations
 
