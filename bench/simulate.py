@@ -9,7 +9,7 @@ heartbeats at the interval the server asks for (at register, and anew in a heart
 metric events every ``metric_interval`` s, ``completed`` after 0.5 to 1.5 x ``job_seconds``, then
 ``ranks_exited`` over Socket.IO. A simulated SDK user submits a job (bundle upload, create),
 waits on it as ``ZWDX.wait`` does (the job with its new events, one call held up to
-``long_poll`` s until the job has news, at most one every ``poll_interval``, 0.5 s in the SDK;
+``long_poll`` s until the job has news, at most one every ``poll_interval``, 1 s in the SDK;
 ``long_poll`` 0: a plain poll every ``poll_interval``) and reads its metrics, again and again. A dashboard joins
 /ui and notes how long each metric event took from the rank's report to its screen. Only what
 happens inside the measurement window is kept.

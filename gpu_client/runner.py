@@ -31,7 +31,7 @@ import time
 import traceback
 
 from zwdx.bundle import load as load_bundle
-from zwdx.bundle import register_sources
+from zwdx.bundle import FETCH_FAILED, register_sources
 from zwdx.checks import call_with
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
@@ -309,7 +309,7 @@ class BundleLoader(threading.Thread):
             self._heard.set()
         try:
             if self.size is None and not self._arrived(wait=True):
-                raise RuntimeError("the GPU client could not fetch the job's bundle")
+                raise RuntimeError(FETCH_FAILED)
             self.startup.mark("bundle_fetched")
             try:
                 self.bundle = load_bundle(self.path, self.sha256, self.size, self._arrived)

@@ -73,8 +73,10 @@ class Staging:
         return finish
 
     def stage_tree(self, value) -> Callable[[], object]:
-        """``stage`` for a state's tree: returns a function, for the background, that gives what
-        ``tree`` would have given at the time of this call."""
+        """``stage`` for a state's tree: returns a function, for the background, that gives
+        ``value`` as it was at the time of this call, with every tensor replaced by its host copy
+        and every list, tuple and dict rebuilt (what training changes next cannot reach it); a
+        tensor met twice (tied weights) is copied once. Other values are deep-copied now."""
         found: dict[int, torch.Tensor] = {}
         self._collect(value, found)
         staged, finish = self._stage(list(found.values()))

@@ -56,6 +56,8 @@ MAGIC = b"ZWDX-BUNDLE-2\n"
 _ALIGN = 64
 _READ_BYTES = 8 << 20
 _FOLLOW_S = 0.002  # how long a rank reading a bundle still being written waits for more
+#: What a rank says when its GPU client told it the bundle could not be fetched.
+FETCH_FAILED = "the GPU client could not fetch the job's bundle"
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -411,7 +413,7 @@ def load(path: str, sha256: str, size: int | None = None, arrived=None) -> dict:
                     break
                 word = arrived()
                 if word is False:
-                    raise RuntimeError("the GPU client could not fetch the job's bundle")
+                    raise RuntimeError(FETCH_FAILED)
                 if word:  # written whole: what is left, from the file as it is now
                     done = True
                     fh.close()
@@ -438,5 +440,5 @@ def _growing(path: str, arrived):
             return open(path, "rb", buffering=0)
         except FileNotFoundError:
             if arrived() is False:
-                raise RuntimeError("the GPU client could not fetch the job's bundle") from None
+                raise RuntimeError(FETCH_FAILED) from None
             time.sleep(_FOLLOW_S)

@@ -21,12 +21,11 @@ import sys
 import threading
 import types
 
-import orjson
-
 from flask import Flask
 from flask.json.provider import DefaultJSONProvider
 
 from .. import defaults
+from ..protocol.base import loads
 from ..protocol.report import to_wire
 from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, events, limits, links, openapi, prometheus,
                scripts, tokens, ui)
@@ -89,14 +88,9 @@ def wire_dumps(obj, **kwargs) -> str:
 
 
 def wire_loads(text, **kwargs):
-    """``json.loads``, through orjson where it can (several times faster: every Socket.IO packet
-    a GPU client sends is read with it); ``json`` reads what orjson refuses (NaN)."""
-    if not kwargs:
-        try:
-            return orjson.loads(text)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(text, **kwargs)
+    """``json.loads`` through orjson (``protocol.base.loads``): every Socket.IO packet a GPU client
+    sends is read with it."""
+    return json.loads(text, **kwargs) if kwargs else loads(text)
 
 
 #: What Socket.IO encodes and reads its packets with.

@@ -13,10 +13,11 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from ...errors import StoreError
+from ...protocol.base import loads
 from ...protocol.job import Job as JobRecord
 from ...protocol.vocab import JobStatus
 from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
-from .sqlite_db import Database, dump, load
+from .sqlite_db import Database, dump
 
 
 def _json_set(fields: dict) -> tuple[str, tuple]:
@@ -66,7 +67,7 @@ class SQLiteStore(Store):
 
     def get_room(self, room_id: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM rooms WHERE id=?", (room_id,))
-        return load(rows[0][0]) if rows else None
+        return loads(rows[0][0]) if rows else None
 
     def add_credential(self, credential: dict) -> dict:
         with self.db.tx() as db:
@@ -76,14 +77,14 @@ class SQLiteStore(Store):
 
     def find_credential(self, secret_hash: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM credentials WHERE hash=?", (secret_hash,))
-        return load(rows[0][0]) if rows else None
+        return loads(rows[0][0]) if rows else None
 
     def get_credential(self, credential_id: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM credentials WHERE id=?", (credential_id,))
-        return load(rows[0][0]) if rows else None
+        return loads(rows[0][0]) if rows else None
 
     def list_credentials(self, room_id: str) -> list[dict]:
-        return [load(r[0]) for r in self.db.query("SELECT doc FROM credentials WHERE room_id=? ORDER BY rowid",
+        return [loads(r[0]) for r in self.db.query("SELECT doc FROM credentials WHERE room_id=? ORDER BY rowid",
                                                         (room_id,))]
 
     def _write_credential(self, credential_id: str, change: Callable[[sqlite3.Connection, dict], bool]) -> dict | None:
@@ -93,7 +94,7 @@ class SQLiteStore(Store):
             row = db.execute("SELECT doc FROM credentials WHERE id=?", (credential_id,)).fetchone()
             if row is None:
                 return None
-            doc = load(row[0])
+            doc = loads(row[0])
             if doc.get("revoked_at") is not None or not change(db, doc):
                 return None
             db.execute("UPDATE credentials SET hash=?, doc=? WHERE id=?", (doc["hash"], dump(doc), credential_id))
@@ -140,7 +141,7 @@ class SQLiteStore(Store):
 
     def get_client(self, client_id: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM clients WHERE id=?", (client_id,))
-        return load(rows[0][0]) if rows else None
+        return loads(rows[0][0]) if rows else None
 
     def list_clients(self, room_id: str | None, lost_before: float | None = None) -> list[dict]:
         where, args = "WHERE 1=1", ()
@@ -148,7 +149,7 @@ class SQLiteStore(Store):
             where, args = where + " AND room_id=?", args + (room_id,)
         if lost_before is not None:  # json_extract in SQLite: no client decoded that is not asked for
             where, args = where + " AND json_extract(doc, '$.lost_after') < ?", args + (float(lost_before),)
-        clients = [load(r[0]) for r in self.db.query(f"SELECT doc FROM clients {where} ORDER BY rowid", args)]
+        clients = [loads(r[0]) for r in self.db.query(f"SELECT doc FROM clients {where} ORDER BY rowid", args)]
         return self._with_slots(clients, room_id, every=lost_before is None)
 
     def update_client(self, client_id: str, changes: dict) -> None:
@@ -156,7 +157,7 @@ class SQLiteStore(Store):
             row = db.execute("SELECT doc FROM clients WHERE id=?", (client_id,)).fetchone()
             if row is None:
                 return
-            doc = load(row[0])
+            doc = loads(row[0])
             doc.update(changes)
             db.execute("UPDATE clients SET doc=? WHERE id=?", (dump(doc), client_id))
 
@@ -185,7 +186,7 @@ class SQLiteStore(Store):
             where, args = where + " AND client_id=?", args + (client_id,)
         for doc, job_id, rank in self.db.query(
                 f"SELECT doc, job_id, rank FROM slots {where} ORDER BY client_id, idx", args):
-            slot = load(doc)
+            slot = loads(doc)
             slot["job_id"], slot["rank"] = job_id, rank
             out.append(slot)
         return out
@@ -205,7 +206,7 @@ class SQLiteStore(Store):
                                      (job_id, rank, slot_id))
                     if cur.rowcount != 1:
                         raise _Abort()
-                doc = {**load(row[0]), **values}
+                doc = {**loads(row[0]), **values}
                 db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump(doc), job_id))
         except _Abort:
             return False
@@ -290,7 +291,7 @@ class SQLiteStore(Store):
             row = db.execute("SELECT status, doc FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None or (when is not None and row[0] not in when):
                 return None
-            doc = load(row[1])
+            doc = loads(row[1])
             if not change(doc):
                 return None
             db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump(doc), job_id))
@@ -352,7 +353,7 @@ class SQLiteStore(Store):
         sql += " ORDER BY seq"
         if limit:
             sql += f" LIMIT {int(limit)}"
-        return [load(r[0]) for r in self.db.query(sql, tuple(args))]
+        return [loads(r[0]) for r in self.db.query(sql, tuple(args))]
 
     # -- artifacts -------------------------------------------------------------------------
     def add_artifact(self, artifact: dict) -> dict:
@@ -363,14 +364,14 @@ class SQLiteStore(Store):
 
     def get_artifact(self, artifact_id: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM artifacts WHERE id=?", (artifact_id,))
-        return load(rows[0][0]) if rows else None
+        return loads(rows[0][0]) if rows else None
 
     def update_artifact(self, artifact_id: str, changes: dict) -> None:
         with self.db.tx() as db:
             row = db.execute("SELECT doc FROM artifacts WHERE id=?", (artifact_id,)).fetchone()
             if row is None:
                 return
-            doc = {**load(row[0]), **changes}
+            doc = {**loads(row[0]), **changes}
             db.execute("UPDATE artifacts SET job_id=?, kind=?, doc=? WHERE id=?",
                        (doc.get("job_id"), doc["kind"], dump(doc), artifact_id))
 
@@ -379,17 +380,17 @@ class SQLiteStore(Store):
         if kind:
             sql += " AND kind=?"
             args.append(kind)
-        return [load(r[0]) for r in self.db.query(sql + " ORDER BY rowid", tuple(args))]
+        return [loads(r[0]) for r in self.db.query(sql + " ORDER BY rowid", tuple(args))]
 
     def find_artifact(self, room_id: str, kind: str, sha256: str) -> dict | None:
         rows = self.db.query("SELECT doc FROM artifacts WHERE json_extract(doc, '$.room_id')=? AND kind=? AND "
                              "json_extract(doc, '$.sha256')=? ORDER BY rowid LIMIT 1", (room_id, kind, sha256))
-        return load(rows[0][0]) if rows else None
+        return loads(rows[0][0]) if rows else None
 
     def list_room_artifacts(self, room_id: str, kind: str) -> list[dict]:
         rows = self.db.query("SELECT doc FROM artifacts WHERE json_extract(doc, '$.room_id')=? AND kind=? "
                              "ORDER BY rowid", (room_id, kind))
-        return [load(r[0]) for r in rows]
+        return [loads(r[0]) for r in rows]
 
     def delete_artifact(self, artifact_id: str, if_unattached: bool = False) -> bool:
         with self.db.tx() as db:
@@ -405,7 +406,7 @@ class SQLiteStore(Store):
     def list_unattached_artifacts(self, created_before: float) -> list[dict]:
         rows = self.db.query("SELECT doc FROM artifacts WHERE job_id IS NULL AND "
                              "json_extract(doc, '$.created_at') < ? ORDER BY rowid", (float(created_before),))
-        return [load(r[0]) for r in rows]
+        return [loads(r[0]) for r in rows]
 
     def known_artifacts(self, artifact_ids: Iterable[str]) -> set[str]:
         ids, known = list(artifact_ids), set()

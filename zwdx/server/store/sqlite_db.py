@@ -19,8 +19,6 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Callable
 
-import orjson
-
 from ...errors import SchemaVersionError, StoreError
 from . import base
 from .migrations import job_1_to_2, job_2_to_3, legacy_credential, room_2_to_3
@@ -61,16 +59,6 @@ CREATE INDEX IF NOT EXISTS artifacts_room ON artifacts (json_extract(doc, '$.roo
 
 def dump(doc) -> str:
     return json.dumps(doc, separators=(",", ":"))
-
-
-def load(text: str):
-    """A stored document: orjson reads them 3 to 5 times faster than ``json`` (a room of 1,000
-    GPU clients: 15 ms a listing, most of the scheduler's pass and of the dashboards' client
-    list); ``json`` takes what orjson refuses (NaN, which ``dump`` may have written)."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
 
 
 def _jobs_1_to_2(db: sqlite3.Connection) -> None:
@@ -229,8 +217,8 @@ class Database:
         """Copy the write-ahead log into the database file from an OS thread of its own, every
         ``CHECKPOINT_INTERVAL`` s, instead of in whichever call's commit fills the log past 1,000
         pages. That copy ends in an fsync; under gevent a call that made it held every
-        connection of the server still for as long (hundreds of milliseconds on a busy disk).
-        SQLite releases the GIL while it works, so the thread holds up nothing. A PASSIVE
+        connection of the server still for as long as the disk took. SQLite releases the GIL
+        while it works, so the thread holds up nothing. A PASSIVE
         checkpoint waits for no reader or writer. For a server process (``zwdx server``), not
         for every process that opens the store."""
         if self._checkpointer:
