@@ -49,7 +49,7 @@ log = logging.getLogger("gpu_client.container")
 DEFAULT_IMAGE = "zwdx-gpu-client"
 #: Variables of the agent's environment a rank container gets (what libraries read themselves).
 PASSED = ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "ZWDX_STANDBY_WARMUP", "NCCL_DEBUG",
-          "PYTHONUNBUFFERED")
+          "PYTHONUNBUFFERED", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 #: Containers' uids: ``uid_base`` + a number free among the agent's live containers.
 UIDS_PER_AGENT = 256
 

@@ -14,8 +14,10 @@ Either way the host copies go into blocks kept from one checkpoint to the next, 
 dtype (pinned when the tensors are on a GPU), and the files are written and uploaded from
 those copies in the background (``checkpoint.py``). One block per dtype, not one for all:
 ``torch.save`` refuses tensors that view one storage as different types. The blocks are made at
-the first checkpoint (pinning memory is slow: about a second per 1.5 GB, paid in the
-background when there is a snapshot) and again only when the tensors' sizes change; they are
+the first checkpoint (in the background when there is a snapshot; pinned by registering
+memory the process touched, which the rank's allocator setting asks for: the driver's own
+pinned allocation holds every CUDA call of the training thread meanwhile, about 1.5 s per
+GB) and again only when the tensors' sizes change; they are
 reused only once the previous checkpoint's background work is done with them.
 
     staging = Staging()

@@ -73,3 +73,10 @@ def test_checkpoint_stall_runs():
 def test_mixed_devices_runs_both_sharings():
     out = bench("mixed_devices.py", "--steps", "2", "--warmup", "1", "--hidden", "64", "--global-batch", "32")
     assert "| unweighted | 16 + 16 |" in out and "| weighted |" in out and "weighted / unweighted speed" in out
+
+
+def test_pinning_says_it_needs_a_gpu_where_there_is_none():
+    # it measures pinned memory against a GPU's training: on CPU, a clear refusal, no traceback
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pinning.py")], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device here" in proc.stderr and "Traceback" not in proc.stderr

@@ -167,7 +167,8 @@ def test_a_rank_has_no_secret_in_its_environment_or_command_line(sdk, room, star
                 "secrets": sorted(k for k, v in os.environ.items() if token in v or donor in v or "rk_" in v
                                   or "zc_" in v),
                 "in_cmdline": token in cmdline or donor in cmdline or "rk_" in cmdline,
-                "torch": [os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]}
+                "torch": [os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")],
+                "allocator": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_looking_around,
                             room_token=token, world_size=1, progress=False, timeout=120)
     seen = result["results"]
@@ -180,3 +181,17 @@ def test_a_rank_has_no_secret_in_its_environment_or_command_line(sdk, room, star
     given = {k for k in (*os.environ, *PROCESSES) if k.startswith("ZWDX_")} - {"ZWDX_ROOM_TOKEN"}
     assert set(seen["zwdx_variables"]) <= given
     assert seen["torch"] == ["0", "1", "0"]  # torch's variables, for libraries that read them
+    assert "pinned_use_cuda_host_register:True" in seen["allocator"]  # a checkpoint's pinning off the training thread
+
+
+def test_the_allocator_setting_a_rank_gets_keeps_the_donors_own():
+    from gpu_client.launcher import pinning_environ
+    added = pinning_environ({})["PYTORCH_CUDA_ALLOC_CONF"].split(",")
+    assert added[0] == "pinned_use_cuda_host_register:True" and added[1].startswith("pinned_num_register_threads:")
+    assert pinning_environ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})["PYTORCH_CUDA_ALLOC_CONF"] \
+        .startswith("expandable_segments:True,pinned_use_cuda_host_register:True,")
+    # PyTorch reads PYTORCH_ALLOC_CONF first: the setting goes there when it is set
+    both = pinning_environ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "x:1"})
+    assert list(both) == ["PYTORCH_ALLOC_CONF"] and both["PYTORCH_ALLOC_CONF"].startswith("max_split_size_mb:128,")
+    # a donor who chose the pinning themselves keeps their choice
+    assert pinning_environ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}) == {}
