@@ -213,3 +213,44 @@ def test_a_server_with_many_gpu_clients_asks_them_to_beat_less_often_and_waits_l
         for sio in socks:
             sio.disconnect()
         server.stop()
+
+
+def metric(server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_heartbeats_that_come_together_are_written_together_and_each_answered(server, room):
+    """Many GPU clients beating at once: every heartbeat is answered once written, as one alone
+    is, and the server writes them to its store several at a time (``GET /metrics``)."""
+    import threading
+    socks = []
+    try:
+        for n in range(40):
+            sio = socketio.Client(reconnection=False)
+            sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["donor_token"]},
+                        transports=["websocket"], wait_timeout=30)
+            socks.append(sio)
+            assert call(sio, "register", {**HELLO, "client_id": f"many-{n}"})["ok"]
+        beats, writes = metric(server, "zwdx_heartbeats_total"), metric(server, "zwdx_heartbeat_writes_total")
+        start, answers = threading.Barrier(len(socks)), {}
+
+        def beat(n: int, sio) -> None:
+            start.wait()
+            answers[n] = call(sio, "heartbeat", {"slots": [{"index": 0, "memory_free": n}]})
+        threads = [threading.Thread(target=beat, args=(n, sio)) for n, sio in enumerate(socks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert answers == {n: {"ok": True} for n in range(len(socks))}
+        written = metric(server, "zwdx_heartbeats_total") - beats
+        assert written == len(socks)
+        assert metric(server, "zwdx_heartbeat_writes_total") - writes < written  # some shared a write
+        # each one's figures are its own
+        free = {c["id"]: c["slots"][0]["memory_free"] for c in room_clients(server, room)}
+        assert free == {f"many-{n}": n for n in range(len(socks))}
+    finally:
+        for sio in socks:
+            sio.disconnect()
