@@ -123,7 +123,6 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
         with open(os.path.join(level_dir, "go"), "w") as fh:
             json.dump({"t0": t0, "t1": t1}, fh)
         time.sleep(max(0.0, t0 - time.time()))
-        written0 = heartbeats_written(servers)
         cpu0, w0 = sum(harness.cpu_seconds(srv.pid) for srv in servers), time.time()
         gen0 = sum(harness.cpu_seconds(g.pid) for g in gens)
         mongo0 = harness.cpu_seconds(mongo.pid) if mongo else None
@@ -141,7 +140,6 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
         status = {"VmRSS": max(e["VmRSS"] for e in each), "VmHWM": max(e["VmHWM"] for e in each),
                   "Threads": max(e["Threads"] for e in each)}
         mongo_status = proc_status(mongo.pid) if mongo else None
-        written = heartbeats_written(servers)
         online = None
         try:
             online = sum(c["status"] == "online" for t in tokens for c in requests.get(
@@ -176,9 +174,6 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
             counts.update(r["counts"])
             samples += r["error_samples"]
             held += r.get("held_at_end", 0)
-        if written0 is not None and written is not None:  # the servers' own count (heartbeats.py)
-            counts["heartbeats written (servers' /metrics)"] = int(written[0] - written0[0])
-            counts["store writes that took them"] = int(written[1] - written0[1])
         return {"store": store, "servers": n_servers, "clients": clients, "async_mode": async_mode, "users": users, "rooms": args.rooms,
                 "ramp_s": ramp_s,
                 "held_ready": held_ready, "held": held, "online": online, "hold_s": args.hold,
@@ -255,26 +250,6 @@ def passed(r: dict, limit: float) -> tuple[bool, str]:
     if errs:
         why.append(f"{errs} errors")
     return not why, "; ".join(why) or f"worst p99 {worst[1]:,.0f} ms ({worst[0]})"
-
-
-def heartbeats_written(servers) -> tuple[float, float] | None:
-    """(heartbeats written, store writes that took them) so far, summed over the servers'
-    ``GET /metrics``; None from code that does not count them."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-    totals = {"zwdx_heartbeats_total": 0.0, "zwdx_heartbeat_writes_total": 0.0}
-    seen = set()
-    for srv in servers:
-        try:
-            text = requests.get(f"{srv.url}/metrics", timeout=30).text
-        except requests.RequestException:
-            return None
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in totals:
-                    totals[sample.name] += sample.value
-                    seen.add(sample.name)
-    return (totals["zwdx_heartbeats_total"], totals["zwdx_heartbeat_writes_total"]) if len(seen) == 2 else None
 
 
 def report(results: list[dict], args) -> str:

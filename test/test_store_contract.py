@@ -221,23 +221,6 @@ def test_a_heartbeat_of_a_client_not_in_the_expected_status_changes_nothing(stor
     assert store.get_client("c1")["last_seen"] == 50.0
 
 
-def test_heartbeats_written_together_apply_or_refuse_each_on_its_own(store):
-    for cid in ("c1", "c2", "c3"):
-        make_client(store, cid, gpus=1)
-    store.update_client("c2", {"status": "offline"})
-    refused = store.touch_clients([
-        ("c1", {"last_seen": 50.0}, [{"index": 0, "memory_free": 5}], "online"),
-        ("c2", {"last_seen": 51.0}, [{"index": 0, "memory_free": 6}], "online"),  # lost meanwhile: refused
-        ("nope", {"last_seen": 52.0}, [], "online"),                                # never registered
-        ("c3", {}, [{"index": 0, "utilization": 40}], None),                        # stats alone, any status
-    ])
-    assert refused == {"c2", "nope"}
-    assert (store.get_client("c1")["last_seen"], store.get_client("c2")["last_seen"]) == (50.0, 10.0)
-    slots = {s["client_id"]: s for s in store.list_slots("r1")}
-    assert (slots["c1"]["memory_free"], slots["c2"]["memory_free"], slots["c3"]["utilization"]) == (5, 80, 40)
-    assert store.touch_clients([]) == set()
-
-
 def test_registering_again_keeps_busy_slots_and_drops_free_ones_that_vanished(store):
     make_room(store)
     make_client(store, gpus=3)

@@ -32,7 +32,6 @@ from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, eve
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import socketio
-from .heartbeats import HeartbeatWriter
 from .lease import NAME as SCHEDULER_LEASE, Lease
 from .placement import RecentClients
 from .scheduler import Scheduler
@@ -127,8 +126,6 @@ class ServerContext:
         #: lease's holder among processes that share a store and a message queue (``lease.py``)
         self.lease = Lease(self.store, shared=bool(cfg.get("MESSAGE_QUEUE")),
                            ttl=float(cfg.get("SCHEDULER_LEASE_TTL") or defaults.SCHEDULER_LEASE_TTL))
-        #: heartbeats written to the store together (``heartbeats.py``)
-        self.heartbeats = HeartbeatWriter(self.store)
         self.scheduler = Scheduler(self)
         #: each room's GPU clients as read lately, for the submit-time hint (``placement.RecentClients``)
         self.recent_clients = RecentClients(self.store)

@@ -217,10 +217,9 @@ def heartbeat(ctx, sid: str, beat: Heartbeat) -> HeartbeatAnswer:
     stats = [s.model_dump(exclude_unset=True) for s in beat.slots]  # only the figures it sent
     interval, timeout = heartbeat_pace(ctx)
     told = sess.get("interval") or interval
-    # One store write (shared with the heartbeats that come meanwhile: heartbeats.py): the client's
-    # deadline and its slots' stats, if it is still online. Until it hears of a new pace it beats
-    # at the one it was told: the deadline allows for the longer.
-    if not ctx.heartbeats.touch(sess["client_id"], {
+    # One store write: the client's deadline and its slots' stats, if it is still online. Until it
+    # hears of a new pace it beats at the one it was told: the deadline allows for the longer.
+    if not ctx.store.touch_client(sess["client_id"], {
             "last_seen": now, "lost_after": now + timeout * max(interval, told) / interval}, stats,
             expect_status=ClientStatus.ONLINE.value):
         return HeartbeatAnswer(ok=False, error="unknown or lost gpu client: register again")

@@ -3,7 +3,6 @@
     meters.request_done(method, route, status, seconds)   # after every REST request
     meters.job_placed(job, at)                             # queued|resuming -> starting
     meters.job_moved(job, to, at)                          # resuming, or an end
-    meters.heartbeats_written(n)                           # one store write took n heartbeats
 
 Counters and histograms of prometheus-client, in a registry of zwdx's own (several apps in one
 test process share it: read them as differences). Labels stay bounded: a route's rule (never
@@ -41,18 +40,6 @@ RESTARTS = Counter("zwdx_job_restarts", "Times a job went back to waiting after 
 
 DATASET_BYTES = Counter("zwdx_dataset_bytes_served", "Bytes of dataset chunks sent to GPU clients", ["room"],
                         registry=REGISTRY)
-
-
-HEARTBEATS = Counter("zwdx_heartbeats", "GPU client heartbeats written to the store", registry=REGISTRY)
-
-HEARTBEAT_WRITES = Counter("zwdx_heartbeat_writes", "Store writes that took those heartbeats (several at a time "
-                           "under load: heartbeats.py)", registry=REGISTRY)
-
-
-def heartbeats_written(n: int) -> None:
-    """One store write took ``n`` heartbeats."""
-    HEARTBEAT_WRITES.inc()
-    HEARTBEATS.inc(n)
 
 
 def dataset_served(room_id: str, size: int) -> None:

@@ -22,8 +22,6 @@ and processes):
 - ``touch_client`` changes a client only if it is still in ``expect_status``. On SQLite the
   client and its slots' stats change in one transaction; on MongoDB (single-document
   atomicity) the slots' stats follow the client's update in one more round trip.
-  ``touch_clients`` does the same for many clients: one transaction on SQLite, three round
-  trips on MongoDB, each client's touch applied or refused on its own.
 - ``upsert_client`` writes only over a client of the same room and client secret: two agents
   registering one new id at once get one registration.
 - ``revoke_credential`` never leaves a room without a submitter credential, however many
@@ -215,13 +213,6 @@ class Store(abc.ABC):
         ``lost_after``) on it and refresh ``memory_free``/``utilization``/``memory_total`` of
         its slots by ``index`` from ``stats`` (slots it does not have are skipped). Returns
         False, changing nothing, otherwise."""
-
-    def touch_clients(self, touches: list[tuple[str, dict, list[dict], str | None]]) -> set[str]:
-        """Several heartbeats at once: ``touch_client(*touch)`` for each ``(client_id, changes,
-        stats, expect_status)`` in order, in as few writes as the store allows. Returns the ids
-        of the touches refused (the client gone, or not in its ``expect_status``); each of
-        those changed nothing."""
-        return {touch[0] for touch in touches if not self.touch_client(*touch)}
 
     @abc.abstractmethod
     def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:

@@ -212,27 +212,6 @@ class MongoStore(Store):
             self._slots.bulk_write(updates, ordered=False)
         return True
 
-    def touch_clients(self, touches: list[tuple[str, dict, list[dict], str | None]]) -> set[str]:
-        """Three round trips whatever their number: the clients' updates (each only while in its
-        ``expect_status``), which of them are in it now, the accepted ones' slots' stats."""
-        updates = [UpdateOne({"_id": client_id, **({"doc.status": expect} if expect is not None else {})},
-                             {"$set": {f"doc.{k}": v for k, v in plain(changes).items()}})
-                   for client_id, changes, _, expect in touches if changes]
-        if updates:
-            self._clients.bulk_write(updates, ordered=False)
-        # a projection of "doc.status": {"doc": {"status": ...}} from MongoDB, {"doc.status": ...} from nx-27017
-        status = {d["_id"]: d["doc"]["status"] if "doc" in d else d.get("doc.status") for d in
-                  self._clients.find({"_id": {"$in": [t[0] for t in touches]}}, {"doc.status": 1})}
-        refused = {client_id for client_id, _, _, expect in touches
-                   if client_id not in status or (expect is not None and status[client_id] != expect)}
-        slots = [UpdateOne({"client_id": client_id, "index": stat["index"]},
-                           {"$set": {f"doc.{k}": stat[k] for k in SLOT_STATS if k in stat}})
-                 for client_id, _, stats, _ in touches if client_id not in refused
-                 for stat in plain(stats) if any(k in stat for k in SLOT_STATS)]
-        if slots:
-            self._slots.bulk_write(slots, ordered=False)
-        return refused
-
     def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}
         if client_id is not None:

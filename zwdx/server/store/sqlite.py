@@ -20,22 +20,6 @@ from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_field
 from .sqlite_db import Database, dump
 
 
-def _touch(db, client_id: str, changes: dict, stats: list[dict], expect_status: str | None) -> bool:
-    """``touch_client`` inside the transaction ``db``."""
-    set_client, args = _json_set(changes)
-    where = "id=?" + (" AND json_extract(doc, '$.status')=?" if expect_status is not None else "")
-    args += (client_id,) + ((expect_status,) if expect_status is not None else ())
-    if db.execute(f"UPDATE clients SET doc={set_client} WHERE {where}", args).rowcount != 1:
-        return False
-    for stat in stats:
-        fields = {k: stat[k] for k in SLOT_STATS if k in stat}
-        if fields:
-            set_slot, slot_args = _json_set(fields)
-            db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
-                       (*slot_args, client_id, stat["index"]))
-    return True
-
-
 def _json_set(fields: dict) -> tuple[str, tuple]:
     """SQL that sets top-level fields of the ``doc`` column in place (SQLite's json_set, no
     decoding in Python), and its arguments."""
@@ -179,12 +163,19 @@ class SQLiteStore(Store):
 
     def touch_client(self, client_id: str, changes: dict, stats: list[dict],
                      expect_status: str | None = None) -> bool:
+        set_client, args = _json_set(changes)
+        where = "id=?" + (" AND json_extract(doc, '$.status')=?" if expect_status is not None else "")
+        args += (client_id,) + ((expect_status,) if expect_status is not None else ())
         with self.db.tx() as db:
-            return _touch(db, client_id, changes, stats, expect_status)
-
-    def touch_clients(self, touches: list[tuple[str, dict, list[dict], str | None]]) -> set[str]:
-        with self.db.tx() as db:  # one transaction: one turn at the write lock for all of them
-            return {touch[0] for touch in touches if not _touch(db, *touch)}
+            if db.execute(f"UPDATE clients SET doc={set_client} WHERE {where}", args).rowcount != 1:
+                return False
+            for stat in stats:
+                fields = {k: stat[k] for k in SLOT_STATS if k in stat}
+                if fields:
+                    set_slot, slot_args = _json_set(fields)
+                    db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
+                               (*slot_args, client_id, stat["index"]))
+        return True
 
     def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
         out = []
