@@ -5,6 +5,7 @@ change), side by side in one run, on the same machine, model and steps.
     python bench/checkpoint_stall.py --gpus 2 --parallelism FSDP --baseline ../zwdx-before
     python bench/checkpoint_stall.py --gpus 2 --set layers=24 --set dim=2048 --set heads=16 --batch 2   # ~1.3 B
     python bench/checkpoint_stall.py --gpus 0 --cpu-ranks 2 --checkpoints 2            # CPU smoke run
+    python bench/checkpoint_stall.py --gpus 2 --parallelism FSDP --where               # where the stall goes
 
 Each side starts its own server and GPU clients (one per GPU, or CPU ranks) from its checkout
 and runs one job of ``bench/workload.py``'s GPT: ``--between`` steps, then ``reporter.checkpoint()``,
@@ -58,7 +59,38 @@ def shipped_as_settings(cfg: dict):
     return model, optimizer
 
 
-def functions(cfg: dict, between: int, checkpoints: int, pause: float):
+def sample_thread(ident: int, every: float = 0.002):
+    """Where thread ``ident`` is, every ``every`` s, until ``stop()``: returns (a Counter of its
+    innermost frames, a Counter of stalls of the sampler itself (another thread kept the GIL),
+    stop). Runs in the rank process, as a thread of the train function's."""
+    import collections
+    import traceback
+    seen, held = collections.Counter(), collections.Counter()
+    done = threading.Event()
+
+    def run():
+        last = time.perf_counter()
+        while not done.wait(every):
+            now = time.perf_counter()
+            frame = sys._current_frames().get(ident)
+            if frame is None:
+                continue
+            where = " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                               for f in reversed(traceback.extract_stack(frame)[-4:]))
+            seen[where] += 1
+            if now - last > 10 * every:  # the GIL was another thread's meanwhile
+                held[where] += round((now - last) * 1000)
+            last = now
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def stop():
+        done.set()
+        thread.join()
+    return seen, held, stop
+
+
+def functions(cfg: dict, between: int, checkpoints: int, pause: float, where: bool = False):
     def data_loader(rank, world_size, device):
         return [None]  # train_func makes its batches on the device
 
@@ -91,18 +123,26 @@ def functions(cfg: dict, between: int, checkpoints: int, pause: float):
 
         steps(3)  # warm-up (and AdamW's state exists)
         before = steps(between)
+        found = []
         for k in range(checkpoints):
             sync()
+            if where:
+                seen, held, stop = sample_thread(threading.get_ident())
             t = time.perf_counter()
             reporter.checkpoint()
             sync()
             stall = time.perf_counter() - t
+            if where:
+                stop()
+                found.append({"checkpoint": k, "stall_s": stall,  # lists, not tuples: results are JSON
+                              "samples": [[f, n] for f, n in seen.most_common(6)],
+                              "gil_elsewhere_ms": [[f, ms] for f, ms in held.most_common(3)]})
             after = steps(between)
             reporter.log_metrics(step=k, stall_s=stall, steps_before_s=before, steps_after_s=after,
                                  called_at=time.time() - stall - after)
             before = after
             time.sleep(pause)  # the previous checkpoint's upload done before the next (a real interval)
-        return {"ok": 1.0}
+        return {"ok": 1.0, "where": found}
 
     return data_loader, train
 
@@ -131,7 +171,7 @@ def child(args) -> dict:
                    what=f"{n} gpu clients online")
         model, optimizer = shipped_as_settings(cfg)
         params = sum(p.numel() for p in model.parameters())
-        data_loader, train = functions(cfg, args.between, args.checkpoints, args.pause)
+        data_loader, train = functions(cfg, args.between, args.checkpoints, args.pause, where=args.where)
         committed: dict[int, float] = {}
         job_id = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train, optimizer=optimizer,
                                 parallelism=args.parallelism, room_token=token, epochs=1, world_size=n,
@@ -160,7 +200,8 @@ def child(args) -> dict:
             at = committed.get(k)
             rows.append({"stall_s": pick["stall_s"], "steps_extra_s": pick["steps_after_s"] - pick["steps_before_s"],
                          "to_commit_s": (at - pick["called_at"]) if at else None})
-        return {"params": params, "checkpoints": rows, "device": torch.cuda.get_device_name(0) if args.gpus else "cpu"}
+        return {"params": params, "checkpoints": rows, "device": torch.cuda.get_device_name(0) if args.gpus else "cpu",
+                "where": (res.get("results") or {}).get("where") or []}
     finally:
         for c in clients:
             c.stop()
@@ -171,6 +212,7 @@ def side(code: str, args) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--code", code, "--gpus", str(args.gpus),
             "--cpu-ranks", str(args.cpu_ranks), "--parallelism", args.parallelism, "--between", str(args.between),
             "--checkpoints", str(args.checkpoints), "--pause", str(args.pause), "--timeout", str(args.timeout)]
+    argv += ["--where"] if args.where else []
     argv += (["--batch", str(args.batch)] if args.batch else []) + [x for s in args.set for x in ("--set", s)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout + 120)
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
@@ -192,6 +234,9 @@ def main() -> int:
                         help="seconds of no training after the steps that follow each checkpoint (a longer "
                              "interval between checkpoints than --between steps, without the steps)")
     parser.add_argument("--baseline", default=None, help="another checkout, measured the same way first")
+    parser.add_argument("--where", action="store_true",
+                        help="sample rank 0's training thread every 2 ms during each stall and print where it "
+                             "was (and where another thread kept the GIL); the samples cost a little time")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -217,6 +262,12 @@ def main() -> int:
         lines.append(f"| {name} | {stalls[0]:.3f} | {statistics.median(later):.3f}, {max(later):.3f} | "
                      f"{statistics.median(extra):+.3f} | {statistics.median(commit) if commit else float('nan'):.2f} |")
     text = title + "\n".join(lines) + "\n"
+    for name, r in results.items():
+        for found in r.get("where") or []:
+            text += (f"\n{name}, checkpoint {found['checkpoint']} (stall {found['stall_s']:.3f} s): where rank 0's "
+                     f"training thread was, 2 ms samples\n\n| samples | innermost frames first |\n|---|---|\n")
+            text += "".join(f"| {n} | {frames} |\n" for frames, n in found["samples"])
+            text += "".join(f"| GIL elsewhere {ms} ms | {frames} |\n" for frames, ms in found["gil_elsewhere_ms"])
     print(text, flush=True)
     if args.out:
         with open(args.out, "a") as fh:

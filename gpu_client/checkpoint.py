@@ -63,6 +63,11 @@ class Checkpointer:
         self.commit_timeout = commit_timeout  # how long rank 0 waits for the other ranks' files, s
         self._pending: threading.Thread | None = None  # the last checkpoint's background work
         self._failed: BaseException | None = None
+        if self.format == CheckpointFormat.SHARDS:
+            # Imported now, before training, not at the first save: its first import brings in
+            # torch.distributed.elastic, whose rendezvous registry reads every installed package's
+            # entry points, and held the first FSDP checkpoint for tenths of a second.
+            import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     # -- the user's extra state ----------------------------------------------------------------
     def track(self, obj, name: str | None = None):

@@ -371,6 +371,8 @@ def _plain(value):
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, dict):  # nested results stay a mapping (keys as strings, as JSON has them)
+        return {str(k): _plain(v) for k, v in value.items()}
     return repr(value)
 
 

@@ -36,7 +36,9 @@ def prepare(device: str) -> None:
 
 def warm_up(device, parts: set[str]) -> None:
     """Pay while the slot is idle what a job's first seconds would otherwise pay. ``imports``:
-    the modules DDP imports when it first wraps a model (torch._dynamo, about a second).
+    the modules DDP imports when it first wraps a model (torch._dynamo, about a second), and
+    those of FSDP's checkpoints (torch.distributed.checkpoint's state dicts, which read every
+    installed package's entry points as they load).
     Off by default, as they cost steady-state throughput on 2 x H200 (bench/README.md): ``kernels``
     (GPUs), the cuBLAS and cuDNN handles by a tiny bf16 forward and backward, 2.6%; ``nccl``,
     NCCL's one-time set-up by a DDP step in a process group of this process alone, measured
@@ -47,6 +49,7 @@ def warm_up(device, parts: set[str]) -> None:
     try:
         if "imports" in parts:
             import torch._dynamo  # noqa: F401
+            import torch.distributed.checkpoint.state_dict  # noqa: F401  (FSDP's checkpoints: checkpoint.py)
         if "kernels" in parts and cuda:
             model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 8))
             with torch.autocast(device_type="cuda", dtype=torch.bfloat16):

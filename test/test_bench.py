@@ -66,8 +66,10 @@ def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
 
 
 def test_checkpoint_stall_runs():
-    out = bench("checkpoint_stall.py", "--gpus", "0", "--cpu-ranks", "2", "--checkpoints", "2", "--between", "2")
+    out = bench("checkpoint_stall.py", "--gpus", "0", "--cpu-ranks", "2", "--checkpoints", "2", "--between", "2",
+                "--where")
     assert "| this checkout |" in out and "first checkpoint's stall" in out
+    assert "checkpoint 0" in out and "where rank 0's training thread was" in out  # --where's samples
 
 
 def test_mixed_devices_runs_both_sharings():

@@ -172,7 +172,8 @@ def report_param_groups(model, loader, optimizer, rank, reporter):
                                 f"group{i}_beta1": g["betas"][0], f"group{i}_eps": g["eps"],
                                 f"group{i}_own": float(all(id(p) in own for p in g["params"]))})
         groups.append([list(p.shape) for p in g["params"]])
-    return {"loss": 0.0, "optimizer": type(optimizer).__name__, "shapes": groups}
+    return {"loss": 0.0, "optimizer": type(optimizer).__name__, "shapes": groups,
+            "by_group": {i: {"lr": g["lr"], "betas": g["betas"]} for i, g in enumerate(optimizer.param_groups)}}
 
 
 @pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
@@ -186,6 +187,9 @@ def test_the_optimizer_is_rebuilt_with_every_param_groups_settings(pool, paralle
     assert result["status"] == "completed", result.get("reason")
     assert result["results"]["optimizer"] == "AdamW"
     assert result["results"]["shapes"] == [[[8, 4], [8]], [[2, 8], [2]]]
+    # a nested mapping comes back as one (its keys as strings, as in JSON), not as its repr
+    assert result["results"]["by_group"] == {"0": {"lr": 0.01, "betas": [0.9, 0.999]},
+                                             "1": {"lr": 0.002, "betas": [0.8, 0.95]}}
     series = pool.sdk.get_job_metrics(result["job_id"])
     expected = {"group0_lr": 0.01, "group0_weight_decay": 0.1, "group0_beta1": 0.9, "group0_eps": 1e-6,
                 "group1_lr": 0.002, "group1_weight_decay": 0.0, "group1_beta1": 0.8, "group1_eps": 1e-6,
