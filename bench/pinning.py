@@ -40,7 +40,7 @@ def child(args) -> dict:
     import workload
     device = torch.device("cuda", 0)
     cfg = workload.config("gpt2", "cuda", batch=args.batch, **{k: int(v) for k, v in (s.split("=", 1) for s in args.set)})
-    model, optimizer = workload.build(cfg)
+    model, _ = workload.build(cfg)  # its optimizer is made again below, over the parameters on the GPU
     model = model.to(device)
     optimizer = workload.optimizer(model.parameters(), cfg)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=device)

@@ -14,8 +14,8 @@ whatever the job left once its ranks are gone.
 
 Only what libraries read themselves is added to a rank's environment (``OMP_NUM_THREADS``,
 ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, ``PYTHONUNBUFFERED``, PyTorch's allocator
-setting for pinned memory); the GPU client's secrets
-(``ZWDX_ROOM_TOKEN`` and the like) are taken out of the environment it inherits.
+setting for pinned memory); the GPU client's secrets (``ZWDX_ROOM_TOKEN`` and the like) are
+taken out of the environment it inherits.
 """
 from __future__ import annotations
 

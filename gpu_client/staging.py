@@ -17,8 +17,8 @@ those copies in the background (``checkpoint.py``). One block per dtype, not one
 the first checkpoint (in the background when there is a snapshot; pinned by registering
 memory the process touched, which the rank's allocator setting asks for: the driver's own
 pinned allocation holds every CUDA call of the training thread meanwhile, about 1.5 s per
-GB) and again only when the tensors' sizes change; they are
-reused only once the previous checkpoint's background work is done with them.
+GB) and again only when the tensors' sizes change; they are reused only once the previous
+checkpoint's background work is done with them.
 
     staging = Staging()
     copies = staging.copy([("model.w", tensor), ...])   # host copies, in the block, now
