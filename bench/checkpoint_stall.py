@@ -25,6 +25,7 @@ model's).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -262,8 +263,13 @@ def main() -> int:
         lines.append(f"| {name} | {stalls[0]:.3f} | {statistics.median(later):.3f}, {max(later):.3f} | "
                      f"{statistics.median(extra):+.3f} | {statistics.median(commit) if commit else float('nan'):.2f} |")
     text = title + "\n".join(lines) + "\n"
+    if args.out:  # the raw figures first: a table that fails to print loses nothing
+        with open(args.out + ".json", "a") as fh:
+            fh.write(json.dumps({"args": vars(args), "results": results}) + "\n")
     for name, r in results.items():
         for found in r.get("where") or []:
+            if isinstance(found, str):  # code before 22ff444 sent a result's nested dicts as their repr
+                found = ast.literal_eval(found)
             text += (f"\n{name}, checkpoint {found['checkpoint']} (stall {found['stall_s']:.3f} s): where rank 0's "
                      f"training thread was, 2 ms samples\n\n| samples | innermost frames first |\n|---|---|\n")
             text += "".join(f"| {n} | {frames} |\n" for frames, n in found["samples"])
@@ -272,8 +278,6 @@ def main() -> int:
     if args.out:
         with open(args.out, "a") as fh:
             fh.write(text)
-        with open(args.out + ".json", "a") as fh:
-            fh.write(json.dumps({"args": vars(args), "results": results}) + "\n")
     return 0
 
 
