@@ -3,6 +3,9 @@ collected by the suite, which runs without GPUs):
 
     python -m pytest test/gpu_staging.py
 
+(On a host whose Python already has pytest plugins that do not fit the pytest you bring, e.g.
+a newer pytest-timeout: ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``.)
+
 The snapshot is taken on the device without waiting and freed once copied to pinned host
 blocks; a GPU without room for it gets its host copies while training waits.
 """
