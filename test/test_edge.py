@@ -10,6 +10,9 @@ import pytest
 from zwdx.protocol.report import RankReport
 from zwdx.server.http import MAX_JSON_BYTES, MAX_JSON_DEPTH
 
+from conftest import placed_job
+from store_backends import mongo_server, mongo_uri  # noqa: F401 (fixtures)
+
 
 @pytest.fixture
 def job(api) -> dict:
@@ -69,6 +72,26 @@ def test_json_nested_too_deep_is_refused_before_it_is_parsed(api, job):
     # Brackets inside strings are text, not nesting.
     resp = api.post("/rooms", json={"name": "[" * 90})
     assert resp.status_code == 201, resp.text
+
+
+def test_json_integers_past_64_bits_keep_every_digit(app):
+    room, rank0, job = placed_job(app, "bigint")
+    big = 2 ** 70 + 1  # a float would lose the + 1
+    body = '{"status": "completed", "results": {"n": %d, "small": [1, 2.5]}}' % big
+    resp = rank0.post(f"/jobs/{job['id']}/ranks/0", data=body, content_type="application/json")
+    assert resp.status_code < 300, resp.text
+    assert room.get(f"/jobs/{job['id']}").json["results"] == {"n": big, "small": [1, 2.5]}
+
+
+def test_json_integers_past_64_bits_on_mongodb_are_a_400_changing_nothing(make_app, mongo_uri):
+    app = make_app(MONGO_URI=mongo_uri)
+    room, rank0, job = placed_job(app, "bigint")
+    before = room.get(f"/jobs/{job['id']}").json
+    body = '{"status": "completed", "results": {"n": %d}}' % (2 ** 70 + 1)
+    resp = rank0.post(f"/jobs/{job['id']}/ranks/0", data=body, content_type="application/json")
+    assert resp.status_code == 400 and "past 64 bits" in resp.json["error"]["message"], resp.text
+    after = room.get(f"/jobs/{job['id']}").json
+    assert (after["status"], after["results"]) == (before["status"], before["results"])
 
 
 def test_a_body_past_the_json_limit_is_413(api, job):

@@ -512,3 +512,19 @@ def test_holders_racing_for_an_expired_lease_get_it_once(backend):
         winners = [i for i, t in enumerate(taken) if t is not None]
         assert len(winners) == 1, taken
         assert stores[0].lease_holder("scheduler", now=now) == f"h{winners[0]}"
+
+
+def test_a_users_integers_past_64_bits_come_back_whole_or_are_refused_changing_nothing(store, backend):
+    store.create_job(job_record("big", results={"n": 1}))
+    big = 2 ** 70 + 1  # a float would lose the + 1
+    if backend.name == "mongo":  # BSON has integers of up to 8 bytes: the write is refused whole
+        with pytest.raises(OverflowError, match="8-byte ints"):  # the API answers it with a 400
+            store.set_job("big", {"results": {"n": big}, "final_loss": 0.5})
+        assert (store.get_job("big").results, store.get_job("big").final_loss) == ({"n": 1}, None)
+        return
+    store.set_job("big", {"results": {"n": big}})
+    assert store.get_job("big").results == {"n": big}
+    store.set_job("big", {"final_loss": 0.5})  # a later write keeps it whole
+    assert store.get_job("big").results == {"n": big}
+    store.add_events("big", [metric(0, "a", 0, loss=2.0, count=big)])
+    assert store.get_events("big")[0]["data"]["count"] == big

@@ -50,6 +50,13 @@ def register_error_handlers(app) -> None:
         code = (err.name or "error").lower().replace(" ", "_")
         return jsonify({"error": {"code": code, "message": err.description}}), err.code
 
+    @app.errorhandler(OverflowError)
+    def _too_large_for_mongodb(err: OverflowError):
+        if "8-byte ints" not in str(err):  # pymongo's: the write was refused whole, nothing changed
+            return _unexpected(err)
+        return _zwdx_error(BadRequest("the request holds an integer past 64 bits, which the MongoDB store cannot "
+                                      "hold (the embedded store can): send it as a float or a string", field="body"))
+
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
         log.exception("server: unexpected error on %s %s", request.method, request.path)

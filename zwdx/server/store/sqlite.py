@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from ...errors import StoreError
-from ...protocol.base import loads
+from ...protocol.base import loads, loads_exact
 from ...protocol.job import Job as JobRecord
 from ...protocol.vocab import JobStatus
 from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
@@ -206,7 +206,7 @@ class SQLiteStore(Store):
                                      (job_id, rank, slot_id))
                     if cur.rowcount != 1:
                         raise _Abort()
-                doc = {**loads(row[0]), **values}
+                doc = {**loads_exact(row[0]), **values}
                 db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump(doc), job_id))
         except _Abort:
             return False
@@ -291,7 +291,7 @@ class SQLiteStore(Store):
             row = db.execute("SELECT status, doc FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None or (when is not None and row[0] not in when):
                 return None
-            doc = loads(row[1])
+            doc = loads_exact(row[1])
             if not change(doc):
                 return None
             db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump(doc), job_id))
@@ -353,7 +353,7 @@ class SQLiteStore(Store):
         sql += " ORDER BY seq"
         if limit:
             sql += f" LIMIT {int(limit)}"
-        return [loads(r[0]) for r in self.db.query(sql, tuple(args))]
+        return [loads_exact(r[0]) for r in self.db.query(sql, tuple(args))]
 
     # -- artifacts -------------------------------------------------------------------------
     def add_artifact(self, artifact: dict) -> dict:
