@@ -23,6 +23,7 @@ import types
 
 from flask import Flask
 from flask.json.provider import DefaultJSONProvider
+from socketio import packet as socketio_packet
 
 from .. import defaults
 from ..protocol.base import loads
@@ -31,7 +32,7 @@ from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, eve
                scripts, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
-from .extensions import socketio
+from .extensions import Encoded, socketio
 from .lease import NAME as SCHEDULER_LEASE, Lease
 from .placement import RecentClients
 from .scheduler import Scheduler
@@ -80,7 +81,10 @@ class WireJSON(DefaultJSONProvider):
 
 
 def wire_dumps(obj, **kwargs) -> str:
-    """``json.dumps`` that writes non-finite numbers as strings (also Socket.IO's encoder)."""
+    """``json.dumps`` that writes non-finite numbers as strings (also Socket.IO's encoder: a
+    packet's ``[event, data]`` whose data is ``Encoded`` JSON takes it as it is)."""
+    if type(obj) is list and any(type(item) is Encoded for item in obj):
+        return "[" + ",".join(item if type(item) is Encoded else wire_dumps(item, **kwargs) for item in obj) + "]"
     try:
         return json.dumps(obj, allow_nan=False, **kwargs)
     except ValueError:
@@ -95,6 +99,14 @@ def wire_loads(text, **kwargs):
 
 #: What Socket.IO encodes and reads its packets with.
 SOCKET_JSON = types.SimpleNamespace(dumps=wire_dumps, loads=wire_loads)
+
+
+class JsonPacket(socketio_packet.Packet):
+    """The Socket.IO packets the server sends: JSON, never with binary attachments (every
+    message is a JSON model; bytes travel over HTTP). Otherwise python-socketio walks each
+    payload it sends, element by element, for bytes to split off: a dashboard's list of 1,000
+    GPU clients at every push. Packets that come in are read as before."""
+    uses_binary_events = False
 
 
 def private_dir(path: str) -> str:
@@ -215,7 +227,7 @@ def create_app(config: dict | None = None) -> Flask:
     prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
     queue = {"message_queue": app.config["MESSAGE_QUEUE"]} if app.config["MESSAGE_QUEUE"] else {}
-    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON,
+    socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON, serializer=JsonPacket,
                       manage_session=False, **queue)  # no Flask session is used: its copy per event is saved
     events.register(socketio, ctx)
     if ctx.lease.shared:  # a token revoked through another process closes this one's connections too

@@ -23,10 +23,12 @@ import logging
 import threading
 import time
 
+from socketio import PubSubManager
+
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
 from ..protocol.job import Job as JobRecord
 from ..protocol.rest import ClientsUpdate, JobEvents
-from .extensions import socketio
+from .extensions import Encoded, socketio
 from .placement import room_totals
 from .views import client_view, job_view
 
@@ -84,26 +86,38 @@ def _wake(job_id: str) -> None:
         changed.set()
 
 
+def _audience(room_id: str) -> bool:
+    """Whether a dashboard may be watching the room: one connected to this process, or, among
+    several processes (a message queue), perhaps one of another."""
+    manager = socketio.server.manager
+    if isinstance(manager, PubSubManager):
+        return True
+    return next(iter(manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
+
+
 def job_changed(job: JobRecord) -> None:
     _wake(job.id)
-    socketio.emit(EV_JOB_UPDATE, job_view(job).model_dump(mode="json"), to=ui_room(job.room_id),
-                  namespace=UI_NAMESPACE)
+    if _audience(job.room_id):
+        socketio.emit(EV_JOB_UPDATE, Encoded(job_view(job).model_dump_json()), to=ui_room(job.room_id),
+                      namespace=UI_NAMESPACE)
 
 
 def events_added(job: JobRecord, events: list[dict]) -> None:
     if events:
         _wake(job.id)
-        payload = JobEvents.model_validate({"job_id": job.id, "events": events})
-        socketio.emit(EV_JOB_EVENTS, payload.model_dump(mode="json"), to=ui_room(job.room_id), namespace=UI_NAMESPACE)
+        if _audience(job.room_id):
+            payload = JobEvents.model_validate({"job_id": job.id, "events": events})
+            socketio.emit(EV_JOB_EVENTS, Encoded(payload.model_dump_json()), to=ui_room(job.room_id),
+                          namespace=UI_NAMESPACE)
 
 
-def clients_payload(ctx, room_id: str) -> dict:
+def clients_payload(ctx, room_id: str) -> Encoded:
     """The room's GPU clients and what they offer in all (``room_totals``): a ``ClientsUpdate``,
-    as JSON."""
+    as JSON text."""
     clients = ctx.store.list_clients(room_id)
     payload = ClientsUpdate.model_validate({"clients": [client_view(c) for c in clients],
                                             "totals": room_totals(clients)})
-    return payload.model_dump(mode="json")
+    return Encoded(payload.model_dump_json())
 
 
 def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
@@ -112,6 +126,8 @@ def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
     global _flusher
     if joined_or_left:
         ctx.recent_clients.forget(room_id)
+    elif room_id in _due:  # marked already, as soon or sooner (each heartbeat comes here: no lock for it)
+        return
     due = time.monotonic() + (0.0 if joined_or_left else float(ctx.config["HEARTBEAT_INTERVAL"]))
     with _lock:
         _due[room_id] = min(due, _due.get(room_id, due))

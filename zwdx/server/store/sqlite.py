@@ -13,11 +13,11 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from ...errors import StoreError
-from ...protocol.base import loads, loads_exact
+from ...protocol.base import loads
 from ...protocol.job import Job as JobRecord
 from ...protocol.vocab import JobStatus
 from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
-from .sqlite_db import Database, dump
+from .sqlite_db import Database, dump, dump_exact
 
 
 def _json_set(fields: dict) -> tuple[str, tuple]:
@@ -206,8 +206,8 @@ class SQLiteStore(Store):
                                      (job_id, rank, slot_id))
                     if cur.rowcount != 1:
                         raise _Abort()
-                doc = {**loads_exact(row[0]), **values}
-                db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump(doc), job_id))
+                doc = {**loads(row[0]), **values}
+                db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump_exact(doc), job_id))
         except _Abort:
             return False
         return True
@@ -230,7 +230,7 @@ class SQLiteStore(Store):
             cur = db.execute("INSERT INTO jobs (id, room_id, status, doc) VALUES (?, ?, ?, ?)",
                              (job.id, job.room_id, doc["status"], "{}"))
             doc["seq"] = cur.lastrowid
-            db.execute("UPDATE jobs SET doc=? WHERE id=?", (dump(doc), job.id))
+            db.execute("UPDATE jobs SET doc=? WHERE id=?", (dump_exact(doc), job.id))
         return JobRecord.model_validate(doc)
 
     def get_job(self, job_id: str) -> JobRecord | None:
@@ -291,10 +291,10 @@ class SQLiteStore(Store):
             row = db.execute("SELECT status, doc FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None or (when is not None and row[0] not in when):
                 return None
-            doc = loads_exact(row[1])
+            doc = loads(row[1])
             if not change(doc):
                 return None
-            db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump(doc), job_id))
+            db.execute("UPDATE jobs SET status=?, doc=? WHERE id=?", (doc["status"], dump_exact(doc), job_id))
         return JobRecord.model_validate(doc)
 
     def set_job(self, job_id, fields, when=None, unless_set=None) -> JobRecord | None:
@@ -339,7 +339,7 @@ class SQLiteStore(Store):
                         (job_id, ev.get("key"))).fetchone():
                     continue
                 cur = db.execute("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)",
-                                 (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), dump(ev)))
+                                 (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), dump_exact(ev)))
                 if cur.rowcount == 1:
                     last += 1
                     stored.append(ev)
@@ -353,7 +353,7 @@ class SQLiteStore(Store):
         sql += " ORDER BY seq"
         if limit:
             sql += f" LIMIT {int(limit)}"
-        return [loads_exact(r[0]) for r in self.db.query(sql, tuple(args))]
+        return [loads(r[0]) for r in self.db.query(sql, tuple(args))]
 
     # -- artifacts -------------------------------------------------------------------------
     def add_artifact(self, artifact: dict) -> dict:

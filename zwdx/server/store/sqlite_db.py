@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from ...errors import SchemaVersionError, StoreError
+from ...protocol.base import exact
 from . import base
 from .migrations import job_1_to_2, job_2_to_3, legacy_credential, room_2_to_3
 
@@ -59,6 +60,12 @@ CREATE INDEX IF NOT EXISTS artifacts_room ON artifacts (json_extract(doc, '$.roo
 
 def dump(doc) -> str:
     return json.dumps(doc, separators=(",", ":"))
+
+
+def dump_exact(doc) -> str:
+    """``dump`` for a document that holds a user's numbers (a job, an event): one with an
+    integer past 64 bits is marked so that ``protocol.base.loads`` keeps it whole."""
+    return exact(dump(doc))
 
 
 def _jobs_1_to_2(db: sqlite3.Connection) -> None:
