@@ -19,5 +19,6 @@ class Encoded(str):
     """JSON text a model wrote itself (``model_dump_json``), to ``socketio.emit`` as it is:
     the server's Socket.IO encoder (``wire_dumps``) puts it into the packet unread. One
     encoding, in pydantic's Rust, of a dashboard's 1,000-client list, instead of a dict of it
-    made and then encoded again. A ``str``, so that it pickles through a message queue."""
+    made and then encoded again. Not through a message queue, which carries it as JSON, a
+    plain string at the other end: ``notify.wire`` sends a dict there."""
     __slots__ = ()

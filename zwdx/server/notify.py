@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 
+from pydantic import BaseModel
 from socketio import PubSubManager
 
 from ..protocol import EV_CLIENTS_UPDATE, EV_JOB_EVENTS, EV_JOB_UPDATE, UI_NAMESPACE
@@ -86,19 +87,29 @@ def _wake(job_id: str) -> None:
         changed.set()
 
 
+def _queued() -> bool:
+    """Whether this process's emits go through a message queue (several server processes)."""
+    return isinstance(socketio.server.manager, PubSubManager)
+
+
+def wire(model: BaseModel) -> Encoded | dict:
+    """A model as ``socketio.emit`` takes it: its JSON text (``Encoded``), written once; through
+    a message queue, which re-encodes what it carries, its JSON-ready dict."""
+    return model.model_dump(mode="json") if _queued() else Encoded(model.model_dump_json())
+
+
 def _audience(room_id: str) -> bool:
     """Whether a dashboard may be watching the room: one connected to this process, or, among
     several processes (a message queue), perhaps one of another."""
-    manager = socketio.server.manager
-    if isinstance(manager, PubSubManager):
+    if _queued():
         return True
-    return next(iter(manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
+    return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
 
 
 def job_changed(job: JobRecord) -> None:
     _wake(job.id)
     if _audience(job.room_id):
-        socketio.emit(EV_JOB_UPDATE, Encoded(job_view(job).model_dump_json()), to=ui_room(job.room_id),
+        socketio.emit(EV_JOB_UPDATE, wire(job_view(job)), to=ui_room(job.room_id),
                       namespace=UI_NAMESPACE)
 
 
@@ -107,17 +118,17 @@ def events_added(job: JobRecord, events: list[dict]) -> None:
         _wake(job.id)
         if _audience(job.room_id):
             payload = JobEvents.model_validate({"job_id": job.id, "events": events})
-            socketio.emit(EV_JOB_EVENTS, Encoded(payload.model_dump_json()), to=ui_room(job.room_id),
+            socketio.emit(EV_JOB_EVENTS, wire(payload), to=ui_room(job.room_id),
                           namespace=UI_NAMESPACE)
 
 
-def clients_payload(ctx, room_id: str) -> Encoded:
+def clients_payload(ctx, room_id: str) -> Encoded | dict:
     """The room's GPU clients and what they offer in all (``room_totals``): a ``ClientsUpdate``,
-    as JSON text."""
+    to emit (``wire``)."""
     clients = ctx.store.list_clients(room_id)
     payload = ClientsUpdate.model_validate({"clients": [client_view(c) for c in clients],
                                             "totals": room_totals(clients)})
-    return Encoded(payload.model_dump_json())
+    return wire(payload)
 
 
 def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
