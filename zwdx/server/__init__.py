@@ -227,8 +227,11 @@ def create_app(config: dict | None = None) -> Flask:
     prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
     queue = {"message_queue": app.config["MESSAGE_QUEUE"]} if app.config["MESSAGE_QUEUE"] else {}
+    # No Flask session is used: its copy per event is saved. A client's events are handled on its
+    # connection's own reader, in order, not each in a new thread (greenlet) that then waits its
+    # turn again: no handler waits on anything but the store (events.py).
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON, serializer=JsonPacket,
-                      manage_session=False, **queue)  # no Flask session is used: its copy per event is saved
+                      manage_session=False, async_handlers=False, **queue)
     events.register(socketio, ctx)
     if ctx.lease.shared:  # a token revoked through another process closes this one's connections too
         ctx.lease.every_try.append(lambda: tokens.close_revoked(ctx))
