@@ -16,7 +16,8 @@ latency, the server's CPU and its peak memory. A level passes when every p99 is 
 ``--p99-limit`` ms with every client held and no errors; the ramp stops after the first
 failing level unless ``--all``. ``--async-mode`` passes the server's own flag (gevent, its
 default, or threading). ``--profile`` samples the server with py-spy during the window and
-prints where its Python time goes. ``--servers N`` (a list: each count a level of its own) runs
+prints where its Python time goes; ``--stalls`` prints the main thread's longest busy periods
+(the hub not back to waiting for I/O) and what ran in them. ``--servers N`` (a list: each count a level of its own) runs
 N server processes on the level's store with a Redis message queue and HAProxy in front, both
 started by the bench (``redis-server`` and ``haproxy`` on PATH; docs/deploy-scale.md): the
 clients, users and dashboards reach them through the balancer only, and the server CPU is
@@ -59,7 +60,7 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
     mongo = redis = balancer = None
     servers: list[ServerProc] = []
     gens: list[Child] = []
-    spy = None
+    spy = stall_spy = None
     try:
         if store == "mongo":
             if not harness.mongo_store_available():
@@ -126,6 +127,11 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
         cpu0, w0 = sum(harness.cpu_seconds(srv.pid) for srv in servers), time.time()
         gen0 = sum(harness.cpu_seconds(g.pid) for g in gens)
         mongo0 = harness.cpu_seconds(mongo.pid) if mongo else None
+        if args.stalls:
+            stall_spy = subprocess.Popen([py_spy(), "record", "--pid", str(server.pid), "--idle", "--rate",
+                                          str(STALL_RATE), "--duration", str(int(args.hold)), "--format", "speedscope",
+                                          "--nonblocking", "--output", os.path.join(level_dir, "server.speedscope.json")],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         if args.profile:
             spy = subprocess.Popen([py_spy(), "record", "--pid", str(server.pid), "--gil", "--rate", str(args.profile_rate),
                                     "--duration", str(int(args.hold)), "--format", "raw", "--nonblocking",
@@ -159,6 +165,14 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
                 os.killpg(spy.pid, 9)
                 spy.wait()
             profile = summarize_profile(os.path.join(level_dir, "server.pyspy.txt"))
+        stalls = None
+        if stall_spy is not None:
+            try:
+                stall_spy.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(stall_spy.pid, 9)
+                stall_spy.wait()
+            stalls = summarize_stalls(os.path.join(level_dir, "server.speedscope.json"))
         lat, errors, counts, samples, held = defaultdict(list), Counter(), Counter(), [], 0
         for i in range(args.procs):
             path = os.path.join(level_dir, f"result-{i}.json")
@@ -180,10 +194,11 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
                 "cpu": cpu, "gen_cpu": gen_cpu, "rss": status["VmRSS"], "hwm": status["VmHWM"], "threads": status["Threads"],
                 "mongo_hwm": mongo_status["VmHWM"] if mongo_status else None, "mongo_cpu": mongo_cpu,
                 "lat": {k: summarize(v) for k, v in lat.items()}, "errors": dict(errors), "counts": dict(counts),
-                "error_samples": samples[:10], "profile": profile}
+                "error_samples": samples[:10], "profile": profile, "stalls": stalls}
     finally:
-        if spy is not None and spy.poll() is None:
-            os.killpg(spy.pid, 9)
+        for recorder in (spy, stall_spy):
+            if recorder is not None and recorder.poll() is None:
+                os.killpg(recorder.pid, 9)
         for g in gens:
             g.stop(5)
         if balancer is not None:
@@ -206,7 +221,7 @@ def py_spy() -> str:
         if not found and root and os.access(candidate, os.X_OK):
             found = candidate
     if not found:
-        raise RuntimeError("--profile needs py-spy (pip install py-spy)")
+        raise RuntimeError("--profile and --stalls need py-spy (pip install py-spy)")
     return found
 
 
@@ -236,6 +251,60 @@ def summarize_profile(path: str, top: int = 40) -> list[tuple[str, float, float]
         return []
     rows = [(f, 100.0 * own[f] / total, 100.0 * incl[f] / total) for f, _ in incl.most_common(top * 3)]
     return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+#: Samples a second of ``--stalls`` (py-spy with idle samples: a timeline of the main thread).
+STALL_RATE = 250
+
+
+def _short(frame: dict) -> str:
+    return f"{frame['name']} ({os.path.basename(frame.get('file') or '?')}:{frame.get('line', '?')})"
+
+
+def summarize_stalls(path: str, top: int = 12) -> dict | None:
+    """py-spy's timeline of the server's main thread (speedscope, idle samples kept) -> its busy
+    periods: runs of samples in which the gevent hub never got back to waiting for I/O. Every
+    connection waits out a busy period, so the longest ones are the p99's floor. Per period:
+    how long, and what ran (the innermost zwdx frames of its samples, most first)."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    frames = doc.get("shared", {}).get("frames", [])
+    profiles = [p for p in doc.get("profiles", []) if p.get("type") == "sampled"]
+    if not profiles or not frames:
+        return None
+    tick_ms = 1000.0 / STALL_RATE
+
+    def idle(stack: list[int]) -> bool:
+        leaf = frames[stack[-1]] if stack else None
+        return leaf is None or (leaf["name"].rpartition(".")[2] == "run"
+                                and (leaf.get("file") or "").endswith(os.path.join("gevent", "hub.py")))
+
+    # The main thread: the one whose samples wait in the hub (the others: the store's checkpointer...)
+    main = max(profiles, key=lambda p: sum(1 for stack in p.get("samples", []) if stack and idle(stack)))
+
+    def what(stack: list[int]) -> str:
+        ours = [frames[i] for i in stack if "/zwdx/" in (frames[i].get("file") or "")]
+        chosen = ours[-2:] if ours else [frames[i] for i in stack[-2:]]
+        return " < ".join(_short(f) for f in reversed(chosen))
+
+    periods, run = [], []
+    for stack in main.get("samples", []) + [[]]:
+        if idle(stack):
+            if run:
+                periods.append(run)
+            run = []
+        else:
+            run.append(what(stack))
+    samples = len(main.get("samples", []))
+    busy = sum(len(p) for p in periods)
+    longest = sorted(periods, key=len, reverse=True)[:top]
+    over = [[ms, sum(1 for p in periods if len(p) * tick_ms >= ms)] for ms in (10, 50, 100, 200)]
+    return {"samples": samples, "busy_share": busy / samples if samples else 0.0, "periods": len(periods),
+            "over_ms": over, "tick_ms": tick_ms,
+            "longest": [[len(p) * tick_ms, Counter(p).most_common(3)] for p in longest]}
 
 
 def passed(r: dict, limit: float) -> tuple[bool, str]:
@@ -285,6 +354,13 @@ def report(results: list[dict], args) -> str:
                              + ")"))
         if r.get("error_samples"):
             details.append("errors seen: " + " | ".join(r["error_samples"][:5]) + "\n")
+        if r.get("stalls"):
+            st = r["stalls"]
+            title = (f"busy periods of the server's main thread, {r['store']}, {r['clients']} clients: busy "
+                     f"{100 * st['busy_share']:.0f}% of {st['samples']} samples ({st['tick_ms']:g} ms each), "
+                     f"{st['periods']} periods, of which " + ", ".join(f"{n} >= {ms} ms" for ms, n in st["over_ms"]))
+            details.append(table(["ms", "what ran (samples), most first"],
+                                 [[ms, "; ".join(f"{w} ({n})" for w, n in ran)] for ms, ran in st["longest"]], title))
         if r.get("profile"):
             details.append(table(["server frame (GIL held)", "self %", "incl %"],
                                  [[f, s, i] for f, s, i in r["profile"]],
@@ -356,6 +432,9 @@ def main() -> int:
                         help="where each level's server keeps its data dir (default: a temporary dir; "
                              "/dev/shm takes the disk out of the figures)")
     parser.add_argument("--profile", action="store_true", help="py-spy the server during each window")
+    parser.add_argument("--stalls", action="store_true",
+                        help="py-spy the first server's main thread as a timeline during each window and print its "
+                             "longest busy periods (the hub not back to waiting for I/O) and what ran in them")
     parser.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: start no level that would likely end past this (keeps a run inside a limit)")
