@@ -311,3 +311,33 @@ def test_two_servers_on_one_store_apply_each_transition_once(kind, tmp_path, req
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_server_waiting_for_the_files_write_lock_still_serves_its_other_connections(tmp_path):
+    """Another process holds the embedded store's write lock: a write through this server waits
+    for it (and then completes), and meanwhile the server answers everything else."""
+    import sqlite3
+    srv = Server(str(tmp_path / "server"))
+    try:
+        holder = sqlite3.connect(os.path.join(srv.data_dir, "zwdx.sqlite3"), isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # another process's write, under way
+        created: dict = {}
+        writer = threading.Thread(target=lambda: created.update(
+            resp=requests.post(f"{srv.url}/api/v1/rooms", json={"name": "waits"}, timeout=30)))
+        started = time.monotonic()
+        writer.start()
+        time.sleep(0.5)  # the room's write is waiting for the lock now
+        answered = []
+        for _ in range(5):
+            t = time.monotonic()
+            assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
+            answered.append(time.monotonic() - t)
+        assert max(answered) < 0.5, answered  # not held for the lock's length
+        assert writer.is_alive(), "the write waits for the lock"
+        time.sleep(max(0.0, 2.5 - (time.monotonic() - started)))
+        holder.execute("COMMIT")
+        writer.join(30)
+        assert created["resp"].status_code == 201, created["resp"].text
+        assert time.monotonic() - started >= 2.5
+    finally:
+        srv.stop()

@@ -7,7 +7,11 @@ yield to the hub), without a connection per thread or greenlet ever started.
 
 Writes that must be atomic run inside ``BEGIN IMMEDIATE`` transactions (``Database.tx``),
 which serialise writers across threads and processes that share the file. Whatever SQLite
-raises inside one, the transaction is rolled back and the caller gets ``StoreError``.
+raises inside one, the transaction is rolled back and the caller gets ``StoreError``. A
+transaction that finds the file's write lock held (another process is writing) waits for it
+in short sleeps, not inside SQLite: under gevent a wait inside SQLite holds every connection
+of the process still (``bench/control_plane.py --stalls`` showed four processes on one file
+spending their time so).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import json
 import logging
 import os
 import sqlite3
+import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Callable
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 POOL_SIZE = 8
 #: Seconds between the background checkpointer's passes (``Database.checkpoint_in_background``).
 CHECKPOINT_INTERVAL = 1.0
+#: Seconds a call waits for the file's write lock before it fails (``StoreError``).
+BUSY_TIMEOUT = 30.0
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -144,10 +151,10 @@ class Database:
 
     def _open(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=30000")
+            conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
             if self._checkpointer:
                 conn.execute("PRAGMA wal_autocheckpoint=0")
         except sqlite3.Error as exc:
@@ -174,10 +181,7 @@ class Database:
         """A write transaction: committed when the block ends, rolled back when it raises;
         SQLite's errors (a constraint, a full disk, a broken file) come out as StoreError."""
         with self.conn() as conn:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreError(f"embedded store busy or broken: {exc}") from exc
+            self._begin(conn)
             try:
                 yield conn
                 conn.execute("COMMIT")
@@ -189,6 +193,29 @@ class Database:
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"embedded store write failed, nothing changed: {exc}") from exc
                 raise
+
+    @staticmethod
+    def _begin(conn: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE``, asked without SQLite's own wait: while another process holds the
+        write lock, sleep (1 ms, doubling up to 50 ms; a greenlet's sleep under gevent, which
+        serves the process's other connections meanwhile) and ask again, for ``BUSY_TIMEOUT``."""
+        deadline, pause = time.monotonic() + BUSY_TIMEOUT, 0.001
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            while True:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as exc:
+                    if getattr(exc, "sqlite_errorcode", sqlite3.SQLITE_BUSY) != sqlite3.SQLITE_BUSY \
+                            or time.monotonic() >= deadline:
+                        raise StoreError(f"embedded store busy or broken: {exc}") from exc
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        except sqlite3.Error as exc:
+            raise StoreError(f"embedded store busy or broken: {exc}") from exc
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
 
     def query(self, sql: str, args: tuple = ()) -> list:
         with self.conn() as conn:
