@@ -48,11 +48,11 @@ export function LiveProvider({ token, onRefused, children }) {
 
     socket.on("connect", () => {
       dispatch({ type: "connection", status: "online" });
-      if (everConnected) {
-        // back after a lost connection: catch up on what changed meanwhile
-        refreshJobs();
-        resyncListeners.current.forEach((fn) => fn());
-      }
+      // Catch up on what changed before this connection joined the room's updates: while it was
+      // down, and on the first connect since the fetch above (a job's change in between would
+      // never be sent again).
+      refreshJobs();
+      resyncListeners.current.forEach((fn) => fn());
       everConnected = true;
     });
     socket.on("disconnect", (reason) => {

@@ -219,6 +219,24 @@ describe("the job page", () => {
     expect(askedAfter.at(-1)).toBe(1); // only what it missed
   });
 
+  it("catches up on a change made between its first fetch and its first connection", async () => {
+    let current = running;
+    mockFetch({
+      "GET /api/v1/room": { ...ROOM },
+      "GET /api/v1/jobs": () => ({ jobs: current.status === "running" ? [current] : [] }),
+      "GET /api/v1/jobs/j1": () => current,
+      "GET /api/v1/jobs/j1/events*": { events: [] },
+    });
+    renderApp("/jobs/j1");
+    const socket = sockets.at(-1);
+    await screen.findByTestId("job-page");
+    // the job ends before the dashboard's connection has joined the room: no update will come
+    current = { ...running, status: "completed", ended_at: 1700000010,
+      timeline: [...running.timeline, { status: "completed", at: 1700000010 }] };
+    act(() => socket.fire("connect"));
+    await waitFor(() => expect(screen.getByTestId("job-page")).toHaveAttribute("data-status", "completed"));
+  });
+
   it("learns that the job ended while the connection was down", async () => {
     let current = running;
     mockFetch({
