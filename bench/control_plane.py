@@ -157,22 +157,8 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
                 g.wait(90)
             except subprocess.TimeoutExpired:
                 g.stop()
-        profile = None
-        if spy is not None:
-            try:
-                spy.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(spy.pid, 9)
-                spy.wait()
-            profile = summarize_profile(os.path.join(level_dir, "server.pyspy.txt"))
-        stalls = None
-        if stall_spy is not None:
-            try:
-                stall_spy.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(stall_spy.pid, 9)
-                stall_spy.wait()
-            stalls = summarize_stalls(os.path.join(level_dir, "server.speedscope.json"))
+        profile = summarize_profile(os.path.join(level_dir, "server.pyspy.txt")) if finished(spy) else None
+        stalls = summarize_stalls(os.path.join(level_dir, "server.speedscope.json")) if finished(stall_spy) else None
         lat, errors, counts, samples, held = defaultdict(list), Counter(), Counter(), [], 0
         for i in range(args.procs):
             path = os.path.join(level_dir, f"result-{i}.json")
@@ -211,6 +197,19 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
             mongo.stop()
         if not args.keep:
             shutil.rmtree(level_dir, ignore_errors=True)
+
+
+def finished(recorder: subprocess.Popen | None) -> bool:
+    """Wait for a py-spy recording to end (it stops itself after the window), killing it past
+    30 s; False when there was none."""
+    if recorder is None:
+        return False
+    try:
+        recorder.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(recorder.pid, 9)
+        recorder.wait()
+    return True
 
 
 def py_spy() -> str:

@@ -219,14 +219,17 @@ describe("the job page", () => {
     expect(askedAfter.at(-1)).toBe(1); // only what it missed
   });
 
+  // The job as the fake server has it now: ``current()``, changed by the test.
+  const serveJob = (current) => mockFetch({
+    "GET /api/v1/room": { ...ROOM },
+    "GET /api/v1/jobs": () => ({ jobs: current().status === "running" ? [current()] : [] }),
+    "GET /api/v1/jobs/j1": () => current(),
+    "GET /api/v1/jobs/j1/events*": { events: [] },
+  });
+
   it("catches up on a change made between its first fetch and its first connection", async () => {
     let current = running;
-    mockFetch({
-      "GET /api/v1/room": { ...ROOM },
-      "GET /api/v1/jobs": () => ({ jobs: current.status === "running" ? [current] : [] }),
-      "GET /api/v1/jobs/j1": () => current,
-      "GET /api/v1/jobs/j1/events*": { events: [] },
-    });
+    serveJob(() => current);
     renderApp("/jobs/j1");
     const socket = sockets.at(-1);
     await screen.findByTestId("job-page");
@@ -239,12 +242,7 @@ describe("the job page", () => {
 
   it("learns that the job ended while the connection was down", async () => {
     let current = running;
-    mockFetch({
-      "GET /api/v1/room": { ...ROOM },
-      "GET /api/v1/jobs": () => ({ jobs: current.status === "running" ? [current] : [] }),
-      "GET /api/v1/jobs/j1": () => current,
-      "GET /api/v1/jobs/j1/events*": { events: [] },
-    });
+    serveJob(() => current);
     renderApp("/jobs/j1");
     const socket = sockets.at(-1);
     act(() => socket.fire("connect"));
