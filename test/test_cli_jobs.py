@@ -103,8 +103,11 @@ def test_logs_follow_until_the_job_ends_and_cancel(cluster, tmp_path):
     thread = threading.Thread(target=lambda: followed.update(p=zwdx(cluster, "jobs", "logs", job_id, "-f")))
     thread.start()
     thread.join(120)
-    lines = followed["p"].stdout.splitlines()
-    assert [f"[rank 0] tick {i}" for i in range(6)] == [x for x in lines if x.startswith("[rank 0] tick")]
+    proc = followed["p"]
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [f"[rank 0] tick {i}" for i in range(6)] == [x for x in lines if x.startswith("[rank 0] tick")], \
+        (proc.stderr[-2000:], cluster.sdk.get_job(job_id)["status"])
 
     again = submit(cluster, slow_train, wait=False)
     token_file = tmp_path / "token"
