@@ -28,8 +28,8 @@ from socketio import packet as socketio_packet
 from .. import defaults
 from ..protocol.base import loads
 from ..protocol.report import to_wire
-from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, events, limits, links, openapi, prometheus,
-               scripts, tokens, ui)
+from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, events, limits, links, notify, openapi,
+               prometheus, scripts, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import Encoded, socketio
@@ -148,6 +148,8 @@ class ServerContext:
         self.credentials = CredentialCache()
         #: Socket.IO sid -> (namespace, credential id, its hash then) of the connections to this process
         self.connections: dict[str, tuple[str, str, str | None]] = {}
+        #: the rooms' GPU-client lists waiting to go to the dashboards (``notify.clients_changed``)
+        self.pushes = notify.ClientPushes()
 
     def close(self) -> None:
         """Stop the background loops and release the store (an app in a test, at its end)."""

@@ -40,10 +40,17 @@ CLIENTS_PUSH_INTERVAL = 0.5
 #: The largest share of a server process's time one room's GPU-client lists may take.
 CLIENTS_PUSH_SHARE = 0.1
 
-_due: dict[str, float] = {}  # room id -> when its client list should go out
-_earliest: dict[str, float] = {}  # room id -> when its next list may go out, by what the last one cost
 _lock = threading.Lock()
-_flusher: threading.Thread | None = None
+
+
+class ClientPushes:
+    """One app's client lists waiting to go out, and the thread that sends them (``ctx.pushes``):
+    a server process serves one app; a test process makes several, each with its own store."""
+
+    def __init__(self):
+        self.due: dict[str, float] = {}  # room id -> when its client list should go out
+        self.earliest: dict[str, float] = {}  # room id -> when its next list may go out, by what the last one cost
+        self.flusher: threading.Thread | None = None
 
 
 def ui_room(room_id: str) -> str:
@@ -134,26 +141,28 @@ def clients_payload(ctx, room_id: str) -> Encoded | dict:
 def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
     """Mark the room's GPU-client list changed; the flusher sends it within a heartbeat
     interval, or within ``CLIENTS_PUSH_INTERVAL`` when a client ``joined_or_left``."""
-    global _flusher
+    pushes = ctx.pushes
     if joined_or_left:
         ctx.recent_clients.forget(room_id)
-    elif room_id in _due:  # marked already, as soon or sooner (each heartbeat comes here: no lock for it)
-        return
+    elif room_id in pushes.due and pushes.flusher is not None and pushes.flusher.is_alive():
+        return  # marked already, as soon or sooner (each heartbeat comes here: no lock for it)
     due = time.monotonic() + (0.0 if joined_or_left else float(ctx.config["HEARTBEAT_INTERVAL"]))
     with _lock:
-        _due[room_id] = min(due, _due.get(room_id, due))
-        if _flusher is None or not _flusher.is_alive():
-            _flusher = threading.Thread(target=_flush_loop, args=(ctx,), name="zwdx-notify", daemon=True)
-            _flusher.start()
+        pushes.due[room_id] = min(due, pushes.due.get(room_id, due))
+        if pushes.flusher is None or not pushes.flusher.is_alive():
+            pushes.flusher = threading.Thread(target=_flush_loop, args=(ctx,), name="zwdx-notify", daemon=True)
+            pushes.flusher.start()
 
 
 def _flush_loop(ctx) -> None:
+    pushes = ctx.pushes
     while not ctx.stopping.wait(CLIENTS_PUSH_INTERVAL):
         now = time.monotonic()
         with _lock:
-            rooms = [room_id for room_id, due in _due.items() if due <= now and _earliest.get(room_id, 0.0) <= now]
+            rooms = [room_id for room_id, due in pushes.due.items()
+                     if due <= now and pushes.earliest.get(room_id, 0.0) <= now]
             for room_id in rooms:
-                del _due[room_id]
+                del pushes.due[room_id]
         for room_id in rooms:
             if not watched(ctx, room_id):
                 continue  # no dashboard open on this room: nothing to list
@@ -164,4 +173,4 @@ def _flush_loop(ctx) -> None:
             except Exception:
                 log.exception("notify: clients of room %s not sent", room_id)
             ended = time.monotonic()
-            _earliest[room_id] = ended + (ended - started) * (1.0 / CLIENTS_PUSH_SHARE - 1.0)
+            pushes.earliest[room_id] = ended + (ended - started) * (1.0 / CLIENTS_PUSH_SHARE - 1.0)
