@@ -136,7 +136,3 @@ def exact(text: str) -> str:
     every digit. For documents that hold a user's numbers (a job's results, its events): the
     check costs a few microseconds once, at the write, not at every read."""
     return " " + text if LONG_NUMBER.search(text) else text
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)

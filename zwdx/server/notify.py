@@ -57,10 +57,10 @@ def ui_room(room_id: str) -> str:
     return f"room:{room_id}"
 
 
-def watched(ctx, room_id: str) -> bool:
+def watched(room_id: str) -> bool:
     """Whether a dashboard may watch the room: one of this server process is connected to it;
     among several processes (a message queue), one of another process may be, unseen here."""
-    if ctx.lease.shared:
+    if _queued():
         return True
     return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
 
@@ -105,17 +105,9 @@ def wire(model: BaseModel) -> Encoded | dict:
     return model.model_dump(mode="json") if _queued() else Encoded(model.model_dump_json())
 
 
-def _audience(room_id: str) -> bool:
-    """Whether a dashboard may be watching the room: one connected to this process, or, among
-    several processes (a message queue), perhaps one of another."""
-    if _queued():
-        return True
-    return next(iter(socketio.server.manager.get_participants(UI_NAMESPACE, ui_room(room_id))), None) is not None
-
-
 def job_changed(job: JobRecord) -> None:
     _wake(job.id)
-    if _audience(job.room_id):
+    if watched(job.room_id):
         socketio.emit(EV_JOB_UPDATE, wire(job_view(job)), to=ui_room(job.room_id),
                       namespace=UI_NAMESPACE)
 
@@ -123,7 +115,7 @@ def job_changed(job: JobRecord) -> None:
 def events_added(job: JobRecord, events: list[dict]) -> None:
     if events:
         _wake(job.id)
-        if _audience(job.room_id):
+        if watched(job.room_id):
             payload = JobEvents.model_validate({"job_id": job.id, "events": events})
             socketio.emit(EV_JOB_EVENTS, wire(payload), to=ui_room(job.room_id),
                           namespace=UI_NAMESPACE)
@@ -164,7 +156,7 @@ def _flush_loop(ctx) -> None:
             for room_id in rooms:
                 del pushes.due[room_id]
         for room_id in rooms:
-            if not watched(ctx, room_id):
+            if not watched(room_id):
                 continue  # no dashboard open on this room: nothing to list
             started = time.monotonic()
             try:

@@ -37,6 +37,7 @@ POOL_SIZE = 8
 CHECKPOINT_INTERVAL = 1.0
 #: Seconds a call waits for the file's write lock before it fails (``StoreError``).
 BUSY_TIMEOUT = 30.0
+_BUSY_WAIT = f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}"  # SQLite's own wait, for all but BEGIN
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -154,7 +155,7 @@ class Database:
             conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
+            conn.execute(_BUSY_WAIT)
             if self._checkpointer:
                 conn.execute("PRAGMA wal_autocheckpoint=0")
         except sqlite3.Error as exc:
@@ -215,7 +216,7 @@ class Database:
         except sqlite3.Error as exc:
             raise StoreError(f"embedded store busy or broken: {exc}") from exc
         finally:
-            conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
+            conn.execute(_BUSY_WAIT)
 
     def query(self, sql: str, args: tuple = ()) -> list:
         with self.conn() as conn:
