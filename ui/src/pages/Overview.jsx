@@ -85,9 +85,9 @@ function Clients({ clients, slotHistory, jobs, now }) {
   if (!clients.length) {
     return (
       <Notice kind="empty" title="No GPU clients in this room yet" testId="no-clients">
-        Lend a GPU by running, on the machine that has it:
-        <pre className="cmd">zwdx gpu-client --server {window.location.origin} --room-token {"<donor token>"}</pre>
-        with the room&apos;s donor token (<code>zd_…</code>).
+        Lend a GPU by running, on the machine that has it, with the room&apos;s donor token (<code>zd_…</code>) in a
+        file only you can read (a command line is visible to every user of the machine):
+        <pre className="cmd">zwdx gpu-client --server {window.location.origin} --room-token-file donor-token</pre>
       </Notice>
     );
   }

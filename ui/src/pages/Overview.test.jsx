@@ -63,7 +63,7 @@ describe("the room overview", () => {
   it("says what to do when the room has no GPU clients and no jobs", async () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");
-    expect(await screen.findByTestId("no-clients")).toHaveTextContent("zwdx gpu-client --server");
+    expect(await screen.findByTestId("no-clients")).toHaveTextContent(/zwdx gpu-client --server \S+ --room-token-file donor-token/);
     expect(screen.getByTestId("no-jobs")).toBeInTheDocument();
   });
 

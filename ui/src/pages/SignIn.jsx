@@ -131,9 +131,12 @@ export default function SignIn() {
             <TokenToShow title="Donor token" token={created.donor_token} testId="new-donor-token">
               for the people who lend GPUs: it connects GPU clients and opens nothing else.
             </TokenToShow>
-            <p className="muted small">Lend a GPU to it:</p>
+            <p className="muted small">
+              Lend a GPU to it: keep the donor token in a file only you can read (a command line is visible to every
+              user of the machine), then
+            </p>
             <pre className="cmd">
-              zwdx gpu-client --server {window.location.origin} --room-token {"<donor token>"}
+              zwdx gpu-client --server {window.location.origin} --room-token-file donor-token
             </pre>
             <button type="button" onClick={enter}>
               Open the room

@@ -65,7 +65,9 @@ describe("signing in", () => {
     await userEvent.click(screen.getByRole("button", { name: "Create room" }));
     expect(await screen.findByTestId("new-token")).toHaveTextContent("zs_fresh");
     expect(screen.getByTestId("new-donor-token")).toHaveTextContent("zd_fresh");
-    expect(screen.getByText(/--room-token <donor token>/)).toBeInTheDocument(); // GPU clients take the donor's
+    // GPU clients take the donor's token from a file, never from the command line (every user reads one)
+    expect(screen.getByText(/--room-token-file donor-token/)).toBeInTheDocument();
+    expect(screen.getByTestId("created-room")).not.toHaveTextContent(/--room-token </);
     await userEvent.click(screen.getByRole("button", { name: "Copy donor token" }));
     expect(await navigator.clipboard.readText()).toBe("zd_fresh");
     await userEvent.click(screen.getByRole("button", { name: "Copy submitter token" }));
