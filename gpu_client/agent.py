@@ -70,7 +70,7 @@ class Agent:
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
                  ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None,
-                 cpu_slots: int = 1):
+                 cpu_slots: int = 1, fetch_policy=None):
         self.server = server.rstrip("/")
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
@@ -83,7 +83,8 @@ class Agent:
         self.isolation.check()
         self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
         self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
-        self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES)
+        self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES,
+                                     fetch_policy)  # fetch.py: what a job's URL may reach
         self.hostname = socket.gethostname()
         terms = self.isolation.terms()
         self.slots = [s.model_copy(update={"isolation": self.isolation.kind, "terms": terms}) for s in found]

@@ -22,11 +22,15 @@ ranks may read and not change.
 
 A room dataset is fetched with one of the job's rank keys (``zwdx/server/datasets.py``), chunk
 by chunk, each checked against its sha256; a URL through fsspec (``https://``, ``http://``,
-``s3://`` with s3fs installed), checked against the submitter's sha256 when given; a tar
-archive is unpacked with tarfile's ``data`` filter.
+``s3://`` with s3fs installed) within what the donor allows it to reach (``fetch.py``: no
+private or local address unless ``--dataset-allow-net`` names it, redirects checked, S3
+anonymous), checked against the submitter's sha256 when given, its bytes bounded by the cache
+as they arrive; a tar archive's entries are checked (files and folders inside the entry,
+tarfile's ``data`` filter) and added up against the cache's bound before one is written.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,6 +44,8 @@ from dataclasses import dataclass
 
 from zwdx import defaults
 from zwdx.protocol.dataset import DatasetPin, Manifest
+
+from .fetch import DatasetRefused, Fetcher, FetchPolicy, unpack
 
 log = logging.getLogger("gpu_client.datasets")
 
@@ -82,10 +88,12 @@ def _listing(files: list[dict]) -> bytes:
 
 
 class DatasetCache:
-    """The cache under ``root``, at most ``limit`` bytes; one fetch at a time (a lock)."""
+    """The cache under ``root``, at most ``limit`` bytes; one fetch at a time (a lock); URLs
+    fetched within ``policy`` (``fetch.py``)."""
 
-    def __init__(self, root: str, limit: int = defaults.DATASET_CACHE_BYTES):
+    def __init__(self, root: str, limit: int = defaults.DATASET_CACHE_BYTES, policy: FetchPolicy | None = None):
         self.root, self.limit = root, int(limit)
+        self.policy = policy or FetchPolicy()
         os.makedirs(root, mode=0o700, exist_ok=True)
         os.chmod(root, 0o700)
         self._lock = threading.Lock()
@@ -160,6 +168,11 @@ class DatasetCache:
             shutil.rmtree(self._entry(key), ignore_errors=True)
             used -= size
             free = shutil.disk_usage(self.root).free
+
+    def _room(self) -> int:
+        """Bytes an entry could take with every other one evicted (the disk's reserve kept)."""
+        used = sum(size for _, size in self.entries().values())
+        return max(0, shutil.disk_usage(self.root).free + used - DISK_RESERVE)
 
     def _commit(self, key: str, part: str, manifest: bytes) -> None:
         """The fetched entry in place, its files read-only; what was there under its key goes."""
@@ -239,27 +252,34 @@ class DatasetCache:
         return files
 
     # -- URLs --------------------------------------------------------------------------------------
-    @staticmethod
-    def _url_key(pin: DatasetPin) -> tuple[str, dict]:
+    def _url_key(self, pin: DatasetPin) -> tuple[str, dict]:
         """The URL's entry: its ETag (or Last-Modified) and size as the server says them now."""
-        import fsspec
-        fs, path = fsspec.core.url_to_fs(pin.url, skip_instance_cache=True)  # asked afresh: no listing cached
-        info = fs.info(path)
+        fetcher = Fetcher(self.policy)
+        with _refusals(fetcher):
+            fs, path = fetcher.filesystem(pin.url)  # asked afresh: no listing cached
+            info = fs.info(path)
         tag = info.get("ETag") or info.get("etag") or info.get("Last-Modified") or info.get("LastModified") or ""
         size = info.get("size")
         key = hashlib.sha256(f"{pin.url}\n{tag}\n{size}\n{pin.sha256 or ''}".encode()).hexdigest()
-        return key, {"fs": fs, "path": path, "size": size}
+        return key, {"fs": fs, "path": path, "size": size, "fetcher": fetcher}
 
     def _fetch_url(self, pin: DatasetPin, key: str, source: dict) -> list[dict]:
-        size = source["size"]
+        size, what = source["size"], f"dataset {pin.name!r} ({pin.url})"
         if size is not None:
-            self._make_room(int(size), f"dataset {pin.name!r} ({pin.url})")
+            self._make_room(int(size), what)
+        # what may arrive: the size the server gave, else what the cache could hold
+        bound = int(size) if size is not None else min(self.limit, self._room())
         part = self._part(key)
         try:
             download = os.path.join(part, "download")
-            digest = hashlib.sha256()
-            with source["fs"].open(source["path"], "rb") as src, open(download, "wb") as out:
+            digest, got = hashlib.sha256(), 0
+            with _refusals(source["fetcher"]), source["fs"].open(source["path"], "rb") as src, \
+                    open(download, "wb") as out:
                 for block in iter(lambda: src.read(defaults.CHUNK_BYTES), b""):
+                    got += len(block)
+                    if got > bound:
+                        raise DatasetTooLarge(f"{what} sent more than {bound} bytes (the size it gave, or what this "
+                                              f"GPU client's dataset cache has room for)")
                     digest.update(block)
                     out.write(block)
             if pin.sha256 and digest.hexdigest() != pin.sha256:
@@ -268,8 +288,8 @@ class DatasetCache:
             files_dir = os.path.join(part, "files")
             base = pin.url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1] or "data"
             if base.lower().endswith(ARCHIVES):
-                with tarfile.open(download, "r:*") as tar:
-                    tar.extractall(files_dir, filter="data")
+                unpack(download, files_dir, self.limit, lambda total: self._make_room(total, f"{what}, unpacked"),
+                       what)
                 os.unlink(download)
             else:
                 os.replace(download, os.path.join(files_dir, base))
@@ -281,9 +301,8 @@ class DatasetCache:
                         continue
                     files.append({"path": os.path.relpath(path, files_dir).replace(os.sep, "/"),
                                   "size": os.path.getsize(path), "sha256": sha256_of(path)})
-            total = sum(f["size"] for f in files)
-            if size is None or total > int(size):  # unpacked larger than it came: room for what it is
-                self._make_room(total, f"dataset {pin.name!r} ({pin.url}), unpacked")
+            if size is None and not base.lower().endswith(ARCHIVES):  # room for what came (unpack made its own)
+                self._make_room(sum(f["size"] for f in files), what)
             self._commit(key, part, _listing(files))
         except tarfile.TarError as exc:
             raise DatasetCorrupted(f"dataset {pin.name} ({pin.url}) is not a tar archive it can unpack: {exc}") \
@@ -293,14 +312,23 @@ class DatasetCache:
         return files
 
 
+@contextlib.contextmanager
+def _refusals(fetcher: Fetcher):
+    """A request the fetch policy refused, as that refusal (fsspec reports it as a missing file)."""
+    try:
+        yield
+    except DatasetRefused:
+        raise
+    except Exception as exc:
+        if fetcher.refused:
+            raise DatasetRefused(fetcher.refused[0]) from None
+        raise exc
+
+
 def share(isolation, box, p: Provided) -> str:
     """A dataset in the job's sandbox, ``<sandbox>/data/<name>/<path>``, read-only to its ranks
-    (``data_dir`` names ``<sandbox>/data``): its folder."""
-    data_dir = os.path.join(box.dir, "data")
-    os.makedirs(data_dir, mode=0o755, exist_ok=True)
-    os.chmod(data_dir, 0o755)
+    (``data_dir`` names ``<sandbox>/data``): its folder. Written through ``isolation.share``,
+    which follows nothing the job's code may have made there (``sandbox.py``)."""
     for rel in p.files:
-        os.makedirs(os.path.dirname(os.path.join(data_dir, p.name, rel)), mode=0o755, exist_ok=True)
-        isolation.share(os.path.join(p.path, rel), box, os.path.join("data", p.name, rel))
-    os.makedirs(os.path.join(data_dir, p.name), mode=0o755, exist_ok=True)  # an empty dataset, too
-    return os.path.join(data_dir, p.name)
+        isolation.share(os.path.join(p.path, rel), box, f"data/{p.name}/{rel}")
+    return isolation.folder(box, f"data/{p.name}")  # an empty dataset, too

@@ -5,7 +5,8 @@ small dataset cache (``--dataset-cache-bytes``), shared by the module's cases in
   a job whose loader reads them from ``data_dir`` trains; the server served the dataset's bytes
   once (``zwdx_dataset_bytes_served`` on ``/metrics``);
 - a second job hits the cache: no byte served again; it also names a tar.gz by URL, fetched by
-  the GPU client from a local HTTP server with the sha256 the submitter gave;
+  the GPU client from a local HTTP server with the sha256 the submitter gave (loopback, which the
+  donor allows with ``--dataset-allow-net``: refused by default, test/security/test_dataset_fetch.py);
 - a cache entry corrupted on the donor's disk is fetched again, never used (the loader checks
   the bytes it reads); the URL's entry is used from the cache (one GET in all);
 - a name the room has no dataset of: refused at submit, naming it, nothing stored;
@@ -128,7 +129,8 @@ class World:
         self.token_file = base / "token"
         self.token_file.write_text(room["submitter_token"] + "\n")
         self.client = GpuClient(self.server.url, room["donor_token"], str(base / "donor"), client_id="donor",
-                                extra=["--dataset-cache-bytes", str(CACHE_BYTES)])
+                                # the URL's server is on loopback, which a donor must allow (refused by default)
+                                extra=["--dataset-cache-bytes", str(CACHE_BYTES), "--dataset-allow-net", "127.0.0.1"])
         self.cache = base / "donor" / "agents" / "donor" / "datasets"
         wait_until(lambda: any(c["status"] == "online" for c in self.sdk.get_room()["clients"]), 30 + SLACK,
                    what=f"the gpu client online\n{self.client.tail()}")

@@ -165,10 +165,13 @@ def _gpu_client(args) -> int:
         if args.isolation not in (None, *ISOLATIONS):
             raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
         uids = parse_uids(args.rank_uids) if args.rank_uids else None
+        from gpu_client.fetch import FetchPolicy, parse_nets
+        fetch_policy = FetchPolicy(parse_nets(args.dataset_allow_net or os.environ.get("ZWDX_DATASET_ALLOW_NETS")),
+                                   s3_credentials=args.dataset_s3_credentials)
         if args.isolation in ("user", "process") and (args.allow_image or args.container_memory):
             raise IsolationError("--allow-image and --container-memory apply to --isolation docker (a container per "
                                  "rank); pass it, or leave them out")
-    except IsolationError as err:
+    except (IsolationError, ValueError) as err:
         print(f"zwdx gpu-client: {err}", file=sys.stderr)
         return 2
     return serve(server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu or bool(args.cpu_slots),
@@ -176,7 +179,7 @@ def _gpu_client(args) -> int:
                  advertise_addr=args.advertise_addr, client_id=args.client_id, threads=args.threads,
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
-                 dataset_cache_bytes=args.dataset_cache_bytes,
+                 dataset_cache_bytes=args.dataset_cache_bytes, fetch_policy=fetch_policy,
                  confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
                                          pids=args.container_pids, shm=args.container_shm))
 
@@ -357,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-cache-bytes", type=byte_size, default=defaults.DATASET_CACHE_BYTES, metavar="SIZE",
                    help="most bytes of datasets kept for later jobs (50GiB, 500MB); the least recently used go "
                         "first, and the cache never fills the disk (default: 50GiB)")
+    p.add_argument("--dataset-allow-net", action="append", default=None, metavar="NET",
+                   help="a network (10.0.0.0/8, 127.0.0.1) a job's dataset URL may reach from this machine besides "
+                        "public addresses (repeat for more; default: $ZWDX_DATASET_ALLOW_NETS, comma-separated, else "
+                        "none: private, loopback, link-local and other non-public addresses are refused)")
+    p.add_argument("--dataset-s3-credentials", action="store_true",
+                   default=os.environ.get("ZWDX_DATASET_S3_CREDENTIALS", "") not in ("", "0", "false", "no"),
+                   help="s3:// dataset URLs are read with this machine's own AWS credentials (default: "
+                        "$ZWDX_DATASET_S3_CREDENTIALS=1, else anonymously: public buckets only)")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
     iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")
