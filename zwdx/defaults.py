@@ -54,6 +54,20 @@ LONG_POLL = 10.0
 LONG_POLL_RECHECK = 1.0
 #: Chunk size for streaming artifacts.
 CHUNK_BYTES = 1024 * 1024
+#: Seconds a placed job's ranks get to report running (bundle, datasets and image fetched) before
+#: the job is placed again on other GPU clients (0: never).
+START_TIMEOUT = 600.0
+#: Placements that did not start (START_TIMEOUT, or no rendezvous address) after which the job fails.
+START_TRIES = 3
+#: GPU clients one donor token may have online at once, slots one GPU client may offer, and
+#: registers one donor token may make (a rate, as the `limits` library parses it).
+DONOR_MAX_CLIENTS = 64
+CLIENT_MAX_SLOTS = 16
+RATE_LIMIT_REGISTERS = "120 per minute"
+#: The most memory a slot may claim: a GPU's (the largest made has 288 GB), a CPU slot's (its
+#: machine's RAM). A register past these is refused, not believed.
+MAX_GPU_MEMORY = 512 * 1024**3
+MAX_HOST_MEMORY = 64 * 1024**4
 #: Header that carries a room token (a submitter token on REST; see zwdx.protocol.tokens).
 TOKEN_HEADER = "X-Zwdx-Room-Token"
 #: Header that carries a rank key (held by one rank process of a running job).

@@ -24,6 +24,7 @@ from tabulate import tabulate
 
 from .errors import BadRequest
 from .protocol import FINISHED, JobStatus
+from .protocol.base import escape_controls
 
 
 def _ago(ts: float | None, now: float) -> str:
@@ -57,6 +58,13 @@ def terms_line(terms: dict) -> str:
             f"{'no-new-privileges, ' if terms.get('no_new_privileges') else ''}seccomp {terms.get('seccomp')}, "
             f"memory {_gib(terms.get('memory_bytes'))}, pids {terms.get('pids')}, /dev/shm "
             f"{_gib(terms.get('shm_bytes'))}, work dir {terms.get('work_dir')}; network: {terms.get('network')}")
+
+
+def _show(text: str, keep: str = "\n") -> None:
+    """Print what a server document says: host and GPU names, reasons, image names are what some
+    GPU client or job chose, and a terminal acts on their control characters (an OSC 52
+    clipboard write, a screen clear, text reordered by bidi overrides): those are written out."""
+    print(escape_controls(text, keep))
 
 
 def _print_json(doc) -> None:
@@ -93,7 +101,7 @@ def jobs_list(sdk, args) -> int:
              (j.get("spec") or {}).get("parallelism", "-"), _ago(j.get("created_at"), now),
              _number(j.get("final_loss")), (j.get("waiting_reason") or j.get("reason") or "")[:60]]
             for j in jobs]
-    print(tabulate(rows, headers=["ID", "NAME", "STATUS", "RANKS", "MODE", "SUBMITTED", "FINAL LOSS", "WHY"]))
+    _show(tabulate(rows, headers=["ID", "NAME", "STATUS", "RANKS", "MODE", "SUBMITTED", "FINAL LOSS", "WHY"]))
     return 0
 
 
@@ -122,13 +130,13 @@ def jobs_show(sdk, args) -> int:
         fields.append(("reason", job["reason"]))
     for name, value in (job.get("results") or {}).items():
         fields.append((f"result: {name}", _number(value)))
-    print(tabulate(fields, tablefmt="plain"))
+    _show(tabulate(fields, tablefmt="plain"))
     placement = job.get("placement") or []
     if placement:
         print()
         ranks = job.get("ranks") or {}
         batch = _batches(sdk, job["id"]) if mixed else {}  # each rank's share of the global batch, as measured
-        print(tabulate([[p["rank"], p.get("hostname") or "", p["client_id"], p.get("gpu_index"), p.get("gpu_name") or "",
+        _show(tabulate([[p["rank"], p.get("hostname") or "", p["client_id"], p.get("gpu_index"), p.get("gpu_name") or "",
                          ranks.get(str(p["rank"]), {}).get("status", "-"),
                          ISOLATION_WORDS.get(ranks.get(str(p["rank"]), {}).get("isolation"), "-"),
                          *([batch.get(p["rank"], "-")] if mixed else [])] for p in placement],
@@ -136,11 +144,11 @@ def jobs_show(sdk, args) -> int:
                                 *(["BATCH"] if mixed else [])]))
         for rank, state in sorted(ranks.items(), key=lambda kv: int(kv[0])):
             if state.get("terms"):
-                print(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
+                _show(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
     for line in plan_lines(job):
-        print(line)
+        _show(line)
     for rank in job.get("failure_order") or []:
-        print(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}")
+        _show(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}", keep="\n\t")
     return 0
 
 
@@ -186,7 +194,7 @@ def jobs_logs(sdk, args) -> int:
             after = ev["seq"]
             if args.rank is None or ev.get("rank") == args.rank:
                 print(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}", flush=True)
-        if not args.follow or (ended and not events):
+        if not events and not args.follow or (ended and not events):
             return 0
         if not events:
             time.sleep(1.0)
@@ -244,7 +252,7 @@ def room_show(sdk, args) -> int:
         fields += [("jobs waiting or running", f"{usage['jobs']} of {limit}"),
                    ("artifact bytes", f"{_gib(usage['artifact_bytes'])} of "
                                       f"{_gib(usage['artifact_bytes_limit']) if usage['artifact_bytes_limit'] else 'no limit'}")]
-    print(tabulate(fields, tablefmt="plain"))
+    _show(tabulate(fields, tablefmt="plain"))
     return 0
 
 
@@ -261,11 +269,11 @@ def room_clients(sdk, args) -> int:
                          f"{s.get('kind', '-')} {s.get('name') or ''}".strip(), _gib(s.get("memory_free")),
                          _gib(s.get("memory_total")), s.get("isolation") or "-", busy if s else "-",
                          _link(c.get("link")), _ago(c.get("last_seen"), now)])
-    print(tabulate(rows, headers=["GPU CLIENT", "HOST", "STATUS", "SLOT", "DEVICE", "FREE", "TOTAL", "ISOLATION",
+    _show(tabulate(rows, headers=["GPU CLIENT", "HOST", "STATUS", "SLOT", "DEVICE", "FREE", "TOTAL", "ISOLATION",
                                   "RUNNING", "LINK (DOWN/UP, RTT)", "LAST SEEN"]))
     apart = sorted({tuple(sorted((c["id"], peer))) for c in room["clients"] for peer in c.get("unreachable") or []})
     for a, b in apart:
-        print(f"{a} and {b} cannot reach each other: DDP/FSDP jobs keep them apart (DILOCO goes anywhere)")
+        _show(f"{a} and {b} cannot reach each other: DDP/FSDP jobs keep them apart (DILOCO goes anywhere)")
     return 0
 
 

@@ -18,7 +18,7 @@ import re
 from typing import Annotated, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError
 
 from ..errors import BadRequest
 
@@ -35,6 +35,30 @@ Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[
 RankKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,6}$")]
 #: Free text shown to people: a name, a host name, a reason.
 Text = Annotated[str, StringConstraints(max_length=1000)]
+#: Characters a terminal or a bidi-aware reader acts on rather than shows: C0 controls, DEL, C1
+#: controls (an OSC 52 clipboard write, a screen clear), and the bidi marks, embeddings,
+#: overrides and isolates that reorder what is shown (CVE-2021-42574's "Trojan Source").
+CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def no_controls(text: str) -> str:
+    """``text``, or ``ValueError`` naming the first control character in it and where."""
+    found = CONTROLS.search(text)
+    if found:
+        raise ValueError(f"must not contain control characters, got U+{ord(found.group()):04X} at "
+                         f"position {found.start()}")
+    return text
+
+
+def escape_controls(text: str, keep: str = "") -> str:
+    """``text`` with every control character but those in ``keep`` written out (``\\x1b``,
+    ``\\u202e``): what a terminal shows of a name some peer chose, never acts on."""
+    return CONTROLS.sub(lambda m: m.group() if m.group() in keep else m.group().encode("unicode_escape").decode(),
+                        text)
+
+
+#: A name a peer chose that people read in tables (a host name, a GPU's name): no control characters.
+Name = Annotated[str, StringConstraints(max_length=1000), AfterValidator(no_controls)]
 #: A traceback or a log line.
 LongText = Annotated[str, StringConstraints(max_length=200_000)]
 

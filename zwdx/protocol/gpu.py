@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, field_validator
+from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 
 from .. import defaults
-from .base import Answer, Bytes, ByValue, Count, Id, Message, RankKey, Seconds, Text
+from .base import Answer, Bytes, ByValue, Count, Id, Message, Name, RankKey, Seconds, Text, no_controls
 from .tokens import Secret
 from .dataset import DatasetPin
 from .diloco import DilocoSettings
@@ -31,34 +31,38 @@ from .vocab import Devices, Isolation, JobKind, Parallelism, SlotKind, TpStyle
 #: A top-level module name a GPU client can import.
 ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 Percent = Annotated[float, Field(ge=0, le=100)]
+#: Bytes of memory a slot may claim: no machine's RAM is larger (a GPU's bound is tighter: ``Slot``).
+Memory = Annotated[int, Field(ge=0, le=defaults.MAX_HOST_MEMORY)]
+#: A short name a GPU client chose (versions, its machine's id): no control characters.
+ShortName = Annotated[str, StringConstraints(max_length=64), AfterValidator(no_controls)]
 
 
 class Terms(Message):
     """The image and limits the ranks of a container-isolated slot run under (``--isolation
     docker``, ``gpu_client/container.py``): what the donor set, shown on the dashboard and kept on
     each rank's state when it starts."""
-    image: Text
-    image_id: Text = ""
-    allowed_images: Annotated[list[Text], Field(max_length=64)] = []
-    user: Text = ""
-    root_fs: Text = ""
-    capabilities: Text = ""
+    image: Name
+    image_id: Name = ""
+    allowed_images: Annotated[list[Name], Field(max_length=64)] = []
+    user: Name = ""
+    root_fs: Name = ""
+    capabilities: Name = ""
     no_new_privileges: bool = True
-    seccomp: Text = ""
+    seccomp: Name = ""
     pids: Count
     memory_bytes: Bytes
     shm_bytes: Bytes = 0
-    work_dir: Text = ""
-    network: Text = ""
+    work_dir: Name = ""
+    network: Name = ""
 
 
 class Slot(Message):
     """A GPU (or the CPU) a client offers, as it registers."""
     index: Count
     kind: Annotated[SlotKind, ByValue] = SlotKind.CUDA
-    name: Text = ""
-    memory_total: Bytes = 0
-    memory_free: Bytes = 0
+    name: Name = ""
+    memory_total: Memory = 0
+    memory_free: Memory = 0
     utilization: Percent | None = None
     #: How job code on this slot is kept from the GPU client and other jobs (None: an older
     #: client, which did not say).
@@ -66,13 +70,30 @@ class Slot(Message):
     #: A container's image and limits (``isolation: docker``); None otherwise.
     terms: Terms | None = None
 
+    @model_validator(mode="after")
+    def _plausible(self) -> Slot:
+        """What a slot claims is what a machine can have: no placement goes by a claim no
+        hardware makes (one fake client claiming 5.9e20 bytes drew every job)."""
+        if self.kind == SlotKind.CUDA and self.memory_total > defaults.MAX_GPU_MEMORY:
+            raise ValueError(f"memory_total of a cuda slot must be at most {defaults.MAX_GPU_MEMORY} "
+                             f"({defaults.MAX_GPU_MEMORY >> 30} GiB, more than any GPU has), got {self.memory_total}")
+        if self.memory_free > self.memory_total:
+            raise ValueError(f"memory_free must be at most memory_total ({self.memory_total}), got {self.memory_free}")
+        return self
+
 
 class SlotStats(Message):
     """A slot's fresh figures, in every heartbeat."""
     index: Count
-    memory_free: Bytes = 0
-    memory_total: Bytes | None = None
+    memory_free: Memory = 0
+    memory_total: Memory | None = None
     utilization: Percent | None = None
+
+    @model_validator(mode="after")
+    def _plausible(self) -> SlotStats:
+        if self.memory_total is not None and self.memory_free > self.memory_total:
+            raise ValueError(f"memory_free must be at most memory_total ({self.memory_total}), got {self.memory_free}")
+        return self
 
 
 class Running(Message):
@@ -95,15 +116,14 @@ class Link(Message):
 class Register(Message):
     """The first thing a connected GPU client says (and again after every reconnect)."""
     client_id: Id
-    hostname: Text = ""
+    hostname: Name = ""
     #: The machine (GPU clients of one machine share its RAM); None: a host of its own.
-    host_id: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    host_id: Annotated[str, StringConstraints(min_length=1, max_length=64), AfterValidator(no_controls)] | None = None
     slots: Annotated[list[Slot], Field(max_length=256)] = []
-    versions: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
-                             Annotated[str, StringConstraints(max_length=64)]], Field(max_length=64)] = {}
+    versions: Annotated[dict[ShortName, ShortName], Field(max_length=64)] = {}
     #: Top-level modules it can import (None: not told, so not checked).
     modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_CLIENT_MODULES)] | None = None
-    advertise_addr: Annotated[str, StringConstraints(max_length=255)] | None = None
+    advertise_addr: Annotated[str, StringConstraints(max_length=255), AfterValidator(no_controls)] | None = None
     #: The port on ``advertise_addr`` where it answers its peers' reachability probes (``Peer``);
     #: None: an older client, which is not probed.
     reach_port: Annotated[int, Field(ge=1, le=65535)] | None = None
