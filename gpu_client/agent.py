@@ -236,7 +236,7 @@ class Agent:
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
-            peers=assign.addresses, backend=assign.backend, device=self._device(place.gpu_index, place.kind),
+            peers=reach.egress_peers(assign), backend=assign.backend, device=self._device(place.gpu_index, place.kind),
             parallelism=assign.parallelism,
             epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
             checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),

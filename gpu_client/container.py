@@ -13,7 +13,8 @@ donor who runs strangers' code would want (``Confinement``):
   checkpoints and outputs) and nothing of the host; of the agent's environment only what
   libraries read;
 - the host's network (peers elsewhere reach its rendezvous and collective ports), egress
-  limited to the server and the job's peers where the agent may set iptables rules (egress.py).
+  limited to the server's port and the job's peers' rendezvous and collective ports where the
+  agent may set iptables rules (egress.py, ``destinations``).
 
 It has the interface of the other kinds (check, kind, label, importable, popen, lease, share,
 release, signal): ``popen`` answers a ``RankContainer`` (rank_container.py) that the launcher
@@ -331,14 +332,32 @@ class DockerIsolation(ProcessIsolation):
                 pass
 
 
-def destinations(spec: RankSpec) -> list[tuple[str, int | None]]:
-    """Where a rank may connect: the server's port, and every port of the job's peers."""
+def destinations(spec: RankSpec, ports: tuple[int, int] | None = None) -> list[tuple[str, int | tuple[int, int]]]:
+    """Where a rank may connect: the server's port, and at each of the job's peers' addresses
+    (``spec.peers``: where the server saw them connect from, this client's own, and those its
+    reachability probe confirmed) the rendezvous port and the ports gloo's and NCCL's sockets
+    listen on (``ports``: the kernel's ephemeral range, ``ephemeral_ports``). The rendezvous
+    address counts only as one of those peers' (it is rank 0's client's own word)."""
     url = urlparse(spec.server)
     port = url.port or (443 if url.scheme == "https" else 80)
-    allowed = [(addr, port) for addr in _resolve(url.hostname or "127.0.0.1")]
-    for peer in dict.fromkeys([*spec.peers, spec.master_addr]):
-        allowed += [(addr, None) for addr in _resolve(peer)]
+    allowed: list[tuple[str, int | tuple[int, int]]] = [(a, port) for a in _resolve(url.hostname or "127.0.0.1")]
+    collective = ports or ephemeral_ports()
+    for peer in dict.fromkeys(spec.peers):
+        for addr in _resolve(peer):
+            allowed += [(addr, spec.master_port), (addr, collective)]
     return allowed
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The ports this machine's kernel binds a socket to when asked for any (gloo's and NCCL's
+    listeners, rank 0's rendezvous port): its peers are taken to use the same (Linux's default
+    unless changed: 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            first, last = (int(v) for v in fh.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _minor(versions: dict) -> str:

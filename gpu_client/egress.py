@@ -5,9 +5,9 @@ and collective ports, which gloo and NCCL pick as they go), so Docker's own netw
 cannot fence it. Its processes run as a uid of their own per slot, though, and netfilter's
 ``owner`` match sees the uid of the socket a packet leaves from: one iptables chain per agent,
 hooked into OUTPUT, sends each slot's uid to a chain of its own, which accepts the replies of
-connections made to the rank (so its listeners work), the job's allowed destinations, and
-rejects the rest at once (a refused connection, not a hang). Between jobs a slot's chain
-rejects everything. IPv6 gets the same chains from ip6tables. Each change is one
+connections made to the rank (so its listeners work), the job's allowed destinations (each an
+address and a TCP port or range of ports, never every port of an address), and rejects the rest
+at once (a refused connection, not a hang). Between jobs a slot's chain rejects everything. IPv6 gets the same chains from ip6tables. Each change is one
 ``iptables-restore --noflush`` per family: atomic, and a few milliseconds.
 
 This needs root (CAP_NET_ADMIN) and the iptables commands; without them ``Egress.available``
@@ -25,8 +25,8 @@ import threading
 
 log = logging.getLogger("gpu_client.egress")
 
-#: (address, port or None for every port) a rank may connect to.
-Destination = tuple[str, "int | None"]
+#: (address, TCP port or (first, last) range of ports) a rank may connect to.
+Destination = tuple[str, "int | tuple[int, int]"]
 FAMILIES = {"iptables": 4, "ip6tables": 6}
 
 
@@ -73,7 +73,8 @@ class Egress:
                 rules = [f":{sub} - [0:0]", f"-A {sub} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"]
                 for addr, port in destinations:
                     if ipaddress.ip_address(addr).version == FAMILIES[tool]:
-                        rules.append(f"-A {sub} -d {addr} {f'-p tcp --dport {port} ' if port else ''}-j ACCEPT")
+                        ports = f"{port[0]}:{port[1]}" if isinstance(port, tuple) else int(port)
+                        rules.append(f"-A {sub} -d {addr} -p tcp --dport {ports} -j ACCEPT")
                 rules += [f"-A {sub} -p tcp -j REJECT --reject-with tcp-reset", f"-A {sub} -j REJECT"]
                 if uid not in self.uids:
                     rules.append(f"-A {self.chain} -m owner --uid-owner {uid} -j {sub}")

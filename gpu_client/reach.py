@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import psutil
 
 from zwdx import defaults
-from zwdx.protocol.gpu import Peer
+from zwdx.protocol.gpu import JobAssign, Peer
 
 #: The line a listener answers with starts so.
 BANNER = b"zwdx "
@@ -111,6 +111,15 @@ def knock(peer: Peer, timeout: float) -> str | None:
     if got.strip() != BANNER + peer.client_id.encode():
         return f"{peer.addr}:{peer.port} answered as {got.strip()[:60]!r}, not as gpu client {peer.client_id}"
     return None
+
+
+def egress_peers(assign: JobAssign) -> list[str]:
+    """Where this client's rank containers may reach the job's peers (``container.destinations``):
+    where the server saw them connect from and this client's own address (``assign.addresses``),
+    and the peers' advertised addresses, each of which answered this client's probe as that peer
+    (``unreachable``) before any rank of the job starts (``agent._run_job``): a claim no one
+    confirmed opens nothing."""
+    return sorted(set(assign.addresses) | {p.addr for p in assign.peers})
 
 
 def unreachable(peers: list[Peer], me: str, timeout: float = defaults.REACH_TIMEOUT) -> dict[str, str]:

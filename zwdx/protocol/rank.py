@@ -69,7 +69,7 @@ class RankSpec(Message):
     # -- how the ranks meet and train ------------------------------------------------------------
     master_addr: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     master_port: Annotated[int, Field(ge=1, le=65535)]
-    #: The addresses of the job's GPU clients (``JobAssign.addresses``): where a rank in a container may connect.
+    #: The job's GPU clients' addresses a rank in a container may connect to (``reach.egress_peers``).
     peers: Annotated[list[Annotated[str, StringConstraints(max_length=255)]], Field(max_length=4096)] = []
     backend: Literal["nccl", "gloo"]
     device: Device

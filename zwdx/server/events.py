@@ -147,6 +147,7 @@ def on_register(hello: Register) -> RegisterAnswer:
               # one string: cheap to read
               "modules": None if hello.modules is None else " ".join(sorted(set(hello.modules))),
               "versions": hello.versions, "advertise_addr": hello.advertise_addr, "reach_port": hello.reach_port,
+              "seen_addr": reach.seen_address(request.remote_addr),  # reach.egress_addresses: not its word
               # its link as measured now, else as last measured (a client measures every LINK_REFRESH s)
               "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
               "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers

@@ -37,7 +37,7 @@ from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
-from . import lifecycle, notify
+from . import lifecycle, notify, reach
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job, wanting
@@ -410,8 +410,6 @@ class Scheduler:
         peers = [Peer(client_id=c["id"], hostname=c.get("hostname") or "", addr=c["advertise_addr"],
                       port=c["reach_port"]) for c in clients.values() if c.get("advertise_addr") and c.get("reach_port")] \
             if len(groups) > 1 and meets_over_tcp({"parallelism": spec.parallelism.value}) else []
-        addresses = sorted({c["advertise_addr"] for c in clients.values() if c.get("advertise_addr")}
-                           | ({job.master.addr} if job.master else set()))
         for group_rank, client_id in enumerate(groups):
             client = clients[client_id]
             if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
@@ -430,7 +428,8 @@ class Scheduler:
                 keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
-                peers=peers, datasets=spec.datasets, joining=joining, image=spec.image, addresses=addresses,
+                peers=peers, datasets=spec.datasets, joining=joining, image=spec.image,
+                addresses=reach.egress_addresses(list(clients.values()), client),
                 devices=spec.devices, global_batch=spec.global_batch, tp_plan=spec.tp_plan,
                 tp_size=tp_size(spec, job.placement))
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)
