@@ -268,8 +268,9 @@ class JobAssign(Answer):
     joining: bool = False
     #: The image the job's ranks run in (None: this client's default).
     image: str | None = None
-    #: The addresses of every GPU client of the placement (this one's too): all a rank in a
-    #: container may reach besides the server (``gpu_client/container.py``).
+    #: Where the server saw every GPU client of the placement connect from, and this one's own
+    #: advertised address: where a rank in a container may reach its peers' rendezvous and
+    #: collective ports (``zwdx/server/reach.py``, ``gpu_client/container.py``).
     addresses: list[str] = []
     #: "mixed": the ranks weigh their batches by measured speed (``gpu_client/mixed.py``).
     devices: Devices = Devices.SAME
