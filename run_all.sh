@@ -7,7 +7,11 @@
 #                        and the total are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
+# the interpreter setup.sh installs into: PYTHON if given, else the active venv, else the project's .venv
+PY=${PYTHON:-}
+if [[ -z $PY && -n ${VIRTUAL_ENV:-} ]]; then PY=$VIRTUAL_ENV/bin/python; fi
+PY=${PY:-$PWD/.venv/bin/python}
+[[ $PY == */* ]] && export PATH="$(dirname "$PY"):$PATH"  # its zwdx command, and python3 for anything that asks
 
 if [[ "${1:-}" == "--tests" ]]; then
     # Lanes, each timed: setup, the dashboard's component tests, the fast lane (in-process, no
