@@ -227,6 +227,10 @@ class JobFields(Record):
     # -- restarts and checkpoints ----------------------------------------------------------
     restarts: int = 0
     restart_history: list[RestartEntry] = Field(default_factory=list)
+    #: Placements that did not start (no rendezvous address, or no rank running in time), and
+    #: the GPU clients that held them: the job is not placed on those again.
+    start_failures: int = 0
+    avoid: list[str] = Field(default_factory=list)
     latest_checkpoint: CheckpointEntry | None = None
     #: The last ``spec.keep_checkpoints`` committed, oldest first.
     checkpoints: list[CheckpointEntry] = Field(default_factory=list)

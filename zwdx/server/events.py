@@ -32,7 +32,7 @@ from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, 
 from ..protocol.base import parse
 from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
-from . import limits, lifecycle, notify, reach
+from . import donors, limits, lifecycle, notify, reach
 from .auth import Caller, donor, hash_secret, new_secret, submitter
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,8 @@ def _session() -> dict | None:
 
 # -- GPU clients -------------------------------------------------------------------------------
 def on_gpu_connect(auth=None):
-    room = _caller_from_auth(auth, GPU_NAMESPACE).room
-    _sessions[request.sid] = {"room_id": room["id"], "client_id": None}
+    caller = _caller_from_auth(auth, GPU_NAMESPACE)
+    _sessions[request.sid] = {"room_id": caller.room["id"], "client_id": None, "token_id": caller.credential["id"]}
 
 
 def _client_secret(hello: Register, existing: dict | None, sess: dict) -> tuple[str | None, str | None, str | None]:
@@ -139,6 +139,10 @@ def on_register(hello: Register) -> RegisterAnswer:
         log.warning("gpu-client %s: register refused in room %s: no right client secret", client_id, sess["room_id"])
         return RegisterAnswer(ok=False, error=refusal, code=WRONG_SECRET)
     pace = heartbeat_pace(ctx)
+    refusal = donors.refusal(ctx, sess["room_id"], sess.get("token_id"), hello, existing)
+    if refusal is not None:
+        log.warning("gpu-client %s: register refused in room %s: %s", client_id, sess["room_id"], refusal)
+        return RegisterAnswer(ok=False, error=refusal)
     slots = [{"id": f"{client_id}:{s.index}", "client_id": client_id, "room_id": sess["room_id"], "index": s.index,
               "kind": s.kind.value, "name": s.name, "memory_total": s.memory_total, "memory_free": s.memory_free,
               "utilization": s.utilization, "isolation": s.isolation and s.isolation.value,
@@ -154,7 +158,7 @@ def on_register(hello: Register) -> RegisterAnswer:
               "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
               "lost_after": now + pace[1], "disconnected_at": None,
               "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),
-              "secret_hash": secret_hash}
+              "secret_hash": secret_hash, "token_id": sess.get("token_id")}
     if not ctx.store.upsert_client(client, slots):  # registered meanwhile, by another connection
         return RegisterAnswer(ok=False, error=f"gpu client id {client_id} was registered by another connection "
                                               f"just now: register under a new id", code=WRONG_SECRET)

@@ -8,6 +8,7 @@ the GPU clients and the dashboards.
     queued|resuming --start--> starting --rank_running--> running --complete--> completed
     queued|resuming|starting|running --fail--> failed      ... --cancel--> cancelled
     starting|running --interrupt--> resuming (restarts left) or failed
+    starting --not_started--> queued|resuming, not on the GPU clients that held it (tries left) or failed
     running --drop--> running (DILOCO: lost workers dropped, the others go on)
 
 Failures come in two kinds. A rank whose own code raised makes the job *failing*: it fails
@@ -135,6 +136,29 @@ class Job:
         fields = {"placement": None, "world_size": None, "rank_keys": {}, "started_at": None, "waiting_reason": reason,
                   "ranks": {}, "exits": {}}
         return self._move(back, [JobStatus.STARTING], self.clock(), fields, reason=reason)
+
+    def not_started(self, reason: str, clients: Collection[str], tries: int) -> JobStatus | None:
+        """starting -> queued (resuming, if it ran before): the placement did not start (no
+        rendezvous address came, or no rank reported running in time). The job waits to be
+        placed again, never on ``clients`` (the GPU clients that held it), ``reason`` on its
+        timeline; no restart is counted, as nothing ran. The ``tries``-th such placement fails
+        the job instead (0: never). The caller stops its ranks and frees its slots. The status
+        it moved to, or None (it moved on meanwhile)."""
+        r, now = self.record, self.clock()
+        if r.status != JobStatus.STARTING:
+            return None
+        failures, avoid = r.start_failures + 1, sorted(set(r.avoid) | set(clients))
+        fields = {"start_failures": failures, "avoid": avoid}
+        if tries and failures >= tries:
+            why = f"{reason}; gave up after {failures} placement(s) that did not start"
+            moved = self._move(JobStatus.FAILED, [JobStatus.STARTING], now, {**fields, "ended_at": now, "reason": why},
+                               reason=why)
+            return JobStatus.FAILED if moved else None
+        back = JobStatus.RESUMING if r.restarts or r.latest_checkpoint else JobStatus.QUEUED
+        reason = f"placed again, not on gpu client(s) {', '.join(avoid)}: {reason}"
+        fields.update({"placement": None, "world_size": None, "rank_keys": {}, "started_at": None, "master": None,
+                       "waiting_reason": reason, "ranks": {}, "exits": {}})
+        return back if self._move(back, [JobStatus.STARTING], now, fields, reason=reason) else None
 
     def join(self, entry: PlacementEntry, slot_id: str, key_hash: str) -> bool:
         """DILOCO: a worker joins the running job in dropped rank ``entry.rank``'s place, on
@@ -337,6 +361,19 @@ class Job:
         if r.status == JobStatus.STARTING and r.master is None and (r.started_at or now) < now - assign_timeout:
             return NO_RENDEZVOUS
         return None
+
+    def start_overdue(self, start_timeout: float) -> str | None:
+        """Why this starting job's placement should be given up, or None: it was placed
+        ``start_timeout`` seconds ago (0: never), its GPU clients were told where to meet, and no
+        rank reported running (a GPU client that takes jobs and never starts them, or one too
+        slow to: the others' ranks wait in their rendezvous for its)."""
+        r, now = self.record, self.clock()
+        if not start_timeout or r.status != JobStatus.STARTING or r.master is None or r.ranks or \
+                r.failing_since is not None or r.suspect_since is not None or \
+                (r.started_at or now) >= now - start_timeout:
+            return None
+        held = ", ".join(dict.fromkeys(p.client_id for p in r.placement or []))
+        return f"no rank on gpu client(s) {held} reported running within {start_timeout:g} s of its placement"
 
     def all_heard(self, failures: dict) -> bool:
         """Every rank of the attempt exited, or is in ``failures``."""

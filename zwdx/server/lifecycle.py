@@ -175,6 +175,37 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
     ctx.scheduler.kick(settle=bool(bad or record.failing_since or record.suspect_since))
 
 
+def not_started(ctx, record: JobRecord, reason: str, clients) -> JobRecord | None:
+    """The job's placement did not start: its ranks are told to stop, its slots freed (a GPU
+    client that never starts ranks never says they exited either), and it waits to be placed
+    again on other GPU clients than ``clients``, or fails after ``START_TRIES`` such placements
+    (``Job.not_started``). None if it moved on meanwhile."""
+    handle = Job(ctx.store, record)
+    moved = handle.not_started(reason, clients, int(ctx.config.get("START_TRIES", defaults.START_TRIES) or 0))
+    if moved is None:
+        return None
+    log.warning("job %s: %s; %s", record.id, reason, "failed" if moved == JobStatus.FAILED else "placing it again")
+    cancel = JobCancel(job_id=record.id, attempt=record.attempt, reason=reason)
+    tell_clients(ctx, record, EV_JOB_CANCEL, cancel.model_dump(mode="json"))  # the placement as it was
+    ctx.store.release_slots(record.id)
+    notify.job_changed(handle.record)
+    notify.clients_changed(ctx, record.room_id)
+    ctx.scheduler.kick()
+    return handle.record
+
+
+def _start_overdue(ctx, room_id: str | None) -> None:
+    """Give up the placements of the room's starting jobs none of whose ranks reported running
+    within ``START_TIMEOUT``."""
+    timeout = float(ctx.config.get("START_TIMEOUT", defaults.START_TIMEOUT) or 0)
+    if not timeout:
+        return
+    for record in ctx.store.list_jobs(room_id, statuses=[JobStatus.STARTING]):
+        reason = Job(ctx.store, record).start_overdue(timeout)
+        if reason is not None:
+            not_started(ctx, record, reason, {p.client_id for p in record.placement or []})
+
+
 def settle_suspects(ctx, room_id: str | None = None) -> None:
     """Fail the active jobs (of the room, when given) that are overdue (``Job.overdue``): their
     ranks raised and every rank reported, or their ranks lost their peers and no GPU client
@@ -195,6 +226,7 @@ def settle_suspects(ctx, room_id: str | None = None) -> None:
             ctx.scheduler.kick()
         elif reason is not None and fail(ctx, record.id, reason) and record.master is None:
             ctx.store.release_slots(record.id)  # no GPU client was told of it: none will say its ranks exited
+    _start_overdue(ctx, room_id)
 
 
 def client_lost(ctx, client_id: str, reason: str) -> None:

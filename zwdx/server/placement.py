@@ -28,6 +28,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 
+from .. import defaults
 from ..protocol import ClientStatus, JobStatus, python_minor
 
 GiB = 1024**3
@@ -41,6 +42,15 @@ def _n(value) -> int:
         return int(value or 0)
     except (TypeError, ValueError):
         return 0
+
+
+def memory(slot: dict, field: str = "memory_total") -> int:
+    """A slot's ``memory_total`` or ``memory_free`` as placement believes it: at most what its kind
+    of device can have, and free at most total (a record stored before registers were checked
+    for plausibility draws no job by a claim no hardware makes)."""
+    bound = defaults.MAX_GPU_MEMORY if slot.get("kind", "cuda") == "cuda" else defaults.MAX_HOST_MEMORY
+    total = min(_n(slot.get("memory_total")), bound)
+    return total if field == "memory_total" else min(_n(slot.get(field)), total)
 
 
 def _python(client: dict) -> str:
@@ -103,9 +113,9 @@ def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:
         if slot.get("job_id"):
             taken[host] += _n(held.get(slot["job_id"]))
         if online(client):  # each of its GPU clients reports the same RAM: the least free, to be safe
-            slot_free = _n(slot.get("memory_free"))
+            slot_free = memory(slot, "memory_free")
             free[host] = min(free.get(host, slot_free), slot_free)
-            total[host] = max(total.get(host, 0), _n(slot.get("memory_total")))
+            total[host] = max(total.get(host, 0), memory(slot))
     return {h: (free[h], total[h], taken[h], names[h]) for h in free}
 
 
@@ -227,15 +237,20 @@ def _pairs_named(pairs: set[frozenset], clients: dict) -> str:
             f"the others (parallelism=\"DILOCO\" syncs through the server)")
 
 
-def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
+def _eligible(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it."""
+    spec = job["spec"]
     need_py = needs_python(spec)
     mem = _n(spec.get("memory_required"))
     ok, too_small, busy, wrong_py, missing = [], 0, 0, Counter(), {}
     image, no_image = spec.get("image"), {}
+    avoid, avoided = set(job.get("avoid") or []), set()
     for slot in slots:
         client = clients.get(slot["client_id"])
         if not online(client):
+            continue
+        if client["id"] in avoid:  # it held a placement of this job that did not start
+            avoided.add(client["id"])
             continue
         allowed = (slot.get("terms") or {}).get("allowed_images") or []
         if image and image not in allowed:  # a container's image only its donor allows
@@ -249,13 +264,15 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
             missing[client["id"]] = missing_modules(spec, client)
         if missing[client["id"]]:
             continue
-        if mem and _n(slot.get("memory_total")) < mem:
+        if mem and memory(slot) < mem:
             too_small += 1
-        elif slot.get("job_id") or (mem and _n(slot.get("memory_free")) < mem):
+        elif slot.get("job_id") or (mem and memory(slot, "memory_free") < mem):
             busy += 1
         else:
             ok.append(slot)
     why = []
+    if avoided:
+        why.append(f"gpu client(s) {', '.join(sorted(avoided))} held a placement of this job that did not start")
     if no_image:
         theirs = "; ".join(f"gpu client {c} allows {', '.join(a)}" if a else f"gpu client {c} runs no containers"
                            for c, (_, a) in sorted(no_image.items()))
@@ -270,6 +287,22 @@ def _eligible(spec: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
     if busy:
         why.append(f"{busy} slot(s) busy or short of free memory")
     return ok, why
+
+
+def _spread(of_kind: list[dict], want: int | None, load: Counter) -> list[dict]:
+    """The slots in the order to take them. A job that one GPU client can hold whole goes on
+    one: the one with the fewest busy slots, then the fewest free (jobs spread over the room,
+    and a big client stays free for a big job, rather than the largest client drawing every
+    job); a larger one fills whole GPU clients first, the largest first (fewer hosts, more
+    ranks over local links)."""
+    free = Counter(s["client_id"] for s in of_kind)
+
+    def key(slot):
+        c = slot["client_id"]
+        if want and free[c] >= want:
+            return 0, load[c], free[c], c, slot["index"]
+        return 1, 0, -free[c], c, slot["index"]
+    return sorted(of_kind, key=key)
 
 
 def _within_host_ram(order: list[dict], mem: int, hosts: dict, clients: dict) -> tuple[list[dict], list[str]]:
@@ -298,7 +331,7 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
     pairs = apart(clients, time.time() if now is None else now) if meets_over_tcp(spec) else set()
     if not any(online(c) for c in clients.values()):
         return None, no_clients(clients.values())
-    eligible, why = _eligible(spec, slots, clients)
+    eligible, why = _eligible(job, slots, clients)
     mem = _n(spec.get("memory_required"))
     by_kind = defaultdict(list)
     for slot in eligible:
@@ -307,14 +340,13 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
     least = None  # a new job waits for its world size; one resuming may go on with min_world_size
     if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
         want, least = job["world_size"], spec.get("min_world_size")  # the size it ran at, or at least that
+    load = Counter(s["client_id"] for s in slots if s.get("job_id"))
     have, kinds_apart = 0, []
     for kinds in ([("cuda", "cpu")] if mixes_devices(spec) else [("cuda",), ("cpu",)]):
         chosen = []
         for kind in kinds:
             of_kind = by_kind.get(kind) or []
-            # Fill whole clients first: fewer hosts, more ranks over local links.
-            per_client = Counter(s["client_id"] for s in of_kind)
-            of_kind = sorted(of_kind, key=lambda s: (-per_client[s["client_id"]], s["client_id"], s["index"]))
+            of_kind = _spread(of_kind, want, load)
             if kind == "cpu" and mem and of_kind:
                 of_kind, short = _within_host_ram(of_kind, mem, _host_ram(slots, clients, held or {}), clients)
                 why += short
@@ -404,9 +436,9 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
         return f"no GPU client online can import the packages the job uses: {_lacking(runs, missing)}"
     mem = _n(spec.get("memory_required"))
     slots = [s for c in fit for s in c["slots"]]
-    big = [s for s in slots if _n(s.get("memory_total")) >= mem]
+    big = [s for s in slots if memory(s) >= mem]
     if not big:
-        largest = max((_n(s.get("memory_total")) for s in slots), default=0)
+        largest = max((memory(s) for s in slots), default=0)
         return (f"memory_required ({gib(mem)} per rank) is above every slot's total memory "
                 f"(the largest has {gib(largest)})")
     per = _n(spec.get("gpus_per_client"))
@@ -421,7 +453,7 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     for host, host_slots in cpu_hosts.items():
         fits = len(host_slots)
         if mem:
-            ram = max(_n(s.get("memory_total")) for s in host_slots)
+            ram = max(memory(s) for s in host_slots)
             fits = min(fits, ram // mem)
             if fits < len(host_slots):
                 name = by_id[host_slots[0]["client_id"]].get("hostname") or host
@@ -456,7 +488,7 @@ def room_totals(clients: list[dict]) -> dict:
         for slot in client["slots"]:
             slots += 1
             busy += 1 if slot.get("job_id") else 0
-            slot_total, slot_free = _n(slot.get("memory_total")), _n(slot.get("memory_free"))
+            slot_total, slot_free = memory(slot), memory(slot, "memory_free")
             if slot.get("kind") == "cpu":  # one host's RAM, whichever of its GPU clients reports it
                 t, f = cpu_ram.get(host_of(client), (slot_total, slot_free))
                 cpu_ram[host_of(client)] = (max(t, slot_total), min(f, slot_free))

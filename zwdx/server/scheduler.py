@@ -18,8 +18,11 @@ After reserving, the rank-0 GPU client is asked for a rendezvous port on an addr
 others can reach (``reserve_port``, answered by a Socket.IO acknowledgement); the scheduler
 never waits for it. The answer finishes the placement on the next pass: every client gets
 its ranks (``JobAssign``), each with its rank key: a fresh secret per rank of the attempt,
-bound to the GPU client it goes to, whose hash the placement stores. No answer within ``RESERVE_TIMEOUT`` fails the job and frees its
-slots, so a dead GPU client delays nothing but its own job.
+bound to the GPU client it goes to, whose hash the placement stores. No answer within
+``RESERVE_TIMEOUT`` frees the job's slots and places it again, not on that GPU client; so does
+no rank reporting running within ``START_TIMEOUT`` (``lifecycle.not_started``, settled on the
+clock), not on any GPU client of the placement; the ``START_TRIES``-th such placement fails the
+job. A dead or fake GPU client delays nothing but the job it held, and that one only so long.
 """
 from __future__ import annotations
 
@@ -267,7 +270,7 @@ class Scheduler:
         if any(s.get("job_id") == record.id for s in slots):
             return _BLOCKED  # ranks of its last attempt are still stopping
         asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
-                 "world_size": record.world_size}
+                 "world_size": record.world_size, "avoid": record.avoid}
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
         job = Job(store, record)
         if chosen is None:
@@ -315,7 +318,7 @@ class Scheduler:
             slots = sorted((s for c in clients.values() for s in c["slots"] if not s.get("job_id")),
                            key=lambda s: (s["client_id"], s["index"]))
             asked = {"spec": {**record.spec.model_dump(mode="json"), "world_size": 1, "min_world_size": None},
-                     "status": JobStatus.QUEUED.value, "world_size": None}
+                     "status": JobStatus.QUEUED.value, "world_size": None, "avoid": record.avoid}
             chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))
             if not chosen:
                 break
@@ -381,10 +384,9 @@ class Scheduler:
                 offer = parse(PortOffer, request.answer, "its answer")
             except BadRequest as exc:
                 error = exc.message
-        if error is not None:
-            lifecycle.fail(self.ctx, job.id, f"rank-0 gpu client {request.client_id} did not offer a rendezvous "
-                                             f"address: {error}")
-            store.release_slots(job.id)
+        if error is not None:  # placed again elsewhere: a GPU client that never answers holds no job
+            lifecycle.not_started(self.ctx, job.record, f"rank-0 gpu client {request.client_id} did not offer a "
+                                                        f"rendezvous address: {error}", {request.client_id})
             return False
         if not job.rendezvous(Master(addr=offer.addr, port=offer.port)):
             self._let_go(job.refresh())  # it moved on as the answer came
