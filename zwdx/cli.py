@@ -308,6 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--rate-limit-auth-failures", default=None,
                         help=f"wrong tokens one address may send before it is refused "
                              f"(default '{defaults.RATE_LIMIT_AUTH_FAILURES}')")
+    limits.add_argument("--start-timeout", type=float, default=None,
+                        help=f"seconds a placed job's ranks get to report running before the job is placed again on "
+                             f"other GPU clients, 0: never (default {defaults.START_TIMEOUT:g})")
+    limits.add_argument("--start-tries", type=int, default=None,
+                        help=f"placements that did not start after which a job fails (default {defaults.START_TRIES})")
+    limits.add_argument("--donor-max-clients", type=int, default=None,
+                        help=f"GPU clients one donor token may have online at once, 0: no limit "
+                             f"(default {defaults.DONOR_MAX_CLIENTS})")
+    limits.add_argument("--client-max-slots", type=int, default=None,
+                        help=f"slots one GPU client may offer, 0: no limit (default {defaults.CLIENT_MAX_SLOTS})")
+    limits.add_argument("--rate-limit-registers", default=None,
+                        help=f"registers one donor token may make (default '{defaults.RATE_LIMIT_REGISTERS}')")
     limits.add_argument("--artifact-retention", type=float, default=None,
                         help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
     limits.add_argument("--sweep-interval", type=float, default=None,
@@ -324,18 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default="", help="a name for the room")
     c.add_argument("--json", action="store_true", help="print a JSON object")
     c.add_argument("--token-dir", default=None,
-    limits.add_argument("--start-timeout", type=float, default=None,
-                        help=f"seconds a placed job's ranks get to report running before the job is placed again on "
-                             f"other GPU clients, 0: never (default {defaults.START_TIMEOUT:g})")
-    limits.add_argument("--start-tries", type=int, default=None,
-                        help=f"placements that did not start after which a job fails (default {defaults.START_TRIES})")
-    limits.add_argument("--donor-max-clients", type=int, default=None,
-                        help=f"GPU clients one donor token may have online at once, 0: no limit "
-                             f"(default {defaults.DONOR_MAX_CLIENTS})")
-    limits.add_argument("--client-max-slots", type=int, default=None,
-                        help=f"slots one GPU client may offer, 0: no limit (default {defaults.CLIENT_MAX_SLOTS})")
-    limits.add_argument("--rate-limit-registers", default=None,
-                        help=f"registers one donor token may make (default '{defaults.RATE_LIMIT_REGISTERS}')")
                    help="write the tokens to DIR/submitter_token and DIR/donor_token (0600) instead of printing "
                         "them; if both are there already, create nothing")
     c.set_defaults(func=_room_create)

@@ -42,18 +42,6 @@ KEEP_CHECKPOINTS = 2
 COLLECTIVE_TIMEOUT = 300
 #: Seconds the rank-0 GPU client gets to answer a port reservation.
 RESERVE_TIMEOUT = 10.0
-#: Shortest time between the SDK's polls of a job it waits on: after an answer that brought
-#: news at once, it waits out the rest before asking again, so that more news gathers.
-POLL_INTERVAL = 1.0
-#: Longest a poll of a job may be held on the server until the job has news (``?wait=``).
-LONG_POLL_MAX = 25.0
-#: Seconds the SDK asks a poll to be held for (below its request timeout, and the balancer's).
-LONG_POLL = 10.0
-#: Seconds between a held poll's looks at the store, for news a wake-up did not bring (from
-#: another server process).
-LONG_POLL_RECHECK = 1.0
-#: Chunk size for streaming artifacts.
-CHUNK_BYTES = 1024 * 1024
 #: Seconds a placed job's ranks get to report running (bundle, datasets and image fetched) before
 #: the job is placed again on other GPU clients (0: never).
 START_TIMEOUT = 600.0
@@ -68,6 +56,18 @@ RATE_LIMIT_REGISTERS = "120 per minute"
 #: machine's RAM). A register past these is refused, not believed.
 MAX_GPU_MEMORY = 512 * 1024**3
 MAX_HOST_MEMORY = 64 * 1024**4
+#: Shortest time between the SDK's polls of a job it waits on: after an answer that brought
+#: news at once, it waits out the rest before asking again, so that more news gathers.
+POLL_INTERVAL = 1.0
+#: Longest a poll of a job may be held on the server until the job has news (``?wait=``).
+LONG_POLL_MAX = 25.0
+#: Seconds the SDK asks a poll to be held for (below its request timeout, and the balancer's).
+LONG_POLL = 10.0
+#: Seconds between a held poll's looks at the store, for news a wake-up did not bring (from
+#: another server process).
+LONG_POLL_RECHECK = 1.0
+#: Chunk size for streaming artifacts.
+CHUNK_BYTES = 1024 * 1024
 #: Header that carries a room token (a submitter token on REST; see zwdx.protocol.tokens).
 TOKEN_HEADER = "X-Zwdx-Room-Token"
 #: Header that carries a rank key (held by one rank process of a running job).

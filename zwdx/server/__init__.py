@@ -186,17 +186,17 @@ def create_app(config: dict | None = None) -> Flask:
         HEARTBEAT_RATE=defaults.HEARTBEAT_RATE,
         COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
         RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
+        START_TIMEOUT=defaults.START_TIMEOUT,
+        START_TRIES=defaults.START_TRIES,
+        DONOR_MAX_CLIENTS=defaults.DONOR_MAX_CLIENTS,
+        CLIENT_MAX_SLOTS=defaults.CLIENT_MAX_SLOTS,
+        RATE_LIMIT_REGISTERS=defaults.RATE_LIMIT_REGISTERS,
         METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
         #: Socket.IO's message queue (redis://host:port/db), shared by several server processes on one
         #: store: an emit of any of them reaches a client connected to any other; the scheduler runs
         #: in the one that holds the store's lease (docs/deploy-scale.md). None: one process.
         MESSAGE_QUEUE=None,
-        START_TIMEOUT=defaults.START_TIMEOUT,
-        START_TRIES=defaults.START_TRIES,
-        DONOR_MAX_CLIENTS=defaults.DONOR_MAX_CLIENTS,
-        CLIENT_MAX_SLOTS=defaults.CLIENT_MAX_SLOTS,
-        RATE_LIMIT_REGISTERS=defaults.RATE_LIMIT_REGISTERS,
         SCHEDULER_LEASE_TTL=defaults.SCHEDULER_LEASE_TTL,
         PROXY_HOPS=0,  # reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
     )

@@ -138,11 +138,11 @@ def on_register(hello: Register) -> RegisterAnswer:
     if refusal is not None:
         log.warning("gpu-client %s: register refused in room %s: no right client secret", client_id, sess["room_id"])
         return RegisterAnswer(ok=False, error=refusal, code=WRONG_SECRET)
-    pace = heartbeat_pace(ctx)
     refusal = donors.refusal(ctx, sess["room_id"], sess.get("token_id"), hello, existing)
     if refusal is not None:
         log.warning("gpu-client %s: register refused in room %s: %s", client_id, sess["room_id"], refusal)
         return RegisterAnswer(ok=False, error=refusal)
+    pace = heartbeat_pace(ctx)
     slots = [{"id": f"{client_id}:{s.index}", "client_id": client_id, "room_id": sess["room_id"], "index": s.index,
               "kind": s.kind.value, "name": s.name, "memory_total": s.memory_total, "memory_free": s.memory_free,
               "utilization": s.utilization, "isolation": s.isolation and s.isolation.value,
