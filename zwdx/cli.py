@@ -57,6 +57,10 @@ def _server(args) -> int:
                  "donor_max_clients", "client_max_slots", "rate_limit_registers"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
+    for name in ("header_timeout", "idle_timeout", "max_connections_per_address", "socket_sessions_per_address",
+                 "socket_auth_timeout"):
+        if getattr(args, name) is not None:
+            config[name.upper()] = getattr(args, name)
     if args.metrics_token_file:
         with open(args.metrics_token_file, encoding="utf-8") as f:
             config["METRICS_TOKEN"] = f.read().strip()
@@ -324,6 +328,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
     limits.add_argument("--sweep-interval", type=float, default=None,
                         help=f"seconds between sweeps of unreferenced artifacts, 0: never (default {defaults.SWEEP_INTERVAL:g})")
+    edge = p.add_argument_group("connections", "each also ZWDX_<NAME> in the environment (ZWDX_HEADER_TIMEOUT=...)")
+    edge.add_argument("--header-timeout", type=float, default=None,
+                      help=f"seconds a connection has to send a request's line and headers, 0: no limit "
+                           f"(default {defaults.HEADER_TIMEOUT:g})")
+    edge.add_argument("--idle-timeout", type=float, default=None,
+                      help=f"seconds a kept-alive connection may wait for its next request, 0: no limit "
+                           f"(default {defaults.IDLE_TIMEOUT:g})")
+    edge.add_argument("--max-connections-per-address", type=int, default=None,
+                      help=f"connections one address may hold at once, 0: no cap; not applied behind "
+                           f"ZWDX_PROXY_HOPS proxies (default {defaults.MAX_CONNECTIONS_PER_ADDRESS})")
+    edge.add_argument("--socket-sessions-per-address", type=int, default=None,
+                      help=f"Socket.IO sessions one address may have open, 0: no cap "
+                           f"(default {defaults.SOCKET_SESSIONS_PER_ADDRESS})")
+    edge.add_argument("--socket-auth-timeout", type=float, default=None,
+                      help=f"seconds a Socket.IO session has to connect with its token before it is closed, 0: no "
+                           f"limit (default {defaults.SOCKET_AUTH_TIMEOUT:g})")
     p.add_argument("--metrics-token-file", default=None,
                    help="GET /metrics then answers 'Authorization: Bearer <the file's token>' from anywhere "
                         "(also $ZWDX_METRICS_TOKEN); without one it answers this machine only")

@@ -122,3 +122,13 @@ DATASET_CACHE_BYTES = 50 * 1024**3
 #: store (``ZWDX_MESSAGE_QUEUE`` set): another process takes it over this long after its
 #: holder died. Renewed every third of it.
 SCHEDULER_LEASE_TTL = 6.0
+#: The server's connections (``zwdx/server/connections.py``): seconds a connection has to send a
+#: request's line and headers, seconds a kept-alive one may wait before its next request, and
+#: connections one address may hold at once (0: no cap; not applied behind PROXY_HOPS proxies).
+HEADER_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0
+MAX_CONNECTIONS_PER_ADDRESS = 1000
+#: Engine.IO sessions one address may have open (0: no cap), and seconds a session has to connect
+#: to /gpu or /ui with its token before it is closed (``zwdx/server/socket_edge.py``).
+SOCKET_SESSIONS_PER_ADDRESS = 256
+SOCKET_AUTH_TIMEOUT = 10.0

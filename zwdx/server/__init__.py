@@ -28,8 +28,8 @@ from socketio import packet as socketio_packet
 from .. import defaults
 from ..protocol.base import loads
 from ..protocol.report import to_wire
-from . import (api, checkpoints, collector, dashboard_api, datasets, diloco, events, limits, links, notify, openapi,
-               prometheus, scripts, tokens, ui)
+from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, events, json_limits, limits,
+               links, notify, openapi, prometheus, scripts, socket_edge, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import Encoded, socketio
@@ -93,7 +93,9 @@ def wire_dumps(obj, **kwargs) -> str:
 
 def wire_loads(text, **kwargs):
     """``json.loads`` through orjson (``protocol.base.loads``): every Socket.IO packet a GPU client
-    sends is read with it."""
+    sends is read with it, once its nesting is within ``json_limits.MAX_JSON_DEPTH`` (a packet
+    nested deeper is malformed: ``socket_edge``)."""
+    json_limits.check_text(text)
     return json.loads(text, **kwargs) if kwargs else loads(text)
 
 
@@ -198,6 +200,11 @@ def create_app(config: dict | None = None) -> Flask:
         #: in the one that holds the store's lease (docs/deploy-scale.md). None: one process.
         MESSAGE_QUEUE=None,
         SCHEDULER_LEASE_TTL=defaults.SCHEDULER_LEASE_TTL,
+        HEADER_TIMEOUT=defaults.HEADER_TIMEOUT,
+        IDLE_TIMEOUT=defaults.IDLE_TIMEOUT,
+        MAX_CONNECTIONS_PER_ADDRESS=defaults.MAX_CONNECTIONS_PER_ADDRESS,
+        SOCKET_SESSIONS_PER_ADDRESS=defaults.SOCKET_SESSIONS_PER_ADDRESS,
+        SOCKET_AUTH_TIMEOUT=defaults.SOCKET_AUTH_TIMEOUT,
         PROXY_HOPS=0,  # reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
     )
     app.config.from_prefixed_env("ZWDX")
@@ -240,6 +247,7 @@ def create_app(config: dict | None = None) -> Flask:
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON, serializer=JsonPacket,
                       manage_session=False, async_handlers=False, **queue)
     events.register(socketio, ctx)
+    ctx.socket_edge = socket_edge.init_app(app, socketio, ctx)
     if ctx.lease.shared:  # a token revoked through another process closes this one's connections too
         ctx.lease.every_try.append(lambda: tokens.close_revoked(ctx))
     hops = int(app.config["PROXY_HOPS"])
@@ -275,19 +283,26 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     through simple-websocket), Werkzeug's threaded one otherwise. With ``ssl_context``
     (``zwdx.tls.server_context``, ``zwdx server --tls-cert/--tls-key``) both serve HTTPS and WSS
     only."""
-    _raise_open_files_limit()
+    open_files = _raise_open_files_limit()
     ctx = app.extensions["zwdx"]
     ctx.store.serving()
     collector.keep_pauses_short(ctx.stopping)
     tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":
-        socketio.run(app, host=host, port=port, log_output=False, handler_class=_handler_class(), **tls)
+        from gevent.pool import Pool
+        holds = connections.capacity(open_files)
+        log.info("server: holds up to %d connections at once (open files %d; past that they wait to be accepted); "
+                 "headers within %gs, idle connections closed after %gs, %s connections per address", holds,
+                 open_files, app.config["HEADER_TIMEOUT"], app.config["IDLE_TIMEOUT"],
+                 app.config["MAX_CONNECTIONS_PER_ADDRESS"] or "any")
+        socketio.run(app, host=host, port=port, log_output=False, handler_class=connections.handler_class(app.config),
+                     spawn=Pool(holds), **tls)
     else:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         socketio.run(app, host=host, port=port, allow_unsafe_werkzeug=True, log_output=False, **tls)
 
 
-def _raise_open_files_limit() -> None:
+def _raise_open_files_limit() -> int:
     """Lift the soft limit on open files to the hard one: every GPU client and dashboard holds a
     connection (two descriptors under gevent, where simple-websocket works on a duplicate of
     the socket), and the usual soft limit of 1,024 ends near 500 GPU clients."""
@@ -300,31 +315,5 @@ def _raise_open_files_limit() -> None:
             soft = want
     except (ImportError, ValueError, OSError) as exc:
         log.warning("server: cannot raise the open files limit: %s", exc)
-        return
-    log.info("server: up to %d open files (connections)", soft)
-
-
-def _handler_class():
-    """gevent's request handler, with two fixes for how zwdx is used:
-
-    - Nagle's algorithm off: the handler sends a response's headers and body in two writes,
-      and on a kept-alive connection the body would wait for the client's delayed ACK of the
-      headers (40 ms on Linux) before leaving.
-    - A connection that was a websocket is closed when the websocket ends, instead of being
-      read for one more HTTP request (which found the client's close frame and logged
-      "Invalid HTTP method")."""
-    import socket
-
-    from gevent import pywsgi
-
-    class Handler(pywsgi.WSGIHandler):
-        def __init__(self, sock, address, server, *args, **kwargs):
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            super().__init__(sock, address, server, *args, **kwargs)
-
-        def handle_one_response(self):
-            super().handle_one_response()
-            if self.headers.get("Upgrade", "").lower() == "websocket":
-                self.close_connection = True
-    return Handler
+        return 1024
+    return soft

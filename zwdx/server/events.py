@@ -32,7 +32,7 @@ from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, 
 from ..protocol.base import parse
 from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
-from . import donors, limits, lifecycle, notify, reach
+from . import donors, json_limits, limits, lifecycle, notify, reach
 from .auth import Caller, donor, hash_secret, new_secret, submitter
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ def _answered(event: str, model: type[BaseModel], handler, args: tuple) -> dict:
     try:
         if len(args) != 1:
             raise BadRequest(f"{event}: send one JSON object, got {len(args)} argument(s)")
+        json_limits.refuse_nul_key_in(args[0], event)
         message = parse(model, args[0], event)
     except BadRequest as err:
         return Ack(ok=False, error=err.message).model_dump(exclude_none=True)

@@ -47,7 +47,7 @@ from .. import defaults
 from ..errors import BadRequest, NotFound, PayloadTooLarge
 from ..protocol.base import LONG_NUMBER_BYTES, parse
 from ..protocol.rest import ArtifactView
-from . import limits
+from . import json_limits, limits
 from .auth import donor, job_in_room, rank_sender, request_token, submitter
 
 #: Where every REST route lives.
@@ -56,9 +56,10 @@ P = defaults.API_PREFIX
 #: Largest JSON body a route reads by default (config ``MAX_REQUEST_BYTES``; artifact bytes
 #: stream apart, with their own limit).
 MAX_JSON_BYTES = defaults.MAX_REQUEST_BYTES
-#: Deepest nesting of a JSON body: a deeper one is refused before anything parses it further
-#: (MongoDB keeps documents 100 levels deep; Python's parser stops near 1,000).
-MAX_JSON_DEPTH = 32
+#: Deepest nesting of a JSON body (``json_limits``): a deeper one is refused before it is parsed.
+MAX_JSON_DEPTH = json_limits.MAX_JSON_DEPTH
+#: Bytes of a JSON body read (and checked) at a time.
+_CHUNK = 64 * 1024
 #: Largest count in a path (a rank, a checkpoint's number): what JSON readers keep exact.
 MAX_PATH_INT = 2**53
 
@@ -187,31 +188,48 @@ def _answer(op: Operation, out):
 def _json_body():
     """The request's body, decoded as JSON (an empty body is ``{}``), within ``MAX_REQUEST_BYTES``
     and ``MAX_JSON_DEPTH``, with no NaN or Infinity in it (no JSON has them; a rank's non-finite
-    numbers are the strings "NaN", "Infinity", "-Infinity") and no number too large for a float;
-    ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
+    numbers are the strings "NaN", "Infinity", "-Infinity"), no number too large for a float and
+    no object key with a NUL in it; ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
     limit = int(current_app.config.get("MAX_REQUEST_BYTES") or MAX_JSON_BYTES)
     if (request.content_length or 0) > limit:
         raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
-    raw = request.stream.read(limit + 1)
-    if len(raw) > limit:
-        raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
+    raw = _read_bounded(limit)
     if not raw.strip():
         return {}
-    # Only a body with more brackets than the limit can nest past it: counted in C, the bytes
-    # walked one by one only then (a metric post has a handful).
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth(raw) > MAX_JSON_DEPTH:
-        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels", field="body")
     # orjson refuses NaN, Infinity and numbers past a float, as this must; it would read an
     # integer past 64 bits as a float, so a body with 19 digits in a row goes to json.
+    body = None
     if not LONG_NUMBER_BYTES.search(raw):
         try:
-            return orjson.loads(raw)
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # json says which of those it was, and reads what orjson refuses (lone surrogates)
-    try:
-        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"the body must be a JSON object; it is not JSON ({str(exc)[:100]})", field="body")
+    if body is None:
+        try:
+            body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(f"the body must be a JSON object; it is not JSON ({str(exc)[:100]})", field="body")
+    json_limits.refuse_nul_key(raw, "the body", body)
+    return body
+
+
+def _read_bounded(limit: int) -> bytes:
+    """The body, read a chunk at a time within ``limit`` bytes, its nesting followed as it comes
+    (``json_limits.Depth``): a body too deep is refused at its first chunk past the limit, the
+    rest unread, and the hub gets a turn between chunks."""
+    depth, chunks, size = json_limits.Depth(), [], 0
+    while True:
+        chunk = request.stream.read(min(_CHUNK, limit + 1 - size))
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
+        depth.feed(chunk)
+        chunks.append(chunk)
+        time.sleep(0)  # gevent's: other greenlets run between chunks
+    depth.end()
+    return b"".join(chunks)
 
 
 def _no_constant(name: str):
@@ -224,28 +242,6 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise BadRequest(f"the body holds a number too large for a float ({text[:40]})", field="body")
     return value
-
-
-def _depth(raw: bytes) -> int:
-    """How deep the brackets of a JSON text nest (outside strings), without parsing it."""
-    deepest = depth = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
 
 
 def ctx():

@@ -1,0 +1,154 @@
+"""The connections one server process takes (gevent's WSGI server), and for how long.
+
+- A connection must send its request line and headers within ``HEADER_TIMEOUT`` seconds (the
+  first request from its accept, later ones from their first byte), and a kept-alive one must
+  start its next request within ``IDLE_TIMEOUT``: a client that trickles bytes (slowloris) or
+  sends nothing is cut off (408, or closed), whatever it sends. A websocket, once upgraded, is
+  no longer timed here (Engine.IO pings it).
+- One address holds at most ``MAX_CONNECTIONS_PER_ADDRESS`` connections at once (0: no cap; an
+  IPv6 address counts with its /64): the next one is answered 429 and closed. Behind
+  ``PROXY_HOPS`` proxies every connection comes from a proxy, so the cap is not applied (the
+  proxy keeps its own; ``socket_edge`` caps Engine.IO sessions per client address still).
+- The process holds at most ``capacity()`` connections: half its open-files limit, less a
+  reserve (a websocket takes two descriptors under gevent); past it, new connections wait in
+  the listen backlog instead of failing for want of descriptors.
+
+    handler_class(config) -> the gevent handler class ``serve`` runs
+    capacity(open_files)   -> connections one process holds
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+
+log = logging.getLogger(__name__)
+
+#: Descriptors kept for what is not a connection: the store, artifacts being written, logs.
+RESERVED_FILES = 256
+_TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+_TOO_MANY = (b"HTTP/1.1 429 Too Many Requests\r\nConnection: close\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n%s")
+_TOO_MANY_BODY = (b'{"error": {"code": "too_many_requests", "message": "too many connections from this address '
+                  b'at once; close some and retry"}}')
+
+
+def capacity(open_files: int) -> int:
+    """How many connections one process holds with ``open_files`` descriptors."""
+    return max(1, (open_files - RESERVED_FILES) // 2)
+
+
+def address_key(address: str) -> str:
+    """What a cap counts by: the address, an IPv6 one by its /64 (one host is given a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class _TooSlow(socket.timeout):
+    """A request line or headers not in within their time: to gevent a socket error (closed)."""
+
+
+def handler_class(config):
+    """gevent's request handler as zwdx serves with it (the module's docstring), and two fixes:
+
+    - Nagle's algorithm off: the handler sends a response's headers and body in two writes,
+      and on a kept-alive connection the body would wait for the client's delayed ACK of the
+      headers (40 ms on Linux) before leaving.
+    - A connection that was a websocket is closed when the websocket ends, instead of being
+      read for one more HTTP request (which found the client's close frame and logged
+      "Invalid HTTP method")."""
+    import gevent
+    from gevent import pywsgi
+
+    header_timeout = float(config["HEADER_TIMEOUT"]) or None
+    idle_timeout = float(config["IDLE_TIMEOUT"]) or None
+    cap = 0 if int(config.get("PROXY_HOPS") or 0) else int(config["MAX_CONNECTIONS_PER_ADDRESS"])
+    held: dict[str, int] = {}  # address key -> connections open now
+    refused = {"at": 0.0, "n": 0}
+
+    class Handler(pywsgi.WSGIHandler):
+        _deadline = None
+        _requests = 0
+
+        def __init__(self, sock, address, server, *args, **kwargs):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            super().__init__(sock, address, server, *args, **kwargs)
+
+        def handle(self):
+            key = address_key(self.client_address[0]) if isinstance(self.client_address, tuple) else "?"
+            if cap and held.get(key, 0) >= cap:
+                _note_refused(refused, key, cap)
+                try:
+                    self.socket.sendall(_TOO_MANY % (len(_TOO_MANY_BODY), _TOO_MANY_BODY))
+                except OSError:
+                    pass
+                self.socket.close()
+                return
+            held[key] = held.get(key, 0) + 1
+            try:
+                super().handle()
+            finally:
+                held[key] -= 1
+                if not held[key]:
+                    del held[key]
+
+        def read_requestline(self):
+            # Until the first byte: the header time for a new connection, the idle time after a request.
+            wait = idle_timeout if self._requests else header_timeout
+            if wait:
+                with gevent.Timeout(wait, _TooSlow("idle" if self._requests else "no request")):
+                    if not self.rfile.peek(1):
+                        return ""
+            if header_timeout:
+                self._deadline = gevent.Timeout.start_new(header_timeout, _TooSlow("headers too slow"))
+            return super().read_requestline()
+
+        def read_request(self, raw_requestline):
+            try:
+                return super().read_request(raw_requestline)
+            finally:
+                self._stop_deadline()
+
+        def handle_one_request(self):
+            try:
+                return super().handle_one_request()
+            finally:
+                self._stop_deadline()
+                self._requests += 1
+
+        def _stop_deadline(self):
+            if self._deadline is not None:
+                self._deadline.close()
+                self._deadline = None
+
+        def _handle_client_error(self, ex):
+            if isinstance(ex, _TooSlow):
+                return "408", _TIMED_OUT
+            return super()._handle_client_error(ex)
+
+        def handle_one_response(self):
+            super().handle_one_response()
+            if self.headers.get("Upgrade", "").lower() == "websocket":
+                self.close_connection = True
+
+    Handler.held = held  # for tests and /health's figures
+    return Handler
+
+
+def _note_refused(refused: dict, key: str, cap: int) -> None:
+    """One warning a minute at most, with how many were refused since the last."""
+    refused["n"] += 1
+    now = time.monotonic()
+    if now - refused["at"] >= 60:
+        log.warning("server: refused %d connection(s) over the cap of %d per address (the last from %s)",
+                    refused["n"], cap, key)
+        refused["at"], refused["n"] = now, 0
