@@ -39,7 +39,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCa
                                Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
 
-from . import gpus, health, host, link, reach, script
+from . import gpus, health, host, link, reach, sandbox, script
 from .reach import free_port, interface_of, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
@@ -249,7 +249,7 @@ class Agent:
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
             sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
-            **script.rank_fields(assign, place, local_rank, job.sandbox.dir))
+            **script.rank_fields(assign, place, local_rank, sandbox.home(job.sandbox)))
 
     def _fetch_bundle(self, assign: JobAssign, shared=None) -> None:
         """Into the cache (``workspace.py``), checked against the job's sha256; ``shared``: see
@@ -303,7 +303,9 @@ class Agent:
                 if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
                     self._fetch_bundle(assign)
                 self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
-            if assign.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before the code runs
+            # the job's code may run already (a streamed bundle loads as it arrives): what the agent
+            # writes into the sandbox goes where the job cannot write, following no link (sandbox.py)
+            if assign.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before "ready"
                 self._provide_datasets(job, assign)
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():

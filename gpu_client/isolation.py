@@ -10,7 +10,8 @@ it for each job's sandbox.
     iso.popen(argv, stdout, env)      start a rank process (a standby, or a fresh rank)
     box = iso.lease(client_id, job_id, attempt)   the sandbox of one attempt of a job here
     iso.share(bundle_path, box)       the job's bundle, where its ranks read it (box.dir/bundle.zwdx);
-                                      the same for the CA file that verifies the server
+                                      the same for the CA file that verifies the server, and the
+                                      datasets (``iso.folder``); written as ``sandbox.py`` says
     iso.release(box)                  its ranks exited: end what is left of the job, remove its dir
     iso.signal(proc, signum)          signal a rank (its process group, or its container)
     iso.versions(v), iso.terms()      what ranks run (a container's image: its Python, torch), and
@@ -19,8 +20,11 @@ it for each job's sandbox.
 
 A sandbox (``zwdx.protocol.rank.Sandbox``) travels in each rank's ``RankSpec``; the rank process
 enters it (``enter``) right after reading its spec and opening its log, before it touches
-anything of the job: it moves into the sandbox's directory (its working directory, ``HOME``
-and ``TMPDIR``) and, under a per-job user, drops to the sandbox's uid and gid for good.
+anything of the job: it moves into the sandbox's ``home`` (its working directory and ``HOME``;
+``TMPDIR`` its ``tmp``) and, under a per-job user, drops to the sandbox's uid and gid for good and
+is not dumpable (no process of its uid reads its memory or ``/proc/<pid>/environ``).
+Rank processes start in a folder of the agent's with ``-P`` (Python 3.11+): no folder a job
+can write is on their import path.
 
 Kinds (``zwdx.protocol.Isolation``):
 
@@ -30,13 +34,15 @@ Kinds (``zwdx.protocol.Isolation``):
 - ``user`` ("per-job user", the default as root): the ranks of one job on this GPU client run as
   a uid of their own, taken from a range (``--rank-uids``, no passwd entry needed; uids and gids
   that have an entry are skipped) and held against every other GPU client of the machine (a
-  record lock in /run) while the job runs. Its gid is the same number, with no supplementary
-  groups. The sandbox directory (0700) is the uid's; everything else the agent keeps (tokens,
+  record lock in /run, ``rank_users.py``) while the job runs. Its gid is the same number, with no
+  supplementary groups. The sandbox directory is root's (0750, the job's group: read, not
+  written), its ``home`` and ``tmp`` (0700) the uid's (``sandbox.py``); everything else the agent keeps (tokens,
   client secret, the bundle cache, other jobs' logs) is root's and 0700/0600, the installed
   zwdx is root's, and other jobs run as other uids, so job code reads none of it (nor their
   ``/proc/<pid>/environ``). The job's bundle is a hard link in the sandbox, read-only (root's,
-  0444). When the ranks are gone, every process left of the uid is killed and its files in
-  /tmp, /var/tmp and /dev/shm removed, before the uid serves another job.
+  0444). When the ranks are gone, every process left of the uid is killed (at once, by
+  ``kill(-1)`` as that uid, until none is left) and its files in /tmp, /var/tmp and /dev/shm
+  removed, before the uid serves another job; a uid a process of which survives serves none.
 - ``docker`` ("container", ``gpu_client/container.py``; the default where a Docker engine answers,
   the image is here and the GPU client does not run in a container itself): each rank in a fresh
   container of an image the donor allows, as a non-root uid, read-only root, no capabilities,
@@ -55,7 +61,6 @@ enters the sandbox of the job it takes: it never serves two jobs.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import grp
 import importlib.util
 import json
@@ -63,7 +68,6 @@ import logging
 import os
 import pwd
 import random
-import shutil
 import stat
 import subprocess
 import sys
@@ -72,6 +76,8 @@ import threading
 
 from zwdx.protocol.rank import Sandbox
 from zwdx.protocol.vocab import Isolation
+
+from . import rank_users, sandbox
 
 log = logging.getLogger("gpu_client.isolation")
 
@@ -83,11 +89,25 @@ DEFAULT_UIDS = range(2_000_000_000, 2_000_065_536)
 SYSTEM_RANK_DIR = "/var/lib/zwdx/ranks"
 #: The record locks that keep one uid to one job across the GPU clients of a machine.
 UID_LOCKS = "/run/zwdx/rank-uids.lock"
-#: World-writable places where a job may have left files, removed when its uid is released.
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 #: The directories of the agent's own work dir; private (0700) when ranks run as other users.
 AGENT_DIRS = ("secrets", "bundles", "jobs", "standby")
 BUNDLE = "bundle.zwdx"
+#: Python's options for a rank process: no working directory on its import path (3.11+; older
+#: ones start in a folder only the agent writes, ``popen``'s cwd).
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    """``python -P -m module args``: how the agent starts its rank processes."""
+    return [sys.executable, *SAFE_PATH, "-m", module, *args]
+
+
+def import_root() -> str | None:
+    """The folder the agent imported ``gpu_client`` from, where ranks could not find it without
+    the working directory (a checkout run without installing it): for their PYTHONPATH."""
+    import gpu_client
+    root = os.path.dirname(os.path.dirname(os.path.abspath(gpu_client.__file__)))
+    return None if root in (os.path.abspath(p) for p in sys.path[1:] if p) else root
 
 
 class IsolationError(Exception):
@@ -179,9 +199,10 @@ class ProcessIsolation:
                 f"that user can, this client's token and secrets included (run it as root for a user per job)")
 
     def popen(self, argv: list[str], stdout, env: dict[str, str]) -> subprocess.Popen:
-        """A rank process in its own session (a cancel kills its whole group); its stdin a pipe."""
+        """A rank process in its own session (a cancel kills its whole group); its stdin a pipe;
+        started in the folder of sandboxes (the agent's, which no job writes)."""
         return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=env, cwd=self.rank_dir)
 
     # -- sandboxes ----------------------------------------------------------------------------------
     def _dir(self, client_id: str, job_id: str, attempt: int) -> str:
@@ -190,9 +211,7 @@ class ProcessIsolation:
     def lease(self, client_id: str, job_id: str, attempt: int) -> Sandbox:
         path = self._dir(client_id, job_id, attempt)
         self._parent(os.path.dirname(path))
-        shutil.rmtree(path, ignore_errors=True)  # a sandbox a killed agent left
-        os.mkdir(path, 0o700)
-        os.mkdir(os.path.join(path, "tmp"), 0o700)
+        sandbox.make(path)
         return Sandbox(dir=path)
 
     def _parent(self, path: str) -> None:
@@ -205,21 +224,16 @@ class ProcessIsolation:
     def share(self, source: str, box: Sandbox, name: str = BUNDLE, link: bool = True) -> str:
         """A file in the sandbox that the ranks may read and not change (root's, 0444): the job's
         bundle as a hard link (no copy; a copy across file systems), a file the agent does not
-        own (the CA file) as a copy."""
-        path = os.path.join(box.dir, name)
-        if os.path.lexists(path):
-            os.unlink(path)
-        try:
-            if not link:
-                raise OSError("copied")
-            os.link(source, path)
-        except OSError:
-            shutil.copyfile(source, path)
-        os.chmod(path, 0o444)
-        return path
+        own (the CA file) as a copy; ``name`` may name folders (made). ``sandbox.Refused``
+        where the path is not the agent's (a link, a FIFO, a folder it did not make)."""
+        return sandbox.place(source, str(box.dir), name, link)
+
+    def folder(self, box: Sandbox, name: str) -> str:
+        """A folder in the sandbox that the ranks may read and not change (0755), made."""
+        return sandbox.folder(str(box.dir), name)
 
     def release(self, box: Sandbox) -> None:
-        shutil.rmtree(box.dir, ignore_errors=True)
+        sandbox.remove(str(box.dir))
 
 
 class UserIsolation(ProcessIsolation):
@@ -231,7 +245,7 @@ class UserIsolation(ProcessIsolation):
     def __init__(self, rank_dir: str, uids: range, work_dir: str):
         super().__init__(rank_dir, work_dir)
         self.uids = uids
-        self._locks: int | None = None
+        self._locks: rank_users.UidLocks | None = None
         self._held: set[int] = set()
         self._mutex = threading.Lock()
         self._next = random.SystemRandom().randrange(len(uids))
@@ -239,7 +253,7 @@ class UserIsolation(ProcessIsolation):
 
     def describe(self) -> str:
         return (f"ranks run as a user of their own per job (isolation: {self.label}; uids {self.uids.start}-"
-                f"{self.uids.stop - 1}), each job in a 0700 directory under {self.rank_dir}")
+                f"{self.uids.stop - 1}), each job in a directory of its own under {self.rank_dir}")
 
     def check(self) -> None:
         """Everything a per-job user needs, or an IsolationError saying what to change."""
@@ -270,16 +284,17 @@ class UserIsolation(ProcessIsolation):
         return self._modules
 
     def _probe(self) -> None:
-        """Start Python as a rank user, import the rank's code from where a rank will (``-m``
-        puts the working directory, as an absolute path, first on ``sys.path``), and list the
-        modules it can import."""
+        """Start Python as a rank user, as a rank starts (``python_argv``, the PYTHONPATH that
+        ``launcher.rank_environ`` gives), import the rank's code and list the modules it can import."""
         box = self.lease("probe", f"probe-{os.getpid()}", 0)
-        code = ("import json, os, sys; sys.path[0] = os.getcwd(); import gpu_client.runner; "
-                "from gpu_client.host import importable_modules; print(json.dumps(importable_modules()))")
+        code = ("import gpu_client.runner, json; from gpu_client.host import importable_modules; "
+                "print(json.dumps(importable_modules()))")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")}
+        if import_root():
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (import_root(), env.get("PYTHONPATH")) if p)
         try:
-            done = subprocess.run([sys.executable, "-c", code], capture_output=True, user=box.uid, group=box.gid,
-                                  extra_groups=[], timeout=120,
-                                  env={k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")})
+            done = subprocess.run([sys.executable, *SAFE_PATH, "-c", code], capture_output=True, user=box.uid,
+                                  group=box.gid, extra_groups=[], timeout=120, env=env, cwd=sandbox.home(box))
         except (OSError, subprocess.SubprocessError) as exc:
             raise IsolationError(f"a rank cannot start as uid {box.uid}: {exc}") from exc
         finally:
@@ -295,38 +310,46 @@ class UserIsolation(ProcessIsolation):
         os.chmod(path, 0o711)
 
     def lease(self, client_id: str, job_id: str, attempt: int) -> Sandbox:
-        uid = self._take()
+        uid = self._take_ended()
         try:
-            end_user(uid)  # what a killed agent's job of this uid may have left
-            box = super().lease(client_id, job_id, attempt)
-            for path in (box.dir, os.path.join(box.dir, "tmp")):
-                os.chown(path, uid, uid)
+            path = self._dir(client_id, job_id, attempt)
+            self._parent(os.path.dirname(path))
+            sandbox.make(path, owner=uid)
         except BaseException:
             self._give(uid)
             raise
-        return Sandbox(dir=box.dir, uid=uid, gid=uid)
+        return Sandbox(dir=path, uid=uid, gid=uid)
 
     def release(self, box: Sandbox) -> None:
-        if box.uid is not None:
-            end_user(box.uid)
+        ended = box.uid is None or rank_users.end(box.uid)
         super().release(box)
-        if box.uid is not None:
+        if box.uid is not None and ended:
             self._give(box.uid)
+        elif box.uid is not None:  # kept held (this client's lock), never handed out again by it
+            log.error("uid %d: a process of job sandbox %s survived SIGKILL; the uid serves no other job",
+                      box.uid, box.dir)
 
     # -- the uids -----------------------------------------------------------------------------------
+    def _take_ended(self) -> int:
+        """A uid of the range, no process of which is alive (what a killed agent's job left is
+        ended first; a uid whose processes survive that stays held, and the next is tried)."""
+        while True:
+            uid = self._take()
+            if rank_users.end(uid):
+                return uid
+            log.error("uid %d: processes of an earlier job survived SIGKILL; it serves no job", uid)
+
     def _take(self) -> int:
         with self._mutex:
             if self._locks is None:
                 private_dir(os.path.dirname(UID_LOCKS))
-                self._locks = os.open(UID_LOCKS, os.O_RDWR | os.O_CREAT, 0o600)
+                self._locks = rank_users.UidLocks(UID_LOCKS)
             for step in range(len(self.uids)):
                 offset = (self._next + step) % len(self.uids)
                 uid = self.uids[offset]
                 if uid in self._held or _has_entry(uid):
                     continue
-                try:
-                    fcntl.lockf(self._locks, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
-                except OSError:
+                if not self._locks.take(uid):
                     continue  # another GPU client of this machine holds it
                 self._held.add(uid)
                 self._next = offset + 1
@@ -336,7 +359,7 @@ class UserIsolation(ProcessIsolation):
     def _give(self, uid: int) -> None:
         with self._mutex:
             self._held.discard(uid)
-            fcntl.lockf(self._locks, fcntl.LOCK_UN, 1, uid - self.uids.start)
+            self._locks.give(uid)
 
 
 # -- the rank's side --------------------------------------------------------------------------------
@@ -345,61 +368,30 @@ def enter(box: Sandbox | None) -> None:
     into the sandbox's directory and, under a per-job user, its uid and gid for good."""
     if box is None:
         return
-    os.chdir(box.dir)
+    os.chdir(sandbox.home(box))
     if box.uid is not None:
         os.setgroups([])
         os.setresgid(box.gid, box.gid, box.gid)
         os.setresuid(box.uid, box.uid, box.uid)
         if os.getresuid() != (box.uid,) * 3 or os.getresgid() != (box.gid,) * 3 or os.getgroups():
             raise PermissionError(f"could not become uid {box.uid}")
-        _dumpable()
+        _not_dumpable()
         os.environ.update(USER=f"zwdx-{box.uid}", LOGNAME=f"zwdx-{box.uid}")  # no passwd entry to read it from
     os.umask(0o077)
-    os.environ.update(HOME=box.dir, TMPDIR=os.path.join(box.dir, "tmp"))
+    os.environ.update(HOME=sandbox.home(box), TMPDIR=sandbox.tmp(box))
     tempfile.tempdir = None  # tempfile reads TMPDIR again
 
 
-def _dumpable() -> None:
-    """A process that changed its uid is not dumpable: its /proc files are root's, which its own
-    code (and torch) cannot read. Its memory holds nothing of root's, so it may be again."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
-    except (OSError, AttributeError):
-        pass
+def _not_dumpable() -> None:
+    """No other process of the uid (a job's leftover, had one survived) may read this one's
+    memory (its rank key) through /proc/<pid>/mem or ptrace; the rank's own code loses only its
+    /proc/self/{environ,auxv,io,mem}. A change of uid made it so already (fs.suid_dumpable 0);
+    said again, as that sysctl may differ. An exec (a script job's child) makes a process dumpable."""
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise PermissionError(f"could not make rank process {os.getpid()} non-dumpable")
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def end_user(uid: int) -> None:
-    """Kill every process of ``uid`` and remove its files from the world-writable directories."""
-    import psutil
-    victims = []
-    for proc in psutil.process_iter(["uids"]):
-        ids = proc.info.get("uids")
-        if ids and uid in (ids.real, ids.effective, ids.saved):
-            victims.append(proc)
-    for proc in victims:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(victims, timeout=5)
-    for base in SHARED_TMP:
-        try:
-            entries = list(os.scandir(base))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
-
-
 def _name(text: str) -> str:
     """An id as one path component (ids are [A-Za-z0-9._:-]; never '.' or '..')."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)

@@ -1,6 +1,7 @@
 """The rank processes of a GPU client: one standby per slot, started ahead, and the ranks of jobs.
 
-Every rank runs ``python -m gpu_client.runner`` in its own process group (so a cancel can kill
+Every rank runs ``python -P -m gpu_client.runner`` (``isolation.python_argv``: no folder a job
+writes on its import path, the working directory included) in its own process group (so a cancel can kill
 everything it started, and a crashing job never takes the agent down). It gets its ``RankSpec``
 (``zwdx.protocol.rank``) once, as one JSON line on stdin, whether it was a standby waiting for
 a job or is started fresh; while the job's bundle is still being fetched a second line,
@@ -30,7 +31,7 @@ import time
 
 from zwdx.protocol.rank import RankSpec, Sandbox
 
-from .isolation import ProcessIsolation, private_dir
+from .isolation import ProcessIsolation, import_root, private_dir, python_argv
 
 log = logging.getLogger("gpu_client.launcher")
 
@@ -56,6 +57,9 @@ def rank_environ(threads: int, network: dict[str, str]) -> dict[str, str]:
     """A rank process's environment: this one's, without its secrets, with what libraries read."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
     env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **network})
+    root = import_root()
+    if root:  # the agent's zwdx, found through its working directory: by name, not by the folder a rank starts in
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.update(pinning_environ(env))
     return env
 
@@ -115,7 +119,7 @@ class Launcher:
             folder = private_dir(os.path.join(self.work_dir, "standby"))
             with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
                 self.standby[index] = self.isolation.popen(
-                    [sys.executable, "-m", "gpu_client.runner", "--standby", device], out,
+                    python_argv("gpu_client.runner", "--standby", device), out,
                     rank_environ(threads, self.network))
 
     # -- ranks ---------------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ class Launcher:
         if self.use_standby and spec.script is None:
             log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", client_id, index)
         with open(spec.log_path, "ab") as out:
-            proc = self.isolation.popen([sys.executable, "-m", "gpu_client.runner"], out,
+            proc = self.isolation.popen(python_argv("gpu_client.runner"), out,
                                         rank_environ(spec.threads, self.network))
         try:
             proc.stdin.write(spec.line())

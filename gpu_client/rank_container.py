@@ -229,6 +229,7 @@ def main(argv: list[str]) -> int:
     """Prepare (a standby), read the spec, take the files in while the rank joins its peers,
     run the rank; end at once if the agent goes (its stream ends)."""
     stdin = sys.stdin.buffer
+    from . import sandbox
     from .isolation import enter
     from .runner import rank_for
     if argv[:1] == ["--standby"] and len(argv) == 2:
@@ -245,7 +246,8 @@ def main(argv: list[str]) -> int:
         update["local_gpus"] = list(range(len(spec.local_gpus)))
     spec = spec.model_copy(update=update)
     box = str(spec.sandbox.dir)
-    os.makedirs(os.path.join(box, "tmp"), mode=0o700, exist_ok=True)
+    for name in (sandbox.HOME, sandbox.TMP):  # the job's own folders, as a sandbox on the host has them
+        os.makedirs(os.path.join(box, name), mode=0o700, exist_ok=True)
     sys.stdout.buffer.write(STARTED + b"\n")
     sys.stdout.flush()
     ready_r, ready_w = os.pipe()

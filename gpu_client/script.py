@@ -66,7 +66,8 @@ os.execv(sys.argv[2], sys.argv[2:])
 
 
 def rank_fields(assign, place, local_rank: int, job_dir: str) -> dict:
-    """What a script job adds to a rank's ``RankSpec`` (the agent's ``JobAssign`` -> ``RankSpec``)."""
+    """What a script job adds to a rank's ``RankSpec`` (the agent's ``JobAssign`` -> ``RankSpec``);
+    ``job_dir``: a folder the job's ranks write (its sandbox's ``home``)."""
     if assign.kind != JobKind.SCRIPT:
         return {}
     return {"kind": JobKind.SCRIPT, "script": ScriptSpec.model_validate(assign.script.model_dump()),
