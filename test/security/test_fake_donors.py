@@ -126,8 +126,8 @@ def test_a_job_whose_ranks_never_start_is_placed_again_elsewhere_then_fails(worl
     wait_until(requeued, 10, what="the job placed again")
     job = world.store.get_job(job_id)
     assert job.avoid == ["fake-idle"] and job.start_failures == 1 and job.placement is None
-    assert "not on gpu client(s) fake-idle: no rank on gpu client(s) fake-idle reported running within 0.3 s" \
-        in job.timeline[-1].reason
+    assert job.timeline[-1].reason == ("placed again, not on gpu client(s) fake-idle: no rank reported running "
+                                       "within 0.3 s of its placement; gpu client(s) fake-idle never said they run it")
     assert not any(s["job_id"] for s in world.store.list_slots(world.rooms["A"]["id"], "fake-idle"))
     assert world.request("POST", f"/jobs/{job_id}/ranks/0", {defaults.RANK_KEY_HEADER: key},
                          json={"status": "running"}).status_code in (401, 403)  # its key is void
@@ -145,6 +145,31 @@ def test_a_job_whose_ranks_never_start_is_placed_again_elsewhere_then_fails(worl
     job = world.store.get_job(job_id)
     assert "gave up after 2 placement(s) that did not start" in job.reason, job.reason
     assert not any(s["job_id"] == job_id for s in world.store.list_slots(world.rooms["A"]["id"]))
+    sock.disconnect(namespace="/gpu")
+
+
+def test_beside_an_honest_gpu_client_only_the_one_that_never_ran_the_job_is_passed_over(world):
+    """An honest client's ranks wait in the rendezvous for the fake's: the honest one said in its
+    heartbeat that it runs the job, so only the fake is held against it."""
+    world.app.config.update(START_TIMEOUT=0.3)
+    sock = connect(world)
+    assert register(sock, "fake-idle", slots=cpu_slots(1))["ok"]
+    job_id = world.submit(world_size=2)["id"]
+    world.place(job_id, {0: "a2:1", 1: "fake-idle:0"}, {0: f"rk_{uuid.uuid4().hex}", 1: f"rk_{uuid.uuid4().hex}"})
+    from zwdx.server.job import Job
+    assert Job.load(world.store, job_id).rendezvous(Master(addr="127.0.0.1", port=29500))
+    attempt = world.store.get_job(job_id).attempt
+    beat = world.sockets["a2"].emit("heartbeat", {"running": [{"job_id": job_id, "attempt": attempt}]},
+                                    namespace="/gpu", callback=True)
+    assert beat["ok"], beat
+
+    def requeued():
+        settle(world)
+        return world.store.get_job(job_id).status == "queued"
+    wait_until(requeued, 10, what="the job placed again")
+    job = world.store.get_job(job_id)
+    assert job.avoid == ["fake-idle"], job.avoid
+    assert job.timeline[-1].reason.endswith("gpu client(s) fake-idle never said they run it")
     sock.disconnect(namespace="/gpu")
 
 

@@ -156,6 +156,7 @@ def on_register(hello: Register) -> RegisterAnswer:
               # its link as measured now, else as last measured (a client measures every LINK_REFRESH s)
               "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
               "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers
+              "running_jobs": running_jobs(hello.running),
               "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
               "lost_after": now + pace[1], "disconnected_at": None,
               "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),
@@ -172,6 +173,12 @@ def on_register(hello: Register) -> RegisterAnswer:
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
     ctx.scheduler.kick()
     return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=pace[0], client_secret=secret)
+
+
+def running_jobs(running) -> list[str]:
+    """What a client says it runs, as kept on its record ("job:attempt"): a placement that does not
+    start is then held against the clients that never said so (``lifecycle.not_started``)."""
+    return [f"{r.job_id}:{r.attempt}" for r in running]
 
 
 def heartbeat_pace(ctx) -> tuple[float, float]:
@@ -226,7 +233,8 @@ def heartbeat(ctx, sid: str, beat: Heartbeat) -> HeartbeatAnswer:
     # One store write: the client's deadline and its slots' stats, if it is still online. Until it
     # hears of a new pace it beats at the one it was told: the deadline allows for the longer.
     if not ctx.store.touch_client(sess["client_id"], {
-            "last_seen": now, "lost_after": now + timeout * max(interval, told) / interval}, stats,
+            "last_seen": now, "lost_after": now + timeout * max(interval, told) / interval,
+            "running_jobs": running_jobs(beat.running)}, stats,
             expect_status=ClientStatus.ONLINE.value):
         return HeartbeatAnswer(ok=False, error="unknown or lost gpu client: register again")
     notify.clients_changed(ctx, sess["room_id"])

@@ -372,8 +372,7 @@ class Job:
                 r.failing_since is not None or r.suspect_since is not None or \
                 (r.started_at or now) >= now - start_timeout:
             return None
-        held = ", ".join(dict.fromkeys(p.client_id for p in r.placement or []))
-        return f"no rank on gpu client(s) {held} reported running within {start_timeout:g} s of its placement"
+        return f"no rank reported running within {start_timeout:g} s of its placement"
 
     def all_heard(self, failures: dict) -> bool:
         """Every rank of the attempt exited, or is in ``failures``."""

@@ -202,8 +202,15 @@ def _start_overdue(ctx, room_id: str | None) -> None:
         return
     for record in ctx.store.list_jobs(room_id, statuses=[JobStatus.STARTING]):
         reason = Job(ctx.store, record).start_overdue(timeout)
-        if reason is not None:
-            not_started(ctx, record, reason, {p.client_id for p in record.placement or []})
+        if reason is None:
+            continue
+        # Held against the GPU clients that never said they run it (a fake one, beside honest ones
+        # whose ranks wait in the rendezvous for its); against all of them if each said so.
+        held, mark = list(dict.fromkeys(p.client_id for p in record.placement or [])), f"{record.id}:{record.attempt}"
+        silent = [c for c in held if mark not in ((ctx.store.get_client(c) or {}).get("running_jobs") or [])]
+        why = f"gpu client(s) {', '.join(silent)} never said they run it" if silent else \
+            f"each of gpu client(s) {', '.join(held)} said it runs it"
+        not_started(ctx, record, f"{reason}; {why}", silent or held)
 
 
 def settle_suspects(ctx, room_id: str | None = None) -> None:
