@@ -25,6 +25,9 @@ import time
 
 log = logging.getLogger(__name__)
 
+#: Most bytes of a request's body left unread by the app that are read (and dropped) to keep its
+#: connection for the next request; past it the connection closes instead.
+DISCARD_BYTES = 64 * 1024
 #: Descriptors kept for what is not a connection: the store, artifacts being written, logs.
 RESERVED_FILES = 256
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
@@ -134,6 +137,15 @@ def handler_class(config):
             if isinstance(ex, _TooSlow):
                 return "408", _TIMED_OUT
             return super()._handle_client_error(ex)
+
+        def run_application(self):
+            super().run_application()
+            body = self.wsgi_input
+            if body is not None and (body.chunked_input or (body.content_length or 0) - body.position > DISCARD_BYTES):
+                # A body the app refused unread (8 MiB of '[', an upload without a token): the
+                # connection closes rather than read the rest to keep it alive.
+                self.close_connection = True
+                body.content_length, body._chunked_input_error = body.position, True
 
         def handle_one_response(self):
             super().handle_one_response()

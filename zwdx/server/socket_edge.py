@@ -176,7 +176,8 @@ def init_app(app: Flask, socketio, ctx) -> SocketEdge:
         except KeyError as exc:  # Engine.IO's for a request to a session it has just closed
             edge.malformed(logging.WARNING, "socket.io: a request for a session that is gone (%s)", exc)
             body = b'{"error": {"code": "bad_request", "message": "no such Socket.IO session"}}'
-            start_response("400 Bad Request", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            start_response("400 Bad Request", [("Content-Type", "application/json"),
+                                               ("Content-Length", str(len(body)))])
             return [body]
 
     app.wsgi_app = refuse_excess
