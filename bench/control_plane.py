@@ -70,7 +70,9 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
         # The simulated SDK users all share one room: its quota of open jobs (ROOM_MAX_JOBS) would
         # refuse their submits past 100, which limits the room, not the server. Every simulated
         # client speaks from this machine's one address: no cap per address on connections or sessions.
-        env = {"ZWDX_ROOM_MAX_JOBS": "0", "ZWDX_MAX_CONNECTIONS_PER_ADDRESS": "0", "ZWDX_SOCKET_SESSIONS_PER_ADDRESS": "0"}
+        # They register under their room's one donor token: no cap on its clients or its registers.
+        env = {"ZWDX_ROOM_MAX_JOBS": "0", "ZWDX_MAX_CONNECTIONS_PER_ADDRESS": "0", "ZWDX_SOCKET_SESSIONS_PER_ADDRESS": "0",
+               "ZWDX_DONOR_MAX_CLIENTS": "0", "ZWDX_RATE_LIMIT_REGISTERS": ""}
         if args.heartbeat_interval:
             env.update({"ZWDX_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                         "ZWDX_CLIENT_TIMEOUT": str(max(10.0, 5 * args.heartbeat_interval))})
