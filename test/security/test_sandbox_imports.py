@@ -60,9 +60,12 @@ def test_a_package_planted_in_the_gpu_clients_working_directory_never_runs_in_a_
         for name in ("__init__.py", "runner.py"):
             with open(os.path.join(planted, name), "w") as fh:
                 fh.write(f"import os\nopen({marker!r}, 'a').write(f'{{os.getuid()}} ran {name}\\n')\n")
-        result = sdk.submit_job(Tiny(), loader, train, None, torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
-                                world_size=1, progress=False, timeout=120)
+        job_id = sdk.submit_job(Tiny(), loader, train, None, torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
+                                world_size=1, wait=False)
+        wait_until(lambda: os.path.exists(marker) or sdk.get_job(job_id)["status"] in ("completed", "failed"),
+                   120 + SLACK, what=f"job {job_id} ended\n{client.tail()}")
         assert not os.path.exists(marker), f"the planted package ran: {open(marker).read()}"
+        result = sdk.wait(job_id, progress=False, timeout=30)
         assert result["status"] == "completed", result
         assert result["results"]["gpu_client_from"] != planted
     finally:
