@@ -24,6 +24,7 @@ import requests
 
 from donor import Donor
 from procs import SLACK, Server, wait_until
+from test_tls import HttpsServer, pki  # noqa: F401 (fixture: a CA and the server's certificate)
 from zwdx.protocol import EV_HEARTBEAT, GPU_NAMESPACE
 from zwdx.protocol.gpu import Heartbeat, SlotStats
 
@@ -217,3 +218,30 @@ def test_anonymous_socketio_sessions_are_capped_timed_out_and_bad_packets_logged
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     lines = [line for line in log.splitlines() if " WARNING zwdx.server.socket_edge: socket.io: a " in line]
     assert len(lines) == 1, lines
+
+
+
+def test_a_tls_handshake_that_never_ends_is_cut_off_at_the_header_timeout(tmp_path, pki):
+    class SlowTls(HttpsServer):
+        def __init__(self, data_dir: str):
+            self.ca = pki["ca"]
+            Server.__init__(self, data_dir, extra=["--tls-cert", pki["cert"], "--tls-key", pki["key"],
+                                                   "--async-mode", "gevent"],
+                            env={"ZWDX_HEADER_TIMEOUT": str(HEADER_TIMEOUT)})
+
+    server = SlowTls(str(tmp_path / "server"))
+    try:
+        stalled = [_raw(server) for _ in range(3)]
+        stalled[0].sendall(b"\x16\x03\x01\x02\x00")  # a ClientHello's record header, and nothing after it
+        started = time.monotonic()
+        for sock in stalled:
+            sock.settimeout(HEADER_TIMEOUT + SLACK)
+            try:
+                assert sock.recv(1024) == b""  # closed by the server
+            except ConnectionResetError:
+                pass
+            sock.close()
+        assert HEADER_TIMEOUT * 0.9 <= time.monotonic() - started <= HEADER_TIMEOUT + SLACK
+        assert requests.get(f"{server.url}/health", timeout=5, verify=pki["ca"]).status_code == 200
+    finally:
+        server.stop()

@@ -295,6 +295,8 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
                  "headers within %gs, idle connections closed after %gs, %s connections per address", holds,
                  open_files, app.config["HEADER_TIMEOUT"], app.config["IDLE_TIMEOUT"],
                  app.config["MAX_CONNECTIONS_PER_ADDRESS"] or "any")
+        if ssl_context is not None:  # the handshake on the first read, within the header timeout
+            tls["do_handshake_on_connect"] = False
         socketio.run(app, host=host, port=port, log_output=False, handler_class=connections.handler_class(app.config),
                      spawn=Pool(holds), **tls)
     else:

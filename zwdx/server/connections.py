@@ -1,7 +1,8 @@
 """The connections one server process takes (gevent's WSGI server), and for how long.
 
 - A connection must send its request line and headers within ``HEADER_TIMEOUT`` seconds (the
-  first request from its accept, later ones from their first byte), and a kept-alive one must
+  first request from its accept, its TLS handshake included; later ones from their first
+  byte), and a kept-alive one must
   start its next request within ``IDLE_TIMEOUT``: a client that trickles bytes (slowloris) or
   sends nothing is cut off (408, or closed), whatever it sends. A websocket, once upgraded, is
   no longer timed here (Engine.IO pings it).
@@ -90,10 +91,11 @@ def handler_class(config):
             key = address_key(self.client_address[0]) if isinstance(self.client_address, tuple) else "?"
             if cap and held.get(key, 0) >= cap:
                 _note_refused(refused, key, cap)
-                try:
-                    self.socket.sendall(_TOO_MANY % (len(_TOO_MANY_BODY), _TOO_MANY_BODY))
-                except OSError:
-                    pass
+                if not hasattr(self.socket, "do_handshake"):  # over TLS, not even a handshake: closed
+                    try:
+                        self.socket.sendall(_TOO_MANY % (len(_TOO_MANY_BODY), _TOO_MANY_BODY))
+                    except OSError:
+                        pass
                 self.socket.close()
                 return
             held[key] = held.get(key, 0) + 1
