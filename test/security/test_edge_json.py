@@ -18,6 +18,9 @@ def test_a_nul_in_a_json_key_of_a_rest_body_is_a_400_naming_the_field(world):
     assert resp.status_code == 400, resp.text
     error = resp.json["error"]
     assert error["field"] == "versions.torch\\u0000x" and "NUL" in error["message"], error
+    body = '{"bundle_artifact": "%s", "lora": {"r": 8, "target\\u0000": ["q"]}}' % bundle
+    resp = w.request("POST", "/jobs", submitter, data=body, content_type="application/json")
+    assert resp.status_code == 400 and resp.json["error"]["field"] == "lora.target\\u0000", resp.text
     assert w.request("GET", "/jobs", submitter).json["jobs"] == jobs_before  # nothing stored
 
     live = w.jobs["live"]  # a rank's results: keys its training script chose
@@ -25,7 +28,11 @@ def test_a_nul_in_a_json_key_of_a_rest_body_is_a_400_naming_the_field(world):
     resp = w.request("POST", f"/jobs/{live}/ranks/0", w.as_rank("rank0"), content_type="application/json",
                      data='{"status": "running", "results": {"ok": 1, "loss\\u0000": 1}}')
     assert resp.status_code == 400 and resp.json["error"]["field"] == "results.loss\\u0000", resp.text
+    resp = w.request("POST", f"/jobs/{live}/events", w.as_rank("rank0"), content_type="application/json",
+                     data='{"events": [{"kind": "metric", "step": 1, "data": {"loss": 1, "acc\\u0000": 2}}]}')
+    assert resp.status_code == 400 and resp.json["error"]["field"] == "events.0.data.acc\\u0000", resp.text
     after = w.request("GET", f"/jobs/{live}", submitter).json
+    assert w.request("GET", f"/jobs/{live}/events", submitter).json["events"] == []
     assert (after["status"], after.get("results")) == (before["status"], before.get("results"))
 
 
