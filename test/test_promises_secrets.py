@@ -21,8 +21,11 @@ from conftest import Api
 from procs import ROOT
 from store_backends import mongo_server, mongo_uri  # noqa: F401 (fixtures)
 
-#: What a room token or a job key looks like (``zwdx.server.auth.new_secret``), whoever it belongs to.
-SECRET = re.compile(r"\b(zr|jk)_[A-Za-z0-9_-]{20,}")
+#: What any secret the server hands out looks like (``zwdx.server.auth.new_secret``), whoever it belongs
+#: to, every kind written out here rather than taken from the product: a submitter token (zs_), a donor
+#: token (zd_), an earlier room token (zr_), a rank key (rk_), a GPU client's secret (zc_), an earlier job
+#: key (jk_).
+SECRET = re.compile(r"\b(zs|zd|zr|rk|zc|jk)_[A-Za-z0-9_-]{20,}")
 
 SUBMITTER = """
 import sys, torch
@@ -91,8 +94,14 @@ def test_no_room_token_or_job_key_is_in_any_log_after_whole_jobs(server, room, s
     assert any("ValueError: rank 1 gives up" in text for text in ranks.values())
     assert "[rank 0] epoch 1 done" in terminal and f"job {done} completed" in terminal  # the bar and the log lines
 
+    # and the secrets themselves, literally: the room's two tokens and each GPU client's own secret
+    known = {"submitter token": room["token"], "donor token": room["donor_token"]}
+    for path in glob.glob(str(tmp_path / "**" / "secrets" / "*.secret"), recursive=True):
+        known[f"client secret {os.path.basename(path)}"] = open(path).read().strip()
+    assert sum(name.startswith("client secret") for name in known) == 2, known.keys()
     for where, text in {**logs, "the submitter's terminal": terminal}.items():
-        assert room["token"] not in text, where
+        for what, secret in known.items():
+            assert secret not in text, f"{where}: the {what}"
         found = SECRET.search(text)
         assert found is None, f"{where}: {text[max(0, found.start() - 200):found.end() + 50]}"
 
