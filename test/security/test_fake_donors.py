@@ -194,6 +194,18 @@ def test_a_gpu_client_that_never_offers_a_rendezvous_address_holds_no_job(world)
     sock.disconnect(namespace="/gpu")
 
 
+def test_a_job_only_passed_over_clients_could_run_holds_back_no_job_behind_it(world):
+    world.store.release_slots(world.jobs["done"])  # a1 and a2: one free slot each
+    held = world.submit(world_size=1)["id"]
+    assert world.store.set_job(held, {"avoid": ["a1", "a2"]}, when=["queued"])
+    behind = world.submit(world_size=1)["id"]
+    schedule(world)
+    assert world.store.get_job(held).status == "queued"
+    assert "gpu client(s) a1, a2 held a placement of this job that did not start" in \
+        world.store.get_job(held).waiting_reason
+    assert placed_on(world, behind) & {"a1", "a2"}, "the job behind it waited for it"
+
+
 # -- L7: what one donor token may register ---------------------------------------------------------
 def test_one_donor_token_is_held_to_its_clients_and_slots(world):
     world.app.config.update(DONOR_MAX_CLIENTS=3, CLIENT_MAX_SLOTS=16)

@@ -275,8 +275,10 @@ class Scheduler:
         job = Job(store, record)
         if chosen is None:
             # It waits either way (GPU clients may join), saying why; one the room as it is could
-            # never run holds back none of the jobs behind it.
-            never = unschedulable(_least(record, asked["spec"]), list(clients.values()))
+            # never run holds back none of the jobs behind it; nor one only the GPU clients it passes
+            # over could run (a fake client must not stop the room's queue through the job it held).
+            never = unschedulable(_least(record, asked["spec"]),
+                                  [c for c in clients.values() if c["id"] not in record.avoid])
             if record.status == JobStatus.RESUMING:
                 last = record.restart_history[-1].reason if record.restart_history else None
                 reason = f"resuming after: {last}; {reason}"
