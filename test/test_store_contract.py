@@ -357,6 +357,20 @@ def test_get_events_after_a_seq_by_kind_and_limited(store):
     assert all("job_id" not in e for e in store.get_events("j1"))
 
 
+def test_events_are_counted_to_their_jobs_room_once_each(store):
+    from zwdx.server.store.base import event_bytes
+    make_job(store, "j1")
+    make_job(store, "j2", room_id="r2")
+    assert store.room_event_usage("r1") == {"events": 0, "bytes": 0} and store.last_event_seq("j1") == 0
+    stored = store.add_events("j1", [metric(0, "a", 0, loss=2.0), metric(0, "b", 1, loss="NaN", acc=None)])
+    stored += store.add_events("j1", [metric(0, "a", 0, loss=2.0), metric(1, "a", 2, loss=1.0)])  # "a" of rank 0: again
+    store.add_events("j2", [metric(0, "a", 0, loss=5.0)])
+    assert store.room_event_usage("r1") == {"events": 3, "bytes": sum(map(event_bytes, stored))}
+    assert store.room_event_usage("r2")["events"] == 1 and store.last_event_seq("j1") == 3
+    assert store.add_events("nope", [metric(0, "a", 0, loss=1.0)])  # a job the store lacks: stored, counted nowhere
+    assert store.room_event_usage("r1")["events"] == 3
+
+
 # -- artifacts' metadata -----------------------------------------------------------------------
 def artifact(artifact_id, job_id="j1", kind="checkpoint"):
     return {"id": artifact_id, "room_id": "r1", "kind": kind, "size": 10, "sha256": "ab" * 32, "job_id": job_id,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import json
 import typing
 from typing import Any, Iterable, Mapping
 
@@ -104,6 +105,11 @@ def field_name(name: str | None) -> str | None:
 def job_doc(job: JobRecord) -> dict:
     """A whole record as the store keeps it."""
     return job.model_dump(mode="json")
+
+
+def event_bytes(event: dict) -> int:
+    """What an event counts against its room's byte quota: its JSON's length, ``seq`` included."""
+    return len(json.dumps(event, separators=(",", ":")))
 
 
 def status_values(when: Iterable | None) -> list[str] | None:
@@ -298,12 +304,23 @@ class Store(abc.ABC):
     def add_events(self, job_id: str, events: list[dict]) -> list[dict]:
         """Append events ``{kind, rank, key, step, data, ts}``. An event whose ``(rank, key)``
         the job already holds is dropped (resent batches are not counted twice). Returns the
-        events stored, each with its ``seq``, increasing per job."""
+        events stored, each with its ``seq``, increasing per job. Each event stored is counted
+        to the job's room (``room_event_usage``): one, and its ``event_bytes``."""
 
     @abc.abstractmethod
     def get_events(self, job_id: str, after: int = 0, kind: str | None = None,
                    limit: int | None = None) -> list[dict]:
         """The job's events with ``seq > after``, in order."""
+
+    @abc.abstractmethod
+    def last_event_seq(self, job_id: str) -> int:
+        """The ``seq`` of the job's last event (0: it has none), from the index alone."""
+
+    @abc.abstractmethod
+    def room_event_usage(self, room_id: str) -> dict[str, int]:
+        """``{"events": n, "bytes": b}``: the events the room's jobs hold and their
+        ``event_bytes`` added up, read from a counter (not from the events). Events stored
+        before rooms had counters are added up once, by the first ``add_events`` of the room."""
 
     # -- artifacts' metadata ---------------------------------------------------------------
     @abc.abstractmethod

@@ -36,7 +36,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 from ...errors import StoreError
 from ...protocol.job import Job as JobRecord
 from ...protocol.vocab import JobStatus
-from .base import SLOT_STATS, Store, field_name, job_doc, job_entries, job_fields, job_items, status_values
+from .base import SLOT_STATS, Store, event_bytes, field_name, job_doc, job_entries, job_fields, job_items, status_values
 from .mongo_db import connect, describe, guarded, plain, prepare, schema_version
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class MongoStore(Store):
         self._meta, self._rooms, self._clients, self._slots = db.meta, db.rooms, db.clients, db.slots
         self._credentials = db.credentials
         self._jobs, self._events, self._artifacts, self._counters = db.jobs, db.events, db.artifacts, db.counters
-        self._leases = db.leases
+        self._leases, self._usage = db.leases, db.event_usage
         prepare(db, self.where)
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -376,6 +376,7 @@ class MongoStore(Store):
         events = plain(events)
         if not events:
             return []
+        room = self._counted_room(job_id)
         held = {(d.get("rank"), d.get("key")) for d in self._events.find(
             {"job_id": job_id, "key": {"$in": list({e.get("key") for e in events})}}, {"rank": 1, "key": 1})}
         todo = []
@@ -386,6 +387,9 @@ class MongoStore(Store):
         stored = []
         for _ in range(1000):
             if not todo:
+                if room is not None and stored:
+                    self._usage.update_one({"_id": room}, {"$inc": {"events": len(stored),
+                                                                    "bytes": sum(map(event_bytes, stored))}})
                 return stored
             last = self._last_seq(self._events, {"job_id": job_id})
             batch = [{**ev, "job_id": job_id, "seq": last + i + 1} for i, ev in enumerate(todo)]
@@ -414,6 +418,29 @@ class MongoStore(Store):
         if limit:
             cursor = cursor.limit(int(limit))
         return [_public(d, drop=("job_id",)) for d in cursor]
+
+    def last_event_seq(self, job_id: str) -> int:
+        return self._last_seq(self._events, {"job_id": job_id})
+
+    def room_event_usage(self, room_id: str) -> dict[str, int]:
+        doc = self._usage.find_one({"_id": room_id}) or {}
+        return {"events": int(doc.get("events") or 0), "bytes": int(doc.get("bytes") or 0)}
+
+    def _counted_room(self, job_id: str) -> str | None:
+        """The job's room, with its event counter made (its events stored before rooms had
+        counters added up, once) if it had none."""
+        job = self._jobs.find_one({"_id": job_id}, {"room_id": 1})
+        if job is None:
+            return None
+        room = job["room_id"]
+        if self._usage.find_one({"_id": room}, {"_id": 1}) is None:
+            ids = [d["_id"] for d in self._jobs.find({"room_id": room}, {"_id": 1})]
+            sizes = [event_bytes(_public(d, drop=("job_id",))) for d in self._events.find({"job_id": {"$in": ids}})]
+            try:
+                self._usage.insert_one({"_id": room, "events": len(sizes), "bytes": sum(sizes)})
+            except DuplicateKeyError:
+                pass  # another process counted them
+        return room
 
     # -- artifacts' metadata ---------------------------------------------------------------
     def add_artifact(self, artifact: dict) -> dict:

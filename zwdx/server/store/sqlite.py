@@ -329,8 +329,13 @@ class SQLiteStore(Store):
 
     # -- events ----------------------------------------------------------------------------
     def add_events(self, job_id: str, events: list[dict]) -> list[dict]:
-        stored = []
+        stored, size = [], 0
         with self.db.tx() as db:
+            room = db.execute("SELECT room_id FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if room is not None and db.execute("SELECT 1 FROM event_usage WHERE room_id=?", room).fetchone() is None:
+                # the room's first count: its events stored before rooms had counters, once
+                db.execute("INSERT INTO event_usage SELECT ?, COUNT(*), COALESCE(SUM(length(e.doc)), 0) FROM events e "
+                           "JOIN jobs j ON e.job_id=j.id WHERE j.room_id=?", (room[0], room[0]))
             (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id=?", (job_id,)).fetchone()
             for ev in events:
                 ev = {**ev, "seq": last + 1}
@@ -338,11 +343,16 @@ class SQLiteStore(Store):
                         "SELECT 1 FROM events WHERE job_id=? AND rank IS NULL AND key=?",
                         (job_id, ev.get("key"))).fetchone():
                     continue
+                doc = dump_exact(ev)
                 cur = db.execute("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)",
-                                 (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), dump_exact(ev)))
+                                 (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), doc))
                 if cur.rowcount == 1:
                     last += 1
                     stored.append(ev)
+                    size += len(doc)  # event_bytes(ev), but for the mark of a 19-digit run (dump_exact)
+            if room is not None and stored:
+                db.execute("UPDATE event_usage SET events=events+?, bytes=bytes+? WHERE room_id=?",
+                           (len(stored), size, room[0]))
         return stored
 
     def get_events(self, job_id, after=0, kind=None, limit=None) -> list[dict]:
@@ -354,6 +364,13 @@ class SQLiteStore(Store):
         if limit:
             sql += f" LIMIT {int(limit)}"
         return [loads(r[0]) for r in self.db.query(sql, tuple(args))]
+
+    def last_event_seq(self, job_id: str) -> int:
+        return int(self.db.query("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id=?", (job_id,))[0][0])
+
+    def room_event_usage(self, room_id: str) -> dict[str, int]:
+        rows = self.db.query("SELECT events, bytes FROM event_usage WHERE room_id=?", (room_id,))
+        return {"events": int(rows[0][0]), "bytes": int(rows[0][1])} if rows else {"events": 0, "bytes": 0}
 
     # -- artifacts -------------------------------------------------------------------------
     def add_artifact(self, artifact: dict) -> dict:

@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS events (job_id TEXT NOT NULL, seq INTEGER NOT NULL, k
     rank INTEGER, key TEXT, doc TEXT NOT NULL, PRIMARY KEY (job_id, seq));
 CREATE UNIQUE INDEX IF NOT EXISTS events_dedup ON events (job_id, rank, key);
 CREATE INDEX IF NOT EXISTS events_kind ON events (job_id, kind, seq);
+CREATE TABLE IF NOT EXISTS event_usage (room_id TEXT PRIMARY KEY, events INTEGER NOT NULL, bytes INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS artifacts (id TEXT PRIMARY KEY, job_id TEXT, kind TEXT, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS artifacts_job ON artifacts (job_id, kind);
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL);
