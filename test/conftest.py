@@ -214,6 +214,13 @@ def placed_job(app, name: str) -> tuple[Api, Api, dict]:
     scheduler places it: ``zwdx.server.job.Job.start``) under a rank key the test holds: the
     room's Api, its rank 0's Api (the rank key alone, as a rank process calls), and the job as
     submitted."""
+    room, ranks, job = placed_ranks(app, name, 1)
+    return room, ranks[0], job
+
+
+def placed_ranks(app, name: str, world_size: int) -> tuple[Api, list[Api], dict]:
+    """``placed_job`` of ``world_size`` ranks, each on a CPU slot of the one GPU client: the
+    room's Api, each rank's Api (its own key), the job."""
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
@@ -221,15 +228,17 @@ def placed_job(app, name: str) -> tuple[Api, Api, dict]:
     room = Api(app.test_client()).create_room(name)
     bundle = room.upload(f"bundle of {name}".encode())
     job = room.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},
-                                   "world_size": 1}).json
-    ctx, key = app.extensions["zwdx"], f"rk_{name}"
+                                   "world_size": world_size}).json
+    ctx = app.extensions["zwdx"]
+    keys = [f"rk_{name}" if r == 0 else f"rk_{name}_{r}" for r in range(world_size)]
     client_id = f"gpu-{name}"
     ctx.store.upsert_client({"id": client_id, "room_id": room.room["id"], "hostname": name, "status": "online"},
-                            [{"id": f"{client_id}:0", "client_id": client_id, "room_id": room.room["id"], "index": 0,
-                              "kind": "cpu"}])
-    placement = [PlacementEntry(rank=0, client_id=client_id, gpu_index=0, kind=SlotKind.CPU)]
-    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:0"], {0: hash_secret(key)})
-    return room, room.as_(None, rank_key=key), job
+                            [{"id": f"{client_id}:{r}", "client_id": client_id, "room_id": room.room["id"], "index": r,
+                              "kind": "cpu"} for r in range(world_size)])
+    placement = [PlacementEntry(rank=r, client_id=client_id, gpu_index=r, kind=SlotKind.CPU) for r in range(world_size)]
+    assert Job.load(ctx.store, job["id"]).start(placement, [f"{client_id}:{r}" for r in range(world_size)],
+                                                {r: hash_secret(k) for r, k in enumerate(keys)})
+    return room, [room.as_(None, rank_key=k) for k in keys], job
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 import needs
-from conftest import placed_job
+from conftest import placed_ranks
 from security.test_limits import http_app  # noqa: F401  (fixture: an app served over HTTP)
 from zwdx import ZWDX, BadRequest
 from zwdx.trackers import TensorBoard, WandB
@@ -18,13 +18,21 @@ needs.module("tensorboard", "pip install tensorboard (./setup.sh --test)")
 needs.module("wandb", "pip install wandb (./setup.sh --test)")
 
 
-def report(rank_api, job_id: str) -> None:
-    """Rank 0's loss at steps 0-2 (one of them NaN) and a per-rank throughput of rank 0 and 1."""
+def report(rank_api, job_id: str, rank1=None) -> None:
+    """Rank 0's loss at steps 0-2 (one of them NaN) and its throughput at step 2; with ``rank1``
+    (rank 1's Api) rank 1's throughput at steps 1 and 2 and a loss at step 2, which trackers name
+    ``<name>/rank1``."""
     events = [{"kind": "metric", "rank": 0, "step": s, "key": f"m{s}", "data": {"loss": v}}
               for s, v in enumerate([2.0, "NaN", 0.5])]
     events += [{"kind": "metric", "rank": 0, "step": 2, "key": "t0", "data": {"throughput": 100.0}}]
     resp = rank_api.post(f"/jobs/{job_id}/events", json={"events": events})
     assert resp.status_code == 200, resp.json
+    if rank1 is not None:
+        events = [{"kind": "metric", "rank": 1, "step": s, "key": f"r1t{s}", "data": {"throughput": v}}
+                  for s, v in ((1, 90.0), (2, 95.0))]
+        events += [{"kind": "metric", "rank": 1, "step": 2, "key": "r1l2", "data": {"loss": 0.75}}]
+        resp = rank1.post(f"/jobs/{job_id}/events", json={"events": events})
+        assert resp.status_code == 200, resp.json
 
 
 def tensorboard_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -60,31 +68,36 @@ def test_export_sends_what_the_job_reported_to_tensorboard_and_wandb(http_app, t
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     app, url = http_app
-    room, rank0, job = placed_job(app, "tracked")
-    report(rank0, job["id"])
+    room, (rank0, rank1), job = placed_ranks(app, "tracked", 2)
+    report(rank0, job["id"], rank1)
     sdk = ZWDX(url, room_token=room.token, remember=False)
     sent = sdk.export_metrics(job["id"], [TensorBoard(log_dir=str(tmp_path / "tb")),
                                           WandB(project="zwdx-test", dir=str(tmp_path / "wb"))])
-    assert sent == 4
-    # TensorBoard: the loss at steps 0 and 2 (the NaN is a gap, as on the dashboard), rank 0's throughput.
+    assert sent == 7
+    # TensorBoard: the loss at steps 0 and 2 (the NaN is a gap, as on the dashboard), rank 0's throughput
+    # under its own name, rank 1's series as <name>/rank1.
     scalars = tensorboard_scalars(str(tmp_path / "tb"))
-    assert scalars["loss"] == [(0, 2.0), (2, 0.5)] and scalars["throughput"] == [(2, 100.0)]
+    assert scalars == {"loss": [(0, 2.0), (2, 0.5)], "throughput": [(2, 100.0)],
+                       "throughput/rank1": [(1, 90.0), (2, 95.0)], "loss/rank1": [(2, 0.75)]}, scalars
     # W&B: the same points, on the job's own step axis.
     rows = wandb_history(str(tmp_path / "wb"))
     points = sorted((float(r["zwdx/step"]), name, float(v)) for r in rows for name, v in r.items()
-                    if name in ("loss", "throughput"))
-    assert points == [(0, "loss", 2.0), (2, "loss", 0.5), (2, "throughput", 100.0)]
+                    if name.split("/")[0] in ("loss", "throughput"))
+    assert points == [(0, "loss", 2.0), (1, "throughput/rank1", 90.0), (2, "loss", 0.5), (2, "loss/rank1", 0.75),
+                      (2, "throughput", 100.0), (2, "throughput/rank1", 95.0)], points
 
 
 def test_wait_feeds_trackers_live_and_names_other_ranks_series(http_app, tmp_path):  # noqa: F811
     app, url = http_app
-    room, rank0, job = placed_job(app, "live")
-    report(rank0, job["id"])
+    room, (rank0, rank1), job = placed_ranks(app, "live", 2)
+    report(rank0, job["id"], rank1)
     assert room.post(f"/jobs/{job['id']}/cancel").status_code == 200
     sdk = ZWDX(url, room_token=room.token, remember=False)
     result = sdk.wait(job["id"], progress=False, trackers=[TensorBoard(log_dir=str(tmp_path / "tb"))])
     assert result["status"] == "cancelled"
-    assert tensorboard_scalars(str(tmp_path / "tb"))["loss"] == [(0, 2.0), (2, 0.5)]
+    scalars = tensorboard_scalars(str(tmp_path / "tb"))
+    assert scalars["loss"] == [(0, 2.0), (2, 0.5)] and scalars["throughput"] == [(2, 100.0)], scalars
+    assert scalars["throughput/rank1"] == [(1, 90.0), (2, 95.0)] and scalars["loss/rank1"] == [(2, 0.75)], scalars
 
 
 def test_a_tracker_zwdx_does_not_know_is_refused_before_anything_is_sent(http_app):  # noqa: F811
