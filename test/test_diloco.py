@@ -52,6 +52,24 @@ def test_the_average_is_the_mean_of_the_uploads_in_their_compression():
     assert np.abs(mean - (a + b) / 2).max() <= 2 * max(np.abs(a).max(), np.abs(b).max()) / 254
 
 
+@pytest.mark.parametrize("compression", codec.COMPRESSIONS)
+def test_the_average_is_the_mean_past_the_first_frame_in_every_compression(compression):
+    # several frames (codec.FRAME values each) and a short last one: what a model past ~1 M parameters sends
+    numel = 2 * codec.FRAME + codec.BLOCK + 5
+    rng = np.random.default_rng(7)
+    uploads = [codec.encode((rng.standard_normal(numel) * (i + 1)).astype(np.float32), compression) for i in range(3)]
+    layout, members, chunks = codec.average({i: io.BytesIO(data) for i, data in enumerate(uploads)})
+    assert members == [0, 1, 2] and (layout.compression, layout.numel) == (compression, numel)
+    mean = codec.decode(b"".join(chunks))
+    exact = np.mean([codec.decode(data).astype(np.float64) for data in uploads], axis=0)
+    # the mean of what was sent, within the compression's own rounding of the result
+    tolerance = {"none": 1e-6, "fp16": 2e-3, "int8": None}[compression]
+    for start in range(0, numel, codec.FRAME):
+        part, want = mean[start:start + codec.FRAME], exact[start:start + codec.FRAME]
+        bound = tolerance * np.abs(want).max() if tolerance else np.abs(want).max() / 254 * 1.01
+        assert np.abs(part - want).max() <= bound, f"frame at {start}: off by {np.abs(part - want).max()}"
+
+
 @pytest.mark.parametrize("data, says", [
     (b"", "ends within the header"), (b"NOTZWDX!\x00\x00\x00\x00", "first bytes"),
     (codec.MAGIC + b"\x05\x00\x00\x00[1,2]", "must be {"),
