@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import tempfile
 import threading
 
 import pytest
+import torch
 
+import needs
 from gpu_client import datasets
 from gpu_client.datasets import Provided
+from procs import SLACK, GpuClient, Server, wait_until
 from sandbox_rig import as_job, rig, root_secret_dir, untouched  # noqa: F401  (rig: a fixture)
+from zwdx import ZWDX
 
 pytestmark = pytest.mark.slow
 
@@ -197,3 +203,89 @@ def test_a_link_swapped_in_between_the_agents_check_and_its_write_is_refused(rig
         iso.share(source, box, "bundle.zwdx", link=link)
     monkeypatch.undo()
     untouched(target)
+
+
+# -- the attack as it happened: a real GPU client as root, the model's __setstate__ -----------------------
+class Trap(torch.nn.Module):
+    """A model whose unpickling (in the rank, as the bundle streams in, before the job's datasets
+    are shared) starts a process that keeps swapping ``<sandbox>/data`` for a link to ``target``."""
+
+    def __init__(self, target: str):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.target = target
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        import os
+        import time
+        here = os.getcwd()  # the sandbox's home (before issue 29: the sandbox itself)
+        box = here if os.path.exists(os.path.join(here, "bundle.zwdx")) else os.path.dirname(here)
+        data = os.path.join(box, "data")
+        if os.fork() == 0:  # a swapper that outlives the unpickling, bounded
+            tries = done = 0
+            end = time.time() + 5  # the agent shares the datasets within a second or two
+            while time.time() < end and done == 0:
+                tries += 1
+                try:
+                    if os.path.lexists(data) and not os.path.islink(data):
+                        os.rename(data, f"{data}.{tries}")
+                    os.symlink(self.target, data)
+                    done += 1
+                except OSError:
+                    time.sleep(0.001)
+            with open(os.path.join(here, "swapper"), "w") as fh:
+                fh.write(f"{tries} {done}")
+            os._exit(0)
+
+
+def data_loader(rank, world_size, data_dir):
+    import os
+    from torch.utils.data import DataLoader, TensorDataset
+    assert open(os.path.join(data_dir, "ds", "a.txt")).read() == "alpha"
+    return DataLoader(TensorDataset(torch.randn(8, 2), torch.randint(0, 2, (8,))), batch_size=4)
+
+
+def report(model, loader, optimizer):
+    import os
+    import time
+    end = time.time() + 30
+    while not os.path.exists("swapper") and time.time() < end:
+        time.sleep(0.05)
+    return {"final_loss": 0.0, "swapper": open("swapper").read() if os.path.exists("swapper") else "none"}
+
+
+def test_a_models_setstate_on_a_real_gpu_client_gets_root_to_write_nothing_outside():
+    needs.root("a GPU client runs each job as a user of its own only as root")
+    base = tempfile.mkdtemp(prefix="zwdx-c1-", dir="/tmp")
+    os.chmod(base, 0o755)
+    target = root_secret_dir(base)
+    folder = os.path.join(base, "ds")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "a.txt"), "w") as fh:
+        fh.write("alpha")
+    server = Server(os.path.join(base, "server"))
+    client = None
+    try:
+        sdk = ZWDX(server.url, remember=False)
+        room = sdk.create_room("c1")
+        sdk.room_token = room["token"]
+        sdk.push_dataset(folder, "ds", progress=False)
+        client = GpuClient(server.url, room["donor_token"], os.path.join(base, "work"), "donor-c1")
+        wait_until(lambda: any(c["status"] == "online" for c in sdk.get_room()["clients"]), 60 + SLACK,
+                   what=f"the GPU client online\n{client.tail()}")
+        model = Trap(target)
+        result = sdk.submit_job(model, data_loader, report, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
+                                world_size=1, datasets=["ds"], progress=False, timeout=120, raise_on_failure=False)
+        untouched(target)
+        assert result["status"] == "completed", (result.get("reason"), result.get("failures"))
+        tries, done = (int(v) for v in result["results"]["swapper"].split())
+        assert tries > 0 and done == 0, result["results"]
+    finally:
+        if client is not None:
+            client.stop()
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
