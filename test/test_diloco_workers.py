@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mnist
-from gpu_client.parallel import fingerprint
+from digests import state_digest as fingerprint
 
 
 def held_out_loss(model, loader, rank, world_size):

@@ -8,9 +8,9 @@ import statistics
 import pytest
 import requests
 import torch
-from safetensors.torch import load as load_safetensors
 
 import mnist
+from digests import weights_digest
 from models import local_numel
 from procs import wait_until
 from zwdx import defaults
@@ -27,17 +27,6 @@ def train_reporting_what_each_rank_holds(model, loader, optim, eval_func, rank, 
     """The example's train, after reporting how many parameter elements this rank holds."""
     reporter.log_metrics(local_params=local_numel(model))
     return mnist.train(model, loader, optim, eval_func, rank, world_size, epochs, reporter)
-
-
-def weights_digest(blob: bytes) -> str:
-    """sha256 over a safetensors file's tensors as the ranks fingerprint their weights: for each
-    name in sorted order, the name's bytes, then the tensor's raw bytes."""
-    digest = hashlib.sha256()
-    tensors = load_safetensors(blob)
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 @pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])

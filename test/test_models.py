@@ -19,7 +19,8 @@ import torch.nn as nn
 
 import models
 import needs
-from gpu_client.parallel import describe_plan, fingerprint, fsdp_plan
+from digests import state_digest as fingerprint
+from gpu_client.parallel import describe_plan, fsdp_plan
 from procs import GpuClient, Server, wait_until
 from zwdx import ZWDX, BadRequest
 

@@ -211,18 +211,19 @@ def test_the_job_id_alone_opens_a_job_in_a_fresh_process(sdk, room, start_client
     waiting = sdk.submit_job(model, mnist.create_loader, mnist.train, room_token=room["token"], world_size=4,
                              wait=False)
     fresh = python(
-        "import json, sys, mnist\nfrom zwdx import ZWDX\nfrom gpu_client.parallel import fingerprint\n"
+        "import json, sys, mnist\nfrom zwdx import ZWDX\nfrom digests import state_digest\n"
         "done, waiting = sys.argv[1], sys.argv[2]\nz = ZWDX(sys.argv[3])\n"
         "trained = z.get_trained_model(done, mnist.Net())\n"
-        "print(json.dumps({'status': z.get_job(done)['status'], 'fingerprint': fingerprint(trained.state_dict()),\n"
+        "print(json.dumps({'status': z.get_job(done)['status'], 'fingerprint': state_digest(trained.state_dict()),\n"
         "                  'metrics': sorted(z.get_job_metrics(done)), 'logs': len(z.get_job_logs(done)),\n"
         "                  'cancel': z.cancel_job(waiting)['status']}))",
         result["job_id"], waiting, sdk.server_url)
     assert fresh.returncode == 0, fresh.stderr
     seen = json.loads(fresh.stdout)
     ranks = sdk.get_job(result["job_id"], room["token"])["ranks"]
-    assert seen == {"status": "completed", "fingerprint": ranks["0"]["fingerprint"], "metrics": seen["metrics"],
-                    "logs": seen["logs"], "cancel": "cancelled"}
+    assert seen == {"status": "completed", "fingerprint": ranks["0"]["fingerprint"],
+                    "metrics": sorted(sdk.get_job_metrics(result["job_id"], room["token"])),
+                    "logs": len(sdk.get_job_logs(result["job_id"], room["token"])), "cancel": "cancelled"}
     assert "loss" in seen["metrics"] and seen["logs"] > 0
     assert room["token"] not in fresh.stdout + fresh.stderr
 
