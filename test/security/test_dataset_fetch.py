@@ -285,3 +285,16 @@ def test_a_download_longer_than_it_said_or_than_the_cache_stops_at_the_bound(tmp
         server.shutdown()
         server.server_close()
     assert left_in(tmp_path / "c") == []
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_the_gpu_client_refuses_to_start_with_a_network_it_cannot_read(how, monkeypatch, capsys):
+    from zwdx import cli
+    monkeypatch.setenv("ZWDX_ROOM_TOKEN", "zd_not-used")
+    args = ["gpu-client", "--server", "http://127.0.0.1:9", "--cpu"]
+    if how == "flag":
+        args += ["--dataset-allow-net", "10.0.0.0/8", "--dataset-allow-net", "10.0.0.300"]
+    else:
+        monkeypatch.setenv("ZWDX_DATASET_ALLOW_NETS", "10.0.0.0/8,10.0.0.300")
+    assert cli.main(args) == 2
+    assert "--dataset-allow-net: '10.0.0.300' is not a network" in capsys.readouterr().err
