@@ -10,6 +10,7 @@ small dataset cache (``--dataset-cache-bytes``), shared by the module's cases in
 - a cache entry corrupted on the donor's disk is fetched again, never used (the loader checks
   the bytes it reads); the URL's entry is used from the cache (one GET in all);
 - a name the room has no dataset of: refused at submit, naming it, nothing stored;
+- a URL at an address the donor did not allow (127.0.0.2): the job fails naming it, unfetched;
 - a push cut short resumes (only the chunks the room lacks travel); ``zwdx data list|show|rm``;
 - a dataset that does not fit beside the others evicts the least recently used (the job runs);
   one larger than the whole cache fails its job with that reason;
@@ -241,6 +242,24 @@ def test_an_unknown_dataset_is_refused_at_submit(world):
             "bundle_artifact": bundle["id"], "versions": {"python": "3.11.7"}, "datasets": ["nope"]})
     assert "'nope'" in err.value.message and err.value.context["field"] == "datasets.0"
     assert len(world.sdk.list_jobs()) == jobs
+
+
+def test_a_url_at_an_address_the_donor_did_not_allow_fails_the_job_unfetched(world, tmp_path):
+    """Issue 29 H3 through the agent: the donor allows 127.0.0.1 only; a job names a server on
+    127.0.0.2 (standing in for a cloud's metadata service or a LAN's admin page)."""
+    class Secret(Counting):
+        gets = 0
+    (tmp_path / "meta-data.txt").write_text("the donor's instance credentials\n")
+    site = http.server.ThreadingHTTPServer(("127.0.0.2", 0), lambda *a, **k: Secret(*a, directory=str(tmp_path), **k))
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(JobFailed) as err:
+            world.submit(make_loader("x"), [{"url": f"http://127.0.0.2:{site.server_address[1]}/meta-data.txt"}])
+    finally:
+        site.shutdown()
+        site.server_close()
+    assert "127.0.0.2" in str(err.value) and "--dataset-allow-net" in str(err.value), str(err.value)
+    assert Secret.gets == 0
 
 
 def test_an_interrupted_push_resumes_and_zwdx_data_lists_shows_removes(world, tmp_path):
