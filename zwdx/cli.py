@@ -335,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     edge.add_argument("--idle-timeout", type=float, default=None,
                       help=f"seconds a kept-alive connection may wait for its next request, 0: no limit "
                            f"(default {defaults.IDLE_TIMEOUT:g})")
+    edge.add_argument("--body-timeout", type=float, default=None,
+                      help=f"seconds a JSON body has to arrive once its headers are in, 0: no limit "
+                           f"(default {defaults.BODY_TIMEOUT:g})")
     edge.add_argument("--max-connections-per-address", type=int, default=None,
                       help=f"connections one address may hold at once, 0: no cap; not applied behind "
                            f"ZWDX_PROXY_HOPS proxies (default {defaults.MAX_CONNECTIONS_PER_ADDRESS})")

@@ -127,6 +127,8 @@ SCHEDULER_LEASE_TTL = 6.0
 #: connections one address may hold at once (0: no cap; not applied behind PROXY_HOPS proxies).
 HEADER_TIMEOUT = 10.0
 IDLE_TIMEOUT = 60.0
+#: Seconds a JSON body (at most MAX_REQUEST_BYTES) has to arrive once its headers are in (0: no limit).
+BODY_TIMEOUT = 30.0
 MAX_CONNECTIONS_PER_ADDRESS = 1000
 #: Engine.IO sessions one address may have open (0: no cap), and seconds a session has to connect
 #: to /gpu or /ui with its token before it is closed (``zwdx/server/socket_edge.py``).

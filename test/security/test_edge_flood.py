@@ -51,7 +51,7 @@ def _p99(samples: list[float]) -> float:
 @pytest.fixture
 def server(tmp_path):
     srv = Server(str(tmp_path / "server"), extra=["--rate-limit-rooms", "100000 per minute"], env={
-        "ZWDX_HEADER_TIMEOUT": str(HEADER_TIMEOUT), "ZWDX_IDLE_TIMEOUT": "2", "ZWDX_MAX_CONNECTIONS_PER_ADDRESS": "20",
+        "ZWDX_HEADER_TIMEOUT": str(HEADER_TIMEOUT), "ZWDX_IDLE_TIMEOUT": "2", "ZWDX_BODY_TIMEOUT": "2", "ZWDX_MAX_CONNECTIONS_PER_ADDRESS": "20",
         "ZWDX_SOCKET_SESSIONS_PER_ADDRESS": "5", "ZWDX_SOCKET_AUTH_TIMEOUT": "2"})
     yield srv
     srv.stop()
@@ -156,6 +156,31 @@ def test_slow_headers_are_cut_off_and_connections_over_the_cap_refused(server):
             sock.close()
     wait_until(lambda: _over_cap(server) != b"429", 5, what="the address's connections counted down")
     assert "holds up to" in server.output() and "open files" in server.output()  # the process's capacity, said
+
+
+def test_a_body_trickled_in_is_a_400_after_the_body_timeout_and_closes_its_connection(server):
+    sock = _raw(server)
+    sock.sendall(b"POST /api/v1/rooms HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"name\": \"")
+    sock.setblocking(False)
+    started, answer = time.monotonic(), b""
+    while time.monotonic() - started < 2 + SLACK:
+        try:
+            more = sock.recv(4096)
+            if not more:
+                break  # closed
+            answer += more
+        except BlockingIOError:
+            try:
+                sock.send(b"a")
+            except OSError:
+                break
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+        time.sleep(0.25)  # the attack's pace
+    took = time.monotonic() - started
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"did not arrive within 2 s" in answer, answer[:300]
+    assert 1.8 <= took <= 2 + SLACK
 
 
 def _over_cap(server: Server) -> bytes:

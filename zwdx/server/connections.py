@@ -6,6 +6,9 @@
   start its next request within ``IDLE_TIMEOUT``: a client that trickles bytes (slowloris) or
   sends nothing is cut off (408, or closed), whatever it sends. A websocket, once upgraded, is
   no longer timed here (Engine.IO pings it).
+- A JSON body must arrive within ``BODY_TIMEOUT`` seconds of its first read (``body_deadline``,
+  ``http._json_body``): one trickled in is a 400 and its connection closes. (An artifact's
+  bytes, which need a token, stream on at their own pace.)
 - One address holds at most ``MAX_CONNECTIONS_PER_ADDRESS`` connections at once (0: no cap; an
   IPv6 address counts with its /64): the next one is answered 429 and closed. Behind
   ``PROXY_HOPS`` proxies every connection comes from a proxy, so the cap is not applied (the
@@ -15,14 +18,19 @@
   the listen backlog instead of failing for want of descriptors.
 
     handler_class(config) -> the gevent handler class ``serve`` runs
+    body_deadline(seconds, environ) -> a context: ``BadRequest`` if the body is not read in time
     capacity(open_files)   -> connections one process holds
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import socket
+import sys
 import time
+
+from ..errors import BadRequest
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,31 @@ def address_key(address: str) -> str:
 
 class _TooSlow(socket.timeout):
     """A request line or headers not in within their time: to gevent a socket error (closed)."""
+
+
+@contextlib.contextmanager
+def body_deadline(seconds: float, environ: dict):
+    """``BadRequest`` if the block (a body's reads) takes more than ``seconds`` (0: no limit), and
+    the connection closes after the answer. Under gevent only (``zwdx server``'s): Werkzeug's
+    threaded server, for tests, has nothing to interrupt a read with."""
+    monkey = sys.modules.get("gevent.monkey")
+    if not seconds or not (monkey and monkey.is_module_patched("socket")):
+        yield
+        return
+    import gevent
+    timer = gevent.Timeout(seconds)
+    timer.start()
+    try:
+        yield
+    except gevent.Timeout as exc:
+        if exc is not timer:
+            raise
+        body = environ.get("wsgi.input")
+        if hasattr(body, "_chunked_input_error"):  # gevent's: its rest is not read, the connection closes
+            body._chunked_input_error = True
+        raise BadRequest(f"the body did not arrive within {seconds:g} s", field="body") from None
+    finally:
+        timer.close()
 
 
 def handler_class(config):
@@ -143,7 +176,8 @@ def handler_class(config):
         def run_application(self):
             super().run_application()
             body = self.wsgi_input
-            if body is not None and (body.chunked_input or (body.content_length or 0) - body.position > DISCARD_BYTES):
+            if body is not None and (body.chunked_input or body._chunked_input_error
+                                     or (body.content_length or 0) - body.position > DISCARD_BYTES):
                 # A body the app refused unread (8 MiB of '[', an upload without a token): the
                 # connection closes rather than read the rest to keep it alive.
                 self.close_connection = True

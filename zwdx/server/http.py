@@ -47,7 +47,7 @@ from .. import defaults
 from ..errors import BadRequest, NotFound, PayloadTooLarge
 from ..protocol.base import LONG_NUMBER_BYTES, parse
 from ..protocol.rest import ArtifactView
-from . import json_limits, limits
+from . import connections, json_limits, limits
 from .auth import donor, job_in_room, rank_sender, request_token, submitter
 
 #: Where every REST route lives.
@@ -218,16 +218,17 @@ def _read_bounded(limit: int) -> bytes:
     (``json_limits.Depth``): a body too deep is refused at its first chunk past the limit, the
     rest unread, and the hub gets a turn between chunks."""
     depth, chunks, size = json_limits.Depth(), [], 0
-    while True:
-        chunk = request.stream.read(min(_CHUNK, limit + 1 - size))
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
-        depth.feed(chunk)
-        chunks.append(chunk)
-        time.sleep(0)  # gevent's: other greenlets run between chunks
+    with connections.body_deadline(float(current_app.config.get("BODY_TIMEOUT") or 0), request.environ):
+        while True:
+            chunk = request.stream.read(min(_CHUNK, limit + 1 - size))
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
+            depth.feed(chunk)
+            chunks.append(chunk)
+            time.sleep(0)  # gevent's: other greenlets run between chunks
     depth.end()
     return b"".join(chunks)
 
