@@ -57,8 +57,8 @@ def _server(args) -> int:
                  "donor_max_clients", "client_max_slots", "rate_limit_registers"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
-    for name in ("header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address", "socket_sessions_per_address",
-                 "socket_auth_timeout"):
+    for name in ("header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address",
+                 "socket_sessions_per_address", "socket_auth_timeout"):
         if getattr(args, name) is not None:
             config[name.upper()] = getattr(args, name)
     if args.metrics_token_file:
