@@ -4,8 +4,10 @@ Every call carries the rank's key (``X-Zwdx-Rank-Key``), which speaks for this r
 attempt only: no room token. Events queue in memory and a sender thread posts them in batches
 (of at most ``BATCH_BYTES``). If the server is away, the batch is kept and retried with backoff
 until it is delivered, so nothing reported is lost; each event carries a key unique in its job
-and rank, so a batch sent twice is stored once. A batch the server refuses (4xx), or that cannot
-be written as JSON, is dropped with an error in the log, never retried.
+and rank, so a batch sent twice is stored once. A batch the server refuses (4xx; over the room's
+quota, 429 ``quota_exceeded``; below its free-space floor, 507), or that cannot be written as
+JSON, is dropped with an error in the log, never retried; one refused for the rank's pace (429
+``too_many_requests``) is sent again later.
 
 A NaN or infinite number (a loss that diverged) travels as the string "NaN", "Infinity" or
 "-Infinity" (``zwdx.protocol.report.to_wire``): JSON has no such numbers, and ``requests``
@@ -237,10 +239,12 @@ class Reporter:
                 continue
             try:
                 resp = self.session.post(f"{self.base}/events", json={"events": pending}, timeout=30)
-                if resp.status_code == 429:  # too many requests from this address: later
+                refused = resp.status_code == 507 or resp.status_code == 429 and "quota_exceeded" in resp.text
+                if resp.status_code == 429 and not refused:  # this rank posts too often: later
                     raise requests.RequestException(f"server busy (429): {resp.text[:200]}")
-                if 400 <= resp.status_code < 500:
-                    # never retry what the server rejects as wrong
+                if 400 <= resp.status_code < 500 or refused:
+                    # never retry what the server rejects as wrong, nor what the room's quota or
+                    # the server's disk has no room for: the job goes on without these
                     log.error("rank %d: server refused %d event(s): %s", self.rank, len(pending), resp.text[:200])
                 else:
                     resp.raise_for_status()

@@ -5,14 +5,14 @@ Public surface: ``ZWDX`` (the SDK), ``JobStatus`` and the errors.
 The SDK (and with it requests, socket and ssl) is imported on first use of ``ZWDX``, so that
 ``zwdx server`` can hand sockets and threads to gevent before anything imports them.
 """
-from .errors import (AuthError, BadRequest, Conflict, JobFailed, NotFound, QuotaExceeded, RateLimited, ServerUnreachable,
-                     Unschedulable, ZwdxError)
+from .errors import (AuthError, BadRequest, Conflict, InsufficientStorage, JobFailed, NotFound, QuotaExceeded,
+                     RateLimited, ServerUnreachable, Unschedulable, ZwdxError)
 from .protocol import JobStatus
 
 __version__ = "0.1.0"
 
 __all__ = ["ZWDX", "JobStatus", "ZwdxError", "AuthError", "BadRequest", "Conflict", "JobFailed", "NotFound",
-           "QuotaExceeded", "RateLimited", "ServerUnreachable", "Unschedulable", "__version__"]
+           "InsufficientStorage", "QuotaExceeded", "RateLimited", "ServerUnreachable", "Unschedulable", "__version__"]
 
 
 def __getattr__(name: str):

@@ -54,7 +54,8 @@ def _server(args) -> int:
         config["UI_DIR"] = args.ui_dir
     for name in ("max_request_bytes", "room_max_jobs", "room_max_artifact_bytes", "rate_limit_rooms",
                  "rate_limit_auth_failures", "artifact_retention", "sweep_interval", "start_timeout", "start_tries",
-                 "donor_max_clients", "client_max_slots", "rate_limit_registers"):
+                 "donor_max_clients", "client_max_slots", "rate_limit_registers", "room_max_events",
+                 "rate_limit_events", "max_series_points", "min_free_bytes"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
     for name in ("header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address",
@@ -307,6 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"jobs a room may have waiting or running, 0: no limit (default {defaults.ROOM_MAX_JOBS})")
     limits.add_argument("--room-max-artifact-bytes", type=int, default=None,
                         help=f"bytes of artifacts a room may keep, 0: no limit (default {defaults.ROOM_MAX_ARTIFACT_BYTES})")
+    limits.add_argument("--room-max-events", type=int, default=None,
+                        help=f"metric and log events a room may keep (their bytes count in --room-max-artifact-bytes), "
+                             f"0: no limit (default {defaults.ROOM_MAX_EVENTS})")
+    limits.add_argument("--rate-limit-events", default=None,
+                        help=f"event posts one rank of a job may make (default '{defaults.RATE_LIMIT_EVENTS}')")
+    limits.add_argument("--max-series-points", type=int, default=None,
+                        help=f"points a job's metric series shows at most; a longer one is thinned, keeping its first "
+                             f"and last (default {defaults.MAX_SERIES_POINTS})")
+    limits.add_argument("--min-free-bytes", type=int, default=None,
+                        help=f"free bytes kept on the data dir's disk: below, uploads, events and jobs are refused "
+                             f"(507), 0: no floor (default {defaults.MIN_FREE_BYTES})")
     limits.add_argument("--rate-limit-rooms", default=None,
                         help=f"rooms one address may create (default '{defaults.RATE_LIMIT_ROOMS}')")
     limits.add_argument("--rate-limit-auth-failures", default=None,

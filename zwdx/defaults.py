@@ -10,8 +10,20 @@ MAX_ARTIFACT_BYTES = 8 * 1024**3
 MAX_REQUEST_BYTES = 8 * 1024**2
 #: Jobs a room may have waiting or running at once (0: no limit).
 ROOM_MAX_JOBS = 100
-#: Bytes of artifacts (bundles, checkpoints, weights) a room may keep (0: no limit).
+#: Bytes of artifacts (bundles, checkpoints, weights) and of metric and log events (their JSON) a
+#: room may keep (0: no limit).
 ROOM_MAX_ARTIFACT_BYTES = 100 * 1024**3
+#: Metric and log events a room may keep, all its jobs together (0: no limit).
+ROOM_MAX_EVENTS = 10_000_000
+#: Event posts one rank of a job may make (a rate, as the `limits` library parses it); a rank's
+#: reporter posts at most every 0.2 s and retries a refused (429) batch later.
+RATE_LIMIT_EVENTS = "20 per second; 600 per minute"
+#: Points a metric series of a job shows at most (``GET /jobs/<id>/metrics``): past it, the series
+#: is thinned to the first and last point of each of MAX_SERIES_POINTS / 2 spans of the job's events.
+MAX_SERIES_POINTS = 10_000
+#: Free bytes the server keeps on its data dir's disk: below it, uploads, events and new jobs
+#: are refused (507) rather than fill the disk (0: no floor).
+MIN_FREE_BYTES = 1024**3
 #: Rooms one address may create (a rate, as the `limits` library parses it: "10 per minute").
 RATE_LIMIT_ROOMS = "20 per minute; 200 per day"
 #: Requests with a wrong room token or rank key one address may make before it is refused (429)

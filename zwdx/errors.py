@@ -10,7 +10,8 @@
     ├── Conflict                   a state change that is no longer possible (409)
     │   └── Unschedulable          a job the room cannot run as it is, refused on request
     ├── RateLimited                too many requests from one address, or failed logins (429)
-    ├── QuotaExceeded              a room over its quota of jobs or artifact bytes (429)
+    ├── QuotaExceeded              a room over its quota of jobs, bytes or events (429)
+    ├── InsufficientStorage        the server's disk is below its free-space floor, or full (507)
     ├── StoreError                 the store cannot be used (500)
     │   └── SchemaVersionError     the store was written by a newer zwdx
     ├── IntegrityError             an artifact whose sha256 does not match (422)
@@ -96,6 +97,14 @@ class QuotaExceeded(ZwdxError):
     http_status = 429
 
 
+class InsufficientStorage(ZwdxError):
+    """The server keeps less free disk than its floor (``MIN_FREE_BYTES``), or a write found the
+    disk full: nothing of the request was stored; what was stored before stays readable."""
+
+    code = "insufficient_storage"
+    http_status = 507
+
+
 class StoreError(ZwdxError):
     code = "store_error"
     http_status = 500
@@ -135,7 +144,7 @@ class JobFailed(ZwdxError):
 
 _BY_CODE = {cls.code: cls for cls in (
     BadRequest, PayloadTooLarge, AuthError, Forbidden, NotFound, Conflict, Unschedulable, RateLimited,
-    QuotaExceeded, StoreError, SchemaVersionError, IntegrityError)}
+    QuotaExceeded, InsufficientStorage, StoreError, SchemaVersionError, IntegrityError)}
 
 
 def from_response(status: int, body: dict | None) -> ZwdxError:
@@ -146,6 +155,7 @@ def from_response(status: int, body: dict | None) -> ZwdxError:
     cls = _BY_CODE.get(code)
     if cls is None:
         cls = {400: BadRequest, 401: AuthError, 403: Forbidden, 404: NotFound,
-               409: Conflict, 413: PayloadTooLarge, 422: IntegrityError, 429: RateLimited}.get(status, ZwdxError)
+               409: Conflict, 413: PayloadTooLarge, 422: IntegrityError, 429: RateLimited,
+               507: InsufficientStorage}.get(status, ZwdxError)
     context = {k: v for k, v in err.items() if k not in ("code", "message")}
     return cls(message, **context)

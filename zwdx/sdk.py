@@ -564,8 +564,11 @@ class ZWDX:
 
     def get_job_logs(self, job_id: str, room_token: str | None = None) -> list[dict]:
         """Log lines ``{"rank", "text", "ts"}``: what the ranks printed or passed to reporter.log."""
-        events = self._json("GET", f"/jobs/{job_id}/events", self._token(room_token, job_id),
-                            params={"kind": "log"})["events"]
+        token, events, after = self._token(room_token, job_id), [], 0
+        while after is not None:  # a page at a time, as the server answers them
+            page = self._json("GET", f"/jobs/{job_id}/events", token, params={"kind": "log", "after": after})
+            events += page["events"]
+            after = page.get("next") if page["events"] else None
         return [{"rank": e.get("rank"), "text": e["data"].get("text", ""), "ts": e.get("ts")} for e in events]
 
     def export_metrics(self, job_id: str, trackers, room_token: str | None = None) -> int:
@@ -587,11 +590,19 @@ class ZWDX:
             feed.close()
 
     def get_job_metrics(self, job_id: str, room_token: str | None = None) -> dict[str, list[dict]]:
-        """Every metric series of the job: name -> ``[{"step", "value", "rank", "ts"}, ...]``;
+        """Every metric series of the job: name -> ``[{"step", "value", "rank", "ts"}, ...]``, at
+        most the server's ``MAX_SERIES_POINTS`` points each (a longer series keeps its first and
+        last points and those at the edges of its spans, ``zwdx.server.series``);
         "throughput" (samples/s) and, on GPUs, "gpu_utilization" come from the platform. A value
         that was NaN or infinite is that float again (it travels as "NaN", "Infinity", "-Infinity")."""
-        series = self._json("GET", f"/jobs/{job_id}/metrics", self._token(room_token, job_id))["series"]
-        return {name: [{**p, "value": from_wire(p.get("value"))} for p in points] for name, points in series.items()}
+        token, series, params = self._token(room_token, job_id), {}, {"after": 0}
+        while True:  # a page at a time; a series longer than the server's MAX_SERIES_POINTS comes thinned
+            page = self._json("GET", f"/jobs/{job_id}/metrics", token, params=params)
+            for name, points in page["series"].items():
+                series.setdefault(name, []).extend({**p, "value": from_wire(p.get("value"))} for p in points)
+            if page.get("next") is None:
+                return series
+            params = {"after": page["next"], "stride": page["stride"]}
 
     def get_trained_model(self, job_id: str, model, room_token: str | None = None):
         """Load the job's trained weights into ``model`` and return it. The weights arrive as

@@ -127,13 +127,18 @@ class RoomTotals(Answer):
 
 class RoomUsage(Answer):
     """What the room uses of its quotas; a limit of 0 is none (``zwdx server --room-max-jobs``,
-    ``--room-max-artifact-bytes``)."""
+    ``--room-max-artifact-bytes``, ``--room-max-events``)."""
     #: Jobs waiting or running, and how many it may have at once.
     jobs: int
     jobs_limit: int
-    #: Bytes of its artifacts (bundles, checkpoints, weights), and how many it may keep.
+    #: Bytes of its artifacts (bundles, checkpoints, weights); ``artifact_bytes_limit`` bounds
+    #: them and ``event_bytes`` together.
     artifact_bytes: int
     artifact_bytes_limit: int
+    #: Metric and log events its jobs hold, their bytes (their JSON), and how many it may keep.
+    events: int = 0
+    event_bytes: int = 0
+    events_limit: int = 0
 
 
 class RoomDetail(RoomView):
@@ -503,6 +508,12 @@ class EventsAnswer(Answer):
     events: list[EventView]
 
 
+class EventsPage(EventsAnswer):
+    """``GET /api/v1/jobs/<id>/events``: one page, of at most ``limit`` events and about 1 MiB;
+    ``next`` is the ``after`` of the next page, null once this page reached the job's last event."""
+    next: int | None = None
+
+
 class JobEvents(EventsAnswer):
     """``job_events`` on the ``/ui`` namespace."""
 
@@ -519,10 +530,22 @@ class MetricPoint(Answer):
     ts: float | None = None
 
 
+class MetricsQuery(Query):
+    """``GET /api/v1/jobs/<id>/metrics?after=N&stride=S``: the page after the job's event ``seq``
+    N, thinned by spans of S events (the first page says S: pass it back with ``next``)."""
+    after: Count = 0
+    stride: Annotated[int, Field(ge=1, le=2**53)] | None = None
+
+
 class MetricsAnswer(Answer):
-    """Every metric series of a job; ``throughput`` and ``gpu_utilization`` always there."""
+    """One page of a job's metric series; ``throughput`` and ``gpu_utilization`` always there.
+    A series has at most ``MAX_SERIES_POINTS`` points over all pages: past that, it keeps the
+    first and the last point of each span of ``stride`` events. ``next``: the ``after`` of the
+    next page (with the same ``stride``), null once this page reached the job's last event."""
     job_id: str
     series: dict[str, list[MetricPoint]]
+    stride: int = 1
+    next: int | None = None
 
 
 class CheckpointList(Answer):

@@ -28,8 +28,8 @@ from socketio import packet as socketio_packet
 from .. import defaults
 from ..protocol.base import loads
 from ..protocol.report import to_wire
-from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, events, json_limits, limits,
-               links, notify, openapi, prometheus, scripts, socket_edge, tokens, ui)
+from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, disk, events, json_limits,
+               limits, links, notify, openapi, prometheus, scripts, socket_edge, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import Encoded, socketio
@@ -175,6 +175,10 @@ def create_app(config: dict | None = None) -> Flask:
         MAX_REQUEST_BYTES=defaults.MAX_REQUEST_BYTES,
         ROOM_MAX_JOBS=defaults.ROOM_MAX_JOBS,
         ROOM_MAX_ARTIFACT_BYTES=defaults.ROOM_MAX_ARTIFACT_BYTES,
+        ROOM_MAX_EVENTS=defaults.ROOM_MAX_EVENTS,
+        RATE_LIMIT_EVENTS=defaults.RATE_LIMIT_EVENTS,
+        MAX_SERIES_POINTS=defaults.MAX_SERIES_POINTS,
+        MIN_FREE_BYTES=defaults.MIN_FREE_BYTES,
         RATE_LIMIT_ROOMS=defaults.RATE_LIMIT_ROOMS,
         RATE_LIMIT_AUTH_FAILURES=defaults.RATE_LIMIT_AUTH_FAILURES,
         RATE_LIMIT_LINK=defaults.RATE_LIMIT_LINK,
@@ -241,6 +245,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.after_request(_security_headers)
     prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
+    disk.init_app(app)
     queue = {"message_queue": app.config["MESSAGE_QUEUE"]} if app.config["MESSAGE_QUEUE"] else {}
     # No Flask session is used: its copy per event is saved. A client's events are handled on its
     # connection's own reader, in order, not each in a new thread (greenlet) that then waits its

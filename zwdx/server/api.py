@@ -18,19 +18,19 @@ from werkzeug.exceptions import HTTPException
 
 from .. import defaults
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, SYSTEM_METRICS, ArtifactKind, CredentialRole, EventKind, JobKind, JobStatus, Parallelism, \
+from ..protocol import ACTIVE, ArtifactKind, CredentialRole, JobKind, JobStatus, Parallelism, \
     RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
 from ..protocol.layout import RankLayout
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored
-from ..protocol.rest import (ArtifactView, CreateRoom, EventsAnswer, EventsQuery, Health, JobDetail, JobList, JobQuery,
-                             JobsQuery, MetricsAnswer, RoomCreated, RoomDetail, SubmitJob)
-from ..protocol.report import NON_FINITE
-from . import limits, lifecycle, manifests, notify
+from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
+                             JobsQuery, MetricsAnswer, MetricsQuery, RoomCreated, RoomDetail, SubmitJob)
+from . import limits, lifecycle, manifests, notify, series
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job, rejoined
 from .placement import room_totals, unschedulable
+from .store.base import event_bytes
 from .views import client_view, job_view, room_view, submitted_view
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def _job_detail(job: JobRecord, query: JobQuery) -> JobDetail:
     if job.status == JobStatus.QUEUED:
         extra["queue_position"] = ctx().store.count_jobs(job.room_id, [JobStatus.QUEUED], before_seq=job.seq) + 1
     if query.events_after is not None:
-        extra["events"] = ctx().store.get_events(job.id, after=query.events_after, limit=10000)
+        extra["events"], _ = series.events_page(ctx().store, job.id, query.events_after, 10000)
     return JobDetail.of(job, **extra)
 
 
@@ -225,32 +225,27 @@ def cancel_job(job: JobRecord):
     return job_view(updated)
 
 
-@operation(bp, "GET", "/jobs/<job_id>/events", "A job's metric and log events, in order", query=EventsQuery,
-           answer=EventsAnswer, tag="jobs")
+@operation(bp, "GET", "/jobs/<job_id>/events", "A job's metric and log events, in order, a page at a time",
+           query=EventsQuery, answer=EventsPage, tag="jobs")
 def get_events(job: JobRecord, query: EventsQuery):
-    events = ctx().store.get_events(job.id, after=query.after, kind=query.kind.value if query.kind else None,
-                                    limit=query.limit)
-    return EventsAnswer.model_validate({"job_id": job.id, "events": events})
+    """At most ``limit`` events and about 1 MiB (``series.events_page``); ``next`` is the
+    ``after`` of the next page, null once this one reached the job's last event."""
+    events, after = series.events_page(ctx().store, job.id, query.after, query.limit,
+                                       query.kind.value if query.kind else None)
+    return EventsPage.model_validate({"job_id": job.id, "events": events, "next": after})
 
 
-def _number(value) -> bool:
-    """A metric's value: a number, one of the strings of a non-finite one, or null."""
-    return value is None or isinstance(value, (int, float)) and not isinstance(value, bool) or \
-        isinstance(value, str) and value in NON_FINITE
-
-
-@operation(bp, "GET", "/jobs/<job_id>/metrics", "A job's metric series", answer=MetricsAnswer, tag="jobs")
-def get_metrics(job: JobRecord):
+@operation(bp, "GET", "/jobs/<job_id>/metrics", "A job's metric series, a page at a time", query=MetricsQuery,
+           answer=MetricsAnswer, tag="jobs")
+def get_metrics(job: JobRecord, query: MetricsQuery):
     """Every series by name, each point ``{step, value, rank, ts}``; ``throughput`` and
-    ``gpu_utilization`` are always there (empty where nothing was sampled)."""
-    series: dict[str, list] = {name: [] for name in SYSTEM_METRICS}
-    for ev in ctx().store.get_events(job.id, kind=EventKind.METRIC.value):
-        data = ev.get("data")
-        for name, value in (data if isinstance(data, dict) else {}).items():
-            if _number(value):  # what the API took is; records of an older zwdx may hold others
-                series.setdefault(name, []).append({"step": ev.get("step"), "value": value, "rank": ev.get("rank"),
-                                                    "ts": ev.get("ts")})
-    return MetricsAnswer.model_validate({"job_id": job.id, "series": series})
+    ``gpu_utilization`` are always there (empty where nothing was sampled). A page holds about
+    2,000 points; ``next`` and ``stride`` ask for the next one. A series shows at most
+    ``MAX_SERIES_POINTS`` points: a longer one keeps the first and last of each span of
+    ``stride`` events (``series.py``)."""
+    stride = query.stride or series.stride_for(ctx().store, job.id, int(current_app.config["MAX_SERIES_POINTS"]))
+    found, after = series.metrics_page(ctx().store, job.id, query.after, stride)
+    return MetricsAnswer.model_validate({"job_id": job.id, "series": found, "stride": stride, "next": after})
 
 
 @operation(bp, "GET", "/jobs/<job_id>/weights", "Download a job's trained weights (safetensors)", answer=OCTET,
@@ -280,13 +275,18 @@ def get_bundle(job: JobRecord):
 def post_events(job: JobRecord, sender: Sender, body: EventsBatch):
     """A rank reports its own events only: an event of another rank is refused (403) and none
     of the batch is stored. An event whose ``(rank, key)`` the job holds already is stored
-    once: a batch sent twice counts once. ``stored`` says how many were new."""
+    once: a batch sent twice counts once. ``stored`` says how many were new. Each rank posts at
+    most ``RATE_LIMIT_EVENTS`` (429 ``too_many_requests``: retry later); a batch that would take
+    the room past ``ROOM_MAX_EVENTS`` or ``ROOM_MAX_ARTIFACT_BYTES`` is refused whole (429
+    ``quota_exceeded``); below the server's free-space floor, 507 (``disk.py``)."""
     others = sorted({ev.rank for ev in body.events if ev.rank not in (None, sender.rank)})
     if others:
         raise Forbidden(f"rank {sender.rank}'s key reports rank {sender.rank}'s events only, not rank(s) "
                         f"{', '.join(map(str, others))}'s", job_id=job.id, rank=sender.rank)
+    limits.check_event_rate(job.id, sender.rank)
     clean = [{"kind": ev.kind.value, "rank": sender.rank, "key": ev.key or uuid.uuid4().hex, "step": ev.step,
               "data": ev.model_dump(mode="json")["data"], "ts": ev.ts or time.time()} for ev in body.events]
+    limits.check_event_quota(job.room_id, len(clean), request.content_length or sum(map(event_bytes, clean)))
     stored = ctx().store.add_events(job.id, clean)
     notify.events_added(job, stored)
     return Stored(stored=len(stored))

@@ -14,10 +14,14 @@
     authenticates is refused (429) until the window passes; Socket.IO connections with a wrong
     token count alike (``socket_auth``).
   A refused request is answered 429 (``too_many_requests``) and changes nothing.
+  - ``POST /api/v1/jobs/<id>/events``: ``RATE_LIMIT_EVENTS`` per rank of the job (its key), not
+    per address (``check_event_rate``).
 - Quotas per room (0: none): ``ROOM_MAX_JOBS`` jobs waiting or running at once
-  (``check_job_quota``, at submit), ``ROOM_MAX_ARTIFACT_BYTES`` bytes of artifacts. Over them:
-  429 ``quota_exceeded`` with ``limit`` and ``used``, and nothing stored. ``usage`` says where a
-  room stands (``GET /api/v1/room`` and the dashboard's room overview).
+  (``check_job_quota``, at submit), ``ROOM_MAX_ARTIFACT_BYTES`` bytes of artifacts and events
+  together (an event's bytes: its JSON, ``store.base.event_bytes``), ``ROOM_MAX_EVENTS`` events
+  (``check_event_quota``). Over them: 429 ``quota_exceeded`` with ``limit`` and ``used``, and
+  nothing stored. ``usage`` says where a room stands (``GET /api/v1/room`` and the dashboard's
+  room overview).
 """
 from __future__ import annotations
 
@@ -55,9 +59,9 @@ class RateLimits:
         """Whether the caller's address is still under ``setting``'s rate in ``scope`` (not counted)."""
         return self.window.test(parse_rate(current_app.config[setting]), scope, _address())
 
-    def hit(self, setting: str, scope: str) -> bool:
-        """Count one for the caller's address; False when that took it over the rate."""
-        return self.window.hit(parse_rate(current_app.config[setting]), scope, _address())
+    def hit(self, setting: str, scope: str, key: str | None = None) -> bool:
+        """Count one for ``key`` (the caller's address by default); False when that took it over the rate."""
+        return self.window.hit(parse_rate(current_app.config[setting]), scope, key or _address())
 
 
 def _address() -> str:
@@ -132,29 +136,63 @@ def check_job_quota(room: dict) -> None:
                             f"wait for one to end (or cancel one)", limit=limit, used=used)
 
 
+def _stored_bytes(room_id: str) -> int:
+    """What counts against ``ROOM_MAX_ARTIFACT_BYTES``: the room's artifacts and events."""
+    store = current_app.extensions["zwdx"].store
+    return store.room_artifact_bytes(room_id) + store.room_event_usage(room_id)["bytes"]
+
+
 def artifact_allowance(room_id: str, max_bytes: int) -> tuple[int, bool]:
     """How many bytes an artifact of the room may have now: ``max_bytes``, or less when the
     room's quota has less left; and whether the quota is what limits it."""
     limit = _limit("ROOM_MAX_ARTIFACT_BYTES")
     if not limit:
         return max_bytes, False
-    left = max(0, limit - current_app.extensions["zwdx"].store.room_artifact_bytes(room_id))
+    left = max(0, limit - _stored_bytes(room_id))
     return (left, True) if left < max_bytes else (max_bytes, False)
 
 
 def artifact_quota_exceeded(room_id: str, size: int | None = None) -> QuotaExceeded:
     """The error for an artifact of ``size`` bytes (None: unknown, over what is left) that the room's quota has no room for."""
     limit = _limit("ROOM_MAX_ARTIFACT_BYTES")
-    used = current_app.extensions["zwdx"].store.room_artifact_bytes(room_id)
+    used = _stored_bytes(room_id)
     what = f"an artifact of {size} bytes" if size is not None else "the artifact"
-    return QuotaExceeded(f"room {room_id} keeps {used} bytes of artifacts, its quota is {limit}: {what} does not "
-                         f"fit (finished jobs' artifacts go after the retention the server keeps)",
+    return QuotaExceeded(f"room {room_id} keeps {used} bytes of artifacts and events, its quota is {limit}: {what} "
+                         f"does not fit (finished jobs' artifacts go after the retention the server keeps)",
                          limit=limit, used=used)
+
+
+def check_event_rate(job_id: str, rank: int | None) -> None:
+    """``RateLimited`` once this rank of the job posted events ``RATE_LIMIT_EVENTS`` times in the window."""
+    if not current_app.extensions["zwdx"].limiter.hit("RATE_LIMIT_EVENTS", "events", f"{job_id}:{rank}"):
+        raise RateLimited(f"rank {rank} of job {job_id} posts events faster than the server takes them "
+                          f"({current_app.config['RATE_LIMIT_EVENTS']}); send larger batches less often",
+                          job_id=job_id, rank=rank)
+
+
+def check_event_quota(room_id: str, events: int, size: int) -> None:
+    """``QuotaExceeded`` if ``events`` more events of ``size`` bytes would take the room past
+    ``ROOM_MAX_EVENTS`` or ``ROOM_MAX_ARTIFACT_BYTES``. Checked before the write: posts racing
+    each other may go past a quota by a batch each (``MAX_REQUEST_BYTES``)."""
+    rows_limit, bytes_limit = _limit("ROOM_MAX_EVENTS"), _limit("ROOM_MAX_ARTIFACT_BYTES")
+    if not rows_limit and not bytes_limit:
+        return
+    held = current_app.extensions["zwdx"].store.room_event_usage(room_id)
+    if rows_limit and held["events"] + events > rows_limit:
+        raise QuotaExceeded(f"room {room_id} keeps {held['events']} events, its quota is {rows_limit}: {events} more "
+                            f"do not fit (report metrics less often, or fewer of them)",
+                            limit=rows_limit, used=held["events"])
+    used = _stored_bytes(room_id)
+    if bytes_limit and used + size > bytes_limit:
+        raise QuotaExceeded(f"room {room_id} keeps {used} bytes of artifacts and events, its quota is {bytes_limit}: "
+                            f"{events} events of {size} bytes do not fit", limit=bytes_limit, used=used)
 
 
 def usage(room_id: str) -> RoomUsage:
     """What the room uses of its quotas."""
     store = current_app.extensions["zwdx"].store
+    held = store.room_event_usage(room_id)
     return RoomUsage(jobs=store.count_jobs(room_id, OPEN), jobs_limit=_limit("ROOM_MAX_JOBS"),
                      artifact_bytes=store.room_artifact_bytes(room_id),
-                     artifact_bytes_limit=_limit("ROOM_MAX_ARTIFACT_BYTES"))
+                     artifact_bytes_limit=_limit("ROOM_MAX_ARTIFACT_BYTES"),
+                     events=held["events"], event_bytes=held["bytes"], events_limit=_limit("ROOM_MAX_EVENTS"))

@@ -67,13 +67,13 @@ export const api = {
   tokens: () => request("/room/tokens"),
 };
 
-/** Every event of a job after `after`, page by page. */
+/** Every event of a job after `after`, page by page (`next` null: the last page). */
 export async function allEvents(id, after = 0, pageSize = 5000) {
   const out = [];
   for (;;) {
-    const { events } = await api.events(id, after, pageSize);
+    const { events, next } = await api.events(id, after, pageSize);
     out.push(...events);
-    if (events.length < pageSize) return out;
-    after = events[events.length - 1].seq;
+    if (!events.length || next === null || (next === undefined && events.length < pageSize)) return out;
+    after = next ?? events[events.length - 1].seq;
   }
 }
