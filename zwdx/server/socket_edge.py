@@ -8,7 +8,8 @@ the server log.
   submitter token) within ``SOCKET_AUTH_TIMEOUT`` seconds is closed.
 - A packet that is not Socket.IO (or nests deeper than ``json_limits.MAX_JSON_DEPTH``) closes
   its session and is logged as one WARNING line, at most one a minute with how many came since;
-  Engine.IO's and Socket.IO's own tracebacks for such packets are folded into that line too.
+  Engine.IO's and Socket.IO's own errors and tracebacks are folded into such lines too (a
+  traceback still goes to the DEBUG log).
 
     init_app(app, socketio, ctx)   # after socketio.init_app and the handlers' registration
 """
@@ -62,6 +63,8 @@ class _FoldTracebacks(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         self.once(logging.WARNING, "socket.io: a request or packet refused (%s: %s)",
                   type(error).__name__ if error else record.name, str(error or record.getMessage())[:200])
+        if record.exc_info:  # kept for a server run with --verbose
+            log.debug("socket.io: %s", record.getMessage(), exc_info=record.exc_info)
         return False
 
 
