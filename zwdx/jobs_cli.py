@@ -250,8 +250,11 @@ def room_show(sdk, args) -> int:
     if usage:
         limit = usage.get("jobs_limit") or "no limit"
         fields += [("jobs waiting or running", f"{usage['jobs']} of {limit}"),
-                   ("artifact bytes", f"{_gib(usage['artifact_bytes'])} of "
-                                      f"{_gib(usage['artifact_bytes_limit']) if usage['artifact_bytes_limit'] else 'no limit'}")]
+                   ("bytes stored", f"{_gib(usage['artifact_bytes'] + usage.get('event_bytes', 0))} of "
+                                    f"{_gib(usage['artifact_bytes_limit']) if usage['artifact_bytes_limit'] else 'no limit'}"
+                                    f" (artifacts {_gib(usage['artifact_bytes'])}, "
+                                    f"events {_gib(usage.get('event_bytes', 0))})"),
+                   ("events", f"{usage.get('events', 0)} of {usage.get('events_limit') or 'no limit'}")]
     _show(tabulate(fields, tablefmt="plain"))
     return 0
 

@@ -135,11 +135,14 @@ def test_a_series_past_the_cap_is_thinned_and_keeps_its_first_and_last_points(wo
 def test_the_reads_come_in_pages_and_following_them_gets_every_point(world):
     world.app.config.update(RATE_LIMIT_EVENTS="1000 per second")
     for i in range(5):
-        assert post(world, batch(200, 200 * i, values=5)).status_code == 200
+        assert post(world, batch(200, 200 * i, values=5, throughput=float)).status_code == 200
     series, pages = read_metrics(world, world.jobs["live"])
     assert pages >= 3  # 5,000 points, 2,000 a page (series.PAGE_POINTS)
     for name in ("m0", "m1", "m2", "m3", "m4"):
         assert [p["step"] for p in series[name]] == list(range(1000))  # below the cap: every point
+    status = world.store.get_job(world.jobs["live"]).status.value
+    history = world.request("GET", "/dashboard/history", world.as_submitter(), query_string={"status": status}).json
+    assert [j["mean_throughput"] for j in history["jobs"] if j["id"] == world.jobs["live"]] == [499.5]  # read in chunks
     logs = {"events": [{"kind": "log", "rank": 0, "key": f"log{i}", "data": {"text": f"{i:04d}" + "x" * 50_000}}
                        for i in range(60)]}
     assert post(world, logs).status_code == 200

@@ -21,6 +21,7 @@ from flask import Blueprint, current_app
 from ..protocol import FINISHED, EventKind, JobKind
 from ..protocol.job import Job as JobRecord
 from ..protocol.rest import HistoryAnswer, HistoryQuery
+from . import series
 from .http import ctx, operation
 
 bp = Blueprint("dashboard_api", __name__)
@@ -30,7 +31,7 @@ _CACHE_KEY = "zwdx.dashboard.throughput"
 
 
 def mean_throughput(store, job: JobRecord) -> float | None:
-    values = [ev["data"]["throughput"] for ev in store.get_events(job.id, kind=EventKind.METRIC.value)
+    values = [ev["data"]["throughput"] for ev in series.every_event(store, job.id, EventKind.METRIC.value)
               if isinstance(ev.get("data"), dict) and isinstance(ev["data"].get("throughput"), (int, float))]
     return sum(values) / len(values) if values else None
 

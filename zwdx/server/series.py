@@ -15,6 +15,7 @@ first page and passed back with ``next``, so that the pages of one read agree.
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 from ..protocol import SYSTEM_METRICS, EventKind
 from ..protocol.report import NON_FINITE
@@ -51,6 +52,19 @@ def events_page(store, job_id: str, after: int, limit: int, kind: str | None = N
             return out, None
         time.sleep(0)  # under gevent: other requests run between two reads
     return out, after
+
+
+def every_event(store, job_id: str, kind: str | None = None) -> Iterator[dict]:
+    """Each of the job's events (of ``kind``), read ``CHUNK`` at a time with other requests
+    between two reads: for a server-side sum over a whole job, never for an answer."""
+    after = 0
+    while True:
+        chunk = store.get_events(job_id, after=after, kind=kind, limit=CHUNK)
+        yield from chunk
+        if len(chunk) < CHUNK:
+            return
+        after = chunk[-1]["seq"]
+        time.sleep(0)
 
 
 def _number(value) -> bool:

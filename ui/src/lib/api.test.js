@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it, vi } from "vitest";
-import { ApiError, api, request, setUnauthorizedHandler } from "./api.js";
+import { ApiError, allEvents, api, request, setUnauthorizedHandler } from "./api.js";
 import { clearToken, setToken } from "./session.js";
 import { mockFetch, status } from "../test/fakes.js";
 
@@ -33,6 +33,19 @@ describe("the API client", () => {
     expect(err).toBeInstanceOf(ApiError);
     expect(err).toMatchObject({ status: 401, code: "unauthorized", message: "room token not recognised" });
     expect(signedOut).toEqual(["room token not recognised"]);
+  });
+
+  it("reads a job's events page by page, as long as the server says there is a next one", async () => {
+    // the server ends a page early (a size bound), with fewer events than asked for: `next` says where to go on
+    const served = Array.from({ length: 7 }, (_, i) => ({ seq: i + 1, kind: "log", data: { text: `${i}` } }));
+    const fetch = mockFetch({ "GET /api/v1/jobs/j1/events*": ({ path }) => {
+      const after = Number(new URL(path, "http://x").searchParams.get("after"));
+      const events = served.filter((e) => e.seq > after).slice(0, 3);
+      const last = events.length ? events[events.length - 1].seq : after;
+      return { job_id: "j1", events, next: last < 7 ? last : null };
+    } });
+    expect((await allEvents("j1", 0, 5000)).map((e) => e.seq)).toEqual([1, 2, 3, 4, 5, 6, 7]);
+    expect(fetch.calls.length).toBe(3);
   });
 
   it("says so when the server cannot be reached", async () => {

@@ -207,8 +207,12 @@ function Usage({ usage }) {
       <div className="stat" data-testid="quota-jobs" title="jobs waiting or running, and the most this room may have at once">
         <b>{ofLimit(usage.jobs, usage.jobs_limit, String)}</b> jobs
       </div>
-      <div className="stat" data-testid="quota-artifacts" title="bundles, checkpoints and weights this room keeps, and its quota">
-        <b>{ofLimit(usage.artifact_bytes, usage.artifact_bytes_limit, formatBytes)}</b> stored
+      <div className="stat" data-testid="quota-artifacts"
+           title="bundles, checkpoints, weights and metric and log events this room keeps, and its quota">
+        <b>{ofLimit(usage.artifact_bytes + (usage.event_bytes ?? 0), usage.artifact_bytes_limit, formatBytes)}</b> stored
+      </div>
+      <div className="stat" data-testid="quota-events" title="metric and log events this room's jobs keep, and its quota">
+        <b>{ofLimit(usage.events ?? 0, usage.events_limit ?? 0, String)}</b> events
       </div>
     </>
   );
