@@ -188,7 +188,7 @@ def test_a_held_poll_answers_as_soon_as_the_job_has_news_and_not_before(app):
     assert time.monotonic() - started >= 0.6
 
     def report():
-        time.sleep(0.4)
+        time.sleep(0.4)  # the event comes while the request waits: the pause is what is tested
         Api(app.test_client(), rank_key=rank0.rank_key).post(f"/jobs/{job['id']}/events", json={"events": [
             {"kind": "metric", "rank": 0, "key": "0:1", "step": 0, "data": {"loss": 1.5}, "ts": time.time()}]})
     reporter = threading.Thread(target=report)

@@ -38,7 +38,7 @@ def slow_train(model, loader, optimizer, reporter):
     import time
     for i in range(6):
         reporter.log(f"tick {i}")
-        time.sleep(0.5)
+        time.sleep(0.5)  # a job that runs a few seconds, to be followed and cancelled
     return {}
 
 

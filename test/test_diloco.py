@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import io
-import time
 
 import numpy as np
 import pytest
 
 from conftest import Api
+from procs import SLACK, wait_until
 from zwdx import ZWDX, codec, defaults
 from zwdx.errors import BadRequest
 
@@ -216,8 +216,9 @@ def test_a_worker_that_leaves_is_not_waited_for_and_old_rounds_are_collected(app
 def test_a_round_goes_on_without_a_worker_that_misses_its_deadline(app):
     _, (r0, r1), job = placed(app, compression="none", round_timeout=0.2)
     assert put(r0, job, 0, [2.0, 4.0], "none").json["waiting_for"] == [1]
-    time.sleep(0.5)  # past the deadline: the next ask averages what is in
-    fetched = r0.get(f"/jobs/{job['id']}/diloco/rounds/0")
+    # before the deadline an ask is answered 202 (waiting); the first ask past it averages what is in
+    fetched = wait_until(lambda: (f := r0.get(f"/jobs/{job['id']}/diloco/rounds/0")).status_code != 202 and f,
+                         0.2 + SLACK, 0.05, what="round 0 past its deadline")
     assert fetched.status_code == 200 and codec.decode(fetched.data).tolist() == [2.0, 4.0]
     late = put(r1, job, 0, [0.0, 0.0], "none")
     assert late.status_code == 409 and "without it" in late.json["error"]["message"]
@@ -281,8 +282,8 @@ def test_a_worker_that_misses_two_rounds_in_a_row_is_dropped(app):
     room, (r0, r1), job = placed(app, compression="none", round_timeout=0.1)
     for n in (0, 1):
         put(r0, job, n, [1.0], "none")
-        time.sleep(0.3)
-        assert r0.get(f"/jobs/{job['id']}/diloco/rounds/{n}").status_code == 200
+        wait_until(lambda: r0.get(f"/jobs/{job['id']}/diloco/rounds/{n}").status_code == 200, 0.1 + SLACK, 0.05,
+                   what=f"round {n} past its deadline")
     after = room.get(f"/jobs/{job['id']}").json
     assert after["ranks"]["1"]["status"] == "dropped" and after["status"] == "starting"
     assert "missed diloco rounds 0 and 1" in after["timeline"][-1]["reason"]

@@ -13,7 +13,7 @@ import torch
 
 import mnist
 from mnist import Net, create_loader, train
-from procs import GpuClient, Server, wait_until
+from procs import SLACK, GpuClient, Server, wait_until
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from zwdx import ZWDX, defaults
 from zwdx.server.store import SCHEMA_VERSION
@@ -115,19 +115,29 @@ def test_a_serving_sqlite_store_copies_its_log_into_the_file_from_a_thread_of_it
     was written is in the database file itself, though far less than the 1,000 pages at which a
     commit would have copied it."""
     import os
-    import time
+    import sqlite3
 
     from zwdx.server.store.sqlite import SQLiteStore
+    from zwdx.server.store.sqlite_db import CHECKPOINT_INTERVAL
     path = str(tmp_path / "zwdx.sqlite3")
+
+    def copied() -> bool:  # the file holds every page the database has (its log's included)
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            pages, size = conn.execute("PRAGMA page_count").fetchone()[0], conn.execute("PRAGMA page_size").fetchone()[0]
+        finally:
+            conn.close()
+        return os.path.getsize(path) >= pages * size
+
     store = SQLiteStore(path)
     try:
         store.serving()
-        time.sleep(1.5)  # what creating the store wrote is copied
+        wait_until(copied, CHECKPOINT_INTERVAL + SLACK, 0.05, what="what creating the store wrote copied")
         before = os.path.getsize(path)
         for i in range(200):
             store.create_room({"id": f"r{i}", "name": f"room {i:03d} " + "x" * 500, "created_at": 1.0})
-        assert os.path.getsize(path) == before, "a commit copied the log"
-        time.sleep(2.5)
+        assert os.path.getsize(path) == before and not copied(), "a commit copied the log"
+        wait_until(copied, CHECKPOINT_INTERVAL + SLACK, 0.05, what="the rooms' pages copied by the checkpointer")
         assert os.path.getsize(path) > before + 50_000
         assert store.get_room("r199")["name"].startswith("room 199")
     finally:
@@ -147,7 +157,9 @@ def test_a_server_process_freezes_what_survives_a_full_collection(tmp_path):
         "frozen = gc.get_freeze_count()\n"
         "kept = [[i] for i in range(50000)]\n"  # long-lived, as a server's connections are
         "gc.collect()\n"
-        "time.sleep(1.5)\n"
+        "deadline = time.monotonic() + 10\n"  # within a second; more on a loaded machine
+        "while gc.get_freeze_count() < frozen + 50000 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
         "print(frozen, gc.get_freeze_count())\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     before, after = map(int, out.stdout.split())

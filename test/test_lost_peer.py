@@ -34,8 +34,9 @@ if rank == 1:
         os._exit(3)
     time.sleep(60)  # alive, and out of the way (the test ends it)
     sys.exit(0)
+while not os.path.exists("go"):  # the test says go once rank 1 is gone (or, in the other cases, at once)
+    time.sleep(0.02)
 try:
-    time.sleep(2)  # rank 1 is gone, or sleeps
     if case == "peer_dies_in_backward":
         for _ in range(3):
             model(torch.randn(8, 4)).sum().backward()
@@ -62,13 +63,21 @@ def classify(case: str, tmp_path) -> dict:
     peer = subprocess.Popen([sys.executable, "-c", RANK, case, "1", port], env=env, cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        out = subprocess.run([sys.executable, "-c", RANK, case, "0", port], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+        rank0 = subprocess.Popen([sys.executable, "-c", RANK, case, "0", port], env=env, cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if case.startswith("peer_dies"):
+                assert peer.wait(120) == 3, "rank 1 did not exit as staged"
+            (tmp_path / "go").touch()
+            stdout, stderr = rank0.communicate(timeout=120)
+        finally:
+            rank0.kill()
+            rank0.wait()
     finally:
         peer.kill()
         peer.wait()
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    assert lines, out.stderr[-3000:]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert lines, stderr[-3000:]
     return json.loads(lines[-1])
 
 

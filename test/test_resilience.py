@@ -78,7 +78,7 @@ def test_sigkill_server_mid_job_and_restart_loses_no_metric(tmp_path, start_clie
     server.kill(signal.SIGKILL)
     killed_at = time.time()
     server.popen.wait()
-    time.sleep(2)  # ranks keep training and buffer their metrics meanwhile
+    time.sleep(2)  # the server stays away 2 s (what is tested): ranks keep training and buffer their metrics
     again = Server(server.data_dir, port=server.port)
     try:
         result = sdk.wait(job_id, progress=False, timeout=300)

@@ -36,7 +36,7 @@ def quick_train(model, loader):
 def train_then_linger_on_rank_1(model, loader, rank):
     import atexit
     if rank == 1:
-        atexit.register(time.sleep, 30)
+        atexit.register(time.sleep, 30)  # lingers after its job: what is tested
     return {"loss": 0.0}
 
 
@@ -57,12 +57,10 @@ def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_t
 
     second = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
                             room_token=room["token"], world_size=1, wait=False)
-    while True:  # the slot stays the lingering process's until it is gone
-        status = sdk.get_job(second)["status"]
-        if status != "queued":
-            assert not _alive(rank), f"the next job went {status} while the last one's rank process still ran"
-            break
-        time.sleep(0.2)
+    # the slot stays the lingering process's until it is gone
+    status, lingering = wait_until(lambda: (s := sdk.get_job(second)["status"]) != "queued" and (s, _alive(rank)),
+                                   60, 0.2, what="the next job placed once the lingering rank exited")
+    assert not lingering, f"the next job went {status} while the last one's rank process still ran"
     assert sdk.wait(second, progress=False, timeout=120)["status"] == "completed"
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
                30, what="the slot freed")

@@ -151,7 +151,7 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
         # the killed server, started again, joins as it is (no lease, every GPU client still
         # online); a donor token revoked through it closes the connections the survivor holds
         restarted = start(leader.data_dir, leader.port)
-        time.sleep(LEASE_TTL)  # a few tries for the lease
+        time.sleep(LEASE_TTL)  # a few tries for the lease, each refused: it must not take it (no event to wait on)
         assert leads(other) and not leads(restarted)
         assert all(c["status"] == "online" for c in sdk.get_room(room["token"])["clients"])
         through = ZWDX(restarted.url, room_token=room["token"])

@@ -10,6 +10,8 @@ O_EXCL: a slot given to two jobs shows up as a file that already exists.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import multiprocessing
 import os
 import random
@@ -202,7 +204,7 @@ class CarelessStore(SQLiteStore):
         free = {s["id"] for s in self.list_slots(None) if s["job_id"] is None}
         if self.get_job(job_id).status != "queued" or any(s not in free for s, _ in assignments):
             return False
-        time.sleep(0.002)
+        time.sleep(0.002)  # widens the planted race's window
         with self.db.tx() as db:
             for slot_id, rank in assignments:
                 db.execute("UPDATE slots SET job_id=?, rank=? WHERE id=?", (job_id, rank, slot_id))
@@ -322,22 +324,30 @@ def test_a_server_waiting_for_the_files_write_lock_still_serves_its_other_connec
         holder = sqlite3.connect(os.path.join(srv.data_dir, "zwdx.sqlite3"), isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")  # another process's write, under way
         created: dict = {}
-        writer = threading.Thread(target=lambda: created.update(
-            resp=requests.post(f"{srv.url}/api/v1/rooms", json={"name": "waits"}, timeout=30)))
+        sent = threading.Event()
+
+        def write():
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            conn.request("POST", "/api/v1/rooms", body=json.dumps({"name": "waits"}),
+                         headers={"Content-Type": "application/json"})
+            sent.set()
+            resp = conn.getresponse()
+            created.update(status=resp.status, body=resp.read())
+            conn.close()
+        writer = threading.Thread(target=write)
         started = time.monotonic()
         writer.start()
-        time.sleep(0.5)  # the room's write is waiting for the lock now
+        assert sent.wait(30), "the room's write was not sent"
         answered = []
-        for _ in range(5):
+        while time.monotonic() - started < 2.5:  # the other process holds the lock 2.5 s: asked all along
             t = time.monotonic()
             assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
             answered.append(time.monotonic() - t)
+            time.sleep(0.1)  # paces the asking, waits for nothing
         assert max(answered) < 0.5, answered  # not held for the lock's length
-        assert writer.is_alive(), "the write waits for the lock"
-        time.sleep(max(0.0, 2.5 - (time.monotonic() - started)))
+        assert writer.is_alive() and not created, "the write waits for the lock"
         holder.execute("COMMIT")
         writer.join(30)
-        assert created["resp"].status_code == 201, created["resp"].text
-        assert time.monotonic() - started >= 2.5
+        assert created["status"] == 201, created["body"]
     finally:
         srv.stop()

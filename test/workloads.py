@@ -35,7 +35,7 @@ def slow_train(model, loader, optimizer, rank, world_size, epochs, reporter, dev
             loss.backward()
             optimizer.step()
             reporter.log_metrics(loss=loss.item(), epoch=epoch)
-            time.sleep(0.04)
+            time.sleep(0.04)  # paces training so that a test can act mid-job
         if eval_func is not None:
             reporter.log_metrics(epoch=epoch, **eval_func(model, loader, rank, world_size))
             model.train()
@@ -80,7 +80,7 @@ def tracked_train(model, loader, optimizer, rank, epochs, reporter, device):
             reporter.log_metrics(loss=loss.item(), draw_index=counter.steps, py_draw=random.random(),
                                  torch_draw=torch.rand(1).item(), resumed=resumed)
             counter.steps += 1
-            time.sleep(0.04)
+            time.sleep(0.04)  # paces training so that a test can act mid-job
         scheduler.step()
         counter.epochs += 1
     return loss.item()
