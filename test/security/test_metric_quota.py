@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -113,6 +114,39 @@ def test_a_rank_posting_too_often_is_told_to_wait_and_its_peer_is_not(world):
     assert "rank 0" in refused.json["error"]["message"] and "3 per minute" in refused.json["error"]["message"]
     assert snapshot(world) == before
     assert post(world, batch(1, 0, rank=1), key="rank1").status_code == 200  # per rank, not per address
+
+
+@pytest.fixture
+def served(make_app):
+    """An in-process app served over real HTTP (a Werkzeug server in a thread), and its URL."""
+    from werkzeug.serving import make_server
+    app = make_app()
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield app, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join(10)
+
+
+def test_a_ranks_reporter_waits_out_the_rate_and_gives_up_a_batch_over_the_quota(served):
+    from conftest import placed_job
+    from gpu_client.reporter import Reporter
+    app, url = served
+    room, rank0, job = placed_job(app, "reported")
+    app.config.update(RATE_LIMIT_EVENTS="2 per second", ROOM_MAX_EVENTS=6)
+    reporter = Reporter(url, rank0.rank_key, job["id"], 0, flush_interval=0.01)
+    for step in range(4):  # posted one by one: past the rate, answered 429 and sent again
+        reporter.log_metrics(loss=float(step))
+        assert reporter.flush(timeout=30)
+    stored = app.extensions["zwdx"].store
+    assert [e["data"]["loss"] for e in stored.get_events(job["id"])] == [0.0, 1.0, 2.0, 3.0]
+    for step in range(4, 12):  # past the room's quota: refused, dropped, never a flush that hangs
+        reporter.log_metrics(loss=float(step))
+    started = time.monotonic()
+    assert reporter.flush(timeout=30) and time.monotonic() - started < 15
+    reporter.close()
+    assert 4 <= len(stored.get_events(job["id"])) == stored.room_event_usage(job["room_id"])["events"] <= 6
 
 
 # -- H2: the reads ------------------------------------------------------------------------------------
