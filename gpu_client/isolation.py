@@ -102,12 +102,15 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, *SAFE_PATH, "-m", module, *args]
 
 
-def import_root() -> str | None:
-    """The folder the agent imported ``gpu_client`` from, where ranks could not find it without
-    the working directory (a checkout run without installing it): for their PYTHONPATH."""
+def with_import_root(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a rank process, with the folder the agent imported ``gpu_client`` from first
+    on PYTHONPATH where it is the agent's start folder (``sys.path[0]``: a checkout run without
+    installing it): ranks find zwdx there by name, not as the folder they start in."""
     import gpu_client
     root = os.path.dirname(os.path.dirname(os.path.abspath(gpu_client.__file__)))
-    return None if root in (os.path.abspath(p) for p in sys.path[1:] if p) else root
+    if not sys.path or root != os.path.abspath(sys.path[0] or os.curdir):
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)}
 
 
 class IsolationError(Exception):
@@ -289,9 +292,7 @@ class UserIsolation(ProcessIsolation):
         box = self.lease("probe", f"probe-{os.getpid()}", 0)
         code = ("import gpu_client.runner, json; from gpu_client.host import importable_modules; "
                 "print(json.dumps(importable_modules()))")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")}
-        if import_root():
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (import_root(), env.get("PYTHONPATH")) if p)
+        env = with_import_root({k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")})
         try:
             done = subprocess.run([sys.executable, *SAFE_PATH, "-c", code], capture_output=True, user=box.uid,
                                   group=box.gid, extra_groups=[], timeout=120, env=env, cwd=sandbox.home(box))

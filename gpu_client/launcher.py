@@ -31,7 +31,7 @@ import time
 
 from zwdx.protocol.rank import RankSpec, Sandbox
 
-from .isolation import ProcessIsolation, import_root, private_dir, python_argv
+from .isolation import ProcessIsolation, private_dir, python_argv, with_import_root
 
 log = logging.getLogger("gpu_client.launcher")
 
@@ -57,9 +57,7 @@ def rank_environ(threads: int, network: dict[str, str]) -> dict[str, str]:
     """A rank process's environment: this one's, without its secrets, with what libraries read."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
     env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **network})
-    root = import_root()
-    if root:  # the agent's zwdx, found through its working directory: by name, not by the folder a rank starts in
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = with_import_root(env)
     env.update(pinning_environ(env))
     return env
 

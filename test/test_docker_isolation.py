@@ -170,7 +170,7 @@ def _sees(target: str, agent_dir: str) -> dict:
         "seccomp": status["Seccomp"].strip(), "root": root, "cwd": os.getcwd(), "home": env.get("HOME", ""),
         "work_fs": max(((m, fs) for m, fs in mounts.items() if os.getcwd().startswith(m.rstrip("/") + "/")),
                        key=lambda mf: len(mf[0]))[1],
-        "bundle_here": os.path.exists("bundle.zwdx"),
+        "bundle_here": os.path.exists("../bundle.zwdx"),  # the sandbox's; its home is the job's working dir
         "pids_max": read("/sys/fs/cgroup/pids/pids.max").strip() or read("/sys/fs/cgroup/pids.max").strip(),
         "memory_max": read("/sys/fs/cgroup/memory/memory.limit_in_bytes").strip(),
         "env_names": ",".join(sorted(env)), "env_values": "\n".join(env.values()), "egress": egress,

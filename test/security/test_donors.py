@@ -143,8 +143,9 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
                                torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP", world_size=1, wait=False)
     said = wait_until(lambda: log_line(sdk, victim_id, "victim pid="), 60 + SLACK, what="the victim job running")
     fields = dict(part.split("=", 1) for part in said.split()[1:])
-    victim_pid, victim_dir = int(fields["pid"]), fields["cwd"]
-    assert int(fields["uid"]) != 0 and victim_dir != ROOT
+    victim_pid, victim_home = int(fields["pid"]), fields["cwd"]
+    assert int(fields["uid"]) != 0 and victim_home != ROOT
+    victim_dir = os.path.dirname(victim_home)  # the sandbox (root's): its home is the job's working dir
     victim_client = sdk.get_job(victim_id)["placement"][0]["client_id"]
     attacker_client = next(c for c in work if c != victim_client)
     victim_work, attacker_work = work[victim_client], work[attacker_client]
@@ -179,7 +180,7 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
     assert "gpu-client" in got["agent_cmdline"]  # it did read the command line: no secret is there
     for secret in (donors["room"]["token"], donors["room"]["donor_token"]):
         assert secret not in got["agent_cmdline"]
-    assert got["uid"] not in (0, int(fields["uid"])) and got["cwd"] != victim_dir  # a user and a directory per job
+    assert got["uid"] not in (0, int(fields["uid"])) and got["cwd"] != victim_home  # a user and a directory per job
     assert os.path.getsize(os.path.join(package, "runner.py")) > 0 and not os.path.exists(writes["package_new_file"])
     assert sdk.wait(victim_id, progress=False, timeout=60)["status"] == "completed"  # the victim itself was not disturbed
 
