@@ -84,6 +84,18 @@ def test_a_register_claiming_memory_no_hardware_has_is_refused_and_stores_nothin
     assert answer["ok"] is False and "memory_free must be at most memory_total" in answer["error"], answer
 
 
+def test_a_heartbeat_saying_null_for_a_figure_changes_nothing_and_the_room_stays_readable(world):
+    """A donor's heartbeat naming ``memory_total: null`` (or any figure as null) keeps what was
+    registered: the room's page (GET /room, the dashboard's list) never turns into a 500."""
+    answer = world.sockets["a1"].emit("heartbeat", {"slots": [{"index": 0, "memory_free": GiB // 2, "memory_total": None,
+                                                               "utilization": None}]}, namespace="/gpu", callback=True)
+    assert answer["ok"] is True, answer
+    room = world.request("GET", "/room", world.as_submitter())
+    assert room.status_code == 200, room.text
+    [slot] = [s for c in room.json["clients"] if c["id"] == "a1" for s in c["slots"] if s["index"] == 0]
+    assert slot["memory_total"] == HELLO["slots"][0]["memory_total"] and slot["memory_free"] == GiB // 2, slot
+
+
 def test_a_claim_stored_before_draws_no_job_by_memory_no_hardware_has(world):
     """A record stored before registers were checked: placement believes no more than a GPU has."""
     from zwdx.server.placement import plan

@@ -227,7 +227,8 @@ def heartbeat(ctx, sid: str, beat: Heartbeat) -> HeartbeatAnswer:
     if sess is None or not sess["client_id"]:
         return HeartbeatAnswer(ok=False, error="heartbeat before register")
     now = time.time()
-    stats = [s.model_dump(exclude_unset=True) for s in beat.slots]  # only the figures it sent
+    # only the figures it sent; a null says nothing (stored, it would break every read of the room)
+    stats = [s.model_dump(exclude_unset=True, exclude_none=True) for s in beat.slots]
     interval, timeout = heartbeat_pace(ctx)
     told = sess.get("interval") or interval
     # One store write: the client's deadline and its slots' stats, if it is still online. Until it
