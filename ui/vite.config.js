@@ -20,5 +20,6 @@ export default defineConfig({
     environment: "jsdom",
     setupFiles: ["./src/test/setup.js"],
     include: ["src/**/*.test.{js,jsx}"],
+    allowOnly: false, // a `.only` fails the run, on a laptop as in CI (src/test/no-skips.test.js: skip, todo)
   },
 });
