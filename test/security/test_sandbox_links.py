@@ -227,7 +227,7 @@ class Trap(torch.nn.Module):
         data = os.path.join(box, "data")
         if os.fork() == 0:  # a swapper that outlives the unpickling, bounded
             tries = done = 0
-            end = time.time() + 5  # the agent shares the datasets within a second or two
+            end = time.time() + 3  # the agent shares the datasets within a second
             while time.time() < end and done == 0:
                 tries += 1
                 try:
