@@ -47,8 +47,9 @@ UnprivilegedId = Annotated[int, Field(ge=1, le=2**32 - 2)]
 
 
 class Sandbox(Message):
-    """Where one job's ranks run on one GPU client: its private directory (the ranks' working
-    directory, ``HOME`` and ``TMPDIR``; the bundle is there too) and, under a per-job user
+    """Where one job's ranks run on one GPU client: its private directory (the agent's: the
+    bundle, the CA file, ``data``; its ``home`` the ranks' working directory and ``HOME``, its
+    ``tmp`` their ``TMPDIR``: ``gpu_client/sandbox.py``) and, under a per-job user
     (``--isolation user``), the uid and gid they run as. None of them: the GPU client's own."""
     dir: Path
     uid: UnprivilegedId | None = None
