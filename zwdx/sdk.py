@@ -519,7 +519,9 @@ class ZWDX:
                     bar.set_description(f"job {job_id} {job['status']}" + (f": {waiting}" if waiting else ""))
                     bar.set_postfix({k: f"{v:.4g}" for k, v in sorted(latest.items())[:6]}, refresh=True)
                 if JobStatus(job["status"]).finished:
-                    return job
+                    if not events:  # its last events may fill more than one answer (a page each)
+                        return job
+                    continue
                 if deadline and time.time() > deadline:
                     raise TimeoutError(f"job {job_id} still {job['status']} after {timeout} s")
                 # News came at once: let more gather (one call per POLL_INTERVAL at most, also

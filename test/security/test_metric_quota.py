@@ -149,6 +149,25 @@ def test_a_ranks_reporter_waits_out_the_rate_and_gives_up_a_batch_over_the_quota
     assert 4 <= len(stored.get_events(job["id"])) == stored.room_event_usage(job["room_id"])["events"] <= 6
 
 
+def test_waiting_on_a_job_brings_every_event_however_many_pages_they_take(served):
+    from conftest import placed_job
+    from zwdx import ZWDX
+    from zwdx.trackers import Tracker
+    app, url = served
+    room, rank0, job = placed_job(app, "paged")
+    for first in range(0, 1500, 500):  # about 500 a page of the job's answer
+        assert rank0.post(f"/jobs/{job['id']}/events", json=batch(500, first, values=50)).status_code == 200
+    assert rank0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "completed"}).json == {"ok": True}
+
+    class Steps(Tracker):
+        steps: list = []
+
+        def log(self, values, step):
+            self.steps.append(step)
+    ZWDX(url, room_token=room.token, remember=False).wait(job["id"], progress=False, trackers=[Steps()])
+    assert Steps.steps == list(range(1500))
+
+
 # -- H2: the reads ------------------------------------------------------------------------------------
 def test_a_series_past_the_cap_is_thinned_and_keeps_its_first_and_last_points(world):
     world.app.config.update(RATE_LIMIT_EVENTS="1000 per second", MAX_SERIES_POINTS=100)
