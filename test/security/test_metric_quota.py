@@ -219,7 +219,7 @@ def test_below_the_free_space_floor_new_data_is_refused_and_stored_data_stays_re
     for what, answer in refused.items():
         assert answer.status_code == 507, (what, answer.text)
         error = answer.json["error"]
-        assert error["code"] == "insufficient_storage" and "bytes free" in error["message"], (what, error)
+        assert error["code"] == "insufficient_storage" and "below the free space" in error["message"], (what, error)
     assert snapshot(world) == before
     assert world.request("GET", f"/artifacts/{world.bundle}", world.as_submitter()).status_code == 200
     assert world.request("GET", f"/jobs/{world.jobs['live']}/events", world.as_submitter()).status_code == 200

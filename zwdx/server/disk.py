@@ -5,7 +5,8 @@ answered 507 ``insufficient_storage``, never 500.
   dir's file system has less free than that (what an unprivileged process may use), the routes
   that store new data (``WRITES``: uploads, events, new jobs) answer 507 and store nothing.
   What is stored stays readable, and what lets a job end (a rank's status, a cancel) still goes
-  through: those writes are small.
+  through: those writes are small. The check comes before the caller's token is: a 507 says
+  nothing but that no data is taken (how much is free goes to the server's log only).
 - A write that meets a full disk anyway (``ENOSPC``, ``EDQUOT``; SQLite's ``SQLITE_FULL``)
   answers 507 too: an artifact's partial file is removed (``artifacts.py``), a store
   transaction rolled back (``sqlite_db.py``).
@@ -51,9 +52,9 @@ def check_floor() -> None:
     if floor and (free := free_bytes(current_app.config["DATA_DIR"])) < floor:
         log.warning("server: %d bytes free on the data dir's disk, under the floor of %d: new data refused",
                     free, floor)
-        raise InsufficientStorage(f"the server's disk has {free} bytes free, under the {floor} it keeps free: it "
-                                  f"takes no new data until its operator makes room (what is stored stays readable)",
-                                  free=free, floor=floor)
+        # the figures stay in the server's log: a caller is told only that no data is taken
+        raise InsufficientStorage("the server's disk is below the free space it keeps: it takes no new data until "
+                                  "its operator makes room (what is stored stays readable)")
 
 
 def disk_full(exc: BaseException | None) -> bool:
