@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import sqlite3
+import time
 
 from flask import Flask, current_app, jsonify
 
@@ -34,6 +35,9 @@ WRITES = ("api.upload_bundle", "api.create_job", "api.post_events", "api.put_wei
           "scripts.put_workdir", "scripts.put_outputs")
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+#: Seconds between two log lines about the floor.
+WARN_EVERY = 60.0
+_warned = -WARN_EVERY
 
 
 def free_bytes(path: str) -> int:
@@ -50,8 +54,11 @@ def check_floor() -> None:
     """``InsufficientStorage`` while the data dir's disk has less free than ``MIN_FREE_BYTES``."""
     floor = int(current_app.config.get("MIN_FREE_BYTES") or 0)
     if floor and (free := free_bytes(current_app.config["DATA_DIR"])) < floor:
-        log.warning("server: %d bytes free on the data dir's disk, under the floor of %d: new data refused",
-                    free, floor)
+        global _warned
+        if time.monotonic() - _warned > WARN_EVERY:  # one line a minute, however many are refused
+            _warned = time.monotonic()
+            log.warning("server: %d bytes free on the data dir's disk, under the floor of %d: new data refused",
+                        free, floor)
         # the figures stay in the server's log: a caller is told only that no data is taken
         raise InsufficientStorage("the server's disk is below the free space it keeps: it takes no new data until "
                                   "its operator makes room (what is stored stays readable)")
