@@ -28,11 +28,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from needs import in_ci  # noqa: E402
+from needs import in_ci, leave_out_gpu_tests  # noqa: E402
 from procs import GpuClient, Server, wait_until  # noqa: E402
 
 #: Fixtures that start processes: a test using one is in the slow lane.
-PROCESS_FIXTURES = {"server", "sdk", "room", "start_client", "cluster", "shared_cluster"}
+PROCESS_FIXTURES = {"server", "sdk", "room", "start_client", "cluster", "shared_cluster",
+                    "mongo_server"}  # nx-27017 (store_backends.py: its params mark the mongo half)
 
 
 def pytest_configure(config):
@@ -53,6 +54,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             group = "docker" if item.get_closest_marker("docker") else item.nodeid.split("::", 1)[0]
             item.add_marker(pytest.mark.xdist_group(group))
+    leave_out_gpu_tests(config, items)  # where torch sees no GPU, unless asked for
 
 
 # -- under CI, nothing may be skipped ---------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The end-to-end checks on NVIDIA GPUs (NCCL), run by hand on a GPU machine:
+"""The end-to-end checks on NVIDIA GPUs (NCCL), on a GPU machine with two or more:
 
     python test/gpu_e2e.py --out results.md
+    python -m pytest -m gpu -s       # these (once each) and gpu_staging.py, through pytest
 
 A: the MNIST example with DDP and FSDP on 2 GPU clients (one GPU each): world size, backend,
    time per epoch, final loss, held-out accuracy, equal weights on every rank.
@@ -44,10 +45,12 @@ import sys
 import tempfile
 import time
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mixed_job  # noqa: E402
+import needs  # noqa: E402
 import mnist  # noqa: E402
 import models  # noqa: E402
 from procs import Proc, Server, wait_until  # noqa: E402
@@ -436,6 +439,20 @@ def server_restarts(args, sdk, server, out):
             f"{len([p for p in series if p['rank'] == 0])} | {bad} |")
     out(f"| median | {statistics.median(back_times):.2f} | | | | |")
     return server
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_the_end_to_end_checks_pass_on_this_machines_gpus(tmp_path):
+    """Every section this machine's GPUs allow (two at least), once, as ``python -m pytest -m gpu``
+    runs it; the results table is printed (``-s``) and left in the test's tmp_path."""
+    needs.cuda(2)
+    results = tmp_path / "results.md"
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--repeats", "1", "--out", str(results),
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=7000)
+    print(results.read_text() if results.exists() else "")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
 
 
 if __name__ == "__main__":

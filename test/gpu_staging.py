@@ -1,6 +1,7 @@
-"""Checkpoint staging on a GPU (gpu_client/staging.py), run by hand on a GPU machine (not
-collected by the suite, which runs without GPUs):
+"""Checkpoint staging on a GPU (gpu_client/staging.py), on a GPU machine (the suite collects
+it, and deselects it where torch sees no GPU; see needs.leave_out_gpu_tests):
 
+    python -m pytest -m gpu             # with gpu_e2e.py's checks
     python -m pytest test/gpu_staging.py
 
 (On a host whose Python already has pytest plugins that do not fit the pytest you bring, e.g.
@@ -9,10 +10,20 @@ a newer pytest-timeout: ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``.)
 The snapshot is taken on the device without waiting and freed once copied to pinned host
 blocks; a GPU without room for it gets its host copies while training waits.
 """
+import pytest
 import torch
 
+import needs
 from gpu_client.staging import Staging
 from test_staging import _check, _state, _train_on
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def a_gpu():
+    needs.cuda()  # asked for on a machine without one: a skip, or a failure under CI
+
 
 def test_on_a_gpu_the_snapshot_is_taken_without_waiting_and_freed_once_copied():
     staging = Staging()

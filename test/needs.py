@@ -58,3 +58,38 @@ def root(why: str) -> None:
     """This process runs as root (``why`` says what for)."""
     if os.geteuid() != 0:
         missing(f"root ({why})", "run the suite as root, as CI does")
+
+
+def cuda(gpus: int = 1) -> None:
+    """At least ``gpus`` NVIDIA GPUs that torch can use."""
+    import torch
+    if torch.cuda.device_count() < gpus:
+        missing(f"{gpus} CUDA GPU(s) (torch sees {torch.cuda.device_count()})",
+                "run on a GPU machine: python -m pytest -m gpu")
+
+
+def leave_out_gpu_tests(config, items: list) -> None:
+    """Deselect the ``gpu`` tests where torch sees no GPU, so that a run without GPUs (CI's)
+    neither fails nor skips them, and says so. Kept where asked for: ``-m`` names gpu, or the
+    test's file is named on the command line (then ``cuda()`` skips, or fails under CI)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu or "gpu" in (config.option.markexpr or ""):
+        return
+    gpu = [item for item in gpu if not item.session.isinitpath(item.path)]
+    if not gpu:
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    config.hook.pytest_deselected(items=gpu)
+    items[:] = [item for item in items if item not in gpu]
+    config.pluginmanager.register(_Said(len(gpu)), "zwdx-gpu-deselected")
+
+
+class _Said:
+    def __init__(self, count: int):
+        self.count = count
+
+    def pytest_terminal_summary(self, terminalreporter):
+        terminalreporter.write_line(f"{self.count} GPU test(s) deselected: torch sees no CUDA device "
+                                    "(on a GPU machine: python -m pytest -m gpu)")

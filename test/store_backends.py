@@ -29,7 +29,9 @@ __all__ = ["MONGO_ENV", "Backend", "ArtifactBackend", "open_spec", "mongo_server
 
 #: A MongoDB URI to run the store tests against instead of nx-27017.
 MONGO_ENV = "ZWDX_TEST_MONGO_URI"
-BACKENDS = ["sqlite", "mongo"]
+#: The backends a store test runs on. The MongoDB half starts nx-27017 (a process) and asks it
+#: over the network: the slow lane runs it, the fast lane the SQLite half.
+BACKENDS = ["sqlite", pytest.param("mongo", marks=pytest.mark.slow)]
 
 
 def with_database(uri: str, name: str) -> str:
@@ -90,6 +92,7 @@ class MongoServer:
 
 @pytest.fixture(scope="session")
 def mongo_server(tmp_path_factory):
+    """nx-27017 for the session (a process: a test that asks for it is slow; conftest marks it)."""
     server = MongoServer(str(tmp_path_factory.mktemp("mongo")))
     yield server
     server.stop()
@@ -316,7 +319,7 @@ class ArtifactBackend:
         return sorted(set(files) | chunks)
 
 
-@pytest.fixture(params=["files", "gridfs"])
+@pytest.fixture(params=["files", pytest.param("gridfs", marks=pytest.mark.slow)])
 def artifact_store(request, tmp_path):
     uri = request.getfixturevalue("mongo_uri") if request.param == "gridfs" else None
     backend = ArtifactBackend(request.param, tmp_path, uri)

@@ -172,6 +172,7 @@ def train(model, loader):
     return {"loss": 0.0}
 
 
+@pytest.mark.slow  # a server process
 def test_a_server_with_many_gpu_clients_asks_them_to_beat_less_often_and_waits_longer(tmp_path):
     """``--heartbeat-rate``: past that many heartbeats a second at the usual interval, a server
     process stretches the interval it asks for (register answer, then any heartbeat answer when

@@ -183,6 +183,7 @@ except ImportError:  # CI installs the test extra, so there it is a failure
     schemathesis = None
 
 if schemathesis is None:
+    @pytest.mark.slow
     def test_every_operation_fuzzed():
         message = "schemathesis is missing: pip install -e '.[test]'"
         pytest.fail(message, pytrace=False) if os.environ.get("CI") else pytest.skip(message)
@@ -191,6 +192,7 @@ else:
               response_headers_conformance]
     schema = schemathesis.pytest.from_fixture("api_schema")
 
+    @pytest.mark.slow  # a server process, fuzzed for a minute on two busy cores
     @schema.parametrize()
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     def test_every_operation_fuzzed(case, live):
