@@ -40,13 +40,17 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCa
 from zwdx.protocol.rank import RankSpec
 
 from . import gpus, health, host, link, reach, sandbox, script
-from .reach import free_port, interface_of, reaching_address
+from .reach import interface_of, listener, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
 from .launcher import Launcher, RunningJob
 from .datasets import DatasetCache, share as share_datasets
 from .workspace import Workspace
 from .reporter import http_session
+
+#: Seconds a rendezvous port offered for a job stays held while no assignment comes (the server
+#: placed the job elsewhere): then it is closed.
+LISTENER_KEPT = 15 * 60
 
 log = logging.getLogger("gpu_client.agent")
 
@@ -94,6 +98,10 @@ class Agent:
         self.threads = threads
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
         self.jobs: dict[str, RunningJob] = {}
+        #: job id -> (the socket listening on the rendezvous port offered for it, when): held until
+        #: its rank 0 takes it over, so no other process can take the port meanwhile
+        self.listeners: dict[str, tuple[socket.socket, float]] = {}
+        self._listeners_lock = threading.Lock()
         self.launcher = Launcher(self.workspace.dir, self.isolation, standby)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
@@ -186,9 +194,26 @@ class Agent:
         except BadRequest as err:  # answered, so the server need not wait for its timeout
             log.error("gpu-client %s: %s", self.client_id, err)
             return Ack(ok=False, error=err.message).model_dump()
-        port = free_port(self.advertise_addr if self.advertise_addr != "0.0.0.0" else "")
+        sock = listener(self.advertise_addr if self.advertise_addr != "0.0.0.0" else "")
+        port = sock.getsockname()[1]
+        now = time.time()
+        with self._listeners_lock:
+            stale = [self.listeners.pop(job_id)[0] for job_id, (_, at) in list(self.listeners.items())
+                     if job_id == ask.job_id or now - at > LISTENER_KEPT]  # placed elsewhere, or an attempt before
+            self.listeners[ask.job_id] = (sock, now)
+        for old in stale:
+            old.close()
         log.info("gpu-client %s: job %s rendezvous at %s:%d", self.client_id, ask.job_id, self.advertise_addr, port)
         return PortOffer(addr=self.advertise_addr, port=port).model_dump()
+
+    def _held_listener(self, assign: JobAssign) -> socket.socket | None:
+        """The socket listening on the job's rendezvous port, if this client offered that port."""
+        with self._listeners_lock:
+            held = self.listeners.pop(assign.job_id, (None, 0))[0]
+        if held is not None and held.getsockname()[1] != assign.master_port:
+            held.close()  # offered for another attempt's placement
+            return None
+        return held
 
     def _running(self) -> list[Running]:
         return [Running(job_id=j.job_id, attempt=j.attempt) for j in list(self.jobs.values())]
@@ -277,9 +302,13 @@ class Agent:
         bundle is checked in the cache (its sha256, on every use) or fetched; tell them when it
         is there."""
         exits: dict[str, int] = {}
+        held = self._held_listener(assign)
         if self._peers_unreachable(assign):
+            if held is not None:
+                held.close()
             self._after_job(job, assign, {str(r.rank): NOT_STARTED for r in assign.ranks})
             return
+        worker = None
         try:
             bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
             # Not in the cache: the ranks read the bundle as it arrives, from the file being written.
@@ -289,12 +318,23 @@ class Agent:
             if self.ca_file:  # where the ranks can read it
                 self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
             # DILOCO, several ranks per worker: this client's ranks are one worker, meeting on loopback
-            worker_port = free_port("127.0.0.1") if assign.diloco and assign.diloco.ranks_per_worker > 1 else None
+            worker = listener("127.0.0.1") if assign.diloco and assign.diloco.ranks_per_worker > 1 else None
+            worker_port = worker.getsockname()[1] if worker is not None else None
             for local_rank, place in enumerate(assign.ranks):
+                # the stores this rank serves: the job's (rank 0), its worker's (the worker's first rank here)
+                hand = [s for s, serves in ((held, place.rank == 0), (worker, local_rank == 0)) if s is not None and serves]
+                if hand and not self.isolation.hands_sockets:  # a container binds its ports itself
+                    for sock in hand:
+                        sock.close()
+                    hand = []
                 spec = self._rank_spec(assign, place, local_rank, job, pending, assigned_at, worker_port, streamed)
-                job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id)
+                spec.listeners = len(hand)
+                job.procs[place.rank] = self.launcher.start(place.gpu_index, spec, self.client_id, tuple(hand))
                 log.info("gpu-client %s: job %s rank %d started (pid %d)", self.client_id, job.job_id, place.rank,
                          job.procs[place.rank].pid)
+            for sock in (held, worker):  # a listener no rank here serves (none should be left)
+                if sock is not None and sock.fileno() != -1:
+                    sock.close()
             if streamed:
                 self._fetch_bundle(assign, lambda part: self.isolation.share(part, job.sandbox))
                 if not os.path.samefile(self.isolation.bundle_path(job.sandbox), bundle):
@@ -311,6 +351,9 @@ class Agent:
             for rank, proc in job.procs.items():
                 exits[str(rank)] = proc.wait()
         except Exception as exc:
+            for sock in (held, worker):  # not handed to a rank (the launcher closes those it hands)
+                if sock is not None and sock.fileno() != -1:
+                    sock.close()
             log.exception("gpu-client %s: job %s could not start", self.client_id, job.job_id)
             self._report_start_failure(assign.job_id, {r.rank: r.key for r in assign.ranks}, exc)
             self.launcher.kill(job)

@@ -123,6 +123,7 @@ class DockerIsolation(ProcessIsolation):
     kind = Isolation.DOCKER
     label = "container"
     streams_bundle = False  # its files travel to the container whole, over its stdin
+    hands_sockets = False  # a container's stream carries bytes only: its rank binds its ports itself
 
     def __init__(self, work_dir: str, confinement: Confinement | None = None, server: str | None = None,
                  slots: int = 1, rank_dir: str | None = None):

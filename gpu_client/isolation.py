@@ -68,13 +68,14 @@ import logging
 import os
 import pwd
 import random
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 
-from zwdx.protocol.rank import Sandbox
+from zwdx.protocol.rank import CHANNEL_ENV, Sandbox
 from zwdx.protocol.vocab import Isolation
 
 from . import rank_users, sandbox
@@ -201,11 +202,26 @@ class ProcessIsolation:
         return (f"ranks run as this GPU client's own user (isolation: {self.label}); job code can read what "
                 f"that user can, this client's token and secrets included (run it as root for a user per job)")
 
+    #: Whether rank processes get a channel (``popen``) on which the launcher hands them sockets.
+    hands_sockets = True
+
     def popen(self, argv: list[str], stdout, env: dict[str, str]) -> subprocess.Popen:
         """A rank process in its own session (a cancel kills its whole group); its stdin a pipe;
-        started in the folder of sandboxes (the agent's, which no job writes)."""
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env, cwd=self.rank_dir)
+        started in the folder of sandboxes (the agent's, which no job writes). Its ``channel``: a
+        Unix socket to it (``CHANNEL_ENV`` names its end there), for listening sockets its spec
+        says it gets (``launcher.Launcher.start``)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**env, CHANNEL_ENV: str(theirs.fileno())},
+                                    cwd=self.rank_dir, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        proc.channel = ours
+        return proc
 
     # -- sandboxes ----------------------------------------------------------------------------------
     def _dir(self, client_id: str, job_id: str, attempt: int) -> str:

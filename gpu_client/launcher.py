@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -121,9 +122,29 @@ class Launcher:
                     rank_environ(threads, self.network))
 
     # -- ranks ---------------------------------------------------------------------------------------
-    def start(self, index: int, spec: RankSpec, client_id: str = "") -> subprocess.Popen:
+    def start(self, index: int, spec: RankSpec, client_id: str = "", listeners: tuple = ()) -> subprocess.Popen:
         """Hand the rank to slot ``index``'s standby process, or start a fresh one; either gets
-        ``spec`` as its first line on stdin."""
+        ``spec`` as its first line on stdin, then ``listeners`` (as many as ``spec.listeners``
+        counts: the sockets of the stores it serves) on its channel. The agent's copies of them
+        are closed either way."""
+        try:
+            proc = self._start(index, spec, client_id)
+            channel = getattr(proc, "channel", None)
+            if channel is not None:
+                try:
+                    if spec.listeners:
+                        socket.send_fds(channel, [b"L"], [s.fileno() for s in listeners[:spec.listeners]])
+                except OSError:
+                    pass  # it died at once; its exit code says so
+                finally:
+                    channel.close()
+                    proc.channel = None
+            return proc
+        finally:
+            for held in listeners:
+                held.close()
+
+    def _start(self, index: int, spec: RankSpec, client_id: str) -> subprocess.Popen:
         with self._lock:
             proc = self.standby.pop(index, None)
         if proc is not None and (spec.script is not None or not self.isolation.takes(proc, spec)):
@@ -131,6 +152,8 @@ class Launcher:
             # hold memory meanwhile; a job in another image than the standby container's needs its own
             self.isolation.signal(proc, signal.SIGKILL)
             proc.wait()
+            if getattr(proc, "channel", None) is not None:
+                proc.channel.close()
             proc = None
         if proc is not None and proc.poll() is None:
             try:

@@ -21,6 +21,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .rendezvous import tcp_store
+
 log = logging.getLogger(__name__)
 
 #: Rank 0's store when no group formed: kept open while the process lives (the other workers
@@ -63,7 +65,7 @@ def form(master_addr: str, master_port: int, rank: int, world: int, collective_t
     wait = datetime.timedelta(seconds=timeout)
     store = None
     try:
-        store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=wait, wait_for_workers=False)
+        store = tcp_store(master_addr, master_port, world, rank == 0, timeout=wait, wait_for_workers=False)
         store.set(f"in/{rank}", "1")
         if rank == 0:
             try:

@@ -2,7 +2,9 @@
 
 Its address is the one of the interface that reaches the server (``reaching_address``; or
 ``--advertise-addr``); the ranks' gloo and NCCL sockets use that interface (``interface_of``),
-and rank 0's rendezvous port is a free one there (``free_port``).
+and rank 0's rendezvous port is one the agent listens on there from the moment it offers it
+(``listener``) and hands to rank 0's process, whose TCPStore serves on that very socket: no port
+is closed and bound again, so nothing else on the machine can take it in between.
 
 Each GPU client listens on a port of its advertised address (``Listener``; ``reach_port`` in its
 ``Register``) and answers every connection with one line, ``zwdx <client id>``, then closes it:
@@ -38,10 +40,18 @@ def reaching_address(server_url: str) -> str:
         return probe.getsockname()[0]
 
 
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+def listener(addr: str) -> socket.socket:
+    """A socket listening on a port the kernel picks at ``addr`` ("" for every address), held
+    until a rank's store takes it over (``rendezvous.hold``). Connections made meanwhile wait in
+    its backlog: other ranks may connect before rank 0's store serves."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((addr, 0))
+        sock.listen(4096)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def interface_of(addr: str) -> str | None:

@@ -78,18 +78,57 @@ def join(arguments: dict, backend: str, device, timeout: float, mark) -> None:
     mark("joined")
 
 
+#: Listening sockets this rank was handed (``take_listeners``), by port: its stores serve on them.
+_held: dict[int, int] = {}
+
+
+def take_listeners(count: int) -> None:
+    """Receive the ``count`` listening sockets the GPU client sends on this process's channel
+    (``CHANNEL_ENV``), for ``tcp_store`` to serve on; the channel is closed either way."""
+    from zwdx.protocol.rank import CHANNEL_ENV
+    fd = os.environ.pop(CHANNEL_ENV, None)
+    if fd is None:
+        if count:
+            raise RuntimeError(f"the GPU client said it sends {count} listening socket(s), but gave no channel")
+        return
+    with socket.socket(fileno=int(fd)) as channel:
+        if not count:
+            return
+        _, fds, _, _ = socket.recv_fds(channel, 16, count)
+    if len(fds) != count:
+        raise RuntimeError(f"the GPU client sent {len(fds)} of the {count} listening socket(s) it said it sends")
+    for received in fds:
+        hold(socket.socket(fileno=received))
+
+
+def hold(sock: socket.socket) -> int:
+    """Keep the listening ``sock`` for the store this process serves on its port; the port."""
+    port = sock.getsockname()[1]
+    _held[port] = sock.detach()
+    return port
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, **options):
+    """A TCPStore at ``host:port``; its server, where this rank is the master, serves on the
+    socket the GPU client handed over for that port (bound since it was offered), else binds it."""
+    import torch.distributed as dist
+    fd = _held.pop(port, None) if is_master else None
+    if fd is not None:
+        options["master_listen_fd"] = fd  # libuv's store (the default) takes the socket over
+    return dist.TCPStore(host, port, world_size, is_master, **options)
+
+
 def meet(init_method: str, rank: int, world_size: int, timeout: float):
     """Rank 0's TCPStore at ``init_method`` (``tcp://host:port``): rank 0 makes it and waits
     for the others; each other rank waits for it to listen, then connects."""
-    import torch.distributed as dist
     url = urlparse(init_method)
     host, port = url.hostname, url.port
     deadline = time.monotonic() + timeout
     if rank != 0:
         listening(host, port, deadline)
     left = max(deadline - time.monotonic(), 1.0)
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=left),
-                          multi_tenant=True)  # as torch's tcp:// rendezvous makes it
+    store = tcp_store(host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=left),
+                      multi_tenant=True)  # as torch's tcp:// rendezvous makes it
     store.set_timeout(datetime.timedelta(seconds=timeout))
     return store
 

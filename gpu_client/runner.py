@@ -39,6 +39,7 @@ from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
 from .failures import MissingPackage, is_collective_error, missing_package
 from .isolation import enter
 from .metrics import CountingLoader, SystemMetrics
+from .rendezvous import take_listeners
 from .reporter import Reporter
 
 log = logging.getLogger("gpu_client.runner")
@@ -416,6 +417,7 @@ def main(argv: list[str]) -> int:
     spec = RankSpec.read(sys.stdin)
     if spec is None:
         return 0  # the GPU client let this process go before giving it a rank
+    take_listeners(spec.listeners)  # the sockets of the stores this rank serves, held since offered
     write_output_to(spec.log_path)
     enter(spec.sandbox)
     die_with_parent()  # a change of user cleared it

@@ -8,8 +8,10 @@ torchrun's environment:
 
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
     ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (the address rank 0's GPU client
-    offered: the script's ``init_process_group`` listens there; this process holds nothing of
-    it), TORCHELASTIC_RUN_ID (the job id), TORCHELASTIC_RESTART_COUNT (the attempt: 0, then 1
+    offered: rank 0's ScriptRank serves the job's store there, on the socket its GPU client held
+    since it offered the port, as torchrun's agent does), TORCHELASTIC_USE_AGENT_STORE (True:
+    every rank's ``init_process_group`` is a client of that store), TORCHELASTIC_RUN_ID (the job
+    id), TORCHELASTIC_RESTART_COUNT (the attempt: 0, then 1
     after the first restart), TORCHELASTIC_MAX_RESTARTS; CUDA_VISIBLE_DEVICES (this client's
     GPUs of the job in local-rank order, so ``cuda:LOCAL_RANK`` is the rank's own; empty on a
     CPU slot); ZWDX_OUTPUT_DIR, ZWDX_JOB_ID; ZWDX_DATA_DIR (the job's datasets, one folder each,
@@ -102,6 +104,9 @@ def environ(spec: RankSpec, outputs: str) -> dict[str, str]:
             "GROUP_WORLD_SIZE": str(spec.group_world_size), "ROLE_RANK": str(spec.rank),
             "ROLE_WORLD_SIZE": str(spec.world_size), "ROLE_NAME": "default",
             "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
+            # as under torchrun: the store at MASTER_ADDR:MASTER_PORT is the agent's (rank 0's
+            # ScriptRank serves it), every rank of the script a client of it
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RUN_ID": spec.job_id, "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "CUDA_VISIBLE_DEVICES": visible_devices(spec.local_gpus), "PYTHONUNBUFFERED": "1",
@@ -192,9 +197,19 @@ class ScriptRank:
         if not os.path.isfile(os.path.join(self.tree, spec.script.path)):
             raise FileNotFoundError(f"the working dir has no script {spec.script.path}")
 
+    def _serve_store(self):
+        """Rank 0: the job's store, as torchrun's agent serves it, on the rendezvous socket its GPU
+        client handed over (held since it offered the port; a container's rank binds it here)."""
+        import datetime
+        from .rendezvous import tcp_store
+        spec = self.spec
+        return tcp_store(spec.master_addr, spec.master_port, spec.world_size, True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=spec.collective_timeout), multi_tenant=True)
+
     def _run(self) -> int:
         """The script, to its end: its lines streamed as they come; its exit code."""
         spec = self.spec
+        store = self._serve_store() if spec.rank == 0 else None  # noqa: F841 (serves while the script runs)
         argv = [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), sys.executable, spec.script.path,
                 *spec.script.args]
         self.proc = subprocess.Popen(argv, cwd=self.tree, env=environ(spec, self.outputs), stdin=subprocess.DEVNULL,

@@ -93,6 +93,9 @@ class RankSpec(Message):
     #: DILOCO with several ranks per worker: the port on 127.0.0.1 where this GPU client's ranks
     #: of the job (one worker) meet as their own process group (the agent picks it); None: one rank.
     worker_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    #: Listening sockets the GPU client hands this rank on its channel (``launcher``), for the
+    #: stores it serves: rank 0's rendezvous port, a DILOCO worker's port; 0 where none (a container).
+    listeners: Annotated[int, Field(ge=0, le=2)] = 0
     #: PIPELINE's settings; None for the other modes.
     pipeline: PipelineSettings | None = None
     #: "mixed": this rank's batch is its share of ``global_batch``, weighted by measured speed
@@ -176,4 +179,8 @@ class RankSpec(Message):
         return f"gpu client {self.client_id} on host {self.hostname}"
 
 
-__all__ = ["RankSpec", "Sandbox"]
+#: The environment variable naming a rank process's channel: the file descriptor of a Unix
+#: socket on which its GPU client sends the listening sockets its spec counts (``listeners``).
+CHANNEL_ENV = "ZWDX_RANK_CHANNEL"
+
+__all__ = ["RankSpec", "Sandbox", "CHANNEL_ENV"]
