@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -122,10 +123,13 @@ def test_two_ranks_of_a_script_job_on_one_gpu_client_meet_every_time(tmp_path):
         wait_until(lambda: sum(len(c["slots"]) for c in sdk.get_room()["clients"] if c["status"] == "online") == 2,
                    30 + SLACK, what=f"two slots online\n{clients[0].tail()}")
         env = child_env({"PYTHONPATH": ROOT, "ZWDX_CONFIG_DIR": str(tmp_path / "config")})
+        wd = tmp_path / "wd"  # zwdx run brings the outputs back into its working dir
+        wd.mkdir()
+        shutil.copy(os.path.join(ROOT, "test", "scripts", "ddp.py"), wd / "ddp.py")
         runs = int(os.environ.get("ZWDX_TEST_RENDEZVOUS_RUNS", "5"))
         for n in range(runs):
             done = subprocess.run([sys.executable, "-m", "zwdx.cli", "run", "--server", server.url, "--room-token-file",
-                                   str(token), "--nproc", "2", "ddp.py"], cwd=os.path.join(ROOT, "test", "scripts"),
+                                   str(token), "--nproc", "2", "ddp.py"], cwd=wd,
                                   env=env, capture_output=True, text=True, timeout=240 + SLACK)
             assert done.returncode == 0, f"run {n + 1} of {runs}:\n{done.stdout}\n{done.stderr}"
     finally:
