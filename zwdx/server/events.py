@@ -32,7 +32,7 @@ from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, 
 from ..protocol.base import parse
 from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
-from . import donors, json_limits, limits, lifecycle, notify, reach
+from . import addresses, donors, json_limits, limits, lifecycle, notify, reach
 from .auth import Caller, donor, hash_secret, new_secret, submitter
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def on_register(hello: Register) -> RegisterAnswer:
               # one string: cheap to read
               "modules": None if hello.modules is None else " ".join(sorted(set(hello.modules))),
               "versions": hello.versions, "advertise_addr": hello.advertise_addr, "reach_port": hello.reach_port,
-              "seen_addr": reach.seen_address(request.remote_addr),  # reach.egress_addresses: not its word
+              "seen_addr": addresses.seen_address(request.remote_addr),  # addresses.egress_addresses: not its word
               # its link as measured now, else as last measured (a client measures every LINK_REFRESH s)
               "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
               "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers

@@ -40,7 +40,7 @@ from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
-from . import lifecycle, notify, reach
+from . import addresses, lifecycle, notify
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job, wanting
@@ -433,7 +433,7 @@ class Scheduler:
                 collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
                 group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
                 peers=peers, datasets=spec.datasets, joining=joining, image=spec.image,
-                addresses=reach.egress_addresses(list(clients.values()), client),
+                addresses=addresses.egress_addresses(list(clients.values()), client),
                 devices=spec.devices, global_batch=spec.global_batch, tp_plan=spec.tp_plan,
                 tp_size=tp_size(spec, job.placement))
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)
