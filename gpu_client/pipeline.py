@@ -6,7 +6,8 @@ Every rank traces the whole model (on the CPU, with one micro-batch of the first
 example input) and cuts it where the plan says: each stage after the first begins at a module
 (``torch.distributed.pipelining.SplitPoint.BEGINNING``). The plan (``zwdx.protocol.pipeline``)
 gives block ranges or module names; left out, the model's repeated blocks (the units FSDP
-shards, ``parallel.fsdp_plan``) are cut by each rank's measured speed (a short matmul timing) as
+shards, ``parallel.fsdp_plan``; a model without them: its nn.Sequential's children, balanced by
+parameters, ``sized_ranges``) are cut by each rank's measured speed (a short matmul timing) as
 far as its free GPU memory holds its blocks (``speed_shares``; the ranks all-gather both first), or
 into equal runs on CPU slots (those of one host share its RAM and cores); each cut at the block
 boundary nearest to its share. The rank keeps only its stage's module, on its device;
@@ -27,8 +28,10 @@ traced itself: nothing is unpickled), loads them into the whole model and runs `
 it, on the CPU; the whole weights are what it uploads.
 
 The strategy's surface, as ``parallel.Collective``'s; the data: a pipeline is one replica of the
-model, so ``data_loader_func`` gets rank 0 of a world of 1 on every stage (all read the same
-batches: the first stage uses the inputs, the last the targets).
+model, so ``data_loader_func`` gets rank 0 of a world of 1 on every stage, and every stage's loop
+iterates its own loader; but only the first stage's batches are trained on: its inputs go in,
+its targets go to the last stage each step (``step``), since loaders need not agree (a
+``shuffle=True`` loader draws its own order in each process).
 """
 from __future__ import annotations
 
@@ -41,10 +44,12 @@ from torch import nn
 from zwdx.protocol.pipeline import PipelineSettings
 from zwdx.protocol.vocab import PipelineSchedule
 
-from zwdx.checks import repeated_blocks
+from zwdx.checks import pipeline_units
 
 from .layout import device_of, held_modules, line, local_params
 from .parallel import Collective
+from .stage_plan import BLOCK_FOOTPRINT, sized_ranges, weighted_ranges  # noqa: F401 (where callers found them)
+from .stage_plan import matmul_speed, speed_shares, split_points
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +149,11 @@ class Pipeline(Collective):
         free, speed = zip(*([float(v) for v in t.tolist()] for t in every))
         if not all(free):
             return None
-        blocks = repeated_blocks(model)
-        if not all(speed) or not blocks:
+        units, _ = pipeline_units(model)
+        if not all(speed) or not units:
             return list(free)
-        block_bytes = sum(p.numel() * p.element_size() for _, b in blocks for p in b.parameters()) / len(blocks)
-        return speed_shares(len(blocks) * self.per, list(free), list(speed), block_bytes)
+        unit_bytes = sum(p.numel() * p.element_size() for _, u in units for p in u.parameters()) / len(units)
+        return speed_shares(len(units) * self.per, list(free), list(speed), unit_bytes)
 
     def layout(self, model: nn.Module) -> dict:
         """This rank's stage: its place in the order and the modules it holds."""
@@ -178,13 +183,22 @@ class Pipeline(Collective):
 
     # -- what train_func calls -----------------------------------------------------------------
     def step(self, x=None, y=None, loss_fn=None) -> torch.Tensor:
-        """One batch forward and backward through every stage: ``x`` the first stage's input,
-        ``y`` and ``loss_fn(output, y)`` the last stage's (every rank may pass all three).
-        Gradients accumulate into this stage's parameters; returns the batch's mean loss over
-        its micro-batches (a 0-d tensor, on every stage)."""
+        """One batch forward and backward through every stage: the first stage's ``x`` and ``y``
+        (its loader's batch: ``x`` goes in, ``y`` is sent to the last stage), the last stage's
+        ``loss_fn(output, y)``; every rank may pass all three. The other stages' ``x`` and ``y`` are
+        not used: each stage's loader draws its own order (``shuffle=True``), and only the first
+        stage's inputs and targets belong together. Gradients accumulate into this stage's
+        parameters; returns the batch's mean loss over its micro-batches (a 0-d tensor, on every stage)."""
         first, last = self.index == 0, self.index == self.ranks - 1  # stage 0's rank, the last stage's
-        if last and (y is None or loss_fn is None):
-            raise ValueError("pipeline.step(x, y, loss_fn): the last stage needs the targets y and the loss_fn")
+        if first and (x is None or y is None):
+            raise ValueError("pipeline.step(x, y, loss_fn): the first stage needs its batch's inputs x and targets "
+                             "y (the targets go to the last stage with the micro-batches)")
+        if last and loss_fn is None:
+            raise ValueError("pipeline.step(x, y, loss_fn): the last stage needs the loss_fn")
+        if self.ranks > 1 and first:
+            self._send_targets(y)
+        elif self.ranks > 1 and last:
+            y = self._receive_targets()
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if first else ()
@@ -199,6 +213,29 @@ class Pipeline(Collective):
 
     def _loss(self, output, target):
         return self._loss_fn(output, target)
+
+    def _send_targets(self, y) -> None:
+        """The first stage's targets to the last stage: a header (dtype, shape), then the tensor."""
+        if not isinstance(y, torch.Tensor) or y.dtype not in TARGET_DTYPES or y.dim() > MAX_TARGET_DIMS:
+            what = f"a {y.dtype} tensor of {y.dim()} dimensions" if isinstance(y, torch.Tensor) else type(y).__name__
+            raise TypeError(f"pipeline.step: the targets y must be a tensor of at most {MAX_TARGET_DIMS} dimensions "
+                            f"of a number or bool dtype, got {what}")
+        comm, shape = self._comm_device(), list(y.shape) + [0] * (MAX_TARGET_DIMS - y.dim())
+        dist.send(torch.tensor([TARGET_DTYPES.index(y.dtype), y.dim(), *shape], dtype=torch.int64, device=comm),
+                  dst=self.ranks - 1)
+        dist.send(y.detach().to(comm, torch.uint8 if y.dtype == torch.bool else y.dtype).contiguous(),
+                  dst=self.ranks - 1)
+
+    def _receive_targets(self) -> torch.Tensor:
+        """The last stage: the first stage's targets for this step (``_send_targets``)."""
+        comm = self._comm_device()
+        head = torch.empty(2 + MAX_TARGET_DIMS, dtype=torch.int64, device=comm)
+        dist.recv(head, src=0)
+        code, dims, *shape = head.tolist()
+        dtype = TARGET_DTYPES[code]
+        y = torch.empty(shape[:dims], dtype=torch.uint8 if dtype == torch.bool else dtype, device=comm)
+        dist.recv(y, src=0)
+        return y.to(dtype=dtype)
 
     # -- the weights -----------------------------------------------------------------------------
     def _comm_device(self):
@@ -220,6 +257,13 @@ class Pipeline(Collective):
                 dist.recv(buf, src=rank)
                 state[name] = buf.cpu()
         return state
+
+
+#: The dtypes a batch's targets may have (they cross from the first stage to the last as raw bytes),
+#: and the most dimensions.
+TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                 torch.float32, torch.float64, torch.float16, torch.bfloat16)
+MAX_TARGET_DIMS = 8
 
 
 class Stages(nn.Module):
@@ -250,91 +294,6 @@ class Stages(nn.Module):
         for part in self._parts:
             part.train(mode)
         return self
-
-
-def split_points(model: nn.Module, plan, stages: int, weights: list[float] | None = None) -> tuple[list[str], str]:
-    """The module names where stages 1.. begin, and a line for the job's log. ``plan``: block
-    ranges, module names, or None: the repeated blocks cut in proportion to each stage's
-    ``weights`` (None: evenly)."""
-    blocks = [name for name, _ in repeated_blocks(model)]
-    if plan is not None and isinstance(plan[0], str):
-        known = dict(model.named_modules())
-        missing = [name for name in plan if name not in known]
-        if missing:
-            raise ValueError(f"pipeline.stage_plan: the model has no module {missing[0]!r}")
-        return list(plan), f"PIPELINE: {stages} stages, beginning at the root, {', '.join(plan)}"
-    if not blocks and stages > 1:
-        raise ValueError(f"PIPELINE: {type(model).__name__} has no repeated blocks (a ModuleList or Sequential of "
-                         f"modules of one class) to cut into stages; name the split points in pipeline.stage_plan")
-    ranges = plan if plan is not None else weighted_ranges(len(blocks), weights or [1] * stages)
-    if ranges[-1][1] != len(blocks) or len(ranges) != stages:
-        raise ValueError(f"pipeline.stage_plan {ranges} must cover the model's {len(blocks)} blocks in {stages} "
-                         f"stage(s)")
-    points = [blocks[start] for start, _ in ranges[1:]]
-    shown = ", ".join(f"{blocks[a]}..{blocks[b - 1]}" for a, b in ranges)
-    return points, f"PIPELINE: {stages} stages over {len(blocks)} blocks: {shown}"
-
-
-#: What a block takes on its GPU, as a multiple of its parameters' bytes: the parameters, their
-#: gradients and two optimizer moments (AdamW's), and half again for activations.
-BLOCK_FOOTPRINT = 6.0
-
-
-def speed_shares(blocks: int, free: list[float], speed: list[float], block_bytes: float) -> list[float]:
-    """Each rank's share of ``blocks`` for the automatic cut: in proportion to its measured
-    ``speed``, as long as its blocks fit its ``free`` memory (``BLOCK_FOOTPRINT`` times
-    ``block_bytes`` a block); a rank whose share would not fit holds what fits and the others
-    share the rest by speed. When the blocks fit nowhere that way: in proportion to free memory."""
-    caps = [f / max(block_bytes * BLOCK_FOOTPRINT, 1.0) for f in free]
-    if sum(caps) < blocks:
-        return list(free)
-    shares = [0.0] * len(free)
-    open_, left = set(range(len(free))), float(blocks)
-    while open_:
-        total = sum(speed[i] for i in open_)
-        want = {i: left * speed[i] / total for i in open_}
-        full = {i for i in open_ if want[i] > caps[i]}
-        if not full:
-            for i in open_:
-                shares[i] = want[i]
-            break
-        for i in full:
-            shares[i] = caps[i]
-            left -= caps[i]
-        open_ -= full
-    return shares
-
-
-def matmul_speed(device, size: int = 2048, rounds: int = 10) -> float:
-    """How fast ``device`` (a GPU) multiplies matrices, in floating-point operations a second:
-    ``rounds`` half-precision products of two ``size`` x ``size`` matrices, timed on the device
-    after one untimed (a few milliseconds on a current GPU)."""
-    a = torch.randn(size, size, device=device, dtype=torch.float16)
-    b = torch.randn(size, size, device=device, dtype=torch.float16)
-    a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        a @ b
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1000
-    return 2 * size ** 3 * rounds / max(seconds, 1e-9)
-
-
-def weighted_ranges(blocks: int, weights: list[float]) -> list[list[int]]:
-    """``blocks`` cut into one run a weight, each run's length in proportion to its weight: each
-    cut at the block boundary nearest to the running share (halves up), at least one block a run."""
-    stages = len(weights)
-    if blocks < stages:
-        raise ValueError(f"PIPELINE: {blocks} repeated block(s) cannot make {stages} stages; use fewer ranks")
-    total, cuts, share = sum(weights), [0], 0
-    for i, weight in enumerate(weights[:-1], start=1):
-        share += weight
-        cut = int((2 * blocks * share + total) // (2 * total))  # the nearest block boundary, halves up
-        cuts.append(min(max(cut, cuts[-1] + 1), blocks - (stages - i)))
-    cuts.append(blocks)
-    return [[a, b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _inputs(batch):

@@ -5,7 +5,7 @@ zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuse
 function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
 the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
 from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
-``fsdp_units``, ``check_plan`` a pipeline's ``stage_plan``, ``check_tp_plan`` a TP job's
+``fsdp_units``, ``check_pipeline`` a pipeline's ``stage_plan``, ``check_tp_plan`` a TP job's
 ``tp_plan``, ``check_devices`` a mixed-devices job's ``data_loader_func``. Every refusal is a
 ``BadRequest`` naming the field.
 """
@@ -67,23 +67,64 @@ def repeated_blocks(module, path: str = "") -> list:
     return found
 
 
-def check_plan(model, plan) -> None:
-    """A PIPELINE job's ``stage_plan`` against the model: the modules it names exist, its
-    ranges cover the model's repeated blocks. ``BadRequest`` naming ``pipeline.stage_plan``."""
-    if plan is None:
-        return
+def sequential_children(module, path: str = "") -> list:
+    """The children of the outermost ``nn.Sequential`` of two or more modules, as ``[(name, module)]``:
+    what a pipeline cuts a model without repeated blocks between (a Sequential calls each child in
+    turn, so a stage may begin at any of them)."""
+    import torch
+    if isinstance(module, torch.nn.Sequential) and len(module) > 1:
+        return [(f"{path}{name}", kid) for name, kid in module.named_children()]
+    for name, kid in module.named_children():
+        found = sequential_children(kid, f"{path}{name}.")
+        if found:
+            return found
+    return []
+
+
+def pipeline_units(model) -> tuple[list, str]:
+    """What a pipeline's ranges count and the default plan cuts between: the repeated blocks
+    (``"blocks"``, cut by count), else the children of the outermost ``nn.Sequential``
+    (``"children"``, cut by parameters: mixed layers differ in size); ``([], "blocks")`` if neither."""
+    blocks = repeated_blocks(model)
+    if blocks:
+        return blocks, "blocks"
+    children = sequential_children(model)
+    return (children, "children") if children else ([], "blocks")
+
+
+def units_said(units: list, kind: str) -> str:
+    """``4 repeated blocks`` or ``6 children of its nn.Sequential (the model itself)``, for messages."""
+    if not units:
+        return "no repeated blocks and no nn.Sequential"
+    if kind == "children":
+        return f"{len(units)} children of its nn.Sequential ({units[0][0].rpartition('.')[0] or 'the model itself'})"
+    return f"{len(units)} repeated blocks"
+
+
+def check_pipeline(model, plan, stages: int) -> None:
+    """A PIPELINE job's ``stage_plan`` (or, left out, the default plan) against the model: the
+    modules it names exist; its ranges cover the model's units (``pipeline_units``); with no
+    plan, the model has units enough for ``stages``. ``BadRequest`` naming ``pipeline.stage_plan``."""
     field = "pipeline.stage_plan"
-    if isinstance(plan[0], str):
+    if plan is not None and isinstance(plan[0], str):
         known = {name for name, _ in model.named_modules()}
         missing = [name for name in plan if name not in known]
         if missing:
             raise BadRequest(f"field '{field}': the model has no module {missing[0]!r}", field=field)
         return
-    blocks = repeated_blocks(model)
-    if plan[-1][1] != len(blocks):
-        raise BadRequest(f"field '{field}': the ranges end at block {plan[-1][1]}, but the model has {len(blocks)} "
-                         f"repeated blocks ({blocks[0][0] + ' ...' if blocks else 'none'}): they must cover them all",
-                         field=field)
+    units, kind = pipeline_units(model)
+    if plan is not None:
+        if plan[-1][1] != len(units):
+            raise BadRequest(f"field '{field}': the ranges end at block {plan[-1][1]}, but the model has "
+                             f"{units_said(units, kind)}: they must cover them all", field=field)
+        return
+    if not units and stages > 1:
+        raise BadRequest(f"field '{field}': {type(model).__name__} has no repeated blocks and no nn.Sequential "
+                         f"for the default plan to cut into {stages} stages: name the modules where stages 2.. "
+                         f"begin (stage_plan=['layer3', ...])", field=field)
+    if stages > 1 and len(units) < stages:
+        raise BadRequest(f"field '{field}': the model's {units_said(units, kind)} cannot make {stages} stages: use "
+                         f"fewer ranks, or name the modules where stages 2.. begin", field=field)
 
 
 def check_devices(mixed: bool, global_batch, data_loader_func) -> None:

@@ -30,7 +30,7 @@ import requests
 from . import defaults, tls, trackers as _trackers
 from . import lora as _lora
 from .bundle import HEAD_PARTS, pack_parts, required_modules
-from .checks import check_devices, check_plan, check_tp_plan
+from .checks import check_devices, check_pipeline, check_tp_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
@@ -285,11 +285,14 @@ class ZWDX:
         images each client allows). None: any client, ranks in its default image or none.
         ``parallelism="PIPELINE"`` cuts the model into stages, one a rank (``torch.distributed.pipelining``).
         ``pipeline`` sets it: ``{"schedule": "gpipe" | "1f1b" | "interleaved1f1b", "microbatches": n
-        (default: the ranks), "stage_plan": [(0, 6), (6, 12)] (ranges of the repeated blocks) or
-        ["transformer.h.6"] (where stages begin), "stages_per_rank": n (interleaved1f1b only;
-        default 2, or as many as the plan names a rank)}``; left out, the blocks are cut evenly.
+        (default: the ranks), "stage_plan": [(0, 6), (6, 12)] (ranges of the repeated blocks, or of
+        the children of an nn.Sequential without them) or ["transformer.h.6"] (where stages begin),
+        "stages_per_rank": n (interleaved1f1b only; default 2, or as many as the plan names a
+        rank)}``; left out, the blocks are cut evenly (the children by parameters); a model the
+        default plan cannot cut is refused here, naming ``pipeline.stage_plan``.
         ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)`` for
-        forward and backward (it returns the batch's loss); see the README.
+        forward and backward (it returns the batch's loss): the first stage's batch is the one
+        trained on, its targets sent to the last stage; see the README.
 
         ``parallelism="TP"`` splits the model's Linear pairs over the job's ranks, all on one GPU
         client (``torch.distributed.tensor.parallel``); ``"FSDP+TP"`` does so within each GPU
@@ -331,14 +334,15 @@ class ZWDX:
             raise BadRequest(f"fsdp_units applies to FSDP and FSDP+TP only, not {parallelism}", field="fsdp_units")
         tensor_parallel = str(parallelism).upper() in ("TP", "FSDP+TP")
         if diloco is not None or pipeline is not None or tensor_parallel or tp_plan is not None or tp_size is not None \
-                or devices != "same" or global_batch is not None:
+                or str(parallelism).upper() == "PIPELINE" or devices != "same" or global_batch is not None:
             checked = parse(SubmitJob, {  # as the server will, before anything is uploaded
                 "bundle_artifact": "unsent", "versions": runtime_versions(), "parallelism": str(parallelism).upper(),
                 "diloco": diloco, "pipeline": pipeline, "world_size": world_size, "tp_plan": tp_plan,
                 "tp_size": tp_size, "min_world_size": min_world_size, "devices": devices, "global_batch": global_batch})
             if checked.pipeline is not None:
                 pipeline = checked.pipeline.model_dump(mode="json")
-                check_plan(model, checked.pipeline.stage_plan)
+                stages = (checked.world_size or 2) * (checked.pipeline.stages_per_rank or 1)  # None: 2 at least
+                check_pipeline(model, checked.pipeline.stage_plan, stages)
             if tensor_parallel:
                 check_tp_plan(model, checked.tp_plan, str(parallelism).upper())
             devices = checked.devices.value

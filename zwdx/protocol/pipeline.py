@@ -6,7 +6,8 @@ The model is cut into as many stages as the job has ranks, one stage a rank, in 
 (``gpu_client/pipeline.py``); with the ``interleaved1f1b`` schedule, ``stages_per_rank`` stages a
 rank (rank r runs stages r, r + ranks, ...). Where it is cut: ``stage_plan``, either ranges of the model's
 repeated blocks (``[[0, 6], [6, 12]]``: blocks 0 to 5 on rank 0, 6 to 11 on rank 1; the modules
-before the blocks go with the first stage, those after with the last) or the names of the
+before the blocks go with the first stage, those after with the last; a model without repeated
+blocks: the children of its outermost nn.Sequential) or the names of the
 modules each stage after the first begins at (``["transformer.h.6"]``); left out, the blocks are
 cut by each GPU's speed as far as its memory holds them (evenly on CPU slots). Which blocks a model has is checked where the model is, by the SDK before upload.
 """
