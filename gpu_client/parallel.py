@@ -67,6 +67,10 @@ class Collective:
         """What ``data_loader_func`` is told of the ranks: this one's place among the replicas."""
         return {"rank": self.spec.rank, "world_size": self.spec.world_size}
 
+    def train_loader(self, loader):
+        """The training loader as ``train_func`` sees it: the user's (a pipeline's stages follow its first's)."""
+        return loader
+
     def loaders(self, make, bundle: dict, device: torch.device) -> tuple:
         """The job's (train, eval) loaders: ``make(arguments)`` calls ``data_loader_func`` with
         ``loader_arguments`` (a mixed-devices rank measures its speed first, ``mixed.py``)."""

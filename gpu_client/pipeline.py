@@ -28,10 +28,11 @@ traced itself: nothing is unpickled), loads them into the whole model and runs `
 it, on the CPU; the whole weights are what it uploads.
 
 The strategy's surface, as ``parallel.Collective``'s; the data: a pipeline is one replica of the
-model, so ``data_loader_func`` gets rank 0 of a world of 1 on every stage, and every stage's loop
-iterates its own loader; but only the first stage's batches are trained on: its inputs go in,
-its targets go to the last stage each step (``step``), since loaders need not agree (a
-``shuffle=True`` loader draws its own order in each process).
+model, so ``data_loader_func`` gets rank 0 of a world of 1 on every stage; but only the first
+stage reads its training loader: its inputs go in, its targets go to the last stage each step
+(``step``), and the other stages' loops run as many steps as it draws batches
+(``FirstStageLoader``). Loaders need not agree: a ``shuffle=True`` one draws its own order in
+each process, and a pass may be of random length.
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ class Pipeline(Collective):
 
     def train_arguments(self) -> dict:
         return {"pipeline": self}
+
+    def train_loader(self, loader):
+        return FirstStageLoader(loader, self.index == 0, self._comm_device()) if self.ranks > 1 else loader
 
     def wrap(self, model: nn.Module, device, bundle: dict, report, example=None) -> nn.Module:
         """Trace ``model`` (on the CPU) with one micro-batch of ``example()``'s batch, cut it, and keep this
@@ -185,10 +189,10 @@ class Pipeline(Collective):
     def step(self, x=None, y=None, loss_fn=None) -> torch.Tensor:
         """One batch forward and backward through every stage: the first stage's ``x`` and ``y``
         (its loader's batch: ``x`` goes in, ``y`` is sent to the last stage), the last stage's
-        ``loss_fn(output, y)``; every rank may pass all three. The other stages' ``x`` and ``y`` are
-        not used: each stage's loader draws its own order (``shuffle=True``), and only the first
-        stage's inputs and targets belong together. Gradients accumulate into this stage's
-        parameters; returns the batch's mean loss over its micro-batches (a 0-d tensor, on every stage)."""
+        ``loss_fn(output, y)``; every rank may pass all three. The other stages' ``x`` and ``y``
+        are not used (``FirstStageLoader`` gives them a stand-in batch). Gradients accumulate
+        into this stage's parameters; returns the batch's mean loss over its micro-batches (a 0-d
+        tensor, on every stage)."""
         first, last = self.index == 0, self.index == self.ranks - 1  # stage 0's rank, the last stage's
         if first and (x is None or y is None):
             raise ValueError("pipeline.step(x, y, loss_fn): the first stage needs its batch's inputs x and targets "
@@ -264,6 +268,43 @@ class Pipeline(Collective):
 TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
                  torch.float32, torch.float64, torch.float16, torch.bfloat16)
 MAX_TARGET_DIMS = 8
+
+
+class FirstStageLoader:
+    """A stage's training loader: only the first stage reads the user's loader, and tells the
+    others batch by batch whether another comes (one small broadcast); they yield their own
+    loader's first batch as many times (its shape, for the loop's code: the schedule takes their
+    inputs from the previous stage and the targets from the first). So every stage's loop runs
+    the first stage's steps, whatever its loader (shuffled, of random length), and the others
+    load no data to throw away. Everything else (``len``, ``sampler.set_epoch``) is the user's loader."""
+
+    def __init__(self, loader, first: bool, comm):
+        self._loader, self._first, self._comm = loader, first, comm
+        self._example = None
+
+    def __iter__(self):
+        if self._first:
+            for batch in self._loader:
+                self._another(True)
+                yield batch
+            self._another(False)
+            return
+        if self._example is None:
+            with torch.random.fork_rng(devices=[]):  # the generators as the user's code left them
+                self._example = next(iter(self._loader))
+        while self._another():
+            yield self._example
+
+    def _another(self, more: bool | None = None) -> bool:
+        flag = torch.tensor([int(bool(more))], dtype=torch.int64, device=self._comm)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
 
 class Stages(nn.Module):

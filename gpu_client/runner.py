@@ -157,7 +157,7 @@ class Trainer:
         rank's generators go back where the checkpoint found them: where it was taken, as the
         loader's next pass starts (and before train_func, for code that ignores the loader)."""
         train_loader, eval_loader = self.loaders
-        loader = CountingLoader(train_loader, self.model,
+        loader = CountingLoader(self.strategy.train_loader(train_loader), self.model,
                                 self._epoch_end if self.spec.checkpoint_every_epoch else None,
                                 on_first_step=self._first_step, on_first_pass=self.checkpointer.restore_rng)
         self.reporter.attach(self.checkpointer, loader)
