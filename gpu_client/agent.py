@@ -38,11 +38,13 @@ from zwdx.protocol.base import parse
 from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
                                Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
+from zwdx.protocol.vocab import Isolation
 
 from . import gpus, health, host, link, reach, sandbox, script
 from .reach import interface_of, listener, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
+from .compile_cache import RoomCaches
 from .launcher import Launcher, RunningJob
 from .datasets import DatasetCache, share as share_datasets
 from .workspace import Workspace
@@ -74,7 +76,7 @@ class Agent:
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
                  ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None,
-                 cpu_slots: int = 1, fetch_policy=None):
+                 cpu_slots: int = 1, fetch_policy=None, compile_cache: str | None = None):
         self.server = server.rstrip("/")
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
@@ -102,7 +104,13 @@ class Agent:
         #: its rank 0 takes it over, so no other process can take the port meanwhile
         self.listeners: dict[str, tuple[socket.socket, float]] = {}
         self._listeners_lock = threading.Lock()
-        self.launcher = Launcher(self.workspace.dir, self.isolation, standby)
+        rooms_compiled = RoomCaches(compile_cache) if compile_cache else None  # compile_cache.py
+        if rooms_compiled is not None:
+            rooms_compiled.check(other_users=self.isolation.kind == Isolation.USER)
+        self.launcher = Launcher(self.workspace.dir, self.isolation, standby, rooms_compiled)
+        if rooms_compiled is not None and self.launcher.compile_cache is None:
+            log.warning("gpu-client: --compile-cache is not used with isolation %s (a container sees no host folder)",
+                        self.isolation.kind.value)
         self.finished = 0
         self.heartbeat_interval = defaults.HEARTBEAT_INTERVAL
         self.stop = threading.Event()
@@ -170,6 +178,7 @@ class Agent:
         if answer.client_secret:
             self.identity.keep(answer.client_secret)
         self.heartbeat_interval = answer.heartbeat_interval or self.heartbeat_interval
+        self.launcher.room_id = answer.room_id
         self._registered.set()
         health.beat(self.work_dir)
         for slot in self.slots:

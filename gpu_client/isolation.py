@@ -78,7 +78,7 @@ import threading
 from zwdx.protocol.rank import CHANNEL_ENV, Sandbox
 from zwdx.protocol.vocab import Isolation
 
-from . import rank_users, sandbox
+from . import compile_cache, rank_users, sandbox
 
 log = logging.getLogger("gpu_client.isolation")
 
@@ -397,6 +397,7 @@ def enter(box: Sandbox | None) -> None:
     os.umask(0o077)
     os.environ.update(HOME=sandbox.home(box), TMPDIR=sandbox.tmp(box))
     tempfile.tempdir = None  # tempfile reads TMPDIR again
+    compile_cache.point(box)  # torch.compile's caches: a standby resolved them as root
 
 
 def _not_dumpable() -> None:

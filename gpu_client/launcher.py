@@ -31,7 +31,9 @@ import threading
 import time
 
 from zwdx.protocol.rank import RankSpec, Sandbox
+from zwdx.protocol.vocab import Isolation
 
+from .compile_cache import Lent, RoomCaches
 from .isolation import ProcessIsolation, private_dir, python_argv, with_import_root
 
 log = logging.getLogger("gpu_client.launcher")
@@ -48,6 +50,7 @@ class RunningJob:
         self.key = f"{job_id}:{attempt}"
         self.procs: dict[int, subprocess.Popen] = {}
         self.sandbox: Sandbox | None = None
+        self.compile_cache: Lent | None = None  # its room's, lent to it (``--compile-cache``)
 
 
 #: Threads that touch the pages of pinned host memory before the CUDA driver registers it.
@@ -85,10 +88,14 @@ class Launcher:
     """Starts, hands out and stops rank processes. ``network``: the socket interface variables
     for gloo and NCCL (set once the agent knows which interface reaches the server)."""
 
-    def __init__(self, work_dir: str, isolation: ProcessIsolation, standby: bool = True):
+    def __init__(self, work_dir: str, isolation: ProcessIsolation, standby: bool = True,
+                 compile_cache: RoomCaches | None = None):
         self.work_dir = work_dir
         self.isolation = isolation
         self.use_standby = standby
+        #: ``--compile-cache``: the rooms' compile caches (not for containers, which see no host folder)
+        self.compile_cache = compile_cache if isolation.kind != Isolation.DOCKER else None
+        self.room_id: str | None = None  # the room this GPU client serves, once registered
         self.network: dict[str, str] = {}
         self.standby: dict[int, subprocess.Popen] = {}  # slot index -> rank process waiting for a job
         self._lock = threading.Lock()
@@ -201,16 +208,37 @@ class Launcher:
     def lease(self, job: RunningJob, client_id: str) -> Sandbox:
         """The job's sandbox on this GPU client (its ranks' directory, and their user)."""
         job.sandbox = self.isolation.lease(client_id, job.job_id, job.attempt)
+        if self.compile_cache is not None and self.room_id:
+            try:
+                job.compile_cache = self.compile_cache.lend(self.room_id, job.sandbox.uid)
+            except OSError:  # the job compiles in its sandbox: slower, not wrong
+                log.exception("job %s: its room's compile cache could not be lent", job.job_id)
+            if job.compile_cache is None:
+                log.info("job %s: it compiles in its sandbox (its room's compile cache is another job's, or "
+                         "could not be lent)", job.job_id)
+            else:
+                job.sandbox = job.sandbox.model_copy(update={"compile_cache": job.compile_cache.path})
         return job.sandbox
 
     def release(self, job: RunningJob) -> None:
         """The job's ranks are gone: end what is left of it and remove its sandbox."""
+        lent, job.compile_cache = job.compile_cache, None
+        if lent is not None:  # shut to the job's user before its uid can serve another job
+            try:
+                self.compile_cache.shut(lent)
+            except OSError:
+                log.exception("job %s: its room's compile cache %s could not be shut", job.job_id, lent.path)
         if job.sandbox is not None:
             try:
                 self.isolation.release(job.sandbox)
             except Exception:
                 log.exception("job %s: its sandbox %s could not be released", job.job_id, job.sandbox.dir)
             job.sandbox = None
+        if lent is not None:
+            try:
+                self.compile_cache.give_back(lent)
+            except Exception:
+                log.exception("job %s: its room's compile cache %s could not be given back", job.job_id, lent.path)
 
     def shutdown(self) -> None:
         """Kill the standby processes; start no more."""

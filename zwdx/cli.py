@@ -186,6 +186,7 @@ def _gpu_client(args) -> int:
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
                  dataset_cache_bytes=args.dataset_cache_bytes, fetch_policy=fetch_policy,
+                 compile_cache=args.compile_cache,
                  confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
                                          pids=args.container_pids, shm=args.container_shm))
 
@@ -416,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=os.environ.get("ZWDX_DATASET_S3_CREDENTIALS", "") not in ("", "0", "false", "no"),
                    help="s3:// dataset URLs are read with this machine's own AWS credentials (default: "
                         "$ZWDX_DATASET_S3_CREDENTIALS=1, else anonymously: public buckets only)")
+    p.add_argument("--compile-cache", default=os.environ.get("ZWDX_COMPILE_CACHE") or None, metavar="DIR",
+                   help="keep torch.compile's caches (Inductor, Triton, C++ extensions) between jobs of the same room, "
+                        "in a folder per room under DIR, lent to one job at a time; no job reads another room's "
+                        "(default: $ZWDX_COMPILE_CACHE, else none: each job compiles in its own sandbox; not with "
+                        "--isolation docker)")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
     iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")

@@ -54,6 +54,9 @@ class Sandbox(Message):
     dir: Path
     uid: UnprivilegedId | None = None
     gid: UnprivilegedId | None = None
+    #: The room's compile cache on this GPU client (``--compile-cache``), lent to this job; None:
+    #: the sandbox's own (``gpu_client/compile_cache.py``).
+    compile_cache: Path | None = None
 
 
 class RankSpec(Message):
