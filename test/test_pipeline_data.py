@@ -175,15 +175,16 @@ class TwoLayers(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-@pytest.mark.parametrize("model, fields, says", [
-    (TwoLayers(), {}, "no repeated blocks and no nn.Sequential"),
-    (nn.Sequential(nn.Linear(DIM, CLASSES), nn.ReLU()), {"world_size": 3}, "2 children of its nn.Sequential (the model itself) cannot make 3 stages"),
-    (mixed_sequential(), {"pipeline": {"stage_plan": [[0, 2], [2, 5]]}}, "the model has 6 children of its nn.Sequential"),
-    (block_net(), {"world_size": 5}, "4 repeated blocks cannot make 5 stages")])
-def test_a_model_the_default_plan_cannot_cut_is_refused_at_submit_naming_the_stage_plan(model, fields, says):
+@pytest.mark.parametrize("make, fields, says", [
+    (TwoLayers, {}, "no repeated blocks and no nn.Sequential"),
+    (lambda: nn.Sequential(nn.Linear(DIM, CLASSES), nn.ReLU()), {"world_size": 3},
+     "2 children of its nn.Sequential (the model itself) cannot make 3 stages"),
+    (mixed_sequential, {"pipeline": {"stage_plan": [[0, 2], [2, 5]]}}, "the model has 6 children of its nn.Sequential"),
+    (block_net, {"world_size": 5}, "4 repeated blocks cannot make 5 stages")])
+def test_a_model_the_default_plan_cannot_cut_is_refused_at_submit_naming_the_stage_plan(make, fields, says):
     sdk = ZWDX("http://127.0.0.1:9", room_token="zs_unused", remember=False)  # nothing listens: nothing is sent
     with pytest.raises(BadRequest) as err:
-        sdk.submit_job(model, shuffled_loaders, train, parallelism="PIPELINE", **fields)
+        sdk.submit_job(make(), shuffled_loaders, train, parallelism="PIPELINE", **fields)
     assert err.value.field == "pipeline.stage_plan"
     assert says in str(err.value)
 
@@ -213,7 +214,8 @@ def test_a_shuffled_loader_trains_as_one_process_on_the_first_stages_batches(clu
     single = alone(make, order, microbatches=2, threads=result["results"]["threads"])
     trained = cluster.sdk.get_trained_model(result["job_id"], make(seed=1))
     got, want = result["results"]["accuracy"], accuracy(single)
-    print(f"\n{make.__name__}, {loaders.__name__}: {len(order)} steps, held-out accuracy {got:.3f}, one process {want:.3f}, "
+    print(f"\n{make.__name__}, {loaders.__name__}: {len(order)} steps, held-out accuracy {got:.3f}, "
+          f"one process {want:.3f}, "
           f"weights' worst relative difference {worst_relative(trained, single):.2e} "
           f"({result['results']['threads']} thread(s))")
     assert want > 0.9 and got >= want - 0.02
