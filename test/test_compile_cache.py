@@ -173,3 +173,14 @@ def test_a_rooms_folder_a_killed_agent_left_lent_is_emptied_before_it_is_lent_ag
     again = caches.lend("room-a", UID + 1)
     assert os.listdir(again.path) == [] and os.stat(again.path).st_uid == UID + 1
     caches.give_back(again)
+
+
+def test_a_compile_cache_folder_the_jobs_users_cannot_reach_or_not_the_agents_is_refused_at_start(tmp_path):
+    from gpu_client.isolation import IsolationError
+    os.chmod(tmp_path, 0o700)
+    with pytest.raises(IsolationError, match="the jobs. users cannot reach it.*chmod o\\+x /"):
+        RoomCaches(str(tmp_path / "cc")).check(other_users=True)  # per-job users could not pass tmp_path
+    RoomCaches(str(tmp_path / "cc")).check(other_users=False)     # the same user: fine
+    os.symlink(tmp_path / "cc", tmp_path / "link")
+    with pytest.raises(IsolationError, match="not a link nor another user's"):
+        RoomCaches(str(tmp_path / "link")).check(other_users=False)
