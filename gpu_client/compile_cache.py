@@ -16,7 +16,8 @@ that room at a time (a record lock, so GPU clients of one machine may share ``DI
 job's per-job user for the job's duration; a job of the room that finds it lent compiles in its
 sandbox. When the job's processes are gone the folder becomes the agent's again: every link,
 FIFO, socket, device and hard-linked file in it is removed, group and other lose all access and
-set-id bits go. So a room's job reads only what earlier jobs of the same room (the same
+set-id bits go (and a folder an agent killed meanwhile left lent is emptied when an agent of
+``DIR`` starts, or lends it). So a room's job reads only what earlier jobs of the same room (the same
 submitters) compiled; what one plants there runs in the room's next compiling job, which those
 submitters could run themselves anyway. No job of another room ever reads it.
 """
@@ -113,22 +114,40 @@ class RoomCaches:
                                  f"{os.geteuid()}), not a link nor another user's: the rooms' caches are kept from "
                                  f"one another there")
         os.chmod(self.root, 0o711)
+        for name in os.listdir(self.root):  # what an agent killed with a folder lent left
+            if name.startswith("room-") and name.endswith(".lock"):
+                self._reclaim(name[:-len(".lock")])
         blocked = _blocked(self.root) if other_users else None
         if blocked:
             raise IsolationError(f"--compile-cache {self.root}: the jobs' users cannot reach it, as {blocked} is "
                                  f"mode {stat.S_IMODE(os.stat(blocked).st_mode):04o} (they need o+x on every folder "
                                  f"above it): pick a folder elsewhere, or chmod o+x {blocked}")
 
-    def lend(self, room_id: str, uid: int | None) -> Lent | None:
-        """The room's folder for one job (``uid``: its per-job user's, who gets it), or None while
-        another job of the room has it (that job's own sandbox then)."""
-        name = _room_name(room_id)
+    def _reclaim(self, name: str) -> None:
+        """Room folder ``name`` the agent's (emptied if it was a job's), unless a job has it."""
+        lock = self._lock(name)
+        if lock is not None:
+            try:
+                _fresh_if_not_ours(os.path.join(self.root, name))
+            finally:
+                os.close(lock)
+
+    def _lock(self, name: str) -> int | None:
         lock = os.open(os.path.join(self.root, f"{name}.lock"),
                        os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(lock)
+            return None
+        return lock
+
+    def lend(self, room_id: str, uid: int | None) -> Lent | None:
+        """The room's folder for one job (``uid``: its per-job user's, who gets it), or None while
+        another job of the room has it (that job's own sandbox then)."""
+        name = _room_name(room_id)
+        lock = self._lock(name)
+        if lock is None:
             return None
         try:
             path = os.path.join(self.root, name)

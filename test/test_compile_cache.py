@@ -169,7 +169,11 @@ def test_a_rooms_folder_a_killed_agent_left_lent_is_emptied_before_it_is_lent_ag
     caches.check(other_users=False)
     lent = caches.lend("room-a", UID)
     open(os.path.join(lent.path, "kernel.so"), "w").close()
-    os.close(lent.lock)  # the agent died with it lent: the folder still the job's user's
+    os.close(lent.lock)  # the agent died with it lent: the folder still the job's user's (who may serve another room)
+    RoomCaches(str(tmp_path / "cc")).check(other_users=False)  # an agent of this folder starts
+    assert os.listdir(lent.path) == [] and os.stat(lent.path).st_uid == 0
+    os.chown(lent.path, UID, UID)  # or none started: the room's next job finds it so
+    open(os.path.join(lent.path, "kernel.so"), "w").close()
     again = caches.lend("room-a", UID + 1)
     assert os.listdir(again.path) == [] and os.stat(again.path).st_uid == UID + 1
     caches.give_back(again)
