@@ -143,6 +143,9 @@ def _open_own(path: str, dir_fd: int | None, box_dir: str) -> int:
 
 def _linked(source: str, src: int, leaf: str, fd: int) -> int | None:
     """The hard link made and opened (no link followed), or None where a copy must do."""
+    # read-only for all before it shows in the sandbox (a link is the same inode): a rank waiting
+    # for the file would otherwise find it the agent's 0600 until the fchmod after (EACCES)
+    os.fchmod(src, 0o444)
     try:
         os.link(source, leaf, dst_dir_fd=fd, follow_symlinks=False)
     except FileExistsError:

@@ -289,3 +289,42 @@ def test_a_models_setstate_on_a_real_gpu_client_gets_root_to_write_nothing_outsi
             client.stop()
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_rank_waiting_for_its_streamed_bundle_never_finds_it_unreadable(rig):
+    """A streamed bundle is shared again and again as it arrives (unlinked, linked afresh); a
+    rank polling for it finds it missing or readable, never the agent's 0600 file (EACCES failed
+    the rank: CI saw ``PermissionError: .../bundle.zwdx``)."""
+    iso, base, boxes = rig
+    box = iso.lease("c", "job-stream", 0)
+    boxes.append(box)
+    path = os.path.join(str(box.dir), "bundle.zwdx")
+    reader = as_job(box, f"""
+import os, time
+seen = {{"ok": 0, "missing": 0, "denied": 0}}
+end = time.monotonic() + 4
+while time.monotonic() < end:
+    try:
+        with open({path!r}, "rb") as fh:
+            fh.read(1)
+        seen["ok"] += 1
+    except FileNotFoundError:
+        seen["missing"] += 1
+    except PermissionError:
+        seen["denied"] += 1
+print(seen)
+""", wait=False)
+    deadline = __import__("time").monotonic() + 3.5
+    shares = 0
+    while __import__("time").monotonic() < deadline:
+        part = os.path.join(base, f"bundle.part{shares % 2}")  # a cache file as the agent writes one: 0600
+        if os.path.exists(part):
+            os.unlink(part)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"x" * 4096)
+        iso.share(part, box)  # while it is still being written, as a streamed bundle is
+        os.close(fd)
+        shares += 1
+    out, err = reader.communicate(timeout=30)
+    seen = eval(out.strip().splitlines()[-1])  # noqa: S307 (our own child's dict)
+    assert seen["denied"] == 0 and seen["ok"] > 0, (seen, shares, err)
