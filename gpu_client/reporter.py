@@ -216,8 +216,14 @@ class Reporter:
         pending: list[dict] = []
         held = None  # the event that did not fit the last batch: the next one's first
         backoff = 0.2
+        last_post = 0.0
         while True:
             if not pending:
+                # at most one post per flush interval: what comes meanwhile goes in the next batch
+                # (a rank posting after every step outruns the server's pace per rank: 429s)
+                pause = self._flush_interval - (time.monotonic() - last_post)
+                if pause > 0 and not self._closed.is_set():
+                    self._closed.wait(pause)
                 size = 0
                 try:
                     event = held if held is not None else self._queue.get(timeout=self._flush_interval)
@@ -238,6 +244,7 @@ class Reporter:
                     return
                 continue
             try:
+                last_post = time.monotonic()
                 resp = self.session.post(f"{self.base}/events", json={"events": pending}, timeout=30)
                 refused = resp.status_code == 507 or resp.status_code == 429 and "quota_exceeded" in resp.text
                 if resp.status_code == 429 and not refused:  # this rank posts too often: later
