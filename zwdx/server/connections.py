@@ -35,8 +35,10 @@ from ..errors import BadRequest
 log = logging.getLogger(__name__)
 
 #: Most bytes of a request's body left unread by the app that are read (and dropped) to keep its
-#: connection for the next request; past it the connection closes instead.
-DISCARD_BYTES = 64 * 1024
+#: connection for the next request; past it the connection closes instead. As large as a JSON body
+#: may be: a refused upload of a bundle that size (a wrong token) reads its 401, not a reset
+#: (reading and dropping bytes costs the hub little; parsing them was what held it).
+DISCARD_BYTES = 8 * 1024 * 1024
 #: Descriptors kept for what is not a connection: the store, artifacts being written, logs.
 RESERVED_FILES = 256
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
