@@ -209,7 +209,11 @@ class ServerProc(Child):
         if mongo_uri:
             args += ["--mongo-uri", mongo_uri]
         super().__init__(args, os.path.join(data_dir, f"server-{self.port}.log"), env, cwd)
-        wait_until(self.healthy, timeout, what=f"the zwdx server on {self.url}\n{self.output()}")
+        try:
+            wait_until(self.healthy, timeout, what=f"the zwdx server on {self.url}\n{self.output()}")
+        except BaseException:  # not up in time: no caller holds it to stop it, so stop it here
+            self.stop()
+            raise
 
     def healthy(self) -> bool:
         import requests
