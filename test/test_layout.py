@@ -143,11 +143,11 @@ def group_of_one():
         dist.destroy_process_group()
 
 
-def spec(parallelism: str):
+def spec(parallelism: str, rank: int = 0, world_size: int = 1):
     from types import SimpleNamespace
 
     from zwdx.protocol.vocab import Parallelism
-    return SimpleNamespace(parallelism=Parallelism(parallelism), rank=0, world_size=1)
+    return SimpleNamespace(parallelism=Parallelism(parallelism), rank=rank, world_size=world_size)
 
 
 def test_the_modules_a_rank_holds_are_named_top_level_ish_with_runs_of_blocks_folded():
@@ -178,3 +178,58 @@ def test_ddp_says_a_replica_and_fsdp_its_units_and_share(group_of_one, paralleli
     else:
         assert layout["role"] == "shard" and layout["modules"] == ["h.0-3", "(root)"]
         assert layout["text"].startswith("1/1 of each of 5 FSDP units' weights (h.0-3, then the root)")
+
+
+# -- FSDP over two ranks (real processes over gloo: one rank cannot tell a shard from the whole) ---
+RANK = '''\
+import json, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+import models
+from digests import state_digest
+from test_layout import spec
+from gpu_client.parallel import Collective
+torch.set_num_threads(1)
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 2), rank=rank, world_size=2)
+try:
+    strategy = Collective(spec("FSDP", rank, 2))
+    model = strategy.wrap(models.stage_lm(), torch.device("cpu"), {}, report=lambda line: None)
+    local = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
+    print(json.dumps({"layout": strategy.layout(model), "local": local,
+                      "full": state_digest(strategy.full_state(model))}))
+finally:
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_ranks_holds_half_of_each_weight_and_gathers_the_whole(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import models
+    from digests import state_digest
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(tmp_path / "store"), here], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-3000:] for _, err in outs]
+    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    whole = models.stage_lm()
+    full = {n: p.numel() for n, p in whole.named_parameters()}
+    for r, rank in enumerate(seen):
+        layout = parse(RankLayout, rank["layout"]).model_dump(mode="json")
+        assert layout["role"] == "shard" and layout["modules"] == ["h.0-3", "(root)"], layout
+        assert layout["text"].startswith("1/2 of each of 5 FSDP units' weights (h.0-3, then the root)"), layout
+        assert layout["params"] == sum(rank["local"].values()) < sum(full.values()), (r, layout["params"])
+        assert rank["full"] == state_digest(whole.state_dict())  # the shards gather back to the whole
+    # each weight split between the two ranks: their local parts add up to it, neither holds it all
+    assert set(seen[0]["local"]) == set(seen[1]["local"]) == set(full)
+    for name, numel in full.items():
+        parts = [rank["local"][name] for rank in seen]
+        assert sum(parts) == numel and max(parts) < numel, (name, parts, numel)
