@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from zwdx import codec, defaults
+from zwdx.protocol import Aggregate
 from zwdx.protocol.rank import RankSpec
 
 from . import joining
@@ -280,13 +281,18 @@ class Diloco(Collective):
         compression, started = self.settings.compression.value, time.time()
         delivered = torch.from_numpy(codec.decode(codec.encode(values.numpy(), compression))) if values.numel() \
             else values  # as the codec delivers it: the server's error
-        mean, members, leavers = self.peers.average(delivered, self.global_.numel(), last)
+        if self.settings.aggregate == Aggregate.ROBUST:
+            mean, members, leavers = self.peers.combine(delivered, self.global_.numel(), last, self.settings.trim)
+            wire = self.peers.world * 4 * self.global_.numel()  # all-gathered: every worker's vector to each
+        else:
+            mean, members, leavers = self.peers.average(delivered, self.global_.numel(), last)
+            wire = self.peers.wire_bytes(self.global_.numel())
         self.reduced = n
-        wire = self.peers.wire_bytes(self.global_.numel())
         if self.spec.rank == 0:
-            self.reporter.log(f"diloco round {n}: averaged the pseudo-gradients of {members} worker(s) by all-reduce "
-                              f"among the workers (gloo, float32 of the {compression} values, about {wire} bytes out "
-                              f"of each, {time.time() - started:.2f} s)")
+            how = "all-gather" if self.settings.aggregate == Aggregate.ROBUST else "all-reduce"
+            self.reporter.log(f"diloco round {n}: combined the pseudo-gradients of {members} worker(s) "
+                              f"({self.settings.aggregate.value}) by {how} among the workers (gloo, float32 of the "
+                              f"{compression} values, about {wire} bytes out of each, {time.time() - started:.2f} s)")
         if leavers:  # a worker leaves: the ring cannot wait for it, so the rest go through the server
             if last and leavers < self.peers.world:
                 self._upload(n + 1, codec.encode(values.numpy()[:0], compression), True)  # the server: it left

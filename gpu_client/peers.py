@@ -21,6 +21,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from zwdx import codec, robust
+
 from .rendezvous import tcp_store
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,32 @@ class Peers:
         members, leavers = int(round(buffer[numel].item())), int(round(buffer[numel + 1].item()))
         mean = buffer[:numel] / members if members else torch.empty(0)
         return mean, members, leavers
+
+    def combine(self, values: torch.Tensor, numel: int, leaving: bool, trim: int | None
+                ) -> tuple[torch.Tensor, int, int]:
+        """``average`` under the robust rule (``zwdx.robust``): every worker's pseudo-gradient is
+        all-gathered, a frame at a time, and every worker combines them the same way (a ring's
+        sum would take a liar's vector as it is)."""
+        head = torch.tensor([1.0 if values.numel() else 0.0, 1.0 if leaving else 0.0,
+                             float(values.double().norm()) if values.numel() else 0.0], dtype=torch.float64)
+        heads = self._gather(head)
+        members = [i for i, h in enumerate(heads) if h[0] > 0]
+        leavers = sum(int(h[1] > 0) for h in heads)
+        if not members:
+            return torch.empty(0), 0, leavers
+        combiner = robust.Combiner([float(heads[i][2]) for i in members], trim=trim)
+        out = torch.empty(numel, dtype=torch.float32)
+        for start in range(0, numel, codec.FRAME):
+            stop = min(numel, start + codec.FRAME)
+            mine = values[start:stop] if values.numel() else torch.zeros(stop - start)
+            frames = self._gather(mine.contiguous())
+            out[start:stop] = torch.from_numpy(combiner.frame([frames[i].numpy() for i in members]))
+        return out, len(members), leavers
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        self.group.allgather([out], [tensor]).wait()
+        return out
 
     def wire_bytes(self, numel: int) -> int:
         """About the bytes a ring all-reduce of ``numel`` float32 values sends from each worker."""

@@ -88,11 +88,11 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     assert job["spec"]["parallelism"] == "DILOCO"
     assert job["spec"]["diloco"] == {"inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                                      "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True,
-                                     "ranks_per_worker": 1}
+                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 3}
     job = api.submit(parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
     assert job["spec"]["diloco"] == {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
                                      "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True,
-                                     "ranks_per_worker": 1}
+                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 3}
     assert api.submit(parallelism="DDP").json["spec"]["diloco"] is None
 
 
@@ -107,6 +107,9 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     ({"parallelism": "DILOCO", "diloco": {"round_timeout": 0}}, "diloco.round_timeout"),
     ({"parallelism": "DILOCO", "diloco": {"H": 50}}, "diloco.H"),
     ({"parallelism": "DILOCO", "diloco": {"ranks_per_worker": 0}}, "diloco.ranks_per_worker"),
+    ({"parallelism": "DILOCO", "diloco": {"aggregate": "median"}}, "diloco.aggregate"),
+    ({"parallelism": "DILOCO", "diloco": {"trim": -1}}, "diloco.trim"),
+    ({"parallelism": "DILOCO", "diloco": {"suspect_after": -2}}, "diloco.suspect_after"),
     ({"parallelism": "DILOCO", "diloco": {"ranks_per_worker": 2}}, "diloco"),                   # no world_size
     ({"parallelism": "DILOCO", "world_size": 3, "diloco": {"ranks_per_worker": 2}}, "diloco"),  # not a divisor
     ({"parallelism": "DILOCO", "world_size": 4, "gpus_per_client": 4, "diloco": {"ranks_per_worker": 2}}, "diloco")])

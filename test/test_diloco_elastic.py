@@ -119,7 +119,8 @@ def test_workers_on_one_host_average_by_all_reduce_among_themselves(sdk, room, s
     logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]
     assert "DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)" in logs, logs
     rounds = [t for t in logs if t.startswith("diloco round")]
-    assert rounds and all("by all-reduce among the workers" in t and "2 worker(s)" in t for t in rounds[:-1]), rounds
+    assert rounds and all("(robust) by all-gather among the workers" in t and "2 worker(s)" in t
+                          for t in rounds[:-1]), rounds
     assert not any("through the server" in t for t in logs), logs
     used = sdk.get_job_metrics(result["job_id"])["all_reduce"]
     assert {p["rank"] for p in used} == {0, 1} and {p["value"] for p in used} == {1.0}

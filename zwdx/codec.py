@@ -16,6 +16,7 @@ largest magnitude / 254) of the one encoded; 4,096 values a block cost 4 bytes o
     encode(values, compression) -> bytes            a worker's upload (and the server's average)
     decode(data) -> float32 values                  what a worker fetched
     check(stream) -> Layout                         a whole upload read once: layout, size, finite
+    inspect(stream) -> (Layout, norm)               check, and the vector's L2 norm
     average(streams) -> (Layout, members, chunks)   the mean of several uploads, streamed: one frame
                                                     (``FRAME`` values) of each at a time in memory
 """
@@ -25,7 +26,7 @@ import io
 import json
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -175,19 +176,36 @@ def decode(data: bytes) -> np.ndarray:
 
 def check(stream: BinaryIO) -> Layout:
     """Read a whole pseudo-gradient: its layout, if its size is right and its values finite."""
-    layout = Layout.read(stream)
+    return inspect(stream)[0]
+
+
+def inspect(stream: BinaryIO) -> tuple[Layout, float]:
+    """``check``, and the vector's (L2) norm."""
+    layout, squares = Layout.read(stream), 0.0
     for frame in layout.frames(stream):
         if not np.isfinite(frame).all():
             raise CodecError("it holds NaN or infinite values")
+        wide = frame.astype(np.float64)
+        squares += float(wide @ wide)
     if stream.read(1):
         raise CodecError(f"it holds more bytes than its {layout.numel} values take")
-    return layout
+    return layout, squares ** 0.5
 
 
-def average(streams: dict[int, BinaryIO]) -> tuple[Layout, list[int], Iterator[bytes]]:
+def _mean(frames: list[np.ndarray]) -> np.ndarray:
+    total = frames[0].copy()
+    for frame in frames[1:]:
+        total += frame
+    return total / np.float32(len(frames))
+
+
+def average(streams: dict[int, BinaryIO], combine: Callable[[list[np.ndarray]], np.ndarray] = _mean,
+            ) -> tuple[Layout, list[int], Iterator[bytes]]:
     """The mean of the pseudo-gradients ``streams`` holds (rank -> its bytes, each ``check``-ed),
     in their compression: its layout, the ranks it holds (an upload of no values adds nothing),
-    and its bytes, made as they are read, one frame of every input at a time."""
+    and its bytes, made as they are read, one frame of every input at a time. ``combine``: how a
+    frame of every member (in the order of the members) becomes the frame out (``zwdx.robust``'s
+    rule in place of the mean)."""
     layouts = {rank: Layout.read(stream) for rank, stream in streams.items()}
     members = sorted(rank for rank, layout in layouts.items() if layout.numel)
     kinds = {(layouts[r].compression, layouts[r].numel) for r in members} or {(next(
@@ -201,10 +219,7 @@ def average(streams: dict[int, BinaryIO]) -> tuple[Layout, list[int], Iterator[b
         yield out.header()
         readers = [layouts[r].frames(streams[r]) for r in members]
         for frames in zip(*readers):
-            total = frames[0].copy()
-            for frame in frames[1:]:
-                total += frame
-            yield out.encode_frame(total / np.float32(len(frames)))
+            yield out.encode_frame(combine(list(frames)))
     return out, members, chunks()
 
 
@@ -236,4 +251,4 @@ class ChunkReader(io.RawIOBase):
 
 
 __all__ = ["MAGIC", "BLOCK", "FRAME", "COMPRESSIONS", "CodecError", "Layout", "encode", "decode", "check",
-           "average", "ChunkReader"]
+           "inspect", "average", "ChunkReader"]

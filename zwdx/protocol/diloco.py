@@ -16,7 +16,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .base import Answer, ByValue, Message
-from .vocab import Compression
+from .vocab import Aggregate, Compression
 
 
 class DilocoSettings(Message):
@@ -46,6 +46,16 @@ class DilocoSettings(Message):
     #: local link and taking the outer steps together (the job's ``gpus_per_client``; a divisor
     #: of its ``world_size``). 1: every rank a worker of its own.
     ranks_per_worker: Annotated[int, Field(ge=1, le=1024)] = 1
+    #: How a round combines the pseudo-gradients (``zwdx.robust``): "robust" clips each to the
+    #: round's median norm and takes a coordinate-wise trimmed mean, so that a dishonest worker
+    #: cannot steer the global weights; "mean" trusts every worker. The workers' own all-reduce
+    #: (``all_reduce``) all-gathers instead under "robust".
+    aggregate: Annotated[Aggregate, ByValue] = Aggregate.ROBUST
+    #: "robust": values dropped per side and coordinate; None: (workers - 1) // 3.
+    trim: Annotated[int, Field(ge=0, le=512)] | None = None
+    #: A worker whose pseudo-gradient is an outlier (``zwdx.robust.flags``) this many rounds in a
+    #: row is a suspect: named in the job's record and dropped from the job. 0: never.
+    suspect_after: Annotated[int, Field(ge=0, le=10_000)] = 3
 
     @field_validator("nesterov")
     @classmethod

@@ -147,6 +147,16 @@ class DilocoJoin(Record):
     state_from: int | None = Field(default=None, exclude_if=_absent)
 
 
+class Suspect(Record):
+    """DILOCO: a worker whose pseudo-gradients were outliers round after round
+    (``zwdx.robust.flags``): named and dropped from the job."""
+    client_id: str | None = None
+    #: The rounds it was flagged in, in a row, up to when it was named.
+    rounds: list[int]
+    reason: str
+    at: float
+
+
 class RankFailure(Record):
     traceback: str
     #: When the server heard of it (None: recorded by a zwdx that did not say).
@@ -209,6 +219,9 @@ class JobFields(Record):
     exits: dict[str, int] = Field(default_factory=dict)
     #: DILOCO: rank -> the worker that joined in its place while the job ran (this attempt)
     joins: dict[str, DilocoJoin] = Field(default_factory=dict)
+    #: DILOCO: rank -> why it was named a suspect (its pseudo-gradients disagreed with the
+    #: others' round after round) and dropped; kept across attempts.
+    suspects: dict[str, Suspect] = Field(default_factory=dict)
     #: A rank lost its peers: failed unless a GPU client turns out lost (then resuming).
     suspect_since: float | None = None
     suspect_reason: str | None = None
@@ -289,5 +302,5 @@ class Submitted(JobView):
     unschedulable: str | None = None
 
 
-__all__ = ["CheckpointEntry", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
+__all__ = ["CheckpointEntry", "Suspect", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
            "RankCredential", "RestartEntry", "JobFields", "Job", "FailureInfo", "failure_order", "JobView", "Submitted"]

@@ -77,6 +77,12 @@ class Compression(str, Enum):
     NONE = "none"    # float32 as computed
 
 
+class Aggregate(str, Enum):
+    """How a DILOCO round combines its workers' pseudo-gradients (``zwdx.robust``)."""
+    ROBUST = "robust"  # clipped to the round's median norm, then a coordinate-wise trimmed mean
+    MEAN = "mean"      # the plain mean: every worker trusted
+
+
 class Devices(str, Enum):
     """Which kinds of slot one job's ranks take (``submit_job(..., devices=...)``)."""
     SAME = "same"      # one kind: every rank on a GPU, or every rank on a CPU slot (NCCL or gloo)
@@ -193,4 +199,4 @@ def python_minor(version: str) -> str:
     """'3.11.7' -> '3.11'."""
     return ".".join(str(version).split(".")[:2])
 
-__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'LayoutRole', 'Devices', 'TpStyle', 'JobKind', 'Compression', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']
+__all__ = ['JobStatus', 'FINISHED', 'ACTIVE', 'WAITING', 'Parallelism', 'PipelineSchedule', 'LayoutRole', 'Devices', 'TpStyle', 'JobKind', 'Compression', 'Aggregate', 'RankStatus', 'SlotKind', 'Isolation', 'CheckpointFormat', 'CredentialRole', 'ClientStatus', 'EventKind', 'FailureKind', 'SYSTEM_METRICS', 'ArtifactKind', 'LOADER_ARGS', 'TRAIN_ARGS', 'EVAL_ARGS', 'runtime_versions', 'python_minor']

@@ -42,13 +42,14 @@ from flask import Blueprint, current_app
 
 from .. import codec
 from ..errors import BadRequest, Conflict, NotFound
-from ..protocol import ArtifactKind, EventKind, JobStatus, Parallelism, RankStatus
+from .. import robust
+from ..protocol import Aggregate, ArtifactKind, EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
 from .job import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from . import lifecycle, limits, notify
+from . import lifecycle, limits, notify, suspects
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +126,11 @@ def _delete(artifact: dict) -> None:
         ctx().artifacts.delete(artifact["id"])
 
 
-def _check(job: JobRecord, artifact: dict, others: list[dict]) -> codec.Layout:
+def _check(job: JobRecord, artifact: dict, others: list[dict]) -> tuple[codec.Layout, float]:
     """The upload read whole: a pseudo-gradient of the job's compression, of the size of the
-    round's other uploads."""
+    round's other uploads; and its norm (the robust rule clips against the round's median)."""
     try:
-        layout = codec.check(codec.ChunkReader(_yielding(ctx().artifacts.open(artifact["id"]))))
+        layout, norm = codec.inspect(codec.ChunkReader(_yielding(ctx().artifacts.open(artifact["id"]))))
     except codec.CodecError as exc:
         raise BadRequest(f"the body is not a pseudo-gradient: {exc}", field="body") from None
     want = job.spec.diloco.compression.value
@@ -140,7 +141,7 @@ def _check(job: JobRecord, artifact: dict, others: list[dict]) -> codec.Layout:
         if layout.numel and numel and numel != layout.numel:
             raise BadRequest(f"the body holds {layout.numel} values; rank {other['rank']}'s upload of this round "
                              f"holds {numel}", field="body")
-    return layout
+    return layout, norm
 
 
 @operation(bp, "PUT", "/jobs/<job_id>/diloco/rounds/<n>", "Upload a worker's pseudo-gradient for round n",
@@ -169,11 +170,11 @@ def put_round(job: JobRecord, sender: Sender, n: int, query: RoundUpload):
     artifact = save_artifact({"id": job.room_id}, ArtifactKind.PSEUDO_GRADIENT.value, job.id, round=n,
                              rank=sender.rank, attempt=sender.attempt, last=query.last).model_dump()
     try:
-        layout = _check(job, artifact, [a for r, a in uploads.items() if r != sender.rank])
+        layout, norm = _check(job, artifact, [a for r, a in uploads.items() if r != sender.rank])
     except BaseException:
         _delete(artifact)
         raise
-    ctx().store.update_artifact(artifact["id"], {"numel": layout.numel, "last": query.last})
+    ctx().store.update_artifact(artifact["id"], {"numel": layout.numel, "last": query.last, "norm": norm})
     if sender.rank in uploads:
         _delete(uploads[sender.rank])  # the later upload wins
     close(job, n)
@@ -313,7 +314,11 @@ def _due(job: JobRecord, round_state: RoundState, uploads: dict[int, dict]) -> b
 def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int, dict]) -> dict:
     started = time.time()
     readers = {rank: codec.ChunkReader(_yielding(ctx().artifacts.open(a["id"]))) for rank, a in uploads.items()}
-    layout, members, chunks = codec.average(readers)
+    settings = job.spec.diloco
+    ranks = sorted(r for r, a in uploads.items() if a.get("numel"))  # codec.average's members, in its order
+    combiner = robust.Combiner([float(uploads[r].get("norm") or 0.0) for r in ranks],
+                               robust=settings.aggregate == Aggregate.ROBUST, trim=settings.trim)
+    layout, members, chunks = codec.average(readers, combiner.frame)
     allowed, by_quota = limits.artifact_allowance(job.room_id, int(current_app.config["MAX_ARTIFACT_BYTES"]))
     if layout.size() > allowed:
         raise limits.artifact_quota_exceeded(job.room_id, layout.size())
@@ -325,8 +330,9 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
         "sha256": sha, "job_id": job.id, "created_at": time.time(), "round": n, "attempt": job.attempt,
         "numel": layout.numel,
         "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
-    _collect(job, n)
     earlier = _averages(job).get(n - 1) or {}
+    flagged = suspects.judge(job, n, members, combiner, earlier, record)
+    _collect(job, n)
     twice = [r for r in round_state.waiting_for if r in (earlier.get("missed") or [])]
     if twice:  # two rounds in a row: it is gone, or too slow to be waited for
         lifecycle.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
@@ -335,7 +341,8 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
             f"{size} bytes out to each worker, {time.time() - started:.2f} s)"
             + (f"; rank(s) {', '.join(map(str, left))} left" if left else "")
             + (f"; rank(s) {', '.join(map(str, round_state.waiting_for))} missed it (not in within "
-               f"{round_timeout(job):g} s)" if round_state.waiting_for else ""))
+               f"{round_timeout(job):g} s)" if round_state.waiting_for else "")
+            + "".join(f"; rank {r} flagged: {why}" for r, why in flagged.items()))
     log.info("job %s: %s", job.id, text)
     events = ctx().store.add_events(job.id, [{"kind": EventKind.LOG.value, "rank": None, "key": f"diloco:{job.attempt}:{n}",
                                               "step": None, "data": {"text": text}, "ts": time.time()}])

@@ -50,6 +50,12 @@ export const Compression = Object.freeze({
   NONE: "none",
 });
 
+/** How a DILOCO round combines its workers' pseudo-gradients (`zwdx.robust`). */
+export const Aggregate = Object.freeze({
+  ROBUST: "robust",
+  MEAN: "mean",
+});
+
 /** Which kinds of slot one job's ranks take (`submit_job(..., devices=...)`). */
 export const Devices = Object.freeze({
   SAME: "same",
