@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from test_diloco import placed, put
 from zwdx import codec, robust
+
+
+@pytest.fixture
+def backend_app(backend, make_app, tmp_path):
+    """An in-process app over the backend's store (SQLite here; MongoDB's stand-in in the slow lane)."""
+    if backend.name == "sqlite":
+        return make_app(DATA_DIR=backend.where)
+    return make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
 
 
 def honest(n: int, numel: int, seed: int = 0) -> list[np.ndarray]:
@@ -126,7 +135,8 @@ def test_workers_that_all_gather_combine_as_the_server_does():
         assert torch.equal(got[0], out[0][0]) and np.allclose(got[0].numpy(), want, atol=1e-6)
 
 
-def test_a_worker_flagged_round_after_round_is_named_dropped_and_avoided(app):
+def test_a_worker_flagged_round_after_round_is_named_dropped_and_avoided(backend_app):
+    app = backend_app
     room, ranks, job = placed(app, world_size=3, compression="none", suspect_after=2)
     for r, api in enumerate(ranks):
         assert api.post(f"/jobs/{job['id']}/ranks/{r}", json={"status": "running"}).json["ok"]

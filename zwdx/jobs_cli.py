@@ -5,7 +5,7 @@
     zwdx jobs logs ID [-f] [--rank R]
     zwdx jobs metrics ID [--json]
     zwdx jobs cancel ID
-    zwdx jobs download ID [-o FILE]
+    zwdx jobs download ID [-o FILE]          (a script job: its outputs, -o DIR)
     zwdx jobs tensorboard ID [--logdir DIR]
 
 Tables for people (tabulate), ``--json`` for scripts: the server's own documents, unchanged.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 
 from tabulate import tabulate
@@ -145,6 +146,9 @@ def jobs_show(sdk, args) -> int:
         for rank, state in sorted(ranks.items(), key=lambda kv: int(kv[0])):
             if state.get("terms"):
                 _show(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
+    for rank, suspect in sorted((job.get("suspects") or {}).items(), key=lambda kv: int(kv[0])):
+        _show(f"SUSPECT: rank {rank} (gpu client {suspect.get('client_id') or '?'}), rounds "
+              f"{', '.join(map(str, suspect.get('rounds') or []))}: {suspect.get('reason')}; dropped from the job")
     for line in plan_lines(job):
         _show(line)
     for rank in job.get("failure_order") or []:
@@ -184,6 +188,7 @@ def plan_lines(job: dict) -> list[str]:
 
 def jobs_logs(sdk, args) -> int:
     """The job's log lines; ``-f`` follows them until the job ends (as ``tail -f``)."""
+    from .sdk import log_line  # here: ``zwdx server`` patches sockets for gevent before requests is imported
     token = sdk._token(None, args.job_id)
     after = 0
     while True:
@@ -193,7 +198,7 @@ def jobs_logs(sdk, args) -> int:
         for ev in events:
             after = ev["seq"]
             if args.rank is None or ev.get("rank") == args.rank:
-                print(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}", flush=True)
+                print(log_line(ev), flush=True)
         if not events and not args.follow or (ended and not events):
             return 0
         if not events:
@@ -222,6 +227,16 @@ def jobs_cancel(sdk, args) -> int:
 
 
 def jobs_download(sdk, args) -> int:
+    """The trained weights; a script job's outputs (what ``zwdx run`` downloads)."""
+    job = sdk.get_job(args.job_id)
+    if (job.get("spec") or {}).get("kind") == "script":
+        dest = sdk.download_outputs(args.job_id, args.output or None)
+        if dest is None:
+            print(f"job {args.job_id}: no outputs (status {job['status']}): its rank 0 wrote nothing under "
+                  f"$ZWDX_OUTPUT_DIR; `zwdx jobs logs {args.job_id} --rank 0` says where it wrote", file=sys.stderr)
+            return 1
+        print(f"job {args.job_id}: outputs in {dest}")
+        return 0
     out = args.output or f"{args.job_id}.safetensors"
     got = sdk.download_weights(args.job_id, out)
     print(f"job {args.job_id}: weights in {got['path']} ({got['bytes']:,} bytes, sha256 {got['sha256']})")
@@ -246,7 +261,7 @@ def room_show(sdk, args) -> int:
     online = sum(c["status"] == "online" for c in room["clients"])
     fields = [("room", f"{room['name']} ({room['id']})"),
               ("gpu clients", f"{online} online of {len(room['clients'])}")]
-    fields += [(k.replace("_", " "), v) for k, v in totals.items()]
+    fields += [(k.replace("_", " "), f"{v / 2**30:.1f} GiB" if k.startswith("memory") else v) for k, v in totals.items()]
     if usage:
         limit = usage.get("jobs_limit") or "no limit"
         fields += [("jobs waiting or running", f"{usage['jobs']} of {limit}"),
@@ -305,7 +320,7 @@ def add_jobs_parser(sub, server_arguments, token_arguments, run) -> None:
         for action, what in (("list", "the room's jobs, newest last"), ("show", "one job: status, placement, results"),
                              ("status", "the same as show"), ("logs", "what the job's ranks printed"),
                              ("metrics", "each metric series: points, last, min, max"), ("cancel", "cancel a job"),
-                             ("download", "the trained weights as a safetensors file"),
+                             ("download", "the trained weights as a safetensors file (a script job: its outputs)"),
                              ("tensorboard", "the job's metrics as TensorBoard event files")):
             a = actions.add_parser(action, help=what)
             if action != "list":
@@ -319,7 +334,9 @@ def add_jobs_parser(sub, server_arguments, token_arguments, run) -> None:
                 a.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
                 a.add_argument("--rank", type=int, default=None, help="one rank's lines only")
             if action == "download":
-                a.add_argument("-o", "--output", default=None, help="the file (default: JOB_ID.safetensors)")
+                a.add_argument("-o", "--output", default=None,
+                               help="the file (default: JOB_ID.safetensors); a script job's folder (default: "
+                                    "zwdx-output/JOB_ID)")
             if action == "tensorboard":
                 a.add_argument("--logdir", default=None, help="where (default: zwdx-runs/JOB_ID)")
             server_arguments(a)

@@ -90,9 +90,22 @@ def _numbers(job: dict) -> dict:
     return out
 
 
+def log_line(event: dict) -> str:
+    """A job's log event as one line, labelled with the rank that wrote it (the server's own
+    lines, such as DILOCO's round summaries, have no rank)."""
+    rank = event.get("rank")
+    return f"[{'server' if rank is None else f'rank {rank}'}] {(event.get('data') or {}).get('text', '')}"
+
+
 def _say(message: str) -> None:
     """A line for the person at the terminal (stderr), never carrying a token."""
     print(message, file=sys.stderr, flush=True)
+
+
+def _interrupt(job_id: str) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` a Ctrl-C while following a job raises: raised ``from None`` in
+    a fresh one, so that its traceback ends in the SDK's call, not in the socket read it cut."""
+    return KeyboardInterrupt(f"job {job_id}: interrupted")
 
 
 class ZWDX:
@@ -377,7 +390,7 @@ class ZWDX:
         except KeyboardInterrupt:
             if wait:
                 self._interrupted(job["id"], token, cancel_on_interrupt)
-            raise
+            raise _interrupt(job["id"]) from None  # not the internals (requests, sockets) it came through
 
     def _upload_bundle(self, token: str, parts: list) -> dict:
         """Upload a bundle's buffers as they are (no joined copy), hashing them meanwhile on
@@ -443,14 +456,16 @@ class ZWDX:
         leaves it running) and raises ``KeyboardInterrupt``; a second Ctrl-C stops at once.
 
         The result: ``{"job_id", "status", "complete", "results", "final_loss", "world_size",
-        "placement", "failures", "reason", "job"}``; ``status`` is a ``ResultStatus``. ``trackers``
+        "placement", "failures", "reason", "suspects", "job"}``; ``status`` is a ``ResultStatus``;
+        ``suspects``: the DILOCO workers named dishonest and dropped (``[{rank, client_id, rounds,
+        reason, at}]``). ``trackers``
         as in ``submit_job`` (from the job's first metric, whenever this is called)."""
         token = self._token(room_token, job_id)
         try:
             job = self._follow(job_id, token, progress, timeout, trackers)
         except KeyboardInterrupt:
             self._interrupted(job_id, token, cancel_on_interrupt)
-            raise
+            raise _interrupt(job_id) from None
         return self._result(job, raise_on_failure)
 
     @staticmethod
@@ -461,7 +476,9 @@ class ZWDX:
                   "results": job.get("results") or {}, "final_loss": job.get("final_loss"),
                   "world_size": job.get("world_size"), "placement": job.get("placement"),
                   "failures": job.get("failures") or {}, "failure_order": job.get("failure_order") or [],
-                  "reason": job.get("reason"), "job": job}
+                  "reason": job.get("reason"), "job": job,
+                  "suspects": [{"rank": int(r), **v} for r, v in sorted((job.get("suspects") or {}).items(),
+                                                                         key=lambda kv: int(kv[0]))]}
         if job["status"] == JobStatus.FAILED.value and raise_on_failure:
             raise JobFailed(f"job {job['id']} failed: {job.get('reason')}", job_id=job["id"],
                             failures=job.get("failures"), reason=job.get("reason") or "", result=result,
@@ -514,7 +531,7 @@ class ZWDX:
                     elif ev["kind"] == "log" and on_log is not None:
                         on_log(ev)
                     elif ev["kind"] == "log" and bar is not None:
-                        bar.write(f"[rank {ev.get('rank')}] {ev['data'].get('text', '')}")
+                        bar.write(log_line(ev))
                 waiting = JobStatus(job["status"]) in WAITING and job.get("waiting_reason")
                 if on_log is not None and (job["status"], waiting) != said:
                     said = (job["status"], waiting)
@@ -552,7 +569,7 @@ class ZWDX:
             _say(f"zwdx: job {job_id} cancelled")
         except KeyboardInterrupt:
             _say(f"zwdx: stopped; job {job_id} may still be running: `zwdx jobs cancel {job_id}{server}`")
-            raise
+            raise _interrupt(job_id) from None
         except Conflict as exc:
             _say(f"zwdx: job {job_id} had already ended ({exc.context.get('status', 'finished')})")
         except ZwdxError as exc:

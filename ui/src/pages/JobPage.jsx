@@ -97,6 +97,24 @@ function Failure({ job }) {
   );
 }
 
+// DILOCO workers the server named dishonest (zwdx/server/suspects.py) and dropped from the job.
+function Suspects({ job }) {
+  const suspects = Object.entries(job.suspects || {}).sort(([a], [b]) => Number(a) - Number(b));
+  if (!suspects.length) return null;
+  return (
+    <section className="card failure" data-testid="suspects">
+      <h2>Suspect workers</h2>
+      <ul>
+        {suspects.map(([rank, s]) => (
+          <li key={rank}>
+            rank {rank} (GPU client {s.client_id || "?"}), rounds {(s.rounds || []).join(", ")}: {s.reason}; dropped
+          </li>
+        ))}
+      </ul>
+    </section>
+  );
+}
+
 function Actions({ job, putJob }) {
   const [confirming, setConfirming] = useState(false);
   const [error, setError] = useState(null);
@@ -238,6 +256,7 @@ export default function JobPage() {
         </section>
       </div>
       <Failure job={job} />
+      <Suspects job={job} />
       <section className="card">
         <h2>Metrics</h2>
         {eventsError && <Notice kind="error">Cannot load the job's events: {eventsError.message}</Notice>}

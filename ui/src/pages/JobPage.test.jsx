@@ -1,4 +1,4 @@
-import { act, screen, waitFor, within } from "@testing-library/react";
+import { act, cleanup, screen, waitFor, within } from "@testing-library/react";
 import userEvent from "@testing-library/user-event";
 import { describe, expect, it, vi } from "vitest";
 import { FakeSocket, mockFetch, sockets, status } from "../test/fakes.js";
@@ -164,6 +164,22 @@ describe("the job page", () => {
     const ranks = within(failure).getAllByRole("group"); // <details>
     expect(ranks.map((d) => d.querySelector("summary").textContent)).toEqual(["rank 1", "rank 0", "rank 2"]);
     expect(ranks[0]).toHaveTextContent("ValueError: bad batch");
+  });
+
+  it("names the DILOCO workers found dishonest, and shows none when there are none", async () => {
+    const named = {
+      ...running,
+      suspects: { 2: { client_id: "gpu-c", rounds: [3, 4, 5], reason: "its pseudo-gradient's norm is 41.0x the round's median", at: 1700000004 } },
+    };
+    mockFetch(routes(named));
+    renderApp("/jobs/j1");
+    const box = await screen.findByTestId("suspects");
+    expect(box).toHaveTextContent("rank 2 (GPU client gpu-c), rounds 3, 4, 5: its pseudo-gradient's norm is 41.0x");
+    cleanup();
+    mockFetch(routes(running));
+    renderApp("/jobs/j1");
+    await screen.findByTestId("job-page");
+    expect(screen.queryByTestId("suspects")).toBe(null);
   });
 
   it("cancels after a confirmation", async () => {
