@@ -20,9 +20,13 @@ torchrun's environment:
 The script's stdout and stderr lines are the job's log lines as they come (and the rank's log
 file); its exit code is the rank's outcome: 0 completed, else failed with the tail of its
 stderr as the traceback (``exit_code``: the server waits to see whether a GPU client was lost,
-and the job resumes then, as torchrun restarts its workers). Rank 0's ``$ZWDX_OUTPUT_DIR`` is
-uploaded as one tar before it reports; the other ranks' are dropped. The rank's folder is
-removed at the end. The rank key stays in this process: not in the script's environment, not on
+and the job resumes then, as torchrun restarts its workers); when it could not open a file the
+submitter's .gitignore left out of the working dir, the failure says so. ``$ZWDX_OUTPUT_DIR``
+and ``$ZWDX_DATA_DIR`` (``${...}`` too) in its arguments are the rank's own folders. Rank 0's
+``$ZWDX_OUTPUT_DIR`` and the folders ``outputs_from`` names are uploaded as one tar before it
+reports (``gpu_client.outputs``: no link followed); when there are none, rank 0 says in the
+job's log which files its script wrote in its working dir. The other ranks' are dropped. The
+rank's folder is removed at the end. The rank key stays in this process: not in the script's environment, not on
 its command line, and its stdin is ``/dev/null``.
 """
 from __future__ import annotations
@@ -42,9 +46,10 @@ import traceback
 import requests
 
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.script import ScriptSpec
+from zwdx.protocol.script import VARIABLE, ScriptSpec
 from zwdx.protocol.vocab import JobKind, RankStatus, SlotKind
 
+from . import outputs as collect
 from .reporter import Reporter
 
 log = logging.getLogger("gpu_client.script")
@@ -79,10 +84,10 @@ def rank_fields(assign, place, local_rank: int, job_dir: str) -> dict:
             "work_dir": os.path.join(job_dir, f"attempt{assign.attempt}", f"rank{place.rank}")}
 
 
-def unpack(archive: str, dest: str, where: str = "this GPU client") -> None:
+def unpack(archive: str, dest: str, where: str = "this GPU client") -> set[str]:
     """The working dir's archive into ``dest``; an entry that would land outside it (or is a
     device, a link out of the tree) is refused, naming it, and nothing is run. ``where``: the
-    GPU client, as a refusal names it."""
+    GPU client, as a refusal names it. The names it unpacked."""
     if not hasattr(tarfile, "data_filter"):
         raise RuntimeError(f"{where}: its Python {sys.version.split()[0]} lacks tarfile's data filter "
                            f"(3.10.12, 3.11.4 and later have it): it does not unpack working dirs")
@@ -90,8 +95,15 @@ def unpack(archive: str, dest: str, where: str = "this GPU client") -> None:
     try:
         with tarfile.open(archive, "r:*") as tar:
             tar.extractall(dest, filter="data")
+            return {m.name.lstrip("/") for m in tar.getmembers()}
     except tarfile.FilterError as exc:
         raise ValueError(f"the working dir's archive is refused: {exc}") from None
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """``arg`` with ``$ZWDX_OUTPUT_DIR``, ``$ZWDX_DATA_DIR`` (and ``${...}``) replaced by the
+    rank's folders; any other ``$`` text stays as it is (no shell, no other variable)."""
+    return VARIABLE.sub(lambda m: env.get(m.group(1) or m.group(2), m.group(0)), arg)
 
 
 def environ(spec: RankSpec, outputs: str) -> dict[str, str]:
@@ -121,30 +133,6 @@ def visible_devices(gpus: list[int]) -> str:
     return ",".join(given[i] if i < len(given) else str(i) for i in gpus)
 
 
-def pack_outputs(folder: str, archive: str) -> int:
-    """The files under ``folder`` as a tar at ``archive`` (links that leave the folder and
-    special files are left out, and said so in the log): how many entries it holds."""
-    root = os.path.realpath(folder)
-    count = 0
-    with tarfile.open(archive, "w") as tar:
-        for base, dirs, files in os.walk(folder):
-            dirs.sort()
-            for name in sorted(dirs) + sorted(files):
-                path = os.path.join(base, name)
-                rel = os.path.relpath(path, folder)
-                if os.path.islink(path):
-                    target = os.path.realpath(path)
-                    if not (target == root or target.startswith(root + os.sep)):
-                        log.warning("output %s links out of $ZWDX_OUTPUT_DIR (%s): left out", rel, target)
-                        continue
-                elif not (os.path.isfile(path) or os.path.isdir(path)):
-                    log.warning("output %s is not a file: left out", rel)
-                    continue
-                tar.add(path, arcname=rel, recursive=False)
-                count += 1
-    return count
-
-
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -163,6 +151,8 @@ class ScriptRank:
         self.outputs = os.path.join(self.folder, "outputs")
         self.reporter: Reporter | None = None
         self.proc: subprocess.Popen | None = None
+        self.root: int | None = None  # the rank's folder, opened before the script runs
+        self.unpacked: set[str] = set()
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def run(self) -> int:
@@ -183,6 +173,8 @@ class ScriptRank:
         finally:
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.kill()
+            if self.root is not None:
+                os.close(self.root)
             shutil.rmtree(self.folder, ignore_errors=True)
             if self.reporter is not None:
                 self.reporter.close()
@@ -192,8 +184,9 @@ class ScriptRank:
         spec = self.spec
         if spec.bundle_pending and not sys.stdin.readline().strip():
             raise RuntimeError("the GPU client could not fetch the job's working dir")
-        unpack(spec.bundle_path, self.tree, spec.where)
+        self.unpacked = unpack(spec.bundle_path, self.tree, spec.where)
         os.makedirs(self.outputs, exist_ok=True)
+        self.root = collect.open_root(self.folder)
         if not os.path.isfile(os.path.join(self.tree, spec.script.path)):
             raise FileNotFoundError(f"the working dir has no script {spec.script.path}")
 
@@ -210,9 +203,10 @@ class ScriptRank:
         """The script, to its end: its lines streamed as they come; its exit code."""
         spec = self.spec
         store = self._serve_store() if spec.rank == 0 else None  # noqa: F841 (serves while the script runs)
+        env = environ(spec, self.outputs)
         argv = [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()), sys.executable, spec.script.path,
-                *spec.script.args]
-        self.proc = subprocess.Popen(argv, cwd=self.tree, env=environ(spec, self.outputs), stdin=subprocess.DEVNULL,
+                *(expand(arg, env) for arg in spec.script.args)]
+        self.proc = subprocess.Popen(argv, cwd=self.tree, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.reporter.status(RankStatus.RUNNING.value)
         pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout, False), daemon=True),
@@ -239,11 +233,20 @@ class ScriptRank:
                 self.reporter.log(line[:MAX_LINE])
 
     def _upload_outputs(self) -> None:
-        """Rank 0: what the script wrote under ``$ZWDX_OUTPUT_DIR``, as the job's outputs."""
-        if self.spec.rank != 0 or not os.listdir(self.outputs):
+        """Rank 0: what the script wrote under ``$ZWDX_OUTPUT_DIR`` and the folders of
+        ``outputs_from`` (under their own names), as the job's outputs; when there is nothing,
+        where it wrote instead, in the job's log."""
+        if self.spec.rank != 0:
             return
         archive = os.path.join(self.folder, "outputs.tar")
-        count = pack_outputs(self.outputs, archive)
+        folders = [("outputs", ""), *((f"tree/{d}", f"{d}/") for d in self.spec.script.outputs_from)]
+        count = collect.pack(self.root, folders, archive)
+        if count == 0:
+            note = collect.no_outputs_note(collect.written(self.root, "tree", self.unpacked),
+                                           self.spec.script.outputs_from)
+            log.info("job %s: %s", self.spec.job_id, note)
+            self.reporter.log(note)
+            return
         try:
             self.reporter.upload("outputs", archive)
         except requests.HTTPError as exc:  # the server's words: a quota, a size limit
@@ -257,8 +260,12 @@ class ScriptRank:
             return
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
         tail = "\n".join(self.tail).strip() or "(the script wrote nothing to stderr)"
-        self.reporter.status(RankStatus.FAILED.value, error=f"script {self.spec.script.path} {how}",
-                             traceback=tail, exit_code=max(-255, min(255, code)))
+        error = f"script {self.spec.script.path} {how}"
+        hint = collect.left_out_hint(self.tail, self.spec.script.left_out, self.tree)
+        if hint:
+            error, tail = f"{error}: {hint}", f"{tail}\nzwdx: {hint}"
+        self.reporter.status(RankStatus.FAILED.value, error=error, traceback=tail,
+                             exit_code=max(-255, min(255, code)))
 
     def _fail(self, exc: BaseException) -> None:
         """zwdx's part failed (the working dir, the outputs' upload, a cancel): say why."""

@@ -7,6 +7,8 @@ the module, scripts from test/scripts/ that know nothing of zwdx, ``zwdx run`` a
 - a script that raises fails the job with its traceback (and ``zwdx run`` exits 1);
 - a missing script, a working dir over the limit: refused before anything is uploaded;
 - an unchanged working dir is not uploaded twice;
+- ``--outputs-from out`` and ``'$ZWDX_OUTPUT_DIR/summary.txt'`` as an argument: both come back,
+  and ``zwdx jobs download`` gets them again;
 - a SIGKILLed GPU client: the script restarts on the new placement with
   ``TORCHELASTIC_RESTART_COUNT=1`` (last: it leaves the module one GPU client short).
 """
@@ -169,6 +171,29 @@ def test_an_unchanged_working_dir_is_not_uploaded_twice(room, tmp_path):
         fh.write("# changed\n")
     changed = scripts.push(wd, "ddp.py")
     assert changed["uploaded"] and changed["sha256"] != first["sha256"]
+
+
+def test_outputs_from_and_the_output_dir_in_arguments_come_back_and_jobs_download_gets_them(room, tmp_path):
+    wd = workdir(tmp_path, "writes.py")
+    out = room.run(wd, "--nproc", "1", "--outputs-from", "out", "writes.py", "--", "$ZWDX_OUTPUT_DIR/summary.txt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = job_id(out.stderr)
+    assert re.search(r"^\[rank0\]:wrote /.*/outputs/summary.txt$", out.stdout, re.M), out.stdout
+
+    def files(folder: str) -> dict[str, bytes]:
+        found = {}
+        for base, _, names in os.walk(folder):
+            for name in names:
+                with open(os.path.join(base, name), "rb") as fh:
+                    found[os.path.relpath(os.path.join(base, name), folder)] = fh.read()
+        return found
+    assert files(os.path.join(wd, "zwdx-output", job)) == {"out/ckpt.pt": b"weights", "summary.txt": b"loss 0.1\n"}
+    env = child_env({"PYTHONPATH": ROOT, "ZWDX_CONFIG_DIR": str(room.base / "config")})
+    got = subprocess.run([sys.executable, "-m", "zwdx.cli", "jobs", "download", job, "-o", str(tmp_path / "again"),
+                          "--server", room.server.url, "--room-token-file", str(room.token_file)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and f"job {job}: outputs in {tmp_path / 'again'}" in got.stdout, got.stderr
+    assert files(str(tmp_path / "again")) == files(os.path.join(wd, "zwdx-output", job))
 
 
 def test_a_lost_gpu_client_restarts_the_script_with_the_restart_count(room, tmp_path):

@@ -5,6 +5,13 @@ and ``download_outputs`` (``zwdx.protocol.script`` says what travels).
     result = zwdx.submit_script("train.py", ["--lr", "3e-4"], nproc=2)   # prints each rank's lines as they come
     zwdx.download_outputs(result["job_id"], "zwdx-output")                # what rank 0 wrote in $ZWDX_OUTPUT_DIR
 
+What a ``.gitignore`` ignores does not travel unless ``include`` names it (git's patterns):
+what was left out is said before the upload, and named to the job, so that a script that fails
+opening one of those files fails saying so. ``outputs_from``: folders of the working dir whose
+files come back with the outputs (as ``$ZWDX_OUTPUT_DIR``'s do); when none come back, rank 0
+says where its script wrote (in the job's log; ``result["outputs_note"]`` when followed with
+``progress``).
+
 Everything that can be checked here is, before a byte is uploaded: the script's arguments and
 environment (as the server checks them), the script (a file of the working dir that travels),
 the working dir's size (``zwdx.workdir``). The working dir is then asked for by its sha256
@@ -21,11 +28,11 @@ import tarfile
 import tempfile
 
 from . import defaults
-from .errors import BadRequest, NotFound, ZwdxError
+from .errors import BadRequest, JobFailed, NotFound, ZwdxError
 from .protocol import JobKind, runtime_versions
 from .protocol.base import parse
 from .protocol.rest import SubmitJob
-from .protocol.script import ScriptSpec
+from .protocol.script import MAX_LEFT_OUT, VARIABLE, ScriptSpec
 from .datasets import check_datasets
 from .workdir import Packed, human, pack
 
@@ -76,13 +83,13 @@ class ScriptJobs:
                                                 "Content-Type": "application/octet-stream"},
                                        timeout=max(self.sdk.timeout, 600))
         return {"id": found["id"], "sha256": packed.sha256, "size": packed.size, "files": packed.files,
-                "uploaded": uploaded}
+                "uploaded": uploaded, "left_out": len(packed.left_out)}
 
     def push(self, working_dir: str = ".", script: str | None = None, room_token: str | None = None,
-             max_workdir_bytes: int | None = None) -> dict:
+             max_workdir_bytes: int | None = None, include=()) -> dict:
         """Pack a working dir (``script``: a file it must hold) and upload it unless the room has
         it, as ``submit`` does: ``{"id", "sha256", "size", "files", "uploaded"}``."""
-        packed = pack(working_dir, script, max_workdir_bytes)
+        packed = pack(working_dir, script, max_workdir_bytes, include)
         try:
             return self.push_workdir(packed, self.sdk._token(room_token))
         finally:
@@ -92,15 +99,28 @@ class ScriptJobs:
                memory_required: int = 0, name: str = "", env: dict | None = None, room_token: str | None = None,
                wait: bool = True, progress: bool = True, raise_on_failure: bool = True, timeout: float | None = None,
                max_restarts: int = defaults.MAX_RESTARTS, fail_if_unschedulable: bool = False,
-               cancel_on_interrupt: bool = True, max_workdir_bytes: int | None = None, datasets=None):
+               cancel_on_interrupt: bool = True, max_workdir_bytes: int | None = None, datasets=None,
+               include=(), outputs_from=()):
         sdk = self.sdk
         token = sdk._token(room_token)
-        if isinstance(args, str) or not all(isinstance(a, str) for a in args):
-            raise BadRequest("args must be a list of strings (the script's command line)", field="args")
-        run = parse(ScriptSpec, {"path": "pending", "args": list(args), "env": dict(env or {})}, "script")
-        packed = pack(working_dir, script, max_workdir_bytes)
+        for field, value in (("args", args), ("include", include), ("outputs_from", outputs_from)):
+            if isinstance(value, str) or not all(isinstance(a, str) for a in value):
+                raise BadRequest(f"{field} must be a list of strings", field=field)
+        if not datasets and any((m.group(1) or m.group(2)) == "ZWDX_DATA_DIR" for a in args
+                                for m in VARIABLE.finditer(a)):
+            raise BadRequest("args name $ZWDX_DATA_DIR, the job's datasets, but the job has none: name them with "
+                             "datasets=[...] (zwdx run --dataset NAME)", field="args")
+        run = parse(ScriptSpec, {"path": "pending", "args": list(args), "env": dict(env or {}),
+                                 "outputs_from": list(outputs_from)}, "script")
+        packed = pack(working_dir, script, max_workdir_bytes, include)
         try:
+            if progress:
+                for pattern in packed.unmatched:
+                    _say(f"zwdx: --include {pattern!r} names none of the files a .gitignore left out")
+                if packed.left_out_line():
+                    _say(f"zwdx: {packed.left_out_line()}")
             run.path = packed.script
+            run.left_out = packed.left_out_entries[:MAX_LEFT_OUT]
             fields = {"kind": JobKind.SCRIPT.value, "script": run.model_dump(), "world_size": nproc,
                       "gpus_per_client": gpus_per_client, "memory_required": memory_required,
                       "name": name or os.path.basename(packed.script), "versions": runtime_versions(),
@@ -130,9 +150,20 @@ class ScriptJobs:
                      f"for GPU clients that fit")
             if not wait:
                 return job["id"]
-            done = sdk._follow(job["id"], token, progress, timeout, on_log=print_line if progress else None)
-            result = sdk._result(done, raise_on_failure)
-            result["workdir"] = workdir
+            notes = []
+
+            def on_log(event: dict) -> None:
+                text = event["data"].get("text", "")
+                if event.get("rank") == 0 and text.startswith("zwdx: no outputs"):
+                    notes.append(text[len("zwdx: "):])
+                print_line(event)
+            done = sdk._follow(job["id"], token, progress, timeout, on_log=on_log if progress else None)
+            try:
+                result = sdk._result(done, raise_on_failure)
+            except JobFailed as err:
+                err.result.update(workdir=workdir, outputs_note=notes[-1] if notes else None)
+                raise
+            result.update(workdir=workdir, outputs_note=notes[-1] if notes else None)
             return result
         except KeyboardInterrupt:
             if wait:

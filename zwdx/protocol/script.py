@@ -11,10 +11,16 @@ What the edge checks (a wrong one is a 400 naming the field, nothing stored):
 
 - ``path``: relative, inside the tree (no ``..``, no leading ``/`` or ``-``), at most 1,024 characters;
 - ``args``: at most 1,000 strings of at most 10,000 characters each (no NUL);
-- ``env``: at most 200 names ``[A-Z_][A-Z0-9_]*``, none that zwdx sets, values as ``args``.
+- ``env``: at most 200 names ``[A-Z_][A-Z0-9_]*``, none that zwdx sets, values as ``args``;
+- ``outputs_from``: at most 16 folders of the tree, each as ``path`` (relative, no ``..``);
+- ``left_out``: at most 1,000 names of at most 1,024 characters (no NUL).
+
+``$ZWDX_OUTPUT_DIR`` and ``$ZWDX_DATA_DIR`` (or ``${...}``) in ``args`` are the rank's own
+folders, put in by the GPU client (``EXPANDED``: those two only, never other variables).
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from pydantic import ConfigDict, Field, StringConstraints, field_validator
@@ -32,6 +38,15 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 SET_BY_ZWDX = ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 #: Prefixes of names zwdx owns (``ZWDX_OUTPUT_DIR``, ...) or torchrun's agent does.
 RESERVED_PREFIXES = ("ZWDX_", "TORCHELASTIC_")
+
+#: The variables a script's arguments may name (``$NAME`` or ``${NAME}``), replaced on the GPU
+#: client by the rank's own folders: the submitter cannot know the donor's paths.
+EXPANDED = ("ZWDX_OUTPUT_DIR", "ZWDX_DATA_DIR")
+#: One of them in an argument: group 1 the ``${NAME}`` form, group 2 the ``$NAME`` one.
+VARIABLE = re.compile(r"\$(?:\{(%s)\}|(%s)(?![A-Za-z0-9_]))" % ("|".join(EXPANDED), "|".join(EXPANDED)))
+#: Most folders ``outputs_from`` names; most names ``left_out`` holds.
+MAX_OUTPUTS_FROM = 16
+MAX_LEFT_OUT = 1000
 
 #: Most arguments, environment variables; longest argument or value; longest script path.
 MAX_ARGS = 1000
@@ -73,6 +88,13 @@ class ScriptSpec(Message):
     path: str
     args: Annotated[list[Arg], Field(max_length=MAX_ARGS)] = []
     env: Annotated[dict[EnvName, Arg], Field(max_length=MAX_ENV)] = {}
+    #: Folders of the working dir (relative to the script's cwd) whose files rank 0 adds to the
+    #: job's outputs, under the same names (``zwdx run --outputs-from out``).
+    outputs_from: Annotated[list[str], Field(max_length=MAX_OUTPUTS_FROM, exclude_if=lambda v: not v)] = []
+    #: What a ``.gitignore`` left out of the working dir (a folder as ``name/``): a script that
+    #: fails opening one of them is told so.
+    left_out: Annotated[list[Annotated[str, StringConstraints(max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$")]],
+                        Field(max_length=MAX_LEFT_OUT, exclude_if=lambda v: not v)] = []
 
     @field_validator("path")
     @classmethod
@@ -81,6 +103,15 @@ class ScriptSpec(Message):
         if error:
             raise ValueError(error)
         return path
+
+    @field_validator("outputs_from")
+    @classmethod
+    def _folders_inside(cls, folders: list[str]) -> list[str]:
+        for folder in folders:
+            error = script_path_error(folder.rstrip("/") or folder)
+            if error:
+                raise ValueError(f"{folder!r} {error}")
+        return [folder.rstrip("/") for folder in folders]
 
     @field_validator("env")
     @classmethod
@@ -98,5 +129,6 @@ class ScriptRecord(ScriptSpec):
     model_config = ConfigDict(extra="ignore", strict=False)
 
 
-__all__ = ["TORCHRUN_VARIABLES", "SET_BY_ZWDX", "RESERVED_PREFIXES", "MAX_ARGS", "MAX_ENV", "MAX_ARG_CHARS",
+__all__ = ["TORCHRUN_VARIABLES", "SET_BY_ZWDX", "RESERVED_PREFIXES", "EXPANDED", "VARIABLE", "MAX_OUTPUTS_FROM",
+           "MAX_LEFT_OUT", "MAX_ARGS", "MAX_ENV", "MAX_ARG_CHARS",
            "MAX_PATH_CHARS", "Arg", "EnvName", "reserved", "script_path_error", "ScriptSpec", "ScriptRecord"]
