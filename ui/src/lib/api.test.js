@@ -18,7 +18,7 @@ describe("the API client", () => {
 
   it("creates a room for a visitor who holds no token", async () => {
     mockFetch({
-      "POST /api/v1/rooms": ({ body }) => ({ id: "r", name: JSON.parse(body).name, token: "zr_new" }),
+      "POST /api/v1/rooms": ({ body }) => status(201, { id: "r", name: JSON.parse(body).name, token: "zr_new" }),
     }, { token: "zr_some_room" });
     clearToken();
     expect(await api.createRoom("lab")).toEqual({ id: "r", name: "lab", token: "zr_new" });

@@ -53,8 +53,8 @@ describe("signing in", () => {
 
   it("creates a room and shows its two tokens once, each with a copy button", async () => {
     mockFetch({
-      "POST /api/v1/rooms": { id: "r2", name: "new-lab", created_at: 1, token: "zs_fresh", submitter_token: "zs_fresh",
-                              donor_token: "zd_fresh" },
+      "POST /api/v1/rooms": status(201, { id: "r2", name: "new-lab", created_at: 1, token: "zs_fresh",
+                                          submitter_token: "zs_fresh", donor_token: "zd_fresh" }),
       "GET /api/v1/room": { ...ROOM, name: "new-lab" },
       "GET /api/v1/jobs": { jobs: [] },
     });

@@ -2,6 +2,7 @@
 // socket the test drives. Tests assert what the page shows; the fake server may hold state (a job a
 // POST cancelled) and, given a room token, refuses requests as the real one does.
 import { vi } from "vitest";
+import { checkAnswer, checkEvent } from "./wire.js";
 
 const TOKEN_HEADER = "X-Zwdx-Room-Token";
 const OPEN_ROUTES = ["POST /api/v1/rooms"]; // the only call the real server takes without a token
@@ -40,8 +41,9 @@ export function mockFetch(routes, { token = null } = {}) {
     if (!key) return response(404, { error: { code: "not_found", message: `no route ${method} ${path}` } });
     let answer = routes[key];
     if (typeof answer === "function") answer = await answer({ method, path, headers: init.headers || {}, body: init.body });
-    if (answer && answer.__status) return response(answer.__status, answer.body);
-    return response(200, answer);
+    const [code, body] = answer && answer.__status ? [answer.__status, answer.body] : [200, answer];
+    checkAnswer(method, path, code, body);
+    return response(code, body);
   });
   fetch.calls = calls;
   globalThis.fetch = fetch;
@@ -76,6 +78,7 @@ export class FakeSocket {
   fire(event, ...args) {
     if (event === "connect") this.connected = true;
     if (event === "disconnect") this.connected = false;
+    checkEvent(event, args[0]);
     for (const fn of this.handlers.get(event) || []) fn(...args);
   }
   /** The server's answer to this socket's handshake, as the real one gives it: connected when
