@@ -256,7 +256,8 @@ def _run_script(args) -> int:
         result = sdk.submit_script(args.script, script_args, nproc=args.nproc, working_dir=args.working_dir,
                                    gpus_per_client=args.gpus_per_client, memory_required=args.memory, name=args.name,
                                    env=env, max_restarts=args.max_restarts, max_workdir_bytes=args.max_workdir_bytes,
-                                   datasets=args.dataset, wait=not args.detach)
+                                   datasets=args.dataset, wait=not args.detach, include=args.include,
+                                   outputs_from=args.outputs_from)
     except JobFailed as err:
         result = err.result
         for rank in result["failure_order"]:
@@ -269,6 +270,10 @@ def _run_script(args) -> int:
         dest = sdk.download_outputs(result["job_id"], os.path.join(args.outputs, result["job_id"]))
         if dest:
             print(f"zwdx: job {result['job_id']}: outputs in {dest}", file=sys.stderr)
+        else:
+            print(f"zwdx: job {result['job_id']}: no outputs came back"
+                  + (f": {result['outputs_note'][len('no outputs: '):]}" if result.get("outputs_note") else ""),
+                  file=sys.stderr)
     return 0 if result["complete"] else 1
 
 
@@ -453,7 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Packs the working dir (what git would commit, or what its .gitignore files "
                                    "leave), uploads it unless the room has it, runs `python script.py ARGS` on N "
                                    "ranks with torchrun's environment, prints their lines as they come, downloads "
-                                   "what rank 0 wrote under $ZWDX_OUTPUT_DIR, and exits with 0 if the job completed.")
+                                   "what rank 0 wrote under $ZWDX_OUTPUT_DIR, and exits with 0 if the job completed. "
+                                   "'$ZWDX_OUTPUT_DIR' and '$ZWDX_DATA_DIR' in the script's arguments (quoted, so "
+                                   "that this shell leaves them) are the rank's folders on the GPU client.")
     _server_arguments(p)
     _token_arguments(p, "a submitter token of the room, zs_... (else the one token remembered for the server)")
     p.add_argument("--nproc", type=int, required=True, help="ranks in all (torchrun's nnodes x nproc-per-node)")
@@ -464,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the script (repeat it)")
     p.add_argument("--working-dir", default=".", help="the folder to pack and run in (default: here)")
+    p.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                   help="pack files a .gitignore ignores that match PATTERN (git's syntax: '*.bin', 'data/'; repeat "
+                        "it; default: none, and what was left out is said)")
+    p.add_argument("--outputs-from", action="append", default=[], metavar="DIR",
+                   help="a folder of the working dir the script writes (relative to its cwd, e.g. out): rank 0's "
+                        "files there come back with the outputs, in DIR/ (repeat it; default: $ZWDX_OUTPUT_DIR only)")
     p.add_argument("--dataset", action="append", default=[], metavar="NAME|URL",
                    help="a dataset of the room (zwdx data push) or a URL the GPU clients fetch, in "
                         "$ZWDX_DATA_DIR/<name> before the script starts (repeat it)")
