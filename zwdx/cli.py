@@ -270,7 +270,7 @@ def _run_script(args) -> int:
         dest = sdk.download_outputs(result["job_id"], os.path.join(args.outputs, result["job_id"]))
         if dest:
             print(f"zwdx: job {result['job_id']}: outputs in {dest}", file=sys.stderr)
-        else:
+        elif result["complete"] or result.get("outputs_note"):
             print(f"zwdx: job {result['job_id']}: no outputs came back"
                   + (f": {result['outputs_note'][len('no outputs: '):]}" if result.get("outputs_note") else ""),
                   file=sys.stderr)
