@@ -187,7 +187,8 @@ def no_outputs_note(made: dict[str, int], outputs_from: list[str]) -> str:
     return (f"zwdx: no outputs: rank 0 wrote nothing under {where}; in its working dir it wrote "
             + ", ".join(f"{name} ({human(size)})" for name, size in biggest)
             + (f" and {more} more file(s)" if more > 0 else "")
-            + f" ({human(sum(made.values()))} in all), which are dropped with it: {how}write under $ZWDX_OUTPUT_DIR")
+            + (f" ({human(sum(made.values()))} in all)" if len(made) > 1 else "")
+            + f", dropped with it: {how}write under $ZWDX_OUTPUT_DIR")
 
 
 #: A path in the error of a failed open (``[Errno 2] No such file or directory: 'data/x.bin'``).

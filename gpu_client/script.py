@@ -162,7 +162,7 @@ class ScriptRank:
             self.reporter = Reporter(self.spec.server, self.spec.rank_key.get_secret_value(), self.spec.job_id,
                                      self.spec.rank, attempt=self.spec.attempt)
             code = self._run()
-            self._upload_outputs()
+            self._upload_outputs(code)
             self._report(code)
             return 0 if code == 0 else 1
         except Stopped:  # cancelled, or the job stopped: nothing to report
@@ -232,7 +232,7 @@ class ScriptRank:
             if line.strip():
                 self.reporter.log(line[:MAX_LINE])
 
-    def _upload_outputs(self) -> None:
+    def _upload_outputs(self, code: int) -> None:
         """Rank 0: what the script wrote under ``$ZWDX_OUTPUT_DIR`` and the folders of
         ``outputs_from`` (under their own names), as the job's outputs; when there is nothing,
         where it wrote instead, in the job's log."""
@@ -242,10 +242,11 @@ class ScriptRank:
         folders = [("outputs", ""), *((f"tree/{d}", f"{d}/") for d in self.spec.script.outputs_from)]
         count = collect.pack(self.root, folders, archive)
         if count == 0:
-            note = collect.no_outputs_note(collect.written(self.root, "tree", self.unpacked),
-                                           self.spec.script.outputs_from)
-            log.info("job %s: %s", self.spec.job_id, note)
-            self.reporter.log(note)
+            made = collect.written(self.root, "tree", self.unpacked)
+            if made or code == 0:  # a script that failed before writing anything: its failure says enough
+                note = collect.no_outputs_note(made, self.spec.script.outputs_from)
+                log.info("job %s: %s", self.spec.job_id, note)
+                self.reporter.log(note)
             return
         try:
             self.reporter.upload("outputs", archive)

@@ -170,6 +170,7 @@ def test_a_script_that_fails_opening_a_left_out_file_says_so_and_names_include(t
                                       "--include 'data/shakespeare/train.bin'"), fields["error"]
     assert "FileNotFoundError" in fields["traceback"] and fields["traceback"].endswith(
         "pack it with zwdx run --include 'data/shakespeare/train.bin'")
+    assert not [text for kind, text in said if kind == "log" and "no outputs" in text]  # it wrote nothing: no note
 
 
 @pytest.mark.slow
@@ -180,8 +181,8 @@ def test_a_script_that_wrote_only_outside_the_output_dir_is_told_where(tmp_path,
     assert not [s for s in said if s[0] == "upload"]
     [note] = [text for kind, text in said if kind == "log" and text.startswith("zwdx: no outputs")]
     assert note == ("zwdx: no outputs: rank 0 wrote nothing under $ZWDX_OUTPUT_DIR; in its working dir it wrote "
-                    "out/ckpt.pt (2.0 KiB), log.txt (4 B) (2.0 KiB in all), which are dropped with it: collect that "
-                    "folder with zwdx run --outputs-from out, or write under $ZWDX_OUTPUT_DIR")
+                    "out/ckpt.pt (2.0 KiB), log.txt (4 B) (2.0 KiB in all), dropped with it: collect that folder "
+                    "with zwdx run --outputs-from out, or write under $ZWDX_OUTPUT_DIR")
 
 
 LINKS_OUT = """import os, sys
