@@ -438,7 +438,11 @@ class ZWDX:
         Options: ``gpus_per_client``, ``memory_required``, ``name``, ``env``, ``room_token``,
         ``wait``, ``progress``, ``raise_on_failure``, ``timeout``, ``max_restarts``,
         ``fail_if_unschedulable``, ``cancel_on_interrupt``, ``max_workdir_bytes``, ``datasets`` (as
-        ``submit_job``'s; the script finds them under ``$ZWDX_DATA_DIR/<name>``)."""
+        ``submit_job``'s; the script finds them under ``$ZWDX_DATA_DIR/<name>``); ``include``:
+        patterns (git's) of files a ``.gitignore`` ignores, packed anyway; ``outputs_from``: folders
+        of the working dir that come back with the outputs. ``"outputs_note"``: where rank 0 wrote
+        when no outputs came back. ``$ZWDX_OUTPUT_DIR`` and ``$ZWDX_DATA_DIR`` in ``args`` are the
+        rank's folders on the GPU client."""
         from .script_jobs import ScriptJobs
         return ScriptJobs(self).submit(script, args, nproc=nproc, working_dir=working_dir, **options)
 
