@@ -188,3 +188,35 @@ def test_a_bundle_is_read_while_it_is_still_being_written(tmp_path, case):
                 load(path, sha, len(blob), lambda: word["said"])
     finally:
         writer.join()
+
+
+def test_a_factorys_closure_and_objects_of_the_submitters_own_modules_travel_by_value(tmp_path):
+    """A train function made by a factory of the submitter's module closes over an object of a
+    class of theirs holding functions of theirs: none of it may become a package a GPU client
+    must have installed (the job would wait forever for one that 'lacks package(s) their_pkg')."""
+    import importlib
+    import sys
+    pkg = tmp_path / "their_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cases.py").write_text(
+        "from dataclasses import dataclass\n"
+        "def loss(x):\n    return x\n"
+        "@dataclass\nclass Case:\n    loss: object\n"
+        "CASE = Case(loss)\n")
+    (pkg / "jobs.py").write_text(  # the functions a job runs, in another module than the cases
+        "from their_pkg.cases import CASE\n"
+        "def make_train(case):\n    def train(model, loader):\n        return case.loss(1)\n    return train\n"
+        "def uses_a_global(model, loader):\n    return CASE.loss(2)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        jobs = importlib.import_module("their_pkg.jobs")
+        by_closure = pack(torch.nn.Linear(2, 2), lambda rank: None, jobs.make_train(jobs.CASE))
+        by_global = pack(torch.nn.Linear(2, 2), lambda rank: None, jobs.uses_a_global)
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("their_pkg", "their_pkg.cases", "their_pkg.jobs"):
+            sys.modules.pop(name, None)
+    assert required_modules(by_closure) == [] and required_modules(by_global) == []
+    assert unpack(by_closure)["train_func"](None, None) == 1
+    assert unpack(by_global)["train_func"](None, None) == 2

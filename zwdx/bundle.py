@@ -115,9 +115,34 @@ def _referenced(obj, seen: set, found: dict, depth: int = 0) -> None:
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
     globs = getattr(obj, "__globals__", {})
     for name in names:
-        value = globs.get(name)
-        if isinstance(value, (types.FunctionType, type, types.ModuleType)):
-            _referenced(value, seen, found, depth + 1)
+        if name in globs:
+            _reached(globs[name], seen, found, depth + 1)
+    for cell in getattr(obj, "__closure__", None) or ():  # a closure's cells: a factory's arguments
+        try:
+            _reached(cell.cell_contents, seen, found, depth + 1)
+        except ValueError:  # an empty cell
+            pass
+
+
+def _reached(value, seen: set, found: dict, depth: int) -> None:
+    """``_referenced`` for a value a function reaches: a function, class or module itself; an
+    object through its class and its attributes; a container through its items (the first 100).
+    (A user object pickled by reference would make its module a package GPU clients must have.)"""
+    if isinstance(value, (types.FunctionType, type, types.ModuleType)):
+        _referenced(value, seen, found, depth)
+        return
+    if id(value) in seen or depth > 6 or isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        _referenced(type(value), seen, found, depth)
+        items = list(getattr(value, "__dict__", {}).values())
+    for item in items[:100]:
+        _reached(item, seen, found, depth + 1)
 
 
 def optimizer_spec(optimizer, model) -> dict | None:
