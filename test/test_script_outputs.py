@@ -134,7 +134,7 @@ def run_rank(tmp_path, monkeypatch, files: dict, script: dict, include=(), data_
                     collective_timeout=30, checkpoint=None, checkpoint_every_epoch=True, threads=1,
                     bundle_path=packed.path, bundle_sha256=packed.sha256, bundle_pending=False, assigned_at=0,
                     server="http://s", client_id="c1", hostname="h", rank_key="rk", kind=JobKind.SCRIPT,
-                    script=ScriptSpec(**script, **({"left_out": packed.left_out_entries} if include is not None else {})),
+                    script=ScriptSpec(**script, **({} if include is None else {"left_out": packed.left_out_entries})),
                     data_dir=data_dir,
                     work_dir=str(tmp_path / "rank0"))
     Reports.said = []
