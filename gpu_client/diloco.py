@@ -281,8 +281,10 @@ class Diloco(Collective):
         compression, started = self.settings.compression.value, time.time()
         delivered = torch.from_numpy(codec.decode(codec.encode(values.numpy(), compression))) if values.numel() \
             else values  # as the codec delivers it: the server's error
+        flagged: dict[int, str] = {}
         if self.settings.aggregate == Aggregate.ROBUST:
-            mean, members, leavers = self.peers.combine(delivered, self.global_.numel(), last, self.settings.trim)
+            mean, members, leavers, flagged = self.peers.combine(delivered, self.global_.numel(), last,
+                                                                 self.settings.trim)
             wire = self.peers.world * 4 * self.global_.numel()  # all-gathered: every worker's vector to each
         else:
             mean, members, leavers = self.peers.average(delivered, self.global_.numel(), last)
@@ -292,7 +294,9 @@ class Diloco(Collective):
             how = "all-gather" if self.settings.aggregate == Aggregate.ROBUST else "all-reduce"
             self.reporter.log(f"diloco round {n}: combined the pseudo-gradients of {members} worker(s) "
                               f"({self.settings.aggregate.value}) by {how} among the workers (gloo, float32 of the "
-                              f"{compression} values, about {wire} bytes out of each, {time.time() - started:.2f} s)")
+                              f"{compression} values, about {wire} bytes out of each, {time.time() - started:.2f} s)"
+                              + "".join(f"; worker {w} (rank {w * self.per}) flagged: {why}"
+                                        for w, why in sorted(flagged.items())))
         if leavers:  # a worker leaves: the ring cannot wait for it, so the rest go through the server
             if last and leavers < self.peers.world:
                 self._upload(n + 1, codec.encode(values.numpy()[:0], compression), True)  # the server: it left

@@ -55,17 +55,18 @@ class Peers:
         return mean, members, leavers
 
     def combine(self, values: torch.Tensor, numel: int, leaving: bool, trim: int | None
-                ) -> tuple[torch.Tensor, int, int]:
+                ) -> tuple[torch.Tensor, int, int, dict[int, str]]:
         """``average`` under the robust rule (``zwdx.robust``): every worker's pseudo-gradient is
         all-gathered, a frame at a time, and every worker combines them the same way (a ring's
-        sum would take a liar's vector as it is)."""
+        sum would take a liar's vector as it is). Also the workers flagged this round (worker
+        index -> why): every worker computes the same, but only the server can name a suspect."""
         head = torch.tensor([1.0 if values.numel() else 0.0, 1.0 if leaving else 0.0,
                              float(values.double().norm()) if values.numel() else 0.0], dtype=torch.float64)
         heads = self._gather(head)
         members = [i for i, h in enumerate(heads) if h[0] > 0]
         leavers = sum(int(h[1] > 0) for h in heads)
         if not members:
-            return torch.empty(0), 0, leavers
+            return torch.empty(0), 0, leavers, {}
         combiner = robust.Combiner([float(heads[i][2]) for i in members], trim=trim)
         out = torch.empty(numel, dtype=torch.float32)
         for start in range(0, numel, codec.FRAME):
@@ -73,7 +74,8 @@ class Peers:
             mine = values[start:stop] if values.numel() else torch.zeros(stop - start)
             frames = self._gather(mine.contiguous())
             out[start:stop] = torch.from_numpy(combiner.frame([frames[i].numpy() for i in members]))
-        return out, len(members), leavers
+        flagged = {members[i]: s.flag for i, s in enumerate(combiner.scores()) if s.flag}
+        return out, len(members), leavers, flagged
 
     def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world)]

@@ -319,3 +319,20 @@ def test_a_worker_of_two_ranks_uploads_once_and_one_rank_lost_drops_the_whole_wo
     assert after["timeline"][-1]["reason"].endswith("rank(s) 2, 3 dropped, 1 worker(s) go on")
     alone = put(ranks[0], job, 1, [1.0, 1.0], "none").json
     assert alone["ready"] and alone["expected"] == [0] and alone["dropped"] == [2, 3]
+
+
+def test_an_upload_still_being_checked_is_not_averaged_into_its_round(app):
+    # Two uploads in flight: rank 1's bytes are stored but not yet checked (its record has no
+    # numel) when rank 0's upload closes the round. It must wait for rank 1's check: an upload
+    # averaged before it is checked could be one the check then refuses.
+    import time as clock
+    room, (r0, r1), job = placed(app, compression="none")
+    store = app.extensions["zwdx"].store
+    store.add_artifact({"id": "in-flight", "room_id": room.room["id"], "kind": "pseudo_gradient", "size": 1,
+                        "sha256": "0" * 64, "job_id": job["id"], "created_at": clock.time(), "round": 0, "rank": 1,
+                        "attempt": 0, "last": False})
+    first = put(r0, job, 0, [1.0, 2.0], "none")
+    assert first.status_code == 201 and first.json["ready"] is False and first.json["waiting_for"] == [1]
+    second = put(r1, job, 0, [3.0, 4.0], "none")
+    assert second.status_code == 201 and second.json["ready"] is True
+    assert codec.decode(r0.get(f"/jobs/{job['id']}/diloco/rounds/0").data).tolist() == [2.0, 3.0]

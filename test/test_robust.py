@@ -131,7 +131,7 @@ def test_workers_that_all_gather_combine_as_the_server_does():
         t.join(60)
     want, _ = combine([v.numpy() for v in vectors])
     for got in out:
-        assert got is not None and got[1:] == (3, 1)
+        assert got is not None and got[1:3] == (3, 1) and list(got[3]) == [2] and "norm" in got[3][2]
         assert torch.equal(got[0], out[0][0]) and np.allclose(got[0].numpy(), want, atol=1e-6)
 
 

@@ -71,11 +71,12 @@ def _diloco(job: JobRecord) -> None:
 
 
 def _uploads(job: JobRecord, n: int) -> dict[int, dict]:
-    """rank -> its pseudo-gradient for round ``n`` of the current attempt (the latest it sent)."""
+    """rank -> its pseudo-gradient for round ``n`` of the current attempt (the latest it sent),
+    once checked (``numel`` recorded): an upload still being read is not in the round yet."""
     out: dict[int, dict] = {}
     for artifact in sorted(ctx().store.list_artifacts(job.id, ArtifactKind.PSEUDO_GRADIENT.value),
                            key=lambda a: a["created_at"]):
-        if artifact.get("attempt") == job.attempt and artifact.get("round") == n:
+        if artifact.get("attempt") == job.attempt and artifact.get("round") == n and artifact.get("numel") is not None:
             out[artifact["rank"]] = artifact
     return out
 
