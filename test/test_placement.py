@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import pathlib
+import platform
 import shutil
 import socket
 import subprocess
@@ -58,7 +59,7 @@ def test_the_submit_hint_sees_a_gpu_client_that_joined_a_moment_ago(api, socket_
     # the hint reads the room's clients at most every 5 s, and anew after a join or a loss
     assert api.submit(world_size=1).json["unschedulable"] == "the room has no GPU clients online"
     gpu = socket_client("/gpu", api.donor)
-    answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": "3.11.7"},
+    answer = gpu.emit("register", {"client_id": "c1", "hostname": "h", "versions": {"python": platform.python_version()},
                                    "slots": [{"index": 0, "kind": "cpu", "memory_total": 10, "memory_free": 10}]},
                       namespace="/gpu", callback=True)
     assert answer["ok"], answer
