@@ -129,6 +129,8 @@ def jobs_show(sdk, args) -> int:
         fields.append(("waiting because", job["waiting_reason"]))
     if job.get("reason"):
         fields.append(("reason", job["reason"]))
+    for warning in job.get("warnings") or []:
+        fields.append(("WARNING", warning))
     for name, value in (job.get("results") or {}).items():
         fields.append((f"result: {name}", _number(value)))
     _show(tabulate(fields, tablefmt="plain"))

@@ -460,7 +460,9 @@ class ZWDX:
         leaves it running) and raises ``KeyboardInterrupt``; a second Ctrl-C stops at once.
 
         The result: ``{"job_id", "status", "complete", "results", "final_loss", "world_size",
-        "placement", "failures", "reason", "suspects", "job"}``; ``status`` is a ``ResultStatus``;
+        "placement", "failures", "reason", "warnings", "suspects", "job"}``; ``status`` is a
+        ``ResultStatus``; ``warnings``: what to know about the result (the ranks' final weights
+        differ);
         ``suspects``: the DILOCO workers named dishonest and dropped (``[{rank, client_id, rounds,
         reason, at}]``). ``trackers``
         as in ``submit_job`` (from the job's first metric, whenever this is called)."""
@@ -481,6 +483,7 @@ class ZWDX:
                   "world_size": job.get("world_size"), "placement": job.get("placement"),
                   "failures": job.get("failures") or {}, "failure_order": job.get("failure_order") or [],
                   "reason": job.get("reason"), "job": job,
+                  "warnings": job.get("warnings") or [],
                   "suspects": [{"rank": int(r), **v} for r, v in sorted((job.get("suspects") or {}).items(),
                                                                          key=lambda kv: int(kv[0]))]}
         if job["status"] == JobStatus.FAILED.value and raise_on_failure:

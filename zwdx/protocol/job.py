@@ -235,6 +235,8 @@ class JobFields(Record):
     results: dict[str, Measured] | None = None
     final_loss: Reported | None = None
     weights_artifact: str | None = None
+    #: What the submitter should know about the result (the ranks' final weights differ, ...).
+    warnings: list[str] = Field(default_factory=list)
     #: A script job: the files its rank 0 wrote under ``$ZWDX_OUTPUT_DIR`` (a tar), last attempt's.
     outputs_artifact: str | None = None
     # -- restarts and checkpoints ----------------------------------------------------------

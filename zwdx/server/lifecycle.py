@@ -13,7 +13,7 @@ import logging
 import time
 
 from .. import defaults
-from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, JobStatus, Parallelism, RankStatus
+from ..protocol import ACTIVE, EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus, EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.gpu import JobCancel
 from ..protocol.job import Job as JobRecord
 from . import notify
@@ -72,8 +72,33 @@ def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = Non
     handle = Job(ctx.store, job)
     if handle.rank_completed(rank, fingerprint, results, final_loss, weights_artifact):
         log.info("job %s: completed, final loss %s", job.id, handle.record.final_loss)
-        notify.job_changed(handle.record)
+        _compare_fingerprints(ctx, handle.record)
+        notify.job_changed(ctx.store.get_job(job.id) or handle.record)
         ctx.scheduler.kick()
+
+
+def _compare_fingerprints(ctx, job: JobRecord) -> None:
+    """Every rank that holds the whole model reports a sha256 of its final weights, equal on
+    each after a correct run: ranks that disagree are a warning on the job (a faulty or
+    dishonest donor, or a job whose ranks were not in step), never silence."""
+    held: dict[str, list[int]] = {}
+    for r, state in job.ranks.items():
+        if state.status == RankStatus.COMPLETED and state.fingerprint:
+            held.setdefault(state.fingerprint, []).append(int(r))
+    if len(held) < 2:
+        return
+    groups = sorted(held.values(), key=lambda ranks: (-len(ranks), ranks))
+    text = ("the ranks' final weights differ: " + "; ".join(
+        f"rank(s) {', '.join(map(str, sorted(ranks)))} hold {fp[:12]}" for fp, ranks in
+        sorted(held.items(), key=lambda kv: (-len(kv[1]), kv[1]))) + " (one of them trained something else: "
+        "a faulty or dishonest donor; the weights that came back are rank 0's)")
+    if len(groups[0]) > len(groups[1]):
+        text += f"; the majority is rank(s) {', '.join(map(str, sorted(groups[0])))}"
+    log.warning("job %s: %s", job.id, text)
+    ctx.store.set_job(job.id, {"warnings": [*job.warnings, text]})
+    notify.events_added(job, ctx.store.add_events(job.id, [{
+        "kind": EventKind.LOG.value, "rank": None, "key": f"fingerprints:{job.attempt}", "step": None,
+        "data": {"text": f"WARNING: {text}"}, "ts": time.time()}]))
 
 
 def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,

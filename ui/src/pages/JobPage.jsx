@@ -97,13 +97,16 @@ function Failure({ job }) {
   );
 }
 
-// DILOCO workers the server named dishonest (zwdx/server/suspects.py) and dropped from the job.
+// What to know about the result: warnings (the ranks' final weights differ) and the DILOCO
+// workers the server named dishonest (zwdx/server/suspects.py) and dropped from the job.
 function Suspects({ job }) {
   const suspects = Object.entries(job.suspects || {}).sort(([a], [b]) => Number(a) - Number(b));
-  if (!suspects.length) return null;
+  const warnings = job.warnings || [];
+  if (!suspects.length && !warnings.length) return null;
   return (
     <section className="card failure" data-testid="suspects">
-      <h2>Suspect workers</h2>
+      <h2>Trust</h2>
+      {warnings.map((w) => <p key={w} className="failure-reason">{w}</p>)}
       <ul>
         {suspects.map(([rank, s]) => (
           <li key={rank}>

@@ -166,15 +166,17 @@ describe("the job page", () => {
     expect(ranks[0]).toHaveTextContent("ValueError: bad batch");
   });
 
-  it("names the DILOCO workers found dishonest, and shows none when there are none", async () => {
+  it("names the DILOCO workers found dishonest and the result's warnings, and shows none when there are none", async () => {
     const named = {
       ...running,
       suspects: { 2: { client_id: "gpu-c", rounds: [3, 4, 5], reason: "its pseudo-gradient's norm is 41.0x the round's median", at: 1700000004 } },
+      warnings: ["the ranks' final weights differ: rank(s) 0, 1 hold aaaa; rank(s) 2 hold bbbb"],
     };
     mockFetch(routes(named));
     renderApp("/jobs/j1");
     const box = await screen.findByTestId("suspects");
     expect(box).toHaveTextContent("rank 2 (GPU client gpu-c), rounds 3, 4, 5: its pseudo-gradient's norm is 41.0x");
+    expect(box).toHaveTextContent("the ranks' final weights differ: rank(s) 0, 1 hold aaaa");
     cleanup();
     mockFetch(routes(running));
     renderApp("/jobs/j1");
