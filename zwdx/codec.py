@@ -80,8 +80,9 @@ class Layout:
         (length,) = struct.unpack("<I", head[len(MAGIC):])
         if length > MAX_HEADER:
             raise CodecError(f"its layout takes {length} bytes, more than {MAX_HEADER}")
+        text = _exactly(stream, length, "the layout")  # outside the try: CodecError is a ValueError
         try:
-            meta = json.loads(_exactly(stream, length, "the layout"))
+            meta = json.loads(text)
         except ValueError:
             raise CodecError("its layout is not JSON") from None
         if not isinstance(meta, dict) or set(meta) != {"compression", "numel", "block"}:
