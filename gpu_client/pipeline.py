@@ -4,10 +4,12 @@ with interleaved 1F1B several (rank r: stages r, r + ranks, ...), held as one ``
 
 Every rank traces the whole model (on the CPU, with one micro-batch of the first batch as the
 example input) and cuts it where the plan says: each stage after the first begins at a module
-(``torch.distributed.pipelining.SplitPoint.BEGINNING``). The plan (``zwdx.protocol.pipeline``)
-gives block ranges or module names; left out, the model's repeated blocks (the units FSDP
-shards, ``parallel.fsdp_plan``; a model without them: its nn.Sequential's children, balanced by
-parameters, ``sized_ranges``) are cut by each rank's measured speed (a short matmul timing) as
+(``torch.distributed.pipelining.SplitPoint.BEGINNING``), in training mode (a graph keeps the
+modes it was traced in: a model submitted in eval mode, as ``from_pretrained`` returns one, would
+train without dropout); a tied Parameter's copies sum their gradients (``stage_ties``). The
+plan (``zwdx.protocol.pipeline``) gives block ranges or module names; left out, the model's
+repeated blocks (the units FSDP shards, ``parallel.fsdp_plan``; a model without them: its
+nn.Sequential's children, balanced by parameters, ``sized_ranges``) are cut by each rank's measured speed (a short matmul timing) as
 far as its free GPU memory holds its blocks (``speed_shares``; the ranks all-gather both first), or
 into equal runs on CPU slots (those of one host share its RAM and cores); each cut at the block
 boundary nearest to its share. The rank keeps only its stage's module, on its device;
@@ -51,6 +53,8 @@ from .layout import device_of, held_modules, line, local_params
 from .parallel import Collective
 from .stage_plan import BLOCK_FOOTPRINT, sized_ranges, weighted_ranges  # noqa: F401 (where callers found them)
 from .stage_plan import matmul_speed, speed_shares, split_points
+from .stage_ties import Ties, tied_names
+from .stage_ties import optimizer_spec as tied_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class Pipeline(Collective):
         self.tensors: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # each stage's tensors
         self.held: list[str] = []  # the modules this rank's stage holds (``layout``)
         self.schedule = None
+        self.ties: Ties | None = None  # the tied parameters' copies on this rank's stages
         self._loss_fn = None
         self._state: dict | None = None
         self._gathered = False
@@ -99,8 +104,15 @@ class Pipeline(Collective):
         if x.shape[0] < self.microbatches:
             raise ValueError(f"a batch of {x.shape[0]} cannot be split into {self.microbatches} micro-batches "
                              f"(pipeline.microbatches)")
-        pipe = trace(model, mb_args=(x.tensor_split(self.microbatches)[0],),
-                     split_spec={name: SplitPoint.BEGINNING for name in points})
+        ties = tied_names(model)
+        modes = {m: m.training for m in model.modules()}
+        model.train()  # a stage's modes are fixed by its trace: train_func's model.train() reaches no graph
+        try:
+            pipe = trace(model, mb_args=(x.tensor_split(self.microbatches)[0],),
+                         split_spec={name: SplitPoint.BEGINNING for name in points})
+        finally:
+            for m, training in modes.items():
+                m.training = training
         if pipe.num_stages != self.stages:
             raise ValueError(f"the model traced into {pipe.num_stages} stage(s), not {self.stages}: a split point "
                              f"({', '.join(points)}) is not called in the model's forward")
@@ -108,6 +120,9 @@ class Pipeline(Collective):
                         for i in range(self.stages)]
         self.held = held_modules(model, [name for name, _, _ in self._tensors_of(self.index)])
         stages = [pipe.build_stage(i, device) for i in self.mine]
+        self.ties = Ties(ties, [stage.submod for stage in stages],
+                         [{name for name, _, _ in self._tensors_of(r)} for r in range(self.ranks)])
+        bundle["optimizer"] = tied_optimizer(bundle.get("optimizer"), ties)  # a stage may hold a tie by another name
         for stage in stages:
             if stage.is_last and hasattr(stage, "_validate_fwd_outputs"):
                 # torch < 2.12 checks every stage's output against the (fp32, CPU) trace's dtypes at
@@ -209,6 +224,7 @@ class Pipeline(Collective):
         kwargs = {"target": y.to(self.device), "losses": losses} if last else {}
         self.schedule.step(*args, **kwargs)
         comm = self._comm_device()
+        self.ties.sum_grads(comm)
         loss = torch.stack([v.detach().float() for v in losses]).mean().to(comm) if last \
             else torch.zeros((), dtype=torch.float32, device=comm)
         if self.ranks > 1:
