@@ -4,17 +4,18 @@ with interleaved 1F1B several (rank r: stages r, r + ranks, ...), held as one ``
 
 Every rank traces the whole model (on the CPU, with one micro-batch of the first batch as the
 example input) and cuts it where the plan says: each stage after the first begins at a module
-(``torch.distributed.pipelining.SplitPoint.BEGINNING``), in training mode (a graph keeps the
-modes it was traced in: a model submitted in eval mode, as ``from_pretrained`` returns one, would
-train without dropout); a tied Parameter's copies sum their gradients (``stage_ties``). The
-plan (``zwdx.protocol.pipeline``) gives block ranges or module names; left out, the model's
-repeated blocks (the units FSDP shards, ``parallel.fsdp_plan``; a model without them: its
-nn.Sequential's children, balanced by parameters, ``sized_ranges``) are cut by each rank's measured speed (a short matmul timing) as
-far as its free GPU memory holds its blocks (``speed_shares``; the ranks all-gather both first), or
-into equal runs on CPU slots (those of one host share its RAM and cores); each cut at the block
-boundary nearest to its share. The rank keeps only its stage's module, on its device;
-the stage's parameters keep the model's names (``transformer.h.3.mlp.weight``), so the rebuilt
-optimizer's param groups, the checkpoints and the returned weights use the names the user knows.
+(``torch.distributed.pipelining.SplitPoint.BEGINNING``), in training mode (a graph keeps the modes
+it was traced in: a model submitted in eval mode, as ``from_pretrained`` returns one, would train
+without dropout); a tied Parameter's copies sum their gradients (``stage_ties``). The plan
+(``zwdx.protocol.pipeline``) gives block ranges or module names; left out, the model's repeated
+blocks (the units FSDP shards, ``parallel.fsdp_plan``; a model without them: its nn.Sequential's
+children, balanced by parameters, ``sized_ranges``) are cut by each rank's measured speed (a short
+matmul timing) as far as its free GPU memory holds its blocks (``speed_shares``; the ranks
+all-gather both first), or into equal runs on CPU slots (those of one host share its RAM and cores);
+each cut at the block boundary nearest to its share. The rank keeps only its stage's module, on its
+device; the stage's parameters keep the model's names (``transformer.h.3.mlp.weight``), so the
+rebuilt optimizer's param groups, the checkpoints and the returned weights use the names the user
+knows.
 
 Why ``train_func`` cannot run its plain loop: ``model(x)`` on a stage would take the previous
 stage's activations, not ``x``, and ``loss.backward()`` needs the gradient the next stage sends.
