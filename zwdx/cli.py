@@ -513,6 +513,12 @@ def main(argv=None) -> int:
     except ZwdxError as err:
         print(f"zwdx: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # what it stopped has said so (the SDK cancels a job it follows)
+        print("zwdx: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `zwdx jobs list | head`: the reader has gone, as a shell's tools go
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor fail flushing at exit
+        return 141
 
 
 if __name__ == "__main__":
