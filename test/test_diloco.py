@@ -88,11 +88,11 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     assert job["spec"]["parallelism"] == "DILOCO"
     assert job["spec"]["diloco"] == {"inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                                      "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True,
-                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 3}
+                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5}
     job = api.submit(parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
     assert job["spec"]["diloco"] == {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
                                      "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True,
-                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 3}
+                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5}
     assert api.submit(parallelism="DDP").json["spec"]["diloco"] is None
 
 

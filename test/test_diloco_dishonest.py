@@ -47,7 +47,7 @@ def test_a_worker_adding_noise_is_named_a_suspect_and_the_job_still_learns(sdk, 
     assert [s["rank"] for s in result["suspects"]] == [2], result["suspects"]
     suspect = result["suspects"][0]
     placed = {p["rank"]: p["client_id"] for p in result["placement"]}
-    assert suspect["client_id"] == placed[2] and len(suspect["rounds"]) == 3 and "norm" in suspect["reason"]
+    assert suspect["client_id"] == placed[2] and len(suspect["rounds"]) == 5 and "norm" in suspect["reason"]
     assert result["job"]["ranks"]["2"]["status"] == "dropped"
     assert placed[2] in sdk.get_job(result["job_id"]).get("avoid", [placed[2]])
     logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]

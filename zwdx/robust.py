@@ -21,8 +21,9 @@ workers' Gram matrix is summed as they go):
   - ``agreement``: the cosine between its pseudo-gradient and the sum of the others' clipped ones
     (leave-one-out, and leaving out those flagged already).
 A worker is *flagged* in a round when, among three or more workers, its norm is above
-``NORM_BOUND`` times the median, or it agrees least with the rest and its agreement is below
-zero or below a third of their median (taken out one at a time). ``zwdx.server.diloco`` names a worker flagged ``suspect_after`` rounds
+``NORM_BOUND`` times the median, or, while the workers share a direction (median agreement at
+least ``MIN_AGREEMENT``), it agrees least with the rest and below a third of their median
+(taken out one at a time). ``zwdx.server.diloco`` names a worker flagged ``suspect_after`` rounds
 in a row a suspect and drops it from the job.
 
 What it does not stop: a liar whose vector stays within the honest norms and directions (a
@@ -38,8 +39,11 @@ import numpy as np
 
 #: A norm this many times the round's median flags its worker.
 NORM_BOUND = 3.0
-#: An agreement below this share of the round's median agreement flags its worker.
+#: An agreement below this share of the round's median agreement flags its worker...
 AGREEMENT_SHARE = 1 / 3
+#: ...when that median is at least this: the workers share a direction. Near convergence honest
+#: pseudo-gradients are mostly noise, agree about zero, and no direction tells a liar apart.
+MIN_AGREEMENT = 0.1
 
 
 def default_trim(n: int) -> int:
@@ -121,7 +125,7 @@ class Combiner:
             agree = {i: self._agreement(i, [j for j in reference if j != i]) for i in reference}
             worst = min(agree, key=agree.get)
             middle = float(np.median(list(agree.values())))
-            if not (agree[worst] < 0 or (middle > 0 and agree[worst] < AGREEMENT_SHARE * middle)):
+            if not (middle >= MIN_AGREEMENT and agree[worst] < AGREEMENT_SHARE * middle):
                 break
             why[worst] = (f"its pseudo-gradient disagrees with the others' (cosine {agree[worst]:.2f}, the "
                           f"round's median {middle:.2f})")
@@ -136,4 +140,4 @@ def flags(scores: list[Scores]) -> list[str | None]:
     return [s.flag for s in scores]
 
 
-__all__ = ["NORM_BOUND", "AGREEMENT_SHARE", "default_trim", "clip_scales", "Scores", "Combiner", "flags"]
+__all__ = ["NORM_BOUND", "AGREEMENT_SHARE", "MIN_AGREEMENT", "default_trim", "clip_scales", "Scores", "Combiner", "flags"]

@@ -55,7 +55,7 @@ class DilocoSettings(Message):
     trim: Annotated[int, Field(ge=0, le=512)] | None = None
     #: A worker whose pseudo-gradient is an outlier (``zwdx.robust.flags``) this many rounds in a
     #: row is a suspect: named in the job's record and dropped from the job. 0: never.
-    suspect_after: Annotated[int, Field(ge=0, le=10_000)] = 3
+    suspect_after: Annotated[int, Field(ge=0, le=10_000)] = 5
 
     @field_validator("nesterov")
     @classmethod
