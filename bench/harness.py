@@ -169,8 +169,12 @@ def machine() -> str:
 def stop_all(started: list, work: str, keep: bool) -> None:
     """Stop every process a bench started (in ``started``'s order), then remove its work dir
     (``keep``: leave it, and say where)."""
+    # the GPU clients (listed before their servers) all at once, then what is left
+    clients = [p for p in started if isinstance(p, GpuClientProc)]
+    Child.stop_all(clients)
     for proc in started:
-        proc.stop()
+        if proc not in clients:
+            proc.stop()
     if keep:
         print(f"logs kept in {work}")
     else:

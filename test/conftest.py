@@ -317,8 +317,7 @@ def start_client(server, room, tmp_path):
         return client
 
     yield start
-    for client in started:
-        client.stop()
+    GpuClient.stop_all(started)
 
 
 class Cluster:
@@ -368,8 +367,7 @@ class Cluster:
                 self.sdk.cancel_job(job["id"])
 
     def stop(self) -> None:
-        for client in self.clients:
-            client.stop()
+        GpuClient.stop_all(self.clients)
         self.server.stop()
 
 

@@ -176,6 +176,23 @@ class Child:
         self.popen.wait()
         return self.popen.returncode
 
+    @staticmethod
+    def stop_all(procs, grace: float = 15.0) -> None:
+        """``stop`` each of ``procs``, all at once: each is told (SIGTERM) before any is waited
+        for, so their shutdowns overlap (a GPU client takes seconds to stop its ranks)."""
+        procs = list(procs)
+        for proc in procs:
+            if proc.alive():
+                proc._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.popen.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+            proc._signal_group(signal.SIGKILL)
+            proc.popen.wait()
+
     def output(self) -> str:
         """Everything the process wrote so far."""
         try:
