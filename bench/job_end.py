@@ -53,9 +53,9 @@ def train(model, loader, optimizer, reporter):
 _EXITED = re.compile(r"^(\S+ \S+) INFO gpu_client\.agent: gpu-client \S+: job (\w+) \(attempt \d+\) ranks exited")
 
 
-def exits_seen(work: str) -> dict[str, float]:
-    """job id -> when the last of its rank processes exited, as the GPU clients logged it."""
-    seen: dict[str, float] = {}
+def exit_lines(work: str) -> list[tuple[str, str, float]]:
+    """(GPU client, job id, when) of each "ranks exited" its log holds."""
+    out = []
     for name in os.listdir(work):
         path = os.path.join(work, name, "gpu-client.log")
         if not os.path.exists(path):
@@ -64,8 +64,16 @@ def exits_seen(work: str) -> dict[str, float]:
             for line in fh:
                 m = _EXITED.match(line)
                 if m:
-                    at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                    seen[m.group(2)] = max(seen.get(m.group(2), 0.0), at)
+                    out.append((name, m.group(2),
+                                datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()))
+    return out
+
+
+def exits_seen(work: str) -> dict[str, float]:
+    """job id -> when the last of its rank processes exited, as the GPU clients logged it."""
+    seen: dict[str, float] = {}
+    for _, job_id, at in exit_lines(work):
+        seen[job_id] = max(seen.get(job_id, 0.0), at)
     return seen
 
 
@@ -99,7 +107,11 @@ def main() -> None:
                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), room_token=token,
                                     world_size=2, progress=False, timeout=120)
             returned[result["job_id"]] = time.time()
-        time.sleep(3)  # let the GPU clients log the last exits
+        try:  # each GPU client (one rank of each job) logs its ranks' exit
+            harness.wait_until(lambda: len({(c, j) for c, j, _ in exit_lines(work) if j in returned})
+                               == 2 * len(returned), 10, what="the GPU clients' logs of the last exits")
+        except TimeoutError:
+            pass  # an older checkout's clients may not say: the table shows no exit for those jobs
         seen = exits_seen(work)
         rows, to_end, to_exit, to_sdk = [], [], [], []
         for job_id, back in returned.items():
@@ -122,8 +134,7 @@ def main() -> None:
         harness.write_out(args.out, text, {"jobs": args.jobs, "to_end": to_end, "to_exit": to_exit,
                                            "to_sdk": to_sdk})
     finally:
-        for c in clients:
-            c.stop()
+        GpuClientProc.stop_all(clients)  # together: each takes seconds to stop its ranks
         server.stop()
         if args.keep:
             print(f"logs in {work}")

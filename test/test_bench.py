@@ -1,6 +1,8 @@
 """The benchmark scripts still run against the code they measure: each, on CPU, at its smallest,
 to the end, printing its tables and no failed run (a change of a token, a message or a helper's
-signature broke them silently once). Figures are not checked here: bench/README.md has them."""
+signature broke them silently once). Figures are not checked here: bench/README.md has them, so
+nothing waits for a steady machine (``--settle 0``: the standbys are waited for, not the seconds
+after them) and a shaped link is the faster of wan.py's two (the same shaping, fewer seconds)."""
 from __future__ import annotations
 
 import os
@@ -26,19 +28,19 @@ def bench(script: str, *args: str, timeout: float = 300) -> str:
 
 def test_overhead_runs_fsdp_on_both_sides():
     out = bench("overhead.py", "--gpus", "0", "--cpu-ranks", "2", "--model", "gpt2", "--parallelism", "FSDP",
-                "--steps", "8", "--warmup", "2", "--settle", "1")
+                "--steps", "8", "--warmup", "2", "--settle", "0")
     assert "2 x CPU rank, FSDP" in out and "| gpt2" in out and "wrap FSDP" in out
 
 
 def test_strategies_runs_the_four_ways():
     out = bench("strategies.py", "--gpus", "0", "--cpu-ranks", "2", "--model", "gpt2", "--steps", "8", "--warmup", "2",
-                "--microbatches", "4", "--settle", "1")
+                "--microbatches", "4", "--settle", "0")
     for way in ("| DDP", "| FSDP", "| TP", "| PIPELINE"):
         assert way in out, out[-4000:]
 
 
 def test_job_end_runs():
-    assert "job completed" in bench("job_end.py", "--jobs", "2", "--settle", "0.5").lower()
+    assert "job completed" in bench("job_end.py", "--jobs", "2", "--settle", "0").lower()
 
 
 def test_control_plane_runs_with_rank_keys_and_donor_tokens_on_one_and_two_servers():
@@ -61,7 +63,7 @@ def test_wan_runs_ddp_and_diloco_over_a_shaped_link():
     import needs
     needs.root("network namespaces and tc")
     needs.tool("tc", "apt-get install iproute2 (./setup.sh --test)")
-    out = bench("wan.py", "--links", "100", "--steps", "8", "--ways", "smoke", timeout=600)
+    out = bench("wan.py", "--links", "1000", "--steps", "8", "--ways", "smoke", timeout=600)
     assert "| DDP" in out and "DILOCO H=4 int8" in out
 
 
