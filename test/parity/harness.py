@@ -17,6 +17,12 @@ the rest of its batch and that draws no random numbers, this is one process trai
 global batch (the replicas' batches of a step, together) with the mean loss: ``test_parity.py``
 checks the two agree to round-off. What it adds:
 
+- A loader without a ``DistributedSampler`` (``Case.sharded`` False: ``DataLoader(shuffle=True)``
+  as written for one process): zwdx does not shard it (there is no sampler injection; README
+  asks for a ``DistributedSampler``), so every replica reads the whole set. Seeded alike on
+  every replica, they read it in one order, their gradients are equal, and the job trains what
+  one process trains with that loader: its batch, every sample once an epoch (the other
+  replicas repeat the work). The reference needs nothing special for it.
 - Random numbers (dropout, augmentation in ``__getitem__`` or the collate function): each
   replica has its own generator, seeded by the job's ``data_loader_func`` with ``SEED +
   REPLICA_SEED + rank`` (what nanoGPT's ``seed_offset`` does, and what zwdx leaves to the user:
@@ -27,7 +33,9 @@ checks the two agree to round-off. What it adds:
   statistics that come back are rank 0's (zwdx gives every rank rank 0's buffers after training).
 - Mixed devices: the ranks' shares of the global batch depend on measured speed; the reference
   is one process on the whole global batch (``Sampling`` of all of it), which any split equals
-  for a loss that is a mean over the batch.
+  for a loss that is a mean over the batch and a model whose samples are independent
+  (``Case.independent``: no BatchNorm, no random draws; zwdx promises nothing more there, since
+  the shares are the speed's).
 - LoRA: the same peft model (the adapter's initialisation seeded) in both; only the adapter is
   compared, as only the adapter comes back.
 
@@ -87,11 +95,14 @@ LORA_TARGETS = {"hf_gpt2": {"target_modules": ["c_attn"], "fan_in_fan_out": True
 
 
 def supports(case: Case, mode: Mode) -> bool:
-    """Whether ``mode`` applies to ``case``: TP needs Linear pairs; LoRA a target."""
+    """Whether ``mode`` applies to ``case``: TP needs Linear pairs; LoRA a target; mixed devices
+    a model whose samples are independent and that draws nothing (see the module's docstring)."""
     if mode.parallelism in ("TP", "FSDP+TP"):
         return case.tp
     if mode.lora:
         return case.name in LORA_TARGETS
+    if mode.mixed:  # the ranks' batches are shares by speed: their draws and batch statistics are not one process's
+        return case.independent
     return True
 
 
@@ -130,6 +141,10 @@ def loader_func(case: Case, mode: Mode):
         return mixed_loader
 
     def loader(rank, world_size):
+        if not case.sharded:  # as written for one process: the same seed, the whole set, on every replica
+            torch.manual_seed(SEED + REPLICA_SEED)
+            return DataLoader(case.data(), batch_size=case.batch, shuffle=case.shuffle, drop_last=True,
+                              collate_fn=case.collate)
         torch.manual_seed(SEED + REPLICA_SEED + rank)
         data = case.data()
         sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=case.shuffle, seed=SEED)
@@ -139,11 +154,14 @@ def loader_func(case: Case, mode: Mode):
 
 
 def train_func(case: Case):
-    """The job's ``train_func``: a plain loop, ``set_epoch`` every pass; returns the last loss."""
+    """The job's ``train_func``: a plain loop, ``set_epoch`` every pass; returns the last loss.
+    float32 on CUDA (TF32 off), as the reference."""
     def train(model, loader, optimizer, epochs, device):
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         loss = torch.tensor(float("nan"))
         for epoch in range(epochs):
-            loader.sampler.set_epoch(epoch)
+            if hasattr(loader.sampler, "set_epoch"):
+                loader.sampler.set_epoch(epoch)
             for batch in loader:
                 optimizer.zero_grad()
                 loss = case.loss(model, to(batch, device))
@@ -168,7 +186,8 @@ def run_job(sdk, case: Case, mode: Mode, epochs: int | None = None, timeout: flo
         extra.setdefault("global_batch", case.batch)
     result = sdk.submit_job(model, loader_func(case, mode), train_func(case), None, optimizer, mode.parallelism,
                             epochs=epochs or case.epochs, world_size=mode.world_size, progress=False,
-                            timeout=timeout, name=f"parity-{mode.name}-{case.name}", **extra)
+                            timeout=timeout, name=f"parity-{mode.name}-{case.name}", fail_if_unschedulable=True,
+                            **extra)
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     try:
@@ -180,31 +199,41 @@ def run_job(sdk, case: Case, mode: Mode, epochs: int | None = None, timeout: flo
 
 # -- one process -----------------------------------------------------------------------------------
 class Replicas:
-    """One generator state per replica; ``with replicas.of(r):`` runs as replica ``r``."""
+    """One generator state per replica (the CPU's, and ``device``'s on CUDA); ``with
+    replicas.of(r):`` runs as replica ``r``."""
 
-    def __init__(self, n: int):
-        self.states: list[torch.Tensor | None] = [None] * n
+    def __init__(self, n: int, device: torch.device):
+        self.cuda = device if device.type == "cuda" else None
+        self.states: list[tuple | None] = [None] * n
 
     @contextlib.contextmanager
     def of(self, r: int):
         if self.states[r] is not None:
-            torch.set_rng_state(self.states[r])
+            torch.set_rng_state(self.states[r][0])
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.states[r][1], self.cuda)
         try:
             yield
         finally:
-            self.states[r] = torch.get_rng_state()
+            self.states[r] = (torch.get_rng_state(),
+                              torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None)
 
 
-def reference(case: Case, mode: Mode, epochs: int | None = None, replicas: int | None = None) -> dict:
+def reference(case: Case, mode: Mode, epochs: int | None = None, replicas: int | None = None,
+              device: str = "cpu") -> dict:
     """The weights one process trains (see the module's docstring): ``replicas`` (default the
-    mode's) simulated in turn, gradients averaged per step. LoRA: the adapter alone."""
+    mode's) simulated in turn, gradients averaged per step, on ``device``. LoRA: the adapter
+    alone. Returned on the CPU."""
     n = replicas or mode.replicas
-    with torch.random.fork_rng(devices=[]):
-        model = initial_model(case, mode)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), float32():
+        model = initial_model(case, mode).to(device)
         optimizer = initial_optimizer(case, mode, model)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        gens = Replicas(n)
+        gens = Replicas(n, device)
         loaders = []
         for r in range(n):
             with gens.of(r):
@@ -213,7 +242,8 @@ def reference(case: Case, mode: Mode, epochs: int | None = None, replicas: int |
             iters = []
             for r, loader in enumerate(loaders):
                 with gens.of(r):
-                    loader.sampler.set_epoch(epoch)
+                    if hasattr(loader.sampler, "set_epoch"):
+                        loader.sampler.set_epoch(epoch)
                     iters.append(iter(loader))
             while True:
                 batches, grads, kept = [], [], None
@@ -225,7 +255,7 @@ def reference(case: Case, mode: Mode, epochs: int | None = None, replicas: int |
                             break
                         _load_buffers(model, before)  # every replica starts the step from rank 0's buffers
                         optimizer.zero_grad()
-                        case.loss(model, batch).backward()
+                        case.loss(model, to(batch, device)).backward()
                         grads.append([None if p.grad is None else p.grad.clone() for p in params])
                         if r == 0:
                             kept = _buffers(model)
@@ -261,8 +291,20 @@ def returned_state(model, mode: Mode) -> dict:
     """What the job returns of ``model``: every tensor of its state dict; LoRA: the adapter's."""
     if mode.lora:
         from peft import get_peft_model_state_dict
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def float32():
+    """float32 arithmetic on CUDA too (TF32 off for matrix products and cuDNN's convolutions, as
+    the job's ``train_func`` sets it): parity is about float32 round-off, TF32's is 1e-3."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 # -- the comparison --------------------------------------------------------------------------------
@@ -300,18 +342,28 @@ class Outcome:
     tolerance: float
     seconds: float
     error: str = ""
+    where: str = ""  # the ranks' slots: "cpu x2", "cuda x2", "cuda + cpu"
 
     @property
     def passed(self) -> bool:
         return self.diff is not None and self.diff <= self.tolerance
 
 
-def check(sdk, case: Case, mode: Mode, **options) -> Outcome:
-    """``run_job`` and ``reference`` and their comparison, as one row."""
+def check(sdk, case: Case, mode: Mode, device: str = "cpu", **options) -> Outcome:
+    """``run_job`` and ``reference`` (on ``device``) and their comparison, as one row."""
     began = time.time()
     try:
-        got, _ = run_job(sdk, case, mode, **options)
-        diff = compare(got, reference(case, mode))
-        return Outcome(mode.name, case.name, diff, mode.tolerance, time.time() - began)
+        got, result = run_job(sdk, case, mode, **options)
+        diff = compare(got, reference(case, mode, device=device))
+        where = placed(sdk.get_job(result["job_id"]))
+        return Outcome(mode.name, case.name, diff, mode.tolerance, time.time() - began, where=where)
     except Exception as exc:  # a row says what went wrong; the test asserts on it
         return Outcome(mode.name, case.name, None, mode.tolerance, time.time() - began, f"{type(exc).__name__}: {exc}")
+
+
+def placed(job: dict) -> str:
+    """The kinds of slot the job's ranks ran on: "cpu x2", "cuda x2", "cuda x1 + cpu x1"."""
+    kinds: dict[str, int] = {}
+    for p in job.get("placement") or []:
+        kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+    return " + ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: kv[0] != "cuda"))

@@ -15,7 +15,7 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("name", ["mlp", "residual", "sequential"])
+@pytest.mark.parametrize("name", ["mlp", "residual", "sequential", "unsharded"])
 def test_two_replicas_equal_one_process_on_the_global_batch(name):
     case = zoo.case(name)
     two, one = harness.reference(case, MODES["DDP"]), harness.reference(case, MODES["DDP"], replicas=1)

@@ -9,7 +9,8 @@ trains in one process and as a zwdx job (``harness.py``). Each trains in about a
     c.batch, c.epochs    # the global batch (samples per optimizer step over all replicas), passes
 
 What each case exercises: ``mlp`` a shuffled loader (``DistributedSampler(shuffle=True)``,
-``set_epoch``: the loader README asks for); ``dropout`` the replicas' random generators;
+``set_epoch``: the loader README asks for); ``unsharded`` a plain ``DataLoader(shuffle=True)``
+written for one process (no sampler); ``dropout`` the replicas' random generators;
 ``batchnorm`` per-replica batch statistics and buffers; ``tied_lm`` a nanoGPT (test/models.py:
 tied embeddings, LayerNorm and residual blocks, two param groups); ``residual`` LayerNorm +
 residual MLP blocks (FSDP units, TP pairs); ``sequential`` an ``nn.Sequential`` of mixed layers;
@@ -39,7 +40,11 @@ class Case:
     ``loss(model, batch)`` a mean over the batch; ``batch`` the global batch (the replicas split
     it); ``collate`` the DataLoader's (None: the default); ``lr`` the optimizer's (SGD with momentum,
     see ``make_optimizer``); ``optimizer(model)`` overrides it (a case with param groups); ``tp`` whether TP can split it (Linear pairs);
-    ``needs``: packages it imports (its tests skip where absent, CI has them)."""
+    ``needs``: packages it imports (its tests skip where absent, CI has them); ``independent``:
+    a sample's output depends on it alone and nothing is drawn at random (no BatchNorm, dropout
+    or augmentation), so any split of a global batch trains alike; ``sharded``: the loader has a
+    ``DistributedSampler`` (README's advice; False: ``DataLoader(shuffle=True)`` as written for
+    one process, every replica reading the whole set, ``batch`` samples a step each)."""
     name: str
     model: Callable[[], nn.Module]
     data: Callable[[], Dataset]
@@ -51,6 +56,8 @@ class Case:
     collate: Callable | None = None
     optimizer: Callable | None = None
     tp: bool = False
+    independent: bool = True
+    sharded: bool = True
     needs: tuple = field(default_factory=tuple)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -194,13 +201,14 @@ def noisy_collate(samples):
 
 CASES: list[Case] = [
     Case("mlp", seeded(mlp), blobs, classify),
-    Case("dropout", seeded(dropout_mlp), blobs, classify),
-    Case("batchnorm", seeded(batchnorm_mlp), blobs, classify),
+    Case("unsharded", seeded(mlp), blobs, classify, sharded=False),
+    Case("dropout", seeded(dropout_mlp), blobs, classify, independent=False),
+    Case("batchnorm", seeded(batchnorm_mlp), blobs, classify, independent=False),
     Case("tied_lm", seeded(tied_lm), token_rows, lm_loss, optimizer=lm_optimizer, tp=True),
     Case("residual", seeded(Residual), blobs, classify, tp=True),
     Case("sequential", seeded(mixed_sequential), blobs, classify),
-    Case("hf_gpt2", seeded(hf_gpt2), token_rows, hf_loss, lr=0.1, tp=True, needs=("transformers",)),
-    Case("augment", seeded(mlp), Jittered, classify, collate=noisy_collate),
+    Case("hf_gpt2", seeded(hf_gpt2), token_rows, hf_loss, lr=0.1, needs=("transformers",)),
+    Case("augment", seeded(mlp), Jittered, classify, collate=noisy_collate, independent=False),
 ]
 
 #: The cases by name.

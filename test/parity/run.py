@@ -1,0 +1,118 @@
+"""The parity suite as a table, without the test bench: every mode x every zoo model it applies
+to, trained as a zwdx job and in this process, the largest relative difference of the weights.
+
+    python test/parity/run.py                           # a local platform: a server, two GPU clients of 2 CPU slots
+    python test/parity/run.py --gpus 0,1                # ... a GPU client of those GPUs and one of 2 CPU slots
+                                                        # (the one process then trains on cuda)
+    python test/parity/run.py --server URL --token T    # a room of yours (the submitter token; or $ZWDX_ROOM_TOKEN)
+    python test/parity/run.py --modes DDP,TP --cases mlp,residual
+
+Exit status 0 when every row passed. The local platform's processes are stopped at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]  # test/ and the checkout
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from parity import harness, zoo  # noqa: E402
+
+
+def rows(sdk, modes: list[str], cases: list[str], device: str = "cpu", out=print) -> list[harness.Outcome]:
+    done = []
+    for mode in (harness.MODES[m] for m in modes):
+        for case in (zoo.case(c) for c in cases):
+            if not harness.supports(case, mode):
+                continue
+            outcome = harness.check(sdk, case, mode, device=device)
+            done.append(outcome)
+            out(f"{outcome.mode:10} {outcome.case:11} {_diff(outcome):>9}  {_verdict(outcome)}  {outcome.seconds:5.1f} s"
+                f"  {outcome.where}  {outcome.error[:200]}")
+    return done
+
+
+def _diff(o: harness.Outcome) -> str:
+    return "-" if o.diff is None else f"{o.diff:.2e}"
+
+
+def _verdict(o: harness.Outcome) -> str:
+    return "pass" if o.passed else "FAIL"
+
+
+def table(outcomes: list[harness.Outcome]) -> str:
+    return tabulate([(o.mode, o.case, o.where, _diff(o), f"{o.tolerance:.0e}", _verdict(o), f"{o.seconds:.1f}")
+                     for o in outcomes],
+                    headers=["mode", "model", "ranks on", "max rel diff", "tolerance", "result", "s"],
+                    tablefmt="github")
+
+
+def local_pool(base: str, gpus: str | None):
+    from gpu_pool import GpuPool
+    pool = GpuPool(base, clients=())
+    own = {"env": {"ZWDX_ISOLATION": "process"}}  # ranks as this user: no per-job users to make
+    try:
+        if gpus:
+            pool.start("gpu", extra=["--gpus", gpus], **own)
+            pool.start("cpu", extra=["--cpu-slots", "2"], **own)
+        else:
+            for name in ("a", "b"):
+                pool.start(name, extra=["--cpu-slots", "2"], **own)
+    except BaseException:
+        pool.stop()
+        raise
+    return pool
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", help="a zwdx server's URL (default: start a local platform)")
+    parser.add_argument("--token", default=os.environ.get("ZWDX_ROOM_TOKEN"),
+                        help="the room's submitter token (default: $ZWDX_ROOM_TOKEN)")
+    parser.add_argument("--gpus", help="local platform: a GPU client of these GPUs (e.g. 0,1) beside one of 2 CPU slots")
+    parser.add_argument("--reference-device", help="where the one process trains (default: cuda with --gpus, else cpu)")
+    parser.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated (default: all)")
+    parser.add_argument("--cases", default=",".join(c.name for c in zoo.CASES), help="comma-separated (default: all)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    modes, cases = args.modes.split(","), args.cases.split(",")
+    device = args.reference_device or ("cuda" if args.gpus else "cpu")
+    for name in modes:
+        if name not in harness.MODES:
+            parser.error(f"--modes: no mode {name!r} (modes: {', '.join(harness.MODES)})")
+    for name in cases:
+        if name not in zoo.BY_NAME:
+            parser.error(f"--cases: no case {name!r} (cases: {', '.join(zoo.BY_NAME)})")
+    began = time.time()
+    if args.server:
+        if not args.token:
+            parser.error("--server needs --token (or $ZWDX_ROOM_TOKEN): the room's submitter token")
+        from zwdx import ZWDX
+        with ZWDX(args.server, room_token=args.token, remember=False) as sdk:
+            outcomes = rows(sdk, modes, cases, device)
+    else:
+        with tempfile.TemporaryDirectory(prefix="zwdx-parity-") as base:
+            pool = local_pool(base, args.gpus)
+            try:
+                outcomes = rows(pool.sdk, modes, cases, device)
+            finally:
+                pool.stop()
+    print()
+    print(table(outcomes))
+    failed = [o for o in outcomes if not o.passed]
+    print(f"\n{len(outcomes) - len(failed)} of {len(outcomes)} passed in {time.time() - began:.0f} s "
+          f"(torch {torch.__version__})")
+    for o in failed:
+        print(f"FAIL {o.mode} {o.case}: {o.error or f'relative difference {o.diff:.3g}'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
