@@ -63,6 +63,7 @@ PYCHECK
     command -v ip >/dev/null || missing+=(iproute2)
     command -v redis-server >/dev/null || missing+=(redis-server)  # test/test_scale.py: the message queue
     command -v haproxy >/dev/null || missing+=(haproxy)  # test/test_scale.py: the balancer
+    command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || missing+=(nginx)  # test/test_proxies.py: the TLS proxy
     if (( ${#missing[@]} )); then
         apt_install "${missing[@]}" || echo "zwdx setup: the full test suite needs ${missing[*]}" >&2
     fi

@@ -40,7 +40,7 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCa
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import Isolation
 
-from . import gpus, health, host, link, reach, sandbox, script
+from . import gpus, health, host, link, reach, refusal, sandbox, script
 from .reach import interface_of, listener, reaching_address
 from .identity import Identity
 from .isolation import IsolationError, build as build_isolation
@@ -477,6 +477,13 @@ class Agent:
             except socketio.exceptions.ConnectionError as exc:
                 if self.fatal:
                     break
+                why = refusal.why_refused(self.server, self.verify)
+                if why and not why[1]:
+                    self.fatal = f"refused by the server: {why[0]}"
+                    self.stop.set()
+                    break
+                if why:
+                    exc = f"refused by the server: {why[0]}"
                 log.warning("gpu-client %s: cannot reach %s (%s); retrying in %.1f s", self.client_id,
                             self.server, exc, backoff)
                 self.stop.wait(backoff)

@@ -59,7 +59,7 @@ def _server(args) -> int:
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
     for name in ("header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address",
-                 "socket_sessions_per_address", "socket_auth_timeout"):
+                 "socket_sessions_per_address", "socket_auth_timeout", "proxy_hops"):
         if getattr(args, name) is not None:
             config[name.upper()] = getattr(args, name)
     if args.metrics_token_file:
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     edge.add_argument("--socket-auth-timeout", type=float, default=None,
                       help=f"seconds a Socket.IO session has to connect with its token before it is closed, 0: no "
                            f"limit (default {defaults.SOCKET_AUTH_TIMEOUT:g})")
+    edge.add_argument("--proxy-hops", type=int, default=None,
+                      help="reverse proxies in front (nginx, HAProxy) whose X-Forwarded-For and -Proto to believe, so "
+                           "that rate limits and /metrics see the client's address (default: $ZWDX_PROXY_HOPS, else 0)")
     p.add_argument("--metrics-token-file", default=None,
                    help="GET /metrics then answers 'Authorization: Bearer <the file's token>' from anywhere "
                         "(also $ZWDX_METRICS_TOKEN); without one it answers this machine only")

@@ -29,7 +29,7 @@ from .. import defaults
 from ..protocol.base import loads
 from ..protocol.report import to_wire
 from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, disk, events, json_limits,
-               limits, links, notify, openapi, prometheus, scripts, socket_edge, tokens, ui)
+               limits, links, notify, openapi, prometheus, proxies, scripts, socket_edge, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .extensions import Encoded, socketio
@@ -251,15 +251,12 @@ def create_app(config: dict | None = None) -> Flask:
     # connection's own reader, in order, not each in a new thread (greenlet) that then waits its
     # turn again: no handler waits on anything but the store (events.py).
     socketio.init_app(app, async_mode=mode, max_http_buffer_size=1024 * 1024, json=SOCKET_JSON, serializer=JsonPacket,
-                      manage_session=False, async_handlers=False, **queue)
+                      manage_session=False, async_handlers=False, cors_allowed_origins=proxies.OriginCheck(), **queue)
     events.register(socketio, ctx)
     ctx.socket_edge = socket_edge.init_app(app, socketio, ctx)
     if ctx.lease.shared:  # a token revoked through another process closes this one's connections too
         ctx.lease.every_try.append(lambda: tokens.close_revoked(ctx))
-    hops = int(app.config["PROXY_HOPS"])
-    if hops:  # the client's address, not the proxy's, for rate limits (outside Socket.IO's middleware: both see it)
-        from werkzeug.middleware.proxy_fix import ProxyFix
-        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops)
+    proxies.install(app)  # the client's address behind PROXY_HOPS proxies, for rate limits and /metrics
     ctx.scheduler.start(app)
     ctx.sweeper.start()
     ctx.lease.start(ctx.stopping)
