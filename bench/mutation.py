@@ -11,7 +11,7 @@ it calls and runs, per mutant, only those tests, so the selection bounds the cos
 module: mutants, killed, survived, no tests (no selected test calls the function), timeouts and
 the score, (killed + timeouts) / (mutants checked - skipped), and writes the surviving mutants' diffs to
 ``<work>/survivors-<module>.txt`` (docs/testing.md lists them). It is not run in CI: the whole
-set takes about 10 minutes on 16 cores (``bench/requirements.txt`` plus mutmut on a bare host).
+set takes about 8 minutes on 16 cores (docs/testing.md: how, and the figures) (``bench/requirements.txt`` plus mutmut on a bare host).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "scheduler": ("zwdx/server/scheduler.py",
                   ["test/test_scheduler.py", "test/test_placement.py", "test/test_job.py"] + FAST),
     "limits": ("zwdx/server/limits.py",
-               ["test/test_configured_limits.py", "test/test_trackers.py", "test/test_mutants_limits.py"] + FAST),
+               ["test/test_api.py", "test/test_mutants_limits.py"] + FAST),
     "codec": ("zwdx/codec.py", ["test/test_diloco.py", "test/test_diloco_join.py", "test/test_mutants_codec.py"] + FAST),
     "checkpoint": ("gpu_client/checkpoint.py", ["test/test_runner.py", "test/test_resilience.py"] + FAST),
     "parallel": ("gpu_client/parallel.py", ["test/test_layout.py", "test/test_digests.py"] + FAST),

@@ -216,3 +216,10 @@ def test_an_issued_credential_is_stored_with_its_hash_and_fields(app):
     assert {k: stored[k] for k in ("room_id", "role", "name", "rotated_at", "revoked_at", "legacy")} == \
         {"room_id": "r1", "role": "donor", "name": "", "rotated_at": None, "revoked_at": None, "legacy": False}
     assert before <= stored["created_at"] <= time.time()
+
+
+def test_a_rank_key_for_a_job_that_does_not_exist_reads_as_a_key_that_opens_nothing(app):
+    with app.test_request_context():
+        with pytest.raises(Forbidden) as err:
+            auth.rank_sender("no-such-job", "rk_anything")
+    assert err.value.message == "this rank key opens no rank of job no-such-job's current attempt (that is a rank key)"
