@@ -48,7 +48,7 @@ from .compile_cache import RoomCaches
 from .launcher import Launcher, RunningJob
 from .datasets import DatasetCache, share as share_datasets
 from .workspace import Workspace
-from .reporter import http_session
+from .outage import http_session
 
 #: Seconds a rendezvous port offered for a job stays held while no assignment comes (the server
 #: placed the job elsewhere): then it is closed.
@@ -76,8 +76,10 @@ class Agent:
                  work_dir: str | None = None, max_jobs: int | None = None, standby: bool = True,
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
                  ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None,
-                 cpu_slots: int = 1, fetch_policy=None, compile_cache: str | None = None):
+                 cpu_slots: int = 1, fetch_policy=None, compile_cache: str | None = None,
+                 outage_tolerance: float = defaults.OUTAGE_TOLERANCE):
         self.server = server.rstrip("/")
+        self.outage_tolerance = outage_tolerance  # how long its ranks wait for a server that is away
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
         self.verify = self.ca_file or True
@@ -119,14 +121,15 @@ class Agent:
         self.link: Link | None = None            # its link to the server, measured at a register
         self.listener: reach.Listener | None = None  # answers its peers' reachability probes
         self.http = self._session()
-        self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=5,
+        # back within a restarted server's grace (CLIENT_TIMEOUT, 8 s), however long it was away
+        self.sio = socketio.Client(reconnection=True, reconnection_delay=0.5, reconnection_delay_max=2,
                                    randomization_factor=0.5, http_session=self.http)
         self._bind()
 
     def _session(self, rank_key: str | None = None) -> requests.Session:
         """A session that verifies the server's certificate (as a rank, with its key)."""
         if rank_key is not None:
-            return http_session(rank_key, verify=self.verify)
+            return http_session(rank_key, verify=self.verify, patience=self.outage_tolerance)
         return tls.session(self.verify)
 
     @property
@@ -282,6 +285,7 @@ class Agent:
             data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
+            outage_tolerance=self.outage_tolerance,
             sandbox=job.sandbox, ca_file=os.path.join(job.sandbox.dir, CA_FILE) if self.ca_file else None,
             **script.rank_fields(assign, place, local_rank, sandbox.home(job.sandbox)))
 

@@ -399,7 +399,7 @@ class Diloco(Collective):
 
     def _ask(self, method: str, url: str, **kwargs) -> requests.Response:
         """A call to the server, tried again while it is away or busy (a server restart)."""
-        deadline = time.time() + defaults.OUTAGE_TOLERANCE
+        deadline = time.time() + self.reporter.patience
         while True:
             try:
                 resp = getattr(self.reporter.session, method)(url, timeout=600, **kwargs)

@@ -212,8 +212,8 @@ class RankContainer:
 
 def report_unstarted(spec: RankSpec, message: str) -> None:
     """A rank whose container ended before it started: its failure, with the container's last words."""
-    from .reporter import http_session
-    session = http_session(spec.rank_key.get_secret_value())
+    from .outage import http_session
+    session = http_session(spec.rank_key.get_secret_value(), spec.ca_file or True, spec.outage_tolerance)
     try:
         session.post(f"{spec.server.rstrip('/')}{defaults.API_PREFIX}/jobs/{spec.job_id}/ranks/{spec.rank}",
                      json={"status": RankStatus.FAILED.value, "error": f"{spec.where}: {message}",

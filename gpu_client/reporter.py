@@ -3,8 +3,9 @@
 Every call carries the rank's key (``X-Zwdx-Rank-Key``), which speaks for this rank of this
 attempt only: no room token. Events queue in memory and a sender thread posts them in batches
 (of at most ``BATCH_BYTES``). If the server is away, the batch is kept and retried with backoff
-until it is delivered, so nothing reported is lost; each event carries a key unique in its job
-and rank, so a batch sent twice is stored once. A batch the server refuses (4xx; over the room's
+(``outage.py``) until it is delivered, so nothing reported is lost while training goes on (up to
+``BUFFER_BYTES`` undelivered; later ones are dropped and counted in the log); each event carries
+a key unique in its job and rank, so a batch sent twice is stored once. A batch the server refuses (4xx; over the room's
 quota, 429 ``quota_exceeded``; below its free-space floor, 507), or that cannot be written as
 JSON, is dropped with an error in the log, never retried; one refused for the rank's pace (429
 ``too_many_requests``) is sent again later.
@@ -24,29 +25,21 @@ import threading
 import time
 
 import requests
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
 
-from zwdx import defaults, tls
+from zwdx import defaults
 from zwdx.protocol.report import to_wire
+
+from .outage import http_session
 
 log = logging.getLogger(__name__)
 
 #: The most an events batch holds, in bytes of its events' text (well under the server's
 #: limit on a request body, ``MAX_REQUEST_BYTES``, 8 MiB by default).
 BATCH_BYTES = 1024 * 1024
-
-
-def http_session(rank_key: str, retries: int = 5, verify: str | bool = True) -> requests.Session:
-    """Calls to the server as the rank whose key this is (retried while the server is away);
-    ``verify``: the CA file the server's certificate is checked against (True: the system's)."""
-    session = tls.session(verify)
-    retry = Retry(total=retries, connect=retries, read=retries, backoff_factor=0.5,
-                  status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)
-    session.mount("http://", HTTPAdapter(max_retries=retry))
-    session.mount("https://", HTTPAdapter(max_retries=retry))
-    session.headers[defaults.RANK_KEY_HEADER] = rank_key
-    return session
+#: The most events a rank keeps undelivered (bytes of their text, as ``BATCH_BYTES``) while the
+#: server is away: past it, new ones are dropped and counted, and the count is logged once the
+#: server is back (training goes on, and its memory stays bounded).
+BUFFER_BYTES = 16 * 1024 * 1024
 
 
 def _number(value):
@@ -66,9 +59,12 @@ class Reporter:
     """Given to ``train_func`` as ``reporter``: ``log_metrics(**values)`` and ``log(text)``."""
 
     def __init__(self, server: str, rank_key: str, job_id: str, rank: int, attempt: int = 0,
-                 flush_interval: float = 0.2, verify: str | bool = True):
+                 flush_interval: float = 0.2, verify: str | bool = True,
+                 patience: float = defaults.OUTAGE_TOLERANCE):
         self.base = f"{server.rstrip('/')}{defaults.API_PREFIX}/jobs/{job_id}"
-        self.session = http_session(rank_key, verify=verify)
+        #: Seconds a call waits for a server that is away (``outage.py``).
+        self.patience = float(patience)
+        self.session = http_session(rank_key, verify=verify, patience=self.patience)
         self.job_id, self.rank, self.attempt = job_id, rank, attempt
         self.step = 0
         #: Where to go on from: the first epoch to run (0 unless resumed from a checkpoint).
@@ -85,6 +81,8 @@ class Reporter:
         self._flush_interval = flush_interval
         self._closed = threading.Event()
         self._outstanding = 0                 # queued or in flight, not yet delivered
+        self._buffered = 0                    # their bytes (``_size``), at most BUFFER_BYTES
+        self._dropped = 0                     # events dropped on a full buffer, not yet told
         self._delivered = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._send_loop, name="zwdx-reporter", daemon=True)
         self._thread.start()
@@ -204,12 +202,30 @@ class Reporter:
         self._put("log", {"text": str(text)}, None)
 
     def _put(self, kind: str, data: dict, step) -> None:
+        event = {"kind": kind, "rank": self.rank, "step": step, "data": data, "ts": time.time()}
+        size = _size(event)
         with self._lock:
+            if self._buffered + size > BUFFER_BYTES:  # the server has been away long: training goes on
+                self._dropped += 1
+                return
             self._n += 1
             self._outstanding += 1
-            key = f"{self.attempt}:{self._n}"
-        self._queue.put({"kind": kind, "rank": self.rank, "key": key, "step": step, "data": data,
-                         "ts": time.time()})
+            self._buffered += size
+            event["key"] = f"{self.attempt}:{self._n}"
+        self._queue.put(event)
+
+    def _settled(self, events: list[dict]) -> None:
+        """``events`` delivered (or refused for good): out of the count and the buffer."""
+        with self._delivered:
+            self._outstanding -= len(events)
+            self._buffered -= sum(_size(e) for e in events)
+            dropped, self._dropped = self._dropped, 0
+            self._delivered.notify_all()
+        if dropped:
+            log.warning("rank %d: %d event(s) dropped while the server was away (%d MiB kept undelivered at most)",
+                        self.rank, dropped, BUFFER_BYTES >> 20)
+            self.log(f"rank {self.rank}: {dropped} metric or log event(s) were dropped while the server was away "
+                     f"(a rank keeps {BUFFER_BYTES >> 20} MiB of them undelivered at most)")
 
     # -- delivery ----------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -255,16 +271,12 @@ class Reporter:
                     log.error("rank %d: server refused %d event(s): %s", self.rank, len(pending), resp.text[:200])
                 else:
                     resp.raise_for_status()
-                with self._delivered:
-                    self._outstanding -= len(pending)
-                    self._delivered.notify_all()
+                self._settled(pending)
                 pending = []
                 backoff = 0.2
             except requests.exceptions.InvalidJSONError as exc:  # a bug of ours: sending it again would not help
                 log.error("rank %d: %d event(s) cannot be sent as JSON, dropped: %s", self.rank, len(pending), exc)
-                with self._delivered:
-                    self._outstanding -= len(pending)
-                    self._delivered.notify_all()
+                self._settled(pending)
                 pending = []
             except requests.RequestException as exc:
                 log.warning("rank %d: server unreachable, keeping %d event(s): %s", self.rank, len(pending), exc)
@@ -278,8 +290,8 @@ class Reporter:
 
     def status(self, status: str, **fields) -> None:
         """Tell the server this rank is running, completed or failed (delivered with retries)."""
-        self.flush(timeout=defaults.OUTAGE_TOLERANCE)
-        deadline = time.time() + defaults.OUTAGE_TOLERANCE
+        self.flush(timeout=self.patience)
+        deadline = time.time() + self.patience
         while True:
             try:
                 resp = self.session.post(f"{self.base}/ranks/{self.rank}", json=to_wire({"status": status, **fields}),

@@ -53,7 +53,7 @@ class Trainer:
         self.startup = Startup(spec.assigned_at)
         self.startup.mark("rank_process")
         self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank,
-                                 attempt=spec.attempt, verify=spec.ca_file or True)
+                                 attempt=spec.attempt, verify=spec.ca_file or True, patience=spec.outage_tolerance)
         self.joined = False
         self.system: SystemMetrics | None = None
         from .parallel import strategy

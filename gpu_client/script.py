@@ -155,12 +155,16 @@ class ScriptRank:
         self.unpacked: set[str] = set()
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
+    def _reporter(self) -> Reporter:
+        spec = self.spec
+        return Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank, attempt=spec.attempt,
+                        verify=spec.ca_file or True, patience=spec.outage_tolerance)
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, _stop)  # a cancel: the script gets it too (one process group); tidy up
         try:
             self._prepare()
-            self.reporter = Reporter(self.spec.server, self.spec.rank_key.get_secret_value(), self.spec.job_id,
-                                     self.spec.rank, attempt=self.spec.attempt)
+            self.reporter = self._reporter()
             code = self._run()
             self._upload_outputs(code)
             self._report(code)
@@ -274,8 +278,7 @@ class ScriptRank:
         sys.__stderr__.write(tb)
         try:
             if self.reporter is None:
-                self.reporter = Reporter(self.spec.server, self.spec.rank_key.get_secret_value(), self.spec.job_id,
-                                         self.spec.rank, attempt=self.spec.attempt)
+                self.reporter = self._reporter()
             self.reporter.status(RankStatus.FAILED.value, error=f"{type(exc).__name__}: {exc}", traceback=tb)
         except Exception:
             log.exception("could not report the failure")

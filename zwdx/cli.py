@@ -167,6 +167,10 @@ def _gpu_client(args) -> int:
     if args.cpu_slots is not None and args.cpu_slots < 1:
         print(f"zwdx gpu-client: --cpu-slots must be at least 1, got {args.cpu_slots}", file=sys.stderr)
         return 2
+    if not 0 < args.outage_tolerance <= 1e7:
+        print(f"zwdx gpu-client: --outage-tolerance (or $ZWDX_OUTAGE_TOLERANCE) must be seconds above 0, got "
+              f"{args.outage_tolerance:g}", file=sys.stderr)
+        return 2
     try:
         if args.isolation not in (None, *ISOLATIONS):
             raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
@@ -186,7 +190,7 @@ def _gpu_client(args) -> int:
                  work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
                  dataset_cache_bytes=args.dataset_cache_bytes, fetch_policy=fetch_policy,
-                 compile_cache=args.compile_cache,
+                 compile_cache=args.compile_cache, outage_tolerance=args.outage_tolerance,
                  confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
                                          pids=args.container_pids, shm=args.container_shm))
 
@@ -430,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "in a folder per room under DIR, lent to one job at a time; no job reads another room's "
                         "(default: $ZWDX_COMPILE_CACHE, else none: each job compiles in its own sandbox; not with "
                         "--isolation docker)")
+    p.add_argument("--outage-tolerance", type=float, metavar="SECONDS",
+                   default=os.environ.get("ZWDX_OUTAGE_TOLERANCE") or defaults.OUTAGE_TOLERANCE,
+                   help="how long running jobs wait for a server that is away (a restart, an upgrade): their "
+                        "checkpoints, metrics and results are sent once it is back, and training goes on meanwhile "
+                        f"(default: $ZWDX_OUTAGE_TOLERANCE, else {defaults.OUTAGE_TOLERANCE:g})")
     p.add_argument("--no-standby", action="store_true",
                    help="do not keep a rank process (torch imported, CUDA context made) ready per slot")
     iso = p.add_argument_group("isolation", "how job code is kept from this GPU client and from other jobs")

@@ -97,8 +97,10 @@ SHA256_HEADER = "X-Zwdx-Sha256"
 SYSTEM_METRICS_INTERVAL = 2.0
 #: How many restarts a job gets before it fails for good (see the failure issue).
 MAX_RESTARTS = 3
-#: Seconds a rank or the SDK keeps retrying while the server is unreachable (a server restart).
-OUTAGE_TOLERANCE = 600.0
+#: Seconds a rank or the SDK keeps retrying while the server is unreachable (a server restart or
+#: upgrade): a rank's uploads, events and status wait this long before its job fails
+#: (``zwdx gpu-client --outage-tolerance``).
+OUTAGE_TOLERANCE = 900.0
 #: Most top-level module names a job may require (``required_modules``) and a GPU client may
 #: report it can import (at registration), and the longest such name.
 MAX_REQUIRED_MODULES = 1000

@@ -30,6 +30,7 @@ from typing import IO, Annotated, Literal
 
 from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
+from .. import defaults
 from .base import ByValue, Count, Id, Message, Seconds, Text
 from .diloco import DilocoSettings
 from .pipeline import PipelineSettings
@@ -133,6 +134,9 @@ class RankSpec(Message):
     hostname: Text
     #: The rank's credential on every call it makes (``X-Zwdx-Rank-Key``).
     rank_key: SecretStr
+    #: Seconds the rank's calls wait for a server that is away before they fail
+    #: (``zwdx gpu-client --outage-tolerance``; ``gpu_client/outage.py``).
+    outage_tolerance: Annotated[float, Field(gt=0, le=1e7)] = defaults.OUTAGE_TOLERANCE
     #: The CA file the server's certificate is verified against (a private CA, in the sandbox);
     #: None: the system's CAs.
     ca_file: Path | None = None
