@@ -196,9 +196,28 @@ class Agent:
             self.stop.set()
         log.warning("gpu-client %s: connection refused: %s", self.client_id, message)
 
-    def _on_disconnect(self, *_):
+    def _on_disconnect(self, reason=None, *_):
         self._registered.clear()
+        if reason == self.sio.reason.SERVER_DISCONNECT:  # python-socketio does not reconnect after this one
+            log.warning("gpu-client %s: the server closed the connection; connecting again", self.client_id)
+            threading.Thread(target=self._connect_again, name="connect-again", daemon=True).start()
+            return
         log.warning("gpu-client %s: disconnected from %s; reconnecting", self.client_id, self.server)
+
+    def _connect_again(self) -> None:
+        """After the server closed the connection (its token revoked or rotated, or it stops):
+        connect as at start, until connected or stopped. A refused token is fatal
+        (``_on_connect_error``): the client exits (2) rather than wait for ever."""
+        backoff = 0.5
+        while not self.stop.wait(backoff) and not self.sio.connected:
+            try:
+                self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
+                                 transports=["websocket"], wait_timeout=10)
+            except (socketio.exceptions.ConnectionError, ValueError) as exc:  # ValueError: not closed yet
+                if self.fatal:
+                    return
+                log.warning("gpu-client %s: cannot connect again (%s); retrying", self.client_id, exc)
+                backoff = min(backoff * 2, 10)
 
     def _on_reserve_port(self, data):
         try:

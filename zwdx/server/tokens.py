@@ -8,7 +8,8 @@
 
 The room's last submitter token cannot be revoked (409): its owner could never get back in.
 Revoking or rotating a donor token closes the GPU-client connections made with it on this
-server process (they cannot connect again with the old secret); a submitter token's dashboard
+server process (they cannot connect again with the old secret, and exit) and declares those GPU
+clients lost at once, saying why in their jobs' timelines; a submitter token's dashboard
 connections close the same way. Among several server processes (a message queue), the others
 close theirs within a lease interval (``close_revoked``, run after each try for the lease).
 """
@@ -20,11 +21,12 @@ import time
 from flask import Blueprint
 
 from ..errors import Conflict, NotFound
-from ..protocol import CredentialRole
+from ..protocol import GPU_NAMESPACE, CredentialRole
 from ..protocol.tokens import PREFIXES, CreateToken, NewToken, Rotated, TokenList, TokenView
 from .auth import Caller, hash_secret, issue_credential, new_secret
 from .extensions import socketio
 from .http import ctx, operation
+from . import lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,32 @@ def _credential_in_room(token_id: str, room: dict) -> dict:
     return credential
 
 
-def _gone(credential: dict) -> None:
+def _gone(credential: dict, why: str) -> None:
     """This process forgets the credential and closes the Socket.IO connections made with it
     (``ServerContext.connections``, kept by ``events.py``)."""
     ctx().credentials.forget(credential["id"])
-    _close(ctx(), [sid for sid, (_, credential_id, _) in list(ctx().connections.items())
-                   if credential_id == credential["id"]])
+    sids = [sid for sid, (_, credential_id, _) in list(ctx().connections.items()) if credential_id == credential["id"]]
+    _lost(ctx(), credential, sids, why)
+    _close(ctx(), sids)
+
+
+def _lost(server_ctx, credential: dict, sids: list[str], why: str) -> None:
+    """The GPU clients on ``sids`` are lost now, ``why`` in their jobs' timelines: with their
+    token gone they cannot come back, so no grace is waited out (nor "connection dropped" said)."""
+    gpu = {sid for sid in sids if (server_ctx.connections.get(sid) or ("",))[0] == GPU_NAMESPACE}
+    if not gpu:
+        return
+    for client in server_ctx.store.list_clients(credential["room_id"]):
+        if client.get("sid") in gpu:
+            try:
+                lifecycle.client_lost(server_ctx, client["id"], why)
+            except Exception:  # its connection is closed anyway; the reaper declares it lost on the clock
+                log.exception("tokens: gpu client %s not declared lost", client["id"])
+
+
+def _named(credential: dict) -> str:
+    name = credential.get("name")
+    return f"{credential.get('role', '')} token {credential['id']}" + (f" ({name})" if name else "")
 
 
 def _close(server_ctx, sids: list[str]) -> None:
@@ -71,6 +93,9 @@ def close_revoked(server_ctx) -> None:
         credential = server_ctx.store.get_credential(credential_id)
         if credential is None or credential.get("revoked_at") or credential.get("hash") != token_hash:
             server_ctx.credentials.forget(credential_id)
+            if credential is not None:
+                _lost(server_ctx, credential, sids, f"its {_named(credential)} was "
+                                                    f"{'revoked' if credential.get('revoked_at') else 'rotated'}")
             gone += sids
     if gone:
         log.info("tokens: closing %d connection(s) whose token was revoked or rotated elsewhere", len(gone))
@@ -105,7 +130,7 @@ def revoke_token(room: dict, caller: Caller, token_id: str):
     if revoked is None:
         raise Conflict(f"token {token_id} is the room's last submitter token: make another one first "
                        f"(POST /room/tokens with role submitter), then revoke this one", token_id=token_id)
-    _gone(revoked)
+    _gone(revoked, f"its {_named(revoked)} was revoked")
     log.info("room %s: token %s revoked", room["id"], token_id)
     return _view(revoked, caller)
 
@@ -121,7 +146,7 @@ def rotate_token(room: dict, caller: Caller, token_id: str):
     rotated = ctx().store.rotate_credential(token_id, hash_secret(secret), time.time())
     if rotated is None:
         raise Conflict(f"token {token_id} is revoked: it cannot be rotated", token_id=token_id)
-    _gone(credential)
+    _gone(credential, f"its {_named(credential)} was rotated")
     out = [NewToken(**_view(rotated, caller).model_dump(), token=secret)]
     if credential.get("legacy"):
         donor, donor_secret = issue_credential(ctx().store, room["id"], CredentialRole.DONOR, "rotated from the room token")
