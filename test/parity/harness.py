@@ -102,7 +102,7 @@ def supports(case: Case, mode: Mode) -> bool:
     if mode.lora:
         return case.name in LORA_TARGETS
     if mode.mixed:  # the ranks' batches are shares by speed: their draws and batch statistics are not one process's
-        return case.independent
+        return case.independent and case.sharded  # (its loader always takes zwdx's sampler)
     return True
 
 

@@ -2,8 +2,8 @@
 to, trained as a zwdx job and in this process, the largest relative difference of the weights.
 
     python test/parity/run.py                           # a local platform: a server, two GPU clients of 2 CPU slots
-    python test/parity/run.py --gpus 0,1                # ... a GPU client of those GPUs and one of 2 CPU slots
-                                                        # (the one process then trains on cuda)
+    python test/parity/run.py --gpus 0,1                # ... a GPU client of those GPUs (the one process trains
+                                                        # on cuda); for mixed devices one of a CPU slot joins
     python test/parity/run.py --server URL --token T    # a room of yours (the submitter token; or $ZWDX_ROOM_TOKEN)
     python test/parity/run.py --modes DDP,TP --cases mlp,residual
 
@@ -12,6 +12,7 @@ Exit status 0 when every row passed. The local platform's processes are stopped 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -26,9 +27,13 @@ from tabulate import tabulate  # noqa: E402
 from parity import harness, zoo  # noqa: E402
 
 
-def rows(sdk, modes: list[str], cases: list[str], device: str = "cpu", out=print) -> list[harness.Outcome]:
+def rows(sdk, modes: list[str], cases: list[str], device: str = "cpu", out=print, mixed=None) -> list[harness.Outcome]:
+    """Each row, printed as it comes. ``mixed()``: called before the first mixed-devices job,
+    returns the mode to run it as (the GPU variant adds a CPU client then)."""
     done = []
     for mode in (harness.MODES[m] for m in modes):
+        if mode.mixed and mixed is not None:
+            mode = mixed()
         for case in (zoo.case(c) for c in cases):
             if not harness.supports(case, mode):
                 continue
@@ -59,9 +64,12 @@ def local_pool(base: str, gpus: str | None):
     pool = GpuPool(base, clients=())
     own = {"env": {"ZWDX_ISOLATION": "process"}}  # ranks as this user: no per-job users to make
     try:
-        if gpus:
-            pool.start("gpu", extra=["--gpus", gpus], **own)
-            pool.start("cpu", extra=["--cpu-slots", "2"], **own)
+        if gpus:  # the GPU client alone: every job on GPUs, until the mixed-devices ones (mixed_phase)
+            from zwdx.testing import GpuClientProc, wait_until
+            client = GpuClientProc(pool.server.url, pool.donor_token, os.path.join(base, "gpu"), "client-gpu",
+                                   gpu=gpus, **own)  # (test/procs.GpuClient offers CPU slots only)
+            pool.clients.append(client)
+            wait_until(lambda: pool.online(client), 120, what="the GPU client online")
         else:
             for name in ("a", "b"):
                 pool.start(name, extra=["--cpu-slots", "2"], **own)
@@ -71,12 +79,22 @@ def local_pool(base: str, gpus: str | None):
     return pool
 
 
+def mixed_phase(pool, gpus: str):
+    """For the GPU variant's mixed-devices jobs: a GPU client of one CPU slot joins, and the
+    job takes every GPU and it (GPUs first), so that CUDA and CPU ranks train together."""
+    def start():
+        pool.start("cpu", env={"ZWDX_ISOLATION": "process"})
+        return dataclasses.replace(harness.MODES["mixed"], world_size=len(gpus.split(",")) + 1)
+    return start
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", help="a zwdx server's URL (default: start a local platform)")
     parser.add_argument("--token", default=os.environ.get("ZWDX_ROOM_TOKEN"),
                         help="the room's submitter token (default: $ZWDX_ROOM_TOKEN)")
-    parser.add_argument("--gpus", help="local platform: a GPU client of these GPUs (e.g. 0,1) beside one of 2 CPU slots")
+    parser.add_argument("--gpus", help="local platform: a GPU client of these GPUs (e.g. 0,1); one of a CPU slot joins "
+                                       "for the mixed-devices jobs")
     parser.add_argument("--reference-device", help="where the one process trains (default: cuda with --gpus, else cpu)")
     parser.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated (default: all)")
     parser.add_argument("--cases", default=",".join(c.name for c in zoo.CASES), help="comma-separated (default: all)")
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="zwdx-parity-") as base:
             pool = local_pool(base, args.gpus)
             try:
-                outcomes = rows(pool.sdk, modes, cases, device)
+                outcomes = rows(pool.sdk, modes, cases, device, mixed=mixed_phase(pool, args.gpus) if args.gpus else None)
             finally:
                 pool.stop()
     print()
