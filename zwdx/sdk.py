@@ -41,6 +41,10 @@ from .protocol.rest import SubmitJob
 
 log = logging.getLogger(__name__)
 
+#: What a proxy (nginx, HAProxy) answers while the server behind it is away: without zwdx's JSON
+#: error body, these are read as "server unreachable" (a wait goes on), not as the server's answer.
+PROXY_AWAY = (502, 503, 504)
+
 
 class ResultStatus(str):
     """The status in a job's result: a plain string ("completed", "failed", "cancelled") that
@@ -223,6 +227,11 @@ class ZWDX:
                 body = resp.json()
             except ValueError:
                 body = None
+            if resp.status_code in PROXY_AWAY and not (isinstance(body, dict) and body.get("error")):
+                # a proxy in front answers for a server that is away (restarting): as a refused connection
+                raise ServerUnreachable(f"the zwdx server at {self.server_url} is away: HTTP {resp.status_code} "
+                                        f"from {url} (a proxy in front of it?)", server_url=self.server_url,
+                                        status=resp.status_code)
             raise from_response(resp.status_code, body)
         return resp
 
