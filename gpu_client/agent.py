@@ -19,6 +19,7 @@ started: the server fails the job at once, naming the pair.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -572,4 +573,6 @@ def serve(**kwargs) -> int:
         agent.stop.set()
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    return agent.run()
+    code = agent.run()
+    gc.freeze()  # else the interpreter's last collection walks torch's whole heap: seconds at every stop
+    return code
