@@ -19,15 +19,15 @@ class Sums:
 
     def count_jobs(self, room_id, statuses):
         self.asked.append(("jobs", room_id, tuple(statuses)))
-        return self.jobs
+        return self.jobs if room_id == "r1" else 0  # another room holds nothing
 
     def room_artifact_bytes(self, room_id):
         self.asked.append(("artifacts", room_id))
-        return self.artifacts
+        return self.artifacts if room_id == "r1" else 0
 
     def room_event_usage(self, room_id):
         self.asked.append(("events", room_id))
-        return {"events": self.events, "bytes": self.event_bytes}
+        return {"events": self.events, "bytes": self.event_bytes} if room_id == "r1" else {"events": 0, "bytes": 0}
 
 
 @pytest.fixture
@@ -179,6 +179,22 @@ def test_events_are_limited_per_rank_of_a_job_not_per_address(app, monkeypatch):
     assert err.value.message == ("rank 0 of job j1 posts events faster than the server takes them (1/minute); "
                                  "send larger batches less often")
     assert err.value.context == {"job_id": "j1", "rank": 0}
+    with app.test_request_context(environ_base={"REMOTE_ADDR": "10.7.7.7"}):  # the rank's, from any address
+        with pytest.raises(RateLimited):
+            limits.check_event_rate("j1", 1)
+
+
+def test_both_link_probes_share_one_window_per_address(make_app):
+    app = make_app(RATE_LIMIT_LINK="2/minute")
+    client = app.test_client()
+    room = client.post("/api/v1/rooms", json={"name": "links"}).json
+    headers = {defaults.TOKEN_HEADER: room["donor_token"]}
+    assert client.get("/api/v1/link?bytes=0", headers=headers).status_code == 200
+    assert client.post("/api/v1/link", data=b"xy", headers=headers).json == {"bytes": 2}
+    refused = client.get("/api/v1/link?bytes=0", headers=headers)
+    assert refused.status_code == 429
+    assert refused.json["error"]["message"] == "too many link measurements from this address; wait and retry"
+    assert client.post("/api/v1/rooms", json={"name": "more"}).status_code == 201  # rooms: their own window
 
 
 def test_room_creation_and_link_probes_have_their_own_windows(make_app):
