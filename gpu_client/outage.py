@@ -52,6 +52,12 @@ def retry(patience: float) -> OutageRetry:
                        raise_on_status=False, patience=patience)
 
 
+def sent_again(resp: requests.Response) -> bool:
+    """Whether the request that got ``resp`` was sent more than once (an earlier try may have
+    reached the server, its answer lost)."""
+    return bool(getattr(getattr(resp.raw, "retries", None), "history", ()))
+
+
 def http_session(rank_key: str | None = None, verify: str | bool = True,
                  patience: float = defaults.OUTAGE_TOLERANCE) -> requests.Session:
     """Calls to the server as the rank whose key this is (None: no key), tried again while the

@@ -29,7 +29,7 @@ import requests
 from zwdx import defaults
 from zwdx.protocol.report import to_wire
 
-from .outage import http_session
+from .outage import http_session, sent_again
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,10 @@ class Reporter:
         """Rank 0: checkpoint ``n`` is complete (every rank uploaded ``files``); the server keeps it."""
         self.flush()
         resp = self.session.post(f"{self.base}/checkpoints/{n}/commit", json={"files": files, **fields}, timeout=60)
+        if resp.status_code == 409 and "is committed" in resp.text and sent_again(resp):
+            # an earlier try went through and its answer was lost (the server went away)
+            log.info("rank %d: checkpoint %d committed by an earlier try", self.rank, n)
+            return
         resp.raise_for_status()
 
     def send_layout(self, layout: dict) -> bool:

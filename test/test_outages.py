@@ -167,7 +167,7 @@ def stub():
     def start(script: list):
         handler = type("Script", (Stub,), {"script": list(script), "seen": []})
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         started.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}", handler.seen
     started: list = []
@@ -233,3 +233,37 @@ def test_the_sdk_waits_through_a_proxys_502_and_504(stub):
     url, _ = stub([(503, {"error": {"code": "conflict", "message": "the server's own word"}})])
     with pytest.raises(Conflict, match="own word"):
         ZWDX(url, remember=False).get_job("j1", room_token="zs_x")
+
+
+def test_a_rank_keeps_what_it_reports_while_the_server_is_away_up_to_its_buffer(stub, monkeypatch):
+    """Training goes on while the server is away and the rank's events wait in memory, bounded:
+    past ``BUFFER_BYTES`` new ones are dropped and counted, and the count is said (logged to the
+    job) once the server is back; what was kept arrives, each once."""
+    from gpu_client import reporter as reporting
+    monkeypatch.setattr(reporting, "BUFFER_BYTES", 20 * reporting._size({"data": {"loss": 1.0}}))
+    url, seen = stub([BAD_GATEWAY, BAD_GATEWAY, GATEWAY_TIMEOUT, (200, {"ok": True})])
+    rank = reporting.Reporter(url, "rk_1", "j1", 0, flush_interval=0.05, patience=60)
+    for i in range(100):
+        rank.log_metrics(loss=1.0, step=i)  # at once: none of these waits for the server
+    assert rank.flush(timeout=30)
+    rank.close()
+    delivered = {e["key"]: e for _, _, body in seen for e in json.loads(body)["events"]}
+    metrics = [e for e in delivered.values() if e["kind"] == "metric"]
+    said = [e["data"]["text"] for e in delivered.values() if e["kind"] == "log"]
+    assert len(metrics) == 20 and [e["step"] for e in metrics] == list(range(20))
+    assert len(said) == 1 and "80 metric or log event(s) were dropped while the server was away" in said[0], said
+
+
+def test_a_commit_whose_answer_was_lost_is_not_a_failure(stub):
+    """A checkpoint's commit sent again after the server went away answers 409 'is committed'
+    (the first try went through): the rank goes on. Sent once, the same 409 is raised."""
+    from gpu_client.reporter import Reporter
+    committed = (409, {"error": {"code": "conflict", "message": "checkpoint 3 of job j1 is committed, or a later "
+                                                                  "one is (latest: 3)"}})
+    url, seen = stub([BAD_GATEWAY, committed])
+    Reporter(url, "rk_1", "j1", 0, patience=60).commit_checkpoint(3, ["state.pt"])
+    assert len([s for s in seen if s[1].endswith("/commit")]) == 2
+
+    url, _ = stub([committed])
+    with pytest.raises(requests.HTTPError):
+        Reporter(url, "rk_1", "j1", 0, patience=60).commit_checkpoint(3, ["state.pt"])
