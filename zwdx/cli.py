@@ -95,6 +95,11 @@ def _server(args) -> int:
     return 0
 
 
+def _server_backup(args) -> int:
+    from .server import backup
+    return backup.command(args)
+
+
 def _room_create(args) -> int:
     from .sdk import ZWDX
     if args.token_dir and all(os.path.exists(os.path.join(args.token_dir, f)) for f in TOKEN_FILES):
@@ -376,6 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GET /metrics then answers 'Authorization: Bearer <the file's token>' from anywhere "
                         "(also $ZWDX_METRICS_TOKEN); without one it answers this machine only")
     p.set_defaults(func=_server)
+    saves = p.add_subparsers(dest="server_action", metavar="{backup,restore}", help="(none: serve)")
+    for action, what, path in (("backup", "copy the embedded store and its artifacts into the new folder DEST, "
+                                "while the server runs (MongoDB: mongodump, docs/store.md)", "DEST"),
+                               ("restore", "make --data-dir the backup SRC (stop the server first)", "SRC")):
+        s = saves.add_parser(action, help=what)
+        s.add_argument("path", metavar=path)
+        s.add_argument("--data-dir", dest="backup_data_dir", default=None, metavar="DIR",
+                       help="the server's data dir (default: $ZWDX_DATA_DIR, else zwdx-data)")
+        if action == "restore":
+            s.add_argument("--force", action="store_true", help="move a store already there aside (into "
+                                                                 "DATA_DIR/before-restore-<time>) instead of refusing")
+        s.set_defaults(func=_server_backup)
 
     p = sub.add_parser("room", help="rooms")
     rsub = p.add_subparsers(dest="action", required=True)
@@ -511,9 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "server" and args.async_mode not in ASYNC_MODES:
+    serving = args.command == "server" and not args.server_action
+    if serving and args.async_mode not in ASYNC_MODES:
         parser.error(f"ZWDX_ASYNC_MODE must be one of {', '.join(ASYNC_MODES)}, got {args.async_mode!r}")
-    no_gevent = args.command == "server" and args.async_mode == "gevent" and not _patch_for_gevent()
+    no_gevent = serving and args.async_mode == "gevent" and not _patch_for_gevent()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if no_gevent:
