@@ -33,11 +33,11 @@ import socketio
 
 from zwdx import defaults, tls
 from zwdx.errors import BadRequest
-from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
+from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REFRESH, EV_REGISTER,
                            EV_RESERVE_PORT, EV_UNREACHABLE, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
 from zwdx.protocol.base import parse
 from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
-                               Register, RegisterAnswer, ReservePort, Running, Unreachable)
+                               Refresh, Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import Isolation
 
@@ -48,7 +48,7 @@ from .isolation import IsolationError, build as build_isolation
 from .compile_cache import RoomCaches
 from .launcher import Launcher, RunningJob
 from .datasets import DatasetCache, share as share_datasets
-from .workspace import Workspace
+from .workspace import Workspace, default_root
 from .outage import http_session
 
 #: Seconds a rendezvous port offered for a job stays held while no assignment comes (the server
@@ -78,20 +78,22 @@ class Agent:
                  isolation: str | None = None, rank_uids: range | None = None, rank_dir: str | None = None,
                  ca_file: str | None = None, dataset_cache_bytes: int | None = None, confinement=None,
                  cpu_slots: int = 1, fetch_policy=None, compile_cache: str | None = None,
+                 modules_refresh: float | None = None,
                  outage_tolerance: float = defaults.OUTAGE_TOLERANCE):
         self.server = server.rstrip("/")
         self.outage_tolerance = outage_tolerance  # how long its ranks wait for a server that is away
         self.token = room_token
         self.ca_file = tls.ca_file(ca_file)  # a private CA that signed the server's certificate
         self.verify = self.ca_file or True
-        self.work_dir = os.path.abspath(work_dir or os.path.join(os.path.expanduser("~"), ".zwdx", "gpu_client"))
+        self.work_dir = os.path.abspath(work_dir or default_root())
         # first: an isolation that cannot hold refuses to start (IsolationError) before anything is written
         found = gpus.discover(gpus_only, cpu, cpu_slots)
         docker = {"confinement": confinement, "server": self.server, "slots": len(found)}
         self.isolation = build_isolation(isolation, self.work_dir, rank_dir, rank_uids, **docker)
         self.isolation.check()
-        self.identity = Identity(self.work_dir, client_id)  # its id, and the secret that proves it
-        self.workspace = Workspace(self.work_dir, self.identity.client_id, ephemeral=client_id is None)
+        # no --client-id: the id an agent of this work dir had before (one no running agent holds)
+        self.workspace = Workspace(self.work_dir, client_id)
+        self.identity = Identity(self.work_dir, self.workspace.client_id)  # its id, and the secret that proves it
         self.datasets = DatasetCache(self.workspace.datasets, dataset_cache_bytes or defaults.DATASET_CACHE_BYTES,
                                      fetch_policy)  # fetch.py: what a job's URL may reach
         self.hostname = socket.gethostname()
@@ -99,6 +101,9 @@ class Agent:
         self.slots = [s.model_copy(update={"isolation": self.isolation.kind, "terms": terms}) for s in found]
         self.host_id = host.host_id()                # GPU clients of one machine share its RAM
         self.modules = host.importable_modules()     # the scheduler keeps jobs needing others away
+        self.modules_refresh = defaults.MODULES_REFRESH if modules_refresh is None else modules_refresh
+        self._modules_read = 0.0                      # when a refresh last looked (the rate's clock)
+        self._modules_lock = threading.Lock()
         self.advertise_addr = advertise_addr
         self.threads = threads
         self.max_jobs = max_jobs  # burst mode: stop after this many jobs (tests, rq's burst)
@@ -146,6 +151,7 @@ class Agent:
         self.sio.on(EV_RESERVE_PORT, self._on_reserve_port, namespace=ns)
         self.sio.on(EV_JOB_ASSIGN, self._on_assign, namespace=ns)
         self.sio.on(EV_JOB_CANCEL, self._on_cancel, namespace=ns)
+        self.sio.on(EV_REFRESH, self._on_refresh, namespace=ns)
 
     def _on_connect(self):
         threading.Thread(target=self._register, daemon=True).start()
@@ -172,7 +178,9 @@ class Agent:
             return
         answer = _answer(RegisterAnswer, data)
         if not answer.ok and answer.code == WRONG_SECRET and again and not self.jobs:
+            old = self.client_id
             self.identity.renew()
+            self.workspace.renamed(old, self.client_id)
             return self._register(again=False)
         if not answer.ok:
             self.fatal = answer.error or "register refused"
@@ -274,6 +282,45 @@ class Agent:
             log.info("gpu-client %s: job %s (attempt %d) stopping: %s", self.client_id, job.job_id, job.attempt,
                      cancel.reason)
             threading.Thread(target=self.launcher.kill, args=(job,), daemon=True).start()
+
+    def _on_refresh(self, data):
+        """The server has a job waiting for modules this client did not list: look again, at most
+        every ``modules_refresh`` seconds."""
+        try:
+            ask = parse(Refresh, data, EV_REFRESH)
+        except BadRequest as err:
+            log.error("gpu-client %s: %s", self.client_id, err)
+            return
+        if time.time() - self._modules_read < self.modules_refresh:
+            log.debug("gpu-client %s: asked to look for %s again; looked %.0f s ago", self.client_id,
+                      ", ".join(ask.modules), time.time() - self._modules_read)
+            return
+        threading.Thread(target=self.refresh_modules, args=(ask.reason or "asked by the server",), daemon=True).start()
+
+    def refresh_modules(self, why: str) -> bool:
+        """Read again what its ranks can import (``host.importable_modules``, as the isolation
+        sees it); if that changed, register again with it. Whether it changed."""
+        with self._modules_lock:
+            self._modules_read = time.time()
+            try:
+                self.isolation.look_again()
+                found = self.isolation.importable(host.importable_modules())
+            except Exception as exc:  # the list it registered stays
+                log.warning("gpu-client %s: cannot read its importable modules again (%s): %s", self.client_id, why,
+                            exc)
+                return False
+            before, self.modules = set(self.modules or ()), found
+        new = sorted(set(found or ()) - before)
+        gone = sorted(before - set(found or ()))
+        if found is not None and not new and not gone:
+            log.info("gpu-client %s: importable modules read again (%s): nothing new", self.client_id, why)
+            return False
+        log.info("gpu-client %s: importable modules read again (%s): %d new%s, %d gone%s; registering again",
+                 self.client_id, why, len(new), f" ({', '.join(new[:10])})" if new else "", len(gone),
+                 f" ({', '.join(gone[:10])})" if gone else "")
+        if self._registered.is_set():
+            self._register()
+        return True
 
     # -- running ranks ---------------------------------------------------------------------
     def _threads(self, ranks: int) -> int:
@@ -573,6 +620,9 @@ def serve(**kwargs) -> int:
         agent.stop.set()
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    # `zwdx gpu-client --refresh` (or kill -HUP): read again what its ranks can import
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=agent.refresh_modules, args=("SIGHUP",),
+                                                             daemon=True).start())
     code = agent.run()
     gc.freeze()  # else the interpreter's last collection walks torch's whole heap: seconds at every stop
     return code

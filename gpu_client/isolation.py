@@ -176,6 +176,9 @@ class ProcessIsolation:
         """The top-level modules a rank can import (``host.importable_modules``): the agent's."""
         return agent_modules
 
+    def look_again(self) -> None:
+        """Before ``importable`` is asked again (a package installed since): probe anew what needs it."""
+
     def versions(self, agent_versions: dict) -> dict:
         """The Python and torch its ranks run (the scheduler matches jobs to them): the agent's."""
         return agent_versions
@@ -301,6 +304,9 @@ class UserIsolation(ProcessIsolation):
         """What a rank user can import, which may be less than root can (a package on a path only
         root reads): the scheduler keeps jobs that need more away."""
         return self._modules
+
+    def look_again(self) -> None:
+        self._probe()
 
     def _probe(self) -> None:
         """Start Python as a rank user, as a rank starts (``python_argv``, the PYTHONPATH that

@@ -231,6 +231,35 @@ def test_registering_again_keeps_busy_slots_and_drops_free_ones_that_vanished(st
     assert store.get_client("c1")["hostname"] == "renamed"
 
 
+def test_remove_clients_takes_only_the_rooms_offline_idle_ones_seen_before_the_time(store):
+    make_room(store)
+    make_client(store, "old")                       # offline since 10: goes
+    make_client(store, "busy")                      # offline, but a slot still holds a rank: stays
+    make_client(store, "recent", last_seen=50.0)    # offline since 50: stays
+    make_client(store, "up")                        # online: stays
+    make_client(store, "theirs", room_id="r2")      # another room's: stays
+    for cid in ("old", "busy", "recent", "theirs"):
+        store.update_client(cid, {"status": "offline"})
+    make_job(store, "j1")
+    assert store.reserve_slots("j1", [("busy:1", 0)], {"status": "starting"})
+    assert store.remove_clients("r1", seen_before=20.0) == ["old"]
+    assert store.get_client("old") is None and store.list_slots("r1", "old") == []
+    assert sorted(c["id"] for c in store.list_clients(None)) == ["busy", "recent", "theirs", "up"]
+    assert len(store.list_slots("r1", "busy")) == 2
+    assert store.remove_clients("r1", seen_before=20.0) == []
+    make_client(store, "old")  # it registers again: a client like any other
+    assert store.get_client("old")["status"] == "online"
+
+
+def test_update_room_sets_its_fields(store):
+    make_room(store)
+    assert store.update_room("r1", {"client_retention": 3600.0})["client_retention"] == 3600.0
+    room = store.get_room("r1")
+    assert (room["name"], room["created_at"], room["client_retention"]) == ("room r1", 1.5, 3600.0)
+    assert store.update_room("nope", {"client_retention": 1.0}) is None
+    assert store.get_room("nope") is None
+
+
 def test_list_slots_by_room_or_all_or_one_client(store):
     make_client(store, "c1", "r1", gpus=2)
     make_client(store, "c2", "r2", gpus=1)

@@ -55,7 +55,7 @@ def _server(args) -> int:
     for name in ("max_request_bytes", "room_max_jobs", "room_max_artifact_bytes", "rate_limit_rooms",
                  "rate_limit_auth_failures", "artifact_retention", "sweep_interval", "start_timeout", "start_tries",
                  "donor_max_clients", "client_max_slots", "rate_limit_registers", "room_max_events",
-                 "rate_limit_events", "max_series_points", "min_free_bytes"):
+                 "rate_limit_events", "max_series_points", "min_free_bytes", "client_retention"):
         if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
             config[name.upper()] = getattr(args, name)
     for name in ("header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address",
@@ -159,8 +159,30 @@ def _room_tokens(args) -> int:
     return 0
 
 
+def _refresh_gpu_clients(work_dir: str | None) -> int:
+    """``zwdx gpu-client --refresh``: SIGHUP to the agents running on the work dir, which read
+    again what their ranks can import (a package installed since they started)."""
+    from gpu_client.workspace import default_root, running_agents
+    root = os.path.abspath(work_dir or default_root())
+    agents = running_agents(root)
+    if not agents:
+        print(f"zwdx gpu-client --refresh: no gpu client runs on the work dir {root} (--work-dir)", file=sys.stderr)
+        return 1
+    for name, pid in agents.items():
+        os.kill(pid, signal.SIGHUP)
+        print(f"gpu client {name} (pid {pid}): reading again what its ranks can import; it registers again if "
+              f"that changed (its log says what it found)")
+    return 0
+
+
 def _gpu_client(args) -> int:
     from gpu_client.agent import serve
+    if args.refresh:
+        return _refresh_gpu_clients(args.work_dir)
+    if args.modules_refresh < 0:
+        print(f"zwdx gpu-client: --modules-refresh must be 0 or more seconds, got {args.modules_refresh:g}",
+              file=sys.stderr)
+        return 2
     token = token_from(args.room_token, args.room_token_file, "zwdx gpu-client")
     if not token:
         print("zwdx gpu-client: the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN",
@@ -196,6 +218,7 @@ def _gpu_client(args) -> int:
                  isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
                  dataset_cache_bytes=args.dataset_cache_bytes, fetch_policy=fetch_policy,
                  compile_cache=args.compile_cache, outage_tolerance=args.outage_tolerance,
+                 modules_refresh=args.modules_refresh,
                  confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
                                          pids=args.container_pids, shm=args.container_shm))
 
@@ -351,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"slots one GPU client may offer, 0: no limit (default {defaults.CLIENT_MAX_SLOTS})")
     limits.add_argument("--rate-limit-registers", default=None,
                         help=f"registers one donor token may make (default '{defaults.RATE_LIMIT_REGISTERS}')")
+    limits.add_argument("--client-retention", type=float, default=None,
+                        help=f"seconds a GPU client may stay offline before it is dropped from its room's list, unless "
+                             f"the room sets its own (zwdx room settings), 0: never "
+                             f"(default {defaults.CLIENT_RETENTION:g})")
     limits.add_argument("--artifact-retention", type=float, default=None,
                         help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
     limits.add_argument("--sweep-interval", type=float, default=None,
@@ -431,9 +458,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offer N CPU slots instead of GPUs (their ranks share this machine's cores and RAM)")
     p.add_argument("--advertise-addr", default=None,
                    help="address other GPU clients reach this one at (default: the interface that reaches the server)")
-    p.add_argument("--client-id", default=None)
+    p.add_argument("--client-id", default=None,
+                   help="its id in the room (default: the id an earlier start on this work dir took, which no "
+                        "running client holds, else a new one: a restart is the same GPU client to the server)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per CPU rank")
-    p.add_argument("--work-dir", default=None)
+    p.add_argument("--work-dir", default=None, help="its files: client secret, caches, job logs "
+                                                    "(default: ~/.zwdx/gpu_client)")
+    p.add_argument("--refresh", action="store_true",
+                   help="tell the GPU clients running on --work-dir to read again what their ranks can import (a "
+                        "package installed since they started; the same as kill -HUP), and exit")
+    p.add_argument("--modules-refresh", type=float, metavar="SECONDS",  # argparse converts a string default too
+                   default=os.environ.get("ZWDX_MODULES_REFRESH") or str(defaults.MODULES_REFRESH),
+                   help="least seconds between two looks at what its ranks can import when the server says a "
+                        "waiting job needs a package it lacks (default: $ZWDX_MODULES_REFRESH, else "
+                        f"{defaults.MODULES_REFRESH:g})")
     p.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     p.add_argument("--dataset-cache-bytes", type=byte_size, default=defaults.DATASET_CACHE_BYTES, metavar="SIZE",
                    help="most bytes of datasets kept for later jobs (50GiB, 500MB); the least recently used go "

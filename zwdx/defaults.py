@@ -64,6 +64,12 @@ START_TRIES = 3
 DONOR_MAX_CLIENTS = 64
 CLIENT_MAX_SLOTS = 16
 RATE_LIMIT_REGISTERS = "120 per minute"
+#: Seconds a GPU client may stay offline before its record is dropped from its room (a room may
+#: set its own, ``PATCH /room``; 0: never). A client that comes back registers again.
+CLIENT_RETENTION = 86400.0
+#: Least seconds between two looks of a GPU client at what its Python can import, when the
+#: server says a waiting job needs a package it lacks (``gpu_client/host.py``).
+MODULES_REFRESH = 30.0
 #: The most memory a slot may claim: a GPU's (the largest made has 288 GB), a CPU slot's (its
 #: machine's RAM). A register past these is refused, not believed.
 MAX_GPU_MEMORY = 512 * 1024**3

@@ -1,7 +1,8 @@
 """``zwdx jobs ...`` and ``zwdx room show|clients``: a room's jobs and GPU clients from a terminal.
 
     zwdx jobs list [--status S] [--json]      zwdx room show [--json]
-    zwdx jobs show ID [--json]                zwdx room clients [--json]
+    zwdx jobs show ID [--json]                zwdx room clients [prune] [--json]
+                                              zwdx room settings [--client-retention S]
     zwdx jobs logs ID [-f] [--rank R]
     zwdx jobs metrics ID [--json]
     zwdx jobs cancel ID
@@ -277,6 +278,13 @@ def room_show(sdk, args) -> int:
 
 
 def room_clients(sdk, args) -> int:
+    if args.clients_action == "prune":
+        gone = sdk.prune_clients(room_token(sdk, args), offline_for=args.offline_for)
+        if args.json:
+            _print_json(gone)
+        else:
+            _show(f"{len(gone)} offline gpu client(s) dropped" + (f": {', '.join(gone)}" if gone else ""))
+        return 0
     room = sdk.get_room(room_token(sdk, args))
     if args.json:
         _print_json(room["clients"])
@@ -294,6 +302,19 @@ def room_clients(sdk, args) -> int:
     apart = sorted({tuple(sorted((c["id"], peer))) for c in room["clients"] for peer in c.get("unreachable") or []})
     for a, b in apart:
         _show(f"{a} and {b} cannot reach each other: DDP/FSDP jobs keep them apart (DILOCO goes anywhere)")
+    return 0
+
+
+def room_settings(sdk, args) -> int:
+    token = room_token(sdk, args)
+    room = sdk.set_room(token, client_retention=args.client_retention) if args.client_retention is not None \
+        else sdk.get_room(token)
+    if args.json:
+        _print_json({"client_retention": room.get("client_retention")})
+        return 0
+    keep = room.get("client_retention")
+    _show("client retention: " + ("the server's (--client-retention)" if keep is None else
+                                  "never dropped" if not keep else f"{keep:g} s offline, then dropped"))
     return 0
 
 
@@ -347,10 +368,21 @@ def add_jobs_parser(sub, server_arguments, token_arguments, run) -> None:
 
 
 def add_room_parsers(rsub, server_arguments, token_arguments, run) -> None:
-    """``zwdx room show`` and ``zwdx room clients``."""
+    """``zwdx room show``, ``zwdx room clients [prune]`` and ``zwdx room settings``."""
     for action, fn, what in (("show", room_show, "the room: GPU clients online, totals, quotas"),
-                             ("clients", room_clients, "the room's GPU clients and their slots")):
+                             ("clients", room_clients, "the room's GPU clients and their slots; prune: drop the "
+                                                       "offline ones"),
+                             ("settings", room_settings, "the room's settings: how long offline GPU clients are kept")):
         a = rsub.add_parser(action, help=what)
+        if action == "clients":
+            a.add_argument("clients_action", nargs="?", choices=["prune"],
+                           help="prune: drop the GPU clients offline now (that run no ranks) from the room's list")
+            a.add_argument("--offline-for", type=float, default=0.0, metavar="SECONDS",
+                           help="prune: only those offline for at least this long (default: every one offline)")
+        if action == "settings":
+            a.add_argument("--client-retention", type=float, default=None, metavar="SECONDS",
+                           help="drop GPU clients offline for longer than this from the room's list, 0: never "
+                                "(default: the server's --client-retention, a day)")
         a.add_argument("--room", default=None, help="a room the SDK remembers, by id (when it knows several)")
         a.add_argument("--json", action="store_true", help="the server's document as JSON")
         server_arguments(a)

@@ -255,6 +255,17 @@ class ZWDX:
         """The room of the token, with its GPU clients and their slots."""
         return self._json("GET", "/room", self._token(room_token))
 
+    def set_room(self, room_token: str | None = None, **settings) -> dict:
+        """Change the room's settings (``client_retention``: seconds a GPU client may stay
+        offline before it is dropped, 0: never); the room after."""
+        return self._json("PATCH", "/room", self._token(room_token), json=settings)
+
+    def prune_clients(self, room_token: str | None = None, offline_for: float = 0.0) -> list[str]:
+        """Drop the room's GPU clients offline for at least ``offline_for`` seconds (0: every one
+        offline now) that run no ranks; their ids."""
+        return self._json("POST", "/room/clients/prune", self._token(room_token),
+                          json={"offline_for": offline_for})["pruned"]
+
     @property
     def tokens(self):
         """The room's tokens: ``zwdx.tokens.list()``, ``.create(role, name)``, ``.revoke(id)``,

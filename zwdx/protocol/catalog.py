@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from . import events as ev
-from .gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, PortOffer, RanksExited, Register, RegisterAnswer, ReservePort,
-                  Unreachable)
+from .gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, PortOffer, RanksExited, Refresh, Register,
+                  RegisterAnswer, ReservePort, Unreachable)
 from .job import JobView
 from .rest import ClientsUpdate, JobEvents
 
@@ -67,6 +67,10 @@ EVENTS = (
           "per rank."),
     Event(ev.EV_JOB_CANCEL, ev.GPU_NAMESPACE, SERVER_TO_CLIENT, JobCancel, None,
           "Stop the job's ranks (of this attempt, when given): cancelled, failed, or gone on without them."),
+    Event(ev.EV_REFRESH, ev.GPU_NAMESPACE, SERVER_TO_CLIENT, Refresh, None,
+          "A waiting job needs modules this client did not list at its register: it looks again at what its "
+          "ranks can import (at most every `--modules-refresh` seconds) and registers again if that changed. "
+          "Asked again for the same modules at most every `MODULES_REFRESH` seconds."),
     Event(ev.EV_JOB_UPDATE, ev.UI_NAMESPACE, SERVER_TO_BROWSER, JobView, None,
           "A job of the room changed (the same view as `GET /api/v1/jobs/<id>`)."),
     Event(ev.EV_JOB_EVENTS, ev.UI_NAMESPACE, SERVER_TO_BROWSER, JobEvents, None,

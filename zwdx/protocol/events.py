@@ -16,6 +16,7 @@ EV_JOB_ASSIGN = "job_assign"        # server -> client {job_id, ranks (each with
 EV_RANKS_EXITED = "ranks_exited"    # client -> server {job_id, exits: {rank: returncode}}
 EV_JOB_CANCEL = "job_cancel"        # server -> client {job_id, reason}
 EV_UNREACHABLE = "unreachable"      # client -> server {job_id, attempt, peers: {client_id: error}}
+EV_REFRESH = "refresh"              # server -> client {modules, reason}: look again at what is importable
 
 # Socket.IO events, dashboard namespace "/ui" (connect with auth {token: a submitter token}; server -> browser).
 UI_NAMESPACE = "/ui"
@@ -23,4 +24,4 @@ EV_JOB_UPDATE = "job_update"        # server -> browser: a job document
 EV_JOB_EVENTS = "job_events"        # server -> browser {job_id, events: [...]}
 EV_CLIENTS_UPDATE = "clients_update"  # server -> browser {clients: [...]}
 
-__all__ = ['GPU_NAMESPACE', 'EV_REGISTER', 'EV_HEARTBEAT', 'EV_RESERVE_PORT', 'EV_JOB_ASSIGN', 'EV_RANKS_EXITED', 'EV_JOB_CANCEL', 'EV_UNREACHABLE', 'UI_NAMESPACE', 'EV_JOB_UPDATE', 'EV_JOB_EVENTS', 'EV_CLIENTS_UPDATE']
+__all__ = ['GPU_NAMESPACE', 'EV_REGISTER', 'EV_HEARTBEAT', 'EV_RESERVE_PORT', 'EV_JOB_ASSIGN', 'EV_RANKS_EXITED', 'EV_JOB_CANCEL', 'EV_UNREACHABLE', 'EV_REFRESH', 'UI_NAMESPACE', 'EV_JOB_UPDATE', 'EV_JOB_EVENTS', 'EV_CLIENTS_UPDATE']

@@ -285,6 +285,13 @@ class JobCancel(Answer):
     reason: str = ""
 
 
+class Refresh(Answer):
+    """A waiting job needs these modules, which this client did not list when it registered: look
+    again (a package installed since), and register again if the list changed."""
+    modules: list[str]
+    reason: str = ""
+
+
 __all__ = ["Slot", "SlotStats", "Running", "Link", "Register", "Peer", "Unreachable", "RegisterAnswer", "Heartbeat", "Ack",
            "HeartbeatAnswer", "RanksExited",
-           "ReservePort", "PortOffer", "RankPlace", "JobAssign", "JobCancel", "Seconds"]
+           "ReservePort", "PortOffer", "RankPlace", "JobAssign", "JobCancel", "Refresh", "Seconds"]

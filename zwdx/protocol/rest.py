@@ -55,6 +55,24 @@ class RoomView(Answer):
     id: str
     name: str
     created_at: float
+    #: Seconds a GPU client of the room may stay offline before it is dropped (0: never); None:
+    #: the server's ``CLIENT_RETENTION``.
+    client_retention: float | None = None
+
+
+class RoomSettings(Message):
+    """``PATCH /room``: the room's settings; a field left out keeps its value."""
+    client_retention: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] | None = None
+
+
+class PruneClients(Message):
+    """``POST /room/clients/prune``: drop the room's GPU clients offline for at least
+    ``offline_for`` seconds (0: every one offline now) that run no ranks."""
+    offline_for: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = 0.0
+
+
+class PrunedClients(Answer):
+    pruned: list[str]
 
 
 class RoomCreated(RoomView):

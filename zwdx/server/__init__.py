@@ -197,6 +197,7 @@ def create_app(config: dict | None = None) -> Flask:
         DONOR_MAX_CLIENTS=defaults.DONOR_MAX_CLIENTS,
         CLIENT_MAX_SLOTS=defaults.CLIENT_MAX_SLOTS,
         RATE_LIMIT_REGISTERS=defaults.RATE_LIMIT_REGISTERS,
+        CLIENT_RETENTION=defaults.CLIENT_RETENTION,
         METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
         UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
         #: Socket.IO's message queue (redis://host:port/db), shared by several server processes on one

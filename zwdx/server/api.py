@@ -24,8 +24,9 @@ from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, Timeli
 from ..protocol.layout import RankLayout
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored, to_wire
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
-                             JobsQuery, MetricsAnswer, MetricsQuery, RoomCreated, RoomDetail, SubmitJob)
-from . import limits, lifecycle, manifests, notify, series
+                             JobsQuery, MetricsAnswer, MetricsQuery, PruneClients, PrunedClients, RoomCreated,
+                             RoomDetail, RoomSettings, RoomView, SubmitJob)
+from . import clients, limits, lifecycle, manifests, notify, series
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job, rejoined
@@ -103,6 +104,25 @@ def get_room(room: dict):
     clients = ctx().store.list_clients(room["id"])
     return RoomDetail.model_validate({**room_view(room).model_dump(), "clients": [client_view(c) for c in clients],
                                       "totals": room_totals(clients), "usage": limits.usage(room["id"])})
+
+
+@operation(bp, "PATCH", "/room", "Change the room's settings", body=RoomSettings, answer=RoomView, tag="rooms")
+def set_room(room: dict, body: RoomSettings):
+    """``client_retention``: seconds a GPU client may stay offline before it is dropped from the
+    room's list (0: never); a field left out keeps its value."""
+    changes = body.model_dump(exclude_unset=True)
+    if changes:
+        room = ctx().store.update_room(room["id"], changes) or room
+    return room_view(room)
+
+
+@operation(bp, "POST", "/room/clients/prune", "Drop the room's offline GPU clients", body=PruneClients,
+           answer=PrunedClients, tag="rooms")
+def prune_clients(room: dict, body: PruneClients):
+    """Every GPU client of the room offline for at least ``offline_for`` seconds (0: all offline
+    now), unless it still runs ranks. One that comes back registers again."""
+    gone = clients.drop(ctx(), room["id"], time.time() - body.offline_for, "pruned by the room's owner")
+    return PrunedClients(pruned=gone)
 
 
 # -- artifacts --------------------------------------------------------------------------------

@@ -97,7 +97,9 @@ def _lacking(clients: list[dict], missing: dict) -> str:
         who = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
         parts.append(f"gpu client{'s' if len(names) > 1 else ''} {who} lack{'' if len(names) > 1 else 's'} "
                      f"package(s) {', '.join(lacks)}")
-    return "; ".join(parts)
+    return "; ".join(parts) + (" (installed since the gpu client started? it looks again when asked, within "
+                               f"{defaults.MODULES_REFRESH:g} s; on its machine `zwdx gpu-client --refresh` makes "
+                               "it look at once)" if parts else "")
 
 
 def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:

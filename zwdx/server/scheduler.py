@@ -41,6 +41,7 @@ from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
 from . import addresses, lifecycle, notify
+from . import clients as clients_of_room
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .job import Job, wanting
@@ -274,6 +275,8 @@ class Scheduler:
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
         job = Job(store, record)
         if chosen is None:
+            _guarded(f"asking gpu clients to look again for job {record.id}'s packages", clients_of_room.ask_refresh,
+                     record.id, asked["spec"], clients.values())
             # It waits either way (GPU clients may join), saying why; one the room as it is could
             # never run holds back none of the jobs behind it; nor one only the GPU clients it passes
             # over could run (a fake client must not stop the room's queue through the job it held).

@@ -30,6 +30,7 @@ from collections import Counter
 
 from ..protocol import FINISHED, ArtifactKind, JobKind
 from ..protocol.job import Job as JobRecord
+from . import clients
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class Sweeper:
                 self.sweep()
             except Exception:  # the next pass tries again
                 log.exception("sweeper: pass failed")
+            try:  # GPU clients offline past their room's retention (clients.py)
+                clients.drop_expired(self.ctx)
+            except Exception:
+                log.exception("sweeper: offline gpu clients not dropped")
 
     def _delete(self, artifact: dict, if_unattached: bool = False) -> bool:
         if not self.ctx.store.delete_artifact(artifact["id"], if_unattached=if_unattached):

@@ -30,4 +30,5 @@ def client_view(client: dict, now: float | None = None) -> dict:
 
 
 def room_view(room: dict) -> RoomView:
-    return RoomView(id=room["id"], name=room["name"], created_at=room["created_at"])
+    return RoomView(id=room["id"], name=room["name"], created_at=room["created_at"],
+                    client_retention=room.get("client_retention"))

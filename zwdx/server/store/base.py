@@ -147,6 +147,11 @@ class Store(abc.ABC):
         """The room with this id, or None."""
 
     @abc.abstractmethod
+    def update_room(self, room_id: str, changes: dict) -> dict | None:
+        """Set fields of a room (its settings, ``client_retention``). Returns it after, or None
+        when there is no such room."""
+
+    @abc.abstractmethod
     def add_credential(self, credential: dict) -> dict:
         """Insert a credential of a room ``{id, room_id, role, name, hash, created_at,
         rotated_at, revoked_at, legacy}`` (``hash``: the sha256 of its secret). Returns it. An
@@ -219,6 +224,12 @@ class Store(abc.ABC):
         ``lost_after``) on it and refresh ``memory_free``/``utilization``/``memory_total`` of
         its slots by ``index`` from ``stats`` (slots it does not have are skipped). Returns
         False, changing nothing, otherwise."""
+
+    @abc.abstractmethod
+    def remove_clients(self, room_id: str, seen_before: float) -> list[str]:
+        """Remove the room's GPU clients that are ``offline``, were last seen (``last_seen``)
+        before ``seen_before`` and hold no slot with a job, with their slots; a client that is
+        online again or running ranks when its turn comes stays. The ids removed."""
 
     @abc.abstractmethod
     def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:

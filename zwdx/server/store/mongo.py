@@ -117,6 +117,10 @@ class MongoStore(Store):
     def get_room(self, room_id: str) -> dict | None:
         return _public(self._rooms.find_one({"_id": room_id}))
 
+    def update_room(self, room_id: str, changes: dict) -> dict | None:
+        return _public(self._rooms.find_one_and_update({"_id": room_id}, {"$set": plain(changes)},
+                                                       return_document=ReturnDocument.AFTER))
+
     def add_credential(self, credential: dict) -> dict:
         try:
             self._credentials.insert_one({**plain(credential), "_id": credential["id"],
@@ -211,6 +215,19 @@ class MongoStore(Store):
         if updates:  # one round trip for every slot
             self._slots.bulk_write(updates, ordered=False)
         return True
+
+    def remove_clients(self, room_id: str, seen_before: float) -> list[str]:
+        gone = {"room_id": room_id, "doc.status": "offline", "doc.last_seen": {"$lt": float(seen_before)}}
+        removed = []
+        for doc in self._clients.find(gone, {"_id": 1}):
+            cid = doc["_id"]
+            if self._slots.find_one({"client_id": cid, "job_id": {"$ne": None}}, {"_id": 1}):
+                continue
+            # the same conditions in the delete itself: a client that registered again meanwhile stays
+            if self._clients.delete_one({**gone, "_id": cid}).deleted_count:
+                self._slots.delete_many({"client_id": cid, "job_id": None})
+                removed.append(cid)
+        return removed
 
     def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
         where = {} if room_id is None else {"room_id": room_id}

@@ -69,6 +69,15 @@ class SQLiteStore(Store):
         rows = self.db.query("SELECT doc FROM rooms WHERE id=?", (room_id,))
         return loads(rows[0][0]) if rows else None
 
+    def update_room(self, room_id: str, changes: dict) -> dict | None:
+        with self.db.tx() as db:
+            row = db.execute("SELECT doc FROM rooms WHERE id=?", (room_id,)).fetchone()
+            if row is None:
+                return None
+            doc = {**loads(row[0]), **changes}
+            db.execute("UPDATE rooms SET doc=? WHERE id=?", (dump(doc), room_id))
+        return doc
+
     def add_credential(self, credential: dict) -> dict:
         with self.db.tx() as db:
             db.execute("INSERT INTO credentials VALUES (?, ?, ?, ?)",
@@ -176,6 +185,17 @@ class SQLiteStore(Store):
                     db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
                                (*slot_args, client_id, stat["index"]))
         return True
+
+    def remove_clients(self, room_id: str, seen_before: float) -> list[str]:
+        gone = ("room_id=? AND json_extract(doc, '$.status')='offline' AND "
+                "json_extract(doc, '$.last_seen') < ? AND NOT EXISTS "
+                "(SELECT 1 FROM slots WHERE slots.client_id=clients.id AND slots.job_id IS NOT NULL)")
+        with self.db.tx() as db:  # one transaction: a register meanwhile comes before or after it
+            ids = [r[0] for r in db.execute(f"SELECT id FROM clients WHERE {gone}", (room_id, float(seen_before)))]
+            for cid in ids:
+                db.execute("DELETE FROM slots WHERE client_id=?", (cid,))
+                db.execute("DELETE FROM clients WHERE id=?", (cid,))
+        return ids
 
     def list_slots(self, room_id: str | None, client_id: str | None = None) -> list[dict]:
         out = []
