@@ -65,6 +65,7 @@ export const api = {
   weights: (id) => request(`${job(id)}/weights`, { raw: true }),
   history: (statuses) => request(`/dashboard/history${statuses ? `?status=${statuses.join(",")}` : ""}`),
   tokens: () => request("/room/tokens"),
+  pruneClients: () => request("/room/clients/prune", { method: "POST", body: {} }),
 };
 
 /** Every event of a job after `after`, page by page (`next` null: the last page). */

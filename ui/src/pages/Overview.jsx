@@ -198,6 +198,36 @@ function useUsage(jobs) {
   return usage;
 }
 
+/** The owner drops the room's offline GPU clients from its list (POST /room/clients/prune); the
+ * list itself follows over Socket.IO. One that comes back registers again. */
+function PruneOffline({ offline }) {
+  const [said, setSaid] = useState(null);
+  const [busy, setBusy] = useState(false);
+  if (!offline && !said) return null;
+  const prune = async () => {
+    setBusy(true);
+    try {
+      const { pruned } = await api.pruneClients();
+      setSaid(`${pruned.length} offline GPU client${pruned.length === 1 ? "" : "s"} dropped`);
+    } catch (err) {
+      setSaid(`not pruned: ${err.message}`);
+    } finally {
+      setBusy(false);
+    }
+  };
+  return (
+    <span className="stat">
+      {offline > 0 && (
+        <button type="button" data-testid="prune-clients" disabled={busy} onClick={prune}
+                title="drop the GPU clients offline now (those running no ranks) from the room's list; one that comes back registers again">
+          Prune offline
+        </button>
+      )}
+      {said && <span className="muted small" data-testid="pruned"> {said}</span>}
+    </span>
+  );
+}
+
 const ofLimit = (used, limit, format) => (limit ? `${format(used)} / ${format(limit)}` : `${format(used)} (no limit)`);
 
 function Usage({ usage }) {
@@ -240,6 +270,7 @@ export default function Overview() {
         <div className="stat">
           <b>{(clients || []).length - online}</b> offline
         </div>
+        <PruneOffline offline={(clients || []).length - online} />
         <div className="stat">
           <b>{busy}</b> / {slots.length} slots busy
         </div>

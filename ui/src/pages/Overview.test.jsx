@@ -119,6 +119,21 @@ describe("the room overview", () => {
     expect(screen.getByTestId("stat-memory")).toHaveTextContent("10.0 GiB free of 16.0 GiB");
   });
 
+  it("prunes the room's offline GPU clients with a button, shown only while some are offline", async () => {
+    const clients = [gpuClient("a", "online", [slot("a", 0)]), gpuClient("b", "offline", [slot("b", 0)]),
+      gpuClient("c", "offline", [slot("c", 0)])];
+    const fetch = mockFetch({ "GET /api/v1/room": { ...ROOM, clients }, "GET /api/v1/jobs": { jobs: [] },
+      "POST /api/v1/room/clients/prune": { pruned: ["b", "c"] } }, { token: "zr_good" });
+    renderApp("/");
+    const button = await screen.findByTestId("prune-clients");
+    await act(async () => button.click());
+    expect(await screen.findByTestId("pruned")).toHaveTextContent("2 offline GPU clients dropped");
+    expect(fetch.calls.filter((c) => c.method === "POST" && c.path === "/api/v1/room/clients/prune")).toHaveLength(1);
+    await act(async () => sockets.at(-1).fire("clients_update", { clients: [clients[0]] }));  // the list follows
+    expect(screen.getAllByTestId("client")).toHaveLength(1);
+    expect(screen.queryByTestId("prune-clients")).toBeNull();
+  });
+
   it("updates utilisation and its sparkline from clients_update pushes", async () => {
     mockFetch({ "GET /api/v1/room": { ...ROOM, clients: [] }, "GET /api/v1/jobs": { jobs: [] } });
     renderApp("/");
