@@ -9,7 +9,7 @@ import pytest
 
 from zwdx import defaults
 from zwdx.errors import AuthError, Forbidden, NotFound
-from zwdx.protocol import CredentialRole, JobStatus
+from zwdx.protocol import CredentialRole
 from zwdx.server import auth
 from zwdx.server.auth import Caller, CredentialCache
 

@@ -4,7 +4,7 @@ dropped and joining workers, each with the exact record and timeline it leaves. 
 real SQLite store with a fake clock (test_job.py's fixtures)."""
 from __future__ import annotations
 
-from test_job import Clock, clock, place, running, statuses, store, submit  # noqa: F401  (fixtures)
+from test_job import clock, place, statuses, store, submit  # noqa: F401  (clock, store: fixtures)
 from zwdx.protocol import JobStatus, RankStatus
 from zwdx.protocol.job import PlacementEntry
 from zwdx.server.job import Job
