@@ -195,7 +195,7 @@ def test_nginx_recipe_as_written(stack, pki):
     """Through nginx (TLS on a port not 443): a GPU client connects (its origin carries the port,
     which `Host $host` dropped), the SDK submits a job that completes; the server tells clients
     apart (--proxy-hops), so one address's wrong tokens lock out that address only; /metrics is
-    not served through the proxy."""
+    not served through the proxy; a GPU client given http:// for it says it speaks HTTPS."""
     assert stack["result"]["status"] == "completed", stack["result"]
     url = stack["urls"]["nginx"]
     room = stack["room"]
@@ -206,6 +206,13 @@ def test_nginx_recipe_as_written(stack, pki):
     assert right.get(f"{url}/api/v1/room", headers={defaults.TOKEN_HEADER: room["token"]}, timeout=10).status_code == 200
     assert right.get(f"{url}/metrics", timeout=10).status_code == 403
     assert "X-Forwarded-For" not in stack["server"].output()  # told of the proxy: no warning
+
+    plain = GpuClient(url.replace("https://", "http://"), room["donor_token"], str(stack["folder"] / "plain"), "plain")
+    try:  # http:// to the HTTPS port: it says so and stops, rather than retrying for ever
+        assert plain.wait(60) == 2, plain.tail()
+        assert f"{url.replace('https://', 'http://')} speaks HTTPS, not plain HTTP: use {url}" in plain.output()
+    finally:
+        plain.stop()
 
 
 @pytest.mark.slow

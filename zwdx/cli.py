@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from . import data_cli, defaults, jobs_cli
+from . import data_cli, defaults, jobs_cli, sizes
 from .errors import ZwdxError
 from .token_source import token_from
 
@@ -251,18 +251,12 @@ def _token_arguments(parser, what: str) -> None:
                              "prefer --room-token-file or $ZWDX_ROOM_TOKEN")
 
 
-#: Units ``--memory`` takes (``8GiB``, ``512MB``, ``2G``: powers of 1024 for the short ones, as torch prints).
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
-
-
 def byte_size(text: str) -> int:
-    """``8GiB`` -> 8589934592 (argparse's type for sizes)."""
-    import re
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (8GiB, 512MB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """``8GiB`` -> 8589934592 (argparse's type for sizes: zwdx.sizes)."""
+    try:
+        return sizes.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _run_script(args) -> int:
@@ -315,16 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("server", help="run the zwdx server (API, Socket.IO, dashboard)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every one)")
-    p.add_argument("--port", type=int, default=defaults.PORT)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every one; "
+                                                        "default %(default)s)")
+    p.add_argument("--port", type=int, default=defaults.PORT, help="default %(default)s")
     p.add_argument("--data-dir", default=os.environ.get("ZWDX_DATA_DIR", "zwdx-data"),
-                   help="embedded store and artifacts live here")
+                   help="embedded store and artifacts live here (default: $ZWDX_DATA_DIR, else zwdx-data)")
     p.add_argument("--mongo-uri", default=os.environ.get("ZWDX_MONGO_URI"),
                    help="use MongoDB instead of the embedded store")
     p.add_argument("--message-queue", default=os.environ.get("ZWDX_MESSAGE_QUEUE"), metavar="URL",
                    help="Socket.IO's message queue (redis://host:6379/0) shared by several server processes on one "
                         "store, behind a load balancer: docs/deploy-scale.md (default: $ZWDX_MESSAGE_QUEUE)")
-    p.add_argument("--max-artifact-bytes", type=int, default=None)
+    p.add_argument("--max-artifact-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help=f"largest artifact (bundle, checkpoint, weights; 100GiB, 512MB) "
+                        f"(default: $ZWDX_MAX_ARTIFACT_BYTES, else {sizes.human(defaults.MAX_ARTIFACT_BYTES)})")
     p.add_argument("--client-timeout", type=float, default=None, help="seconds of silence before a GPU client is lost")
     p.add_argument("--heartbeat-rate", type=float, default=None,
                    help=f"heartbeats/s past which this process asks its GPU clients to beat less often, and waits "
@@ -340,12 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=os.environ.get("ZWDX_TLS_KEY"), metavar="FILE",
                    help="the private key of --tls-cert (PEM; default: $ZWDX_TLS_KEY)")
     limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
-    limits.add_argument("--max-request-bytes", type=int, default=None,
-                        help=f"largest request body but an artifact's (default {defaults.MAX_REQUEST_BYTES})")
+    limits.add_argument("--max-request-bytes", type=byte_size, default=None, metavar="SIZE",
+                        help=f"largest request body but an artifact's (default {sizes.human(defaults.MAX_REQUEST_BYTES)})")
     limits.add_argument("--room-max-jobs", type=int, default=None,
                         help=f"jobs a room may have waiting or running, 0: no limit (default {defaults.ROOM_MAX_JOBS})")
-    limits.add_argument("--room-max-artifact-bytes", type=int, default=None,
-                        help=f"bytes of artifacts a room may keep, 0: no limit (default {defaults.ROOM_MAX_ARTIFACT_BYTES})")
+    limits.add_argument("--room-max-artifact-bytes", type=byte_size, default=None, metavar="SIZE",
+                        help=f"bytes of artifacts a room may keep, 0: no limit "
+                             f"(default {sizes.human(defaults.ROOM_MAX_ARTIFACT_BYTES)})")
     limits.add_argument("--room-max-events", type=int, default=None,
                         help=f"metric and log events a room may keep (their bytes count in --room-max-artifact-bytes), "
                              f"0: no limit (default {defaults.ROOM_MAX_EVENTS})")
@@ -354,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-series-points", type=int, default=None,
                         help=f"points a job's metric series shows at most; a longer one is thinned, keeping its first "
                              f"and last (default {defaults.MAX_SERIES_POINTS})")
-    limits.add_argument("--min-free-bytes", type=int, default=None,
+    limits.add_argument("--min-free-bytes", type=byte_size, default=None, metavar="SIZE",
                         help=f"free bytes kept on the data dir's disk: below, uploads, events and jobs are refused "
                              f"(507), 0: no floor (default {defaults.MIN_FREE_BYTES})")
     limits.add_argument("--rate-limit-rooms", default=None,

@@ -24,6 +24,7 @@ import time
 
 from tabulate import tabulate
 
+from . import sizes
 from .errors import BadRequest
 from .protocol import FINISHED, JobStatus
 from .protocol.base import escape_controls
@@ -40,7 +41,8 @@ def _ago(ts: float | None, now: float) -> str:
 
 
 def _gib(n) -> str:
-    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) and n else "-"
+    """A size in the unit that reads best (``12.0 KiB``, ``3.2 GiB``): a small quota is not ``0.0 GiB``."""
+    return sizes.human(n) if isinstance(n, (int, float)) and n else "-"
 
 
 def _number(v) -> str:

@@ -195,7 +195,8 @@ class ZWDX:
         if not token:
             known = f" (no job {job_id} submitted to {self.server_url} is on record here)" if job_id else ""
             raise BadRequest(f"a room token is needed{known}: a submitter token of the room (zs_..., printed by "
-                             f"`zwdx room create`), as room_token=... or --room-token", field="room_token")
+                             f"`zwdx room create`), as room_token=..., --room-token-file FILE or $ZWDX_ROOM_TOKEN",
+                             field="room_token")
         return token
 
     def _remember(self, what: str, *args) -> None:

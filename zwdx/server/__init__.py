@@ -25,7 +25,7 @@ from flask import Flask
 from flask.json.provider import DefaultJSONProvider
 from socketio import packet as socketio_packet
 
-from .. import defaults
+from .. import defaults, sizes
 from ..protocol.base import loads
 from ..protocol.report import to_wire
 from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, disk, events, json_limits,
@@ -216,6 +216,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.config.from_prefixed_env("ZWDX")
     if config:
         app.config.update(config)
+    sizes.server_config(app.config)  # ZWDX_MAX_ARTIFACT_BYTES=100GiB
     # Every body but an artifact's (those stream within their own limit, ``http.save_artifact``).
     app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_REQUEST_BYTES"])
     app.json = WireJSON(app)

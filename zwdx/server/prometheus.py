@@ -51,7 +51,8 @@ class StoreCollector(Collector):
         yield info
 
         jobs = GaugeMetricFamily("zwdx_jobs", "Jobs by room and status", labels=["room", "status"])
-        for (room, status), n in sorted(self.store.job_counts().items()):
+        counts = self.store.job_counts()
+        for (room, status), n in sorted(counts.items()):
             jobs.add_metric([room, status], n)
         yield jobs
 
@@ -62,9 +63,11 @@ class StoreCollector(Collector):
         for job in self.store.list_jobs(statuses=WAITING):
             since = next((e.at for e in reversed(job.timeline) if e.status in WAITING), job.created_at)
             waits.setdefault(job.room_id, []).append(max(0.0, now - since))
+        for room, _ in counts:  # a room with jobs and none waiting: 0, not "No data"
+            waits.setdefault(room, [])
         for room, seconds in sorted(waits.items()):
             depth.add_metric([room], len(seconds))
-            oldest.add_metric([room], max(seconds))
+            oldest.add_metric([room], max(seconds, default=0.0))
         yield depth
         yield oldest
 

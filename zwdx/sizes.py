@@ -1,0 +1,40 @@
+"""Byte sizes as people write them (``8GiB``, ``512MB``, ``2G``, ``1000000``) and as a person
+reads them back (``3.2 MiB``): the CLI's size flags, their ``ZWDX_*`` variables, and what
+``zwdx room show`` prints."""
+from __future__ import annotations
+
+import re
+
+#: Units taken: powers of 1024 for the short ones and the *iB ones (as torch prints), of 1000 for kB/MB/GB/TB.
+UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+         "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+#: Config keys the server reads as sizes (``create_app`` parses a string, as ``ZWDX_<KEY>`` gives).
+SERVER_SIZES = ("MAX_ARTIFACT_BYTES", "MAX_REQUEST_BYTES", "ROOM_MAX_ARTIFACT_BYTES", "MIN_FREE_BYTES")
+
+
+def parse(text: str | int) -> int:
+    """``8GiB`` -> 8589934592; ValueError naming what it expected."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in UNITS:
+        raise ValueError(f"{text!r} is not a size (8GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def human(n: int | float) -> str:
+    """``3355443`` -> ``3.2 MiB``; ``0`` -> ``0 B``."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def server_config(config) -> None:
+    """Parse the server's size settings given as strings (``ZWDX_MAX_ARTIFACT_BYTES=100GiB``)."""
+    for key in SERVER_SIZES:
+        if isinstance(config.get(key), str):
+            try:
+                config[key] = parse(config[key])
+            except ValueError as exc:
+                raise ValueError(f"ZWDX_{key}: {exc}") from None
