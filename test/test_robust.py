@@ -55,16 +55,29 @@ def test_a_liar_scaling_its_vector_moves_the_robust_aggregate_little_and_the_mea
     assert reasons[-1] and "norm" in reasons[-1] and not any(reasons[:-1]), reasons
 
 
-def test_a_forged_vector_of_honest_norm_is_flagged_for_disagreeing():
+def test_a_forged_vector_of_honest_norm_pointing_back_is_flagged_and_a_random_one_only_clipped():
     good = honest(3, 20_000, seed=3)
-    rng = np.random.default_rng(9)
-    forged = rng.standard_normal(20_000).astype(np.float32)
-    forged *= np.linalg.norm(good[0]) / np.linalg.norm(forged)
+    forged = -good[0] * 1.1  # the honest direction reversed, within the honest norms
     _, combiner = combine([*good, forged])
     scores = combiner.scores()
     reasons = robust.flags(scores)
-    assert reasons[-1] and "disagrees" in reasons[-1] and not any(reasons[:-1]), (reasons, scores)
+    assert reasons[-1] and "opposes" in reasons[-1] and not any(reasons[:-1]), (reasons, scores)
     assert all(0.8 < s.norm_ratio < 1.25 for s in scores)  # not the norm: the direction gave it away
+    rng = np.random.default_rng(9)
+    noise = rng.standard_normal(20_000).astype(np.float32)
+    noise *= np.linalg.norm(good[0]) / np.linalg.norm(noise)
+    out, combiner = combine([*good, noise])
+    assert not any(robust.flags(combiner.scores()))  # it merely disagrees: as an honest worker near convergence can
+    assert off(out, np.mean(good, axis=0)) < 0.6  # clipped and trimmed, it moves the aggregate a share at most
+
+
+def test_an_honest_worker_that_agrees_about_zero_is_not_flagged():
+    good = honest(7, 20_000, seed=4)
+    rng = np.random.default_rng(11)
+    aside = rng.standard_normal(20_000).astype(np.float32)  # its own shard's direction, unrelated to the rest
+    aside *= np.linalg.norm(good[0]) / np.linalg.norm(aside)
+    _, combiner = combine([*good, aside])
+    assert not any(robust.flags(combiner.scores()))
 
 
 def test_honest_workers_are_not_flagged_and_two_workers_never_are():

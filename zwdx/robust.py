@@ -22,8 +22,9 @@ workers' Gram matrix is summed as they go):
     (leave-one-out, and leaving out those flagged already).
 A worker is *flagged* in a round when, among three or more workers, its norm is above
 ``NORM_BOUND`` times the median, or, while the workers share a direction (median agreement at
-least ``MIN_AGREEMENT``), it agrees least with the rest and below a third of their median
-(taken out one at a time). ``zwdx.server.diloco`` names a worker flagged ``suspect_after`` rounds
+least ``MIN_AGREEMENT``), it opposes that direction (a cosine below -0.2 and below -1/3 of the
+median; taken out one at a time). A vector that merely disagrees (a random one) is not flagged:
+clipping bounds what it can do, and honest workers disagree so too near convergence. ``zwdx.server.diloco`` names a worker flagged ``suspect_after`` rounds
 in a row a suspect and drops it from the job.
 
 What it does not stop: a liar whose vector stays within the honest norms and directions (a
@@ -39,11 +40,14 @@ import numpy as np
 
 #: A norm this many times the round's median flags its worker.
 NORM_BOUND = 3.0
-#: An agreement below this share of the round's median agreement flags its worker...
+#: While the workers share a direction (their median agreement at least ``MIN_AGREEMENT``), a
+#: worker pushing against it flags itself: its agreement below -``AGREEMENT_SHARE`` times that
+#: median, and below -``MIN_OPPOSITION`` whatever the median. Only opposition counts: an honest
+#: worker whose shard is fit before the others' agrees about zero for rounds on end (measured:
+#: bench/robust_diloco.py), and so does a random vector, whose harm clipping bounds.
 AGREEMENT_SHARE = 1 / 3
-#: ...when that median is at least this: the workers share a direction. Near convergence honest
-#: pseudo-gradients are mostly noise, agree about zero, and no direction tells a liar apart.
 MIN_AGREEMENT = 0.1
+MIN_OPPOSITION = 0.2
 
 
 def default_trim(n: int) -> int:
@@ -125,9 +129,9 @@ class Combiner:
             agree = {i: self._agreement(i, [j for j in reference if j != i]) for i in reference}
             worst = min(agree, key=agree.get)
             middle = float(np.median(list(agree.values())))
-            if not (middle >= MIN_AGREEMENT and agree[worst] < AGREEMENT_SHARE * middle):
+            if not (middle >= MIN_AGREEMENT and agree[worst] < -max(MIN_OPPOSITION, AGREEMENT_SHARE * middle)):
                 break
-            why[worst] = (f"its pseudo-gradient disagrees with the others' (cosine {agree[worst]:.2f}, the "
+            why[worst] = (f"its pseudo-gradient opposes the others' (cosine {agree[worst]:.2f}, the "
                           f"round's median {middle:.2f})")
             reference.remove(worst)
         return [Scores(self.norms[i], ratios[i], self._agreement(i, [j for j in reference if j != i]), why.get(i))
@@ -140,4 +144,4 @@ def flags(scores: list[Scores]) -> list[str | None]:
     return [s.flag for s in scores]
 
 
-__all__ = ["NORM_BOUND", "AGREEMENT_SHARE", "MIN_AGREEMENT", "default_trim", "clip_scales", "Scores", "Combiner", "flags"]
+__all__ = ["NORM_BOUND", "AGREEMENT_SHARE", "MIN_AGREEMENT", "MIN_OPPOSITION", "default_trim", "clip_scales", "Scores", "Combiner", "flags"]
