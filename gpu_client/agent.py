@@ -11,6 +11,11 @@ runs in its own process (``launcher.py``), in the job's sandbox: in a container 
 Docker can, else as a user of its own per job when the agent is root (``isolation.py``; each
 slot registers which isolation it has, and a container's image and limits).
 
+Started without ``--client-id``, it is the GPU client an earlier start on its work dir was
+(``workspace.py``). What its ranks can import is read again when the server says a waiting job
+needs a module it lacks (``refresh``, at most every ``--modules-refresh`` seconds), on SIGHUP
+and on ``zwdx gpu-client --refresh``; a changed list is registered again.
+
 As it registers it says how its peers reach it (``advertise_addr``, and the port of its
 reachability listener, ``reach.py``) and its link to the server (``link.py``, measured at most
 every ``LINK_REFRESH`` seconds). Before the ranks of a DDP/FSDP job start, it connects to the

@@ -1,8 +1,11 @@
 """The machine a GPU client runs on: who it is, and which modules its Python can import.
 
-Both are sent once, at registration. The host identity tells the scheduler which GPU clients
-share one machine's RAM (their CPU slots do); the module names let it keep a job off a GPU
-client that could not load its bundle (a package the submitter's code uses is missing).
+Both are sent at registration. The host identity tells the scheduler which GPU clients share
+one machine's RAM (their CPU slots do); the module names let it keep a job off a GPU client
+that could not load its bundle (a package the submitter's code uses is missing). The names are
+read again, and sent with a new register if they changed, when the server says a waiting job
+needs one this client lacks (a package installed since it started), on SIGHUP and on ``zwdx
+gpu-client --refresh`` (``agent.py``).
 """
 from __future__ import annotations
 
