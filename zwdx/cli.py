@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the private key of --tls-cert (PEM; default: $ZWDX_TLS_KEY)")
     limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
     limits.add_argument("--max-request-bytes", type=byte_size, default=None, metavar="SIZE",
-                        help=f"largest request body but an artifact's (default {sizes.human(defaults.MAX_REQUEST_BYTES)})")
+                        help=f"largest request body but an artifact's "
+                             f"(default {sizes.human(defaults.MAX_REQUEST_BYTES)})")
     limits.add_argument("--room-max-jobs", type=int, default=None,
                         help=f"jobs a room may have waiting or running, 0: no limit (default {defaults.ROOM_MAX_JOBS})")
     limits.add_argument("--room-max-artifact-bytes", type=byte_size, default=None, metavar="SIZE",

@@ -135,7 +135,8 @@ def restore(src: str, data_dir: str, force: bool = False) -> dict:
         if digest.hexdigest() != want["sha256"]:
             raise BackupError(f"artifact {artifact_id} of the backup {src} does not match its sha256 in {MANIFEST}: "
                               f"nothing was restored")
-    present = [n for n in (STORE, f"{STORE}-wal", f"{STORE}-shm", ARTIFACTS) if os.path.exists(os.path.join(data_dir, n))]
+    present = [n for n in (STORE, f"{STORE}-wal", f"{STORE}-shm", ARTIFACTS)
+               if os.path.exists(os.path.join(data_dir, n))]
     if present and not force:
         raise BackupError(f"{data_dir} holds a store already ({', '.join(present)}): stop its server and pass --force "
                           f"to move it aside, or restore into an empty data dir")
@@ -167,9 +168,9 @@ def command(args) -> int:
     try:
         if args.server_action == "backup":
             manifest = backup(data_dir, args.path)
+            total = sum(a["bytes"] for a in manifest["artifacts"].values())
             print(f"zwdx server: {data_dir} backed up into {args.path}: the store and "
-                  f"{len(manifest['artifacts'])} artifact(s), {sum(a['bytes'] for a in manifest['artifacts'].values())} "
-                  f"bytes, each checked against its sha256")
+                  f"{len(manifest['artifacts'])} artifact(s), {total} bytes, each checked against its sha256")
         else:
             manifest = restore(args.path, data_dir, args.force)
             aside = f"; what was there is in {manifest['moved_aside']}" if manifest.get("moved_aside") else ""
