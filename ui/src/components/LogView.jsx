@@ -26,7 +26,7 @@ export default function LogView({ lines }) {
       {lines.length > SHOWN && <div className="muted">… {lines.length - SHOWN} earlier lines not shown</div>}
       {shown.map((ev) => (
         <div className="log-line" key={ev.seq}>
-          <span className="muted">{formatTime(ev.ts)}</span> <span className="rank-tag">rank {ev.rank ?? "?"}</span>{" "}
+          <span className="muted">{formatTime(ev.ts)}</span> <span className="rank-tag">{ev.rank === null || ev.rank === undefined ? "server" : `rank ${ev.rank}`}</span>{" "}
           {ev.data?.text}
         </div>
       ))}

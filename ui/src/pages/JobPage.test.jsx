@@ -131,9 +131,12 @@ describe("the job page", () => {
   });
 
   it("follows status changes and shows the log lines", async () => {
-    mockFetch(routes(running, [{ seq: 1, kind: "log", rank: 0, data: { text: "epoch 0: loss 1.03" }, ts: 1700000004 }]));
+    mockFetch(routes(running, [{ seq: 1, kind: "log", rank: 0, data: { text: "epoch 0: loss 1.03" }, ts: 1700000004 },
+      { seq: 2, kind: "log", rank: null, data: { text: "diloco round 1" }, ts: 1700000005 }]));  // the server's own line
     renderApp("/jobs/j1");
     expect(await screen.findByTestId("logs")).toHaveTextContent("epoch 0: loss 1.03");
+    const tags = [...screen.getByTestId("logs").querySelectorAll(".rank-tag")].map((tag) => tag.textContent);
+    expect(tags).toEqual(["rank 0", "server"]);
     const done = {
       ...running, status: "completed", ended_at: 1700000012, final_loss: 0.52913, weights_artifact: "w1",
       timeline: [...running.timeline, { status: "completed", at: 1700000012 }],
