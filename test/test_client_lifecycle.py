@@ -272,6 +272,14 @@ def test_a_job_waiting_for_a_package_asks_the_client_that_lacks_it_to_look_again
     assert "lacks package(s) late_pkg" in reason and "zwdx gpu-client --refresh" in reason, reason
     ctx.scheduler.schedule_once()
     assert _refreshes(lacking) == []  # the same modules: not again within MODULES_REFRESH
+    from zwdx import defaults
+    from zwdx.server import clients
+    waiting = api.get(f"/jobs/{job_id}").json["spec"]
+    now = __import__("time").time()
+    for later, asked in ((1.5, 1), (2.5, 0), (3.5, 1), (5, 0), (7.5, 1)):  # then after 2x, 4x MODULES_REFRESH
+        assert clients.ask_refresh(job_id, waiting, [ctx.store.get_client("lacking")],
+                                   now + later * defaults.MODULES_REFRESH) == asked, later
+    assert len(_refreshes(lacking)) == 3
     # it looked, found the package and registered again: the job is placed on it
     lacking.emit("register", {"client_id": "lacking", "hostname": "h", "modules": ["os", "sys", "torch", "late_pkg"],
                               "versions": {"python": __import__("platform").python_version()},

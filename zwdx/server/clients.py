@@ -25,9 +25,12 @@ from .placement import missing_modules, online
 
 log = logging.getLogger(__name__)
 
-#: connection (sid) -> (the modules it was last asked to look for, when): asked again for the same
-#: ones at most every ``MODULES_REFRESH`` seconds
-_asked: dict[str, tuple[frozenset, float]] = {}
+#: connection (sid) -> (the modules it was last asked to look for, when, how many times): asked
+#: again for the same ones after ``MODULES_REFRESH`` seconds, twice that the next time, ... (at
+#: most an hour): a package that never comes costs a probe an hour, not one a minute
+_asked: dict[str, tuple[frozenset, float, int]] = {}
+#: The longest wait before a GPU client is asked again for the same modules.
+ASK_AGAIN_MAX = 3600.0
 
 
 def ask_refresh(job_id: str, spec: dict, clients, now: float | None = None) -> int:
@@ -40,15 +43,16 @@ def ask_refresh(job_id: str, spec: dict, clients, now: float | None = None) -> i
         lacks = frozenset(missing_modules(spec, client)) if online(client) and sid else frozenset()
         if not lacks:
             continue
-        before, at = _asked.get(sid, (frozenset(), 0.0))
-        if lacks <= before and now - at < defaults.MODULES_REFRESH:
+        before, at, times = _asked.get(sid, (frozenset(), 0.0, 0))
+        same = lacks <= before
+        if same and now - at < min(defaults.MODULES_REFRESH * 2 ** (times - 1), ASK_AGAIN_MAX):
             continue
-        _asked[sid] = (lacks, now)
+        _asked[sid] = (lacks, now, times + 1 if same else 1)
         message = Refresh(modules=sorted(lacks), reason=f"job {job_id} waits for package(s) {', '.join(sorted(lacks))}")
         socketio.emit(EV_REFRESH, message.model_dump(), to=sid, namespace=GPU_NAMESPACE)
         asked += 1
     if len(_asked) > 10_000:  # connections long gone
-        for sid in [s for s, (_, at) in _asked.items() if now - at > defaults.MODULES_REFRESH]:
+        for sid in [s for s, (_, at, _n) in _asked.items() if now - at > ASK_AGAIN_MAX]:
             _asked.pop(sid, None)
     return asked
 
