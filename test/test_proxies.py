@@ -177,10 +177,11 @@ def stack(pki, tmp_path_factory):
         clients = {name: GpuClient(url, room["donor_token"], str(folder / name), f"via-{name}",
                                    extra=["--ca-file", pki["ca"]]) for name, url in urls.items()}
         procs += clients.values()
-        wait_until(lambda: {c["id"] for c in sdk.get_room()["clients"] if c["status"] == "online"}
-                   >= {"via-nginx", "via-haproxy"}, 60,
-                   what="GPU clients online through nginx and HAProxy\n"
-                        + "\n".join(c.tail() for c in clients.values()) + server.tail())
+        try:
+            wait_until(lambda: {c["id"] for c in sdk.get_room()["clients"] if c["status"] == "online"}
+                       >= {"via-nginx", "via-haproxy"}, 60, what="GPU clients online through nginx and HAProxy")
+        except TimeoutError as exc:  # what they and the server said by then
+            raise TimeoutError("\n".join([str(exc), *(c.tail() for c in clients.values()), server.tail()])) from None
         model = torch.nn.Linear(2, 2)
         result = sdk.submit_job(model, pairs, record, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
                                 world_size=2, progress=False, timeout=180, raise_on_failure=False)
