@@ -371,7 +371,9 @@ class Diloco(Collective):
         patience = 2 * (self.settings.round_timeout or self.spec.collective_timeout) + 30  # the server's deadline first
         deadline, delay = time.time() + patience, POLL_FIRST
         while True:
+            asked = time.time()
             resp = self._ask("get", f"{self.url}/{n}")
+            deadline += time.time() - asked  # a server away (a restart) held the peers' uploads up too
             if resp.status_code == 200:
                 if hashlib.sha256(resp.content).hexdigest() != resp.headers.get(defaults.SHA256_HEADER):
                     raise RuntimeError(f"DILOCO round {n}: the average arrived damaged (sha256 differs)")

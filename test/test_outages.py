@@ -283,3 +283,27 @@ def test_a_commit_whose_answer_was_lost_is_not_a_failure(stub):
     url, _ = stub([committed])
     with pytest.raises(requests.HTTPError):
         Reporter(url, "rk_1", "j1", 0, patience=60).commit_checkpoint(3, ["state.pt"])
+
+
+def test_a_diloco_round_waited_for_through_an_outage_is_not_timed_out(monkeypatch):
+    """A worker asking for a round's average while the server is away for longer than the round's
+    patience: the time its call waited for the server does not count against its peers (it
+    raised RoundTimeout once the server answered 'still waiting' after the outage)."""
+    import hashlib
+    from types import SimpleNamespace
+    from gpu_client import diloco
+    clock = [1000.0]
+    monkeypatch.setattr(diloco, "time", SimpleNamespace(time=lambda: clock[0], sleep=lambda s: None))
+    worker = object.__new__(diloco.Diloco)
+    worker.url, worker.settings = "http://server/rounds", SimpleNamespace(round_timeout=10.0)
+    worker.spec = SimpleNamespace(collective_timeout=300.0, rank=0)
+    average = b"the round's average"
+    answers = [SimpleNamespace(status_code=202, json=lambda: {"waiting_for": [1]}),
+               SimpleNamespace(status_code=200, content=average,
+                               headers={"X-Zwdx-Sha256": hashlib.sha256(average).hexdigest()})]
+
+    def ask(method, url, **kwargs):
+        clock[0] += 900  # the call waited this long for the server (outage.py)
+        return answers.pop(0)
+    worker._ask = ask
+    assert worker._fetch(3) == average
