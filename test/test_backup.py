@@ -83,6 +83,10 @@ def test_a_restored_backup_serves_the_same_jobs_metrics_and_weights(tmp_path):
         done = zwdx_cli("server", "restore", str(backup), "--data-dir", str(restored))
         assert done.returncode == 0, done.stderr
         Proc.stop_all(procs)
+        forced = zwdx_cli("server", "restore", str(backup), "--data-dir", str(data), "--force")  # stopped now
+        assert forced.returncode == 0, forced.stderr
+        aside = [name for name in os.listdir(data) if name.startswith("before-restore-")]
+        assert len(aside) == 1 and os.path.exists(data / aside[0] / "zwdx.sqlite3") and aside[0] in forced.stdout
         procs = [Server(str(restored))]
         again = ZWDX(procs[0].url, room_token=room["token"], remember=False)
         after = {"job": again.get_job(job["job_id"]), "metrics": again.get_job_metrics(job["job_id"]),
