@@ -1,7 +1,8 @@
 """``zwdx server backup DEST`` and ``zwdx server restore SRC`` (issue 34 item 5): a backup taken
 while the server runs, restored into another data dir, serves the same jobs, metrics and weights
-(the same sha256) from a new server; a damaged backup, an existing destination and a data dir
-that holds a store already are refused, changing nothing."""
+(the same sha256) from a new server; a damaged backup, an existing destination, a data dir a
+server is serving, and one that holds a store already (without --force) are refused, changing
+nothing."""
 from __future__ import annotations
 
 import contextlib
@@ -67,8 +68,8 @@ def test_a_restored_backup_serves_the_same_jobs_metrics_and_weights(tmp_path):
         again = zwdx_cli("server", "backup", str(backup), "--data-dir", str(data))
         assert again.returncode == 1 and "exists already" in again.stderr
 
-        refused = zwdx_cli("server", "restore", str(backup), "--data-dir", str(data))  # the live one: refused
-        assert refused.returncode == 1 and "holds a store already" in refused.stderr and "--force" in refused.stderr
+        live = zwdx_cli("server", "restore", str(backup), "--data-dir", str(data), "--force")  # the server runs
+        assert live.returncode == 1 and f"a zwdx server is serving {data}" in live.stderr
         assert not any(name.startswith("before-restore") for name in os.listdir(data))
 
         damaged = tmp_path / "damaged"
@@ -83,6 +84,8 @@ def test_a_restored_backup_serves_the_same_jobs_metrics_and_weights(tmp_path):
         done = zwdx_cli("server", "restore", str(backup), "--data-dir", str(restored))
         assert done.returncode == 0, done.stderr
         Proc.stop_all(procs)
+        refused = zwdx_cli("server", "restore", str(backup), "--data-dir", str(data))
+        assert refused.returncode == 1 and "holds a store already" in refused.stderr and "--force" in refused.stderr
         forced = zwdx_cli("server", "restore", str(backup), "--data-dir", str(data), "--force")  # stopped now
         assert forced.returncode == 0, forced.stderr
         aside = [name for name in os.listdir(data) if name.startswith("before-restore-")]

@@ -291,6 +291,9 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     open_files = _raise_open_files_limit()
     ctx = app.extensions["zwdx"]
     ctx.store.serving()
+    if not app.config.get("MONGO_URI"):  # held until the process ends: `zwdx server restore` refuses meanwhile
+        from .backup import serving
+        ctx.serving_lock = serving(app.config["DATA_DIR"])
     collector.keep_pauses_short(ctx.stopping)
     tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":

@@ -13,6 +13,7 @@ MongoDB (``--mongo-uri``) is backed up with MongoDB's own tools: docs/store.md.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
 import json
 import os
@@ -24,6 +25,8 @@ from .. import __version__, defaults
 STORE = "zwdx.sqlite3"
 ARTIFACTS = "artifacts"
 MANIFEST = "MANIFEST.json"
+#: Held shared by every server process serving the data dir (``serve``), exclusively by a restore.
+SERVING_LOCK = ".serving.lock"
 #: New copies of the store taken when artifacts it names vanish meanwhile, before giving up.
 TRIES = 5
 
@@ -114,6 +117,14 @@ def backup(data_dir: str, dest: str) -> dict:
     return manifest
 
 
+def serving(data_dir: str) -> int:
+    """A shared lock on ``data_dir`` for as long as this process lives (its descriptor): several
+    server processes may share one data dir; a restore may not run beside any of them."""
+    fd = os.open(os.path.join(data_dir, SERVING_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a restore runs
+    return fd
+
+
 def restore(src: str, data_dir: str, force: bool = False) -> dict:
     """Make ``data_dir`` the backup ``src`` (every file checked against its manifest first).
     A data dir that holds a store already is refused, or with ``force`` moved aside into
@@ -135,12 +146,26 @@ def restore(src: str, data_dir: str, force: bool = False) -> dict:
         if digest.hexdigest() != want["sha256"]:
             raise BackupError(f"artifact {artifact_id} of the backup {src} does not match its sha256 in {MANIFEST}: "
                               f"nothing was restored")
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    lock = os.open(os.path.join(data_dir, SERVING_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise BackupError(f"a zwdx server is serving {data_dir}: stop it (every process on that data dir), then "
+                          f"restore") from None
+    try:
+        return _restore(src, data_dir, force, manifest)
+    finally:
+        os.close(lock)  # a server waiting to start goes on now
+
+
+def _restore(src: str, data_dir: str, force: bool, manifest: dict) -> dict:
     present = [n for n in (STORE, f"{STORE}-wal", f"{STORE}-shm", ARTIFACTS)
                if os.path.exists(os.path.join(data_dir, n))]
     if present and not force:
         raise BackupError(f"{data_dir} holds a store already ({', '.join(present)}): stop its server and pass --force "
                           f"to move it aside, or restore into an empty data dir")
-    os.makedirs(data_dir, mode=0o700, exist_ok=True)
     if present:
         aside = os.path.join(data_dir, f"before-restore-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         os.makedirs(aside, mode=0o700)
