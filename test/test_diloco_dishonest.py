@@ -49,6 +49,9 @@ def test_a_worker_adding_noise_is_named_a_suspect_and_the_job_still_learns(sdk, 
     placed = {p["rank"]: p["client_id"] for p in result["placement"]}
     assert suspect["client_id"] == placed[2] and len(suspect["rounds"]) == 5 and "norm" in suspect["reason"]
     assert result["job"]["ranks"]["2"]["status"] == "dropped"
+    clients = {c["id"]: c for c in sdk.get_room()["clients"]}
+    assert suspect["token_id"] and suspect["token_id"] == clients[placed[2]]["token_id"]  # what to revoke
+    assert clients[placed[2]]["suspected_in"] == [result["job_id"]]
     assert placed[2] in sdk.get_job(result["job_id"]).get("avoid", [placed[2]])
     logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]
     assert any("rank 2" in t and "is a suspect" in t for t in logs), logs

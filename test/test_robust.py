@@ -165,6 +165,9 @@ def test_a_worker_flagged_round_after_round_is_named_dropped_and_avoided(backend
     assert after["status"] == "running" and after["ranks"]["2"]["status"] == "dropped"
     assert after["ranks"]["0"]["status"] == after["ranks"]["1"]["status"] == "running"
     assert suspect["client_id"] in app.extensions["zwdx"].store.get_job(job["id"]).avoid
+    clients = {c["id"]: c for c in room.get("/room").json["clients"]}
+    assert clients[suspect["client_id"]]["suspected_in"] == [job["id"]]
+    assert all(c["suspected_in"] == [] for cid, c in clients.items() if cid != suspect["client_id"])
     rounds = app.extensions["zwdx"].store.list_artifacts(job["id"], "outer_gradient")
     assert rounds[-1]["scores"]["2"]["norm_ratio"] > 3 and rounds[-1]["strikes"] == {"2": [0, 1]}
     log = [e["data"]["text"] for e in room.get(f"/jobs/{job['id']}/events").json["events"] if e["kind"] == "log"]

@@ -304,6 +304,11 @@ def room_clients(sdk, args) -> int:
     apart = sorted({tuple(sorted((c["id"], peer))) for c in room["clients"] for peer in c.get("unreachable") or []})
     for a, b in apart:
         _show(f"{a} and {b} cannot reach each other: DDP/FSDP jobs keep them apart (DILOCO goes anywhere)")
+    for c in room["clients"]:
+        if c.get("suspected_in"):
+            token = f"; its donor token {c['token_id']}: `zwdx room tokens revoke {c['token_id']}` keeps it out" \
+                if c.get("token_id") else ""
+            _show(f"SUSPECT: {c['id']} was named dishonest by job(s) {', '.join(c['suspected_in'])}{token}")
     return 0
 
 

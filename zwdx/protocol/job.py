@@ -151,6 +151,8 @@ class Suspect(Record):
     """DILOCO: a worker whose pseudo-gradients were outliers round after round
     (``zwdx.robust.flags``): named and dropped from the job."""
     client_id: str | None = None
+    #: The donor token its GPU client registered with (its id): revoke it to keep the donor out.
+    token_id: str | None = None
     #: The rounds it was flagged in, in a row, up to when it was named.
     rounds: list[int]
     reason: str

@@ -131,6 +131,11 @@ class ClientView(Answer):
     #: keep them apart (``zwdx/server/reach.py``).
     unreachable: list[str] = []
     slots: list[SlotView] = []
+    #: The donor token it registered with (its id, never the secret): revoking it keeps the
+    #: donor out of the room (``zwdx room tokens revoke``).
+    token_id: str | None = None
+    #: DILOCO jobs of the room that named it a suspect (``zwdx/server/suspects.py``).
+    suspected_in: list[str] = []
 
 
 class RoomTotals(Answer):

@@ -32,7 +32,7 @@ from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, s
 from .job import Job, rejoined
 from .placement import room_totals, unschedulable
 from .store.base import event_bytes
-from .views import client_view, job_view, room_view, submitted_view
+from .views import client_view, job_view, named_clients, room_view, submitted_view
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,10 @@ def create_room(body: CreateRoom):
            tag="rooms")
 def get_room(room: dict):
     clients = ctx().store.list_clients(room["id"])
-    return RoomDetail.model_validate({**room_view(room).model_dump(), "clients": [client_view(c) for c in clients],
+    named = named_clients(ctx().store, room["id"])
+    return RoomDetail.model_validate({**room_view(room).model_dump(),
+                                      "clients": [{**client_view(c), "suspected_in": named.get(c["id"], [])}
+                                                  for c in clients],
                                       "totals": room_totals(clients), "usage": limits.usage(room["id"])})
 
 

@@ -46,7 +46,8 @@ def _name(job: JobRecord, named: dict[int, tuple[list[int], str]]) -> None:
     store, now = ctx().store, time.time()
     clients = {p.rank: p.client_id for p in job.placement or []}
     clients.update({int(r): j.client_id for r, j in job.joins.items()})
-    entries = {str(r): Suspect(client_id=clients.get(r), rounds=rounds, reason=reason, at=now)
+    tokens = {r: (store.get_client(clients[r]) or {}).get("token_id") if clients.get(r) else None for r in named}
+    entries = {str(r): Suspect(client_id=clients.get(r), token_id=tokens[r], rounds=rounds, reason=reason, at=now)
                for r, (rounds, reason) in named.items()}
     if store.put_job_entries(job.id, "suspects", entries) is None:
         return
@@ -54,8 +55,10 @@ def _name(job: JobRecord, named: dict[int, tuple[list[int], str]]) -> None:
     store.set_job(job.id, {"avoid": avoid})
     texts = []
     for r, (rounds, reason) in sorted(named.items()):
+        revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
         texts.append(f"diloco: rank {r} (gpu client {clients.get(r)}) is a suspect: {reason}, in rounds "
-                     f"{', '.join(map(str, rounds))} in a row; it is dropped and its client is not given this job again")
+                     f"{', '.join(map(str, rounds))} in a row; it is dropped and its client is not given this job "
+                     f"again{revoke}")
         log.warning("job %s: %s", job.id, texts[-1])
     notify.events_added(job, store.add_events(job.id, [{
         "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-suspect:{job.attempt}:{r}", "step": None,
@@ -64,3 +67,4 @@ def _name(job: JobRecord, named: dict[int, tuple[list[int], str]]) -> None:
     if not lifecycle.drop(ctx(), fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
         log.warning("job %s: the suspect(s) %s could not be dropped (no other worker left)", job.id, sorted(named))
     notify.job_changed(store.get_job(job.id))
+

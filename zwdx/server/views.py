@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ..protocol import Parallelism
 from ..protocol.job import Job as JobRecord, JobView, Submitted
 from ..protocol.rest import RoomView
 from .placement import apart_from
@@ -32,3 +33,13 @@ def client_view(client: dict, now: float | None = None) -> dict:
 def room_view(room: dict) -> RoomView:
     return RoomView(id=room["id"], name=room["name"], created_at=room["created_at"],
                     client_retention=room.get("client_retention"))
+
+
+def named_clients(store, room_id: str) -> dict[str, list[str]]:
+    """GPU client id -> the room's DILOCO jobs that named it a suspect (``suspects.py``)."""
+    out: dict[str, list[str]] = {}
+    for job in store.list_jobs(room_id, parallelism=Parallelism.DILOCO.value):
+        for suspect in job.suspects.values():
+            if suspect.client_id:
+                out.setdefault(suspect.client_id, []).append(job.id)
+    return out
