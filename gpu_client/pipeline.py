@@ -21,8 +21,9 @@ Why ``train_func`` cannot run its plain loop: ``model(x)`` on a stage would take
 stage's activations, not ``x``, and ``loss.backward()`` needs the gradient the next stage sends.
 So a PIPELINE job's ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)``
 where it would run forward and backward: the schedule (GPipe or 1F1B) splits the batch into
-micro-batches, runs them through the stages, and accumulates every micro-batch's gradient (scaled
-by 1/micro-batches: the gradient of the batch's mean loss). ``step`` returns that mean loss,
+micro-batches, runs them through the stages, and accumulates every micro-batch's gradient (its loss
+scaled by 1/micro-batches: the gradient of the batch's mean loss), onto what earlier steps left
+(a loop that steps its optimizer every few batches). ``step`` returns that mean loss,
 computed by the last stage and sent to every stage (one small broadcast), so the rest of the
 loop (``optimizer.step()``, ``zero_grad()``, ``reporter.log_metrics(loss=...)``) stays as it was.
 
@@ -39,6 +40,7 @@ each process, and a pass may be of random length.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -79,6 +81,7 @@ class Pipeline(Collective):
         self.schedule = None
         self.ties: Ties | None = None  # the tied parameters' copies on this rank's stages
         self._loss_fn = None
+        self._scale = False  # each micro-batch's loss divided by their number (not the gradients after)
         self._state: dict | None = None
         self._gathered = False
 
@@ -131,11 +134,15 @@ class Pipeline(Collective):
                 # nowhere, for they go only to loss_fn, never to a peer (the activations between
                 # stages, which fill the receivers' buffers, stay checked).
                 stage._validate_fwd_outputs = lambda outputs: None
-        if self.settings.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
-            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.microbatches, loss_fn=self._loss)
-        else:
-            cls = Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
-            self.schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=self._loss)
+        interleaved = self.settings.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B
+        cls = ScheduleInterleaved1F1B if interleaved else \
+            Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
+        # The schedule's own scaling divides every gradient after the step, those accumulated over
+        # earlier steps too (a loop that steps its optimizer every few batches): each micro-batch's
+        # loss is divided instead, where this torch lets the schedule leave the gradients alone.
+        self._scale = "scale_grads" in inspect.signature(cls.__init__).parameters
+        self.schedule = cls(stages if interleaved else stages[0], n_microbatches=self.microbatches,
+                            loss_fn=self._loss, **({"scale_grads": False} if self._scale else {}))
         self.whole = model if self.index == 0 else None
         if self.index == 0:
             each = f" ({self.per} stages a rank, rank r runs r, r + {self.ranks}, ...)" if self.per > 1 else ""
@@ -226,14 +233,20 @@ class Pipeline(Collective):
         self.schedule.step(*args, **kwargs)
         comm = self._comm_device()
         self.ties.sum_grads(comm)
-        loss = torch.stack([v.detach().float() for v in losses]).mean().to(comm) if last \
+        loss = torch.stack([v.detach().float() for v in losses]).mean().to(comm) * self._undo if last \
             else torch.zeros((), dtype=torch.float32, device=comm)
         if self.ranks > 1:
             dist.broadcast(loss, src=self.ranks - 1)
         return loss
 
     def _loss(self, output, target):
-        return self._loss_fn(output, target)
+        loss = self._loss_fn(output, target)
+        return loss / self.microbatches if self._scale else loss
+
+    @property
+    def _undo(self) -> int:
+        """What the last stage's losses are multiplied by to say the batch's mean loss."""
+        return self.microbatches if self._scale else 1
 
     def _send_targets(self, y) -> None:
         """The first stage's targets to the last stage: a header (dtype, shape), then the tensor."""

@@ -1,8 +1,9 @@
 """Parity for PIPELINE (issue 30 item 1): zoo models cut into two stages on two GPU clients (CPU
 slots, gloo) under each schedule (gpipe, 1f1b, interleaved1f1b) return the weights one process
-trains on the same batches split into the same micro-batches: every micro-batch's gradient
-summed, divided by their number, one optimizer step a batch (``reference``), within
-``harness.TOLERANCE`` (float32 round-off; most cases come back bit for bit).
+trains on the same batches split into the same micro-batches: the gradient of each batch's mean
+loss (each micro-batch's loss divided by their number), one optimizer step a batch or, with
+gradient accumulation, every few batches (``reference``), within ``harness.TOLERANCE`` (float32
+round-off; most cases come back bit for bit).
 
 The batches are the job's own: ``harness.loader_func`` (a ``DistributedSampler(shuffle=True,
 seed=0)``, ``set_epoch`` each pass), which a pipeline calls as rank 0 of 1 on every stage; only
@@ -19,9 +20,9 @@ on the whole model, on rank 0).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -74,16 +75,19 @@ TIED = zoo.Case("tied_embeddings", zoo.seeded(TiedLM), next_tokens, lambda m, b:
 class PipeCase:
     """A zoo case under one schedule: ``settings`` (``pipeline=``), the last stage's ``loss_fn``;
     ``eval_mode``: submitted in eval mode (as ``from_pretrained`` returns a model), ``train_func``
-    calls ``model.train()``."""
+    calls ``model.train()``; ``accumulate``: batches whose gradients add up before each optimizer
+    step (each one's loss divided by their number, as nanoGPT's loop does)."""
     case: zoo.Case
     settings: dict
     loss_fn: object = F.cross_entropy
     eval_mode: bool = False
+    accumulate: int = 1
     marks: tuple = field(default_factory=tuple)
 
     @property
     def name(self) -> str:
-        return f"{self.case.name}-{self.settings['schedule']}{'-eval' if self.eval_mode else ''}"
+        more = ("-eval" if self.eval_mode else "") + (f"-accumulate{self.accumulate}" if self.accumulate > 1 else "")
+        return f"{self.case.name}-{self.settings['schedule']}{more}"
 
     @property
     def mode(self) -> harness.Mode:
@@ -100,7 +104,7 @@ class PipeCase:
 
 CASES = [
     PipeCase(zoo.case("sequential"), {"schedule": "gpipe"}),  # a mixed nn.Sequential, cut by its children
-    PipeCase(zoo.case("residual"), {"schedule": "1f1b", "microbatches": 4}),
+    PipeCase(zoo.case("residual"), {"schedule": "1f1b", "microbatches": 4}, accumulate=2),
     PipeCase(zoo.case("residual"), {"schedule": "interleaved1f1b", "microbatches": 4,
                                     "stage_plan": ["blocks.0", "blocks.1", "norm"]}),
     PipeCase(zoo.case("batchnorm"), {"schedule": "gpipe"}),  # per-micro-batch statistics, in order
@@ -110,17 +114,22 @@ CASES = [
 
 
 # -- the job ---------------------------------------------------------------------------------------
-def train_func(loss_fn):
-    """The plain loop with ``pipeline.step`` where forward and backward were."""
+def train_func(loss_fn, accumulate: int = 1):
+    """The plain loop with ``pipeline.step`` where forward and backward were; an optimizer step
+    every ``accumulate`` batches."""
+    def scaled(output, target):
+        return loss_fn(output, target) / accumulate
+
     def train(model, loader, optimizer, epochs, pipeline):
         model.train()
         loss = torch.tensor(float("nan"))
         for epoch in range(epochs):
             loader.sampler.set_epoch(epoch)
-            for x, y in loader:
-                optimizer.zero_grad()
-                loss = pipeline.step(x, y, loss_fn)
-                optimizer.step()
+            for i, (x, y) in enumerate(loader):
+                loss = pipeline.step(x, y, scaled)
+                if (i + 1) % accumulate == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
         return loss.item()
     return train
 
@@ -129,7 +138,7 @@ def run_job(sdk, pc: PipeCase, timeout: float = 240) -> tuple[dict, dict]:
     from safetensors.torch import load_file
     model = pc.case.model()
     model.train(not pc.eval_mode)
-    result = sdk.submit_job(model, harness.loader_func(pc.case, pc.mode), train_func(pc.loss_fn), None,
+    result = sdk.submit_job(model, harness.loader_func(pc.case, pc.mode), train_func(pc.loss_fn, pc.accumulate), None,
                             pc.case.make_optimizer(model), "PIPELINE", epochs=pc.case.epochs, world_size=RANKS,
                             pipeline=pc.settings, collective_timeout=60, progress=False, timeout=timeout,
                             name=f"parity-{pc.name}")
@@ -145,20 +154,19 @@ def run_job(sdk, pc: PipeCase, timeout: float = 240) -> tuple[dict, dict]:
 
 # -- one process -----------------------------------------------------------------------------------
 class Stages:
-    """One generator a stage, switched to where each stage begins (a forward pre-hook on the
-    module each split point names), back to stage 0's (the loader's) after the forward."""
+    """One generator a stage (``states``: each one's state), switched to where each stage begins
+    (a forward pre-hook on the module each split point names); ``switch(0)`` after the forward."""
 
-    def __init__(self, model: nn.Module, points: list[str], generators: harness.Replicas):
-        self.gens, self.current = generators, 0
+    def __init__(self, model: nn.Module, points: list[str], states: list[torch.Tensor]):
+        self.states, self.current = states, 0
         modules = dict(model.named_modules())
         for k, name in enumerate(points, start=1):
             modules[name].register_forward_pre_hook(lambda *_, k=k: self.switch(k))
 
     def switch(self, stage: int) -> None:
         if stage != self.current:
-            self.gens.states[self.current] = torch.get_rng_state()
-            if self.gens.states[stage] is not None:
-                torch.set_rng_state(self.gens.states[stage])
+            self.states[self.current] = torch.get_rng_state()
+            torch.set_rng_state(self.states[stage])
             self.current = stage
 
 
@@ -172,25 +180,22 @@ def reference(pc: PipeCase) -> dict:
         optimizer = case.make_optimizer(model)
         plan = pc.settings.get("stage_plan")
         points, _ = split_points(model, plan, pc.stages)
-        gens = harness.Replicas(pc.stages)
-        for stage in reversed(range(pc.stages)):  # each stage's process calls data_loader_func
-            with gens.of(stage):
-                loader = harness.loader_func(case, pc.mode)(0, 1)
-        torch.set_rng_state(gens.states[0])
-        stages = Stages(model, points, gens)
+        states = []
+        for _ in range(pc.stages):  # each stage's process calls data_loader_func, which seeds its generator
+            loader = harness.loader_func(case, pc.mode)(0, 1)
+            states.append(torch.get_rng_state())
+        stages = Stages(model, points, states)
         model.train()
         for epoch in range(case.epochs):
             loader.sampler.set_epoch(epoch)
-            for x, y in loader:
-                optimizer.zero_grad()
+            for i, (x, y) in enumerate(loader):
                 for xm, ym in zip(x.tensor_split(pc.microbatches), y.tensor_split(pc.microbatches)):
                     out = model(xm)
                     stages.switch(0)
-                    pc.loss_fn(out, ym).backward()
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(pc.microbatches)
-                optimizer.step()
+                    (pc.loss_fn(out, ym) / pc.accumulate / pc.microbatches).backward()  # the batch's mean
+                if (i + 1) % pc.accumulate == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
         return harness.returned_state(model, pc.mode)
 
 
@@ -203,17 +208,29 @@ def pool(tmp_path_factory):
     pool.stop()
 
 
-def check(sdk, pc: PipeCase) -> float:
-    """The largest relative difference between the job's weights and one process's."""
-    got, _ = run_job(sdk, pc)
-    want = reference(pc)
-    diff = harness.compare(got, want)
-    print(f"\nPIPELINE {pc.name}: worst relative difference {diff:.2e} ({harness.worst_tensor(got, want)})")
-    return diff
+def check(sdk, pc: PipeCase) -> harness.Outcome:
+    """The job's weights against one process's, as a row of ``run.py``'s table."""
+    began = time.time()
+    try:
+        got, result = run_job(sdk, pc)
+        want = reference(pc)
+        diff = harness.compare(got, want)
+        print(f"\nPIPELINE {pc.name}: worst relative difference {diff:.2e} ({harness.worst_tensor(got, want)})")
+        return harness.Outcome(pc.mode.name, pc.case.name, diff, harness.TOLERANCE, time.time() - began,
+                               where=harness.placed(sdk.get_job(result["job_id"])))
+    except Exception as exc:  # a row says what went wrong; the test asserts on it
+        return harness.Outcome(pc.mode.name, pc.case.name, None, harness.TOLERANCE, time.time() - began,
+                               f"{type(exc).__name__}: {exc}")
+
+
+def outcomes(sdk) -> list[harness.Outcome]:
+    """Every case, as ``run.py``'s rows (its hook: ``--modes PIPELINE``)."""
+    return [check(sdk, pc) for pc in CASES]
 
 
 @pytest.mark.parametrize("pc", [pytest.param(c, id=c.name, marks=c.marks) for c in CASES])
 def test_a_pipeline_trains_what_one_process_does_on_the_same_micro_batches(pool, pc):
     from procs import wait_until
     wait_until(pool.idle, 60, what="the pool's slots free")
-    assert check(pool.sdk, pc) <= harness.TOLERANCE
+    outcome = check(pool.sdk, pc)
+    assert outcome.passed, outcome
