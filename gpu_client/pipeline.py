@@ -230,6 +230,7 @@ class Pipeline(Collective):
         losses: list[torch.Tensor] = []
         args = (x.to(self.device),) if first else ()
         kwargs = {"target": y.to(self.device), "losses": losses} if last else {}
+        self.ties.before_step()
         self.schedule.step(*args, **kwargs)
         comm = self._comm_device()
         self.ties.sum_grads(comm)

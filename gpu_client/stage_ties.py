@@ -42,6 +42,7 @@ class Ties:
         """``parts``: this rank's stage modules; ``held_by[r]``: the tensor names rank r holds.
         Collective: every rank makes every group (``dist.new_group``) in the same order."""
         self.shared: list[tuple[nn.Parameter, object]] = []
+        self._before: list[torch.Tensor | None] | None = None
         for names in ties:
             holders = [r for r, held in enumerate(held_by) if held & set(names)]
             group = dist.new_group(holders) if len(holders) > 1 else None
@@ -49,14 +50,21 @@ class Ties:
             if param is not None and group is not None:
                 self.shared.append((param, group))
 
+    def before_step(self) -> None:
+        """Keep the shared copies' gradients as they are before a step (summed already, where
+        the loop accumulates over several steps): only the step's own part is summed after."""
+        self._before = [None if p.grad is None else p.grad.detach().clone() for p, _ in self.shared]
+
     def sum_grads(self, comm: torch.device) -> None:
-        """Each shared copy's gradient := the sum over the ranks that hold one (a rank whose
-        stage did not use its copy adds zeros)."""
-        for param, group in self.shared:
+        """Each shared copy's gradient := the sum over the ranks that hold one of what the step
+        added (a rank whose stage did not use its copy adds zeros), on top of what it had."""
+        for (param, group), before in zip(self.shared, self._before or [None] * len(self.shared)):
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            moved = grad.detach().to(comm)
-            dist.all_reduce(moved, group=group)
-            param.grad = moved.to(param.device) if moved is not grad else grad
+            added = (grad if before is None else grad - before).detach().to(comm)
+            dist.all_reduce(added, group=group)
+            added = added.to(param.device)
+            param.grad = added if before is None else before + added
+        self._before = None
 
 
 def _unite(parts: list[nn.Module], names: list[str]) -> nn.Parameter | None:

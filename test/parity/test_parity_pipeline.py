@@ -109,7 +109,7 @@ CASES = [
                                     "stage_plan": ["blocks.0", "blocks.1", "norm"]}),
     PipeCase(zoo.case("batchnorm"), {"schedule": "gpipe"}),  # per-micro-batch statistics, in order
     PipeCase(zoo.case("dropout"), {"schedule": "1f1b"}, eval_mode=True),
-    PipeCase(TIED, {"schedule": "gpipe"}, loss_fn=token_loss),
+    PipeCase(TIED, {"schedule": "gpipe"}, loss_fn=token_loss, accumulate=2),
 ]
 
 
