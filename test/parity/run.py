@@ -27,11 +27,22 @@ from tabulate import tabulate  # noqa: E402
 from parity import harness, zoo  # noqa: E402
 
 
+#: Modes whose rows a test module makes, with its own cases (its ``outcomes(sdk)``; the one
+#: process on the CPU): PIPELINE's schedules, DILOCO, script jobs.
+OWN_ROWS = {"PIPELINE": "parity.test_parity_pipeline", "DILOCO": "parity.test_parity_diloco",
+            "script": "parity.test_parity_script"}
+
+
 def rows(sdk, modes: list[str], cases: list[str], device: str = "cpu", out=print, mixed=None) -> list[harness.Outcome]:
     """Each row, printed as it comes. ``mixed()``: called before the first mixed-devices job,
     returns the mode to run it as (the GPU variant adds a CPU client then)."""
     done = []
-    for mode in (harness.MODES[m] for m in modes):
+    for name in (m for m in modes if m in OWN_ROWS):
+        import importlib
+        for o in importlib.import_module(OWN_ROWS[name]).outcomes(sdk):
+            done.append(o)
+            out(f"{o.mode:10} {o.case:11} {_diff(o):>9}  {_verdict(o)}  {o.seconds:5.1f} s  {o.where}  {o.error[:200]}")
+    for mode in (harness.MODES[m] for m in modes if m not in OWN_ROWS):
         if mode.mixed and mixed is not None:
             mode = mixed()
         for case in (zoo.case(c) for c in cases):
@@ -96,15 +107,15 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", help="local platform: a GPU client of these GPUs (e.g. 0,1); one of a CPU slot joins "
                                        "for the mixed-devices jobs")
     parser.add_argument("--reference-device", help="where the one process trains (default: cuda with --gpus, else cpu)")
-    parser.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated (default: all)")
+    parser.add_argument("--modes", default=",".join([*harness.MODES, *OWN_ROWS]), help="comma-separated (default: all)")
     parser.add_argument("--cases", default=",".join(c.name for c in zoo.CASES), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     modes, cases = args.modes.split(","), args.cases.split(",")
     device = args.reference_device or ("cuda" if args.gpus else "cpu")
     for name in modes:
-        if name not in harness.MODES:
-            parser.error(f"--modes: no mode {name!r} (modes: {', '.join(harness.MODES)})")
+        if name not in harness.MODES and name not in OWN_ROWS:
+            parser.error(f"--modes: no mode {name!r} (modes: {', '.join([*harness.MODES, *OWN_ROWS])})")
     for name in cases:
         if name not in zoo.BY_NAME:
             parser.error(f"--cases: no case {name!r} (cases: {', '.join(zoo.BY_NAME)})")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -153,6 +154,22 @@ def pool(tmp_path_factory):
 def ready(pool) -> None:
     from procs import wait_until
     wait_until(pool.idle, 60, what="the pool's slots free")
+
+
+def outcomes(sdk) -> list[harness.Outcome]:
+    """``run.py``'s rows (its hook: ``--modes DILOCO``): H = 1 against DDP's one process, H = 4
+    against the simulation."""
+    rows = []
+    for label, case, settings, want in [("DILOCO H=1", SGD_MLP, AS_DDP, lambda: harness.reference(SGD_MLP, DDP)),
+                                        ("DILOCO H=4", ADAM_MLP, PAPER, lambda: simulate(ADAM_MLP, PAPER))]:
+        began = time.time()
+        try:
+            diff = harness.compare(run_job(sdk, case, settings), want())
+            rows.append(harness.Outcome(label, case.name, diff, harness.TOLERANCE, time.time() - began))
+        except Exception as exc:  # a row says what went wrong
+            rows.append(harness.Outcome(label, case.name, None, harness.TOLERANCE, time.time() - began,
+                                        f"{type(exc).__name__}: {exc}"))
+    return rows
 
 
 # -- the tests ---------------------------------------------------------------------------------------

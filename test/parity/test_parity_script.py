@@ -10,6 +10,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +68,24 @@ def torchrun(tmp_path, nproc: int = 2) -> dict:
                          timeout=RUN_TIME)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     return torch.load(os.path.join(wd, "outputs", "model.pt"), weights_only=True)
+
+
+def outcomes(sdk) -> list[harness.Outcome]:
+    """``run.py``'s row (its hook: ``--modes script``): the script through ``sdk.submit_script``
+    (what ``zwdx run`` calls) against torchrun here."""
+    began = time.time()
+    with tempfile.TemporaryDirectory(prefix="zwdx-parity-script-") as base:
+        try:
+            wd = workdir(os.path.join(base, "zwdx"))
+            result = sdk.submit_script("train_ddp.py", list(ARGS), nproc=2, working_dir=wd, progress=False,
+                                       timeout=RUN_TIME)
+            dest = sdk.download_outputs(result["job_id"], os.path.join(base, "out"))
+            got = torch.load(os.path.join(dest, "model.pt"), weights_only=True)
+            diff = harness.compare(got, torchrun(Path(base)))
+            return [harness.Outcome("script", "train_ddp", diff, harness.TOLERANCE, time.time() - began)]
+        except Exception as exc:  # a row says what went wrong
+            return [harness.Outcome("script", "train_ddp", None, harness.TOLERANCE, time.time() - began,
+                                    f"{type(exc).__name__}: {exc}")]
 
 
 def test_zwdx_run_of_a_torchrun_script_writes_the_weights_torchrun_writes(pool, tmp_path):
