@@ -293,7 +293,8 @@ def test_zwdx_as_a_context_manager_closes_its_connections_to_the_server(server):
 
 # -- Ctrl-C ---------------------------------------------------------------------------------------
 SUBMIT_SLOW = """
-import sys, torch, mnist, workloads
+import signal, sys, torch, mnist, workloads
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a test run started in the background ignores it
 from zwdx import ZWDX
 url, token, mode, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ZWDX(url).submit_job(mnist.Net(), mnist.create_loader, workloads.slow_train,
@@ -317,7 +318,7 @@ def _interrupt(proc, err) -> str:
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(60)
-    except subprocess.TimeoutExpired:  # seen once under load: say where it hung (faulthandler's dump)
+    except subprocess.TimeoutExpired:  # say where it hung (faulthandler's dump)
         proc.send_signal(signal.SIGABRT)
         proc.wait(30)
         err.seek(0)
