@@ -10,6 +10,7 @@ renamed or removed) fails its Vitest test (``ui/src/test/wire.js`` checks every 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -32,8 +33,9 @@ def _refs(node):
     return node
 
 
+@functools.cache
 def render() -> str:
-    """The text of ``wire.json``."""
+    """The text of ``wire.json`` (made once a process: it builds an app)."""
     from pydantic.json_schema import models_json_schema
 
     from zwdx.protocol import UI_NAMESPACE, catalog
