@@ -220,3 +220,39 @@ def test_a_factorys_closure_and_objects_of_the_submitters_own_modules_travel_by_
     assert required_modules(by_closure) == [] and required_modules(by_global) == []
     assert unpack(by_closure)["train_func"](None, None) == 1
     assert unpack(by_global)["train_func"](None, None) == 2
+
+
+@pytest.mark.parametrize("editable", [False, True])
+def test_a_package_installed_outside_site_packages_is_a_package_not_the_submitters_code(tmp_path, editable):
+    """``pip install --target DIR`` with ``PYTHONPATH=DIR`` (as on a GPU machine without root):
+    the package has no site-packages in its path, but a dist-info says it is installed, so it is
+    a package GPU clients must have (by reference), not code of the submitter's to send by value
+    (transformers sent so failed: 'cannot pickle _thread.RLock'). An editable install is the
+    submitter's own tree: by value, as before."""
+    import importlib
+    import json
+    import sys
+
+    from zwdx import bundle
+    site = tmp_path / "site"
+    (site / "lent_pkg").mkdir(parents=True)
+    (site / "lent_pkg" / "__init__.py").write_text("class Config:\n    def __init__(self):\n        self.n = 3\n")
+    info = site / "lent_pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lent-pkg\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("lent_pkg\n")
+    (info / "RECORD").write_text("lent_pkg/__init__.py,,\n")
+    if editable:
+        (info / "direct_url.json").write_text(json.dumps({"url": "file:///src", "dir_info": {"editable": True}}))
+    sys.path.insert(0, str(site))
+    bundle._distributed.cache_clear()
+    try:
+        lent = importlib.import_module("lent_pkg")
+        config = lent.Config()
+        packed = pack(torch.nn.Linear(2, 2), lambda rank: None, lambda model, loader: config.n)
+        assert bundle.is_user_module(lent) is editable
+        assert required_modules(packed) == ([] if editable else ["lent_pkg"])
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("lent_pkg", None)
+        bundle._distributed.cache_clear()

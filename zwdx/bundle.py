@@ -74,6 +74,27 @@ def _roots(path: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(os.path.realpath(r) for r in roots)
 
 
+@functools.lru_cache(maxsize=1)
+def _distributed() -> frozenset[str]:
+    """Top-level names that an installed distribution provides, wherever it lies on ``sys.path``
+    (``pip install --target DIR`` with ``PYTHONPATH=DIR`` has no site-packages in its path), but
+    for editable installs (``pip install -e .``: the submitter's own tree, which travels by value)."""
+    import importlib.metadata as metadata
+    names = set()
+    for top, dists in metadata.packages_distributions().items():
+        if not all(_editable(metadata, d) for d in dists):
+            names.add(top)
+    return frozenset(names)
+
+
+def _editable(metadata, name: str) -> bool:
+    try:
+        text = metadata.distribution(name).read_text("direct_url.json")
+        return bool(text and json.loads(text).get("dir_info", {}).get("editable"))
+    except (metadata.PackageNotFoundError, ValueError, AttributeError):
+        return False
+
+
 def is_user_module(module: types.ModuleType | None) -> bool:
     """True for modules of the submitter's own source tree (not stdlib, not installed)."""
     if module is None or module.__name__ == "__main__":
@@ -83,7 +104,8 @@ def is_user_module(module: types.ModuleType | None) -> bool:
         return False
     path = os.path.realpath(path)
     return not any(path.startswith(root + os.sep) for root in _installed_roots()) and \
-        not module.__name__.startswith(("zwdx", "gpu_client", "torch", "cloudpickle"))
+        not module.__name__.startswith(("zwdx", "gpu_client", "torch", "cloudpickle")) and \
+        module.__name__.partition(".")[0] not in _distributed()
 
 
 def _referenced(obj, seen: set, found: dict, depth: int = 0) -> None:
