@@ -4,7 +4,7 @@
     zwdx run --nproc 2 train_ddp.py -- --epochs 3
     python train_ddp.py --epochs 3          # one process: world 1, the whole global batch
 
-DDP over gloo (NCCL on GPUs) of a seeded nn.Sequential of mixed layers with LayerNorm and
+DDP over gloo (NCCL on GPUs, the model on cuda:LOCAL_RANK) of a seeded nn.Sequential of mixed layers with LayerNorm and
 dropout, on a DistributedSampler(shuffle=True) with set_epoch, AdamW; each rank seeds its
 generator with 1000 + rank (nanoGPT's seed_offset) for its dropout masks. Rank 0 writes the
 model's weights to $ZWDX_OUTPUT_DIR/model.pt (./outputs without zwdx).
@@ -39,10 +39,12 @@ def main(epochs: int, dropout: float) -> None:
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = build(dropout)
+    model = build(dropout).to(device)
     torch.manual_seed(1000 + rank)
-    net = DDP(model) if distributed else model
+    net = DDP(model, device_ids=[device.index] if cuda else None) if distributed else model
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     train = data()
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -51,6 +53,7 @@ def main(epochs: int, dropout: float) -> None:
         sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
+            x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             optimizer.step()
@@ -58,7 +61,7 @@ def main(epochs: int, dropout: float) -> None:
     if rank == 0:
         out = os.environ.get("ZWDX_OUTPUT_DIR", "outputs")
         os.makedirs(out, exist_ok=True)
-        torch.save(model.state_dict(), os.path.join(out, "model.pt"))
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, os.path.join(out, "model.pt"))
     if distributed:
         dist.destroy_process_group()
 
