@@ -179,6 +179,11 @@ ROUTES: dict[str, Route] = {
     "ui.dashboard": Route("page", lambda w, c, m: ("GET", "/jobs/whatever", {}), 200),
     "api.no_route": Route("no_route", lambda w, c, m: ("GET", f"{P}/nothing/here", {}), 404),
     "api.get_room": Route("room", lambda w, c, m: ("GET", f"{P}/room", {}), 200, own_room=200),
+    "api.set_room": Route("room", lambda w, c, m: ("PATCH", f"{P}/room", {"json": {"client_retention": 7200}}), 200,
+                          own_room=200),
+    # offline for a year: the world's GPU clients stay (a refusal must drop none either)
+    "api.prune_clients": Route("room", lambda w, c, m: ("POST", f"{P}/room/clients/prune", {"json": {
+        "offline_for": 365 * 86400}}), 200, own_room=200),
     "api.upload_bundle": Route("room", lambda w, c, m: ("POST", f"{P}/artifacts", {"data": b"a bundle"}), 201,
                                own_room=201),
     "api.download_artifact": Route("room", lambda w, c, m: ("GET", f"{P}/artifacts/{w.bundle}", {}), 200),
@@ -509,6 +514,13 @@ def server_to_client_cells(w: World):
     assigned = {cid: got.get(ev.EV_JOB_ASSIGN, []) for cid, got in came.items()}
     assert {cid: [(r["rank"], r["key"]) for a in got for r in a["ranks"]] for cid, got in assigned.items()} == \
         {"a1": [(0, w.keys["rank0"])], "a2": [(1, w.keys["rank1"])], "b1": []}
+    with w.app.app_context():  # a waiting job asks the clients that lack its package to look again
+        from zwdx.server import clients as client_life
+        lacking = {**w.store.get_client("a2"), "modules": "torch numpy"}
+        assert client_life.ask_refresh(live, {"required_modules": ["their_pkg"]}, [lacking]) == 1
+    refreshed = {cid: _received(s, ev.GPU_NAMESPACE).get(ev.EV_REFRESH, []) for cid, s in gpus.items()}
+    assert {cid for cid, got in refreshed.items() if got} == {"a2"}, refreshed
+    assert refreshed["a2"][0]["modules"] == ["their_pkg"]
     resp = w.request("POST", f"/jobs/{live}/events", w.as_rank("rank0"), json={"events": [
         {"kind": "log", "data": {"text": "for room A's dashboards"}}]})
     assert resp.json == {"stored": 1}, resp.text
@@ -538,6 +550,7 @@ EVENTS = {
     ev.EV_JOB_UPDATE: server_to_client_cells,
     ev.EV_JOB_EVENTS: server_to_client_cells,
     ev.EV_CLIENTS_UPDATE: server_to_client_cells,
+    ev.EV_REFRESH: server_to_client_cells,
 }
 
 

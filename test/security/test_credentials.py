@@ -98,13 +98,16 @@ def test_revoking_a_donor_token_closes_its_gpu_clients_and_keeps_them_out(world)
     assert b1.is_connected(GPU)  # another room's donor token: its clients stay
     assert {w.store.get_client(c)["status"] for c in ("a1", "a2")} == {"offline"}
     assert not _connect(w, GPU, w.tokens["donor"]).is_connected(GPU)
-    # a new donor token lets the same GPU clients back, each under its own secret; their ranks go on
+    # the revoked token's GPU clients are lost at once: their ranks (keys of that attempt) go no further,
+    # and the job's timeline says why (issue 34 item 3)
+    job = w.store.get_job(live)
+    assert job.status == "resuming" and "was revoked" in job.timeline[-1].reason, job.timeline[-1]
+    # a new donor token lets the same GPU clients back, each under its own secret
     made = w.request("POST", "/room/tokens", w.as_submitter(), json={"role": "donor", "name": "new"}).json
     back = _connect(w, GPU, made["token"])
     answer = back.emit(ev.EV_REGISTER, {"client_id": "a1", **HELLO, "client_secret": w.secrets["a1"],
                                         "running": [{"job_id": live, "attempt": 1}]}, namespace=GPU, callback=True)
     assert answer["ok"] and w.store.get_client("a1")["status"] == "online", answer
-    assert w.store.get_job(live).status == "starting"
     back.disconnect(namespace=GPU)
 
 

@@ -288,7 +288,7 @@ def test_room_clients_escapes_control_characters_of_names_stored_before(world, c
                                 "name": "CPU \u202egnp.exe", "memory_total": GiB, "memory_free": GiB}])
     doc = world.request("GET", "/room", world.as_submitter()).json
     sdk = types.SimpleNamespace(room_token="t", get_room=lambda token: doc)
-    assert jobs_cli.room_clients(sdk, types.SimpleNamespace(json=False)) == 0
+    assert jobs_cli.room_clients(sdk, types.SimpleNamespace(json=False, clients_action=None)) == 0
     shown = capsys.readouterr().out
     assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown, repr(shown)
     assert "box\\x1b]52;c;" in shown and "\\u202egnp.exe" in shown
