@@ -111,3 +111,18 @@ def test_backup_and_restore_say_what_is_wrong(tmp_path):
     assert missing.returncode == 1 and "not a zwdx backup" in missing.stderr
     mongo = zwdx_cli("server", "--mongo-uri", "mongodb://127.0.0.1:9/zwdx", "backup", str(tmp_path / "m"))
     assert mongo.returncode == 2 and "mongodump" in mongo.stderr
+
+
+def test_a_backup_naming_an_artifact_outside_its_folder_restores_nothing(tmp_path):
+    """A backup is the operator's file, but one from elsewhere may be crafted: an artifact id that
+    is a path (``../x``) would be read and written outside the backup and the data dir."""
+    import json
+
+    from zwdx.server import backup
+    src = tmp_path / "backup"
+    (src / backup.ARTIFACTS).mkdir(parents=True)
+    (tmp_path / "outside").write_bytes(b"x")
+    (src / backup.MANIFEST).write_text(json.dumps({"artifacts": {"../../outside": {"size": 1, "sha256": "0" * 64}}}))
+    with pytest.raises(backup.BackupError, match="no file name"):
+        backup.restore(str(src), str(tmp_path / "data"))
+    assert not (tmp_path / "data").exists()

@@ -135,6 +135,10 @@ def restore(src: str, data_dir: str, force: bool = False) -> dict:
     except FileNotFoundError:
         raise BackupError(f"{src} is not a zwdx backup ({MANIFEST} is missing)") from None
     for artifact_id, want in manifest["artifacts"].items():
+        if not isinstance(artifact_id, str) or artifact_id in ("", ".", "..") or \
+                os.path.basename(artifact_id) != artifact_id or "\x00" in artifact_id:
+            raise BackupError(f"the backup {src} names an artifact {artifact_id!r} that is no file name: "
+                              f"nothing was restored")
         path = os.path.join(src, ARTIFACTS, artifact_id)
         digest = hashlib.sha256()
         try:
