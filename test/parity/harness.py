@@ -178,7 +178,6 @@ def to(batch, device):
 def run_job(sdk, case: Case, mode: Mode, epochs: int | None = None, timeout: float = 300, **options):
     """Submit ``case`` as a ``mode`` job through ``sdk`` (its room token set) and wait: the
     returned weights ({name: tensor}; LoRA: the adapter) and the result."""
-    from safetensors.torch import load_file
     model = initial_model(case, mode)
     optimizer = initial_optimizer(case, mode, model)
     extra = {**mode.options, **options}
@@ -188,11 +187,17 @@ def run_job(sdk, case: Case, mode: Mode, epochs: int | None = None, timeout: flo
                             epochs=epochs or case.epochs, world_size=mode.world_size, progress=False,
                             timeout=timeout, name=f"parity-{mode.name}-{case.name}", fail_if_unschedulable=True,
                             **extra)
+    return returned_weights(sdk, result["job_id"]), result
+
+
+def returned_weights(sdk, job_id: str) -> dict:
+    """The weights a finished job returned ({name: tensor}), as downloaded."""
+    from safetensors.torch import load_file
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     try:
-        sdk.download_weights(result["job_id"], path)
-        return load_file(path), result
+        sdk.download_weights(job_id, path)
+        return load_file(path)
     finally:
         os.unlink(path)
 

@@ -22,8 +22,6 @@ one step of the outer optimizer (SGD, Nesterov momentum) with that average (arXi
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 import time
 
 import pytest
@@ -127,20 +125,13 @@ def simulate(case: zoo.Case, settings: dict, epochs: int | None = None) -> dict:
 
 # -- the job -----------------------------------------------------------------------------------------
 def run_job(sdk, case: zoo.Case, settings: dict, timeout: float = 240) -> dict:
-    from safetensors.torch import load_file
     model = case.model()
     result = sdk.submit_job(model, harness.loader_func(case, DDP), harness.train_func(case), None,
                             case.make_optimizer(model), "DILOCO", epochs=case.epochs, world_size=WORKERS,
                             diloco=settings, collective_timeout=60, progress=False, timeout=timeout,
                             name=f"parity-DILOCO-{case.name}")
     assert result["status"] == "completed", result.get("reason")
-    fd, path = tempfile.mkstemp(suffix=".safetensors")
-    os.close(fd)
-    try:
-        sdk.download_weights(result["job_id"], path)
-        return load_file(path)
-    finally:
-        os.unlink(path)
+    return harness.returned_weights(sdk, result["job_id"])
 
 
 @pytest.fixture(scope="module")

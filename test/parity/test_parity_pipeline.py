@@ -20,8 +20,6 @@ on the whole model, on rank 0).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -135,7 +133,6 @@ def train_func(loss_fn, accumulate: int = 1):
 
 
 def run_job(sdk, pc: PipeCase, timeout: float = 240) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
     model = pc.case.model()
     model.train(not pc.eval_mode)
     result = sdk.submit_job(model, harness.loader_func(pc.case, pc.mode), train_func(pc.loss_fn, pc.accumulate), None,
@@ -143,13 +140,7 @@ def run_job(sdk, pc: PipeCase, timeout: float = 240) -> tuple[dict, dict]:
                             pipeline=pc.settings, collective_timeout=60, progress=False, timeout=timeout,
                             name=f"parity-{pc.name}")
     assert result["status"] == "completed", result.get("reason")
-    fd, path = tempfile.mkstemp(suffix=".safetensors")
-    os.close(fd)
-    try:
-        sdk.download_weights(result["job_id"], path)
-        return load_file(path), result
-    finally:
-        os.unlink(path)
+    return harness.returned_weights(sdk, result["job_id"]), result
 
 
 # -- one process -----------------------------------------------------------------------------------
