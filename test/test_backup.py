@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from procs import GpuClient, Proc, Server, wait_until
+from workloads import logged_steps
 from zwdx import ZWDX
 from zwdx.cli import main
 
@@ -35,16 +36,6 @@ def pairs(rank, world_size):
                       batch_size=4)
 
 
-def record(model, loader, optimizer, reporter):
-    for step, (x, y) in enumerate(loader):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        reporter.log_metrics(loss=loss.item(), step=step)
-    return {"final_loss": loss.item()}
-
-
 def test_a_restored_backup_serves_the_same_jobs_metrics_and_weights(tmp_path):
     data, backup, restored = tmp_path / "data", tmp_path / "backup", tmp_path / "restored"
     procs = []
@@ -56,7 +47,7 @@ def test_a_restored_backup_serves_the_same_jobs_metrics_and_weights(tmp_path):
         sdk.room_token = room["token"]
         procs.append(GpuClient(server.url, room["donor_token"], str(tmp_path / "client"), "backup-client"))
         model = torch.nn.Linear(2, 2)
-        job = sdk.submit_job(model, pairs, record, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
+        job = sdk.submit_job(model, pairs, logged_steps, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
                              world_size=1, progress=False, timeout=120)
         assert job["status"] == "completed"
         before = {"job": sdk.get_job(job["job_id"]), "metrics": sdk.get_job_metrics(job["job_id"]),

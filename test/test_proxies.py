@@ -23,6 +23,7 @@ import requests
 import torch
 
 from procs import ROOT, GpuClient, Proc, Server, free_port, wait_until
+from workloads import logged_steps
 from zwdx import ZWDX, defaults, tls
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -132,16 +133,6 @@ def _up(url: str, ca: str, proc: Proc) -> bool:
         return False
 
 
-def record(model, loader, optimizer, reporter):
-    for step, (x, y) in enumerate(loader):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        reporter.log_metrics(loss=loss.item(), step=step)
-    return {"final_loss": loss.item()}
-
-
 def pairs(rank, world_size):
     from torch.utils.data import DataLoader, TensorDataset
     g = torch.Generator().manual_seed(rank)
@@ -183,7 +174,7 @@ def stack(pki, tmp_path_factory):
         except TimeoutError as exc:  # what they and the server said by then
             raise TimeoutError("\n".join([str(exc), *(c.tail() for c in clients.values()), server.tail()])) from None
         model = torch.nn.Linear(2, 2)
-        result = sdk.submit_job(model, pairs, record, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
+        result = sdk.submit_job(model, pairs, logged_steps, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
                                 world_size=2, progress=False, timeout=180, raise_on_failure=False)
         yield {"server": server, "urls": urls, "room": room, "result": result, "clients": clients, "sdk": sdk,
                "folder": folder}
