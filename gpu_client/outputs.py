@@ -18,6 +18,8 @@ import re
 import stat
 import tarfile
 
+from zwdx.sizes import human
+
 log = logging.getLogger("gpu_client.outputs")
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -151,14 +153,6 @@ def pack(root: int, folders: list[tuple[str, str]], archive: str) -> int:
 
 
 # -- what a rank says ---------------------------------------------------------------------------------
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def written(root: int, tree: str, unpacked: set[str]) -> dict[str, int]:
     """The files the script made in its working dir ``tree`` (below the folder ``root``; those
     not unpacked there), with their bytes; Python's caches not counted."""

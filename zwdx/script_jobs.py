@@ -34,7 +34,8 @@ from .protocol.base import parse
 from .protocol.rest import SubmitJob
 from .protocol.script import MAX_LEFT_OUT, VARIABLE, ScriptSpec
 from .datasets import check_datasets
-from .workdir import Packed, human, pack
+from .sizes import human
+from .workdir import Packed, pack
 
 
 def print_line(event: dict) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import pathspec
 
 from .errors import BadRequest
+from .sizes import human
 from .protocol.script import script_path_error
 
 #: Most bytes of files a working dir may hold (the files', before compression).
@@ -94,14 +95,6 @@ def max_bytes_default() -> int:
     except ValueError:
         raise BadRequest(f"ZWDX_MAX_WORKDIR_BYTES must be a number of bytes, got {value!r}",
                          field="max_workdir_bytes") from None
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 # -- which files ---------------------------------------------------------------------------------
