@@ -76,3 +76,18 @@ def test_queue_depth_has_a_sample_at_zero():
             return []
     depth = next(m for m in StoreCollector(Store()).collect() if m.name == "zwdx_queue_depth")
     assert [(s.labels, s.value) for s in depth.samples] == [({"room": "r1"}, 0.0)]
+
+
+@pytest.mark.parametrize("refusal", ["job quota", "unknown dataset", "unknown field"])
+def test_a_refused_submits_bundle_frees_the_quota_at_once(make_app, refusal):
+    from conftest import Api
+    api = Api(make_app(ROOM_MAX_JOBS=1, ROOM_MAX_ARTIFACT_BYTES=10_000).test_client()).create_room()
+    if refusal == "job quota":
+        assert api.submit().status_code == 201
+    used = api.get("/room").json["usage"]["artifact_bytes"]
+    fields = {"unknown dataset": {"datasets": ["nope"]}, "unknown field": {"future_field": 1}}.get(refusal, {})
+    bundle = api.upload(b"b" * 4000)
+    resp = api.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": "3.11"}, **fields})
+    assert resp.status_code in (400, 429), resp.text
+    assert api.get("/room").json["usage"]["artifact_bytes"] == used
+    assert api.get(f"/artifacts/{bundle['id']}").status_code == 404

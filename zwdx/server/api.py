@@ -147,13 +147,25 @@ def download_artifact(room: dict, artifact_id: str):
 
 
 # -- jobs -------------------------------------------------------------------------------------
+def _release_bundle(room: dict, data: dict) -> None:
+    """A refused submit's bundle (uploaded for it, no job's yet) is deleted at once, so that it
+    stops counting against the room's quota; a working dir stays, the room's other jobs run it."""
+    bundle_id = data.get("bundle_artifact") if isinstance(data, dict) else None
+    bundle = ctx().store.get_artifact(bundle_id) if isinstance(bundle_id, str) else None
+    if bundle and bundle["room_id"] == room["id"] and bundle["kind"] == ArtifactKind.BUNDLE.value \
+            and not bundle.get("job_id"):
+        ctx().artifacts.delete(bundle_id)
+        ctx().store.delete_artifact(bundle_id)
+
+
 @operation(bp, "POST", "/jobs", "Submit a job over an uploaded bundle", body=SubmitJob, answer=Submitted,
-           status=201, errors=(409, 429), tag="jobs")
+           status=201, errors=(409, 429), tag="jobs", refused=_release_bundle)
 def create_job(room: dict, body: SubmitJob):
     """The job waits in the room's queue until slots are free. ``unschedulable`` says why the
     room as it is now could never run it; with ``fail_if_unschedulable`` such a job is refused
-    (409) and nothing is stored, not even its bundle. A room with ``ROOM_MAX_JOBS`` jobs waiting
-    or running already is refused (429 ``quota_exceeded``)."""
+    (409). A room with ``ROOM_MAX_JOBS`` jobs waiting or running already is refused (429
+    ``quota_exceeded``). A refused submit stores nothing, and its bundle is deleted at once
+    (``_release_bundle``): it counts against the room's quota no longer."""
     bundle_id, script = body.bundle_artifact, body.kind == JobKind.SCRIPT
     bundle = ctx().store.get_artifact(bundle_id)
     kind, what = (ArtifactKind.WORKDIR, "working dir") if script else (ArtifactKind.BUNDLE, "bundle")
@@ -174,10 +186,7 @@ def create_job(room: dict, body: SubmitJob):
                     created_at=now, spec=spec, timeline=[TimelineEntry(status=JobStatus.QUEUED, at=now)])
     reason = unschedulable(spec.model_dump(mode="json"),
                            ctx().recent_clients.of(room["id"], fresh=body.fail_if_unschedulable))
-    if reason and body.fail_if_unschedulable:  # nothing stored: not the job, not its bundle
-        if not script:  # the room's working dir stays, for its other jobs
-            ctx().artifacts.delete(bundle_id)
-            ctx().store.delete_artifact(bundle_id)
+    if reason and body.fail_if_unschedulable:  # nothing stored: not the job, not its bundle (_release_bundle)
         log.info("job refused in room %s: %s", room["id"], reason)
         raise Unschedulable(f"the room cannot run this job as it is now: {reason}", reason=reason)
     job = Job.submit(ctx().store, job).record

@@ -44,7 +44,7 @@ from pydantic import BaseModel
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from .. import defaults
-from ..errors import BadRequest, NotFound, PayloadTooLarge
+from ..errors import BadRequest, NotFound, PayloadTooLarge, ZwdxError
 from ..protocol.base import LONG_NUMBER_BYTES, parse
 from ..protocol.rest import ArtifactView
 from . import connections, json_limits, limits
@@ -116,10 +116,13 @@ def _errors(auth: Auth, rule: str, checks_input: bool, json_body: bool, more: tu
 
 def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROOM, body=None, query=None,
               answer=None, status: int = 200, answers: dict | None = None, errors: tuple[int, ...] = (),
-              tag: str = "", prefix: str = P, late: bool = False):
+              tag: str = "", prefix: str = P, late: bool = False, refused=None):
     """Declare a REST operation on ``bp`` (see the module's docstring). ``answer`` is the model
     of the ``status`` answer; ``answers`` adds other statuses; ``errors`` adds error statuses
-    to those implied; ``late`` (``Auth.JOB``): a failed job's rank keys are taken for a moment."""
+    to those implied; ``late`` (``Auth.JOB``): a failed job's rank keys are taken for a moment;
+    ``refused(room, data)``: called with the caller's room and the JSON body as sent when a
+    caller who passed ``auth`` is refused (its body or the handler raised a ``ZwdxError``), to
+    undo what the request's earlier ones left for it (a submit's uploaded bundle)."""
     full = prefix + rule
 
     def decorate(handler):
@@ -153,9 +156,15 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
                     args[name] = path_count(name, path[name])
             if query is not None:
                 args["query"] = parse(query, request.args.to_dict(), "query")
-            if body is not None and body != OCTET:
-                args["body"] = parse(body, _json_body())
-            return _answer(op, handler(**{k: v for k, v in args.items() if k in wants}))
+            data = None
+            try:
+                if body is not None and body != OCTET:
+                    args["body"] = parse(body, data := _json_body())
+                return _answer(op, handler(**{k: v for k, v in args.items() if k in wants}))
+            except ZwdxError:
+                if refused is not None and data is not None and "room" in args:
+                    refused(args["room"], data)
+                raise
 
         view.operation = op
         bp.add_url_rule(full, endpoint=handler.__name__, view_func=view, methods=[op.method])
