@@ -221,6 +221,30 @@ def test_a_heartbeat_of_a_client_not_in_the_expected_status_changes_nothing(stor
     assert store.get_client("c1")["last_seen"] == 50.0
 
 
+def test_heartbeats_written_together_change_only_the_clients_in_the_expected_status(store):
+    make_client(store, gpus=1)
+    make_client(store, "c2", gpus=1)
+    store.update_client("c2", {"status": "offline"})
+    missed = store.touch_clients([("c1", {"last_seen": 50.0}, [{"index": 0, "memory_free": 3}]),
+                                  ("c2", {"last_seen": 50.0}, [{"index": 0, "memory_free": 3}]),
+                                  ("nope", {"last_seen": 50.0}, [])], expect_status="online")
+    assert sorted(missed) == ["c2", "nope"]
+    assert (store.get_client("c1")["last_seen"], store.get_client("c2")["last_seen"]) == (50.0, 10.0)
+    assert {s["client_id"]: s["memory_free"] for s in store.list_slots("r1")} == {"c1": 3, "c2": 80}
+
+
+def test_the_clients_of_a_dead_server_process_are_released_unless_registered_elsewhere(store):
+    make_client(store, "c1", server="p1", sid="s1")
+    make_client(store, "c2", server="p2", sid="s2")
+    make_client(store, "c3", server="p1", sid="s3")
+    store.update_client("c3", {"status": "offline"})  # disconnected already: left as it is
+    assert store.release_clients_of("p1", {"status": "offline", "sid": None, "lost_after": 70.0}) == ["c1"]
+    c1 = store.get_client("c1")
+    assert (c1["status"], c1["sid"], c1["lost_after"], c1["hostname"]) == ("offline", None, 70.0, "host-c1")
+    assert store.get_client("c2")["status"] == "online" and store.get_client("c3")["sid"] == "s3"
+    assert store.release_clients_of("p1", {"status": "offline"}) == []
+
+
 def test_registering_again_keeps_busy_slots_and_drops_free_ones_that_vanished(store):
     make_room(store)
     make_client(store, gpus=3)
@@ -369,6 +393,14 @@ def test_events_get_increasing_seq_per_job_and_resent_ones_are_dropped(store):
     assert [(e["rank"], e["key"], e["data"]["loss"]) for e in store.get_events("j1")] == \
         [(0, "a", 2.0), (1, "a", 2.1), (0, "b", 1.5)]
     assert store.add_events("j1", []) == []
+
+
+def test_event_batches_of_several_jobs_are_stored_once_each_in_order(store):
+    stored = store.add_event_batches([("j1", [metric(0, "a", 0, loss=1.0)]), ("j2", [metric(0, "a", 0, loss=2.0)]),
+                                      ("j1", [metric(0, "a", 0, loss=1.0), metric(0, "b", 1, loss=0.5)])])
+    assert [[(e["key"], e["seq"]) for e in batch] for batch in stored] == [[("a", 1)], [("a", 1)], [("b", 2)]]
+    assert [e["key"] for e in store.get_events("j1")] == ["a", "b"]
+    assert store.add_event_batches([]) == []
 
 
 def test_get_events_after_a_seq_by_kind_and_limited(store):

@@ -32,6 +32,7 @@ from . import (api, checkpoints, collector, connections, dashboard_api, datasets
                limits, links, notify, openapi, prometheus, proxies, scripts, socket_edge, tokens, ui)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
+from .batches import EventWriter
 from .extensions import Encoded, socketio
 from .lease import NAME as SCHEDULER_LEASE, Lease
 from .placement import RecentClients
@@ -141,6 +142,8 @@ class ServerContext:
         self.lease = Lease(self.store, shared=bool(cfg.get("MESSAGE_QUEUE")),
                            ttl=float(cfg.get("SCHEDULER_LEASE_TTL") or defaults.SCHEDULER_LEASE_TTL))
         self.scheduler = Scheduler(self)
+        #: ranks' events, written in batches (``batches.py``)
+        self.events = EventWriter(self.store)
         #: each room's GPU clients as read lately, for the submit-time hint (``placement.RecentClients``)
         self.recent_clients = RecentClients(self.store)
         self.sweeper = Sweeper(self)

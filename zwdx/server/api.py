@@ -319,7 +319,7 @@ def post_events(job: JobRecord, sender: Sender, body: EventsBatch):
     clean = [{"kind": ev.kind.value, "rank": sender.rank, "key": ev.key or uuid.uuid4().hex, "step": ev.step,
               "data": to_wire(ev.data), "ts": ev.ts or time.time()} for ev in body.events]  # model_dump's JSON, cheaper
     limits.check_event_quota(job.room_id, len(clean), request.content_length or sum(map(event_bytes, clean)))
-    stored = ctx().store.add_events(job.id, clean)
+    stored = ctx().events.add(job.id, clean)  # with the other requests of the moment (batches.py)
     notify.events_added(job, stored)
     return Stored(stored=len(stored))
 

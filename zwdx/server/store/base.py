@@ -225,6 +225,19 @@ class Store(abc.ABC):
         its slots by ``index`` from ``stats`` (slots it does not have are skipped). Returns
         False, changing nothing, otherwise."""
 
+    def touch_clients(self, touches: list[tuple[str, dict, list[dict]]], expect_status: str | None = None) -> list[str]:
+        """Several ``touch_client`` calls ``(client_id, changes, stats)`` together (a server
+        process writes its GPU clients' figures once a second, ``presence.py``); the ids of
+        those that were not there (or not in ``expect_status``), which changed nothing. A
+        backend may make them one transaction (SQLite does)."""
+        return [cid for cid, changes, stats in touches if not self.touch_client(cid, changes, stats, expect_status)]
+
+    @abc.abstractmethod
+    def release_clients_of(self, server: str, changes: dict) -> list[str]:
+        """Set ``changes`` on every ``online`` GPU client whose ``server`` field is ``server`` (a
+        server process found dead, ``presence.py``), each in one conditional write: one that
+        registered meanwhile through another process is left alone. The ids changed."""
+
     @abc.abstractmethod
     def remove_clients(self, room_id: str, seen_before: float) -> list[str]:
         """Remove the room's GPU clients that are ``offline``, were last seen (``last_seen``)
@@ -317,6 +330,12 @@ class Store(abc.ABC):
         the job already holds is dropped (resent batches are not counted twice). Returns the
         events stored, each with its ``seq``, increasing per job. Each event stored is counted
         to the job's room (``room_event_usage``): one, and its ``event_bytes``."""
+
+    def add_event_batches(self, batches: list[tuple[str, list[dict]]]) -> list[list[dict]]:
+        """``add_events`` for several ``(job_id, events)`` at once (``batches.py``'s group
+        commit), in order: for each, the events stored. A backend may make them one
+        transaction (SQLite does); a job's events are stored once either way."""
+        return [self.add_events(job_id, events) for job_id, events in batches]
 
     @abc.abstractmethod
     def get_events(self, job_id: str, after: int = 0, kind: str | None = None,

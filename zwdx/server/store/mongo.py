@@ -199,6 +199,12 @@ class MongoStore(Store):
             self._clients.update_one({"_id": client_id},
                                      {"$set": {f"doc.{k}": v for k, v in plain(changes).items()}})
 
+    def release_clients_of(self, server: str, changes: dict) -> list[str]:
+        where = {"doc.server": server, "doc.status": "online"}
+        sets = {"$set": {f"doc.{k}": v for k, v in plain(changes).items()}}
+        return [d["_id"] for d in self._clients.find(where, {"_id": 1})
+                if self._clients.update_one({"_id": d["_id"], **where}, sets).matched_count]
+
     def touch_client(self, client_id: str, changes: dict, stats: list[dict],
                      expect_status: str | None = None) -> bool:
         where = {"_id": client_id, **({"doc.status": expect_status} if expect_status is not None else {})}

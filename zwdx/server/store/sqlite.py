@@ -172,19 +172,32 @@ class SQLiteStore(Store):
 
     def touch_client(self, client_id: str, changes: dict, stats: list[dict],
                      expect_status: str | None = None) -> bool:
-        set_client, args = _json_set(changes)
-        where = "id=?" + (" AND json_extract(doc, '$.status')=?" if expect_status is not None else "")
-        args += (client_id,) + ((expect_status,) if expect_status is not None else ())
+        return not self.touch_clients([(client_id, changes, stats)], expect_status)
+
+    def touch_clients(self, touches: list[tuple[str, dict, list[dict]]], expect_status: str | None = None) -> list[str]:
+        missed = []
         with self.db.tx() as db:
-            if db.execute(f"UPDATE clients SET doc={set_client} WHERE {where}", args).rowcount != 1:
-                return False
-            for stat in stats:
-                fields = {k: stat[k] for k in SLOT_STATS if k in stat}
-                if fields:
-                    set_slot, slot_args = _json_set(fields)
-                    db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
-                               (*slot_args, client_id, stat["index"]))
-        return True
+            for client_id, changes, stats in touches:
+                set_client, args = _json_set(changes)
+                where = "id=?" + (" AND json_extract(doc, '$.status')=?" if expect_status is not None else "")
+                args += (client_id,) + ((expect_status,) if expect_status is not None else ())
+                if db.execute(f"UPDATE clients SET doc={set_client} WHERE {where}", args).rowcount != 1:
+                    missed.append(client_id)
+                    continue
+                for stat in stats:
+                    fields = {k: stat[k] for k in SLOT_STATS if k in stat}
+                    if fields:
+                        set_slot, slot_args = _json_set(fields)
+                        db.execute(f"UPDATE slots SET doc={set_slot} WHERE client_id=? AND idx=?",
+                                   (*slot_args, client_id, stat["index"]))
+        return missed
+
+    def release_clients_of(self, server: str, changes: dict) -> list[str]:
+        set_client, args = _json_set(changes)
+        with self.db.tx() as db:
+            return [r[0] for r in db.execute(
+                f"UPDATE clients SET doc={set_client} WHERE json_extract(doc, '$.server')=? AND "
+                f"json_extract(doc, '$.status')='online' RETURNING id", (*args, server)).fetchall()]
 
     def remove_clients(self, room_id: str, seen_before: float) -> list[str]:
         gone = ("room_id=? AND json_extract(doc, '$.status')='offline' AND "
@@ -349,30 +362,37 @@ class SQLiteStore(Store):
 
     # -- events ----------------------------------------------------------------------------
     def add_events(self, job_id: str, events: list[dict]) -> list[dict]:
-        stored, size = [], 0
+        return self.add_event_batches([(job_id, events)])[0]
+
+    def add_event_batches(self, batches: list[tuple[str, list[dict]]]) -> list[list[dict]]:
         with self.db.tx() as db:
-            room = db.execute("SELECT room_id FROM jobs WHERE id=?", (job_id,)).fetchone()
-            if room is not None and db.execute("SELECT 1 FROM event_usage WHERE room_id=?", room).fetchone() is None:
-                # the room's first count: its events stored before rooms had counters, once
-                db.execute("INSERT INTO event_usage SELECT ?, COUNT(*), COALESCE(SUM(length(e.doc)), 0) FROM events e "
-                           "JOIN jobs j ON e.job_id=j.id WHERE j.room_id=?", (room[0], room[0]))
-            (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id=?", (job_id,)).fetchone()
-            for ev in events:
-                ev = {**ev, "seq": last + 1}
-                if ev.get("rank") is None and db.execute(  # NULLs are distinct in a UNIQUE index
-                        "SELECT 1 FROM events WHERE job_id=? AND rank IS NULL AND key=?",
-                        (job_id, ev.get("key"))).fetchone():
-                    continue
-                doc = dump_exact(ev)
-                cur = db.execute("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)",
-                                 (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), doc))
-                if cur.rowcount == 1:
-                    last += 1
-                    stored.append(ev)
-                    size += len(doc)  # event_bytes(ev), but for the mark of a 19-digit run (dump_exact)
-            if room is not None and stored:
-                db.execute("UPDATE event_usage SET events=events+?, bytes=bytes+? WHERE room_id=?",
-                           (len(stored), size, room[0]))
+            return [self._add_events(db, job_id, events) for job_id, events in batches]
+
+    @staticmethod
+    def _add_events(db, job_id: str, events: list[dict]) -> list[dict]:
+        stored, size = [], 0
+        room = db.execute("SELECT room_id FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if room is not None and db.execute("SELECT 1 FROM event_usage WHERE room_id=?", room).fetchone() is None:
+            # the room's first count: its events stored before rooms had counters, once
+            db.execute("INSERT INTO event_usage SELECT ?, COUNT(*), COALESCE(SUM(length(e.doc)), 0) FROM events e "
+                       "JOIN jobs j ON e.job_id=j.id WHERE j.room_id=?", (room[0], room[0]))
+        (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE job_id=?", (job_id,)).fetchone()
+        for ev in events:
+            ev = {**ev, "seq": last + 1}
+            if ev.get("rank") is None and db.execute(  # NULLs are distinct in a UNIQUE index
+                    "SELECT 1 FROM events WHERE job_id=? AND rank IS NULL AND key=?",
+                    (job_id, ev.get("key"))).fetchone():
+                continue
+            doc = dump_exact(ev)
+            cur = db.execute("INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?)",
+                             (job_id, ev["seq"], ev["kind"], ev.get("rank"), ev.get("key"), doc))
+            if cur.rowcount == 1:
+                last += 1
+                stored.append(ev)
+                size += len(doc)  # event_bytes(ev), but for the mark of a 19-digit run (dump_exact)
+        if room is not None and stored:
+            db.execute("UPDATE event_usage SET events=events+?, bytes=bytes+? WHERE room_id=?",
+                       (len(stored), size, room[0]))
         return stored
 
     def get_events(self, job_id, after=0, kind=None, limit=None) -> list[dict]:
