@@ -2,9 +2,9 @@
 # ./run_all.sh           install, bring up a zwdx server on the embedded store with two local GPU
 #                        clients (CPU slots when there is no GPU), run the MNIST example job to the
 #                        end, print its results, and stop everything.
-# ./run_all.sh --tests   install the test tools and run the whole test suite: the dashboard's
-#                        component tests, the fast lane, then the slow lane; each lane's time
-#                        and the total are printed at the end.
+# ./run_all.sh --tests   install the test tools and run the whole test suite: the manual's build,
+#                        the dashboard's component tests, the fast lane, then the slow lane; each
+#                        lane's time and the total are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")"
 # the interpreter setup.sh installs into: PYTHON if given, else the active venv, else the project's .venv
@@ -37,6 +37,9 @@ if [[ "${1:-}" == "--tests" ]]; then
     }
     extra=("${@:2}")
     lane setup ./setup.sh --test
+    # the manual (mkdocs.yml): a broken link, a missing page or a stale API reference fails the build
+    lane "docs (mkdocs build --strict)" env NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q \
+        --site-dir "$(mktemp -d -t zwdx-site-XXXX)"
     if [[ -f ui/package.json ]]; then
         lane "dashboard (vitest)" bash -c "cd ui && npm test --silent"
     fi
