@@ -107,3 +107,26 @@ def test_a_tracker_zwdx_does_not_know_is_refused_before_anything_is_sent(http_ap
     with pytest.raises(BadRequest, match="trackers: each is one of tensorboard, wandb"):
         sdk.submit_job(object(), lambda: None, lambda: None, trackers=["mlflow"])
     assert room.jobs() == [] and room.get("/room").json["usage"]["artifact_bytes"] == 0
+
+
+def test_exporting_again_into_one_log_dir_adds_only_the_new_points(http_app, tmp_path):  # noqa: F811
+    app, url = http_app
+    room, (rank0,), job = placed_ranks(app, "twice", 1)
+    report(rank0, job["id"])
+    sdk = ZWDX(url, room_token=room.token, remember=False)
+    log_dir = str(tmp_path / "tb")
+    counts = [sdk.export_metrics(job["id"], [TensorBoard(log_dir=log_dir)]) for _ in range(2)]
+    assert tensorboard_scalars(log_dir) == {"loss": [(0, 2.0), (2, 0.5)], "throughput": [(2, 100.0)]}
+    assert counts == [4, 0]
+    resp = rank0.post(f"/jobs/{job['id']}/events",
+                      json={"events": [{"kind": "metric", "rank": 0, "step": 3, "key": "m3", "data": {"loss": 0.25}}]})
+    assert resp.status_code == 200, resp.json
+    assert sdk.export_metrics(job["id"], [TensorBoard(log_dir=log_dir)]) == 1
+    scalars = tensorboard_scalars(log_dir)
+    assert scalars == {"loss": [(0, 2.0), (2, 0.5), (3, 0.25)], "throughput": [(2, 100.0)]}, scalars
+    # followed live into the same dir, then exported: still one copy of each point
+    assert room.post(f"/jobs/{job['id']}/cancel").status_code == 200
+    live = str(tmp_path / "live")
+    sdk.wait(job["id"], progress=False, trackers=[TensorBoard(log_dir=live)])
+    assert sdk.export_metrics(job["id"], [TensorBoard(log_dir=live)]) == 0
+    assert tensorboard_scalars(live) == scalars

@@ -553,7 +553,7 @@ class ZWDX:
                     if ev["kind"] == "metric":
                         latest.update(from_wire(ev["data"]))
                         if feed is not None:
-                            feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
+                            feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]), ev["seq"])
                         if bar is not None and ev.get("step") is not None:
                             bar.n = max(bar.n, ev["step"] + 1)
                     elif ev["kind"] == "log" and on_log is not None:
@@ -624,10 +624,12 @@ class ZWDX:
 
     def export_metrics(self, job_id: str, trackers, room_token: str | None = None) -> int:
         """Send every metric the job reported so far to ``trackers`` (as in ``submit_job``), in
-        the order the server stored them. Returns how many events were sent."""
+        the order the server stored them, but those a tracker holds already: exported again into
+        the same TensorBoard log dir, only the points reported since are added. Returns how many
+        events were read."""
         token = self._token(room_token, job_id)
         feed = _trackers.Feed(_trackers.make(trackers), self._json("GET", f"/jobs/{job_id}", token))
-        after, sent = 0, 0
+        after, sent = feed.after, 0  # what an earlier export left in a tracker is not sent again
         try:
             while True:
                 events = self._json("GET", f"/jobs/{job_id}/events", token,
@@ -635,7 +637,7 @@ class ZWDX:
                 if not events:
                     return sent
                 for ev in events:
-                    feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]))
+                    feed.event(ev.get("rank"), ev.get("step"), from_wire(ev["data"]), ev["seq"])
                     after, sent = ev["seq"], sent + 1
         finally:
             feed.close()

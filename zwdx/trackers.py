@@ -9,7 +9,10 @@ to a GPU client. Two ways in:
     zwdx jobs tensorboard JOB_ID [--logdir DIR]              # the same from the command line
 
 A tracker gets each metric point once, in the order the server stored them: ``name`` at
-``step`` from ``rank``. A series reported by rank 0 (or no rank) keeps its name; one from
+``step`` from ``rank``; once across exports too, where it remembers how far it got
+(``Tracker.through``): TensorBoard keeps the last event's number in ``zwdx-export.json`` in its
+log dir, so exporting a job again into the same dir (or after following it live there) adds
+only the points reported since, never a second copy. A series reported by rank 0 (or no rank) keeps its name; one from
 another rank is ``name/rank<r>`` (per-rank platform metrics such as throughput).
 
     "tensorboard"           -> TensorBoard(log_dir=./zwdx-runs/<job id>)  (needs `tensorboard`)
@@ -18,6 +21,7 @@ another rank is ``name/rank<r>`` (per-rank platform metrics such as throughput).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Iterable
@@ -29,6 +33,9 @@ class Tracker:
     """What a tracker does: ``start`` once per job, ``log`` each point, ``close`` at the end."""
 
     name = "tracker"
+    #: The number (``seq``) of the job's last event this tracker holds already: later events only
+    #: are sent to it. ``start`` may set it from what an earlier export left.
+    through = 0
 
     def start(self, job: dict) -> None:
         """The job (its id, name, room, spec) before its first point."""
@@ -42,9 +49,11 @@ class Tracker:
 
 
 class TensorBoard(Tracker):
-    """Event files TensorBoard reads (``tensorboard --logdir ./zwdx-runs``), one dir per job."""
+    """Event files TensorBoard reads (``tensorboard --logdir ./zwdx-runs``), one dir per job;
+    ``MARK`` in it says which job's events it holds and up to which one."""
 
     name = "tensorboard"
+    MARK = "zwdx-export.json"
 
     def __init__(self, log_dir: str | None = None, root: str = "zwdx-runs"):
         self.log_dir, self.root, self.writer = log_dir, root, None
@@ -55,18 +64,35 @@ class TensorBoard(Tracker):
         except ImportError as err:  # torch's writer needs the tensorboard package
             raise BadRequest(f"the tensorboard tracker needs the tensorboard package (pip install tensorboard): "
                              f"{err}", field="trackers") from None
-        self.log_dir = self.log_dir or os.path.join(self.root, job["id"])
+        self.log_dir, self.job_id = self.log_dir or os.path.join(self.root, job["id"]), job["id"]
+        self.through = self._marked()
         self.writer = SummaryWriter(log_dir=self.log_dir)
-        self.writer.add_text("zwdx/job", f"job {job['id']} ({job.get('name') or 'unnamed'}) of room "
-                                         f"{job.get('room_id')}", 0)
+        if not self.through:
+            self.writer.add_text("zwdx/job", f"job {job['id']} ({job.get('name') or 'unnamed'}) of room "
+                                             f"{job.get('room_id')}", 0)
+
+    def _marked(self) -> int:
+        """How far an earlier export of this job into the log dir got (0: none did)."""
+        try:
+            with open(os.path.join(self.log_dir, self.MARK)) as f:
+                mark = json.load(f)
+        except (OSError, ValueError):
+            return 0
+        through = mark.get("through") if isinstance(mark, dict) and mark.get("job_id") == self.job_id else None
+        return through if isinstance(through, int) and not isinstance(through, bool) and through > 0 else 0
 
     def log(self, values: dict[str, float], step: int | None) -> None:
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is None:
+            return
+        self.writer.close()  # the points on disk before the mark says so
+        path = os.path.join(self.log_dir, self.MARK)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"job_id": self.job_id, "through": self.through}, f)
+        os.replace(path + ".tmp", path)
 
 
 class WandB(Tracker):
@@ -134,13 +160,23 @@ class Feed:
         for t in trackers:
             t.start(job)
 
-    def event(self, rank: int | None, step: int | None, values: dict) -> None:
-        """One metric event: a rank's values at a step (decoded: NaN is a float again)."""
+    @property
+    def after(self) -> int:
+        """The events every tracker holds already: read from the next one on."""
+        return min((t.through for t in self.trackers), default=0)
+
+    def event(self, rank: int | None, step: int | None, values: dict, seq: int | None = None) -> None:
+        """One metric event (the ``seq``-th of the job): a rank's values at a step (decoded: NaN
+        is a float again), to each tracker that does not hold it yet."""
         clean = {series_name(name, rank): float(value) for name, value in values.items()
                  if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)}
-        if clean:  # a diverged value is a gap, as on the dashboard
-            for t in self.trackers:
+        for t in self.trackers:
+            if seq is not None and seq <= t.through:
+                continue
+            if clean:  # a diverged value is a gap, as on the dashboard
                 t.log(clean, step)
+            if seq is not None:
+                t.through = seq
 
     def close(self) -> None:
         for t in self.trackers:
