@@ -30,6 +30,7 @@ import requests
 from . import defaults, tls, trackers as _trackers
 from . import lora as _lora
 from .bundle import HEAD_PARTS, pack_parts, required_modules
+from . import start_weights
 from .checks import check_devices, check_pipeline, check_tp_plan
 from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
@@ -386,6 +387,7 @@ class ZWDX:
         model, lora_config = _lora.prepare(model, lora)  # the model with its adapter, the adapter's config
         datasets = check_datasets(self, token, datasets)  # before the upload: a name the room lacks is refused
         parts = pack_parts(model, data_loader_func, train_func, eval_func, optimizer, fsdp_units=fsdp_units)
+        diloco = start_weights.upload(self, token, model, parallelism, diloco)  # DILOCO: what the server steps
         artifact = self._upload_bundle(token, parts)
         submit = parse(SubmitJob, {  # the server's own check, here first: a BadRequest naming the field
             "bundle_artifact": artifact["id"], "parallelism": str(parallelism).upper(), "epochs": epochs,

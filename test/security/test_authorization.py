@@ -39,6 +39,7 @@ from security_world import *  # noqa: F401,F403  (fixtures: world, shared_world,
 from security_world import HELLO, World, snapshot
 from zwdx import codec, defaults
 from zwdx.protocol import events as ev
+from zwdx.server import global_weights
 
 P = defaults.API_PREFIX
 ROOM_COLUMNS = ("none", "wrong", "revoked", "other_submitter", "other_donor", "donor", "legacy", "submitter")
@@ -229,6 +230,9 @@ ROUTES: dict[str, Route] = {
                                                       {"data": b"state"}), 409, any_rank=True),
     "diloco.get_state": Route("job", lambda w, c, m: ("GET", f"{P}/jobs/{job_of(w, c)}/diloco/state", {}), 409,
                               any_rank=True),
+    # A model's start weights (one float32 parameter), as the SDK sends them before a DILOCO job.
+    "diloco.post_start": Route("room", lambda w, c, m: ("POST", f"{P}/diloco/start", {"data": global_weights.write(
+        {"w": ("F32", [2], bytes(8))}, {"parameters": '[["w"]]'})}), 201, own_room=201),
     "dashboard_api.history": Route("room", lambda w, c, m: ("GET", f"{P}/dashboard/history", {}), 200,
                                    own_room=200),
     "tokens.list_tokens": Route("room", lambda w, c, m: ("GET", f"{P}/room/tokens", {}), 200, own_room=200),

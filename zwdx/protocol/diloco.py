@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .base import Answer, ByValue, Message
+from .base import Answer, ByValue, Id, Message
 from .vocab import Aggregate, Compression
 
 
@@ -56,6 +56,11 @@ class DilocoSettings(Message):
     #: A worker whose pseudo-gradient is an outlier (``zwdx.robust.flags``) this many rounds in a
     #: row is a suspect: named in the job's record and dropped from the job. 0: never.
     suspect_after: Annotated[int, Field(ge=0, le=10_000)] = 5
+    #: The submitter's start weights (``POST /api/v1/diloco/start``, a safetensors of the model's
+    #: state_dict, sent by the SDK at submit): the server steps its own copy of the global weights
+    #: from them with every round's aggregate and returns those (``zwdx.server.global_weights``),
+    #: never a worker's upload. None (an older SDK): the weights that come back are a worker's.
+    start_weights: Id | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @field_validator("nesterov")
     @classmethod

@@ -169,6 +169,8 @@ class ArtifactKind(str, Enum):
     DATASET = "dataset"                   # a version of a room dataset: its manifest (JSON), the room's
     DATASET_CHUNK = "dataset_chunk"       # a piece of a dataset's file, the room's, found by its sha256
     DILOCO_STATE = "diloco_state"         # the global weights and outer optimizer state a joining worker starts from
+    DILOCO_START = "diloco_start"         # the submitter's model as submitted: a DILOCO job's start weights
+    DILOCO_GLOBAL = "diloco_global"       # the global weights and outer momentum the server holds after a round
 
 
 # The named arguments zwdx offers the submitter's functions; each is called with those it

@@ -26,7 +26,7 @@ from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored,
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, MetricsQuery, PruneClients, PrunedClients, RoomCreated,
                              RoomDetail, RoomSettings, RoomView, SubmitJob)
-from . import clients, limits, lifecycle, manifests, notify, series
+from . import clients, global_weights, limits, lifecycle, manifests, notify, series
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job, rejoined
@@ -174,6 +174,7 @@ def create_job(room: dict, body: SubmitJob):
                          field="bundle_artifact")
     if bundle.get("job_id"):  # a working dir is the room's, any number of its jobs run it
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
+    global_weights.start_of(room, body)  # its DILOCO start weights: 400 unless the room's, for a new job
     limits.check_job_quota(room)
     pins = manifests.pin(ctx().store, room["id"], body.datasets)  # a name the room lacks: 400 naming it
     now = time.time()
@@ -191,6 +192,7 @@ def create_job(room: dict, body: SubmitJob):
         raise Unschedulable(f"the room cannot run this job as it is now: {reason}", reason=reason)
     job = Job.submit(ctx().store, job).record
     ctx().store.update_artifact(bundle_id, {"used_at": now} if script else {"job_id": job.id})
+    global_weights.attach_start(job)
     log.info("job %s: queued in room %s (%s, world size %s)", job.id, room["id"],
              f"script {spec.script.path}" if script else spec.parallelism.value, spec.world_size or "all")
     notify.job_changed(job)
@@ -355,7 +357,8 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
         lifecycle.rank_started(ctx(), job, rank)
     else:
         lifecycle.rank_completed(ctx(), job, rank, fingerprint=body.fingerprint, results=body.results or {},
-                                 final_loss=body.final_loss, weights_artifact=body.weights_artifact)
+                                 final_loss=body.final_loss,
+                                 weights_artifact=global_weights.weights(job, rank, body.weights_artifact))
     return RankReportAnswer(ok=True)
 
 

@@ -45,11 +45,12 @@ from ..errors import BadRequest, Conflict, NotFound
 from .. import robust
 from ..protocol import Aggregate, ArtifactKind, EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.diloco import RoundState, RoundUpload
+from ..protocol.rest import ArtifactView
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
 from .job import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from . import lifecycle, limits, notify, suspects
+from . import global_weights, lifecycle, limits, notify, suspects
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,23 @@ def get_round(job: JobRecord, n: int):
     return round_state, 202
 
 
+@operation(bp, "POST", "/diloco/start", "Upload a DILOCO job's start weights (the SDK, before the job)",
+           body=OCTET, answer=ArtifactView, status=201, errors=(413, 422, 429), tag="diloco")
+def post_start(room: dict):
+    """The submitter's model as submitted: a safetensors of its state_dict whose metadata
+    ``parameters`` lists each parameter's state_dict keys in ``model.parameters()`` order
+    (``zwdx.server.global_weights``); the submit names it as ``diloco.start_weights``. Read by its
+    header, never unpickled."""
+    artifact = save_artifact(room, ArtifactKind.DILOCO_START.value)
+    try:
+        numel = global_weights.check_start(b"".join(ctx().artifacts.open(artifact.id)))
+    except ValueError as exc:
+        _delete(artifact.model_dump())
+        raise BadRequest(f"the body is not a model's start weights: {exc}", field="body") from None
+    ctx().store.update_artifact(artifact.id, {"numel": numel})
+    return artifact, 201
+
+
 @operation(bp, "PUT", "/jobs/<job_id>/diloco/state/<n>", "Send the global weights a joining worker starts from",
            auth=Auth.JOB, body=OCTET, answer=RoundState, status=201, errors=(409, 413, 429), tag="diloco")
 def put_state(job: JobRecord, sender: Sender, n: int):
@@ -331,6 +349,7 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
         "sha256": sha, "job_id": job.id, "created_at": time.time(), "round": n, "attempt": job.attempt,
         "numel": layout.numel,
         "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
+    global_weights.step(job, n, record)  # the server's own global weights after this round
     earlier = _averages(job).get(n - 1) or {}
     flagged = suspects.judge(job, n, members, combiner, earlier, record)
     _collect(job, n)

@@ -132,6 +132,8 @@ export const ArtifactKind = Object.freeze({
   DATASET: "dataset",
   DATASET_CHUNK: "dataset_chunk",
   DILOCO_STATE: "diloco_state",
+  DILOCO_START: "diloco_start",
+  DILOCO_GLOBAL: "diloco_global",
 });
 
 /** Statuses of a job that ended; it changes no more. */
