@@ -36,6 +36,7 @@ from .batches import EventWriter
 from .extensions import Encoded, socketio
 from .lease import NAME as SCHEDULER_LEASE, Lease
 from .placement import RecentClients
+from .presence import Presence
 from .scheduler import Scheduler
 from .store import open_store
 from .sweeper import Sweeper
@@ -142,6 +143,8 @@ class ServerContext:
         self.lease = Lease(self.store, shared=bool(cfg.get("MESSAGE_QUEUE")),
                            ttl=float(cfg.get("SCHEDULER_LEASE_TTL") or defaults.SCHEDULER_LEASE_TTL))
         self.scheduler = Scheduler(self)
+        #: the GPU clients this process holds, alive in memory (``presence.py``)
+        self.presence = Presence(self, cfg.get("MESSAGE_QUEUE"))
         #: ranks' events, written in batches (``batches.py``)
         self.events = EventWriter(self.store)
         #: each room's GPU clients as read lately, for the submit-time hint (``placement.RecentClients``)
@@ -161,6 +164,7 @@ class ServerContext:
         self.stopping.set()
         self.scheduler.stop()
         self.sweeper.stop()
+        self.presence.stop()
         self.lease.release()
         self.store.close()
         close = getattr(self.artifacts, "close", None)
@@ -264,6 +268,7 @@ def create_app(config: dict | None = None) -> Flask:
     proxies.install(app)  # the client's address behind PROXY_HOPS proxies, for rate limits and /metrics
     ctx.scheduler.start(app)
     ctx.sweeper.start()
+    ctx.presence.start(app)
     ctx.lease.start(ctx.stopping)
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
              app.config["DATA_DIR"], mode, app.config["UI_DIR"])

@@ -101,7 +101,7 @@ def create_room(body: CreateRoom):
 @operation(bp, "GET", "/room", "The room of the token: its GPU clients, what they offer, its quotas", answer=RoomDetail,
            tag="rooms")
 def get_room(room: dict):
-    clients = ctx().store.list_clients(room["id"])
+    clients = ctx().presence.overlay(ctx().store.list_clients(room["id"]))
     named = named_clients(ctx().store, room["id"])
     return RoomDetail.model_validate({**room_view(room).model_dump(),
                                       "clients": [{**client_view(c), "suspected_in": named.get(c["id"], [])}

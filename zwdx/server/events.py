@@ -157,8 +157,9 @@ def on_register(hello: Register) -> RegisterAnswer:
               "link": hello.link.model_dump() if hello.link else (existing or {}).get("link"),
               "unreachable": (existing or {}).get("unreachable") or [],  # reach.py: kept across registers
               "running_jobs": running_jobs(hello.running),
-              "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now,
-              "lost_after": now + pace[1], "disconnected_at": None,
+              "status": ClientStatus.ONLINE.value, "sid": request.sid, "last_seen": now, "server": ctx.presence.server,
+              # held by this process (presence.py): none in the store, unless the store keeps deadlines
+              "lost_after": now + pace[1] if ctx.presence.deadlines_in_store else None, "disconnected_at": None,
               "connected_at": now, "registered_at": (existing or {}).get("registered_at", now),
               "secret_hash": secret_hash, "token_id": sess.get("token_id")}
     if not ctx.store.upsert_client(client, slots):  # registered meanwhile, by another connection
@@ -170,6 +171,7 @@ def on_register(hello: Register) -> RegisterAnswer:
     _stop_ranks_not_wanted(ctx, client_id, running)
     log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
              len(slots), client["hostname"])
+    ctx.presence.joined(client_id, sess["room_id"], request.sid, now, now + pace[1], slots, client["running_jobs"])
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
     ctx.scheduler.kick()
     return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=pace[0], client_secret=secret)
@@ -231,12 +233,10 @@ def heartbeat(ctx, sid: str, beat: Heartbeat) -> HeartbeatAnswer:
     stats = [s.model_dump(exclude_unset=True, exclude_none=True) for s in beat.slots]
     interval, timeout = heartbeat_pace(ctx)
     told = sess.get("interval") or interval
-    # One store write: the client's deadline and its slots' stats, if it is still online. Until it
-    # hears of a new pace it beats at the one it was told: the deadline allows for the longer.
-    if not ctx.store.touch_client(sess["client_id"], {
-            "last_seen": now, "lost_after": now + timeout * max(interval, told) / interval,
-            "running_jobs": running_jobs(beat.running)}, stats,
-            expect_status=ClientStatus.ONLINE.value):
+    # In this process's memory, not the store (presence.py). Until it hears of a new pace it beats
+    # at the one it was told: the deadline allows for the longer.
+    if not ctx.presence.beat(sess["client_id"], sid, now, now + timeout * max(interval, told) / interval, stats,
+                             running_jobs(beat.running)):
         return HeartbeatAnswer(ok=False, error="unknown or lost gpu client: register again")
     notify.clients_changed(ctx, sess["room_id"])
     if interval != told:
@@ -286,7 +286,9 @@ def on_gpu_disconnect(*_):
         if client and client.get("sid") == request.sid:
             # Not lost yet: a client that comes back within the timeout keeps its ranks.
             now = time.time()
-            ctx.store.update_client(sess["client_id"], {"status": ClientStatus.OFFLINE.value, "sid": None,
+            seen = {"last_seen": live.last_seen} if live else {}
+            ctx.store.update_client(sess["client_id"], {**seen, "status": ClientStatus.OFFLINE.value, "sid": None,
+    live = ctx.presence.left(sess["client_id"], request.sid)
                                                         "disconnected_at": now,
                                                         "lost_after": now + defaults.DISCONNECT_GRACE})
             log.info("gpu-client %s: disconnected", sess["client_id"])

@@ -124,7 +124,7 @@ def events_added(job: JobRecord, events: list[dict]) -> None:
 def clients_payload(ctx, room_id: str) -> Encoded | dict:
     """The room's GPU clients and what they offer in all (``room_totals``): a ``ClientsUpdate``,
     to emit (``wire``)."""
-    clients = ctx.store.list_clients(room_id)
+    clients = ctx.presence.overlay(ctx.store.list_clients(room_id))
     payload = ClientsUpdate.model_validate({"clients": [client_view(c) for c in clients],
                                             "totals": room_totals(clients)})
     return wire(payload)

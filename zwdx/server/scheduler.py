@@ -168,8 +168,9 @@ class Scheduler:
 
     # -- lost clients ----------------------------------------------------------------------
     def reap_silent_clients(self) -> None:
-        """Declare lost the GPU clients past their ``lost_after`` (set on each heartbeat, on a
-        dropped connection and when this server starts; none once declared lost)."""
+        """Declare lost the GPU clients past their ``lost_after`` (set on a dropped connection, when
+        their server process is found dead and when this server starts; none while a process
+        holds the client, which declares it lost itself: ``presence.py``; none once lost)."""
         now = time.time()
         for client in self.ctx.store.list_clients(None, lost_before=now):
             try:
@@ -208,6 +209,8 @@ class Scheduler:
         self.kick(settle=True)
 
     # -- placing jobs ----------------------------------------------------------------------
+            if client.get("status") == ClientStatus.ONLINE.value and client.get("lost_after") is None:
+                continue  # held by a live process (presence.py: a dead one's are found through Redis)
     def schedule_once(self) -> int:
         """One pass over every room's queue, each room in isolation (an error placing one room's
         jobs is logged and told to them, and the next room is placed). Returns how many jobs

@@ -9,7 +9,7 @@ from ..protocol.job import Job as JobRecord, JobView, Submitted
 from ..protocol.rest import RoomView
 from .placement import apart_from
 
-_CLIENT_HIDDEN = {"sid", "modules", "lost_after", "secret_hash"}  # modules: hundreds of names, for the scheduler only
+_CLIENT_HIDDEN = {"sid", "modules", "lost_after", "secret_hash", "server"}  # modules: hundreds of names, for the scheduler only
 
 
 def job_view(job: JobRecord, **extra) -> JobView:
