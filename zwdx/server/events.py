@@ -166,12 +166,12 @@ def on_register(hello: Register) -> RegisterAnswer:
         return RegisterAnswer(ok=False, error=f"gpu client id {client_id} was registered by another connection "
                                               f"just now: register under a new id", code=WRONG_SECRET)
     sess["client_id"], sess["interval"] = client_id, pace[0]
+    ctx.presence.joined(client_id, sess["room_id"], request.sid, now, now + pace[1], slots, client["running_jobs"])
     running = {r.job_id: r.attempt for r in hello.running}  # the jobs it still runs ranks of
     _forget_ranks_gone(ctx, sess["room_id"], client_id, running)
     _stop_ranks_not_wanted(ctx, client_id, running)
     log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
              len(slots), client["hostname"])
-    ctx.presence.joined(client_id, sess["room_id"], request.sid, now, now + pace[1], slots, client["running_jobs"])
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
     ctx.scheduler.kick()
     return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=pace[0], client_secret=secret)
@@ -281,6 +281,7 @@ def on_gpu_disconnect(*_):
     if not sess or not sess["client_id"]:
         return
     ctx = _ctx()
+    live = ctx.presence.left(sess["client_id"], request.sid)
     try:
         client = ctx.store.get_client(sess["client_id"])
         if client and client.get("sid") == request.sid:
@@ -288,7 +289,6 @@ def on_gpu_disconnect(*_):
             now = time.time()
             seen = {"last_seen": live.last_seen} if live else {}
             ctx.store.update_client(sess["client_id"], {**seen, "status": ClientStatus.OFFLINE.value, "sid": None,
-    live = ctx.presence.left(sess["client_id"], request.sid)
                                                         "disconnected_at": now,
                                                         "lost_after": now + defaults.DISCONNECT_GRACE})
             log.info("gpu-client %s: disconnected", sess["client_id"])

@@ -203,14 +203,14 @@ class Scheduler:
         are (the others are connected, to other processes)."""
         until = time.time() + float(self.ctx.config["CLIENT_TIMEOUT"])
         for client in self.ctx.store.list_clients(None):
+            if client.get("status") == ClientStatus.ONLINE.value and client.get("lost_after") is None:
+                continue  # held by a live process (presence.py: a dead one's are found through Redis)
             if (client.get("status") == ClientStatus.ONLINE.value or any(s.get("job_id") for s in client["slots"])) \
                     and float(client.get("lost_after") or 0) < until:
                 self.ctx.store.update_client(client["id"], {"lost_after": until})
         self.kick(settle=True)
 
     # -- placing jobs ----------------------------------------------------------------------
-            if client.get("status") == ClientStatus.ONLINE.value and client.get("lost_after") is None:
-                continue  # held by a live process (presence.py: a dead one's are found through Redis)
     def schedule_once(self) -> int:
         """One pass over every room's queue, each room in isolation (an error placing one room's
         jobs is logged and told to them, and the next room is placed). Returns how many jobs
