@@ -100,7 +100,7 @@ def main() -> None:
         harness.wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(token)["clients"]) == 2, 60,
                            what="2 GPU clients online")
         returned = {}
-        for n in range(args.jobs):
+        for _ in range(args.jobs):
             time.sleep(args.settle)
             model = torch.nn.Linear(16, 4)
             result = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train,

@@ -26,7 +26,6 @@ loss falls from ln(vocab) toward the table's entropy.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import shutil

@@ -75,7 +75,7 @@ def test_list_show_logs_metrics_download_of_a_finished_job(cluster, tmp_path):
     assert "completed" in shown.stdout and "client-a" in shown.stdout and "client-b" in shown.stdout
     plan = shown.stdout.split("\nplan:\n", 1)[1]  # what each rank holds, as the job page draws it
     for rank in (0, 1):
-        assert f"rank {rank} on " in plan and f"replica: the whole model" in plan.split(f"rank {rank} on ", 1)[1]
+        assert f"rank {rank} on " in plan and "replica: the whole model" in plan.split(f"rank {rank} on ", 1)[1]
     assert json.loads(zwdx(cluster, "jobs", "show", job_id, "--json").stdout)["status"] == "completed"
 
     logs = zwdx(cluster, "jobs", "logs", job_id, "--rank", "0").stdout.splitlines()

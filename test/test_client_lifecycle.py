@@ -290,7 +290,7 @@ def test_a_job_waiting_for_a_package_asks_the_client_that_lacks_it_to_look_again
 
 
 # -- real processes: a restarted client, a package installed meanwhile --------------------------------
-def _gpu_client(server, room, work_dir, packages) -> "Child":
+def _gpu_client(server, room, work_dir, packages) -> "Child":  # noqa: F821 (imported below)
     from procs import ROOT
     from zwdx.testing import Child
     os.makedirs(work_dir, exist_ok=True)

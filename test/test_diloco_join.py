@@ -10,8 +10,8 @@ import platform
 import numpy as np
 import safetensors.numpy
 
-from test_diloco import P, placed, put
-from zwdx import codec, defaults
+from test_diloco import placed, put
+from zwdx import codec
 
 
 def state_bytes(n: int, numel: int, momentum: bool = True, **meta) -> bytes:

@@ -2,7 +2,6 @@
 tests that leave the room as they found it share conftest's ``cluster``."""
 from __future__ import annotations
 
-import hashlib
 import statistics
 
 import pytest

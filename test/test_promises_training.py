@@ -64,7 +64,7 @@ def train_and_eval_loaders(rank, world_size):
 def steps(model, loader, optimizer, epochs=1):
     """Plain training over ``epochs`` full passes (each one ends with a checkpoint)."""
     loss = torch.tensor(0.0)
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         for x, y in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)

@@ -118,7 +118,7 @@ def test_slow_headers_are_cut_off_and_connections_over_the_cap_refused(server):
     request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
     started = time.monotonic()
     cut = set()
-    for i, sock in enumerate(trickle):
+    for sock in trickle:
         sock.setblocking(False)
     sent = 0
     while len(cut) < len(trickle) and time.monotonic() - started < HEADER_TIMEOUT + SLACK:

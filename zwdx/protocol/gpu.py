@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 
 from .. import defaults
-from .base import Answer, Bytes, ByValue, Count, Id, Message, Name, RankKey, Seconds, Text, no_controls
+from .base import Answer, Bytes, ByValue, Count, Id, Message, Name, RankKey, Seconds, no_controls
 from .tokens import Secret
 from .dataset import DatasetPin
 from .diloco import DilocoSettings

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import orjson
-from flask import Response, current_app, jsonify, request
+from flask import Response, current_app, request
 from pydantic import BaseModel
 from werkzeug.exceptions import RequestEntityTooLarge
 
