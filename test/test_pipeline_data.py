@@ -91,7 +91,7 @@ def mixed_sequential(seed: int = 0) -> nn.Sequential:
 
 
 def train(model, loader, optimizer, epochs, pipeline):
-    """The README's loop; it also says which samples each step drew (rank 0's answer is the job's)."""
+    """docs/modes/pipeline.md's loop; it also says which samples each step drew (rank 0's answer is the job's)."""
     rows = {tuple(r.tolist()): i for i, r in enumerate(loader.dataset.tensors[0])}
     model.train()
     order, loss = [], None

@@ -1,4 +1,4 @@
-"""README, Security: what a room's submitter and donor tokens and a rank key open, and nothing more.
+"""docs/security.md: what a room's submitter and donor tokens and a rank key open, and nothing more.
 
 - a dashboard (/ui) of one room never hears another room's jobs, job events or GPU clients,
   and a wrong token, or the room's donor token, is refused;

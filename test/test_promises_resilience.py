@@ -1,4 +1,4 @@
-"""README, Checkpoints and resuming: what rides through a failure, with real processes and real
+"""docs/checkpoints.md: what rides through a failure, with real processes and real
 signals.
 
 - a ``submit_job`` that is already waiting when the server is SIGKILLed keeps waiting while the

@@ -1,4 +1,4 @@
-"""README, Security and The SDK: room tokens and job keys are secrets.
+"""docs/security.md and docs/sdk.md: room tokens and job keys are secrets.
 
 - after whole jobs (one completed with checkpoints, one failed with tracebacks), no room token
   and no job key is in any log: the server's, the GPU clients', the ranks', nor in what the

@@ -1,4 +1,4 @@
-"""README, The SDK and The functions you write: what a job's code is given and what the submitter
+"""docs/sdk.md and docs/functions.md: what a job's code is given and what the submitter
 sees of it, each on a tiny model and a few steps.
 
 - ``reporter.log(text)`` lines are in ``get_job_logs``, by rank;

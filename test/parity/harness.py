@@ -18,7 +18,7 @@ global batch (the replicas' batches of a step, together) with the mean loss: ``t
 checks the two agree to round-off. What it adds:
 
 - A loader without a ``DistributedSampler`` (``Case.sharded`` False: ``DataLoader(shuffle=True)``
-  as written for one process): zwdx does not shard it (there is no sampler injection; README
+  as written for one process): zwdx does not shard it (there is no sampler injection; the manual
   asks for a ``DistributedSampler``), so every replica reads the whole set. Seeded alike on
   every replica, they read it in one order, their gradients are equal, and the job trains what
   one process trains with that loader: its batch, every sample once an epoch (the other

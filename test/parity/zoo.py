@@ -9,7 +9,7 @@ trains in one process and as a zwdx job (``harness.py``). Each trains in about a
     c.batch, c.epochs    # the global batch (samples per optimizer step over all replicas), passes
 
 What each case exercises: ``mlp`` a shuffled loader (``DistributedSampler(shuffle=True)``,
-``set_epoch``: the loader README asks for); ``unsharded`` a plain ``DataLoader(shuffle=True)``
+``set_epoch``: the loader the manual asks for); ``unsharded`` a plain ``DataLoader(shuffle=True)``
 written for one process (no sampler); ``dropout`` the replicas' random generators;
 ``batchnorm`` per-replica batch statistics and buffers; ``tied_lm`` a nanoGPT (test/models.py:
 tied embeddings, LayerNorm and residual blocks, two param groups); ``residual`` LayerNorm +
@@ -43,7 +43,7 @@ class Case:
     ``needs``: packages it imports (its tests skip where absent, CI has them); ``independent``:
     a sample's output depends on it alone and nothing is drawn at random (no BatchNorm, dropout
     or augmentation), so any split of a global batch trains alike; ``sharded``: the loader has a
-    ``DistributedSampler`` (README's advice; False: ``DataLoader(shuffle=True)`` as written for
+    ``DistributedSampler`` (the manual's advice; False: ``DataLoader(shuffle=True)`` as written for
     one process, every replica reading the whole set, ``batch`` samples a step each)."""
     name: str
     model: Callable[[], nn.Module]
