@@ -37,6 +37,7 @@ from .extensions import Encoded, socketio
 from .lease import NAME as SCHEDULER_LEASE, Lease
 from .placement import RecentClients
 from .presence import Presence
+from .roomview import RoomViews, observe
 from .scheduler import Scheduler
 from .store import open_store
 from .sweeper import Sweeper
@@ -145,6 +146,9 @@ class ServerContext:
         self.scheduler = Scheduler(self)
         #: the GPU clients this process holds, alive in memory (``presence.py``)
         self.presence = Presence(self, cfg.get("MESSAGE_QUEUE"))
+        #: each room's GPU clients as placement reads them, kept by the store's writes (``roomview.py``)
+        self.views = RoomViews(self.store, cfg.get("MESSAGE_QUEUE"))
+        observe(self.store, self.views)
         #: ranks' events, written in batches (``batches.py``)
         self.events = EventWriter(self.store)
         #: each room's GPU clients as read lately, for the submit-time hint (``placement.RecentClients``)
@@ -267,8 +271,9 @@ def create_app(config: dict | None = None) -> Flask:
         ctx.lease.every_try.append(lambda: tokens.close_revoked(ctx))
     proxies.install(app)  # the client's address behind PROXY_HOPS proxies, for rate limits and /metrics
     ctx.scheduler.start(app)
-    ctx.sweeper.start()
     ctx.presence.start(app)
+    ctx.views.start(ctx.stopping)
+    ctx.sweeper.start()
     ctx.lease.start(ctx.stopping)
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
              app.config["DATA_DIR"], mode, app.config["UI_DIR"])

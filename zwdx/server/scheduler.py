@@ -232,8 +232,8 @@ class Scheduler:
         rest wait behind it, except behind a job the room could never run. How many started."""
         started, clients = 0, None
         for job in self.ctx.store.list_jobs(room_id, statuses=list(WAITING)):
-            if clients is None:  # the room's clients, each with its slots: read once a pass (a start
-                clients = {c["id"]: c for c in self.ctx.store.list_clients(room_id)}  # marks its slots)
+            if clients is None:  # the room's clients, each with its slots, from the view (roomview.py): a
+                clients = self.ctx.views.of(room_id)  # start marks its slots in it as in the store
                 time.sleep(0)  # under gevent, let the connections waiting meanwhile be served first
             outcome = self._try_start(job, clients)
             if outcome is _STARTED:
