@@ -56,7 +56,7 @@ COPY zwdx/ zwdx/
 COPY gpu_client/ gpu_client/
 USER 10001:10001
 WORKDIR /home/zwdx
-# healthy: the server acknowledged a heartbeat lately (gpu_client/health.py; default work dir)
-HEALTHCHECK --interval=10s --timeout=5s --start-period=30s CMD ["python", "-m", "gpu_client.health"]
+# healthy: the server acknowledged a heartbeat lately (gpu_client/agent/health.py; default work dir)
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s CMD ["python", "-m", "gpu_client.agent.health"]
 ENTRYPOINT ["python", "-m", "zwdx.cli"]
 CMD ["gpu-client", "--help"]

@@ -38,7 +38,7 @@ echo "== zwdx setup: Python packages ($PY)"
 if [[ $(id -u) == 0 ]]; then
     # A GPU client run as root runs each job's ranks as an unprivileged user of its own, who must
     # reach Python, zwdx and torch (a Python under /root, as pyenv puts it, is out of reach)
-    for dir in $("$PY" -m gpu_client.isolation); do
+    for dir in $("$PY" -m gpu_client.sandbox.isolation); do
         echo "== zwdx setup: chmod o+x $dir (ranks of jobs run as other users, who must pass it)"
         chmod o+x "$dir"
     done

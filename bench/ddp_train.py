@@ -87,10 +87,10 @@ def shard(model, device):
 
 def tensor_split(model, device):
     """TP over every rank: the plan zwdx derives (each block's MLP pair; the fused q/k/v stays
-    whole), applied as zwdx's ranks apply it (``gpu_client.tensor_parallel.split``)."""
+    whole), applied as zwdx's ranks apply it (``gpu_client.rank.strategies.tensor_parallel.split``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gpu_client.tensor_parallel import split
+    from gpu_client.rank.strategies.tensor_parallel import split
     from zwdx import tp_plan
     split(model, init_device_mesh(device.type, (dist.get_world_size(),)), tp_plan.derive(model)[0])
     return model

@@ -7,7 +7,7 @@ job shares it.
 
 Two processes on 127.0.0.1 meet over gloo (what a mixed job runs): rank 0 on ``cuda:0`` when
 there is one (else the CPU), rank 1 on the CPU with ``--cpu-threads`` threads. Both time the
-model with ``gpu_client.mixed.measure`` and all-gather the figures; then, for each way of
+model with ``gpu_client.rank.strategies.mixed.measure`` and all-gather the figures; then, for each way of
 sharing the global batch, each rank wraps a copy of the same model in DDP with the gradient
 weighted by its share (``failures.watch_gradients``, as ``mixed.Mixed.wrap`` does), runs
 ``--warmup`` steps and times ``--steps`` SGD steps on synthetic batches made on its device.
@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_client.failures import watch_gradients  # noqa: E402
-from gpu_client.mixed import gather_floats, measure, shares  # noqa: E402
+from gpu_client.rank.failures import watch_gradients  # noqa: E402
+from gpu_client.rank.strategies.mixed import gather_floats, measure, shares  # noqa: E402
 from zwdx.testing import free_port  # noqa: E402
 
 

@@ -1,13 +1,13 @@
 """How pinning a checkpoint's host buffers in the background holds the training thread up: the
 CUDA driver's own pinned allocation against PyTorch's registered pinning (the setting
-``gpu_client/launcher.py`` gives every rank), and pageable memory, on one GPU.
+``gpu_client/agent/launcher.py`` gives every rank), and pageable memory, on one GPU.
 
     python bench/pinning.py                                  # gpt2 (124 M): 1.4 GiB of state
     python bench/pinning.py --set layers=24 --set dim=2048 --set heads=16 --batch 2   # ~1.3 B: 15 GiB
     python bench/pinning.py --out $OUT/pinning.md
 
 Each way runs in a process of its own (the allocator setting is read at start): the workload's
-GPT trains on ``cuda:0`` with AdamW; then, as ``gpu_client/staging.py`` does at a first
+GPT trains on ``cuda:0`` with AdamW; then, as ``gpu_client/rank/staging.py`` does at a first
 checkpoint, its weights and AdamW state are cloned on the GPU, and a thread makes host buffers
 and copies the clones into them while training runs ``--steps`` more steps. Printed: how much
 longer those steps took than the same steps before, and the thread's time to make the buffers

@@ -5,7 +5,7 @@ dashboards, all in one asyncio loop (python-socketio's AsyncClient, aiohttp for 
 
 A simulated GPU client connects to /gpu with its room's token, registers one CUDA slot,
 heartbeats at the interval the server asks for (at register, and anew in a heartbeat's answer), answers ``reserve_port``, and for each
-``job_assign`` plays its ranks as gpu_client.runner would over REST: ``running``, a batch of
+``job_assign`` plays its ranks as gpu_client.rank.runner would over REST: ``running``, a batch of
 metric events every ``metric_interval`` s, ``completed`` after 0.5 to 1.5 x ``job_seconds``, then
 ``ranks_exited`` over Socket.IO. A simulated SDK user submits a job (bundle upload, create),
 waits on it as ``ZWDX.wait`` does (the job with its new events, one call held up to

@@ -1,14 +1,13 @@
-"""The donor side of zwdx: an agent that joins a room and runs ranks of jobs.
+"""The donor side of zwdx: an agent that joins a room and runs ranks of jobs, one folder per
+process that runs the code:
 
-    agent      connect, register, heartbeat, receive jobs (the /gpu messages of zwdx.protocol.gpu)
-    launcher   the rank processes: a standby per slot, each rank's RankSpec on its stdin
-    runner     one process per rank: Trainer (setup: rendezvous, wrap; train; finish), report
-    standby    a rank process started ahead: torch imported, first-use costs paid
-    parallel   DDP / FSDP around the user's model, the optimizer rebuilt, the weights gathered
-    checkpoint checkpoints of a job, written and read by its ranks
-    failures   whether a rank's own code raised or it lost its peers; a package it lacks
-    metrics    samples counted, the platform's metric series
-    reporter   metrics, logs and results from a rank back to the server
-    gpus       what this machine offers (pynvml), or one CPU slot
-    host       which machine this is (GPU clients on one share its RAM), which modules it can import
+    agent/     the GPU client's own process: connect, register, heartbeat, receive jobs (the /gpu
+               messages of zwdx.protocol.gpu), its work dir, datasets, the launcher of rank processes
+    sandbox/   how job code is kept away from the agent and from other jobs: the job's folder,
+               per-job users, containers, egress rules, compile caches
+    rank/      one process per rank: runner (Trainer: rendezvous, wrap, train, finish), reporter,
+               checkpoints, metrics, failures, script jobs, the standby warm-up
+    rank/strategies/  DDP / FSDP (parallel), TP, PIPELINE, mixed devices, DILOCO, LoRA
+    gpus       what this machine offers (pynvml), or one CPU slot (the agent's slots, a rank's metrics)
+    outage     the HTTP session that waits out a server that is away (agent, sandbox and rank)
 """

@@ -1,4 +1,4 @@
-"""The tests' own digest of weights, written apart from the product's (``gpu_client.parallel.
+"""The tests' own digest of weights, written apart from the product's (``gpu_client.rank.strategies.parallel.
 fingerprint``), so that a test comparing the two would notice if the product's changed: sha256
 over the tensors in name order, each its name's bytes, then its values' bytes as stored."""
 from __future__ import annotations

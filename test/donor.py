@@ -12,7 +12,7 @@ tests of who may read and write what, which need placed jobs and their rank keys
     Dashboard(url, submitter_token)              a browser's /ui connection, keeping every event
 
 The server is a real process (``procs.Server``); only the donor's side is played here, by the
-messages of ``zwdx.protocol.gpu``, as ``gpu_client/agent.py`` sends them.
+messages of ``zwdx.protocol.gpu``, as ``gpu_client/agent/agent.py`` sends them.
 """
 from __future__ import annotations
 

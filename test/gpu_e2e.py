@@ -56,7 +56,7 @@ import models  # noqa: E402
 from procs import Proc, Server, wait_until  # noqa: E402
 from workloads import a_few_steps, slow_train  # noqa: E402
 
-from gpu_client.parallel import fingerprint  # noqa: E402
+from gpu_client.rank.strategies.parallel import fingerprint  # noqa: E402
 from zwdx import ZWDX  # noqa: E402
 
 

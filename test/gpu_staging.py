@@ -1,4 +1,4 @@
-"""Checkpoint staging on a GPU (gpu_client/staging.py), on a GPU machine (the suite collects
+"""Checkpoint staging on a GPU (gpu_client/rank/staging.py), on a GPU machine (the suite collects
 it, and deselects it where torch sees no GPU; see needs.leave_out_gpu_tests):
 
     python -m pytest -m gpu             # with gpu_e2e.py's checks
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import needs
-from gpu_client.staging import Staging
+from gpu_client.rank.staging import Staging
 from test_staging import _check, _state, _train_on
 
 pytestmark = pytest.mark.gpu

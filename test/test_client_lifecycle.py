@@ -209,8 +209,8 @@ def test_room_clients_prune_and_settings_on_the_command_line(token, monkeypatch,
 
 # -- one work dir, one id across restarts ------------------------------------------------------------
 def test_a_work_dir_gives_a_restarted_agent_its_id_and_two_agents_at_once_two_ids(tmp_path):
-    from gpu_client.identity import Identity
-    from gpu_client.workspace import Workspace, running_agents
+    from gpu_client.agent.identity import Identity
+    from gpu_client.agent.workspace import Workspace, running_agents
     root = str(tmp_path / "work")
     first = Workspace(root)
     second = Workspace(root)  # another agent on the same work dir while the first runs
@@ -233,7 +233,7 @@ def test_a_work_dir_gives_a_restarted_agent_its_id_and_two_agents_at_once_two_id
 
 
 def test_a_given_client_id_is_kept_and_not_remembered(tmp_path):
-    from gpu_client.workspace import Workspace
+    from gpu_client.agent.workspace import Workspace
     root = str(tmp_path / "work")
     assert Workspace(root, "mine").client_id == "mine"
     assert not os.path.exists(os.path.join(root, "client_ids"))

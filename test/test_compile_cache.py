@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from procs import SLACK, wait_until
-from gpu_client.compile_cache import RoomCaches
-from gpu_client.isolation import SYSTEM_RANK_DIR
+from gpu_client.sandbox.compile_cache import RoomCaches
+from gpu_client.sandbox.isolation import SYSTEM_RANK_DIR
 from zwdx import ZWDX
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-job users (the default as root) need root")
@@ -63,7 +63,7 @@ def train(model, loader, optimizer):
 
 
 def standby_ready(work_dir) -> bool:
-    from gpu_client.standby import READY
+    from gpu_client.rank.standby import READY
     return any(READY in open(p).read() for p in glob.glob(os.path.join(work_dir, "**", "standby", "slot0.log"),
                                                            recursive=True))
 
@@ -180,7 +180,7 @@ def test_a_rooms_folder_a_killed_agent_left_lent_is_emptied_before_it_is_lent_ag
 
 
 def test_a_compile_cache_folder_the_jobs_users_cannot_reach_or_not_the_agents_is_refused_at_start(tmp_path):
-    from gpu_client.isolation import IsolationError
+    from gpu_client.sandbox.isolation import IsolationError
     os.chmod(tmp_path, 0o700)
     with pytest.raises(IsolationError, match="the jobs. users cannot reach it.*chmod o\\+x /"):
         RoomCaches(str(tmp_path / "cc")).check(other_users=True)  # per-job users could not pass tmp_path

@@ -1,6 +1,6 @@
 """A room's datasets through the REST API, in process (``zwdx/server/datasets.py``): versions,
 what a manifest may say, quotas, pins at submit, removal, the sweeper; and the SDK's and the
-GPU client's pure parts (``zwdx.datasets.scan``, ``gpu_client.datasets.DatasetCache``).
+GPU client's pure parts (``zwdx.datasets.scan``, ``gpu_client.agent.datasets.DatasetCache``).
 End to end with processes: ``test_datasets_e2e.py``."""
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_url_names():
 
 
 def test_the_cache_evicts_the_least_recently_used_and_refuses_what_never_fits(tmp_path):
-    from gpu_client.datasets import DatasetCache, DatasetTooLarge
+    from gpu_client.agent.datasets import DatasetCache, DatasetTooLarge
     cache = DatasetCache(str(tmp_path / "cache"), limit=100)
     for key, age in (("old", 10), ("new", 20)):
         entry = tmp_path / "cache" / key

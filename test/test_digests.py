@@ -3,7 +3,7 @@
 import torch
 
 from digests import state_digest
-from gpu_client.parallel import fingerprint
+from gpu_client.rank.strategies.parallel import fingerprint
 
 
 def test_a_ranks_fingerprint_is_the_tests_own_digest_of_the_same_weights():

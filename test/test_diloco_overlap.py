@@ -1,4 +1,4 @@
-"""DILOCO's overlapped rounds (``diloco={"overlap": True}``): two workers (gpu_client.diloco, as a
+"""DILOCO's overlapped rounds (``diloco={"overlap": True}``): two workers (gpu_client.rank.strategies.diloco, as a
 rank runs them) against the server app served on a loopback port, each with a model of one
 weight vector that the test moves by known amounts in place of training. A worker's sync point
 returns before the others have uploaded; each average is applied one round late, on top of the
@@ -12,8 +12,8 @@ import pytest
 import torch
 from werkzeug.serving import make_server
 
-from gpu_client.diloco import Diloco
-from gpu_client.reporter import Reporter
+from gpu_client.rank.strategies.diloco import Diloco
+from gpu_client.rank.reporter import Reporter
 from test_diloco import placed
 from zwdx.protocol.diloco import DilocoSettings
 

@@ -1,4 +1,4 @@
-"""DILOCO workers that reach each other (gpu_client/peers.py), in one process: two workers form
+"""DILOCO workers that reach each other (gpu_client/rank/strategies/peers.py), in one process: two workers form
 their gloo group over rank 0's address and average a round; a worker with nothing to add is
 not in the mean; a worker that cannot reach rank 0 gets no group, and neither does rank 0."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import threading
 
 import torch
 
-from gpu_client.peers import form
-from gpu_client.reach import listener
-from gpu_client.rendezvous import hold
+from gpu_client.rank.strategies.peers import form
+from gpu_client.agent.reach import listener
+from gpu_client.rank.rendezvous import hold
 
 
 def held_port() -> int:

@@ -1,5 +1,5 @@
 """``zwdx gpu-client --isolation docker``: each rank in a fresh locked-down container
-(gpu_client/container.py), seen from the job's own code, from the machine and by the donor.
+(gpu_client/sandbox/container.py), seen from the job's own code, from the machine and by the donor.
 
 Two GPU clients in containers share one server (off loopback, so that loopback is neither the
 server nor a peer). A job's code reports what it can see and do from inside its container (its
@@ -90,7 +90,7 @@ class Stack:
         return next(c for c in self.sdk.get_room(self.token)["clients"] if c["id"] == name)["slots"]
 
     def stop(self, name: str) -> None:
-        from gpu_client.container import agent_tag
+        from gpu_client.sandbox.container import agent_tag
         client = self.clients.pop(name)
         client.stop()
         wait_until(lambda: not _containers(agent_tag(os.path.join(self.root, name))), 30,
@@ -180,7 +180,7 @@ def _sees(target: str, agent_dir: str) -> dict:
 
 
 def _egress_filtered() -> bool:
-    from gpu_client.egress import Egress
+    from gpu_client.sandbox.egress import Egress
     return Egress("probe").available
 
 
@@ -199,7 +199,7 @@ def test_a_rank_runs_in_a_locked_down_container_under_the_terms_its_job_page_sho
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))  # loopback: neither the server nor a peer (both off it)
     listener.listen()
-    from gpu_client.container import agent_tag
+    from gpu_client.sandbox.container import agent_tag
     tags = {name: agent_tag(os.path.join(stack.root, name)) for name in ("left", "right")}
     wait_until(lambda: all(_containers(t, "standby") for t in tags.values()), 30, what="the slots' standby containers")
     standby = {name: set(_containers(tag, "standby")) for name, tag in tags.items()}
@@ -369,7 +369,7 @@ def test_an_image_on_another_python_keeps_a_job_that_needs_it_waiting_naming_the
 
 def test_a_container_that_exits_at_start_fails_the_job_naming_the_client_and_the_cause(stack, tmp_path):
     broken = _derived_image("zwdx-test-broken:latest", tmp_path / "broken", [
-        "RUN echo 'raise SystemExit(\"this image has no rank runner\")' > /opt/zwdx/gpu_client/rank_container.py"])
+        "RUN echo 'raise SystemExit(\"this image has no rank runner\")' > /opt/zwdx/gpu_client/sandbox/rank_container.py"])
     stack.online(stack.start("broken", "--no-standby", image=broken))  # a fresh container per rank
     from zwdx.errors import JobFailed
     with pytest.raises(JobFailed) as failed:  # three slots of this Python: broken's among them
@@ -389,7 +389,7 @@ def _sleep_train(model, loader, optim, rank, world_size, epochs=1, reporter=None
 
 
 def test_no_container_outlives_its_agent_killed(stack):
-    from gpu_client.container import agent_tag
+    from gpu_client.sandbox.container import agent_tag
     job_id = _submit(stack, _sleep_train, world_size=2, wait=False)
     logs = lambda: stack.sdk.get_job_logs(job_id, room_token=stack.token)  # noqa: E731
     wait_until(lambda: sum(line["text"] == "sleeping" for line in logs()) == 2, 60 + SLACK, what="the ranks running")
@@ -397,7 +397,7 @@ def test_no_container_outlives_its_agent_killed(stack):
     assert _containers(tag)  # its rank's (a standby that took it, labelled so) and maybe a fresh standby
     stack.clients.pop("left").kill(signal.SIGKILL)  # the agent alone, as a crash: no shutdown of its own
     wait_until(lambda: not _containers(tag), 20 + SLACK, what="every container of the killed agent gone")
-    from gpu_client.egress import Egress
+    from gpu_client.sandbox.egress import Egress
     Egress(tag).remove()  # its rules stay until an agent of its work dir starts again: none will
     stack.sdk.cancel_job(job_id, room_token=stack.token)
 

@@ -152,7 +152,7 @@ def spec(parallelism: str, rank: int = 0, world_size: int = 1):
 
 def test_the_modules_a_rank_holds_are_named_top_level_ish_with_runs_of_blocks_folded():
     import models
-    from gpu_client.layout import fold, held_modules
+    from gpu_client.rank.strategies.layout import fold, held_modules
     model = models.stage_lm()
     assert held_modules(model) == ["wte", "wpe", "h.0-3", "ln_f", "head"]
     assert held_modules(model, [k for k in model.state_dict() if k.startswith(("h.2.", "h.3.", "head"))]) \
@@ -166,7 +166,7 @@ def test_ddp_says_a_replica_and_fsdp_its_units_and_share(group_of_one, paralleli
     import torch
 
     import models
-    from gpu_client.parallel import Collective
+    from gpu_client.rank.strategies.parallel import Collective
     strategy = Collective(spec(parallelism))
     model = strategy.wrap(models.stage_lm(), torch.device("cpu"), {}, report=lambda line: None)
     layout = parse(RankLayout, strategy.layout(model)).model_dump(mode="json")  # within the message's bounds
@@ -189,7 +189,7 @@ sys.path.insert(0, sys.argv[3])
 import models
 from digests import state_digest
 from test_layout import spec
-from gpu_client.parallel import Collective
+from gpu_client.rank.strategies.parallel import Collective
 torch.set_num_threads(1)
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 2), rank=rank, world_size=2)

@@ -1,7 +1,7 @@
 """Lost peer or the rank's own error? Told by where the error came from, not by its words.
 
 Two real rank processes over gloo, the model wrapped as the runner wraps it; one dies (or not)
-at a chosen point and the other says how ``gpu_client.failures`` classifies what it caught.
+at a chosen point and the other says how ``gpu_client.rank.failures`` classifies what it caught.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow  # real rank processes over gloo
 RANK = r'''
 import datetime, json, os, sys, time
 import torch, torch.distributed as dist
-from gpu_client.failures import is_collective_error
-from gpu_client.parallel import wrap
+from gpu_client.rank.failures import is_collective_error
+from gpu_client.rank.strategies.parallel import wrap
 
 case, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -65,7 +65,7 @@ def test_the_sdk_checks_the_loader_of_a_mixed_job_before_uploading_anything():
 
 # -- the shares and the sampler -----------------------------------------------------------------
 def test_the_global_batch_is_shared_out_by_speed_a_sample_at_least_each():
-    from gpu_client.mixed import shares
+    from gpu_client.rank.strategies.mixed import shares
     assert shares(256, [3.0, 1.0]) == [192, 64]
     assert shares(10, [1.0, 1.0, 1.0]) == [4, 3, 3]  # remainders to the lower ranks
     assert shares(100, [1000.0, 1.0]) == [99, 1]  # never an empty batch
@@ -76,7 +76,7 @@ def test_the_global_batch_is_shared_out_by_speed_a_sample_at_least_each():
 
 
 def test_the_ranks_slices_of_each_step_are_one_global_batch_of_one_order():
-    from gpu_client.mixed import Sampling
+    from gpu_client.rank.strategies.mixed import Sampling
     batches = [5, 2, 3]
     starts = [0, 5, 7]
     samplers = [Sampling(s, b, 10)(range(34), seed=1) for s, b in zip(starts, batches)]
@@ -94,7 +94,7 @@ def test_the_ranks_slices_of_each_step_are_one_global_batch_of_one_order():
 
 
 def test_the_layout_of_a_mixed_rank_gives_its_batch_its_gradient_share_and_its_device():
-    from gpu_client.mixed import Mixed
+    from gpu_client.rank.strategies.mixed import Mixed
     from zwdx.protocol import Devices, Parallelism
     rank = Mixed(SimpleNamespace(rank=1, world_size=2, parallelism=Parallelism.DDP, devices=Devices.MIXED))
     rank.global_batch, rank.batches, rank.speeds, rank.device = 128, [96, 32], [3000.0, 1000.0], torch.device("cpu")
@@ -193,7 +193,7 @@ class Throttle:
         import psutil
         try:
             return [p for p in psutil.Process(self.pid).children(recursive=True)
-                    if "gpu_client.runner" in " ".join(p.cmdline())]
+                    if "gpu_client.rank.runner" in " ".join(p.cmdline())]
         except psutil.Error:
             return []
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import models
 import needs
 from digests import state_digest as fingerprint
-from gpu_client.parallel import describe_plan, fsdp_plan
+from gpu_client.rank.strategies.parallel import describe_plan, fsdp_plan
 from procs import GpuClient, Server, wait_until
 from zwdx import ZWDX, BadRequest
 

@@ -255,7 +255,7 @@ def test_a_rank_keeps_what_it_reports_while_the_server_is_away_up_to_its_buffer(
     """Training goes on while the server is away and the rank's events wait in memory, bounded:
     past ``BUFFER_BYTES`` new ones are dropped and counted, and the count is said (logged to the
     job) once the server is back; what was kept arrives, each once."""
-    from gpu_client import reporter as reporting
+    from gpu_client.rank import reporter as reporting
     monkeypatch.setattr(reporting, "BUFFER_BYTES", 20 * reporting._size({"data": {"loss": 1.0}}))
     url, seen = stub([BAD_GATEWAY, BAD_GATEWAY, GATEWAY_TIMEOUT, (200, {"ok": True})])
     rank = reporting.Reporter(url, "rk_1", "j1", 0, flush_interval=0.05, patience=60)
@@ -273,7 +273,7 @@ def test_a_rank_keeps_what_it_reports_while_the_server_is_away_up_to_its_buffer(
 def test_a_commit_whose_answer_was_lost_is_not_a_failure(stub):
     """A checkpoint's commit sent again after the server went away answers 409 'is committed'
     (the first try went through): the rank goes on. Sent once, the same 409 is raised."""
-    from gpu_client.reporter import Reporter
+    from gpu_client.rank.reporter import Reporter
     committed = (409, {"error": {"code": "conflict", "message": "checkpoint 3 of job j1 is committed, or a later "
                                                                   "one is (latest: 3)"}})
     url, seen = stub([BAD_GATEWAY, committed])
@@ -291,7 +291,7 @@ def test_a_diloco_round_waited_for_through_an_outage_is_not_timed_out(monkeypatc
     raised RoundTimeout once the server answered 'still waiting' after the outage)."""
     import hashlib
     from types import SimpleNamespace
-    from gpu_client import diloco
+    from gpu_client.rank.strategies import diloco
     clock = [1000.0]
     monkeypatch.setattr(diloco, "time", SimpleNamespace(time=lambda: clock[0], sleep=lambda s: None))
     worker = object.__new__(diloco.Diloco)

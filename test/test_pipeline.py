@@ -77,7 +77,7 @@ def test_the_sdk_checks_the_plan_against_the_model_before_uploading_anything():
 
 
 def test_the_automatic_cut_follows_each_stages_free_memory_with_a_block_at_least():
-    from gpu_client.pipeline import weighted_ranges
+    from gpu_client.rank.strategies.pipeline import weighted_ranges
     assert weighted_ranges(4, [1, 1]) == [[0, 2], [2, 4]]  # CPU slots: even
     assert weighted_ranges(5, [1, 1]) == [[0, 3], [3, 5]]
     gib = 2**30
@@ -89,7 +89,7 @@ def test_the_automatic_cut_follows_each_stages_free_memory_with_a_block_at_least
 
 
 def test_the_automatic_cut_gives_a_faster_gpu_more_blocks_as_far_as_its_memory_holds_them():
-    from gpu_client.pipeline import BLOCK_FOOTPRINT, speed_shares, weighted_ranges
+    from gpu_client.rank.strategies.pipeline import BLOCK_FOOTPRINT, speed_shares, weighted_ranges
     gib, block = 2**30, 2**20  # a block of 1 MiB of parameters takes 6 MiB on its GPU
     assert weighted_ranges(12, speed_shares(12, [80 * gib, 80 * gib], [2e14, 1e14], block)) == [[0, 8], [8, 12]]
     # equal speeds: equal runs, a smaller card as well, while its blocks fit it

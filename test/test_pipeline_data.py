@@ -154,7 +154,7 @@ def worst_relative(a: nn.Module, b: nn.Module) -> float:
 
 # -- where a model without repeated blocks is cut, and what the SDK refuses ----------------------------
 def test_a_sequential_of_mixed_layers_is_cut_by_its_children_balanced_by_parameters():
-    from gpu_client.pipeline import split_points
+    from gpu_client.rank.strategies.pipeline import split_points
     points, line = split_points(mixed_sequential(), None, 2)
     # parameters: 1088, 128, 0 | 4160, 0, 650: the cut nearest to half, before a layer that has some
     assert points == ["3"], line

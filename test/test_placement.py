@@ -222,7 +222,7 @@ def test_a_gpu_client_reports_what_it_can_import_and_which_machine_it_is(tmp_pat
     (tmp_path / "flat_mod.py").write_text("")
     (tmp_path / "ns_pkg" / "part").mkdir(parents=True)  # a namespace package: no __init__.py
     (tmp_path / "ns_pkg" / "part" / "__init__.py").write_text("")
-    ask = [sys.executable, "-c", "import json; from gpu_client import host; "
+    ask = [sys.executable, "-c", "import json; from gpu_client.agent import host; "
                                  "print(json.dumps([host.host_id(), host.importable_modules()]))"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     first, modules = json.loads(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout)

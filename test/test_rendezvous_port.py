@@ -17,8 +17,8 @@ import types
 
 import pytest
 
-from gpu_client.agent import Agent
-from gpu_client.isolation import ProcessIsolation
+from gpu_client.agent.agent import Agent
+from gpu_client.sandbox.isolation import ProcessIsolation
 from procs import ROOT
 
 
@@ -64,7 +64,7 @@ def test_an_offer_for_another_attempt_or_a_placement_elsewhere_lets_the_old_port
 
 CHILD = """
 import datetime, sys
-from gpu_client.rendezvous import take_listeners, tcp_store
+from gpu_client.rank.rendezvous import take_listeners, tcp_store
 sys.stdin.readline()
 take_listeners(1)
 store = tcp_store("127.0.0.1", int(sys.argv[1]), 2, True, wait_for_workers=False,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import types
 
-from gpu_client.reporter import Reporter
+from gpu_client.rank.reporter import Reporter
 
 
 class CountingSession:

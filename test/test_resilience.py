@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mnist
-from gpu_client.launcher import Launcher
+from gpu_client.agent.launcher import Launcher
 from procs import SLACK, Server, wait_until
 from workloads import slow_train, tracked_train
 from zwdx import defaults
@@ -33,7 +33,7 @@ def submit(sdk, room, **kwargs):
 
 def rank_pids(client) -> list[int]:
     return [p.pid for p in psutil.Process(client.pid).children(recursive=True)
-            if "gpu_client.runner" in " ".join(p.cmdline())]
+            if "gpu_client.rank.runner" in " ".join(p.cmdline())]
 
 
 def at(job, status, after=0.0):

@@ -127,7 +127,7 @@ def test_the_mean_rule_is_the_codecs_plain_mean_byte_for_byte():
 
 def test_workers_that_all_gather_combine_as_the_server_does():
     from test_diloco_peers import held_port
-    from gpu_client.peers import form
+    from gpu_client.rank.strategies.peers import form
     vectors = [torch.from_numpy(v) for v in honest(2, codec.FRAME + 5, seed=2)]
     vectors.append(vectors[0] * -30)
     port, out = held_port(), [None] * 3

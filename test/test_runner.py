@@ -183,7 +183,7 @@ def test_a_rank_has_no_secret_in_its_environment_or_command_line(sdk, room, star
 
 
 def test_the_allocator_setting_a_rank_gets_keeps_the_donors_own():
-    from gpu_client.launcher import pinning_environ
+    from gpu_client.agent.launcher import pinning_environ
     added = pinning_environ({})["PYTORCH_CUDA_ALLOC_CONF"].split(",")
     assert added[0] == "pinned_use_cuda_host_register:True" and added[1].startswith("pinned_num_register_threads:")
     assert pinning_environ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})["PYTORCH_CUDA_ALLOC_CONF"] \

@@ -7,7 +7,7 @@
   back; ``outputs_from`` collects a folder of its working dir, following no link out of it.
 - ``$ZWDX_OUTPUT_DIR`` and ``$ZWDX_DATA_DIR`` in a script's arguments are the rank's folders.
 
-The ranks here are ``gpu_client.script.ScriptRank`` in this process with its script a real
+The ranks here are ``gpu_client.rank.script.ScriptRank`` in this process with its script a real
 child process (slow lane, about a second), reporting to a stand-in for the server;
 test_scripts_e2e.py runs ``zwdx run`` and ``zwdx jobs download`` through real processes.
 """
@@ -102,7 +102,7 @@ def test_args_that_name_the_data_dir_of_a_job_without_datasets_are_refused_befor
 
 # -- on the GPU client ----------------------------------------------------------------------------
 class Reports:
-    """Stands in for ``gpu_client.reporter.Reporter``: what a rank said."""
+    """Stands in for ``gpu_client.rank.reporter.Reporter``: what a rank said."""
     said: list[tuple[str, object]] = []
 
     def __init__(self, *args, **kwargs):
@@ -125,7 +125,7 @@ class Reports:
 def run_rank(tmp_path, monkeypatch, files: dict, script: dict, include=(), data_dir=None):
     """Rank 0 of a one-rank script job over these files, run here; what it reported. ``include``
     None: the job is not told what was left out."""
-    from gpu_client import script as script_rank
+    from gpu_client.rank import script as script_rank
     root = tree(tmp_path / "submitter", files)
     packed = pack(root, script["path"], **({"include": include} if include else {}))
     spec = RankSpec(job_id="j1", attempt=0, rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1",

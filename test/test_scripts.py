@@ -252,7 +252,7 @@ def test_a_link_out_of_the_working_dir_is_refused_naming_it(tmp_path):
 
 # -- what a rank's script gets -------------------------------------------------------------------------
 def test_a_ranks_script_gets_torchruns_environment_and_no_secret(monkeypatch):
-    from gpu_client.script import environ
+    from gpu_client.rank.script import environ
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     spec = RankSpec(job_id="j1", attempt=2, rank=3, local_rank=1, world_size=4, master_addr="10.0.0.1",
                     master_port=29500, backend="nccl", device="cuda:3", parallelism="DDP", epochs=None,

@@ -23,7 +23,7 @@ def os_threads(pid: int) -> int:
 
 
 def gpu_client(url: str, token: str, client_id: str) -> socketio.Client:
-    """A bare GPU client over a websocket, as gpu_client/agent.py connects: registered, one slot."""
+    """A bare GPU client over a websocket, as gpu_client/agent/agent.py connects: registered, one slot."""
     sio = socketio.Client(reconnection=False)
     sio.connect(url, namespaces=["/gpu"], auth={"token": token}, transports=["websocket"], wait_timeout=30)
     answer = sio.call("register", {"client_id": client_id, "hostname": client_id, "versions": {"python": "3.11.7"},

@@ -1,4 +1,4 @@
-"""zwdx's sharded checkpoint (``gpu_client/shards.py``): FSDP ranks write their shards as
+"""zwdx's sharded checkpoint (``gpu_client/rank/shards.py``): FSDP ranks write their shards as
 safetensors with a JSON index, no pickle; a job of another world size reads them back resharded
 (2 ranks -> 1, 2, 3), reading only the files whose shards it needs, and a file that does not fit
 its index, or an index that does not fit the model, is refused.
@@ -44,7 +44,7 @@ def _full(model, optimizer) -> dict:
 
 def _worker(rank: int, world: int, port: int, folder: str, mode: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from gpu_client import shards
+    from gpu_client.rank import shards
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model, optimizer = _sharded(world)

@@ -1,11 +1,11 @@
-"""Checkpoint staging (gpu_client/staging.py): what a checkpoint holds is the state at the moment
+"""Checkpoint staging (gpu_client/rank/staging.py): what a checkpoint holds is the state at the moment
 training was let go, whatever training does to its tensors after; the snapshot is freed once
 copied to the host. The same on a GPU: test/gpu_staging.py, run by hand on a GPU machine."""
 from collections import OrderedDict
 
 import torch
 
-from gpu_client.staging import Staging
+from gpu_client.rank.staging import Staging
 
 
 def _state(device):

@@ -246,8 +246,8 @@ def test_placement_keeps_a_tp_group_on_one_gpu_client():
 # -- the shards checkpoint of a TP model -----------------------------------------------------------
 def _checkpoint_worker(rank: int, world: int, port: int, folder: str, out: str, mode: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from gpu_client import shards
-    from gpu_client.tensor_parallel import TensorParallel
+    from gpu_client.rank import shards
+    from gpu_client.rank.strategies.tensor_parallel import TensorParallel
     from zwdx.protocol.vocab import Parallelism
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -272,7 +272,7 @@ def _checkpoint_worker(rank: int, world: int, port: int, folder: str, out: str, 
         reader.close()
         with torch.no_grad():
             same = lm_loss(fresh, x, y).item() == lm_loss(model, x, y).item()
-        from gpu_client.parallel import full_state_dict
+        from gpu_client.rank.strategies.parallel import full_state_dict
         restored, saved = full_state_dict(fresh, "FSDP", rank), full_state_dict(model, "FSDP", rank)
         if rank == 0:
             torch.save({"same_loss": same, "equal": all(torch.equal(restored[k], saved[k]) for k in saved),
@@ -298,8 +298,8 @@ def test_an_fsdp_tp_models_shards_checkpoint_reads_back_into_a_fresh_one(tmp_pat
 def _failure_worker(rank: int, world: int, port: int, out: str) -> None:
     import datetime
     import os
-    from gpu_client.failures import is_collective_error
-    from gpu_client.tensor_parallel import TensorParallel
+    from gpu_client.rank.failures import is_collective_error
+    from gpu_client.rank.strategies.tensor_parallel import TensorParallel
     from zwdx.protocol.vocab import Parallelism
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

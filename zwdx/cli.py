@@ -162,7 +162,7 @@ def _room_tokens(args) -> int:
 def _refresh_gpu_clients(work_dir: str | None) -> int:
     """``zwdx gpu-client --refresh``: SIGHUP to the agents running on the work dir, which read
     again what their ranks can import (a package installed since they started)."""
-    from gpu_client.workspace import default_root, running_agents
+    from gpu_client.agent.workspace import default_root, running_agents
     root = os.path.abspath(work_dir or default_root())
     agents = running_agents(root)
     if not agents:
@@ -176,7 +176,7 @@ def _refresh_gpu_clients(work_dir: str | None) -> int:
 
 
 def _gpu_client(args) -> int:
-    from gpu_client.agent import serve
+    from gpu_client.agent.agent import serve
     if args.refresh:
         return _refresh_gpu_clients(args.work_dir)
     if args.modules_refresh < 0:
@@ -188,9 +188,9 @@ def _gpu_client(args) -> int:
         print("zwdx gpu-client: the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN",
               file=sys.stderr)
         return 2
-    from gpu_client.isolation import IsolationError, parse_uids
+    from gpu_client.sandbox.isolation import IsolationError, parse_uids
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    from gpu_client.container import DEFAULT_IMAGE, Confinement
+    from gpu_client.sandbox.container import DEFAULT_IMAGE, Confinement
     if args.cpu_slots is not None and args.cpu_slots < 1:
         print(f"zwdx gpu-client: --cpu-slots must be at least 1, got {args.cpu_slots}", file=sys.stderr)
         return 2
@@ -202,7 +202,7 @@ def _gpu_client(args) -> int:
         if args.isolation not in (None, *ISOLATIONS):
             raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
         uids = parse_uids(args.rank_uids) if args.rank_uids else None
-        from gpu_client.fetch import FetchPolicy, parse_nets
+        from gpu_client.agent.fetch import FetchPolicy, parse_nets
         fetch_policy = FetchPolicy(parse_nets(args.dataset_allow_net or os.environ.get("ZWDX_DATASET_ALLOW_NETS")),
                                    s3_credentials=args.dataset_s3_credentials)
         if args.isolation in ("user", "process") and (args.allow_image or args.container_memory):

@@ -68,7 +68,7 @@ RATE_LIMIT_REGISTERS = "120 per minute"
 #: set its own, ``PATCH /room``; 0: never). A client that comes back registers again.
 CLIENT_RETENTION = 86400.0
 #: Least seconds between two looks of a GPU client at what its Python can import, when the
-#: server says a waiting job needs a package it lacks (``gpu_client/host.py``).
+#: server says a waiting job needs a package it lacks (``gpu_client/agent/host.py``).
 MODULES_REFRESH = 30.0
 #: The most memory a slot may claim: a GPU's (the largest made has 288 GB), a CPU slot's (its
 #: machine's RAM). A register past these is refused, not believed.
@@ -114,7 +114,7 @@ MAX_REQUIRED_MODULES = 1000
 MAX_LORA_CONFIG_BYTES = 64 * 1024
 MAX_CLIENT_MODULES = 50000
 MAX_MODULE_NAME = 200
-#: Bytes each way of a GPU client's link measurement at register (``gpu_client/link.py``), and
+#: Bytes each way of a GPU client's link measurement at register (``gpu_client/agent/link.py``), and
 #: the most the server sends or reads for one (``GET``/``POST /api/v1/link``).
 LINK_PROBE_BYTES = 1024**2
 LINK_PROBE_MAX_BYTES = 4 * 1024**2
@@ -123,7 +123,7 @@ LINK_REFRESH = 3600.0
 #: Link measurement requests one address may make (a rate, as the `limits` library parses it: "10 per minute").
 RATE_LIMIT_LINK = "30 per minute; 300 per day"
 #: Seconds a GPU client waits for a TCP connection to a peer of a DDP/FSDP job before it calls
-#: the peer unreachable (``gpu_client/reach.py``).
+#: the peer unreachable (``gpu_client/agent/reach.py``).
 REACH_TIMEOUT = 3.0
 #: Seconds the server remembers that two GPU clients could not reach each other.
 UNREACHABLE_TTL = 3600.0

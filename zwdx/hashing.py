@@ -3,7 +3,7 @@
 ``hashlib`` lets go of the GIL while it hashes a large block, so a thread that hashes block k
 while the caller reads block k+1 (from a socket, a file) runs on a core of its own: the sha256
 of a bundle costs about what reading it costs, instead of adding to it. A GPU client's agent
-writes and hashes a bundle so as it downloads it (``gpu_client.workspace``), and a rank hashes
+writes and hashes a bundle so as it downloads it (``gpu_client.agent.workspace``), and a rank hashes
 the bytes it loads so (``zwdx.bundle.load``): on a 500 MB bundle each sha256 is a few tenths of
 a second that the job's start used to wait for.
 

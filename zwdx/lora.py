@@ -8,7 +8,7 @@ the same adapter on a plain model later, in any process, without the bundle.
 
 On the GPU clients only the adapter trains (peft freezes the base weights) and only the adapter
 comes back: rank 0 uploads ``peft.get_peft_model_state_dict`` of the trained model
-(``gpu_client/lora.py``), names as ``save_pretrained`` writes them.
+(``gpu_client/rank/strategies/lora.py``), names as ``save_pretrained`` writes them.
 """
 from __future__ import annotations
 

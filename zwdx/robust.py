@@ -1,7 +1,7 @@
 """DILOCO's robust aggregation: how a round's pseudo-gradients are combined so that a worker
 that lies about its own (noise, a forged vector, a scaled one) cannot steer the global weights,
 and how a worker that keeps disagreeing is told apart. numpy only: the server uses it on the
-uploads (``zwdx.server.diloco``), the workers on what they all-gather (``gpu_client/peers.py``),
+uploads (``zwdx.server.diloco``), the workers on what they all-gather (``gpu_client/rank/strategies/peers.py``),
 so both paths compute the same numbers.
 
 The rule (``aggregate="robust"``, the default):

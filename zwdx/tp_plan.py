@@ -17,7 +17,7 @@ final head stay whole (replicated) in the derived plan.
 
 The SDK resolves the plan before it uploads (a ``BadRequest`` naming ``tp_plan``, or a model with
 no pair for a derived plan naming the model); the ranks resolve it again and apply it
-(``gpu_client/tensor_parallel.py``), checking that every split size divides by the TP group's.
+(``gpu_client/rank/strategies/tensor_parallel.py``), checking that every split size divides by the TP group's.
 """
 from __future__ import annotations
 

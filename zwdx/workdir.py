@@ -21,7 +21,7 @@ A link to a file inside the tree travels as a link; one that leaves the tree is 
 packs to the same bytes: entries sorted, their times set to 1980-01-01, owner root, mode 0644
 (0755 when executable), a gzip header without name or time.
 
-Only the SDK packs; a rank unpacks (``gpu_client.script.unpack``, tarfile's ``data`` filter).
+Only the SDK packs; a rank unpacks (``gpu_client.rank.script.unpack``, tarfile's ``data`` filter).
 """
 from __future__ import annotations
 

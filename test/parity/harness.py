@@ -278,7 +278,7 @@ def reference(case: Case, mode: Mode, epochs: int | None = None, replicas: int |
 
 def _reference_loader(case: Case, mode: Mode, rank: int, n: int):
     if mode.mixed:  # one process: the whole global batch as one share
-        from gpu_client.mixed import Sampling
+        from gpu_client.rank.strategies.mixed import Sampling
         return loader_func(case, mode)(rank, n, batch_size=case.batch, sampler=Sampling(0, case.batch, case.batch))
     return loader_func(case, mode)(rank, n)
 

@@ -2,7 +2,7 @@
 two GPU clients) trains alone with the inner optimizer for ``inner_steps`` (H) steps, then the
 workers average their pseudo-gradients (global weights - own weights) and the global weights take
 one step of the outer optimizer (SGD, Nesterov momentum) with that average (arXiv 2311.08105;
-``gpu_client/diloco.py``). What it trains, and what this module checks:
+``gpu_client/rank/strategies/diloco.py``). What it trains, and what this module checks:
 
 - H = 1, plain SGD inside, and an outer SGD of lr 1 without momentum (compression none): the
   outer step subtracts the mean of the workers' SGD steps, which is one SGD step on the mean

@@ -164,7 +164,7 @@ class Stages:
 def reference(pc: PipeCase) -> dict:
     """One process on the job's batches, each split into the job's micro-batches (see the
     module's docstring), dropout drawn from each stage's generator."""
-    from gpu_client.stage_plan import split_points
+    from gpu_client.rank.strategies.stage_plan import split_points
     case = pc.case
     with torch.random.fork_rng(devices=[]):
         model = case.model()

@@ -1,4 +1,4 @@
-"""What the sandbox attacks share: a per-job-user isolation (``gpu_client.isolation.UserIsolation``)
+"""What the sandbox attacks share: a per-job-user isolation (``gpu_client.sandbox.isolation.UserIsolation``)
 in a temporary folder every user may pass, with uids of a range of their own (held against every
 other GPU client of the machine by the same locks), and job code run as a sandbox's user."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 import pytest
 
 import needs
-from gpu_client.isolation import UserIsolation
+from gpu_client.sandbox.isolation import UserIsolation
 
 #: Below DEFAULT_UIDS: never a uid a GPU client of the machine gives its jobs.
 TEST_UIDS = 1_900_000_000

@@ -1,6 +1,6 @@
 """A job's dataset URL is fetched by the GPU client's agent (root on the donor's machine, outside
-any rank's egress rules): issue 29's H3 and L1, replayed against ``gpu_client.datasets``'s cache
-with HTTP servers on loopback (``gpu_client/fetch.py``).
+any rank's egress rules): issue 29's H3 and L1, replayed against ``gpu_client.agent.datasets``'s cache
+with HTTP servers on loopback (``gpu_client/agent/fetch.py``).
 
 - H3: a URL naming a loopback, private or link-local address (written out, IPv4-mapped, or a
   name that resolves to one), or redirecting there from an allowed server, is refused unless the
@@ -22,8 +22,8 @@ import threading
 
 import pytest
 
-from gpu_client.datasets import DatasetCache, DatasetTooLarge
-from gpu_client.fetch import DatasetRefused, FetchPolicy, parse_nets
+from gpu_client.agent.datasets import DatasetCache, DatasetTooLarge
+from gpu_client.agent.fetch import DatasetRefused, FetchPolicy, parse_nets
 from zwdx.protocol.dataset import DatasetPin
 
 MiB = 1024**2
@@ -132,7 +132,7 @@ def test_the_resolver_hands_aiohttp_only_the_addresses_it_checked():
     one it was given (no second lookup a rebinding name could answer differently)."""
     import asyncio
 
-    from gpu_client.fetch import Fetcher, _Resolver
+    from gpu_client.agent.fetch import Fetcher, _Resolver
 
     class Inner:
         async def resolve(self, host, port, family):
@@ -248,7 +248,7 @@ def test_links_devices_and_too_many_entries_are_refused_naming_the_entry(sites, 
     for name, entry in (("link", "d/passwd"), ("hard", "d/hard"), ("fifo", "d/fifo")):
         with pytest.raises(DatasetRefused, match=f"entry '{entry}' is not a file or a folder"):
             fetch(cache, site.url(f"/{name}.tar.gz"))
-    monkeypatch.setattr("gpu_client.fetch.MAX_MEMBERS", 10)
+    monkeypatch.setattr("gpu_client.agent.fetch.MAX_MEMBERS", 10)
     with pytest.raises(DatasetTooLarge, match="more than 10 entries"):
         fetch(cache, site.url("/many.tar.gz"))
     assert written["bytes"] == 0 and left_in(tmp_path / "c") == []

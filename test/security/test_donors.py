@@ -149,7 +149,7 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
     victim_client = sdk.get_job(victim_id)["placement"][0]["client_id"]
     attacker_client = next(c for c in work if c != victim_client)
     victim_work, attacker_work = work[victim_client], work[attacker_client]
-    # each agent's own files: agents/<client id> under its work dir (gpu_client/workspace.py)
+    # each agent's own files: agents/<client id> under its work dir (gpu_client/agent/workspace.py)
     victim_agent = os.path.join(victim_work, "agents", victim_client)
     attacker_agent = os.path.join(attacker_work, "agents", attacker_client)
     [cached] = [f for f in os.listdir(os.path.join(victim_agent, "bundles")) if f.endswith(".zwdx")]
@@ -213,7 +213,7 @@ def test_no_room_token_on_any_command_line_of_the_machine(donors):
     seen = 0
     for proc in psutil.process_iter(["cmdline"]):
         line = " ".join(proc.info.get("cmdline") or [])
-        seen += "gpu-client" in line or "gpu_client.runner" in line
+        seen += "gpu-client" in line or "gpu_client.rank.runner" in line
         assert not any(secret in line for secret in secrets), f"a token on the command line of {proc.pid}"
     assert seen >= 4  # the two agents and their standby rank processes
 

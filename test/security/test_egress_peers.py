@@ -3,7 +3,7 @@ GPU clients claim (``Register.advertise_addr``, ``PortOffer.addr``), so a submit
 token registered a fake GPU client "at" a machine of an honest donor's network, and the honest
 donor's rank containers could reach that machine, and the donor's own address, on every port.
 
-Now (``zwdx/server/reach.py``, ``gpu_client/reach.py``, ``gpu_client/container.py``): a
+Now (``zwdx/server/reach.py``, ``gpu_client/agent/reach.py``, ``gpu_client/sandbox/container.py``): a
 container reaches its peers only on the rendezvous port and the ephemeral ports gloo and NCCL
 listen on, only at the addresses the server saw the peers connect from (recorded at register,
 over both stores), this client's own, and peers' advertised addresses that answered this
@@ -103,7 +103,7 @@ def test_behind_proxy_hops_the_seen_address_is_the_forwarded_one(backend, make_a
 
 
 def test_the_rules_name_only_rendezvous_and_collective_ports_at_allowed_addresses(monkeypatch):
-    from gpu_client import container
+    from gpu_client.sandbox import container
     from zwdx.protocol.rank import RankSpec
     monkeypatch.setattr(container, "ephemeral_ports", lambda: EPHEMERAL, raising=False)
     spec = RankSpec.model_construct(server="http://203.0.113.1:4461", master_addr=VICTIM, master_port=29500,
@@ -116,7 +116,7 @@ def test_the_rules_name_only_rendezvous_and_collective_ports_at_allowed_addresse
 
 
 def test_the_iptables_rules_carry_the_ports(monkeypatch):
-    from gpu_client.egress import Egress
+    from gpu_client.sandbox.egress import Egress
     egress = Egress("test")
     egress.tools, applied = ["iptables", "ip6tables"], []
     monkeypatch.setattr(egress, "_apply", applied.append)
@@ -132,7 +132,7 @@ def test_a_claimed_address_opens_only_once_the_peer_answered_there_as_itself():
     """The honest client's probe of the fake peer's claimed address (a service of the donor's
     network, which answers as itself, not as the fake GPU client) fails: the job's ranks never
     start, so no rule names it; a peer that answers as itself is added."""
-    from gpu_client import reach
+    from gpu_client.agent import reach
     from zwdx.protocol.gpu import JobAssign, Peer
     service = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=lambda: [c.sendall(b"SSH-2.0-OpenSSH_9.6\r\n") or c.close()

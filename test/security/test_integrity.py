@@ -2,11 +2,11 @@
 the commit part of 11), each replayed and shown to fail:
 
 - bundle cache poisoning: one agent's job overwrites the bundle another agent of the same user
-  cached for its room; the poisoned file is fetched again, never run (``gpu_client/workspace.py``,
+  cached for its room; the poisoned file is fetched again, never run (``gpu_client/agent/workspace.py``,
   ``zwdx.bundle.load``);
 - a forged checkpoint: a donor commits ``format: dcp`` with a pickled ``.metadata``; the commit is
   refused, and the job resumed on an honest donor unpickles nothing (``zwdx/server/checkpoints.py``,
-  ``gpu_client/checkpoint.py``);
+  ``gpu_client/rank/checkpoint.py``);
 - empty and partial commits: a rank's key cannot wipe or replace a good checkpoint.
 
 In-process apps over both stores for the server's rules; real server and GPU-client processes
@@ -113,7 +113,7 @@ def test_a_bundle_file_that_is_not_the_jobs_is_never_unpickled(tmp_path):
 
 
 def test_a_cached_bundle_is_checked_on_every_use_and_each_agent_keeps_its_own(tmp_path):
-    from gpu_client.workspace import Workspace
+    from gpu_client.agent.workspace import Workspace
     root = str(tmp_path / "home")
     a, b = Workspace(root, "agent-a"), Workspace(root, "agent-b")
     again = Workspace(root, "agent-a")  # a second agent with the same id while the first runs
@@ -270,7 +270,7 @@ def test_a_forged_dcp_checkpoint_is_refused_and_nothing_of_it_stored(backend_app
 def test_a_resumed_rank_reads_no_checkpoint_of_another_format(tmp_path):
     """A record of an earlier version (``dcp``), or any other format than the job's, is refused
     before any of its files is fetched (the scheduler hands none such: ``resumable``)."""
-    from gpu_client.checkpoint import Checkpointer
+    from gpu_client.rank.checkpoint import Checkpointer
     from zwdx.protocol import Parallelism
     from zwdx.protocol.checkpoint import resumable
     from zwdx.protocol.job import CheckpointEntry
@@ -288,7 +288,7 @@ def test_a_resumed_rank_reads_no_checkpoint_of_another_format(tmp_path):
 def test_a_ddp_checkpoint_file_is_read_with_torchs_own_allowlist_only(tmp_path):
     """Even with the job's code widening ``weights_only`` (``add_safe_globals``), a rank's file
     holding anything but data is refused, and nothing of it runs."""
-    from gpu_client.checkpoint import plain_load
+    from gpu_client.rank.checkpoint import plain_load
     marker, path = str(tmp_path / "ran"), str(tmp_path / "state.pt")
     torch.save({"model": {"w": torch.ones(2)}, "optimizer": _Writes(marker)}, path)
     with pytest.raises(pickle.UnpicklingError):

@@ -132,7 +132,7 @@ def http_app(make_app):
 
 
 def test_a_nan_loss_never_jams_the_reporter_and_comes_back_a_float(http_app):
-    from gpu_client.reporter import Reporter
+    from gpu_client.rank.reporter import Reporter
     app, url = http_app
     room, rank0, job = placed_job(app, "diverged")
     reporter = Reporter(url, rank0.rank_key, job["id"], 0, flush_interval=0.05)
@@ -228,7 +228,7 @@ def test_a_50_mb_body_is_refused_before_anything_reads_it(app, socket_client):
 
 
 def test_the_reporter_sends_many_long_lines_in_batches_under_the_limit(http_app):
-    from gpu_client.reporter import Reporter
+    from gpu_client.rank.reporter import Reporter
     app, url = http_app
     room, rank0, job = placed_job(app, "chatty")
     reporter = Reporter(url, rank0.rank_key, job["id"], 0)

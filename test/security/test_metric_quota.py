@@ -131,7 +131,7 @@ def served(make_app):
 
 def test_a_ranks_reporter_waits_out_the_rate_and_gives_up_a_batch_over_the_quota(served):
     from conftest import placed_job
-    from gpu_client.reporter import Reporter
+    from gpu_client.rank.reporter import Reporter
     app, url = served
     room, rank0, job = placed_job(app, "reported")
     app.config.update(RATE_LIMIT_EVENTS="2 per second", ROOM_MAX_EVENTS=6)

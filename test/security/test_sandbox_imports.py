@@ -1,4 +1,4 @@
-"""Issue 29, M5: rank processes were started ``python -m gpu_client.runner`` with no working
+"""Issue 29, M5: rank processes were started ``python -m gpu_client.rank.runner`` with no working
 directory of their own, so the GPU client's (wherever its donor started it) came first on their
 import path: a ``gpu_client/`` package planted there ran, as root, in the next rank process.
 Replayed with a real server and a GPU client started from a folder a job could write, into

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import needs
-from gpu_client import datasets
-from gpu_client.datasets import Provided
+from gpu_client.agent import datasets
+from gpu_client.agent.datasets import Provided
 from procs import SLACK, GpuClient, Server, wait_until
 from sandbox_rig import as_job, rig, root_secret_dir, untouched  # noqa: F401  (rig: a fixture)
 from zwdx import ZWDX

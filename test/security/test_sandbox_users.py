@@ -17,8 +17,8 @@ import sys
 import psutil
 import pytest
 
-import gpu_client.isolation as isolation
-from gpu_client.isolation import IsolationError, UserIsolation
+import gpu_client.sandbox.isolation as isolation
+from gpu_client.sandbox.isolation import IsolationError, UserIsolation
 from sandbox_rig import as_job, has_process, rig, uid_range  # noqa: F401  (rig: a fixture)
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def test_a_uid_whose_process_survives_serves_no_other_job(rig, monkeypatch):
     box = iso.lease("c", "job-left", 0)
     boxes.append(box)
     hop(box)
-    from gpu_client import rank_users
+    from gpu_client.sandbox import rank_users
     monkeypatch.setattr(rank_users, "kill_all", lambda uid: None)
     monkeypatch.setattr(rank_users, "END_PATIENCE", 0.2)
     iso.release(box)
@@ -80,7 +80,7 @@ def test_a_rank_process_is_not_dumpable(rig):
     box = iso.lease("c", "job-dump", 0)
     boxes.append(box)
     rank = subprocess.Popen(
-        [sys.executable, "-c", "import ctypes, sys; from gpu_client.isolation import enter; "
+        [sys.executable, "-c", "import ctypes, sys; from gpu_client.sandbox.isolation import enter; "
          "from zwdx.protocol.rank import Sandbox; enter(Sandbox.model_validate_json(sys.argv[1])); "
          "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), flush=True); sys.stdin.read()", box.model_dump_json()],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "ZWDX_RANK_KEY": "zr_secret"})

@@ -1,5 +1,5 @@
 """Script jobs move plain archives between people who need not trust each other: a submitter's
-working dir is unpacked on donors' machines (``gpu_client.script.unpack``), a job's outputs,
+working dir is unpacked on donors' machines (``gpu_client.rank.script.unpack``), a job's outputs,
 written by code running on a donor, are unpacked on the submitter's (``zwdx.script_jobs.
 extract_outputs``). Each archive below tries to write outside the folder it is unpacked into,
 or to make what a plain file is not; each is refused, naming the entry, and nothing lands
@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from gpu_client.script import unpack
+from gpu_client.rank.script import unpack
 from zwdx.errors import ZwdxError
 from zwdx.script_jobs import extract_outputs
 

@@ -17,7 +17,7 @@ sent a file).
                                             optimizer state, its generators' tensors
                     shard-<r>.json          each rank r: the index (the state's tree, each
                                             tensor's global shape and this shard's offsets)
-                    no pickle anywhere (``gpu_client/shards.py`` writes and reads them)
+                    no pickle anywhere (``gpu_client/rank/shards.py`` writes and reads them)
     stages  (PIPELINE)  stage-<r>.pt  each rank r: its stage's model and optimizer state
                     rng-<r>.pt    each rank r: its random number generators
                     extra.pt      rank 0, when train_func tracks objects (optional)

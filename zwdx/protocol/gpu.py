@@ -39,7 +39,7 @@ ShortName = Annotated[str, StringConstraints(max_length=64), AfterValidator(no_c
 
 class Terms(Message):
     """The image and limits the ranks of a container-isolated slot run under (``--isolation
-    docker``, ``gpu_client/container.py``): what the donor set, shown on the dashboard and kept on
+    docker``, ``gpu_client/sandbox/container.py``): what the donor set, shown on the dashboard and kept on
     each rank's state when it starts."""
     image: Name
     image_id: Name = ""
@@ -103,7 +103,7 @@ class Running(Message):
 
 
 class Link(Message):
-    """A GPU client's link to the server, as it measured it (``gpu_client/link.py``): the
+    """A GPU client's link to the server, as it measured it (``gpu_client/agent/link.py``): the
     shortest round trip of a few small requests, and the bytes per second of one timed transfer
     each way (a lower bound on a slow-starting link)."""
     rtt: Annotated[float, Field(ge=0, le=600)]
@@ -193,7 +193,7 @@ class PortOffer(Message):
 
 class Peer(Answer):
     """Another GPU client of a DDP/FSDP job, where its reachability probe answers: each client
-    of the job connects to every other's before its ranks start (``gpu_client/reach.py``)."""
+    of the job connects to every other's before its ranks start (``gpu_client/agent/reach.py``)."""
     client_id: str
     hostname: str = ""
     addr: str
@@ -270,9 +270,9 @@ class JobAssign(Answer):
     image: str | None = None
     #: Where the server saw every GPU client of the placement connect from, and this one's own
     #: advertised address: where a rank in a container may reach its peers' rendezvous and
-    #: collective ports (``zwdx/server/reach.py``, ``gpu_client/container.py``).
+    #: collective ports (``zwdx/server/reach.py``, ``gpu_client/sandbox/container.py``).
     addresses: list[str] = []
-    #: "mixed": the ranks weigh their batches by measured speed (``gpu_client/mixed.py``).
+    #: "mixed": the ranks weigh their batches by measured speed (``gpu_client/rank/strategies/mixed.py``).
     devices: Devices = Devices.SAME
     #: devices "mixed": the samples of one step over every rank (None: from data_loader_func).
     global_batch: int | None = None

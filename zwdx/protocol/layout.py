@@ -1,5 +1,5 @@
 """What a rank holds of the model: its layout, as the strategy describes it once the model is
-wrapped (``gpu_client.parallel.Collective.layout``), for the job's page to draw.
+wrapped (``gpu_client.rank.strategies.parallel.Collective.layout``), for the job's page to draw.
 
     RankLayout -> RankReportAnswer            POST /api/v1/jobs/<id>/ranks/<rank>/layout
 

@@ -3,7 +3,7 @@
     PipelineSettings   SubmitJob.pipeline -> JobSpec.pipeline -> JobAssign.pipeline -> RankSpec.pipeline
 
 The model is cut into as many stages as the job has ranks, one stage a rank, in rank order
-(``gpu_client/pipeline.py``); with the ``interleaved1f1b`` schedule, ``stages_per_rank`` stages a
+(``gpu_client/rank/strategies/pipeline.py``); with the ``interleaved1f1b`` schedule, ``stages_per_rank`` stages a
 rank (rank r runs stages r, r + ranks, ...). Where it is cut: ``stage_plan``, either ranges of the model's
 repeated blocks (``[[0, 6], [6, 12]]``: blocks 0 to 5 on rank 0, 6 to 11 on rank 1; the modules
 before the blocks go with the first stage, those after with the last; a model without repeated

@@ -20,7 +20,7 @@ shows ``**********``; only its JSON line carries it.
 Every value the server decided comes resolved (``JobAssign``): the rank process derives no
 default of its own.
 
-The ``sandbox`` is where the rank runs (``gpu_client/isolation.py``): the job's private
+The ``sandbox`` is where the rank runs (``gpu_client/sandbox/isolation.py``): the job's private
 directory on this GPU client and, under a per-job user, the uid and gid the rank process
 drops to right after reading its spec, before it opens anything of the job.
 """
@@ -50,13 +50,13 @@ UnprivilegedId = Annotated[int, Field(ge=1, le=2**32 - 2)]
 class Sandbox(Message):
     """Where one job's ranks run on one GPU client: its private directory (the agent's: the
     bundle, the CA file, ``data``; its ``home`` the ranks' working directory and ``HOME``, its
-    ``tmp`` their ``TMPDIR``: ``gpu_client/sandbox.py``) and, under a per-job user
+    ``tmp`` their ``TMPDIR``: ``gpu_client/sandbox/folder.py``) and, under a per-job user
     (``--isolation user``), the uid and gid they run as. None of them: the GPU client's own."""
     dir: Path
     uid: UnprivilegedId | None = None
     gid: UnprivilegedId | None = None
     #: The room's compile cache on this GPU client (``--compile-cache``), lent to this job; None:
-    #: the sandbox's own (``gpu_client/compile_cache.py``).
+    #: the sandbox's own (``gpu_client/sandbox/compile_cache.py``).
     compile_cache: Path | None = None
 
 
@@ -103,7 +103,7 @@ class RankSpec(Message):
     #: PIPELINE's settings; None for the other modes.
     pipeline: PipelineSettings | None = None
     #: "mixed": this rank's batch is its share of ``global_batch``, weighted by measured speed
-    #: (``gpu_client/mixed.py``).
+    #: (``gpu_client/rank/strategies/mixed.py``).
     devices: Annotated[Devices, ByValue] = Devices.SAME
     #: devices "mixed": the samples of one step over every rank; None: the world size times the
     #: default of ``data_loader_func``'s ``batch_size``.
@@ -142,10 +142,10 @@ class RankSpec(Message):
     ca_file: Path | None = None
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
-    #: Where the rank runs and as whom (``gpu_client.isolation.enter``); None: where it was started.
+    #: Where the rank runs and as whom (``gpu_client.sandbox.isolation.enter``); None: where it was started.
     sandbox: Sandbox | None = None
 
-    # -- a script job (``gpu_client.script``): what the runner does is chosen by ``kind`` --------
+    # -- a script job (``gpu_client.rank.script``): what the runner does is chosen by ``kind`` --------
     kind: Annotated[JobKind, ByValue] = JobKind.FUNCTION
     script: ScriptSpec | None = None
     #: This GPU client's ranks of the job, and its place among the job's GPU clients.

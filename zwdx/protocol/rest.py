@@ -254,7 +254,7 @@ class SubmitJob(Message):
     image: Annotated[str, StringConstraints(min_length=1, max_length=255,
                                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")] | None = None
     #: "mixed": GPU and CPU slots together over gloo, each rank's batch weighted by its measured
-    #: speed (DDP only; ``gpu_client/mixed.py``); "same": one kind of slot.
+    #: speed (DDP only; ``gpu_client/rank/strategies/mixed.py``); "same": one kind of slot.
     devices: Annotated[Devices, ByValue] = Devices.SAME
     #: devices "mixed": the samples of one step over every rank, shared out by speed; None: the
     #: world size times the default of ``data_loader_func``'s ``batch_size``.

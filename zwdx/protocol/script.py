@@ -5,7 +5,7 @@ never as a pickle: an artifact of the room found by its sha256 (``PUT /api/v1/wo
 so an unchanged tree is uploaded once. The job names it as its ``bundle_artifact`` and says
 what to run in a ``ScriptSpec``; each rank unpacks the tree into a private folder and runs
 ``python PATH ARGS...`` there with torchrun's environment (``TORCHRUN_VARIABLES`` and the
-``ZWDX_*`` ones, set by ``gpu_client.script``), so a name here may be none of those.
+``ZWDX_*`` ones, set by ``gpu_client.rank.script``), so a name here may be none of those.
 
 What the edge checks (a wrong one is a 400 naming the field, nothing stored):
 

@@ -7,7 +7,7 @@
 A plan maps module names of the model, where ``*`` stands for one part of a name
 (``"blocks.*.mlp.up"``, as ``torch.distributed.tensor.parallel.parallelize_module`` matches them), to
 a style (``TpStyle``: ``colwise`` or ``rowwise``). Left out, the ranks derive one from the model
-(``gpu_client/tensor_parallel.py``). Which modules a plan names is checked where the model is,
+(``gpu_client/rank/strategies/tensor_parallel.py``). Which modules a plan names is checked where the model is,
 by the SDK before upload; the server checks the plan's form here.
 """
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Parallelism(str, Enum):
     #: (``torch.distributed.pipelining``; ``zwdx.protocol.pipeline``).
     PIPELINE = "PIPELINE"
     #: Tensor parallel: the job's ranks one group on one GPU client, each Linear pair split
-    #: column/row-wise over them (DTensor ``parallelize_module``; ``gpu_client/tensor_parallel.py``).
+    #: column/row-wise over them (DTensor ``parallelize_module``; ``gpu_client/rank/strategies/tensor_parallel.py``).
     TP = "TP"
     #: 2-D: TP inside each GPU client's group of ranks, FSDP2 ``fully_shard`` across the groups.
     FSDP_TP = "FSDP+TP"
@@ -87,7 +87,7 @@ class Devices(str, Enum):
     """Which kinds of slot one job's ranks take (``submit_job(..., devices=...)``)."""
     SAME = "same"      # one kind: every rank on a GPU, or every rank on a CPU slot (NCCL or gloo)
     MIXED = "mixed"    # GPU and CPU slots together, over gloo; each rank's batch weighted by its
-                       # measured speed (gpu_client/mixed.py)
+                       # measured speed (gpu_client/rank/strategies/mixed.py)
 
 
 class JobKind(str, Enum):
@@ -113,10 +113,10 @@ class SlotKind(str, Enum):
 
 class Isolation(str, Enum):
     """How a GPU client keeps the job code of its slots away from itself and from other jobs
-    (``gpu_client/isolation.py``; ``zwdx gpu-client --isolation``)."""
+    (``gpu_client/sandbox/isolation.py``; ``zwdx gpu-client --isolation``)."""
     USER = "user"          # per-job user: each job's ranks run as an unprivileged uid of their own
     PROCESS = "process"    # same user: ranks run as the GPU client's own user (it is not root)
-    DOCKER = "docker"      # container: each rank in a fresh locked-down container (gpu_client/container.py)
+    DOCKER = "docker"      # container: each rank in a fresh locked-down container (gpu_client/sandbox/container.py)
 
 
 class CheckpointFormat(str, Enum):

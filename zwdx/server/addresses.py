@@ -4,7 +4,7 @@ register by ``seen_address``: the connection's, or behind ``PROXY_HOPS`` proxies
 they forward it), and the receiving client's own ``advertise_addr`` (its own word about itself
 only). What a client claims for itself (``advertise_addr``, a ``PortOffer``'s address) reaches
 another client's rules only where that client's own reachability probe found the peer answering
-there as itself (``gpu_client/agent.py``), never by the server's word.
+there as itself (``gpu_client/agent/agent.py``), never by the server's word.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ how long a room keeps the records of those that went away.
 A job that waits for a package a GPU client lacks asks that client to look again at what it can
 import (``ask_refresh``, from the scheduler's pass: a package installed since it registered); it
 registers again if that changed. A GPU client keeps its id across restarts of one work dir
-(``gpu_client/workspace.py``), so a record left offline is one that did not come back: another
+(``gpu_client/agent/workspace.py``), so a record left offline is one that did not come back: another
 machine, a wiped work dir. The sweeper (every ``SWEEP_INTERVAL``) drops those offline for longer
 than the room's ``client_retention`` (``PATCH /room``), else the server's ``CLIENT_RETENTION`` (a
 day; 0: never); the room's owner drops them at once with ``POST /room/clients/prune`` (``zwdx room

@@ -13,7 +13,7 @@ A worker that joins in a dropped one's place (the scheduler's ``join_workers``, 
 is not waited for until the round it joins at (``joins``): the round's answers name a worker
 (``state_from``) that sends the global weights after that round's average, and the joiner
 uploads from the next round on. Workers that reach each other may skip these routes
-altogether (``gpu_client/peers.py``).
+altogether (``gpu_client/rank/strategies/peers.py``).
 
 The bytes are ``zwdx.codec``'s (a JSON layout, then int8 blocks with their scales, fp16 or
 float32): never unpickled, checked whole on upload (layout, size, finite values, the job's

@@ -5,7 +5,7 @@
 
 A donor token only (the GPU clients' own); at most ``LINK_PROBE_MAX_BYTES`` either way, and
 ``RATE_LIMIT_LINK`` requests per address (``limits.py``): a measurement is five requests and a
-GPU client measures again only every ``LINK_REFRESH`` seconds (``gpu_client/link.py``). The
+GPU client measures again only every ``LINK_REFRESH`` seconds (``gpu_client/agent/link.py``). The
 figures come back in its ``Register`` (``events.py`` stores them with the client).
 """
 from __future__ import annotations

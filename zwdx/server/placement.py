@@ -19,7 +19,7 @@ out, of the most ranks every GPU client of the job can take alike): ``tp_groups`
 
 A job runs on slots of one kind (GPUs, or CPU slots), unless it asks for mixed devices
 (``devices: "mixed"``): then GPU and CPU slots count together, GPUs first, and ``mixed`` says
-what a placement of both kinds costs (``gpu_client/mixed.py`` weighs each rank's batch by its
+what a placement of both kinds costs (``gpu_client/rank/strategies/mixed.py`` weighs each rank's batch by its
 speed).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 DDP and FSDP need every GPU client of a job to open TCP to rank 0's (the rendezvous) and to
 the others' (gloo and NCCL connect every pair). Before its ranks start, each GPU client of such
-a job connects to every other's reachability port (``JobAssign.peers``, ``gpu_client/reach.py``);
+a job connects to every other's reachability port (``JobAssign.peers``, ``gpu_client/agent/reach.py``);
 one that cannot says so at once (``Unreachable``), instead of its ranks waiting out the
 collective timeout. Then:
 

@@ -9,7 +9,7 @@ export function formatIsolation(isolation) {
   return ISOLATION_WORDS[isolation] || isolation;
 }
 
-/** A container's image and limits (`Terms`, gpu_client/container.py) on one line. */
+/** A container's image and limits (`Terms`, gpu_client/sandbox/container.py) on one line. */
 export function formatTerms(t) {
   if (!t) return "";
   return [

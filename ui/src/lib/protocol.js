@@ -82,7 +82,7 @@ export const SlotKind = Object.freeze({
   CPU: "cpu",
 });
 
-/** How a GPU client keeps the job code of its slots away from itself and from other jobs (`gpu_client/isolation.py`; `zwdx gpu-client --isolation`). */
+/** How a GPU client keeps the job code of its slots away from itself and from other jobs (`gpu_client/sandbox/isolation.py`; `zwdx gpu-client --isolation`). */
 export const Isolation = Object.freeze({
   USER: "user",
   PROCESS: "process",

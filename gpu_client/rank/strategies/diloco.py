@@ -59,10 +59,10 @@ from zwdx.protocol import Aggregate
 from zwdx.protocol.rank import RankSpec
 
 from . import joining
-from .failures import collectives
+from gpu_client.rank.failures import collectives
 from .peers import Peers, form
 from .parallel import Collective
-from .reporter import Reporter
+from gpu_client.rank.reporter import Reporter
 
 log = logging.getLogger(__name__)
 

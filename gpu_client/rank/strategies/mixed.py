@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .failures import watch_gradients
-from .metrics import batch_size
+from gpu_client.rank.failures import watch_gradients
+from gpu_client.rank.metrics import batch_size
 from .parallel import Collective
 
 log = logging.getLogger(__name__)

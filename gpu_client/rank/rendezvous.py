@@ -44,7 +44,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
-log = logging.getLogger("gpu_client.rendezvous")
+log = logging.getLogger("gpu_client.rank.rendezvous")
 
 #: How often a rank tries rank 0's port until it listens (seconds).
 POLL = 0.005

@@ -24,7 +24,7 @@ import signal
 import struct
 import time
 
-log = logging.getLogger("gpu_client.rank_users")
+log = logging.getLogger("gpu_client.sandbox.rank_users")
 
 #: World-writable places where a job may have left files, removed when its uid is released.
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")

@@ -1,6 +1,6 @@
 """A rank process started ahead of its job, while its slot is idle.
 
-``python -m gpu_client.runner --standby DEVICE`` imports torch and what DDP and FSDP need, makes
+``python -m gpu_client.rank.runner --standby DEVICE`` imports torch and what DDP and FSDP need, makes
 the GPU's CUDA context and pays other first-use costs (``warm_up``), then waits for its
 ``RankSpec`` on stdin and runs that rank as a fresh rank process would. Saves seconds of every
 job's start.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("gpu_client.standby")
+log = logging.getLogger("gpu_client.rank.standby")
 
 #: The line a standby writes to its slot's log once it waits for a rank (bench/overhead.py waits for it).
 READY = "standby rank process ready"
@@ -26,7 +26,8 @@ def prepare(device: str) -> None:
     import torch.nn.parallel  # noqa: F401
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 
-    from . import checkpoint, parallel  # noqa: F401
+    from . import checkpoint  # noqa: F401
+    from gpu_client.rank.strategies import parallel  # noqa: F401
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)

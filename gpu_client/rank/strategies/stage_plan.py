@@ -1,4 +1,4 @@
-"""Where a PIPELINE job's model is cut (``gpu_client.pipeline`` traces and runs the stages): the
+"""Where a PIPELINE job's model is cut (``gpu_client.rank.strategies.pipeline`` traces and runs the stages): the
 plan's module names as given, or ranges of the model's units (``zwdx.checks.pipeline_units``:
 its repeated blocks, else its nn.Sequential's children); left out, the units cut in proportion
 to each stage's share, blocks by their number, children by their parameters (mixed layers

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from zwdx import codec, robust
 
-from .rendezvous import tcp_store
+from gpu_client.rank.rendezvous import tcp_store
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """One rank of one job, in its own process (started by the agent's launcher, one per slot).
 
-    python -m gpu_client.runner                   # reads its RankSpec, one JSON line, on stdin
-    python -m gpu_client.runner --standby DEVICE  # the same, once torch is ready (standby.py)
+    python -m gpu_client.rank.runner                   # reads its RankSpec, one JSON line, on stdin
+    python -m gpu_client.rank.runner --standby DEVICE  # the same, once torch is ready (standby.py)
 
 Once it has its spec and its log, the process enters the job's sandbox (``isolation.enter``: the
 job's private directory, and under a per-job user that user, for good) before anything of the
-job is read. A script job's rank runs ``gpu_client.script.ScriptRank`` instead (``rank_for``).
+job is read. A script job's rank runs ``gpu_client.rank.script.ScriptRank`` instead (``rank_for``).
 
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU
 and on mixed devices, the job's collective timeout) while the bundle loads, makes the loaders,
@@ -37,12 +37,12 @@ from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
-from .isolation import enter
+from gpu_client.sandbox.isolation import enter
 from .metrics import CountingLoader, SystemMetrics
 from .rendezvous import take_listeners
 from .reporter import Reporter
 
-log = logging.getLogger("gpu_client.runner")
+log = logging.getLogger("gpu_client.rank.runner")
 
 
 class Trainer:
@@ -56,7 +56,7 @@ class Trainer:
                                  attempt=spec.attempt, verify=spec.ca_file or True, patience=spec.outage_tolerance)
         self.joined = False
         self.system: SystemMetrics | None = None
-        from .parallel import strategy
+        from gpu_client.rank.strategies.parallel import strategy
         self.strategy = strategy(spec, self.reporter)  # DDP/FSDP, or DILOCO: where the ways to train differ
 
     def run(self) -> int:
@@ -105,7 +105,7 @@ class Trainer:
 
     def _build(self):
         """The user's model on this rank's device, wrapped; the optimizer over its parameters."""
-        from .parallel import rebuild_optimizer
+        from gpu_client.rank.strategies.parallel import rebuild_optimizer
         model = self.strategy.wrap(self.bundle["model"], self.device, self.bundle, self.reporter.log,
                                    example=lambda: first_batch(self.loaders[0]))
         self.startup.mark("wrapped")
@@ -198,8 +198,8 @@ class Trainer:
         """eval_func, the weights (uploaded by rank 0), and the rank's result."""
         import torch.distributed as dist
 
-        from .lora import returned_state
-        from .parallel import fingerprint
+        from gpu_client.rank.strategies.lora import returned_state
+        from gpu_client.rank.strategies.parallel import fingerprint
         spec, eval_func = self.spec, self.bundle["eval_func"]
         self.strategy.sync_buffers(self.model)  # rank 0's buffers on every rank, for eval_func and the weights
         eval_out = None
@@ -427,7 +427,7 @@ def main(argv: list[str]) -> int:
 
 def rank_for(spec: RankSpec):
     """How this rank runs, chosen from its spec: the submitter's functions (``Trainer``), or a
-    script under torchrun's environment (``gpu_client.script``). Each has ``run() -> exit code``."""
+    script under torchrun's environment (``gpu_client.rank.script``). Each has ``run() -> exit code``."""
     if spec.kind == JobKind.SCRIPT:
         from .script import ScriptRank
         return ScriptRank(spec)

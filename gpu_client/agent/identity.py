@@ -13,7 +13,7 @@ import os
 import socket
 import uuid
 
-log = logging.getLogger("gpu_client.identity")
+log = logging.getLogger("gpu_client.agent.identity")
 
 
 class Identity:

@@ -33,7 +33,7 @@ from typing import Iterable
 
 from zwdx.hashing import Behind
 
-log = logging.getLogger("gpu_client.workspace")
+log = logging.getLogger("gpu_client.agent.workspace")
 
 _READ_BYTES = 8 << 20
 

@@ -47,7 +47,7 @@ from zwdx.protocol.dataset import DatasetPin, Manifest
 
 from .fetch import DatasetRefused, Fetcher, FetchPolicy, unpack
 
-log = logging.getLogger("gpu_client.datasets")
+log = logging.getLogger("gpu_client.agent.datasets")
 
 _READ_BYTES = 8 << 20
 #: What a tar archive's name ends with (it is unpacked; any other file is kept as it is).

@@ -43,7 +43,7 @@ Kinds (``zwdx.protocol.Isolation``):
   0444). When the ranks are gone, every process left of the uid is killed (at once, by
   ``kill(-1)`` as that uid, until none is left) and its files in /tmp, /var/tmp and /dev/shm
   removed, before the uid serves another job; a uid a process of which survives serves none.
-- ``docker`` ("container", ``gpu_client/container.py``; the default where a Docker engine answers,
+- ``docker`` ("container", ``gpu_client/sandbox/container.py``; the default where a Docker engine answers,
   the image is here and the GPU client does not run in a container itself): each rank in a fresh
   container of an image the donor allows, as a non-root uid, read-only root, no capabilities,
   no-new-privileges, the default seccomp profile, pids and memory limits, the rank's GPU only,
@@ -78,9 +78,9 @@ import threading
 from zwdx.protocol.rank import CHANNEL_ENV, Sandbox
 from zwdx.protocol.vocab import Isolation
 
-from . import compile_cache, rank_users, sandbox
+from . import compile_cache, rank_users, folder as sandbox
 
-log = logging.getLogger("gpu_client.isolation")
+log = logging.getLogger("gpu_client.sandbox.isolation")
 
 #: uids (and as many gids) ranks run as under ``--isolation user``: far from people's (1000...),
 #: systemd's (60001-65535) and subordinate ranges (100000... in /etc/subuid).
@@ -312,7 +312,7 @@ class UserIsolation(ProcessIsolation):
         """Start Python as a rank user, as a rank starts (``python_argv``, the PYTHONPATH that
         ``launcher.rank_environ`` gives), import the rank's code and list the modules it can import."""
         box = self.lease("probe", f"probe-{os.getpid()}", 0)
-        code = ("import gpu_client.runner, json; from gpu_client.host import importable_modules; "
+        code = ("import gpu_client.rank.runner, json; from gpu_client.agent.host import importable_modules; "
                 "print(json.dumps(importable_modules()))")
         env = with_import_root({k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")})
         try:
@@ -470,7 +470,7 @@ def _check_mapped(uids: range) -> None:
 
 
 if __name__ == "__main__":
-    # python -m gpu_client.isolation [RANK_DIR]: the directories that keep per-job users from
+    # python -m gpu_client.sandbox.isolation [RANK_DIR]: the directories that keep per-job users from
     # Python, zwdx or torch, one a line (setup.sh makes them traversable, o+x, as root)
     for blocked in sorted({_blocked(p) for p in needed_paths(sys.argv[1] if len(sys.argv) > 1 else "/")} - {None}):
         if os.path.isdir(blocked):

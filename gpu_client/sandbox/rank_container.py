@@ -9,7 +9,7 @@ then the bytes: its bundle, the CA file), then ``ready``. The container's output
 rank's log. A container that ends before its rank started (a broken image, no such module)
 fails the rank with its last output, so that the submitter reads why.
 
-Inside (``python -m gpu_client.rank_container [--standby DEVICE]``, what the container runs):
+Inside (``python -m gpu_client.sandbox.rank_container [--standby DEVICE]``, what the container runs):
 prepare as a standby process does, read the spec, take the files in while the rank joins its
 peers (runner.BundleLoader waits for "ready"), enter the sandbox (its path on the host, in the tmpfs),
 run the rank as ``runner`` would; and when the stream ends while the rank runs, the agent is
@@ -30,7 +30,7 @@ from zwdx import defaults
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import RankStatus
 
-log = logging.getLogger("gpu_client.rank_container")
+log = logging.getLogger("gpu_client.sandbox.rank_container")
 
 #: What the container prints once it holds its spec: it started (before it, an exit is a failure to start).
 STARTED = b"zwdx-container: rank started"
@@ -212,7 +212,7 @@ class RankContainer:
 
 def report_unstarted(spec: RankSpec, message: str) -> None:
     """A rank whose container ended before it started: its failure, with the container's last words."""
-    from .outage import http_session
+    from gpu_client.outage import http_session
     session = http_session(spec.rank_key.get_secret_value(), spec.ca_file or True, spec.outage_tolerance)
     try:
         session.post(f"{spec.server.rstrip('/')}{defaults.API_PREFIX}/jobs/{spec.job_id}/ranks/{spec.rank}",
@@ -229,11 +229,11 @@ def main(argv: list[str]) -> int:
     """Prepare (a standby), read the spec, take the files in while the rank joins its peers,
     run the rank; end at once if the agent goes (its stream ends)."""
     stdin = sys.stdin.buffer
-    from . import sandbox
+    from . import folder as sandbox
     from .isolation import enter
-    from .runner import rank_for
+    from gpu_client.rank.runner import rank_for
     if argv[:1] == ["--standby"] and len(argv) == 2:
-        from .standby import prepare
+        from gpu_client.rank.standby import prepare
         prepare(argv[1])
     line = stdin.readline()
     if not line.strip():

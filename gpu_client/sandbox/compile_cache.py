@@ -33,9 +33,9 @@ import stat
 import sys
 from dataclasses import dataclass
 
-from . import sandbox
+from . import folder as sandbox
 
-log = logging.getLogger("gpu_client.compile_cache")
+log = logging.getLogger("gpu_client.sandbox.compile_cache")
 
 #: In the sandbox's ``tmp``: the job's compile caches when its room keeps none here.
 IN_SANDBOX = "compile_cache"

@@ -7,7 +7,7 @@ import time
 
 from zwdx import defaults
 
-from .gpus import utilization
+from gpu_client.gpus import utilization
 
 
 class CountingLoader:

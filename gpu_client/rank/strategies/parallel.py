@@ -24,7 +24,7 @@ from torch import nn
 from zwdx.checks import has_forward as _has_forward
 from zwdx.checks import repeated_blocks as _repeated_blocks
 
-from .failures import watch_gradients
+from gpu_client.rank.failures import watch_gradients
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import threading
 
-log = logging.getLogger("gpu_client.egress")
+log = logging.getLogger("gpu_client.sandbox.egress")
 
 #: (address, TCP port or (first, last) range of ports) a rank may connect to.
 Destination = tuple[str, "int | tuple[int, int]"]

@@ -24,7 +24,7 @@ and the job resumes then, as torchrun restarts its workers); when it could not o
 submitter's .gitignore left out of the working dir, the failure says so. ``$ZWDX_OUTPUT_DIR``
 and ``$ZWDX_DATA_DIR`` (``${...}`` too) in its arguments are the rank's own folders. Rank 0's
 ``$ZWDX_OUTPUT_DIR`` and the folders ``outputs_from`` names are uploaded as one tar before it
-reports (``gpu_client.outputs``: no link followed); when there are none, rank 0 says in the
+reports (``gpu_client.rank.outputs``: no link followed); when there are none, rank 0 says in the
 job's log which files its script wrote in its working dir. The other ranks' are dropped. The
 rank's folder is removed at the end. The rank key stays in this process: not in the script's environment, not on
 its command line, and its stdin is ``/dev/null``.
@@ -52,7 +52,7 @@ from zwdx.protocol.vocab import JobKind, RankStatus, SlotKind
 from . import outputs as collect
 from .reporter import Reporter
 
-log = logging.getLogger("gpu_client.script")
+log = logging.getLogger("gpu_client.rank.script")
 
 #: Lines of the script's stderr kept as the traceback of a failure; and the longest log line.
 TAIL_LINES = 200

@@ -29,7 +29,7 @@ import requests
 from zwdx import defaults
 from zwdx.protocol.report import to_wire
 
-from .outage import http_session, sent_again
+from gpu_client.outage import http_session, sent_again
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from .egress import Egress
 from .isolation import IsolationError, ProcessIsolation
 from .rank_container import RankContainer
 
-log = logging.getLogger("gpu_client.container")
+log = logging.getLogger("gpu_client.sandbox.container")
 
 #: The image a donor's agent runs ranks in unless told otherwise (run_gpu_client.sh builds it).
 DEFAULT_IMAGE = "zwdx-gpu-client"
@@ -171,7 +171,7 @@ class DockerIsolation(ProcessIsolation):
         """The versions and modules of an image as its ranks see them (no network); those of the
         default one are what the agent registers, and every other allowed image must run the
         same Python minor (a job's bundle loads on no other)."""
-        probe = ("import json; from zwdx.protocol import runtime_versions; from gpu_client.host import "
+        probe = ("import json; from zwdx.protocol import runtime_versions; from gpu_client.agent.host import "
                  "importable_modules; from zwdx.protocol.rank import RankSpec; print(json.dumps({'versions': "
                  "runtime_versions(), 'modules': importable_modules(), 'spec': RankSpec.model_json_schema()}))")
         try:
@@ -256,7 +256,7 @@ class DockerIsolation(ProcessIsolation):
         env = {**handle.env, "HOME": work, "TMPDIR": work, "USER": "zwdx-rank", "XDG_CACHE_HOME": f"{work}/.cache"}
         if gpus:  # NCCL would take ranks of one host for one machine, and fail to share memory across containers
             env["NCCL_HOSTID"] = f"{socket.gethostname()}-{self.tag}-{uid}"
-        command = ["python", "-m", "gpu_client.rank_container"]
+        command = ["python", "-m", "gpu_client.sandbox.rank_container"]
         if spec is None:
             command += ["--standby", "cuda:0" if gpus else "cpu"]
         host = {k: v for k, v in self._confined(uid).items() if k not in ("user", "working_dir")}

@@ -46,21 +46,24 @@ from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCa
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import Isolation
 
-from . import gpus, health, host, link, reach, refusal, sandbox, script
+from gpu_client import gpus
+from . import health, host, link, reach, refusal
+from gpu_client.sandbox import folder as sandbox
+from gpu_client.rank import script
 from .reach import interface_of, listener, reaching_address
 from .identity import Identity
-from .isolation import IsolationError, build as build_isolation
-from .compile_cache import RoomCaches
+from gpu_client.sandbox.isolation import IsolationError, build as build_isolation
+from gpu_client.sandbox.compile_cache import RoomCaches
 from .launcher import Launcher, RunningJob
 from .datasets import DatasetCache, share as share_datasets
 from .workspace import Workspace, default_root
-from .outage import http_session
+from gpu_client.outage import http_session
 
 #: Seconds a rendezvous port offered for a job stays held while no assignment comes (the server
 #: placed the job elsewhere): then it is closed.
 LISTENER_KEPT = 15 * 60
 
-log = logging.getLogger("gpu_client.agent")
+log = logging.getLogger("gpu_client.agent.agent")
 
 #: The exit code recorded for a rank whose process could not be started.
 NOT_STARTED = 97
@@ -529,7 +532,7 @@ class Agent:
                 continue
             answer = _answer(HeartbeatAnswer, data)
             if answer.ok:
-                health.beat(self.work_dir)  # the container's healthcheck (gpu_client/health.py)
+                health.beat(self.work_dir)  # the container's healthcheck (gpu_client/agent/health.py)
                 if answer.heartbeat_interval:  # the server's new pace (it has many clients, or fewer again)
                     self.heartbeat_interval = answer.heartbeat_interval
             else:

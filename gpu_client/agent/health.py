@@ -1,7 +1,7 @@
 """Whether a GPU client is well, for a container's healthcheck.
 
 The agent touches ``<work dir>/alive`` when it registers and at every heartbeat the server
-acknowledges (``beat``); ``python -m gpu_client.health [WORK_DIR]`` exits 0 when that happened
+acknowledges (``beat``); ``python -m gpu_client.agent.health [WORK_DIR]`` exits 0 when that happened
 within ``STALE`` seconds, 1 otherwise (not registered, refused, or the server unreachable).
 """
 from __future__ import annotations

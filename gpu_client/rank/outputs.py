@@ -1,4 +1,4 @@
-"""A script job's outputs on the GPU client (``gpu_client.script``): what rank 0 packs, and what
+"""A script job's outputs on the GPU client (``gpu_client.rank.script``): what rank 0 packs, and what
 it says when there is nothing to pack or when its script failed on a file that did not travel.
 
 The folders packed are the job's (``$ZWDX_OUTPUT_DIR``, and the working dir's folders
@@ -20,7 +20,7 @@ import tarfile
 
 from zwdx.sizes import human
 
-log = logging.getLogger("gpu_client.outputs")
+log = logging.getLogger("gpu_client.rank.outputs")
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -17,7 +17,7 @@ import requests
 from zwdx import defaults
 from zwdx.protocol.gpu import Link
 
-log = logging.getLogger("gpu_client.link")
+log = logging.getLogger("gpu_client.agent.link")
 
 #: Empty requests whose shortest round trip is the RTT.
 ROUND_TRIPS = 3
