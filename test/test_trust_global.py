@@ -120,15 +120,27 @@ def put(rank: Api, job: dict, n: int, values: np.ndarray, last: bool = False):
     assert resp.status_code == 201, resp.json
 
 
-def complete(rank: Api, job: dict, r: int, state: dict | None = None) -> None:
-    """Rank ``r`` reports its end; with ``state``, uploading it as the job's weights first."""
+def complete(rank: Api, job: dict, r: int, state: dict | None = None, fingerprint: str | None = None) -> None:
+    """Rank ``r`` reports its end (and ``fingerprint`` as its global weights'); with ``state``,
+    uploading it as the job's weights first."""
     weights = None
     if state is not None:
         from safetensors.torch import save
         answer = rank.put(f"/jobs/{job['id']}/weights", data=save(state))
         assert answer.status_code == 201, answer.json
         weights = answer.json["id"]
-    assert rank.post(f"/jobs/{job['id']}/ranks/{r}", json={"status": "completed", "weights_artifact": weights}).json["ok"]
+    report = {"status": "completed", "weights_artifact": weights, "global_fingerprint": fingerprint}
+    assert rank.post(f"/jobs/{job['id']}/ranks/{r}", json=report).json["ok"]
+
+
+def parameters_fingerprint(m: torch.nn.Module) -> str:
+    """sha256 over the parameters' names and bytes, in name order (what a worker reports)."""
+    digest = hashlib.sha256()
+    named = {k: v for k, v in m.state_dict(keep_vars=True).items() if isinstance(v, torch.nn.Parameter)}
+    for name in sorted(named):
+        digest.update(name.encode())
+        digest.update(named[name].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def rounds(ranks: list[Api], job: dict, vectors: list[list[np.ndarray]], sgd: torch.optim.SGD,
@@ -218,3 +230,39 @@ def test_start_weights_are_the_rooms_own_and_checked_by_their_header(app):
     error = room.refused("diloco.start_weights", parallelism="DILOCO", world_size=2,
                          diloco={"start_weights": theirs})
     assert "no start weights" in error["message"]
+
+
+# -- the global weights against every worker's fingerprint (issue 33 §1, workers that all-reduce) -----
+def suspects_of(room: Api, job: dict) -> dict:
+    after = room.get(f"/jobs/{job['id']}").json
+    assert after["status"] == "completed", after["status"]
+    return after["suspects"]
+
+
+def test_a_worker_whose_final_weights_are_not_the_servers_is_a_suspect(app):
+    net = model()
+    room, ranks, job = placed(app, start_weights.encode(net))
+    weights = torch.nn.Parameter(flat(net).clone())
+    sgd = torch.optim.SGD([weights], lr=0.7, momentum=0.9, nesterov=True)
+    rounds(ranks, job, [[v * 0.01 for v in honest(3, weights.numel(), seed=n)] for n in range(2)], sgd, weights)
+    torch.nn.utils.vector_to_parameters(weights.detach(), net.parameters())
+    right = parameters_fingerprint(net)
+    complete(ranks[1], job, 1, fingerprint=right)
+    complete(ranks[2], job, 2, fingerprint="f" * 64)  # it says it holds other weights
+    complete(ranks[0], job, 0, net.state_dict(), fingerprint=right)
+    named = suspects_of(room, job)
+    assert list(named) == ["2"] and "not the server's global weights" in named["2"]["reason"], named
+    assert named["2"]["client_id"] == f"gpu-{job['id']}-2"
+
+
+@pytest.mark.parametrize("world_size,says,suspect", [(3, ["a", "a", "b"], ["2"]), (3, ["b", "a", "a"], ["0"]),
+                                                     (2, ["a", "b"], [])])
+def test_workers_that_averaged_among_themselves_are_checked_against_the_majority(app, world_size, says, suspect):
+    net = model()
+    room, ranks, job = placed(app, start_weights.encode(net), world_size=world_size)  # no round reaches the server
+    for r in reversed(range(world_size)):
+        complete(ranks[r], job, r, net.state_dict() if r == 0 else None, fingerprint=says[r] * 64)
+    named = suspects_of(room, job)
+    assert sorted(named) == suspect, named
+    if suspect:
+        assert "(the majority)" in named[suspect[0]]["reason"]

@@ -129,6 +129,8 @@ class RankState(Record):
     ended_at: float | None = Field(default=None, exclude_if=_absent)
     #: sha256 of the rank's trained weights: equal on every rank after a correct run.
     fingerprint: str | None = Field(default=None, exclude_if=_absent)
+    #: DILOCO: sha256 of its parameters alone (the global weights), compared with the server's.
+    global_fingerprint: str | None = Field(default=None, exclude_if=_absent)
     #: How its slot kept it (``Isolation``'s value), and a container's image and limits
     #: (``protocol.gpu.Terms``' fields), as its GPU client registered them when it started.
     isolation: str | None = Field(default=None, exclude_if=_absent)

@@ -138,6 +138,9 @@ class RankReport(Message):
     final_loss: Reported | None = None
     #: sha256 of the rank's trained weights.
     fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+    #: DILOCO: sha256 of its parameters alone (the global weights every worker holds after the
+    #: last round; buffers such as BatchNorm's are each worker's own), as ``fingerprint`` over them.
+    global_fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
     #: Rank 0: the id of the weights it uploaded (``PUT /jobs/<id>/weights``), an artifact of
     #: this job; anything else is refused.
     weights_artifact: Id | None = None

@@ -26,7 +26,7 @@ from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored,
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, MetricsQuery, PruneClients, PrunedClients, RoomCreated,
                              RoomDetail, RoomSettings, RoomView, SubmitJob)
-from . import clients, global_weights, limits, lifecycle, manifests, notify, series
+from . import clients, global_weights, limits, lifecycle, manifests, notify, series, suspects
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .job import Job, rejoined
@@ -358,7 +358,9 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
     else:
         lifecycle.rank_completed(ctx(), job, rank, fingerprint=body.fingerprint, results=body.results or {},
                                  final_loss=body.final_loss,
-                                 weights_artifact=global_weights.weights(job, rank, body.weights_artifact))
+                                 weights_artifact=global_weights.weights(job, rank, body.weights_artifact),
+                                 global_fingerprint=body.global_fingerprint)
+        suspects.compare_weights(ctx().store.get_job(job.id))  # DILOCO: its workers' final weights, once done
     return RankReportAnswer(ok=True)
 
 

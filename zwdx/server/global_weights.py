@@ -24,6 +24,7 @@ aggregate).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -271,7 +272,8 @@ def weights(job: JobRecord, rank: int, uploaded: str | None) -> str | None:
     artifact_id = uuid.uuid4().hex
     size, sha = ctx().artifacts.save(artifact_id, codec.ChunkReader(iter([data])), len(data))
     ctx().store.add_artifact({"id": artifact_id, "room_id": job.room_id, "kind": ArtifactKind.WEIGHTS.value,
-                              "size": size, "sha256": sha, "job_id": job.id, "created_at": time.time()})
+                              "size": size, "sha256": sha, "job_id": job.id, "created_at": time.time(),
+                              "global_fingerprint": fingerprint({k: tensors[k][2] for k in taken})})
     if uploaded and ctx().store.delete_artifact(uploaded):
         ctx().artifacts.delete(uploaded)
     if worst > UPLOAD_TOLERANCE:
@@ -283,6 +285,16 @@ def weights(job: JobRecord, rank: int, uploaded: str | None) -> str | None:
         _say(job, f"diloco: the weights that came back are the server's global weights after round {newest} "
                   f"(rank {rank}'s upload agreed within {worst:.2g})", warn=False)
     return artifact_id
+
+
+def fingerprint(tensors: dict[str, bytes]) -> str:
+    """sha256 over the tensors' bytes in name order, each after its name: what a GPU client
+    reports (``gpu_client``'s ``parallel.fingerprint``) over the same tensors."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name])
+    return digest.hexdigest()
 
 
 def _say(job: JobRecord, text: str, warn: bool) -> None:

@@ -207,7 +207,8 @@ class Job:
         return self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE))
 
     def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
-                       final_loss: float | None = None, weights_artifact: str | None = None) -> bool:
+                       final_loss: float | None = None, weights_artifact: str | None = None,
+                       global_fingerprint: str | None = None) -> bool:
         """A rank reported its result (rank 0's carries the job's, or that of the rank that uploaded
         the weights: a DILOCO worker, when rank 0 was dropped); the job completes when every rank
         has, or was dropped (True then)."""
@@ -217,7 +218,8 @@ class Job:
                                                     "weights_artifact": weights_artifact}, when=_ACTIVE))
         before = self.record.ranks.get(str(rank))
         entry = RankState(status=RankStatus.COMPLETED, started_at=before.started_at if before else None,
-                          ended_at=now, fingerprint=fingerprint, isolation=before.isolation if before else None,
+                          ended_at=now, fingerprint=fingerprint, global_fingerprint=global_fingerprint,
+                          isolation=before.isolation if before else None,
                           terms=before.terms if before else None, layout=before.layout if before else None)
         if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
             return False

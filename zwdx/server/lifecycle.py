@@ -68,9 +68,10 @@ def rank_layout(ctx, job: JobRecord, rank: int, layout) -> bool:
 
 
 def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,
-                   final_loss: float | None = None, weights_artifact: str | None = None) -> None:
+                   final_loss: float | None = None, weights_artifact: str | None = None,
+                   global_fingerprint: str | None = None) -> None:
     handle = Job(ctx.store, job)
-    if handle.rank_completed(rank, fingerprint, results, final_loss, weights_artifact):
+    if handle.rank_completed(rank, fingerprint, results, final_loss, weights_artifact, global_fingerprint):
         log.info("job %s: completed, final loss %s", job.id, handle.record.final_loss)
         _compare_fingerprints(ctx, handle.record)
         notify.job_changed(ctx.store.get_job(job.id) or handle.record)

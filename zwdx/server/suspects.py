@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 from .. import robust
-from ..protocol import EventKind
+from ..protocol import EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.job import Job as JobRecord, Suspect
 from .http import ctx
 from . import lifecycle, notify
@@ -42,7 +43,34 @@ def judge(job: JobRecord, n: int, members: list[int], combiner: robust.Combiner,
     return why
 
 
-def _name(job: JobRecord, named: dict[int, tuple[list[int], str]]) -> None:
+def compare_weights(job: JobRecord | None) -> None:
+    """A DILOCO job just completed: every worker's ``global_fingerprint`` (its parameters after
+    the last round) against the server's global weights (``global_weights``), or, where the
+    server does not hold them (the rounds were averaged among the workers), against the
+    fingerprint a strict majority of the ranks reported. A worker that disagrees is a suspect
+    (its client not given the job again); with no strict majority nobody can be told apart, and
+    the fingerprints' warning (``lifecycle._compare_fingerprints``) is all there is."""
+    if job is None or job.spec.parallelism != Parallelism.DILOCO or job.status != JobStatus.COMPLETED:
+        return
+    held = {int(r): s.global_fingerprint for r, s in job.ranks.items()
+            if s.status == RankStatus.COMPLETED and s.global_fingerprint}
+    if not held:
+        return
+    weights = ctx().store.get_artifact(job.weights_artifact) if job.weights_artifact else None
+    reference, whose = (weights or {}).get("global_fingerprint"), "the server's global weights"
+    if reference is None:
+        reference, votes = Counter(held.values()).most_common(1)[0]
+        if 2 * votes <= len(held):
+            return
+        agree = sorted(r for r, fp in held.items() if fp == reference)
+        whose = f"those of rank(s) {', '.join(map(str, agree))} (the majority)"
+    named = {r: ([], f"its final weights are not {whose} (fingerprint {fp[:12]}, not {reference[:12]})")
+             for r, fp in held.items() if fp != reference and str(r) not in job.suspects}
+    if named:
+        _name(job, named, drop=False)
+
+
+def _name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = True) -> None:
     store, now = ctx().store, time.time()
     clients = {p.rank: p.client_id for p in job.placement or []}
     clients.update({int(r): j.client_id for r, j in job.joins.items()})
@@ -56,15 +84,15 @@ def _name(job: JobRecord, named: dict[int, tuple[list[int], str]]) -> None:
     texts = []
     for r, (rounds, reason) in sorted(named.items()):
         revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
-        texts.append(f"diloco: rank {r} (gpu client {clients.get(r)}) is a suspect: {reason}, in rounds "
-                     f"{', '.join(map(str, rounds))} in a row; it is dropped and its client is not given this job "
-                     f"again{revoke}")
+        when = f", in rounds {', '.join(map(str, rounds))} in a row" if rounds else ""
+        texts.append(f"diloco: rank {r} (gpu client {clients.get(r)}) is a suspect: {reason}{when}; "
+                     f"{'it is dropped and ' if drop else ''}its client is not given this job again{revoke}")
         log.warning("job %s: %s", job.id, texts[-1])
     notify.events_added(job, store.add_events(job.id, [{
         "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-suspect:{job.attempt}:{r}", "step": None,
         "data": {"text": text}, "ts": now} for r, text in zip(sorted(named), texts)]))
     fresh = store.get_job(job.id)
-    if not lifecycle.drop(ctx(), fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
+    if drop and not lifecycle.drop(ctx(), fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
         log.warning("job %s: the suspect(s) %s could not be dropped (no other worker left)", job.id, sorted(named))
     notify.job_changed(store.get_job(job.id))
 
