@@ -40,6 +40,8 @@ if [[ "${1:-}" == "--tests" ]]; then
     # the manual (mkdocs.yml): a broken link, a missing page or a stale API reference fails the build
     lane "docs (mkdocs build --strict)" env NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q \
         --site-dir "$(mktemp -d -t zwdx-site-XXXX)"
+    # pyproject's [tool.ruff] and [tool.mypy]: the linter over the tree, the type checker over its files
+    lane "lint (ruff, mypy)" bash -c '"$0" -m ruff check --quiet . && "$0" -m mypy' "$PY"
     if [[ -f ui/package.json ]]; then
         lane "dashboard (vitest)" bash -c "cd ui && npm test --silent"
     fi
