@@ -327,7 +327,7 @@ class ZWDX:
         default plan cannot cut is refused here, naming ``pipeline.stage_plan``.
         ``train_func`` declares ``pipeline`` and calls ``pipeline.step(x, y, loss_fn)`` for
         forward and backward (it returns the batch's loss): the first stage's batch is the one
-        trained on, its targets sent to the last stage; see the README.
+        trained on, its targets sent to the last stage; see docs/modes/pipeline.md.
 
         ``parallelism="TP"`` splits the model's Linear pairs over the job's ranks, all on one GPU
         client (``torch.distributed.tensor.parallel``); ``"FSDP+TP"`` does so within each GPU
@@ -346,7 +346,7 @@ class ZWDX:
         times the default of ``data_loader_func``'s ``batch_size``), which ``data_loader_func``
         gets as ``batch_size`` with a ``sampler`` (``sampler(dataset, shuffle=True, seed=0)``)
         that cuts every global batch into the shares; each rank's gradient is weighted by its
-        share, so a step is one process's over the global batch. See the README.
+        share, so a step is one process's over the global batch. See docs/modes/mixed.md.
 
         ``trackers``: also send the job's metrics, live while this call follows the job, to
         ``"tensorboard"`` (event files in ``./zwdx-runs/<job id>``), ``"wandb"`` (a W&B run;

@@ -221,7 +221,7 @@ class Diloco(Collective):
     def _overlapped(self, last: bool) -> None:
         """One-step delay: round n's pseudo-gradient is this worker's progress since round n-1
         (``anchor - local``); round n-1's average is applied now, and the worker goes on from the
-        new global weights plus that progress while round n travels. See the README."""
+        new global weights plus that progress while round n travels. See docs/modes/diloco.md."""
         started, n = time.time(), self.round
         progress = self.anchor - self._local() if self.steps else torch.zeros_like(self.anchor)
         values = progress if self.steps else torch.empty(0)
