@@ -98,14 +98,14 @@ def test_jobs_of_another_room_are_invisible(api):
     for method, path in [("GET", f"/jobs/{job['id']}"), ("POST", f"/jobs/{job['id']}/cancel"),
                          ("GET", f"/jobs/{job['id']}/events"), ("GET", f"/jobs/{job['id']}/metrics"),
                          ("GET", f"/jobs/{job['id']}/checkpoints"), ("GET", f"/jobs/{job['id']}/weights"),
-                         ("GET", f"/artifacts/{job['spec']['bundle_artifact']}")]:
+                         ("GET", f"/artifacts/{job['spec']['code']['bundle_artifact']}")]:
         resp = other.request(method, path)
         assert resp.status_code == 404 and resp.json["error"]["code"] == "not_found", (method, path, resp.text)
     assert other.jobs() == []
     assert [j["id"] for j in api.jobs()] == [job["id"]]
     mine = api.get(f"/jobs/{job['id']}").json
     assert mine["status"] == "queued" and "job_key_hash" not in mine
-    taken = other.post("/jobs", json={"bundle_artifact": job["spec"]["bundle_artifact"],
+    taken = other.post("/jobs", json={"bundle_artifact": job["spec"]["code"]["bundle_artifact"],
                                       "versions": {"python": "3.11.7"}})
     assert taken.status_code == 400 and taken.json["error"]["field"] == "bundle_artifact"
 

@@ -31,7 +31,7 @@ def test_a_rank_can_name_only_its_own_jobs_weights(backend_app):
     assert rank0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "running"}).json == {"ok": True}
 
     for wrong in [{"$gt": ""}, {"$ne": None}, {"$in": [theirs["id"]]}, {"$regex": "."}, theirs["id"],
-                  job["spec"]["bundle_artifact"], checkpoint["id"], "no-such-artifact", ["a"]]:
+                  job["spec"]["code"]["bundle_artifact"], checkpoint["id"], "no-such-artifact", ["a"]]:
         resp = rank0.post(f"/jobs/{job['id']}/ranks/0", json={"status": "completed", "weights_artifact": wrong,
                                                               "final_loss": 0.5})
         assert resp.status_code == 400, (wrong, resp.text)

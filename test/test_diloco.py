@@ -86,14 +86,14 @@ def test_bytes_that_are_not_a_pseudo_gradient_are_refused_saying_why(data, says)
 def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     job = api.submit(parallelism="diloco").json
     assert job["spec"]["parallelism"] == "DILOCO"
-    assert job["spec"]["diloco"] == {"inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
+    assert job["spec"]["strategy"] == {"type": "diloco", "inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                                      "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True,
                                      "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5}
     job = api.submit(parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
-    assert job["spec"]["diloco"] == {"inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
+    assert job["spec"]["strategy"] == {"type": "diloco", "inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
                                      "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True,
                                      "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5}
-    assert api.submit(parallelism="DDP").json["spec"]["diloco"] is None
+    assert api.submit(parallelism="DDP").json["spec"]["strategy"] == {"type": "ddp", "lora": None}
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -304,7 +304,7 @@ def test_a_diloco_checkpoint_is_rank_0s_alone_so_a_dropped_worker_never_holds_it
 def test_a_worker_of_two_ranks_uploads_once_and_one_rank_lost_drops_the_whole_worker(app):
     from zwdx.server import lifecycle
     room, ranks, job = placed(app, world_size=4, compression="none", ranks_per_worker=2)
-    assert job["spec"]["gpus_per_client"] == 2  # a worker's ranks are placed on one GPU client
+    assert job["spec"]["resources"]["gpus_per_client"] == 2  # a worker's ranks are placed on one GPU client
     refused = put(ranks[1], job, 0, [9.0, 9.0], "none")
     assert refused.status_code == 409 and "rank 0 uploads for its worker" in refused.json["error"]["message"]
     assert put(ranks[0], job, 0, [1.0, 3.0], "none").json["waiting_for"] == [2]  # workers, not ranks

@@ -15,7 +15,7 @@ from werkzeug.serving import make_server
 from gpu_client.rank.strategies.diloco import Diloco
 from gpu_client.rank.reporter import Reporter
 from test_diloco import placed
-from zwdx.protocol.diloco import DilocoSettings
+from zwdx.protocol.spec import Diloco as DilocoSpec
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def workers(app, url: str, **settings) -> list[tuple[Diloco, Vector]]:
     out = []
     for rank, api in enumerate(ranks):
         spec = types.SimpleNamespace(rank=rank, world_size=2, collective_timeout=30.0, joining=False,
-                                     diloco=DilocoSettings.model_validate(job["spec"]["diloco"]))
+                                     diloco=DilocoSpec.model_validate(job["spec"]["strategy"]))
         reporter = Reporter(url, api.rank_key, job["id"], rank)
         model = Vector([1.0, 2.0, 3.0])
         worker = Diloco(spec, reporter)
@@ -115,8 +115,8 @@ def test_without_overlap_a_worker_waits_for_the_rounds_average(app, served):
 
 
 def test_overlap_is_off_unless_asked_and_must_be_a_boolean(api):
-    assert api.submit(parallelism="DILOCO").json["spec"]["diloco"]["overlap"] is False
-    assert api.submit(parallelism="DILOCO", diloco={"overlap": True}).json["spec"]["diloco"]["overlap"] is True
+    assert api.submit(parallelism="DILOCO").json["spec"]["strategy"]["overlap"] is False
+    assert api.submit(parallelism="DILOCO", diloco={"overlap": True}).json["spec"]["strategy"]["overlap"] is True
     api.refused("diloco.overlap", parallelism="DILOCO", diloco={"overlap": "yes"})
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from store_backends import job_record
 from zwdx.protocol import FailureKind, JobStatus, RankStatus
-from zwdx.protocol.job import CheckpointEntry, JobView, Master, PlacementEntry
+from zwdx.protocol.job import CheckpointEntry, JobSpec, JobView, Master, PlacementEntry
 from zwdx.server.job import FAILURE_GRACE, Job
 from zwdx.server.store.sqlite import SQLiteStore
 
@@ -46,7 +46,9 @@ def store(tmp_path):
 def submit(store, clock, job_id="j1", **spec) -> Job:
     record = job_record(job_id)
     if spec:
-        record = record.model_copy(update={"spec": record.spec.model_copy(update=spec)})
+        flat = {"world_size": 2, "versions": {"python": "3.11"}, "bundle_artifact": f"bundle-{job_id}",
+                "bundle_sha256": "ab" * 32, **spec}  # the flat shape, read as the tree
+        record = record.model_copy(update={"spec": JobSpec.model_validate(flat)})
     return Job.submit(store, record, clock)
 
 

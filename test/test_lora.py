@@ -14,8 +14,8 @@ LORA = {"peft_type": "LORA", "r": 4, "target_modules": ["c_attn"]}
 
 
 def test_the_adapter_config_is_kept_with_the_job(api):
-    assert api.submit(parallelism="DDP", lora=LORA).json["spec"]["lora"] == LORA
-    assert api.submit(parallelism="FSDP").json["spec"]["lora"] is None
+    assert api.submit(parallelism="DDP", lora=LORA).json["spec"]["strategy"]["lora"] == LORA
+    assert api.submit(parallelism="FSDP").json["spec"]["strategy"]["lora"] is None
 
 
 @pytest.mark.parametrize("fields", [

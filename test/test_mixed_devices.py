@@ -39,9 +39,9 @@ def test_bad_mixed_settings_are_a_400_naming_the_field_and_store_nothing(api, fi
 
 def test_a_mixed_job_keeps_its_settings(api):
     spec = api.submit(devices="MIXED", world_size=2, global_batch=96).json["spec"]
-    assert (spec["devices"], spec["global_batch"]) == ("mixed", 96)
+    assert spec["strategy"] == {"type": "mixed", "global_batch": 96, "lora": None}
     spec = api.submit().json["spec"]
-    assert (spec["devices"], spec["global_batch"]) == ("same", None)
+    assert spec["strategy"]["type"] == "ddp"
 
 
 def test_the_sdk_checks_the_loader_of_a_mixed_job_before_uploading_anything():
@@ -193,7 +193,7 @@ class Throttle:
         import psutil
         try:
             return [p for p in psutil.Process(self.pid).children(recursive=True)
-                    if "gpu_client.rank.runner" in " ".join(p.cmdline())]
+                    if "gpu_client.sandbox.rank_process" in " ".join(p.cmdline())]
         except psutil.Error:
             return []
 

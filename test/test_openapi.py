@@ -67,7 +67,9 @@ def test_each_operation_says_how_it_authenticates_and_what_it_answers(client):
         assert submit["responses"][status]["content"]["application/json"]["schema"] == \
             {"$ref": "#/components/schemas/ErrorAnswer"}
     body = doc["components"]["schemas"]["SubmitJob"]
-    assert body["additionalProperties"] is False and {"versions", "bundle_artifact"} <= set(body["required"])
+    assert body["additionalProperties"] is False and body["required"] == ["spec"]
+    code = doc["components"]["schemas"]["Code"]
+    assert code["additionalProperties"] is False and {"versions", "bundle_artifact"} <= set(code["required"])
     # Artifacts travel as bytes, with their sha256 in a header.
     upload, download = ops["upload_bundle"], ops["get_weights"]
     assert list(upload["requestBody"]["content"]) == ["application/octet-stream"]

@@ -21,18 +21,19 @@ from zwdx.errors import BadRequest
 def test_a_pipeline_job_takes_the_defaults_and_its_plan_sets_its_world_size(api):
     job = api.submit(parallelism="pipeline").json
     assert job["spec"]["parallelism"] == "PIPELINE"
-    assert job["spec"]["pipeline"] == {"schedule": "gpipe", "microbatches": None, "stage_plan": None}
+    assert job["spec"]["strategy"] == {"type": "pipeline", "schedule": "gpipe", "microbatches": None, "stage_plan": None}
     job = api.submit(parallelism="PIPELINE", pipeline={"schedule": "1F1B", "microbatches": 4,
                                                         "stage_plan": [[0, 3], [3, 4]]}).json
-    assert job["spec"]["pipeline"] == {"schedule": "1f1b", "microbatches": 4, "stage_plan": [[0, 3], [3, 4]]}
-    assert job["spec"]["world_size"] == 2
-    assert api.submit(parallelism="DDP").json["spec"]["pipeline"] is None
+    assert job["spec"]["strategy"] == {"type": "pipeline", "schedule": "1f1b", "microbatches": 4,
+                                       "stage_plan": [[0, 3], [3, 4]]}
+    assert job["spec"]["resources"]["world_size"] == 2
+    assert api.submit(parallelism="DDP").json["spec"]["strategy"]["type"] == "ddp"
     # interleaved: several stages a rank, as the plan names them or 2
     job = api.submit(parallelism="PIPELINE", pipeline={"schedule": "interleaved1f1b",
                                                         "stage_plan": [[0, 1], [1, 2], [2, 3], [3, 4]]}).json
-    assert job["spec"]["world_size"] == 2 and job["spec"]["pipeline"]["stages_per_rank"] == 2
+    assert job["spec"]["resources"]["world_size"] == 2 and job["spec"]["strategy"]["stages_per_rank"] == 2
     job = api.submit(parallelism="PIPELINE", world_size=3, pipeline={"schedule": "interleaved1f1b"}).json
-    assert job["spec"]["pipeline"] == {"schedule": "interleaved1f1b", "microbatches": None, "stage_plan": None,
+    assert job["spec"]["strategy"] == {"type": "pipeline", "schedule": "interleaved1f1b", "microbatches": None, "stage_plan": None,
                                        "stages_per_rank": 2}
 
 

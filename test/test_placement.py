@@ -82,7 +82,7 @@ def test_a_room_without_gpu_clients_says_so_and_refuses_on_request(app, api):
     assert error["code"] == "unschedulable" and "the room has no GPU clients online" in error["message"]
     waiting = api.jobs()
     assert len(waiting) == 1  # only the first job; the refused one's bundle is gone, bytes and metadata
-    assert os.listdir(os.path.join(app.config["DATA_DIR"], "artifacts")) == [waiting[0]["spec"]["bundle_artifact"]]
+    assert os.listdir(os.path.join(app.config["DATA_DIR"], "artifacts")) == [waiting[0]["spec"]["code"]["bundle_artifact"]]
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -90,8 +90,8 @@ def test_jobs_of_a_room_share_its_working_dir_and_each_kind_names_its_own(api):
     workdir = put_workdir(api).json
     one, two = (api.post("/jobs", json=script_job(workdir["id"])) for _ in range(2))
     assert one.status_code == two.status_code == 201, (one.text, two.text)
-    assert one.json["spec"]["kind"] == "script" and one.json["spec"]["script"]["args"] == ["--lr", "3e-4"]
-    assert one.json["spec"]["bundle_artifact"] == two.json["spec"]["bundle_artifact"] == workdir["id"]
+    assert one.json["spec"]["kind"] == "script" and one.json["spec"]["strategy"]["args"] == ["--lr", "3e-4"]
+    assert one.json["spec"]["code"]["bundle_artifact"] == two.json["spec"]["code"]["bundle_artifact"] == workdir["id"]
     bundle = api.upload()
     wrong = api.post("/jobs", json=script_job(bundle["id"]))
     assert wrong.status_code == 400 and "no uploaded working dir" in wrong.json["error"]["message"]

@@ -19,6 +19,7 @@ from store_backends import job_record
 from zwdx.errors import StoreError
 from zwdx.protocol import FailureKind, JobStatus, RankStatus
 from zwdx.protocol.job import CheckpointEntry, JobView, RankFailure, RankState, RestartEntry, TimelineEntry
+from zwdx.protocol.flat import PARTS
 from zwdx.server.store import SCHEMA_VERSION
 
 V1 = os.path.join(os.path.dirname(__file__), "data", "store_v1.json")
@@ -183,8 +184,9 @@ def test_a_store_written_by_the_previous_layout_opens_migrated_and_shows_the_sam
     for doc in v1["jobs"]:
         view = JobView.of(store.get_job(doc["id"])).model_dump(mode="json")
         shown = old_view(doc)
-        if isinstance(shown.get("spec"), dict):  # fields added to the spec since then take their defaults
-            view["spec"] = {k: view["spec"][k] for k in shown["spec"] if k in view["spec"]}
+        if isinstance(shown.get("spec"), dict):  # the flat spec of then, each field in its part of the tree now
+            part = {k: name for name, keys in PARTS.items() for k in keys}
+            view["spec"] = {k: view["spec"][part[k]][k] if k in part else view["spec"][k] for k in shown["spec"]}
         assert {k: view[k] for k in shown} == shown, doc["name"]  # every field the old zwdx showed, unchanged
     failed = jobs["failed"]
     assert set(failed.failures) == {"0", "1"} and all(f.kind == FailureKind.RAISED for f in failed.failures.values())

@@ -151,12 +151,13 @@ def alone(epochs: int) -> tuple[TinyLM, list[float]]:
 # -- the settings, at the edge and in the SDK ------------------------------------------------------
 def test_a_tp_job_is_one_group_on_one_gpu_client_and_fsdp_tp_groups_of_tp_size(api):
     job = api.submit(parallelism="tp", world_size=2, tp_plan={"blocks.*.mlp.up": "colwise"}).json
-    assert job["spec"]["parallelism"] == "TP" and job["spec"]["gpus_per_client"] == 2
-    assert job["spec"]["tp_plan"] == {"blocks.*.mlp.up": "colwise"}
-    assert api.submit(parallelism="TP", tp_size=2).json["spec"]["world_size"] == 2
+    assert job["spec"]["parallelism"] == "TP" and job["spec"]["resources"]["gpus_per_client"] == 2
+    assert job["spec"]["strategy"] == {"type": "tp", "plan": {"blocks.*.mlp.up": "colwise"}, "size": None}
+    assert api.submit(parallelism="TP", tp_size=2).json["spec"]["resources"]["world_size"] == 2
     job = api.submit(parallelism="fsdp+tp", world_size=4, tp_size=2).json
-    assert (job["spec"]["parallelism"], job["spec"]["gpus_per_client"], job["spec"]["tp_size"]) == ("FSDP+TP", 2, 2)
-    assert api.submit(parallelism="FSDP+TP", world_size=4).json["spec"]["gpus_per_client"] is None  # the placement's
+    assert (job["spec"]["parallelism"], job["spec"]["resources"]["gpus_per_client"],
+            job["spec"]["strategy"]["tp"]["size"]) == ("FSDP+TP", 2, 2)
+    assert api.submit(parallelism="FSDP+TP", world_size=4).json["spec"]["resources"]["gpus_per_client"] is None  # the placement's
 
 
 @pytest.mark.parametrize("fields, field", [

@@ -28,6 +28,7 @@ from . import sizes
 from .errors import BadRequest
 from .protocol import FINISHED, JobStatus
 from .protocol.base import escape_controls
+from .protocol.spec import nest
 
 
 def _ago(ts: float | None, now: float) -> str:
@@ -114,7 +115,7 @@ def jobs_show(sdk, args) -> int:
     if args.json:
         _print_json(job)
         return 0
-    now, spec = time.time(), job.get("spec") or {}
+    now, spec = time.time(), nest(job.get("spec") or {})  # a server before the tree says it flat
     fields = [("id", job["id"]), ("name", job.get("name") or ""), ("status", job["status"]),
               ("parallelism", spec.get("parallelism")), ("world size", job.get("world_size") or "-"),
               ("attempt", f"{job.get('attempt', 0)} ({job.get('restarts', 0)} restart(s))"),
@@ -123,10 +124,11 @@ def jobs_show(sdk, args) -> int:
     if spec.get("datasets"):
         fields.append(("datasets", ", ".join(f"{d['name']} ({d['url'] if d.get('url') else d['version'][:12]})"
                                              for d in spec["datasets"])))
-    mixed = spec.get("devices") == "mixed"
+    strategy = spec.get("strategy") or {}
+    mixed = strategy.get("type") == "mixed"
     if mixed:
         placed = [e.get("reason") for e in job.get("timeline") or [] if e.get("status") == "starting"]
-        fields.append(("devices", f"mixed, global batch {spec.get('global_batch') or 'from data_loader_func'}"
+        fields.append(("devices", f"mixed, global batch {strategy.get('global_batch') or 'from data_loader_func'}"
                                   + (f" ({placed[-1]})" if placed and placed[-1] else "")))
     if job.get("waiting_reason"):
         fields.append(("waiting because", job["waiting_reason"]))
@@ -183,7 +185,7 @@ def plan_lines(job: dict) -> list[str]:
                      f"{layout['text']}{params}")
     stages = sorted((layout["stage"]["index"], rank) for rank, layout in said if layout.get("stage"))
     if stages:
-        settings = (job.get("spec") or {}).get("pipeline") or {}
+        settings = nest(job.get("spec") or {}).get("strategy") or {}
         count = said[0][1]["stage"]["of"] if said[0][1].get("stage") else len(stages)
         lines.append("  stages: " + " -> ".join(f"{index} (rank {rank})" for index, rank in stages)
                      + f"; schedule {settings.get('schedule', 'gpipe')}, "

@@ -127,16 +127,22 @@ class ScriptJobs:
                       "name": name or os.path.basename(packed.script), "versions": runtime_versions(),
                       "max_restarts": max_restarts, "fail_if_unschedulable": fail_if_unschedulable,
                       "datasets": check_datasets(sdk, token, datasets)}
-            parse(SubmitJob, {**fields, "bundle_artifact": "pending"})  # the server's own check, before the upload
+            submit = parse(SubmitJob, {**fields, "bundle_artifact": "pending"}).model_dump(mode="json")  # the server's
+            # own check, before the upload; the body is the one spec tree, as submit_job's
+
+            def body(artifact_id: str) -> dict:
+                code = {**submit["spec"]["code"], "bundle_artifact": artifact_id}
+                return {**submit, "spec": {**submit["spec"], "code": code}}
+
             workdir = self.push_workdir(packed, token)
             try:
-                job = sdk._json("POST", "/jobs", token, json={**fields, "bundle_artifact": workdir["id"]})
+                job = sdk._json("POST", "/jobs", token, json=body(workdir["id"]))
             except BadRequest as err:
                 if err.context.get("field") != "bundle_artifact" or workdir["uploaded"]:
                     raise
                 # swept between the question and the submit (unused for UNATTACHED_GRACE): upload it after all
                 workdir = self.push_workdir(packed, token, ask=False)
-                job = sdk._json("POST", "/jobs", token, json={**fields, "bundle_artifact": workdir["id"]})
+                job = sdk._json("POST", "/jobs", token, json=body(workdir["id"]))
         finally:
             packed.discard()
         try:  # from here on, Ctrl-C has a job to cancel

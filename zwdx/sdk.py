@@ -39,6 +39,7 @@ from .protocol import WAITING, JobStatus, runtime_versions
 from .protocol.base import parse
 from .protocol.report import from_wire
 from .protocol.rest import SubmitJob
+from .protocol.spec import nest
 
 log = logging.getLogger(__name__)
 
@@ -374,13 +375,14 @@ class ZWDX:
                 "bundle_artifact": "unsent", "versions": runtime_versions(), "parallelism": str(parallelism).upper(),
                 "diloco": diloco, "pipeline": pipeline, "world_size": world_size, "tp_plan": tp_plan,
                 "tp_size": tp_size, "min_world_size": min_world_size, "devices": devices, "global_batch": global_batch})
-            if checked.pipeline is not None:
-                pipeline = checked.pipeline.model_dump(mode="json")
-                stages = (checked.world_size or 2) * (checked.pipeline.stages_per_rank or 1)  # None: 2 at least
-                check_pipeline(model, checked.pipeline.stage_plan, stages)
+            settings = checked.spec.pipeline
+            if settings is not None:
+                pipeline = settings.model_dump(mode="json", exclude={"type"})
+                stages = (checked.spec.resources.world_size or 2) * (settings.stages_per_rank or 1)  # None: 2 at least
+                check_pipeline(model, settings.stage_plan, stages)
             if tensor_parallel:
-                check_tp_plan(model, checked.tp_plan, str(parallelism).upper())
-            devices = checked.devices.value
+                check_tp_plan(model, checked.spec.tp and checked.spec.tp.plan, str(parallelism).upper())
+            devices = "mixed" if checked.spec.mixed else "same"
         check_devices(devices == "mixed", global_batch, data_loader_func)
         if (lora is not None or _lora.is_peft_model(model)) and str(parallelism).upper() not in ("DDP", "FSDP"):
             raise BadRequest(f"LoRA jobs run with DDP or FSDP, not {parallelism}", field="lora")
@@ -664,7 +666,7 @@ class ZWDX:
         safetensors: nothing the GPU clients sent is unpickled. A LoRA job's are its adapter:
         ``model`` (the base model, or a peft model of the same config) comes back as the peft
         model with the trained adapter loaded."""
-        config = (self.get_job(job_id, room_token).get("spec") or {}).get("lora")
+        config = (nest(self.get_job(job_id, room_token).get("spec") or {}).get("strategy") or {}).get("lora")
         state = self._weights(job_id, room_token)
         if config is not None:
             return _lora.load_adapter(model, config, state)
@@ -674,7 +676,7 @@ class ZWDX:
     def get_adapter(self, job_id: str, room_token: str | None = None) -> dict:
         """A LoRA job's trained adapter: its tensors by name, as ``peft.get_peft_model_state_dict``
         names them (``set_peft_model_state_dict`` loads them)."""
-        if (self.get_job(job_id, room_token).get("spec") or {}).get("lora") is None:
+        if (nest(self.get_job(job_id, room_token).get("spec") or {}).get("strategy") or {}).get("lora") is None:
             raise BadRequest(f"job {job_id} is not a LoRA job: its weights are the whole model "
                              f"(get_trained_model)", field="job_id")
         return self._weights(job_id, room_token)

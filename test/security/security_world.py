@@ -146,7 +146,7 @@ def build(app, backend: Backend) -> World:
 
     w.dataset = w.push_dataset("tiny")
     live = w.submit(world_size=2, parallelism="DILOCO", datasets=["tiny"])
-    w.jobs["live"], w.bundle = live["id"], live["spec"]["bundle_artifact"]
+    w.jobs["live"], w.bundle = live["id"], live["spec"]["code"]["bundle_artifact"]
     w.keys["old_attempt"], old_rank1 = f"rk_old0_{uuid.uuid4().hex}", f"rk_old1_{uuid.uuid4().hex}"
     w.place(live["id"], {0: "a1:0", 1: "a2:0"}, {0: w.keys["old_attempt"], 1: old_rank1})
     assert Job.load(w.store, live["id"]).interrupt("gpu client a2 lost (staged)") is not None  # -> resuming

@@ -45,7 +45,7 @@ def _same_answer(first, second, first_id: str, second_id: str) -> None:
 def test_another_rooms_ids_answer_as_ids_that_exist_nowhere(world):
     w, live = world, world.jobs["live"]
     b_job = w.submit("B")
-    b_ids = {"artifact": b_job["spec"]["bundle_artifact"], "job": b_job["id"]}
+    b_ids = {"artifact": b_job["spec"]["code"]["bundle_artifact"], "job": b_job["id"]}
     nowhere = {kind: secrets.token_hex(len(i) // 2) for kind, i in b_ids.items()}
     assert len(nowhere["artifact"]) == len(b_ids["artifact"])
     before = snapshot(w)

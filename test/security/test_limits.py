@@ -60,9 +60,9 @@ def online_client(store, room_id: str, name: str, slots: int = 1, **doc):
 def corrupt_job(backend, store, job_id: str) -> None:
     """Make a job's stored record unreadable as a Job, as a bug or an older zwdx could leave it."""
     if backend.name == "sqlite":
-        store.db.query("UPDATE jobs SET doc=json_set(doc, '$.spec.versions', json('[1, 2]')) WHERE id=?", (job_id,))
+        store.db.query("UPDATE jobs SET doc=json_set(doc, '$.spec.code.versions', json('[1, 2]')) WHERE id=?", (job_id,))
     else:
-        store.db.jobs.update_one({"_id": job_id}, {"$set": {"spec.versions": [1, 2]}})
+        store.db.jobs.update_one({"_id": job_id}, {"$set": {"spec.code.versions": [1, 2]}})
 
 
 def test_one_rooms_bad_records_never_stop_another_rooms_jobs(backend, backend_app):
@@ -320,7 +320,7 @@ def test_unreferenced_artifacts_are_swept_and_referenced_ones_kept(backend, back
     assert ctx.store.get_artifact(stray["id"]) is not None
     assert ctx.sweeper.sweep(now + 3601) == {"unattached": 1, "orphaned": 1}
     left = {a["id"] for a in ctx.store.list_artifacts(jid)}
-    assert left == {job["spec"]["bundle_artifact"], kept["id"], rng["id"], weights["id"]}
+    assert left == {job["spec"]["code"]["bundle_artifact"], kept["id"], rng["id"], weights["id"]}
     assert ctx.store.get_artifact(stray["id"]) is None and ctx.store.get_artifact(loose["id"]) is None
     assert ctx.store.get_artifact(unreported["id"]) is None
     assert set(ctx.artifacts.stored(now + 7200)) == left

@@ -28,9 +28,8 @@ from .job import CheckpointEntry
 from .script import ScriptRecord
 from .vocab import Devices, Isolation, JobKind, Parallelism, SlotKind, TpStyle
 
-#: A top-level module name a GPU client can import.
-ModuleName = Annotated[str, StringConstraints(max_length=defaults.MAX_MODULE_NAME, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 Percent = Annotated[float, Field(ge=0, le=100)]
+from .spec import ModuleName
 #: Bytes of memory a slot may claim: no machine's RAM is larger (a GPU's bound is tighter: ``Slot``).
 Memory = Annotated[int, Field(ge=0, le=defaults.MAX_HOST_MEMORY)]
 #: A short name a GPU client chose (versions, its machine's id): no control characters.

@@ -1,6 +1,6 @@
 """A job's record, declared once: what the server stores and what everyone else is shown.
 
-    JobSpec          what the submitter asked for; fixed at submit
+    JobSpec          what the submitter asked for; fixed at submit (``zwdx.protocol.spec``)
     PlacementEntry   one rank's slot, as the scheduler chose it
     Master           where the ranks rendezvous (an address rank 0's GPU client offered)
     RankState        what a rank last reported of itself
@@ -25,15 +25,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import defaults
 from .base import Answer
-from .dataset import DatasetPin
-from .diloco import DilocoSettings
 from .layout import RankLayout
-from .pipeline import PipelineSettings
 from .report import Measured, Reported
-from .script import ScriptRecord
-from .vocab import CheckpointFormat, Devices, FailureKind, JobKind, JobStatus, Parallelism, RankStatus, SlotKind, TpStyle
+from .spec import JobSpec
+from .vocab import CheckpointFormat, FailureKind, JobStatus, RankStatus, SlotKind
 
 
 def _absent(value) -> bool:
@@ -57,55 +53,6 @@ class CheckpointEntry(Answer):
     #: file name -> artifact id
     files: dict[str, str] = Field(default_factory=dict)
     at: float | None = None
-
-
-class JobSpec(Record):
-    parallelism: Parallelism = Parallelism.DDP
-    #: None: the train function's own default wins (1 if it has none).
-    epochs: int | None = None
-    #: None: every eligible idle slot.
-    world_size: int | None = None
-    #: Bytes of free memory every rank needs.
-    memory_required: int = 0
-    #: The submitter's runtime versions ("python" at least): where the bundle can load.
-    versions: dict[str, str]
-    bundle_artifact: str
-    bundle_sha256: str
-    bundle_size: int = 0
-    #: Seconds; None: the server's ``COLLECTIVE_TIMEOUT``.
-    collective_timeout: float | None = None
-    #: A resumed job may go on with this many ranks; a new one waits for ``world_size``.
-    min_world_size: int | None = None
-    max_restarts: int = defaults.MAX_RESTARTS
-    keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
-    checkpoint_every_epoch: bool = True
-    #: Top-level modules the bundle imports that every GPU client of the job must have.
-    required_modules: list[str] = Field(default_factory=list)
-    #: A function job's ``bundle_artifact`` is its bundle; a script job's, its working dir
-    #: (``zwdx.protocol.script``), and ``script`` says what to run in it.
-    kind: JobKind = JobKind.FUNCTION
-    script: ScriptRecord | None = None
-    #: Ranks on every GPU client of the job (torchrun's ``--nproc-per-node``); None: any spread.
-    gpus_per_client: int | None = None
-    #: DILOCO's settings (every default resolved at submit); None for DDP and FSDP.
-    diloco: DilocoSettings | None = None
-    #: PIPELINE's settings (defaults resolved at submit); None for the other modes.
-    pipeline: PipelineSettings | None = None
-    #: A LoRA job's adapter config (peft's JSON); None for a job without LoRA.
-    lora: dict | None = None
-    #: The datasets its GPU clients fetch, pinned at submit (``zwdx.protocol.dataset``).
-    datasets: list[DatasetPin] = Field(default_factory=list)
-    #: The image its ranks run in (GPU clients that allow it only); None: any client's default.
-    image: str | None = None
-    #: "mixed": GPU and CPU slots together over gloo, batches weighted by measured speed.
-    devices: Devices = Devices.SAME
-    #: devices "mixed": the samples of one step over every rank; None: the world size times the
-    #: default of ``data_loader_func``'s ``batch_size``.
-    global_batch: int | None = None
-    #: TP and FSDP+TP (``zwdx.protocol.tensor_parallel``): the submitter's plan (None: derived by
-    #: the ranks) and TP group size (None: the ranks the placement puts on each GPU client).
-    tp_plan: dict[str, TpStyle] | None = None
-    tp_size: int | None = None
 
 
 class PlacementEntry(Record):

@@ -9,25 +9,18 @@ status, checkpoints) in ``zwdx.protocol.report``.
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, StringConstraints, ValidationError,
+                      field_validator, model_validator)
 
 from .. import defaults
-from .base import Answer, Bytes, ByValue, Count, Id, Message
-from .dataset import DatasetRef
-from .diloco import DilocoSettings
-from .gpu import ModuleName
-from .pipeline import PipelineSettings
-from .tensor_parallel import MODES as TP_MODES
-from .tensor_parallel import check_plan as check_tp_plan
+from .base import Answer, Count, Message
 from .job import CheckpointEntry, JobView
 from .report import Measured, Reported, clipped
-from .script import ScriptSpec
-from .vocab import (ArtifactKind, ClientStatus, Devices, EventKind, Isolation, JobKind, JobStatus, Parallelism,
-                    PipelineSchedule, SlotKind, TpStyle)
+from . import flat
+from .spec import SubmitSpec
+from .vocab import (ArtifactKind, ClientStatus, EventKind, Isolation, JobStatus, SlotKind)
 
 #: A name a person gives (a room, a job).
 Name = Annotated[str, StringConstraints(max_length=100)]
@@ -41,7 +34,8 @@ class Query(BaseModel):
 
 # -- health and rooms ----------------------------------------------------------------------------
 class Health(Answer):
-    """``GET /health``: "ok", or "store unavailable" (with 503)."""
+    """``GET /health``: "ok", or "store unavailable" (with 503); the server's zwdx version and
+    protocol (``zwdx.protocol.base.PROTOCOL``; None: a server from before versions were said)."""
     status: str
     store: str
     async_mode: str
@@ -190,278 +184,28 @@ class ArtifactView(Answer):
 
 
 # -- jobs ----------------------------------------------------------------------------------------
-class Versions(Message):
-    """The submitter's runtime: its Python minor version decides where the bundle can load;
-    other entries (``torch``, ``cloudpickle``, ...) are names and version strings."""
-    model_config = ConfigDict(extra="allow")
-    __pydantic_extra__: dict[Annotated[str, StringConstraints(max_length=64)],
-                             Annotated[str, StringConstraints(max_length=64)]]
-    python: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[0-9]+\.[0-9]+")]
-    torch: Annotated[str, StringConstraints(max_length=64)] | None = None
-    cloudpickle: Annotated[str, StringConstraints(max_length=64)] | None = None
-
-    @model_validator(mode="after")
-    def _few(self):
-        if len(self.__pydantic_extra__ or {}) > 64:
-            raise ValueError("at most 64 versions")
-        return self
-
-
 class SubmitJob(Message):
-    """``POST /api/v1/jobs``: a job over an uploaded bundle, or (``kind: "script"``) a script of
-    an uploaded working dir (``zwdx.protocol.script``)."""
-    versions: Versions
-    #: The id of the bundle uploaded with ``POST /api/v1/artifacts``; a script job's: its working
-    #: dir's (``PUT /api/v1/workdirs/<sha256>``).
-    bundle_artifact: Id
-    kind: Annotated[JobKind, ByValue] = JobKind.FUNCTION
-    parallelism: Annotated[Parallelism, ByValue] = Parallelism.DDP
-    #: None: the train function's own default (1 if it declares none).
-    epochs: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    #: None: every eligible idle slot of the room (a script job must say: ``zwdx run --nproc``).
-    world_size: Annotated[int, Field(ge=1, le=100_000)] | None = Field(default=None, validate_default=True)
-    #: Bytes of free memory needed on every slot.
-    memory_required: Bytes = 0
+    """``POST /api/v1/jobs``: a job over an uploaded bundle, or a script of an uploaded working
+    dir (``zwdx.protocol.script``). ``spec`` is the one tree (``zwdx.protocol.spec``); a body of
+    the flat shape earlier SDKs send (every option a field of its own) is read as that tree."""
+    spec: SubmitSpec
     #: The job's name (cut to 100 characters); "": the SDK names it after train_func.
     name: Annotated[str, clipped(100)] = ""
-    collective_timeout: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
-    min_world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
-    max_restarts: Annotated[int, Field(ge=0, le=1000)] = defaults.MAX_RESTARTS
-    keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = defaults.KEEP_CHECKPOINTS
-    checkpoint_every_epoch: bool = True
-    required_modules: Annotated[list[ModuleName], Field(max_length=defaults.MAX_REQUIRED_MODULES)] = []
     fail_if_unschedulable: bool = False
-    #: What a script job runs (``kind: "script"`` only).
-    script: ScriptSpec | None = Field(default=None, validate_default=True)
-    #: Ranks on every GPU client of the job (torchrun's ``--nproc-per-node``), a divisor of
-    #: ``world_size``; None: as the slots come.
-    gpus_per_client: Annotated[int, Field(ge=1, le=1024)] | None = None
-    #: DILOCO's settings (``zwdx.protocol.diloco``); only with parallelism DILOCO, which takes
-    #: the defaults when this is left out.
-    diloco: DilocoSettings | None = None
-    #: PIPELINE's settings (``zwdx.protocol.pipeline``); only with parallelism PIPELINE, which
-    #: takes the defaults when this is left out.
-    pipeline: PipelineSettings | None = Field(default=None, validate_default=True)
-    #: A LoRA job's adapter config, as peft writes ``adapter_config.json`` (the SDK sets it from
-    #: ``lora=``; the server keeps it for ``get_trained_model``, and reads nothing in it but
-    #: ``peft_type``). Only with DDP or FSDP.
-    lora: dict[str, Any] | None = None
-    #: Datasets the GPU clients fetch before the job's code runs (``zwdx.protocol.dataset``): a
-    #: room dataset's name (its newest version, pinned now), a URL, or ``{"url", "sha256", "name"}``.
-    datasets: Annotated[list[DatasetRef], Field(max_length=defaults.MAX_JOB_DATASETS)] = []
-    #: The image its ranks run in (``--isolation docker``): only GPU clients whose donor allows it
-    #: take the job (``zwdx gpu-client --allow-image``). None: any client, in its default image.
-    image: Annotated[str, StringConstraints(min_length=1, max_length=255,
-                                            pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")] | None = None
-    #: "mixed": GPU and CPU slots together over gloo, each rank's batch weighted by its measured
-    #: speed (DDP only; ``gpu_client/rank/strategies/mixed.py``); "same": one kind of slot.
-    devices: Annotated[Devices, ByValue] = Devices.SAME
-    #: devices "mixed": the samples of one step over every rank, shared out by speed; None: the
-    #: world size times the default of ``data_loader_func``'s ``batch_size``.
-    global_batch: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(default=None, validate_default=True)
-    #: TP and FSDP+TP (``zwdx.protocol.tensor_parallel``): module names (``*`` one part of a name)
-    #: -> ``colwise`` or ``rowwise``; None: derived from the model by the ranks.
-    tp_plan: dict[str, Annotated[TpStyle, ByValue]] | None = None
-    #: The ranks of one TP group, all on one GPU client. TP: the job's world size (one group);
-    #: FSDP+TP: a divisor of it; None: as many as the placement puts on each GPU client.
-    tp_size: Annotated[int, Field(ge=1, le=1024)] | None = None
 
-    @field_validator("parallelism", mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _upper(cls, value):
-        return value.upper() if isinstance(value, str) else value
-
-    @field_validator("required_modules", mode="wrap")
-    @classmethod
-    def _modules(cls, value, handler):
+    def _flat(cls, data: Any, handler: ModelWrapValidatorHandler[SubmitJob]) -> SubmitJob:
+        """A flat body is checked as it was, and its errors name its flat fields."""
+        if not isinstance(data, dict) or "spec" in data:
+            return handler(data)
+        own = {k: data[k] for k in ("name", "fail_if_unschedulable") if k in data}
+        spec = {k: v for k, v in data.items() if k not in own}
+        flat.check(spec)
         try:
-            return handler(value)
+            return handler({**own, "spec": spec})
         except ValidationError as exc:
-            if exc.errors()[0]["type"] == "list_type":
-                raise
-            raise ValueError(f"must be a list of at most {defaults.MAX_REQUIRED_MODULES} top-level module names "
-                             f"(Python identifiers)") from None
-
-    @field_validator("world_size")
-    @classmethod
-    def _script_sized(cls, value, info):
-        if value is None and info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError("a script job needs its number of ranks (zwdx run --nproc N)")
-        return value
-
-    @field_validator("script")
-    @classmethod
-    def _script_of_kind(cls, value, info):
-        kind = info.data.get("kind")
-        if kind == JobKind.SCRIPT and value is None:
-            raise ValueError("a script job needs its script: {\"path\", \"args\", \"env\"}")
-        if kind == JobKind.FUNCTION and value is not None:
-            raise ValueError("only a job of kind \"script\" runs a script")
-        return value
-
-    @field_validator("gpus_per_client")
-    @classmethod
-    def _divides_world(cls, value, info):
-        world_size = info.data.get("world_size")
-        if value is not None and (world_size is None or world_size % value):
-            raise ValueError(f"must divide world_size ({world_size}): every GPU client runs this many ranks")
-        if value is not None and info.data.get("parallelism") == Parallelism.TP and value != world_size:
-            raise ValueError(f"must equal world_size ({world_size}) with TP: its ranks are one GPU client's")
-        return value
-
-    @field_validator("diloco")
-    @classmethod
-    def _diloco_only(cls, value, info):
-        parallelism = info.data.get("parallelism")
-        if value is not None and parallelism is not None and parallelism != Parallelism.DILOCO:
-            raise ValueError(f"applies to parallelism DILOCO only, not {parallelism.value}")
-        per = value.ranks_per_worker if value is not None else 1
-        world_size, gpus = info.data.get("world_size"), info.data.get("gpus_per_client")
-        if per > 1 and (world_size is None or world_size % per):
-            raise ValueError(f"ranks_per_worker ({per}) must divide world_size ({world_size}): every worker is "
-                             f"{per} ranks of one GPU client")
-        if per > 1 and gpus is not None and gpus != per:
-            raise ValueError(f"ranks_per_worker ({per}) and gpus_per_client ({gpus}) differ: a DILOCO worker is "
-                             f"one GPU client's ranks (leave gpus_per_client out)")
-        return value
-
-    @field_validator("min_world_size")
-    @classmethod
-    def _min_at_most_world(cls, value, info):
-        world_size = info.data.get("world_size")
-        if value is not None and world_size is not None and value > world_size:
-            raise ValueError(f"must be at most world_size ({world_size})")
-        if value is not None and info.data.get("parallelism") == Parallelism.PIPELINE and value != world_size:
-            raise ValueError(f"must equal world_size ({world_size}) with PIPELINE: every stage needs its rank")
-        if value is not None and info.data.get("parallelism") == Parallelism.TP and value != world_size:
-            raise ValueError(f"must equal world_size ({world_size}) with TP: the job is one TP group, on one GPU "
-                             f"client")
-        return value
-
-    @field_validator("pipeline")
-    @classmethod
-    def _pipeline_only(cls, value, info):
-        """Only with PIPELINE, which takes the defaults when it is left out; one stage a rank."""
-        parallelism = info.data.get("parallelism")
-        if parallelism != Parallelism.PIPELINE:
-            if value is not None and parallelism is not None:
-                raise ValueError(f"applies to parallelism PIPELINE only, not {parallelism.value}")
-            return value
-        if info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError("a script job has no model to cut into stages: PIPELINE is for submit_job's functions")
-        value = value or PipelineSettings()
-        world_size = info.data.get("world_size")
-        value = value.resolved(world_size)  # ValueError: the plan and the ranks do not fit
-        n = world_size or (value.stages // (value.stages_per_rank or 1) if value.stages else None)
-        if value.schedule == PipelineSchedule.ONE_F_ONE_B and n and value.microbatches is not None \
-                and value.microbatches < n:
-            raise ValueError(f"microbatches must be at least the number of stages ({n}) with 1F1B")
-        return value
-
-    @model_validator(mode="after")
-    def _diloco_defaults(self):
-        if self.parallelism == Parallelism.DILOCO and self.diloco is None:
-            self.diloco = DilocoSettings()
-        if self.diloco is not None and self.diloco.ranks_per_worker > 1:
-            self.gpus_per_client = self.diloco.ranks_per_worker  # placement: a worker's ranks on one GPU client
-        return self
-
-    @field_validator("lora")
-    @classmethod
-    def _lora_config(cls, value, info):
-        if value is None:
-            return None
-        parallelism = info.data.get("parallelism")
-        if parallelism not in (Parallelism.DDP, Parallelism.FSDP) or info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError(f"LoRA jobs run with DDP or FSDP, not {getattr(parallelism, 'value', parallelism)}")
-        if not isinstance(value.get("peft_type"), str) or not value["peft_type"]:
-            raise ValueError("must be a peft config as JSON, with its peft_type (\"LORA\")")
-        if len(json.dumps(value)) > defaults.MAX_LORA_CONFIG_BYTES:
-            raise ValueError(f"must take at most {defaults.MAX_LORA_CONFIG_BYTES} bytes as JSON")
-        return value
-
-    @field_validator("devices", mode="before")
-    @classmethod
-    def _lower_devices(cls, value):
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("devices")
-    @classmethod
-    def _mixed_ddp(cls, value, info):
-        """Mixed devices: DDP's replicas only (FSDP's shards would need every rank's gradient
-        scaled before a reduce-scatter; a pipeline or DILOCO has no shared batch to weigh)."""
-        parallelism = info.data.get("parallelism")
-        if value == Devices.MIXED and info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError("devices \"mixed\" weighs the batches of submit_job's functions; a script job "
-                             "runs its own loop")
-        if value == Devices.MIXED and parallelism is not None and parallelism != Parallelism.DDP:
-            raise ValueError(f"devices \"mixed\" runs with DDP only, not {parallelism.value}")
-        return value
-
-    @field_validator("global_batch")
-    @classmethod
-    def _batch_of_mixed(cls, value, info):
-        if value is None:
-            return value
-        if info.data.get("devices") != Devices.MIXED:
-            raise ValueError("applies to devices \"mixed\" only (the batch is shared out by the ranks' speed)")
-        world_size = info.data.get("world_size")
-        if world_size is not None and value < world_size:
-            raise ValueError(f"must be at least world_size ({world_size}): every rank takes a sample at least")
-        return value
-
-    @staticmethod
-    def _tensor_parallel(info):
-        """The job's parallelism, which a TP setting needs to be TP or FSDP+TP (of a submit_job job)."""
-        parallelism = info.data.get("parallelism")
-        if parallelism not in TP_MODES or info.data.get("kind") == JobKind.SCRIPT:
-            raise ValueError(f"applies to parallelism TP and FSDP+TP only, not "
-                             f"{getattr(parallelism, 'value', parallelism)}")
-        return parallelism
-
-    @field_validator("tp_plan")
-    @classmethod
-    def _tp_plan(cls, value, info):
-        if value is None:
-            return None
-        cls._tensor_parallel(info)
-        return check_tp_plan(value)
-
-    @field_validator("tp_size")
-    @classmethod
-    def _tp_size(cls, value, info):
-        if value is None:
-            return None
-        parallelism = cls._tensor_parallel(info)
-        world_size, gpus = info.data.get("world_size"), info.data.get("gpus_per_client")
-        if parallelism == Parallelism.TP and world_size is not None and value != world_size:
-            raise ValueError(f"must equal world_size ({world_size}) with TP: the job is one TP group (FSDP+TP "
-                             f"has several)")
-        if world_size is not None and world_size % value:
-            raise ValueError(f"must divide world_size ({world_size}): each TP group is {value} ranks of one GPU "
-                             f"client")
-        if gpus is not None and gpus != value:
-            raise ValueError(f"and gpus_per_client ({gpus}) differ: a TP group is one GPU client's ranks (leave "
-                             f"gpus_per_client out)")
-        return value
-
-    @model_validator(mode="after")
-    def _tp_groups(self):
-        """Placement keeps a TP group on one GPU client: as ``gpus_per_client`` places them."""
-        if self.parallelism == Parallelism.TP:
-            if self.world_size is None and self.tp_size is not None:
-                self.world_size = self.tp_size
-            self.gpus_per_client = self.world_size
-        elif self.parallelism == Parallelism.FSDP_TP and self.tp_size is not None:
-            self.gpus_per_client = self.tp_size
-        return self
-
-    @model_validator(mode="after")
-    def _pipeline_world(self):
-        """A PIPELINE job's plan, if it names its stages, says how many ranks it has."""
-        if self.pipeline is not None and self.world_size is None and self.pipeline.stages is not None:
-            self.world_size = self.pipeline.stages // (self.pipeline.stages_per_rank or 1)
-        return self
+            raise flat.flat_errors(exc, ("spec",)) from None
 
 
 class JobList(Answer):

@@ -23,6 +23,7 @@ from ..protocol import ACTIVE, ArtifactKind, CredentialRole, JobKind, JobStatus,
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
 from ..protocol.layout import RankLayout
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored, to_wire
+from ..protocol.spec import nest
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, MetricsQuery, PruneClients, PrunedClients, RoomCreated,
                              RoomDetail, RoomSettings, RoomView, SubmitJob)
@@ -150,7 +151,9 @@ def download_artifact(room: dict, artifact_id: str):
 def _release_bundle(room: dict, data: dict) -> None:
     """A refused submit's bundle (uploaded for it, no job's yet) is deleted at once, so that it
     stops counting against the room's quota; a working dir stays, the room's other jobs run it."""
-    bundle_id = data.get("bundle_artifact") if isinstance(data, dict) else None
+    spec = data.get("spec", data) if isinstance(data, dict) else None  # the tree, or an earlier SDK's flat body
+    code = nest(spec).get("code") if isinstance(spec, dict) else None
+    bundle_id = code.get("bundle_artifact") if isinstance(code, dict) else None
     bundle = ctx().store.get_artifact(bundle_id) if isinstance(bundle_id, str) else None
     if bundle and bundle["room_id"] == room["id"] and bundle["kind"] == ArtifactKind.BUNDLE.value \
             and not bundle.get("job_id"):
@@ -166,7 +169,7 @@ def create_job(room: dict, body: SubmitJob):
     (409). A room with ``ROOM_MAX_JOBS`` jobs waiting or running already is refused (429
     ``quota_exceeded``). A refused submit stores nothing, and its bundle is deleted at once
     (``_release_bundle``): it counts against the room's quota no longer."""
-    bundle_id, script = body.bundle_artifact, body.kind == JobKind.SCRIPT
+    bundle_id, script = body.spec.code.bundle_artifact, body.spec.kind == JobKind.SCRIPT
     bundle = ctx().store.get_artifact(bundle_id)
     kind, what = (ArtifactKind.WORKDIR, "working dir") if script else (ArtifactKind.BUNDLE, "bundle")
     if bundle is None or bundle["room_id"] != room["id"] or bundle["kind"] != kind.value:
@@ -176,13 +179,12 @@ def create_job(room: dict, body: SubmitJob):
         raise Conflict(f"bundle {bundle_id} already belongs to job {bundle['job_id']}")
     global_weights.start_of(room, body)  # its DILOCO start weights: 400 unless the room's, for a new job
     limits.check_job_quota(room)
-    pins = manifests.pin(ctx().store, room["id"], body.datasets)  # a name the room lacks: 400 naming it
+    pins = manifests.pin(ctx().store, room["id"], body.spec.datasets)  # a name the room lacks: 400 naming it
     now = time.time()
-    spec = JobSpec.model_validate({
-        **body.model_dump(exclude={"name", "fail_if_unschedulable", "required_modules", "versions", "datasets"}),
-        "versions": body.versions.model_dump(exclude_none=True), "datasets": [p.model_dump() for p in pins],
-        "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"],
-        "required_modules": sorted(set(body.required_modules))})
+    code = body.spec.code
+    spec = JobSpec.model_validate({**body.spec.model_dump(), "datasets": [p.model_dump() for p in pins],
+                                   "code": {**code.model_dump(), "required_modules": sorted(set(code.required_modules)),
+                                            "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"]}})
     job = JobRecord(id=uuid.uuid4().hex[:12], room_id=room["id"], status=JobStatus.QUEUED, name=body.name,
                     created_at=now, spec=spec, timeline=[TimelineEntry(status=JobStatus.QUEUED, at=now)])
     reason = unschedulable(spec.model_dump(mode="json"),
@@ -194,7 +196,7 @@ def create_job(room: dict, body: SubmitJob):
     ctx().store.update_artifact(bundle_id, {"used_at": now} if script else {"job_id": job.id})
     global_weights.attach_start(job)
     log.info("job %s: queued in room %s (%s, world size %s)", job.id, room["id"],
-             f"script {spec.script.path}" if script else spec.parallelism.value, spec.world_size or "all")
+             f"script {spec.script.path}" if spec.script else spec.parallelism.value, spec.resources.world_size or "all")
     notify.job_changed(job)
     ctx().scheduler.kick()
     return submitted_view(job, reason), 201
@@ -298,7 +300,7 @@ def get_weights(job: JobRecord):
            answer=OCTET, tag="ranks")
 def get_bundle(job: JobRecord):
     """Any rank's key of the job's current attempt (a GPU client fetches it once for its ranks)."""
-    artifact = ctx().store.get_artifact(job.spec.bundle_artifact)
+    artifact = ctx().store.get_artifact(job.spec.code.bundle_artifact)
     if artifact is None or artifact.get("room_id") != job.room_id:
         raise NotFound(f"job {job.id} has no bundle on this server", job_id=job.id)
     return stream(artifact)

@@ -74,8 +74,8 @@ def summary(store, job: JobRecord) -> dict:
             "running_at": job.running_at, "ended_at": end,
             "duration": end - start if start and end else None,
             "final_loss": job.final_loss, "result": first_result(job), "world_size": job.world_size,
-            "requested_world_size": job.spec.world_size, "parallelism": _mode(job),
-            "epochs": job.spec.epochs, "mean_throughput": _cached_throughput(store, job),
+            "requested_world_size": job.spec.resources.world_size, "parallelism": _mode(job),
+            "epochs": job.spec.training.epochs, "mean_throughput": _cached_throughput(store, job),
             "reason": job.reason}
 
 

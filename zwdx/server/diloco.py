@@ -119,7 +119,7 @@ def _state_from(job: JobRecord, expected: list[int]) -> int | None:
 
 def round_timeout(job: JobRecord) -> float:
     """Seconds a round waits for its last workers after its first upload."""
-    return float(job.spec.diloco.round_timeout or job.spec.collective_timeout or current_app.config["COLLECTIVE_TIMEOUT"])
+    return float(job.spec.diloco.round_timeout or job.spec.training.collective_timeout or current_app.config["COLLECTIVE_TIMEOUT"])
 
 
 def _delete(artifact: dict) -> None:

@@ -326,7 +326,7 @@ class Job:
         r = self.record
         if r.status not in _ACTIVE:
             return None
-        if r.restarts >= r.spec.max_restarts:
+        if r.restarts >= r.spec.recovery.max_restarts:
             history = "; ".join(h.reason for h in r.restart_history)
             why = f"{reason}; gave up after {r.restarts} restart(s)" + (f" ({history})" if history else "")
             return JobStatus.FAILED if self.fail(why) else None
@@ -393,7 +393,7 @@ class Job:
         """Rank 0 committed a checkpoint: it is the latest, and the job keeps the last
         ``keep_checkpoints``. Returns those kept; None when the job is not starting or running
         (nothing changed)."""
-        keep = self.record.spec.keep_checkpoints
+        keep = self.record.spec.recovery.keep_checkpoints
         if not self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
                                                 when=_ACTIVE, keep_last=keep)):
             return None

@@ -53,8 +53,8 @@ def _kept(ctx, job: JobRecord, rank: int) -> dict:
     slot = next((s for s in ctx.store.list_slots(job.room_id, place.client_id) if s.get("index") == place.gpu_index),
                 None) or {}
     terms = slot.get("terms")
-    if terms and job.spec.image:  # the job's own image, of those its donor allows
-        terms = {**terms, "image": job.spec.image, "image_id": ""}
+    if terms and job.spec.resources.image:  # the job's own image, of those its donor allows
+        terms = {**terms, "image": job.spec.resources.image, "image_id": ""}
     return {"isolation": slot.get("isolation"), "terms": terms}
 
 

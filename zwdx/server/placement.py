@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 
 from .. import defaults
 from ..protocol import ClientStatus, JobStatus, python_minor
+from ..protocol.flat import nest
 
 GiB = 1024**3
 #: How many GPU clients a reason names before it says "and N more".
@@ -77,9 +78,23 @@ def no_clients(clients) -> str:
     return "the room has no GPU clients online" + (f" ({offline} offline)" if offline else "")
 
 
+def tree(spec: dict) -> dict:
+    """A spec document as the tree (``zwdx.protocol.spec``) with its mode named, whichever shape
+    it has (a record of an earlier zwdx, a hand-made document, are flat)."""
+    if "strategy" in spec or "code" in spec:
+        return spec
+    mode = {"parallelism": str(spec.get("parallelism") or "DDP").upper(), "kind": spec.get("kind") or "function"}
+    return {**nest(spec), **mode}
+
+
+def _part(spec: dict, name: str) -> dict:
+    """One part of a spec's tree, as a document."""
+    return tree(spec).get(name) or {}
+
+
 def missing_modules(spec: dict, client: dict) -> list[str]:
     """The job's required modules the client cannot import (none when it did not say)."""
-    need = spec.get("required_modules") or []
+    need = _part(spec, "code").get("required_modules") or []
     if not need or client.get("modules") is None:
         return []
     have = set(client["modules"].split())
@@ -124,7 +139,8 @@ def _host_ram(slots: list[dict], clients: dict, held: dict) -> dict:
 def needs_python(spec: dict) -> str | None:
     """The Python minor version a job's code loads on: its bundle's (cloudpickled code needs the
     one that made it); a script job's, none (its script runs on the GPU client's Python)."""
-    return None if spec.get("kind") == "script" else python_minor(spec["versions"]["python"])
+    spec = tree(spec)
+    return None if spec.get("kind") == "script" else python_minor(spec["code"]["versions"]["python"])
 
 
 def whole_groups(order: list[dict], per: int) -> tuple[list[dict], int]:
@@ -152,7 +168,7 @@ def tp_groups(spec: dict, order: list[dict], want: int | None) -> int:
     FSDP+TP: ``tp_size``); else TP's largest group of one GPU client, and FSDP+TP's largest group
     size (at least 2) that divides ``want`` and that enough GPU clients have (with no ``want``:
     the size that places the most ranks). 0: no such group."""
-    fixed = _n(spec.get("gpus_per_client"))
+    fixed = _n(_part(spec, "resources").get("gpus_per_client"))
     if fixed:
         return fixed
     counts = Counter(s["client_id"] for s in order)
@@ -171,8 +187,8 @@ def tp_size(spec, placement) -> int | None:
     GPU client of the job holds as many); None for the other modes."""
     if spec.parallelism.value not in TP_MODES:
         return None
-    if spec.tp_size:
-        return spec.tp_size
+    if spec.tp is not None and spec.tp.size:
+        return spec.tp.size
     first = placement[0].client_id
     return sum(1 for p in placement if p.client_id == first)
 
@@ -195,7 +211,7 @@ def apart(clients: dict, now: float) -> set[frozenset]:
 
 def mixes_devices(spec: dict) -> bool:
     """Whether the job may take GPU and CPU slots together (``devices: "mixed"``)."""
-    return spec.get("devices") == "mixed"
+    return _part(spec, "strategy").get("type") == "mixed"
 
 
 #: What a placement of GPU and CPU slots together costs, on its timeline and in the scheduler's log.
@@ -241,11 +257,11 @@ def _pairs_named(pairs: set[frozenset], clients: dict) -> str:
 
 def _eligible(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it."""
-    spec = job["spec"]
+    spec = tree(job["spec"])
     need_py = needs_python(spec)
-    mem = _n(spec.get("memory_required"))
+    mem = _n(_part(spec, "resources").get("memory_required"))
     ok, too_small, busy, wrong_py, missing = [], 0, 0, Counter(), {}
-    image, no_image = spec.get("image"), {}
+    image, no_image = _part(spec, "resources").get("image"), {}
     avoid, avoided = set(job.get("avoid") or []), set()
     for slot in slots:
         client = clients.get(slot["client_id"])
@@ -329,19 +345,19 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
     """Choose the slots for a job, rank order grouped by GPU client; or None and the reason.
     ``held``: bytes per rank of the jobs holding slots (those on CPU slots count against their
     host's RAM)."""
-    spec = job["spec"]
+    spec = tree(job["spec"])
     pairs = apart(clients, time.time() if now is None else now) if meets_over_tcp(spec) else set()
     if not any(online(c) for c in clients.values()):
         return None, no_clients(clients.values())
     eligible, why = _eligible(job, slots, clients)
-    mem = _n(spec.get("memory_required"))
+    mem = _n(_part(spec, "resources").get("memory_required"))
     by_kind = defaultdict(list)
     for slot in eligible:
         by_kind[slot.get("kind", "cuda")].append(slot)
-    want = spec.get("world_size")
+    want = _part(spec, "resources").get("world_size")
     least = None  # a new job waits for its world size; one resuming may go on with min_world_size
     if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
-        want, least = job["world_size"], spec.get("min_world_size")  # the size it ran at, or at least that
+        want, least = job["world_size"], _part(spec, "recovery").get("min_world_size")  # the size it ran at, or at least that
     load = Counter(s["client_id"] for s in slots if s.get("job_id"))
     have, kinds_apart = 0, []
     for kinds in ([("cuda", "cpu")] if mixes_devices(spec) else [("cuda",), ("cpu",)]):
@@ -354,7 +370,7 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
                 why += short
             chosen += of_kind  # a mixed job: GPUs first
         tp = spec.get("parallelism") in TP_MODES
-        per = tp_groups(spec, chosen, want) if tp and chosen else _n(spec.get("gpus_per_client"))
+        per = tp_groups(spec, chosen, want) if tp and chosen else _n(_part(spec, "resources").get("gpus_per_client"))
         if tp and per and spec.get("parallelism") == "TP":
             want = per  # one group: the job's ranks
         if per and chosen:
@@ -423,6 +439,7 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     than its eligible slots, more memory than any slot has, no GPU client at all, none on the
     submitter's Python, a package missing on every one); None when it could. Jobs wait anyway:
     GPU clients may join."""
+    spec = tree(spec)
     alive = [c for c in clients if online(c)]
     if not alive:
         return no_clients(clients)
@@ -436,14 +453,14 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
     fit = [c for c in runs if not missing[c["id"]]]
     if not fit:
         return f"no GPU client online can import the packages the job uses: {_lacking(runs, missing)}"
-    mem = _n(spec.get("memory_required"))
+    mem = _n(_part(spec, "resources").get("memory_required"))
     slots = [s for c in fit for s in c["slots"]]
     big = [s for s in slots if memory(s) >= mem]
     if not big:
         largest = max((memory(s) for s in slots), default=0)
         return (f"memory_required ({gib(mem)} per rank) is above every slot's total memory "
                 f"(the largest has {gib(largest)})")
-    per = _n(spec.get("gpus_per_client"))
+    per = _n(_part(spec, "resources").get("gpus_per_client"))
     cuda = [s for s in big if s.get("kind", "cuda") == "cuda"]
     gpus = len(whole_groups(cuda, per)[0] if per else cuda)
     cpu_hosts = defaultdict(list)
@@ -464,7 +481,7 @@ def unschedulable(spec: dict, clients: list[dict]) -> str | None:
         if per:  # whole groups of gpus_per_client on each of the host's GPU clients
             fits = min(fits, len(whole_groups(host_slots, per)[0]))
         cpus += fits
-    need = spec.get("world_size") or 1  # min_world_size only lets a resumed job go on with fewer ranks
+    need = _part(spec, "resources").get("world_size") or 1  # min_world_size only lets a resumed job go on with fewer ranks
     most = gpus + cpus if mixes_devices(spec) else max(gpus, cpus)
     if most >= need:
         return None

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import BadRequest
-from ..protocol import (ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus, Parallelism,
-                        SlotKind)
+from ..protocol import (ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, Devices, JobStatus,
+                        Parallelism, SlotKind)
 from ..protocol.base import parse
 from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
@@ -76,8 +76,14 @@ def _least(record: JobRecord, spec: dict) -> dict:
     """The spec as ``unschedulable`` should judge it: a resuming job may go on with
     ``min_world_size`` ranks (or the ranks it ran with)."""
     if record.status == JobStatus.RESUMING and record.world_size:
-        return {**spec, "world_size": spec.get("min_world_size") or record.world_size}
+        return _sized(spec, spec["recovery"].get("min_world_size") or record.world_size)
     return spec
+
+
+def _sized(spec: dict, world_size: int) -> dict:
+    """A spec document asking for ``world_size`` ranks (and no fewer)."""
+    return {**spec, "resources": {**spec["resources"], "world_size": world_size},
+            "recovery": {**spec["recovery"], "min_world_size": None}}
 
 
 @dataclass
@@ -257,12 +263,12 @@ class Scheduler:
     def _held_memory(self, job: JobRecord, slots: list[dict]) -> dict:
         """Bytes per rank of the jobs on the room's CPU slots (job id -> memory_required), which
         count against their hosts' RAM; asked only for a job that needs memory."""
-        if not job.spec.memory_required:
+        if not job.spec.resources.memory_required:
             return {}
         held = {}
         for job_id in {s["job_id"] for s in slots if s.get("job_id") and s.get("kind") == SlotKind.CPU.value}:
             other = self.ctx.store.get_job(job_id)
-            held[job_id] = other.spec.memory_required if other else 0
+            held[job_id] = other.spec.resources.memory_required if other else 0
         return held
 
     def _try_start(self, record: JobRecord, clients: dict):
@@ -325,7 +331,7 @@ class Scheduler:
             clients = {c["id"]: c for c in self.ctx.store.list_clients(record.room_id)}
             slots = sorted((s for c in clients.values() for s in c["slots"] if not s.get("job_id")),
                            key=lambda s: (s["client_id"], s["index"]))
-            asked = {"spec": {**record.spec.model_dump(mode="json"), "world_size": 1, "min_world_size": None},
+            asked = {"spec": _sized(record.spec.model_dump(mode="json"), 1),
                      "status": JobStatus.QUEUED.value, "world_size": None, "avoid": record.avoid}
             chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))
             if not chosen:
@@ -414,7 +420,7 @@ class Scheduler:
         only), and every value the ranks need decided here; ``joining``: only the ranks of
         ``rank_keys``, joining the running job."""
         spec = job.spec
-        timeout = spec.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
+        timeout = spec.training.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
         groups = list(dict.fromkeys(p.client_id for p in job.placement))  # a script's GROUP_RANK: its client's place
         clients = {client_id: self.ctx.store.get_client(client_id) or {} for client_id in groups}
         peers = [Peer(client_id=c["id"], hostname=c.get("hostname") or "", addr=c["advertise_addr"],
@@ -431,15 +437,16 @@ class Scheduler:
                 ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank])
                        for p in job.placement if p.client_id == client_id and p.rank in rank_keys],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
-                bundle_artifact=spec.bundle_artifact, bundle_sha256=spec.bundle_sha256,
-                bundle_size=spec.bundle_size or None,
-                parallelism=spec.parallelism, epochs=spec.epochs,
+                bundle_artifact=spec.code.bundle_artifact, bundle_sha256=spec.code.bundle_sha256,
+                bundle_size=spec.code.bundle_size or None,
+                parallelism=spec.parallelism, epochs=spec.training.epochs,
                 checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
-                keep_checkpoints=spec.keep_checkpoints, checkpoint_every_epoch=spec.checkpoint_every_epoch,
-                collective_timeout=timeout, kind=spec.kind, script=spec.script, group_rank=group_rank,
-                group_world_size=len(groups), max_restarts=spec.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
-                peers=peers, datasets=spec.datasets, joining=joining, image=spec.image,
+                keep_checkpoints=spec.recovery.keep_checkpoints, checkpoint_every_epoch=spec.recovery.checkpoint_every_epoch,
+                collective_timeout=timeout, kind=spec.kind, script=spec.script and spec.script.model_dump(exclude={"type"}), group_rank=group_rank,
+                group_world_size=len(groups), max_restarts=spec.recovery.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
+                peers=peers, datasets=spec.datasets, joining=joining, image=spec.resources.image,
                 addresses=addresses.egress_addresses(list(clients.values()), client),
-                devices=spec.devices, global_batch=spec.global_batch, tp_plan=spec.tp_plan,
+                devices=Devices.MIXED if spec.mixed else Devices.SAME, global_batch=spec.mixed and spec.mixed.global_batch,
+                tp_plan=spec.tp and spec.tp.plan,
                 tp_size=tp_size(spec, job.placement))
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -41,7 +41,7 @@ DATASETS = (ArtifactKind.DATASET.value, ArtifactKind.DATASET_CHUNK.value)
 def referenced(job: JobRecord) -> set[str]:
     """The artifacts a finished job's record names: its bundle, its weights, a script job's
     outputs, the files of its committed checkpoints."""
-    keep = {job.spec.bundle_artifact}
+    keep = {job.spec.code.bundle_artifact}
     keep |= {a for a in (job.weights_artifact, job.outputs_artifact) if a}
     for entry in [*job.checkpoints, *([job.latest_checkpoint] if job.latest_checkpoint else [])]:
         keep |= set(entry.files.values())
@@ -94,7 +94,7 @@ class Sweeper:
         room_id = artifact["room_id"]
         if room_id not in in_use:
             try:
-                in_use[room_id] = {job.spec.bundle_artifact for job in self.ctx.store.list_jobs(room_id)
+                in_use[room_id] = {job.spec.code.bundle_artifact for job in self.ctx.store.list_jobs(room_id)
                                    if job.spec.kind == JobKind.SCRIPT and not (
                                        expired_before and job.ended_at and job.ended_at < expired_before)}
             except Exception:

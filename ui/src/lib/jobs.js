@@ -69,9 +69,10 @@ export const HISTORY_COLUMNS = [
 
 /** How a job trains, in words: its parallelism, a script job's script, DILOCO's inner steps and compression. */
 export function jobMode(spec = {}) {
-  if (spec.kind === JobKind.SCRIPT) return `script ${spec.script?.path ?? ""}`.trim();
-  if (spec.parallelism === "DILOCO" && spec.diloco) {
-    return `DILOCO (H=${spec.diloco.inner_steps}, ${spec.diloco.compression})`;
+  const strategy = spec.strategy || {};
+  if (spec.kind === JobKind.SCRIPT) return `script ${strategy.path ?? ""}`.trim();
+  if (spec.parallelism === "DILOCO") {
+    return `DILOCO (H=${strategy.inner_steps}, ${strategy.compression})`;
   }
   return spec.parallelism ?? "—";
 }

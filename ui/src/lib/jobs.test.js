@@ -96,8 +96,8 @@ describe("failures", () => {
 
 describe("how a job trains", () => {
   it("names a script job's script and DILOCO's settings, else the parallelism", () => {
-    expect(jobMode({ kind: "script", parallelism: "DDP", script: { path: "train.py" } })).toBe("script train.py");
-    expect(jobMode({ parallelism: "DILOCO", diloco: { inner_steps: 500, compression: "int8" } })).toBe("DILOCO (H=500, int8)");
+    expect(jobMode({ kind: "script", parallelism: "DDP", strategy: { type: "script", path: "train.py" } })).toBe("script train.py");
+    expect(jobMode({ parallelism: "DILOCO", strategy: { type: "diloco", inner_steps: 500, compression: "int8" } })).toBe("DILOCO (H=500, int8)");
     expect(jobMode({ parallelism: "FSDP" })).toBe("FSDP");
     expect(jobMode({})).toBe("—");
   });

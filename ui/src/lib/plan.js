@@ -42,8 +42,8 @@ export function stageOrder(job) {
 export function scheduleOf(job) {
   const spec = job.spec || {};
   if (spec.parallelism !== Parallelism.PIPELINE) return null;
-  const settings = spec.pipeline || {};
-  const ranks = job.world_size || spec.world_size || 0;
+  const settings = spec.strategy || {};
+  const ranks = job.world_size || spec.resources?.world_size || 0;
   const told = Object.values(job.ranks || {}).find((s) => s.layout?.stage)?.layout.stage.of;
   const stages = told || ranks * (settings.stages_per_rank || 1);
   if (!stages || !ranks) return null;

@@ -81,7 +81,7 @@ describe("the micro-batch schedule", () => {
 describe("the plan's columns and stages", () => {
   const job = {
     world_size: 3,
-    spec: { parallelism: "PIPELINE", pipeline: { schedule: "1f1b", microbatches: null } },
+    spec: { parallelism: "PIPELINE", strategy: { type: "pipeline", schedule: "1f1b", microbatches: null } },
     placement: [
       { rank: 0, client_id: "b", hostname: "beta", gpu_index: 1 },
       { rank: 1, client_id: "a", hostname: "alpha", gpu_index: 0 },
@@ -120,7 +120,7 @@ describe("the plan's columns and stages", () => {
   it("takes the schedule from the job's settings, a micro-batch per stage by default", () => {
     expect(scheduleOf(job)).toEqual({ schedule: "1f1b", stages: 3, ranks: 3, microbatches: 3 });
     const interleaved = { ...job, world_size: 2, ranks: {},
-      spec: { parallelism: "PIPELINE", pipeline: { schedule: "interleaved1f1b", stages_per_rank: 3, microbatches: 4 } } };
+      spec: { parallelism: "PIPELINE", strategy: { type: "pipeline", schedule: "interleaved1f1b", stages_per_rank: 3, microbatches: 4 } } };
     expect(scheduleOf(interleaved)).toEqual({ schedule: "interleaved1f1b", stages: 6, ranks: 2, microbatches: 4 });
     expect(scheduleOf({ ...job, spec: { parallelism: "DDP" } })).toBe(null);
   });

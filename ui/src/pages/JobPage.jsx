@@ -182,13 +182,14 @@ function Actions({ job, putJob }) {
 
 function Facts({ job, position }) {
   const spec = job.spec || {};
+  const resources = spec.resources || {};
   const facts = [
     ["Parallelism", jobMode(spec)],
-    ["World size", `${job.world_size ?? "—"} (requested ${spec.world_size ?? "all free"})`],
-    ["Epochs", spec.epochs ?? "train_func's default"],
-    ["Memory per rank", spec.memory_required ? formatBytes(spec.memory_required) : "any"],
+    ["World size", `${job.world_size ?? "—"} (requested ${resources.world_size ?? "all free"})`],
+    ["Epochs", spec.training?.epochs ?? "train_func's default"],
+    ["Memory per rank", resources.memory_required ? formatBytes(resources.memory_required) : "any"],
     ["Backend", job.backend || "—"],
-    ["Bundle", formatBytes(spec.bundle_size)],
+    ["Bundle", formatBytes(spec.code?.bundle_size)],
     ["Submitted", formatTime(job.created_at)],
     ["Duration", formatDuration(jobDuration(job))],
     ["Final loss", formatNumber(job.final_loss)],

@@ -8,7 +8,8 @@ vi.mock("socket.io-client", () => ({ io: (url, opts) => sockets[sockets.push(new
 
 const base = {
   id: "j1", room_id: "r1", name: "mnist", created_at: 1700000000, seq: 1,
-  spec: { parallelism: "DDP", epochs: 2, world_size: 2, memory_required: 0, bundle_size: 2048 },
+  spec: { parallelism: "DDP", strategy: { type: "ddp" }, training: { epochs: 2 }, resources: { world_size: 2, memory_required: 0 },
+    code: { bundle_size: 2048 } },
   placement: [
     { rank: 0, client_id: "gpu-a", hostname: "alpha", gpu_index: 0, gpu_name: "NVIDIA H100", kind: "cuda" },
     { rank: 1, client_id: "gpu-b", hostname: "beta", gpu_index: 1, gpu_name: "NVIDIA H100", kind: "cuda" },
@@ -59,7 +60,7 @@ describe("the job page", () => {
   });
 
   it("says the train function's default decides the epochs when none were submitted", async () => {
-    mockFetch(routes({ ...running, spec: { ...running.spec, epochs: null } }));
+    mockFetch(routes({ ...running, spec: { ...running.spec, training: { epochs: null } } }));
     renderApp("/jobs/j1");
     const epochs = (await screen.findByText("Epochs")).closest("div");
     expect(epochs).toHaveTextContent("train_func's default");
@@ -101,7 +102,7 @@ describe("the job page", () => {
 
   it("draws a pipeline's stage order and its micro-batch schedule", async () => {
     const stage = (index) => ({ status: "running", layout: { role: "stage", text: `stage ${index} of 2`, stage: { index, of: 2 } } });
-    const pipe = { ...running, spec: { ...running.spec, parallelism: "PIPELINE", pipeline: { schedule: "1f1b", microbatches: 4 } },
+    const pipe = { ...running, spec: { ...running.spec, parallelism: "PIPELINE", strategy: { type: "pipeline", schedule: "1f1b", microbatches: 4 } },
       ranks: { 0: stage(0), 1: stage(1) } };
     mockFetch(routes(pipe));
     renderApp("/jobs/j1");
@@ -119,7 +120,7 @@ describe("the job page", () => {
     const stage = (index) => ({ status: "running", layout: { role: "stage", text: `stages ${index}, ${index + 2} of 4`,
       stage: { index, of: 4, virtual: [index, index + 2] } } });
     const pipe = { ...running, ranks: { 0: stage(0), 1: stage(1) }, spec: { ...running.spec, parallelism: "PIPELINE",
-      pipeline: { schedule: "interleaved1f1b", microbatches: 4, stages_per_rank: 2 } } };
+      strategy: { type: "pipeline", schedule: "interleaved1f1b", microbatches: 4, stages_per_rank: 2 } } };
     mockFetch(routes(pipe));
     renderApp("/jobs/j1");
     const schedule = await screen.findByTestId("schedule");

@@ -170,10 +170,10 @@ function Queue({ jobs }) {
               <StatusBadge status={j.status} />
             </td>
             <td>
-              {j.spec?.world_size ?? "all free"}
+              {j.spec?.resources?.world_size ?? "all free"}
               {j.world_size ? <span className="muted small"> · {j.world_size} placed</span> : null}
             </td>
-            <td>{j.spec?.memory_required ? formatBytes(j.spec.memory_required) : "any"}</td>
+            <td>{j.spec?.resources?.memory_required ? formatBytes(j.spec.resources.memory_required) : "any"}</td>
             <td>{formatTime(j.created_at)}</td>
             <td className="muted small">{j.waiting_reason || ""}</td>
           </tr>

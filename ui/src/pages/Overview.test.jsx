@@ -13,7 +13,8 @@ const slot = (clientId, index, extra = {}) => ({
 });
 const job = (id, seq, status, spec = {}) => ({
   id, seq, status, name: `job-${id}`, created_at: 1700000000 + seq, timeline: [{ status }],
-  spec: { world_size: 2, memory_required: 8 * GiB, parallelism: "DDP", ...spec }, world_size: null,
+  spec: { resources: { world_size: 2, memory_required: 8 * GiB, ...spec }, parallelism: "DDP", strategy: { type: "ddp" } },
+  world_size: null,
 });
 
 describe("the room overview", () => {
