@@ -1,4 +1,6 @@
-"""README is the front door: short, its two commands the ones CI and run_all.sh run, its links alive."""
+"""README is the front door: short, its two commands the ones CI and run_all.sh run, its links alive.
+The manual (docs/, built by mkdocs --strict in CI) names only files of the tree that exist."""
+import glob
 import os
 import re
 
@@ -39,3 +41,15 @@ def test_readme_links_lead_somewhere():
         if "://" in target:
             continue
         assert os.path.exists(os.path.join(ROOT, target)), f"README.md links to {target}, which is not there"
+
+
+# a path of the tree in the text: gpu_client/rank/runner.py, test/test_e2e.py, bench/README.md, ...
+PATH_IN_TEXT = re.compile(r"(?<![\w/.~-])((?:gpu_client|zwdx|test|bench|ui)/[\w./-]+\.(?:py|sh|md|json|jsx?|toml|yml))\b")
+
+
+def test_docs_name_files_that_exist():
+    pages = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                                              recursive=True))
+    missing = sorted({f"{page}: {path}" for page in pages for path in PATH_IN_TEXT.findall(_read(page))
+                      if not os.path.exists(os.path.join(ROOT, path))})
+    assert not missing, "the docs name files that are not in the tree (moved? renamed?):\n" + "\n".join(missing)
