@@ -1,0 +1,129 @@
+"""What the control plane's hot paths cost one server process, the earlier way and the way now,
+on the embedded store (SQLite) in this process: figures independent of a load generator.
+
+- a heartbeat: one store write (``touch_client``, as every heartbeat was) against the memory
+  of the process holding the client (``Presence.beat``; the store is written once a second
+  for those whose figures moved enough: ``Presence.step``, counted in);
+- a placement pass's read of a room of N clients: the whole room (``list_clients``, as every
+  pass was) against the view after K of its clients changed (``RoomViews.of``);
+- ranks' event posts from W ranks at once: a transaction each (``add_events``) against the
+  group commit (``EventWriter``), wall time for all of them (threads; the store's lock and
+  fsync are what is shared).
+
+    python bench/control_costs.py --clients 1000,5000 --changed 20 --ranks 64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zwdx.server.batches import EventWriter  # noqa: E402
+from zwdx.server.presence import Presence  # noqa: E402
+from zwdx.server.roomview import RoomViews, observe  # noqa: E402
+from zwdx.server.store import open_store  # noqa: E402
+
+
+def populate(store, n: int, room: str = "r1") -> None:
+    for i in range(n):
+        cid = f"c{i}"
+        store.upsert_client({"id": cid, "room_id": room, "hostname": cid, "status": "online", "last_seen": 0.0,
+                             "versions": {"python": "3.11.7"}, "modules": "torch numpy"},
+                            [{"id": f"{cid}:{g}", "client_id": cid, "room_id": room, "index": g, "kind": "cuda",
+                              "memory_total": 80 << 30, "memory_free": 80 << 30, "utilization": 0} for g in range(2)])
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f} ms"
+
+
+def heartbeats(store, n: int) -> tuple[float, float]:
+    stats = [{"index": g, "memory_free": 79 << 30, "utilization": 50} for g in range(2)]
+    began = time.perf_counter()
+    for i in range(n):
+        store.touch_client(f"c{i}", {"last_seen": time.time(), "lost_after": time.time() + 10,
+                                     "running_jobs": []}, stats, expect_status="online")
+    before = (time.perf_counter() - began) / n
+    ctx = SimpleNamespace(store=store, lease=SimpleNamespace(holder="bench", shared=False, held=lambda: True),
+                          config={"CLIENT_TIMEOUT": 10})
+    presence = Presence(ctx)
+    now = time.time()
+    for i in range(n):
+        presence.joined(f"c{i}", "r1", f"s{i}", now, now + 10, [{"index": g, **stats[g]} for g in range(2)], [])
+    began = time.perf_counter()
+    for i in range(n):  # every client beats once, 1 in 20 with free memory moved enough to be written
+        moved = [{**s, "memory_free": (40 << 30) if i % 20 == 0 else s["memory_free"]} for s in stats]
+        presence.beat(f"c{i}", f"s{i}", time.time(), time.time() + 10, moved, [])
+    presence.step()
+    return before, (time.perf_counter() - began) / n
+
+
+def placement_reads(store, changed: int, times: int = 5) -> tuple[float, float]:
+    began = time.perf_counter()
+    for _ in range(times):
+        store.list_clients("r1")
+    before = (time.perf_counter() - began) / times
+    views = RoomViews(store)
+    observe(store, views)
+    views.of("r1")
+    took = 0.0
+    for t in range(times):
+        for i in range(changed):
+            store.update_client(f"c{(t * changed + i) * 7 % 1000}", {"last_seen": float(t)})
+        began = time.perf_counter()
+        views.of("r1")
+        took += time.perf_counter() - began
+    return before, took / times
+
+
+def events(store, ranks: int, rounds: int = 5) -> tuple[float, float]:
+    def post_all(add) -> float:
+        start = threading.Barrier(ranks)
+
+        def post(rank):
+            start.wait()
+            for r in range(rounds):
+                add(f"j{rank % 8}", [{"kind": "metric", "rank": rank, "key": f"{tag}-{r}-{k}", "step": r,
+                                      "data": {"loss": 1.0}, "ts": 1.0} for k in range(5)])
+        threads = [threading.Thread(target=post, args=(rank,)) for rank in range(ranks)]
+        began = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (time.perf_counter() - began) / (ranks * rounds)
+    tag = "a"
+    before = post_all(store.add_events)
+    tag = "b"
+    return before, post_all(EventWriter(store).add)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1000,5000")
+    parser.add_argument("--changed", type=int, default=20, help="clients changed between two placement passes")
+    parser.add_argument("--ranks", type=int, default=64, help="ranks posting events at once")
+    args = parser.parse_args()
+    print("| clients | heartbeat: store write | heartbeat: memory (+ its share of the step) | placement read: room "
+          "| placement read: view, {} changed | events post: a transaction each | events post: group commit |"
+          .format(args.changed))
+    print("|---|---|---|---|---|---|---|")
+    for n in (int(x) for x in args.clients.split(",")):
+        with tempfile.TemporaryDirectory() as data:
+            store = open_store(data, None)
+            populate(store, n)
+            hb = heartbeats(store, n)
+            pl = placement_reads(store, args.changed)
+            ev = events(store, args.ranks)
+            store.close()
+        print(f"| {n:,} | {ms(hb[0])} | {ms(hb[1])} | {ms(pl[0])} | {ms(pl[1])} | {ms(ev[0])} | {ms(ev[1])} |")
+
+
+if __name__ == "__main__":
+    main()
