@@ -55,5 +55,9 @@ def test_a_worker_adding_noise_is_named_a_suspect_and_the_job_still_learns(sdk, 
     assert placed[2] in sdk.get_job(result["job_id"]).get("avoid", [placed[2]])
     logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]
     assert any("rank 2" in t and "is a suspect" in t for t in logs), logs
+    # The weights that came back are the server's own global weights, and the workers that finished hold them.
+    assert any("the weights that came back are the server's global weights" in t for t in logs), logs
+    held = {result["job"]["ranks"][r].get("global_fingerprint") for r in ("0", "1")}
+    assert len(held) == 1 and None not in held, held
     accuracy = mnist.held_out_accuracy(sdk.get_trained_model(result["job_id"], mnist.Net()))
     assert accuracy > 0.7, accuracy  # honest runs of this job reach 0.8-0.9; with the plain mean ~0.1

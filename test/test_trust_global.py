@@ -84,6 +84,16 @@ def test_start_weights_name_each_parameter_once_with_its_tied_names():
         global_weights.check_start(global_weights.write({"w": ("F32", [2], b"\0" * 8)}, {"parameters": '[["x"]]'}))
 
 
+def test_a_workers_fingerprint_of_its_parameters_is_the_servers_of_the_same_weights():
+    from gpu_client.rank.strategies.diloco import Diloco
+    m = Tied()
+    m.seen += 3  # a buffer, each worker's own: not in the global weights' fingerprint
+    header, meta, body = global_weights.read(start_weights.encode(m))
+    params = {k: bytes(body[slice(*header[k]["data_offsets"])]) for g in json.loads(meta["parameters"]) for k in g}
+    worker = Diloco.global_fingerprint(None, m, m.state_dict())  # it uses nothing of its worker
+    assert worker == global_weights.fingerprint(params)
+
+
 # -- a job's rounds and weights ---------------------------------------------------------------------
 def placed(app, start: bytes | None, world_size: int = 3, **settings):
     """``test_diloco.placed``, the job submitted with start weights as the SDK sends them."""

@@ -215,7 +215,8 @@ class Trainer:
         self.checkpointer.wait()  # the last checkpoint's upload, if still going
         dist.barrier()
         self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
-                             fingerprint=fingerprint(state), weights_artifact=weights)
+                             fingerprint=fingerprint(state), weights_artifact=weights,
+                             global_fingerprint=self.strategy.global_fingerprint(self.model, state))
 
     def fail(self, exc: BaseException) -> None:
         """Report the failure: the traceback, and whether the rank lost its peers."""

@@ -161,6 +161,16 @@ class Diloco(Collective):
         unless it was; a worker's first rank), as the server takes them."""
         return self.spec.rank == next(r for r in range(0, self.spec.world_size, self.per) if r not in self.dropped)
 
+    def global_fingerprint(self, model: torch.nn.Module, state: dict | None) -> str | None:
+        """sha256 of this worker's parameters alone (``parallel.fingerprint`` over them): the global
+        weights after its last round, which the server compares with its own or, where it saw no
+        round, with the other workers' (``zwdx.server.suspects.compare_weights``). Buffers
+        (BatchNorm's statistics) are each worker's own and stay out."""
+        from .parallel import fingerprint
+        module = getattr(model, "module", model)
+        names = {k for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.nn.Parameter)}
+        return fingerprint({k: v for k, v in state.items() if k in names}) if state is not None else None
+
     def trained(self) -> None:
         """After ``train_func``: the worker's last round, then no more outer steps."""
         try:

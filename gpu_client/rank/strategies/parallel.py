@@ -63,6 +63,10 @@ class Collective:
         """Whether this rank uploads the job's weights: rank 0."""
         return self.spec.rank == 0
 
+    def global_fingerprint(self, model: nn.Module, state: dict | None) -> str | None:
+        """DILOCO's fingerprint of the global weights alone; None in the other modes."""
+        return None
+
     def loader_arguments(self) -> dict:
         """What ``data_loader_func`` is told of the ranks: this one's place among the replicas."""
         return {"rank": self.spec.rank, "world_size": self.spec.world_size}
