@@ -1,7 +1,8 @@
 """The import contracts of pyproject.toml ([tool.importlinter]) hold: the SDK side and the GPU
 client never import the server, the protocol imports nothing of zwdx beyond errors and
 defaults, and server modules import only downward (edges, http, job lifecycle, rules and
-views, storage), never the zwdx.server package that builds the app from them."""
+views, storage), never the zwdx.server package that builds the app from them; the GPU client's
+folders import downward (agent, sandbox, rank, shared helpers) with no cycle, and never the SDK."""
 from __future__ import annotations
 
 import os
@@ -40,6 +41,14 @@ def test_the_import_contracts_hold():
                                                           "zwdx.server.api"),
     ("zwdx/server/lifecycle.py", "from . import create_app", "zwdx.server.lifecycle is not allowed to import "
                                                               "zwdx.server"),
+    ("zwdx/server/store/gridfs.py", "from .. import artifacts", "zwdx.server.store is not allowed to import "
+                                                                "zwdx.server.artifacts"),
+    ("gpu_client/rank/runner.py", "from gpu_client.sandbox import rank_process", "gpu_client.rank is not allowed to "
+                                                                                 "import gpu_client.sandbox"),
+    ("gpu_client/rank/strategies/layout.py", "from zwdx import checks", "gpu_client is not allowed to import "
+                                                                        "zwdx.checks"),
+    ("gpu_client/rank/strategies/parallel.py", "from . import diloco", "No cycles are allowed in "
+                                                                       "gpu_client.rank.strategies"),
 ])
 def test_a_bad_import_breaks_a_contract(tmp_path, path, line, says):
     """The same contracts on a copy of the tree with one import that breaks them."""

@@ -33,7 +33,7 @@ def submit(sdk, room, **kwargs):
 
 def rank_pids(client) -> list[int]:
     return [p.pid for p in psutil.Process(client.pid).children(recursive=True)
-            if "gpu_client.rank.runner" in " ".join(p.cmdline())]
+            if "gpu_client.sandbox.rank_process" in " ".join(p.cmdline())]
 
 
 def at(job, status, after=0.0):

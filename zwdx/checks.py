@@ -3,7 +3,7 @@
 Each of the submitter's functions is called with the named arguments it declares, out of those
 zwdx offers it (``OFFERED``, from ``zwdx.protocol``): ``check_signature`` refuses at submit a
 function that declares one zwdx does not offer, and ``call_with`` is how the runner calls it, so
-the two cannot drift. ``unpicklable_error`` names the variable (and its type) that keeps a job
+the two cannot drift (both in ``zwdx.model_rules``, with the model's units: the ranks use them too). ``unpicklable_error`` names the variable (and its type) that keeps a job
 from being pickled, instead of cloudpickle's bare error; ``fsdp_units_spec`` checks FSDP's
 ``fsdp_units``, ``check_pipeline`` a pipeline's ``stage_plan``, ``check_tp_plan`` a TP job's
 ``tp_plan``, ``check_devices`` a mixed-devices job's ``data_loader_func``. Every refusal is a
@@ -18,10 +18,7 @@ import types
 import cloudpickle
 
 from .errors import BadRequest
-from .protocol import EVAL_ARGS, LOADER_ARGS, TRAIN_ARGS
-
-#: The named arguments offered to each of the submitter's functions: checked at submit, passed by the runner.
-OFFERED = {"data_loader_func": LOADER_ARGS, "train_func": TRAIN_ARGS, "eval_func": EVAL_ARGS}
+from .model_rules import OFFERED, call_with, has_forward, pipeline_units, repeated_blocks, sequential_children  # noqa: F401  (the SDK's names)
 
 
 def fsdp_units_spec(units, model):
@@ -45,51 +42,6 @@ def fsdp_units_spec(units, model):
         return units
     raise BadRequest(f"fsdp_units must be a list of torch.nn.Module classes or a function fn(module) -> bool, "
                      f"got {type(units).__name__}", field="fsdp_units")
-
-
-def has_forward(module) -> bool:
-    """Whether ``module`` has a forward of its own (a ModuleList or ModuleDict has none)."""
-    import torch
-    return type(module).forward is not torch.nn.Module.forward
-
-
-def repeated_blocks(module, path: str = "") -> list:
-    """The modules of the outermost ModuleLists/Sequentials of two or more same-class modules,
-    as ``[(name, module)]``: FSDP's units by default, and what a pipeline is cut between."""
-    import torch
-    kids = list(module.named_children())
-    if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(kids) > 1 \
-            and len({type(kid) for _, kid in kids}) == 1 and has_forward(kids[0][1]):
-        return [(f"{path}{name}", kid) for name, kid in kids]
-    found = []
-    for name, kid in kids:
-        found.extend(repeated_blocks(kid, f"{path}{name}."))
-    return found
-
-
-def sequential_children(module, path: str = "") -> list:
-    """The children of the outermost ``nn.Sequential`` of two or more modules, as ``[(name, module)]``:
-    what a pipeline cuts a model without repeated blocks between (a Sequential calls each child in
-    turn, so a stage may begin at any of them)."""
-    import torch
-    if isinstance(module, torch.nn.Sequential) and len(module) > 1:
-        return [(f"{path}{name}", kid) for name, kid in module.named_children()]
-    for name, kid in module.named_children():
-        found = sequential_children(kid, f"{path}{name}.")
-        if found:
-            return found
-    return []
-
-
-def pipeline_units(model) -> tuple[list, str]:
-    """What a pipeline's ranges count and the default plan cuts between: the repeated blocks
-    (``"blocks"``, cut by count), else the children of the outermost ``nn.Sequential``
-    (``"children"``, cut by parameters: mixed layers differ in size); ``([], "blocks")`` if neither."""
-    blocks = repeated_blocks(model)
-    if blocks:
-        return blocks, "blocks"
-    children = sequential_children(model)
-    return (children, "children") if children else ([], "blocks")
 
 
 def units_said(units: list, kind: str) -> str:
@@ -266,25 +218,3 @@ def unpicklable_error(exc: BaseException, model, functions: dict) -> BadRequest:
                           f"to GPU clients ({error})", field="model", variable=".".join(path), variable_type=kind)
     return BadRequest(f"the job (model, functions, optimizer) cannot be pickled to send to GPU clients: "
                       f"{type(exc).__name__}: {exc}")
-
-
-def call_with(fn, available: dict, what: str):
-    """Call ``fn`` with the named arguments it declares, taken from ``available`` (the runner's
-    values of ``OFFERED[what]``; it may leave out one the function has a default for)."""
-    unknown = set(available) - set(OFFERED[what])
-    if unknown:
-        raise TypeError(f"zwdx offers {what} arguments that zwdx.protocol does not name: {sorted(unknown)}")
-    sig = inspect.signature(fn)
-    params = sig.parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return fn(**available)
-    kwargs = {}
-    for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.name in available:
-            kwargs[p.name] = available[p.name]
-        elif p.default is p.empty:
-            raise TypeError(f"{what} declares argument '{p.name}', which zwdx does not provide; "
-                            f"it provides {', '.join(sorted(available))}")
-    return fn(**kwargs)

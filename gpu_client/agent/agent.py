@@ -52,7 +52,8 @@ from gpu_client.sandbox import folder as sandbox
 from gpu_client.rank import script
 from .reach import interface_of, listener, reaching_address
 from .identity import Identity
-from gpu_client.sandbox.isolation import IsolationError, build as build_isolation
+from gpu_client.sandbox.isolation import IsolationError
+from gpu_client.sandbox.kinds import build as build_isolation
 from gpu_client.sandbox.compile_cache import RoomCaches
 from .launcher import Launcher, RunningJob
 from .datasets import DatasetCache, share as share_datasets
@@ -78,7 +79,7 @@ WRONG_SECRET = "client_secret"
 class Agent:
     """``room_token``: the room's donor token (a legacy room token works too). ``isolation``:
     ``user``, ``process`` or None (``user`` as root, else ``process``); ``rank_uids`` and
-    ``rank_dir`` tune it (``isolation.build``)."""
+    ``rank_dir`` tune it (``kinds.build``)."""
 
     def __init__(self, server: str, room_token: str, gpus_only: list[int] | None = None, cpu: bool = False,
                  advertise_addr: str | None = None, client_id: str | None = None, threads: int | None = None,
@@ -553,7 +554,7 @@ class Agent:
             try:
                 self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
                                  transports=["websocket"], wait_timeout=10)
-            except socketio.exceptions.ConnectionError as exc:
+            except socketio.exceptions.ConnectionError:
                 if self.fatal:
                     break
                 why = refusal.why_refused(self.server, self.verify)

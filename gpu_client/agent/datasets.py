@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from zwdx import defaults
 from zwdx.protocol.dataset import DatasetPin, Manifest
 
-from .fetch import DatasetRefused, Fetcher, FetchPolicy, unpack
+from .fetch import DatasetRefused, DatasetTooLarge, Fetcher, FetchPolicy, unpack
 
 log = logging.getLogger("gpu_client.agent.datasets")
 
@@ -54,10 +54,6 @@ _READ_BYTES = 8 << 20
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 #: Bytes of the disk left free, whatever the cache's limit.
 DISK_RESERVE = 256 * 1024**2
-
-
-class DatasetTooLarge(Exception):
-    """A dataset this GPU client's cache cannot hold, even alone."""
 
 
 class DatasetCorrupted(Exception):

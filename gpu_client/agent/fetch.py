@@ -41,6 +41,10 @@ class DatasetRefused(Exception):
     """A URL, an address or an archive's entry this GPU client does not fetch or write."""
 
 
+class DatasetTooLarge(Exception):
+    """A dataset this GPU client's cache cannot hold, even alone."""
+
+
 def parse_nets(text: str | list[str] | None) -> tuple[Network, ...]:
     """``--dataset-allow-net`` values (each a network or address, or several separated by commas),
     or ValueError naming the one that is not."""
@@ -152,7 +156,6 @@ def unpack(archive: str, dest: str, bound: int, make_room, what: str) -> None:
     """The tar ``archive`` unpacked into ``dest``: every entry's header read first (regular files
     and folders only, inside ``dest``, at most ``MAX_MEMBERS``, their sizes at most ``bound``
     bytes together), then ``make_room(total)``, then the entries written."""
-    from .datasets import DatasetTooLarge
     with tarfile.open(archive, "r:*") as tar:
         members, total = [], 0
         for member in tar:

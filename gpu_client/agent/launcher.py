@@ -1,6 +1,6 @@
 """The rank processes of a GPU client: one standby per slot, started ahead, and the ranks of jobs.
 
-Every rank runs ``python -P -m gpu_client.rank.runner`` (``isolation.python_argv``: no folder a job
+Every rank runs ``python -P -m gpu_client.sandbox.rank_process`` (``isolation.python_argv``: no folder a job
 writes on its import path, the working directory included) in its own process group (so a cancel can kill
 everything it started, and a crashing job never takes the agent down). It gets its ``RankSpec``
 (``zwdx.protocol.rank``) once, as one JSON line on stdin, whether it was a standby waiting for
@@ -26,7 +26,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -125,7 +124,7 @@ class Launcher:
             folder = private_dir(os.path.join(self.work_dir, "standby"))
             with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
                 self.standby[index] = self.isolation.popen(
-                    python_argv("gpu_client.rank.runner", "--standby", device), out,
+                    python_argv("gpu_client.sandbox.rank_process", "--standby", device), out,
                     rank_environ(threads, self.network))
 
     # -- ranks ---------------------------------------------------------------------------------------
@@ -172,7 +171,7 @@ class Launcher:
         if self.use_standby and spec.script is None:
             log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", client_id, index)
         with open(spec.log_path, "ab") as out:
-            proc = self.isolation.popen(python_argv("gpu_client.rank.runner"), out,
+            proc = self.isolation.popen(python_argv("gpu_client.sandbox.rank_process"), out,
                                         rank_environ(spec.threads, self.network))
         try:
             proc.stdin.write(spec.line())

@@ -114,7 +114,7 @@ def knock(peer: Peer, timeout: float) -> str | None:
                 if not piece:
                     break
                 got += piece
-    except socket.timeout:
+    except TimeoutError:
         return f"no answer from {peer.addr}:{peer.port} within {timeout:g} s"
     except OSError as exc:
         return f"{peer.addr}:{peer.port}: {exc.strerror or exc}"

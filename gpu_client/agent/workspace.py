@@ -208,7 +208,7 @@ class Workspace:
                     for block in blocks:
                         behind.put(bytes(block))
             if digest.hexdigest() != sha256:
-                raise IOError(f"{what} arrived corrupted (sha256 mismatch)")
+                raise OSError(f"{what} arrived corrupted (sha256 mismatch)")
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

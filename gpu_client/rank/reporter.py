@@ -140,7 +140,7 @@ class Reporter:
             expected = resp.headers.get(defaults.SHA256_HEADER)
         if expected is not None and digest.hexdigest() != expected:
             os.unlink(file_path)
-            raise IOError(f"{path} arrived corrupted (sha256 {digest.hexdigest()}, the server stored {expected})")
+            raise OSError(f"{path} arrived corrupted (sha256 {digest.hexdigest()}, the server stored {expected})")
 
     # -- the user's side -------------------------------------------------------------------
     def log_metrics(self, step: int | None = None, **values) -> None:

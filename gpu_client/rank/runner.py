@@ -1,11 +1,9 @@
 """One rank of one job, in its own process (started by the agent's launcher, one per slot).
 
-    python -m gpu_client.rank.runner                   # reads its RankSpec, one JSON line, on stdin
-    python -m gpu_client.rank.runner --standby DEVICE  # the same, once torch is ready (standby.py)
-
-Once it has its spec and its log, the process enters the job's sandbox (``isolation.enter``: the
-job's private directory, and under a per-job user that user, for good) before anything of the
-job is read. A script job's rank runs ``gpu_client.rank.script.ScriptRank`` instead (``rank_for``).
+``gpu_client.sandbox.rank_process`` (or, in a container, ``rank_container``) reads the rank's
+``RankSpec``, enters the job's sandbox and runs ``rank_for(spec)``: this module knows its spec
+only, not who started it or how it is confined. A script job's rank runs
+``gpu_client.rank.script.ScriptRank`` instead (``rank_for``).
 
 ``Trainer`` has torchtitan's shape: ``setup`` joins the process group (NCCL on CUDA, gloo on CPU
 and on mixed devices, the job's collective timeout) while the bundle loads, makes the loaders,
@@ -32,14 +30,12 @@ import traceback
 
 from zwdx.bundle import load as load_bundle
 from zwdx.bundle import FETCH_FAILED, register_sources
-from zwdx.checks import call_with
+from zwdx.model_rules import call_with
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
 
 from .failures import MissingPackage, is_collective_error, missing_package
-from gpu_client.sandbox.isolation import enter
 from .metrics import CountingLoader, SystemMetrics
-from .rendezvous import take_listeners
 from .reporter import Reporter
 
 log = logging.getLogger("gpu_client.rank.runner")
@@ -56,7 +52,7 @@ class Trainer:
                                  attempt=spec.attempt, verify=spec.ca_file or True, patience=spec.outage_tolerance)
         self.joined = False
         self.system: SystemMetrics | None = None
-        from gpu_client.rank.strategies.parallel import strategy
+        from gpu_client.rank.strategies.registry import strategy
         self.strategy = strategy(spec, self.reporter)  # DDP/FSDP, or DILOCO: where the ways to train differ
 
     def run(self) -> int:
@@ -389,43 +385,6 @@ def _upload_weights(reporter: Reporter, state: dict) -> str:
         os.unlink(path)
 
 
-def die_with_parent() -> None:
-    """If the GPU client dies (SIGKILL, lost machine), its ranks die with it."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-        if os.getppid() == 1:
-            os._exit(1)
-    except OSError:
-        pass
-
-
-def write_output_to(path: str | None) -> None:
-    """This process's stdout and stderr go to ``path`` (a standby's went to its slot's log)."""
-    if not path:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def main(argv: list[str]) -> int:
-    die_with_parent()
-    if argv[:1] == ["--standby"] and len(argv) == 2:
-        from .standby import prepare
-        prepare(argv[1])
-    spec = RankSpec.read(sys.stdin)
-    if spec is None:
-        return 0  # the GPU client let this process go before giving it a rank
-    take_listeners(spec.listeners)  # the sockets of the stores this rank serves, held since offered
-    write_output_to(spec.log_path)
-    enter(spec.sandbox)
-    die_with_parent()  # a change of user cleared it
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return rank_for(spec).run()
-
-
 def rank_for(spec: RankSpec):
     """How this rank runs, chosen from its spec: the submitter's functions (``Trainer``), or a
     script under torchrun's environment (``gpu_client.rank.script``). Each has ``run() -> exit code``."""
@@ -434,6 +393,3 @@ def rank_for(spec: RankSpec):
         return ScriptRank(spec)
     return Trainer(spec)
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

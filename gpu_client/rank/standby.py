@@ -1,6 +1,6 @@
 """A rank process started ahead of its job, while its slot is idle.
 
-``python -m gpu_client.rank.runner --standby DEVICE`` imports torch and what DDP and FSDP need, makes
+``python -m gpu_client.sandbox.rank_process --standby DEVICE`` imports torch and what DDP and FSDP need, makes
 the GPU's CUDA context and pays other first-use costs (``warm_up``), then waits for its
 ``RankSpec`` on stdin and runs that rank as a fresh rank process would. Saves seconds of every
 job's start.

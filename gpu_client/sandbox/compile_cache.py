@@ -5,7 +5,7 @@ kernels, Dynamo's packages) and of C++ extensions built as the job runs.
     <DIR>/<room>/                  ``zwdx gpu-client --compile-cache DIR``: its room's, kept
         inductor/ triton/ torch_extensions/
 
-Rank side: ``point(box)``, right after ``isolation.enter``, before the job's code. Libraries
+Rank side: ``point(box)``, right after ``rank_process.enter``, before the job's code. Libraries
 read their cache folder from variables a standby rank process resolved as root before it had a
 job (``import torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to /tmp/torchinductor_root, and
 ``torch._dynamo.package`` keeps a cache object made from it), so ``point`` sets the variables

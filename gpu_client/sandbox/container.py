@@ -1,4 +1,4 @@
-"""The ``docker`` isolation (``zwdx gpu-client --isolation docker``, ``isolation.build("docker")``):
+"""The ``docker`` isolation (``zwdx gpu-client --isolation docker``, ``kinds.build("docker")``):
 each rank of a job runs in a fresh container, started through the Docker SDK and confined as a
 donor who runs strangers' code would want (``Confinement``):
 

@@ -2,8 +2,8 @@
 rank processes. The launcher asks this module how to start a rank process, and the agent asks
 it for each job's sandbox.
 
-    iso = build("user", work_dir, rank_dir=None, uids=None)  # zwdx gpu-client --isolation user
-    iso = build("docker", work_dir, confinement=..., server=url, slots=n)  # --isolation docker
+    iso = kinds.build("user", work_dir, rank_dir=None, uids=None)  # zwdx gpu-client --isolation user
+    iso = kinds.build("docker", work_dir, confinement=..., server=url, slots=n)  # --isolation docker
     iso.check()                       at the agent's start: IsolationError saying what to change
     iso.kind, iso.label               what the agent registers per slot, and says at its start
     iso.importable(modules)           the modules a rank can import (a per-job user: asked as one)
@@ -60,7 +60,6 @@ enters the sandbox of the job it takes: it never serves two jobs.
 """
 from __future__ import annotations
 
-import ctypes
 import grp
 import importlib.util
 import json
@@ -72,13 +71,12 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 
 from zwdx.protocol.rank import CHANNEL_ENV, Sandbox
 from zwdx.protocol.vocab import Isolation
 
-from . import compile_cache, rank_users, folder as sandbox
+from . import rank_users, folder as sandbox
 
 log = logging.getLogger("gpu_client.sandbox.isolation")
 
@@ -127,26 +125,6 @@ def parse_uids(text: str) -> range:
     if not 0 < start <= end < 2**32 - 1:
         raise IsolationError(f"--rank-uids must be a range of uids above 0, got {text!r}")
     return range(start, end + 1)
-
-
-def build(kind: str | Isolation | None, work_dir: str, rank_dir: str | None = None,
-          uids: range | None = None, **docker) -> "ProcessIsolation":
-    """The isolation asked for; None: a container per rank where Docker can (``container.usable``),
-    else a per-job user when this process is root, else the same user. ``docker``: the docker
-    kind's options (``container.DockerIsolation``: confinement, server, slots)."""
-    if not kind:
-        from .container import usable
-        why_not = usable(docker["confinement"].images if docker.get("confinement") else None)
-        kind = Isolation.DOCKER if why_not is None else Isolation.USER if os.geteuid() == 0 else Isolation.PROCESS
-        if why_not is not None:
-            log.info("isolation %s: not docker, as %s", kind.value, why_not)
-    kind = Isolation(kind)
-    if kind == Isolation.DOCKER:
-        from .container import DockerIsolation
-        return DockerIsolation(work_dir, rank_dir=rank_dir, **docker)
-    if kind == Isolation.USER:
-        return UserIsolation(rank_dir or SYSTEM_RANK_DIR, uids or DEFAULT_UIDS, work_dir)
-    return ProcessIsolation(rank_dir or os.path.join(work_dir, "ranks"), work_dir)
 
 
 def private_dir(path: str) -> str:
@@ -312,7 +290,7 @@ class UserIsolation(ProcessIsolation):
         """Start Python as a rank user, as a rank starts (``python_argv``, the PYTHONPATH that
         ``launcher.rank_environ`` gives), import the rank's code and list the modules it can import."""
         box = self.lease("probe", f"probe-{os.getpid()}", 0)
-        code = ("import gpu_client.rank.runner, json; from gpu_client.agent.host import importable_modules; "
+        code = ("import gpu_client.sandbox.rank_process, json; from gpu_client.agent.host import importable_modules; "
                 "print(json.dumps(importable_modules()))")
         env = with_import_root({k: v for k, v in os.environ.items() if not k.startswith("ZWDX_")})
         try:
@@ -383,36 +361,6 @@ class UserIsolation(ProcessIsolation):
         with self._mutex:
             self._held.discard(uid)
             self._locks.give(uid)
-
-
-# -- the rank's side --------------------------------------------------------------------------------
-def enter(box: Sandbox | None) -> None:
-    """In a rank process, once it read its spec and opened its log, before anything of the job:
-    into the sandbox's directory and, under a per-job user, its uid and gid for good."""
-    if box is None:
-        return
-    os.chdir(sandbox.home(box))
-    if box.uid is not None:
-        os.setgroups([])
-        os.setresgid(box.gid, box.gid, box.gid)
-        os.setresuid(box.uid, box.uid, box.uid)
-        if os.getresuid() != (box.uid,) * 3 or os.getresgid() != (box.gid,) * 3 or os.getgroups():
-            raise PermissionError(f"could not become uid {box.uid}")
-        _not_dumpable()
-        os.environ.update(USER=f"zwdx-{box.uid}", LOGNAME=f"zwdx-{box.uid}")  # no passwd entry to read it from
-    os.umask(0o077)
-    os.environ.update(HOME=sandbox.home(box), TMPDIR=sandbox.tmp(box))
-    tempfile.tempdir = None  # tempfile reads TMPDIR again
-    compile_cache.point(box)  # torch.compile's caches: a standby resolved them as root
-
-
-def _not_dumpable() -> None:
-    """No other process of the uid (a job's leftover, had one survived) may read this one's
-    memory (its rank key) through /proc/<pid>/mem or ptrace; the rank's own code loses only its
-    /proc/self/{environ,auxv,io,mem}. A change of uid made it so already (fs.suid_dumpable 0);
-    said again, as that sysctl may differ. An exec (a script job's child) makes a process dumpable."""
-    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-        raise PermissionError(f"could not make rank process {os.getpid()} non-dumpable")
 
 
 # -- helpers ----------------------------------------------------------------------------------------

@@ -230,10 +230,11 @@ def main(argv: list[str]) -> int:
     run the rank; end at once if the agent goes (its stream ends)."""
     stdin = sys.stdin.buffer
     from . import folder as sandbox
-    from .isolation import enter
     from gpu_client.rank.runner import rank_for
+    from gpu_client.rank.standby import prepare
+
+    from .rank_process import enter
     if argv[:1] == ["--standby"] and len(argv) == 2:
-        from gpu_client.rank.standby import prepare
         prepare(argv[1])
     line = stdin.readline()
     if not line.strip():

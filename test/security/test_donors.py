@@ -213,7 +213,7 @@ def test_no_room_token_on_any_command_line_of_the_machine(donors):
     seen = 0
     for proc in psutil.process_iter(["cmdline"]):
         line = " ".join(proc.info.get("cmdline") or [])
-        seen += "gpu-client" in line or "gpu_client.rank.runner" in line
+        seen += "gpu-client" in line or "gpu_client.sandbox.rank_process" in line
         assert not any(secret in line for secret in secrets), f"a token on the command line of {proc.pid}"
     assert seen >= 4  # the two agents and their standby rank processes
 

@@ -75,12 +75,12 @@ def test_a_uid_whose_process_survives_serves_no_other_job(rig, monkeypatch):
 
 
 def test_a_rank_process_is_not_dumpable(rig):
-    """``isolation.enter``, as a rank calls it: another process of the uid reads nothing of it."""
+    """``rank_process.enter``, as a rank calls it: another process of the uid reads nothing of it."""
     iso, base, boxes = rig
     box = iso.lease("c", "job-dump", 0)
     boxes.append(box)
     rank = subprocess.Popen(
-        [sys.executable, "-c", "import ctypes, sys; from gpu_client.sandbox.isolation import enter; "
+        [sys.executable, "-c", "import ctypes, sys; from gpu_client.sandbox.rank_process import enter; "
          "from zwdx.protocol.rank import Sandbox; enter(Sandbox.model_validate_json(sys.argv[1])); "
          "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), flush=True); sys.stdin.read()", box.model_dump_json()],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "ZWDX_RANK_KEY": "zr_secret"})

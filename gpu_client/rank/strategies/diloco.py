@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 
 import requests
@@ -59,20 +58,13 @@ from zwdx.protocol import Aggregate
 from zwdx.protocol.rank import RankSpec
 
 from . import joining
+from .rounds import POLL_FIRST, POLL_MAX, RoundTimeout, Transfer
 from gpu_client.rank.failures import collectives
 from .peers import Peers, form
 from .parallel import Collective
 from gpu_client.rank.reporter import Reporter
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two asks for a round's average (growing to ``POLL_MAX``).
-POLL_FIRST, POLL_MAX = 0.02, 0.5
-
-
-class RoundTimeout(TimeoutError):
-    """A round's peers did not upload in time: this worker lost them."""
-
 
 class Diloco(Collective):
     """One worker of a DILOCO job: its outer steps (see the module's docstring)."""
@@ -101,7 +93,7 @@ class Diloco(Collective):
         #: Overlapped: the worker's weights when its last round left (its progress is measured
         #: from there), and that round, still travelling.
         self.anchor: torch.Tensor | None = None
-        self.pending: _Transfer | None = None
+        self.pending: Transfer | None = None
         #: The rounds after whose average this worker sends the global weights to a joining one.
         self.state_for: set[int] = set()
         #: The workers' own gloo group, where they reach each other (``peers.form``); None: the server.
@@ -241,7 +233,7 @@ class Diloco(Collective):
             self.anchor = self.global_.detach() - progress
         self._to_local(self.anchor)
         self._finite(n, values)
-        self.pending = _Transfer(n, lambda: self._exchange(n, values, last))
+        self.pending = Transfer(n, lambda: self._exchange(n, values, last))
         self.round, self.steps = n + 1, 0
         if last:  # nothing left to overlap with: wait for the worker's last round
             counted = self._settle()
@@ -421,30 +413,3 @@ class Diloco(Collective):
                 if time.time() > deadline:
                     raise
             time.sleep(1.0)
-
-
-class _Transfer:
-    """One round travelling while the worker trains on (``overlap``): ``work`` (the exchange, or a
-    joining worker's first fetch) on a thread of its own; ``result()`` waits for it and raises
-    what it raised."""
-
-    def __init__(self, n: int, work):
-        self.round, self.seconds = n, 0.0
-        self._out = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name=f"diloco-round-{n}", daemon=True)
-        self._thread.start()
-
-    def _run(self, work) -> None:
-        started = time.time()
-        try:
-            self._out = work()
-        except BaseException as exc:  # raised again in the training thread, at the next sync point
-            self._error = exc
-        self.seconds = time.time() - started
-
-    def result(self) -> tuple[torch.Tensor, bool, int, int]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out

@@ -18,6 +18,8 @@ import torch
 
 from zwdx import codec, defaults
 
+from .rounds import POLL_FIRST, POLL_MAX, RoundTimeout, Transfer
+
 log = logging.getLogger(__name__)
 
 
@@ -43,9 +45,8 @@ def send_state(self, n: int) -> None:  # self: the Diloco worker
 def join(self) -> None:  # self: the Diloco worker
     """This worker joins a running job: it waits for the global weights and the outer
     momentum another worker sends at its next round, and starts from them."""
-    from . import diloco  # the worker's module (which imports this one)
     patience = 2 * (self.settings.round_timeout or self.spec.collective_timeout) + 30
-    deadline, delay = time.time() + patience, diloco.POLL_FIRST
+    deadline, delay = time.time() + patience, POLL_FIRST
     while True:
         resp = self._ask("get", f"{self.base}/state")
         if resp.status_code == 200:
@@ -53,9 +54,9 @@ def join(self) -> None:  # self: the Diloco worker
         if resp.status_code != 202:
             resp.raise_for_status()
         if time.time() > deadline:
-            raise diloco.RoundTimeout(f"DILOCO: no worker sent the global weights to join from within {patience:g} s")
+            raise RoundTimeout(f"DILOCO: no worker sent the global weights to join from within {patience:g} s")
         time.sleep(delay)
-        delay = min(delay * 1.5, diloco.POLL_MAX)
+        delay = min(delay * 1.5, POLL_MAX)
     data = resp.content
     if hashlib.sha256(data).hexdigest() != resp.headers.get(defaults.SHA256_HEADER):
         raise RuntimeError("DILOCO: the global weights arrived damaged (sha256 differs)")
@@ -72,7 +73,7 @@ def join(self) -> None:  # self: the Diloco worker
         def fetch():
             received = self._fetch(n)
             return torch.from_numpy(codec.decode(received)), True, 0, len(received)
-        self.pending, self.round = diloco._Transfer(n, fetch), n + 1
+        self.pending, self.round = Transfer(n, fetch), n + 1
     else:
         self.round = n
     self.reporter.log(f"DILOCO: rank {self.spec.rank} joined the job with the global weights after round "

@@ -12,7 +12,7 @@ import re
 
 from torch import nn
 
-from zwdx.checks import repeated_blocks
+from zwdx.model_rules import repeated_blocks
 from zwdx.protocol.layout import MAX_MODULES
 
 #: The most characters of a layout's ``text``.

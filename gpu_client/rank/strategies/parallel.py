@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zwdx.checks import has_forward as _has_forward
-from zwdx.checks import repeated_blocks as _repeated_blocks
+from zwdx.model_rules import has_forward as _has_forward
+from zwdx.model_rules import repeated_blocks as _repeated_blocks
 
 from gpu_client.rank.failures import watch_gradients
 
@@ -35,7 +35,7 @@ FINGERPRINT_MAX_NUMEL = 200_000_000
 class Collective:
     """The strategy of DDP and FSDP: every rank of the job in one process group (rank 0's port),
     the model wrapped as the job says. ``diloco.Diloco``, ``pipeline.Pipeline`` and ``mixed.Mixed``
-    are the others (subclasses); the runner asks the strategy ``strategy(spec, reporter)`` picks
+    are the others (subclasses); the runner asks the strategy ``registry.strategy(spec, reporter)`` picks
     where they differ: how to meet (``rendezvous``), what the loader and train_func are told, how
     the model is wrapped, which model ``eval_func`` sees, and how the whole weights come back."""
 
@@ -128,25 +128,6 @@ class Collective:
     def full_state(self, model: nn.Module) -> dict | None:
         """The whole model's weights on CPU (``full_state_dict``)."""
         return full_state_dict(model, self.wrap_as, self.spec.rank)
-
-
-def strategy(spec, reporter):
-    """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE,
-    ``TensorParallel`` for TP and FSDP+TP, ``Mixed`` for a DDP job over mixed devices,
-    ``Collective`` for DDP and FSDP."""
-    if spec.parallelism.value == "DILOCO":
-        from .diloco import Diloco
-        return Diloco(spec, reporter)
-    if spec.parallelism.value == "PIPELINE":
-        from .pipeline import Pipeline
-        return Pipeline(spec)
-    if spec.parallelism.value in ("TP", "FSDP+TP"):
-        from .tensor_parallel import TensorParallel
-        return TensorParallel(spec)
-    if spec.devices.value == "mixed":
-        from .mixed import Mixed
-        return Mixed(spec, reporter)
-    return Collective(spec)
 
 
 def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None,

@@ -50,7 +50,7 @@ from torch import nn
 from zwdx.protocol.pipeline import PipelineSettings
 from zwdx.protocol.vocab import PipelineSchedule
 
-from zwdx.checks import pipeline_units
+from zwdx.model_rules import pipeline_units
 
 from .layout import device_of, held_modules, line, local_params
 from .parallel import Collective

@@ -1,5 +1,5 @@
 """Where a PIPELINE job's model is cut (``gpu_client.rank.strategies.pipeline`` traces and runs the stages): the
-plan's module names as given, or ranges of the model's units (``zwdx.checks.pipeline_units``:
+plan's module names as given, or ranges of the model's units (``zwdx.model_rules.pipeline_units``:
 its repeated blocks, else its nn.Sequential's children); left out, the units cut in proportion
 to each stage's share, blocks by their number, children by their parameters (mixed layers
 differ in size). A GPU's share: its measured speed, as far as its free memory holds its blocks.
@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zwdx.checks import pipeline_units
+from zwdx.model_rules import pipeline_units
 
 
 def split_points(model: nn.Module, plan, stages: int, weights: list[float] | None = None) -> tuple[list[str], str]:
     """The module names where stages 1.. begin, and a line for the job's log. ``plan``: ranges of
     the model's units (its repeated blocks, else its nn.Sequential's children:
-    ``zwdx.checks.pipeline_units``), module names, or None: the units cut in proportion to each
+    ``zwdx.model_rules.pipeline_units``), module names, or None: the units cut in proportion to each
     stage's ``weights`` (None: evenly), blocks by their number, children by their parameters."""
     units, kind = pipeline_units(model)
     if plan is not None and isinstance(plan[0], str):

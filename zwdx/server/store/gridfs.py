@@ -10,7 +10,7 @@ from pymongo.errors import PyMongoError
 
 from ... import defaults
 from ...errors import StoreError
-from ..artifacts import ArtifactStore, copy_hashed
+from .artifacts import ArtifactStore, copy_hashed
 from .mongo_db import connect, describe
 
 log = logging.getLogger(__name__)
