@@ -159,10 +159,17 @@ def _start_vector(job: JobRecord) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, np.float32)
 
 
+#: Values the outer step's float64 arithmetic takes at a time (its temporaries: 24 bytes each).
+SLICE = 1 << 20
+
+
 def _fused(a: np.ndarray, b: np.ndarray, alpha: float) -> np.ndarray:
     """``a + alpha * b`` rounded once to float32, as torch's ``add(b, alpha=)`` computes it on the
-    CPU (a fused multiply-add; the float64 product of two float32 is exact)."""
-    return (a.astype(np.float64) + np.float64(np.float32(alpha)) * b.astype(np.float64)).astype(np.float32)
+    CPU (a fused multiply-add; the float64 product of two float32 is exact), a slice at a time."""
+    out, scale = np.empty(a.size, np.float32), np.float64(np.float32(alpha))
+    for i in range(0, a.size, SLICE):
+        out[i:i + SLICE] = a[i:i + SLICE].astype(np.float64) + scale * b[i:i + SLICE].astype(np.float64)
+    return out
 
 
 def outer_step(params: np.ndarray, momentum: np.ndarray | None, grad: np.ndarray, lr: float, m: float,
