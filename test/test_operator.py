@@ -91,3 +91,14 @@ def test_a_refused_submits_bundle_frees_the_quota_at_once(make_app, refusal):
     assert resp.status_code in (400, 429), resp.text
     assert api.get("/room").json["usage"]["artifact_bytes"] == used
     assert api.get(f"/artifacts/{bundle['id']}").status_code == 404
+
+
+@pytest.mark.parametrize("slots", [["--cpu"], ["--cpu-slots", "2"]])
+def test_gpu_client_refuses_gpus_and_cpu_slots_together(monkeypatch, capsys, slots):
+    from zwdx.cli import main
+    monkeypatch.delenv("ZWDX_ROOM_TOKEN", raising=False)
+    assert main(["gpu-client", "--gpus", "0,1", *slots]) == 2
+    said = capsys.readouterr().err
+    assert "--gpus 0,1 offers GPUs" in said and f"{slots[0]} offers CPU slots instead" in said, said
+    assert main(["gpu-client", "--gpus", "zero"]) == 2
+    assert "--gpus takes GPU indices separated by commas (0,1), got 'zero'" in capsys.readouterr().err

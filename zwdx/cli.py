@@ -175,10 +175,29 @@ def _refresh_gpu_clients(work_dir: str | None) -> int:
     return 0
 
 
+def version_line() -> str:
+    """What ``--version`` prints: zwdx's version, its protocol (docs/operations.md, Upgrades), its Python."""
+    import platform
+
+    from . import __version__
+    from .protocol.base import PROTOCOL
+    return f"zwdx {__version__} (protocol {PROTOCOL}, Python {platform.python_version()})"
+
+
 def _gpu_client(args) -> int:
     from gpu_client.agent.agent import serve
     if args.refresh:
         return _refresh_gpu_clients(args.work_dir)
+    if args.gpus and (args.cpu or args.cpu_slots is not None):
+        print(f"zwdx gpu-client: --gpus {args.gpus} offers GPUs, {'--cpu' if args.cpu else '--cpu-slots'} offers "
+              f"CPU slots instead: give one or the other", file=sys.stderr)
+        return 2
+    try:
+        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    except ValueError:
+        print(f"zwdx gpu-client: --gpus takes GPU indices separated by commas (0,1), got {args.gpus!r}",
+              file=sys.stderr)
+        return 2
     if args.modules_refresh < 0:
         print(f"zwdx gpu-client: --modules-refresh must be 0 or more seconds, got {args.modules_refresh:g}",
               file=sys.stderr)
@@ -189,7 +208,6 @@ def _gpu_client(args) -> int:
               file=sys.stderr)
         return 2
     from gpu_client.sandbox.isolation import IsolationError, parse_uids
-    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     from gpu_client.sandbox.container import DEFAULT_IMAGE, Confinement
     if args.cpu_slots is not None and args.cpu_slots < 1:
         print(f"zwdx gpu-client: --cpu-slots must be at least 1, got {args.cpu_slots}", file=sys.stderr)
@@ -306,9 +324,13 @@ def _run_script(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zwdx", description="Pool lent GPUs and train PyTorch models on them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print zwdx's version and protocol, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("server", help="run the zwdx server (API, Socket.IO, dashboard)")
+    p.add_argument("--version", action="version", version=version_line(),
+                   help="print zwdx's version and protocol, and exit")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for every one; "
                                                         "default %(default)s)")
     p.add_argument("--port", type=int, default=defaults.PORT, help="default %(default)s")
@@ -449,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_cli.add_room_parsers(rsub, _server_arguments, _token_arguments, _run)
 
     p = sub.add_parser("gpu-client", help="lend this machine's GPUs to a room")
+    p.add_argument("--version", action="version", version=version_line(),
+                   help="print zwdx's version and protocol, and exit")
     _server_arguments(p)
     _token_arguments(p, "the room's donor token, zd_...")
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices to offer (default: all)")

@@ -27,7 +27,7 @@ import time
 
 import requests
 
-from . import defaults, tls, trackers as _trackers
+from . import __version__, defaults, tls, trackers as _trackers
 from . import lora as _lora
 from .bundle import HEAD_PARTS, pack_parts, required_modules
 from . import start_weights
@@ -36,7 +36,7 @@ from .credentials import CredentialStore, remember_by_default
 from .datasets import Datasets, check_datasets
 from .errors import BadRequest, Conflict, JobFailed, ServerUnreachable, ZwdxError, from_response
 from .protocol import WAITING, JobStatus, runtime_versions
-from .protocol.base import parse
+from .protocol.base import PROTOCOL, PROTOCOL_HEADER, VERSION_HEADER, parse
 from .protocol.report import from_wire
 from .protocol.rest import SubmitJob
 from .protocol.spec import nest
@@ -212,6 +212,8 @@ class ZWDX:
     def _request(self, method: str, path: str, token: str | None = None, session: requests.Session | None = None,
                  **kwargs) -> requests.Response:
         headers = kwargs.pop("headers", {})
+        # a server of another protocol major refuses the call, saying which side to upgrade
+        headers.update({PROTOCOL_HEADER: PROTOCOL, VERSION_HEADER: __version__})
         if token:
             headers[defaults.TOKEN_HEADER] = token
         url = f"{self.server_url}{path}"

@@ -7,20 +7,74 @@ its speed is plenty (about a microsecond a field).
 
 - ``Message``: what a peer sends us. Strict (no "1" for 1, no true for 1), unknown fields
   refused (a typo is an error, not a silent default), no NaN or Infinity.
+- ``Tolerant``: a ``Message`` a newer peer of the same protocol major may send with fields this
+  version does not know: they are ignored (and logged once per message type and field).
 - ``Answer``: what we send back. Unknown fields ignored, so an older peer reads a newer answer.
 - ``parse(Model, data)``: the one way in; a ``ValidationError`` becomes ``BadRequest`` whose
   message and ``field`` name the path of the first wrong field (``slots.0.index``).
+
+Versions (``PROTOCOL``, MAJOR.MINOR; docs/operations.md, Upgrades). Peers exchange it as they
+meet: a GPU client in its connect's ``auth``, the server in its register answer and on every
+HTTP answer (``Zwdx-Protocol``), the SDK in every request's ``Zwdx-Protocol`` header. Peers of
+different majors are refused at once, with a message naming both versions and which side to
+upgrade (``incompatible``). Within a major, a newer minor only adds optional fields, and only to
+messages an older peer reads leniently: every ``Answer``, and the ``Tolerant`` messages (what a
+GPU client and its ranks send the server). A submitter's and an operator's requests (a job's
+spec, tokens, a room's settings) stay closed ``Message``s: an option the server does not know
+must not be dropped in silence, as the job would train otherwise than asked, or a token or a
+quota would be made without the limit its maker set; they are refused, naming the field.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Annotated, TypeVar
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError,
+                      model_validator)
 
 from ..errors import BadRequest
+
+log = logging.getLogger(__name__)
+
+#: The protocol this version of zwdx speaks, MAJOR.MINOR: the major changes when a message
+#: changes in a way an older peer would misread (a field removed, renamed or made required); the
+#: minor when optional fields are added. A peer that does not say speaks 1.0 (every release
+#: before versions were exchanged: zwdx 0.1.0).
+PROTOCOL = "1.0"
+#: The HTTP header each side of the REST API names its protocol in, and the one an SDK names its
+#: zwdx version in (shown in a refusal).
+PROTOCOL_HEADER = "Zwdx-Protocol"
+VERSION_HEADER = "Zwdx-Version"
+_PROTOCOL = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
+
+
+def protocol_major(version) -> int | None:
+    """``'1.3'`` -> 1; None for anything that is not MAJOR.MINOR."""
+    found = _PROTOCOL.match(version) if isinstance(version, str) else None
+    return int(found.group(1)) if found else None
+
+
+def incompatible(theirs, them: str, us: str, their_zwdx, ours: str) -> str | None:
+    """Why a peer speaking protocol ``theirs`` (None: one that did not say, 1.0) cannot talk to
+    this one, naming both versions and which side to upgrade; None when it can. ``them`` and
+    ``us`` say who is who, as nouns ("GPU client", "server"); ``their_zwdx`` and ``ours``: the
+    zwdx versions of the peer (None: not said) and of this process."""
+    theirs = "1.0" if theirs is None else theirs
+    major, mine = protocol_major(theirs), protocol_major(PROTOCOL)
+    if major == mine:
+        return None
+    said = escape_controls(str(theirs)[:20])
+    them_at = f"this {them} speaks zwdx protocol {said}" + (f" (zwdx {escape_controls(str(their_zwdx)[:32])})"
+                                                       if isinstance(their_zwdx, str) else "")
+    if major is None:
+        return f"{them_at}, which is no protocol version (MAJOR.MINOR); this {us} speaks {PROTOCOL} (zwdx {ours})"
+    older = them if major < mine else us
+    return (f"{them_at}; this {us} speaks {PROTOCOL} (zwdx {ours}): another major version, which the "
+            f"{older} does not understand: upgrade the {older} (pip install -U zwdx; docs/operations.md, "
+            f"Upgrades)")
 
 #: Counts, steps, epochs, ranks: whole numbers a JSON reader keeps exact (2**53) and a store's
 #: 64-bit integer holds.
@@ -72,6 +126,31 @@ class Message(BaseModel):
     """A message a peer sends: checked strictly."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=False)
+
+
+#: (message type, field) pairs a newer peer sent and this version ignored, each logged once;
+#: bounded, so that a peer sending many made-up names grows nothing.
+_IGNORED: set[tuple[str, str]] = set()
+_IGNORED_MAX = 1000
+
+
+class Tolerant(Message):
+    """A message a newer peer may send with optional fields this version does not know: they
+    are ignored, each (type, field) logged once. Known fields are checked as strictly as ever."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _note_unknown(cls, data):
+        if isinstance(data, dict):
+            for name in data.keys() - cls.model_fields.keys():
+                key = (cls.__name__, escape_controls(str(name)[:64]))
+                if key not in _IGNORED and len(_IGNORED) < _IGNORED_MAX:
+                    _IGNORED.add(key)
+                    log.warning("protocol: a %s carried field '%s', which this version (protocol %s) does not "
+                                "know: ignored (sent by a newer peer?)", *key, PROTOCOL)
+        return data
 
 
 class Answer(BaseModel):

@@ -8,6 +8,11 @@
 The GPU client builds and reads these types; the server checks every payload with ``parse``
 before a handler sees it, and answers a wrong one with ``Ack(ok=False, error=...)``.
 
+Versions (``zwdx.protocol.base``): a GPU client connects with ``auth`` ``{"token", "protocol",
+"zwdx"}``; a server of another protocol major refuses the connection, naming both versions and
+which side to upgrade, and answers every register with its own. What a GPU client sends is
+``Tolerant``: fields a newer client adds are ignored by an older server.
+
 Credentials (``zwdx.protocol.tokens``): a GPU client connects with its room's donor token;
 its first ``register`` is answered with a client secret, which every later ``register`` of that
 client id must present; each ``JobAssign`` carries one rank key per rank it gives the client.
@@ -19,7 +24,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 
 from .. import defaults
-from .base import Answer, Bytes, ByValue, Count, Id, Message, Name, RankKey, Seconds, no_controls
+from .base import Answer, Bytes, ByValue, Count, Id, Name, RankKey, Seconds, Tolerant, no_controls
 from .tokens import Secret
 from .dataset import DatasetPin
 from .diloco import DilocoSettings
@@ -36,7 +41,7 @@ Memory = Annotated[int, Field(ge=0, le=defaults.MAX_HOST_MEMORY)]
 ShortName = Annotated[str, StringConstraints(max_length=64), AfterValidator(no_controls)]
 
 
-class Terms(Message):
+class Terms(Tolerant):
     """The image and limits the ranks of a container-isolated slot run under (``--isolation
     docker``, ``gpu_client/sandbox/container.py``): what the donor set, shown on the dashboard and kept on
     each rank's state when it starts."""
@@ -55,7 +60,7 @@ class Terms(Message):
     network: Name = ""
 
 
-class Slot(Message):
+class Slot(Tolerant):
     """A GPU (or the CPU) a client offers, as it registers."""
     index: Count
     kind: Annotated[SlotKind, ByValue] = SlotKind.CUDA
@@ -81,7 +86,7 @@ class Slot(Message):
         return self
 
 
-class SlotStats(Message):
+class SlotStats(Tolerant):
     """A slot's fresh figures, in every heartbeat."""
     index: Count
     memory_free: Memory = 0
@@ -95,13 +100,13 @@ class SlotStats(Message):
         return self
 
 
-class Running(Message):
+class Running(Tolerant):
     """An attempt of a job whose ranks this client still runs."""
     job_id: Id
     attempt: Count = 0
 
 
-class Link(Message):
+class Link(Tolerant):
     """A GPU client's link to the server, as it measured it (``gpu_client/agent/link.py``): the
     shortest round trip of a few small requests, and the bytes per second of one timed transfer
     each way (a lower bound on a slow-starting link)."""
@@ -112,7 +117,7 @@ class Link(Message):
     measured_at: Annotated[float, Field(ge=0)]
 
 
-class Register(Message):
+class Register(Tolerant):
     """The first thing a connected GPU client says (and again after every reconnect)."""
     client_id: Id
     hostname: Name = ""
@@ -152,9 +157,13 @@ class RegisterAnswer(Answer):
     #: Why it was refused, for the agent: ``client_secret`` when the id is registered already
     #: and the secret sent is not its own (an agent that lost its secret registers under a new id).
     code: str | None = None
+    #: The server's protocol (``zwdx.protocol.base.PROTOCOL``) and zwdx version (None: a server
+    #: from before versions were exchanged, protocol 1.0).
+    protocol: str | None = None
+    zwdx: str | None = None
 
 
-class Heartbeat(Message):
+class Heartbeat(Tolerant):
     slots: Annotated[list[SlotStats], Field(max_length=256)] = []
     running: Annotated[list[Running], Field(max_length=1024)] = []
 
@@ -172,7 +181,7 @@ class HeartbeatAnswer(Ack):
     heartbeat_interval: Annotated[float, Field(gt=0, le=3600)] | None = None
 
 
-class RanksExited(Message):
+class RanksExited(Tolerant):
     """The client's rank processes of one attempt of a job are gone: rank -> exit code."""
     job_id: Id
     attempt: Count = 0
@@ -184,7 +193,7 @@ class ReservePort(Answer):
     job_id: str
 
 
-class PortOffer(Message):
+class PortOffer(Tolerant):
     """Its answer: where the other ranks reach rank 0."""
     addr: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     port: Annotated[int, Field(ge=1, le=65535)]
@@ -199,7 +208,7 @@ class Peer(Answer):
     port: int
 
 
-class Unreachable(Message):
+class Unreachable(Tolerant):
     """A GPU client of a DDP/FSDP job could not open TCP to these peers of it: the job fails at
     once (its ranks would wait for the collective timeout), naming the pairs, and the scheduler
     keeps the pairs apart (``zwdx/server/reach.py``)."""

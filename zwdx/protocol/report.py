@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, St
     model_validator
 from typing_extensions import TypeAliasType
 
-from .base import Answer, ByValue, Count, Id, Message
+from .base import Answer, ByValue, Count, Id, Tolerant
 from .vocab import CheckpointFormat, EventKind, RankStatus
 
 #: A metric's or a result's name.
@@ -90,7 +90,7 @@ FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, patter
                      AfterValidator(_not_dots)]
 
 
-class EventIn(Message):
+class EventIn(Tolerant):
     """One metric or log event a rank reports; a metric's values are numbers (NaN and
     infinities too, as "NaN", "Infinity", "-Infinity": a loss that diverged) or null."""
     kind: Annotated[EventKind, ByValue]
@@ -120,7 +120,7 @@ class EventIn(Message):
         return self
 
 
-class EventsBatch(Message):
+class EventsBatch(Tolerant):
     """``POST /api/v1/jobs/<id>/events``: up to 1,000 events."""
     events: Annotated[list[EventIn], Field(max_length=1000)]
 
@@ -130,7 +130,7 @@ class Stored(Answer):
     stored: int
 
 
-class RankReport(Message):
+class RankReport(Tolerant):
     """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""
     status: Annotated[RankStatus, ByValue]
     #: What train_func and eval_func returned (rank 0's are the job's).
@@ -166,7 +166,7 @@ class RankReportAnswer(Answer):
     ignored: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
-class CheckpointCommit(Message):
+class CheckpointCommit(Tolerant):
     """``POST /api/v1/jobs/<id>/checkpoints/<n>/commit`` (rank 0, its rank key)."""
     files: Annotated[list[FileName], Field(min_length=1, max_length=4096)]
     epoch: Count | None = None

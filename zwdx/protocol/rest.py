@@ -39,6 +39,8 @@ class Health(Answer):
     status: str
     store: str
     async_mode: str
+    zwdx: str | None = None
+    protocol: str | None = None
 
 
 class CreateRoom(Message):

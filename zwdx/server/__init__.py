@@ -29,7 +29,7 @@ from .. import defaults, sizes
 from ..protocol.base import loads
 from ..protocol.report import to_wire
 from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, disk, events, json_limits,
-               limits, links, notify, openapi, prometheus, proxies, scripts, socket_edge, tokens, ui)
+               limits, links, notify, openapi, prometheus, proxies, scripts, socket_edge, tokens, ui, versions)
 from .artifacts import FileArtifactStore
 from .auth import CredentialCache
 from .batches import EventWriter
@@ -256,6 +256,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(ui.bp)
     api.register_error_handlers(app)
     app.after_request(_security_headers)
+    versions.init_app(app)
     prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
     disk.init_app(app)

@@ -16,11 +16,12 @@ import uuid
 from flask import Blueprint, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from .. import defaults
+from .. import __version__, defaults
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
 from ..protocol import ACTIVE, ArtifactKind, CredentialRole, JobKind, JobStatus, Parallelism, \
     RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
+from ..protocol.base import PROTOCOL
 from ..protocol.layout import RankLayout
 from ..protocol.report import EventsBatch, RankReport, RankReportAnswer, Stored, to_wire
 from ..protocol.spec import nest
@@ -78,7 +79,7 @@ def no_route(rest: str):
 def health():
     ok = ctx().store.ping()
     answer = Health(status="ok" if ok else "store unavailable", store=type(ctx().store).__name__,
-                    async_mode=current_app.config["ASYNC_MODE"])
+                    async_mode=current_app.config["ASYNC_MODE"], zwdx=__version__, protocol=PROTOCOL)
     return answer, 200 if ok else 503
 
 

@@ -25,11 +25,11 @@ from flask import current_app, request
 from flask_socketio import ConnectionRefusedError, join_room
 from pydantic import BaseModel
 
-from .. import defaults
+from .. import __version__, defaults
 from ..errors import AuthError, BadRequest, Forbidden, RateLimited
 from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                         EV_UNREACHABLE, GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
-from ..protocol.base import parse
+from ..protocol.base import PROTOCOL, incompatible, parse
 from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
 from . import addresses, donors, json_limits, limits, lifecycle, notify, reach
@@ -106,6 +106,11 @@ def _session() -> dict | None:
 
 # -- GPU clients -------------------------------------------------------------------------------
 def on_gpu_connect(auth=None):
+    said = auth if isinstance(auth, dict) else {}
+    mismatch = incompatible(said.get("protocol"), "GPU client", "server", said.get("zwdx"), __version__)
+    if mismatch:  # before its token: a client of another major is told so, whatever token it holds
+        log.warning("gpu-client connection refused: %s", mismatch)
+        raise ConnectionRefusedError(mismatch)
     caller = _caller_from_auth(auth, GPU_NAMESPACE)
     _sessions[request.sid] = {"room_id": caller.room["id"], "client_id": None, "token_id": caller.credential["id"]}
 
@@ -174,7 +179,8 @@ def on_register(hello: Register) -> RegisterAnswer:
              len(slots), client["hostname"])
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
     ctx.scheduler.kick()
-    return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=pace[0], client_secret=secret)
+    return RegisterAnswer(ok=True, room_id=sess["room_id"], heartbeat_interval=pace[0], client_secret=secret,
+                          protocol=PROTOCOL, zwdx=__version__)
 
 
 def running_jobs(running) -> list[str]:
