@@ -63,3 +63,13 @@ def test_a_client_the_store_no_longer_has_online_is_told_to_register_again(app, 
     ctx.presence.step()
     assert ctx.presence.held("p1") is None
     assert call(gpu, "heartbeat", {"slots": []})["ok"] is False
+
+
+def test_a_heartbeat_that_names_other_running_jobs_is_written_at_once(app, api, socket_client):
+    ctx = app.extensions["zwdx"]
+    gpu = socket_client("/gpu", api.donor)
+    assert call(gpu, "register", HELLO)["ok"]
+    assert call(gpu, "heartbeat", {"running": [{"job_id": "j1", "attempt": 0}]}) == {"ok": True}
+    assert ctx.store.get_client("p1")["running_jobs"] == ["j1:0"]  # no step needed: placement judges by it
+    assert call(gpu, "heartbeat", {"running": []}) == {"ok": True}
+    assert ctx.store.get_client("p1")["running_jobs"] == []

@@ -2,13 +2,14 @@
 connection, not written to the store at every heartbeat.
 
 A heartbeat changes only this process's memory (``Presence.beat``): the client's last word,
-its deadline, its slots' figures, the jobs it runs. Once a second (``step``) the process
+its deadline, its slots' figures, the jobs it runs; only one that says the client runs other
+jobs than it said before is written at once (a job started or ended there:
+``lifecycle.not_started`` reads it). Once a second (``step``) the process
 
 - declares lost its own clients past their deadline (``lifecycle.client_lost``: the store is
   told, their jobs moved), unless the store says the client registered since through another
   connection;
-- writes to the store, in one transaction, what changed that matters: the jobs a client runs,
-  a slot's free memory moved by 1/``MEMORY_STEP`` of its total or more (placement reads it), and
+- writes to the store, in one transaction, what changed that matters: a slot's free memory moved by 1/``MEMORY_STEP`` of its total or more (placement reads it), and
   every ``STORE_EVERY`` seconds the rest (last seen, utilisation: what a listing shows of a
   client held elsewhere). A client the store no longer has online (lost, its token revoked) is
   forgotten: its next heartbeat is told to register again;
@@ -111,6 +112,13 @@ class Presence:
         live.last_seen, live.deadline, live.running, live.fresh = now, deadline, running, True
         for stat in stats:
             live.stats.setdefault(stat["index"], {}).update(_figures(stat))
+        if running != live.stored_running:  # a job started or ended on it: the scheduler's judgement
+            # of a placement that did not start reads it (lifecycle.not_started), so at once
+            if not self.ctx.store.touch_client(client_id, {"last_seen": now, "running_jobs": running}, [],
+                                               expect_status=ClientStatus.ONLINE.value):
+                self._forget(client_id)
+                return False
+            live.stored_running = list(running)
         return True
 
     def left(self, client_id: str, sid: str) -> Live | None:
