@@ -241,6 +241,10 @@ def test_start_weights_are_the_rooms_own_and_checked_by_their_header(app):
     error = room.refused("diloco.start_weights", parallelism="DILOCO", world_size=2,
                          diloco={"start_weights": theirs})
     assert "no start weights" in error["message"]
+    ours = room.post("/diloco/start", data=start_weights.encode(model()),
+                     headers={"Content-Type": "application/octet-stream"}).json["id"]
+    room.refused("datasets.0", parallelism="DILOCO", world_size=2, diloco={"start_weights": ours}, datasets=["none"])
+    assert app.extensions["zwdx"].store.get_artifact(ours) is None  # a refused submit's start weights go at once
 
 
 # -- the global weights against every worker's fingerprint (issue 33 §1, workers that all-reduce) -----

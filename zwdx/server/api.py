@@ -154,6 +154,7 @@ def _release_bundle(room: dict, data: dict) -> None:
     stops counting against the room's quota; a working dir stays, the room's other jobs run it."""
     spec = data.get("spec", data) if isinstance(data, dict) else None  # the tree, or an earlier SDK's flat body
     code = nest(spec).get("code") if isinstance(spec, dict) else None
+    global_weights.release_start(room, nest(spec) if isinstance(spec, dict) else None)  # a DILOCO job's, likewise
     bundle_id = code.get("bundle_artifact") if isinstance(code, dict) else None
     bundle = ctx().store.get_artifact(bundle_id) if isinstance(bundle_id, str) else None
     if bundle and bundle["room_id"] == room["id"] and bundle["kind"] == ArtifactKind.BUNDLE.value \

@@ -135,6 +135,17 @@ def start_of(room: dict, submit) -> dict | None:
     return artifact
 
 
+def release_start(room: dict, tree: dict | None) -> None:
+    """A refused submit's start weights (named by its spec tree's strategy, no job's yet) go at
+    once, as its bundle does: they count against the room's quota no longer."""
+    strategy = tree.get("strategy") if isinstance(tree, dict) else None
+    start_id = strategy.get("start_weights") if isinstance(strategy, dict) else None
+    artifact = ctx().store.get_artifact(start_id) if isinstance(start_id, str) else None
+    if artifact and artifact["room_id"] == room["id"] and artifact["kind"] == ArtifactKind.DILOCO_START.value \
+            and not artifact.get("job_id") and ctx().store.delete_artifact(start_id):
+        ctx().artifacts.delete(start_id)
+
+
 def attach_start(job: JobRecord) -> None:
     """The new job owns its start weights (swept with it)."""
     start_id = job.spec.diloco.start_weights if job.spec.diloco else None
