@@ -165,7 +165,7 @@ def test_a_job_on_a_gpu_and_a_cpu_slot_meets_over_gloo_and_says_what_it_costs(se
         started = [e for e in job["timeline"] if e["status"] == "starting"][-1]
         assert started["reason"].startswith("mixed cuda+cpu: gloo on every rank, gradients through host memory")
         assign = wait_until(lambda: donors[0].assigned.get(job_id), 30, what="the job assigned")
-        assert (assign.devices.value, assign.global_batch, assign.backend) == ("mixed", G, "gloo")
+        assert (assign.spec.mixed.global_batch, assign.backend) == (G, "gloo")
     finally:
         for donor in donors:
             donor.stop()

@@ -11,10 +11,11 @@ from zwdx.protocol.base import parse
 from zwdx.protocol.rank import RankSpec
 
 SPEC = {"job_id": "j1", "attempt": 1, "rank": 1, "local_rank": 0, "world_size": 2, "master_addr": "10.0.0.7",
-        "master_port": 29500, "backend": "gloo", "device": "cpu", "parallelism": "FSDP", "epochs": None,
+        "master_port": 29500, "backend": "gloo", "device": "cpu",
+        "job": {"code": {"bundle_artifact": "b1", "versions": {"python": "3.11"}}, "strategy": {"type": "fsdp"}},
         "collective_timeout": 300.0, "checkpoint": {"n": 3, "epoch": 1, "step": 40, "format": "shards",
                                                     "files": {"rng-0.pt": "a1"}},
-        "checkpoint_every_epoch": True, "threads": 4, "bundle_path": "/tmp/b.zwdx", "bundle_sha256": "ab" * 32,
+        "threads": 4, "bundle_path": "/tmp/b.zwdx", "bundle_sha256": "ab" * 32,
         "bundle_pending": True,
         "assigned_at": 1700000000.5, "server": "http://10.0.0.1:4461", "client_id": "lab-2", "hostname": "gpu7",
         "rank_key": "rk_secret-key", "log_path": "/tmp/rank1.log"}
@@ -45,8 +46,7 @@ def test_a_rank_holds_no_room_level_secret(name):
     assert info.value.field == name and "not a field" in info.value.message
 
 
-@pytest.mark.parametrize("name", ["collective_timeout", "backend", "device", "parallelism", "epochs",
-                                  "checkpoint_every_epoch", "rank_key", "bundle_sha256"])
+@pytest.mark.parametrize("name", ["collective_timeout", "backend", "device", "job", "rank_key", "bundle_sha256"])
 def test_what_the_server_decided_must_be_given(name):
     with pytest.raises(BadRequest) as info:
         parse(RankSpec, {k: v for k, v in SPEC.items() if k != name}, "rank spec")

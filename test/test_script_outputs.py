@@ -21,9 +21,8 @@ import tarfile
 import pytest
 
 from zwdx.errors import BadRequest
-from zwdx.protocol import JobKind
+from zwdx.protocol.job import JobSpec
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.script import ScriptSpec
 from zwdx.workdir import pack
 
 
@@ -129,11 +128,13 @@ def run_rank(tmp_path, monkeypatch, files: dict, script: dict, include=(), data_
     root = tree(tmp_path / "submitter", files)
     packed = pack(root, script["path"], **({"include": include} if include else {}))
     spec = RankSpec(job_id="j1", attempt=0, rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1",
-                    master_port=1, backend="gloo", device="cpu", parallelism="DDP", epochs=None,
-                    collective_timeout=30, checkpoint=None, checkpoint_every_epoch=True, threads=1,
+                    master_port=1, backend="gloo", device="cpu",
+                    job=JobSpec(kind="script", script={**script, **({} if include is None else
+                                                                    {"left_out": packed.left_out_entries})},
+                                versions={"python": "3.11"}, bundle_artifact="w", world_size=1),
+                    collective_timeout=30, checkpoint=None, threads=1,
                     bundle_path=packed.path, bundle_sha256=packed.sha256, bundle_pending=False, assigned_at=0,
-                    server="http://s", client_id="c1", hostname="h", rank_key="rk", kind=JobKind.SCRIPT,
-                    script=ScriptSpec(**script, **({} if include is None else {"left_out": packed.left_out_entries})),
+                    server="http://s", client_id="c1", hostname="h", rank_key="rk",
                     data_dir=data_dir,
                     work_dir=str(tmp_path / "rank0"))
     Reports.said = []

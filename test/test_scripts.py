@@ -17,9 +17,9 @@ import pytest
 from conftest import placed_job
 from zwdx import defaults
 from zwdx.errors import BadRequest
-from zwdx.protocol import JobKind
+from zwdx.protocol.job import JobSpec
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.script import TORCHRUN_VARIABLES, ScriptSpec
+from zwdx.protocol.script import TORCHRUN_VARIABLES
 from zwdx.server.placement import plan, unschedulable
 from zwdx.workdir import list_files, pack
 
@@ -255,13 +255,14 @@ def test_a_ranks_script_gets_torchruns_environment_and_no_secret(monkeypatch):
     from gpu_client.rank.script import environ
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     spec = RankSpec(job_id="j1", attempt=2, rank=3, local_rank=1, world_size=4, master_addr="10.0.0.1",
-                    master_port=29500, backend="nccl", device="cuda:3", parallelism="DDP", epochs=None,
-                    collective_timeout=300, checkpoint=None, checkpoint_every_epoch=True, threads=4,
+                    master_port=29500, backend="nccl", device="cuda:3",
+                    job=JobSpec(kind="script", script={"path": "train.py", "env": {"SEED": "7"}}, max_restarts=3,
+                                versions={"python": "3.11"}, bundle_artifact="w", world_size=4),
+                    collective_timeout=300, checkpoint=None, threads=4,
                     bundle_path="/w.tar.gz", bundle_sha256="0" * 64, bundle_pending=False, assigned_at=0,
                     server="http://s", client_id="c1",
-                    hostname="h", rank_key="rk_secret", kind=JobKind.SCRIPT,
-                    script=ScriptSpec(path="train.py", env={"SEED": "7"}), local_world_size=2, group_rank=1,
-                    group_world_size=2, max_restarts=3, local_gpus=[2, 3])
+                    hostname="h", rank_key="rk_secret", local_world_size=2, group_rank=1,
+                    group_world_size=2, local_gpus=[2, 3])
     env = environ(spec, "/out")
     assert set(TORCHRUN_VARIABLES) <= set(env)
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

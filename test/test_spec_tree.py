@@ -88,4 +88,32 @@ def test_the_rules_between_parts_resolve_once_at_submit():
                                                          "stage_plan": [[0, 1], [1, 2], [2, 3], [3, 4]]})
     assert (staged.resources.world_size, staged.pipeline.stages_per_rank) == (2, 2)
     assert submitted().strategy == DDP() and submitted().training.seed is None
-    assert submitted(seed=7).training.seed == 7
+    with pytest.raises(BadRequest):  # the flat shape is frozen: a new option is the tree's only
+        submitted(seed=7)
+
+
+def test_a_jobs_seed_travels_to_its_ranks_and_seeds_them_alike():
+    """``training.seed``: set in the tree only (no flat field, no SDK keyword of its own), it reaches
+    every rank's spec through the assignment, and the rank seeds torch, random and numpy with it."""
+    import random
+
+    import numpy
+    import torch
+
+    from gpu_client.rank.runner import seed
+    from zwdx.protocol.gpu import JobAssign
+    spec = parse(SubmitJob, {"spec": {"code": CODE, "training": {"seed": 7}}}).spec
+    stored = JobSpec.model_validate({**spec.model_dump(), "datasets": []})
+    assign = JobAssign(job_id="j", spec=stored, ranks=[], world_size=1, master_addr="a", master_port=1,
+                       backend="gloo", collective_timeout=1.0)
+    assert JobAssign.model_validate_json(assign.model_dump_json()).spec.training.seed == 7
+
+    def draws():
+        return random.random(), float(numpy.random.rand()), float(torch.rand(1))
+    torch.set_num_threads(1)
+    seed(7)
+    first = draws()
+    seed(7)
+    assert draws() == first
+    seed(None)  # no seed: nothing reset
+    assert draws() != first

@@ -349,16 +349,13 @@ class Agent:
         return RankSpec(
             job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
-            peers=reach.egress_peers(assign), backend=assign.backend, device=self._device(place.gpu_index, place.kind),
-            parallelism=assign.parallelism,
-            epochs=assign.epochs, collective_timeout=assign.collective_timeout, checkpoint=assign.checkpoint,
-            checkpoint_every_epoch=assign.checkpoint_every_epoch, threads=self._threads(len(assign.ranks)),
-            diloco=assign.diloco, joining=assign.joining, image=assign.image, worker_port=worker_port,
-            pipeline=assign.pipeline, devices=assign.devices, global_batch=assign.global_batch,
-            tp_plan=assign.tp_plan, tp_size=assign.tp_size,
-            bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.bundle_sha256,
-            bundle_pending=pending, bundle_size=assign.bundle_size if streamed else None,
-            data_dir=os.path.join(job.sandbox.dir, "data") if assign.datasets else None,
+            job=assign.spec, peers=reach.egress_peers(assign), backend=assign.backend,
+            device=self._device(place.gpu_index, place.kind), collective_timeout=assign.collective_timeout,
+            checkpoint=assign.checkpoint, threads=self._threads(len(assign.ranks)), joining=assign.joining,
+            worker_port=worker_port, tp_size=assign.tp_size,
+            bundle_path=self.isolation.bundle_path(job.sandbox), bundle_sha256=assign.spec.code.bundle_sha256,
+            bundle_pending=pending, bundle_size=assign.spec.code.bundle_size if streamed else None,
+            data_dir=os.path.join(job.sandbox.dir, "data") if assign.spec.datasets else None,
             assigned_at=assigned_at, server=self.server, client_id=self.client_id,
             hostname=self.hostname, rank_key=place.key, log_path=os.path.join(logs, f"rank{place.rank}.log"),
             outage_tolerance=self.outage_tolerance,
@@ -372,14 +369,14 @@ class Agent:
         url = f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}/bundle"
         with session.get(url, stream=True, timeout=60) as resp:
             resp.raise_for_status()
-            self.workspace.keep_bundle(assign.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
+            self.workspace.keep_bundle(assign.spec.code.bundle_sha256, resp.iter_content(defaults.CHUNK_BYTES),
                                        f"bundle of job {assign.job_id}", shared)
 
     def _provide_datasets(self, job: RunningJob, assign: JobAssign) -> None:
         """The job's datasets from the cache (``datasets.py``), into its sandbox's ``data``."""
         session = self._session(assign.ranks[0].key)  # any of its ranks' keys opens the job's datasets
         try:
-            provided = self.datasets.lend(assign.datasets, lambda p: share_datasets(self.isolation, job.sandbox, p),
+            provided = self.datasets.lend(assign.spec.datasets, lambda p: share_datasets(self.isolation, job.sandbox, p),
                                           session, f"{self.server}{defaults.API_PREFIX}/jobs/{assign.job_id}")
         finally:
             session.close()
@@ -399,15 +396,15 @@ class Agent:
             return
         worker = None
         try:
-            bundle, pending = self.workspace.bundle_path(assign.bundle_sha256), True
+            bundle, pending = self.workspace.bundle_path(assign.spec.code.bundle_sha256), True
             # Not in the cache: the ranks read the bundle as it arrives, from the file being written.
-            streamed = bool(assign.bundle_size and self.isolation.streams_bundle and not assign.script
+            streamed = bool(assign.spec.code.bundle_size and self.isolation.streams_bundle and not assign.spec.script
                             and not os.path.exists(bundle))
             self.launcher.lease(job, self.client_id)
             if self.ca_file:  # where the ranks can read it
                 self.isolation.share(self.ca_file, job.sandbox, CA_FILE, link=False)
             # DILOCO, several ranks per worker: this client's ranks are one worker, meeting on loopback
-            worker = listener("127.0.0.1") if assign.diloco and assign.diloco.ranks_per_worker > 1 else None
+            worker = listener("127.0.0.1") if assign.spec.diloco and assign.spec.diloco.ranks_per_worker > 1 else None
             worker_port = worker.getsockname()[1] if worker is not None else None
             for local_rank, place in enumerate(assign.ranks):
                 # the stores this rank serves: the job's (rank 0), its worker's (the worker's first rank here)
@@ -429,12 +426,12 @@ class Agent:
                 if not os.path.samefile(self.isolation.bundle_path(job.sandbox), bundle):
                     self.isolation.share(bundle, job.sandbox)  # it was copied, not linked: again, whole
             else:
-                if not self.workspace.cached(assign.bundle_sha256):  # its sha256 checked on every use
+                if not self.workspace.cached(assign.spec.code.bundle_sha256):  # its sha256 checked on every use
                     self._fetch_bundle(assign)
                 self.isolation.share(bundle, job.sandbox)  # the rank checks the sha256 again as it loads
             # the job's code may run already (a streamed bundle loads as it arrives): what the agent
             # writes into the sandbox goes where the job cannot write, following no link (sandbox.py)
-            if assign.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before "ready"
+            if assign.spec.datasets:  # in the cache (verified now) or fetched, then in the sandbox, before "ready"
                 self._provide_datasets(job, assign)
             self.launcher.ready(job, pending)
             for rank, proc in job.procs.items():

@@ -79,6 +79,7 @@ class Trainer:
         bundle.start()
         self.device = self._join()
         self.bundle = bundle.result()
+        seed(self.spec.job.training.seed)  # before the loaders and the model's wrapping draw from them
         self.reporter.status(RankStatus.RUNNING.value)
         self.loaders = self._user_loaders()
         self.model, self.optimizer = self._build()
@@ -325,6 +326,20 @@ class BundleLoader(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.bundle
+
+
+def seed(value: int | None) -> None:
+    """The job's ``training.seed``: torch (CPU and CUDA), ``random`` and numpy seeded alike on
+    every rank; None: left as the process has them."""
+    if value is None:
+        return
+    import random
+
+    import numpy
+    import torch
+    random.seed(value)
+    numpy.random.seed(value)
+    torch.manual_seed(value)
 
 
 def first_batch(loader):

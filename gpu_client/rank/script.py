@@ -46,7 +46,7 @@ import traceback
 import requests
 
 from zwdx.protocol.rank import RankSpec
-from zwdx.protocol.script import VARIABLE, ScriptSpec
+from zwdx.protocol.script import VARIABLE
 from zwdx.protocol.vocab import JobKind, RankStatus, SlotKind
 
 from . import outputs as collect
@@ -75,11 +75,10 @@ os.execv(sys.argv[2], sys.argv[2:])
 def rank_fields(assign, place, local_rank: int, job_dir: str) -> dict:
     """What a script job adds to a rank's ``RankSpec`` (the agent's ``JobAssign`` -> ``RankSpec``);
     ``job_dir``: a folder the job's ranks write (its sandbox's ``home``)."""
-    if assign.kind != JobKind.SCRIPT:
+    if assign.spec.kind != JobKind.SCRIPT:
         return {}
-    return {"kind": JobKind.SCRIPT, "script": ScriptSpec.model_validate(assign.script.model_dump()),
-            "local_world_size": len(assign.ranks), "group_rank": assign.group_rank,
-            "group_world_size": assign.group_world_size, "max_restarts": assign.max_restarts,
+    return {"local_world_size": len(assign.ranks), "group_rank": assign.group_rank,
+            "group_world_size": assign.group_world_size,
             "local_gpus": [r.gpu_index for r in assign.ranks if r.kind == SlotKind.CUDA],
             "work_dir": os.path.join(job_dir, f"attempt{assign.attempt}", f"rank{place.rank}")}
 

@@ -17,7 +17,7 @@ from .vocab import JobKind, Parallelism
 PARTS = {"code": ("bundle_artifact", "bundle_sha256", "bundle_size", "versions", "required_modules"),
          "resources": ("world_size", "memory_required", "gpus_per_client", "image"),
          "recovery": ("min_world_size", "max_restarts", "keep_checkpoints", "checkpoint_every_epoch"),
-         "training": ("epochs", "collective_timeout", "seed")}
+         "training": ("epochs", "collective_timeout")}  # frozen: a new option is the tree's only
 _OPTIONS = ("diloco", "pipeline", "lora", "global_batch", "tp_plan", "tp_size", "devices")
 _TYPES = {"DDP": "ddp", "FSDP": "fsdp", "FSDP+TP": "fsdp", "TP": "tp", "PIPELINE": "pipeline", "DILOCO": "diloco"}
 _TP = {"plan": "tp_plan", "size": "tp_size"}
@@ -25,10 +25,10 @@ _TP = {"plan": "tp_plan", "size": "tp_size"}
 FIELDS = ("versions", "bundle_artifact", "kind", "parallelism", "epochs", "world_size", "memory_required", "name",
           "collective_timeout", "min_world_size", "max_restarts", "keep_checkpoints", "checkpoint_every_epoch",
           "required_modules", "fail_if_unschedulable", "script", "gpus_per_client", "diloco", "pipeline", "lora",
-          "datasets", "image", "devices", "global_batch", "tp_plan", "tp_size", "seed")
+          "datasets", "image", "devices", "global_batch", "tp_plan", "tp_size")
 
 
-def fail(loc: tuple, message: str, value: Any = None) -> NoReturn:
+def fail(loc: tuple[Any, ...], message: str, value: Any = None) -> NoReturn:
     """A validation error at ``loc`` (inside the model being validated), saying ``message``."""
     raise ValidationError.from_exception_data("JobSpec", [
         {"type": "value_error", "loc": loc, "input": value, "ctx": {"error": ValueError(message)}}])
@@ -38,7 +38,7 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def _strategy(flat: dict) -> dict:
+def _strategy(flat: dict[str, Any]) -> dict[str, Any]:
     """The ``strategy`` of a flat spec (popped from it)."""
     kind, script = _value(flat.pop("kind", JobKind.FUNCTION.value)), flat.pop("script", None)
     parallelism = _value(flat.pop("parallelism", Parallelism.DDP.value)).upper()
@@ -64,7 +64,7 @@ def _strategy(flat: dict) -> dict:
     return {**(settings if isinstance(settings, dict) else {}), **options, "type": _TYPES.get(parallelism, parallelism)}
 
 
-def nest(flat: dict) -> dict:
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
     """A spec of the flat shape as the tree; a tree as it is."""
     if "strategy" in flat or "code" in flat:
         return flat
@@ -74,7 +74,7 @@ def nest(flat: dict) -> dict:
     return {**flat, **tree}
 
 
-def check(flat: dict) -> None:
+def check(flat: dict[str, Any]) -> None:
     """A flat body's options against its mode, as the flat ``SubmitJob`` checked them (the tree
     refuses the same structurally, as an unknown field of the strategy)."""
     given = {k: v for k, v in flat.items() if v is not None}
@@ -110,7 +110,7 @@ def check(flat: dict) -> None:
             fail((option,), f"applies to parallelism TP and FSDP+TP only, not {parallelism}", given[option])
 
 
-def flat_loc(loc: tuple) -> tuple:
+def flat_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     """Where an error of the tree is, in the flat shape: ``("resources", "world_size")`` ->
     ``("world_size",)``, ``("strategy", "tp", "plan")`` -> ``("tp_plan",)``."""
     if not loc or loc[0] not in ("strategy", *PARTS):
@@ -130,7 +130,7 @@ def flat_loc(loc: tuple) -> tuple:
     return rest or ("parallelism",)
 
 
-def flat_errors(exc: ValidationError, prefix: tuple) -> ValidationError:
+def flat_errors(exc: ValidationError, prefix: tuple[Any, ...]) -> ValidationError:
     """``exc`` with each error's place (under ``prefix``) as the flat shape names it, in the order
     the flat model listed them (``FIELDS``; unknown fields last)."""
     details: list[Any] = []

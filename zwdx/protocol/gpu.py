@@ -26,15 +26,11 @@ from pydantic import AfterValidator, Field, StringConstraints, field_validator, 
 from .. import defaults
 from .base import Answer, Bytes, ByValue, Count, Id, Name, RankKey, Seconds, Tolerant, no_controls
 from .tokens import Secret
-from .dataset import DatasetPin
-from .diloco import DilocoSettings
-from .pipeline import PipelineSettings
 from .job import CheckpointEntry
-from .script import ScriptRecord
-from .vocab import Devices, Isolation, JobKind, Parallelism, SlotKind, TpStyle
+from .spec import JobSpec, ModuleName
+from .vocab import Isolation, SlotKind
 
 Percent = Annotated[float, Field(ge=0, le=100)]
-from .spec import ModuleName
 #: Bytes of memory a slot may claim: no machine's RAM is larger (a GPU's bound is tighter: ``Slot``).
 Memory = Annotated[int, Field(ge=0, le=defaults.MAX_HOST_MEMORY)]
 #: A short name a GPU client chose (versions, its machine's id): no control characters.
@@ -229,61 +225,37 @@ class RankPlace(Answer):
 
 
 class JobAssign(Answer):
-    """Everything a GPU client needs to start its ranks of one attempt of a job; every value
-    decided by the server (defaults resolved), so the client derives nothing: the fields the
-    ranks need have no default here. The agent turns it into one ``RankSpec`` per rank
-    (``zwdx.protocol.rank``)."""
+    """Everything a GPU client needs to start its ranks of one attempt of a job: the job's
+    ``spec`` as stored (``zwdx.protocol.spec``) and what the server decided for this attempt
+    (placement, rendezvous, resolved timeouts), so the client derives nothing. The agent turns it
+    into one ``RankSpec`` per rank (``zwdx.protocol.rank``)."""
     job_id: str
     attempt: int = 0
+    spec: JobSpec
     ranks: list[RankPlace]
     world_size: int
     master_addr: str
     master_port: int
     backend: Literal["nccl", "gloo"]
-    bundle_artifact: str
-    bundle_sha256: str
-    #: The bundle's size in bytes (None: a server that does not say; the ranks then wait for it whole).
-    bundle_size: int | None = None
-    parallelism: Parallelism
-    #: None: the train function's own default (1 if it has none).
-    epochs: int | None = None
+    #: The checkpoint a resumed attempt goes on from (None: from the start).
     checkpoint: CheckpointEntry | None = None
-    keep_checkpoints: int = defaults.KEEP_CHECKPOINTS
-    checkpoint_every_epoch: bool
+    #: Seconds a collective waits: the spec's, else the server's ``COLLECTIVE_TIMEOUT``.
     collective_timeout: Annotated[float, Field(gt=0)]
-    #: A script job runs ``script`` in the working dir its ``bundle_artifact`` holds.
-    kind: JobKind = JobKind.FUNCTION
-    script: ScriptRecord | None = None
     #: This client's place among the job's GPU clients (torchrun's node rank), and how many there are.
     group_rank: int = 0
     group_world_size: int = 1
-    max_restarts: int = defaults.MAX_RESTARTS
-    #: DILOCO's settings; None for DDP and FSDP.
-    diloco: DilocoSettings | None = None
-    #: PIPELINE's settings; None for the other modes.
-    pipeline: PipelineSettings | None = None
-    #: TP and FSDP+TP: the submitter's plan (None: derived from the model), and the ranks of one
-    #: TP group, resolved (the job's ranks on each GPU client); None for the other modes.
-    tp_plan: dict[str, TpStyle] | None = None
+    #: TP and FSDP+TP: the ranks of one TP group, resolved (the job's ranks on each GPU client).
     tp_size: int | None = None
     #: The job's GPU clients, rank 0's first, for the reachability probe (empty: none to probe,
     #: as for DILOCO, which syncs through the server).
     peers: list[Peer] = []
-    #: The datasets to fetch before the ranks run the job's code (pinned at submit).
-    datasets: list[DatasetPin] = []
     #: DILOCO: the ranks join a running job in dropped workers' places (they start from the
     #: global weights another worker sends at its next round).
     joining: bool = False
-    #: The image the job's ranks run in (None: this client's default).
-    image: str | None = None
     #: Where the server saw every GPU client of the placement connect from, and this one's own
     #: advertised address: where a rank in a container may reach its peers' rendezvous and
     #: collective ports (``zwdx/server/reach.py``, ``gpu_client/sandbox/container.py``).
     addresses: list[str] = []
-    #: "mixed": the ranks weigh their batches by measured speed (``gpu_client/rank/strategies/mixed.py``).
-    devices: Devices = Devices.SAME
-    #: devices "mixed": the samples of one step over every rank (None: from data_loader_func).
-    global_batch: int | None = None
 
 
 class JobCancel(Answer):

@@ -21,7 +21,7 @@ ignored) and may hold NaN and infinities (a diverged loss), which JSON carries a
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,7 @@ from .spec import JobSpec
 from .vocab import CheckpointFormat, FailureKind, JobStatus, RankStatus, SlotKind
 
 
-def _absent(value) -> bool:
+def _absent(value: object) -> bool:
     return value is None
 
 
@@ -81,7 +81,7 @@ class RankState(Record):
     #: How its slot kept it (``Isolation``'s value), and a container's image and limits
     #: (``protocol.gpu.Terms``' fields), as its GPU client registered them when it started.
     isolation: str | None = Field(default=None, exclude_if=_absent)
-    terms: dict | None = Field(default=None, exclude_if=_absent)
+    terms: dict[str, Any] | None = Field(default=None, exclude_if=_absent)
     #: What it holds of the model (``protocol.layout``), as it reported once the model was wrapped.
     layout: RankLayout | None = Field(default=None, exclude_if=_absent)
 
@@ -219,7 +219,7 @@ def failure_order(failures: dict[str, RankFailure]) -> list[str]:
     """The failing ranks, first failure first: ranks whose own code raised before ranks that
     only lost their peers (a collective broke, a process died without a word), then by when
     the server heard of each, then by rank."""
-    def key(rank: str):
+    def key(rank: str) -> tuple[bool, float, int]:
         failure = failures[rank]
         lost_peers = failure.kind != FailureKind.RAISED
         at = failure.at if failure.at is not None else float("inf")
@@ -240,7 +240,7 @@ class JobView(JobFields):
     queue_position: int | None = Field(default=None, exclude_if=_absent)
 
     @classmethod
-    def of(cls, job: Job, **extra) -> JobView:
+    def of(cls, job: Job, **extra: Any) -> JobView:
         fields = job.model_dump(exclude={"failures", "rank_keys"})
         return cls.model_validate({
             **fields, **extra,

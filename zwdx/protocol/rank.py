@@ -31,11 +31,9 @@ from typing import IO, Annotated, Literal
 from pydantic import Field, SecretStr, StringConstraints, field_serializer
 
 from .. import defaults
-from .base import ByValue, Count, Id, Message, Seconds, Text
-from .diloco import DilocoSettings
-from .pipeline import PipelineSettings
+from .base import Count, Id, Message, Seconds, Text
 from .job import CheckpointEntry
-from .script import ScriptSpec
+from .spec import Diloco, JobSpec, Pipeline, Script
 from .vocab import Devices, JobKind, Parallelism, TpStyle
 
 #: Where a rank's tensors live: the CPU, or one GPU of this machine.
@@ -70,6 +68,8 @@ class RankSpec(Message):
     #: Its index among this GPU client's ranks of the job.
     local_rank: Count
     world_size: Annotated[int, Field(ge=1, le=2**20)]
+    #: The job's spec as the server stores it (``zwdx.protocol.spec``): its options, read where used.
+    job: JobSpec
 
     # -- how the ranks meet and train ------------------------------------------------------------
     master_addr: Annotated[str, StringConstraints(min_length=1, max_length=255)]
@@ -78,38 +78,21 @@ class RankSpec(Message):
     peers: Annotated[list[Annotated[str, StringConstraints(max_length=255)]], Field(max_length=4096)] = []
     backend: Literal["nccl", "gloo"]
     device: Device
-    parallelism: Annotated[Parallelism, ByValue]
-    #: As submitted; None: the train function's own default (1 if it declares none).
-    epochs: Annotated[int, Field(ge=1)] | None
     #: Seconds a collective may wait for its peers.
     collective_timeout: Annotated[float, Field(gt=0, le=1e7)]
     #: The checkpoint to go on from (a resumed attempt), or None.
     checkpoint: CheckpointEntry | None
-    checkpoint_every_epoch: bool
     #: torch threads of this rank.
     threads: Annotated[int, Field(ge=1, le=4096)]
-    #: DILOCO's settings (this rank is one worker); None for DDP and FSDP.
-    diloco: DilocoSettings | None = None
     #: DILOCO: this worker joins a running job (``JobAssign.joining``).
     joining: bool = False
-    #: The image the rank's container runs (``--isolation docker``; None: the client's default).
-    image: Annotated[str, StringConstraints(max_length=255)] | None = None
     #: DILOCO with several ranks per worker: the port on 127.0.0.1 where this GPU client's ranks
     #: of the job (one worker) meet as their own process group (the agent picks it); None: one rank.
     worker_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     #: Listening sockets the GPU client hands this rank on its channel (``launcher``), for the
     #: stores it serves: rank 0's rendezvous port, a DILOCO worker's port; 0 where none (a container).
     listeners: Annotated[int, Field(ge=0, le=2)] = 0
-    #: PIPELINE's settings; None for the other modes.
-    pipeline: PipelineSettings | None = None
-    #: "mixed": this rank's batch is its share of ``global_batch``, weighted by measured speed
-    #: (``gpu_client/rank/strategies/mixed.py``).
-    devices: Annotated[Devices, ByValue] = Devices.SAME
-    #: devices "mixed": the samples of one step over every rank; None: the world size times the
-    #: default of ``data_loader_func``'s ``batch_size``.
-    global_batch: Annotated[int, Field(ge=1)] | None = None
-    #: TP and FSDP+TP (``JobAssign.tp_plan``, ``tp_size``): the plan (None: derived) and the TP group's size.
-    tp_plan: dict[str, Annotated[TpStyle, ByValue]] | None = None
+    #: TP and FSDP+TP: the TP group's size, resolved (``JobAssign.tp_size``).
     tp_size: Annotated[int, Field(ge=1, le=1024)] | None = None
 
     # -- the job's code --------------------------------------------------------------------------
@@ -142,17 +125,14 @@ class RankSpec(Message):
     ca_file: Path | None = None
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
-    #: Where the rank runs and as whom (``gpu_client.sandbox.rank_process.enter``); None: where it was started.
+    #: Where the rank runs and as whom (``gpu_client.sandbox.isolation.enter``); None: where it was started.
     sandbox: Sandbox | None = None
 
-    # -- a script job (``gpu_client.rank.script``): what the runner does is chosen by ``kind`` --------
-    kind: Annotated[JobKind, ByValue] = JobKind.FUNCTION
-    script: ScriptSpec | None = None
+    # -- a script job (``gpu_client.rank.script``): what the runner does is chosen by ``job.kind`` ----
     #: This GPU client's ranks of the job, and its place among the job's GPU clients.
     local_world_size: Annotated[int, Field(ge=1, le=4096)] = 1
     group_rank: Count = 0
     group_world_size: Annotated[int, Field(ge=1, le=2**20)] = 1
-    max_restarts: Count = 0
     #: The GPUs of this client's ranks of the job, in local-rank order (a script's CUDA_VISIBLE_DEVICES).
     local_gpus: Annotated[list[Count], Field(max_length=4096)] = []
     #: A folder of this rank's own (the script's working dir is unpacked there), made by the rank.
@@ -179,6 +159,55 @@ class RankSpec(Message):
         """The variables torch (and libraries built on it) read for a distributed rank."""
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+    # The job's options by the names the rank's code reads them: views of ``job``, not copies.
+    @property
+    def parallelism(self) -> Parallelism:
+        return self.job.parallelism
+
+    @property
+    def kind(self) -> JobKind:
+        return self.job.kind
+
+    @property
+    def script(self) -> Script | None:
+        return self.job.script
+
+    @property
+    def diloco(self) -> Diloco | None:
+        return self.job.diloco
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        return self.job.pipeline
+
+    @property
+    def devices(self) -> Devices:
+        return Devices.MIXED if self.job.mixed else Devices.SAME
+
+    @property
+    def global_batch(self) -> int | None:
+        return self.job.mixed.global_batch if self.job.mixed else None
+
+    @property
+    def tp_plan(self) -> dict[str, TpStyle] | None:
+        return self.job.tp.plan if self.job.tp else None
+
+    @property
+    def epochs(self) -> int | None:
+        return self.job.training.epochs
+
+    @property
+    def checkpoint_every_epoch(self) -> bool:
+        return self.job.recovery.checkpoint_every_epoch
+
+    @property
+    def max_restarts(self) -> int:
+        return self.job.recovery.max_restarts
+
+    @property
+    def image(self) -> str | None:
+        return self.job.resources.image
 
     @property
     def where(self) -> str:

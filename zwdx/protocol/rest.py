@@ -221,7 +221,7 @@ class JobsQuery(Query):
 
     @field_validator("status")
     @classmethod
-    def _statuses(cls, value):
+    def _statuses(cls, value: str | None) -> str | None:
         return _statuses(value)
 
 
@@ -233,7 +233,7 @@ class JobQuery(Query):
     wait: Annotated[float, Field(ge=0, le=defaults.LONG_POLL_MAX)] | None = None
 
     @model_validator(mode="after")
-    def _wait_needs_events_after(self):
+    def _wait_needs_events_after(self) -> JobQuery:
         if self.wait and self.events_after is None:
             raise ValueError("wait needs events_after (the last event seen)")
         return self
@@ -262,7 +262,7 @@ class EventView(Answer):
 
     @field_validator("data", mode="before")
     @classmethod
-    def _object(cls, value):
+    def _object(cls, value: Any) -> Any:
         return value if isinstance(value, dict) else {} if value is None else {"value": value}
 
 
@@ -329,7 +329,7 @@ class HistoryQuery(Query):
 
     @field_validator("status")
     @classmethod
-    def _statuses(cls, value):
+    def _statuses(cls, value: str | None) -> str | None:
         return _statuses(value)
 
 

@@ -17,7 +17,7 @@ shape of earlier zwdx versions (a flat ``POST /jobs`` body, a stored record), so
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, cast
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
                       ValidatorFunctionWrapHandler, computed_field, field_validator, model_validator)
@@ -74,6 +74,7 @@ Lora = Annotated[dict[str, Any] | None, AfterValidator(_peft)]
 
 
 class Code(Part):
+    """The job's code: the uploaded bundle (a script job's working dir) and what loading it needs."""
     #: The uploaded bundle (``POST /api/v1/artifacts``); a script job's: its working dir's.
     bundle_artifact: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
     versions: Versions
@@ -98,6 +99,7 @@ class Code(Part):
 
 # -- strategies ---------------------------------------------------------------------------------
 class DDP(Part):
+    """DDP: every rank a replica of the model, gradients averaged each step."""
     type: Literal["ddp"] = "ddp"
     lora: Lora = None
 
@@ -142,6 +144,7 @@ class TP(TensorParallel):
 
 
 class Pipeline(PipelineSettings):
+    """PIPELINE: the model cut into stages over the ranks (``zwdx.protocol.pipeline``)."""
     model_config = ConfigDict(frozen=True)
     type: Literal["pipeline"] = "pipeline"
 
@@ -151,6 +154,7 @@ class Pipeline(PipelineSettings):
 
 
 class Diloco(DilocoSettings):
+    """DILOCO: every GPU client a worker training alone, outer steps through the server."""
     type: Literal["diloco"] = "diloco"
 
     @property
@@ -184,6 +188,7 @@ Strategy = Annotated[Union[DDP, FSDP, TP, Pipeline, Diloco, Mixed, Script], Fiel
 
 # -- the other parts ----------------------------------------------------------------------------
 class Resources(Part):
+    """How many ranks, and what each needs of its GPU client."""
     #: None: every eligible idle slot of the room (a script job must say).
     world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     #: Bytes of free memory every rank needs.
@@ -197,6 +202,7 @@ class Resources(Part):
 
 
 class Recovery(Part):
+    """Restarts from checkpoints after a lost GPU client, and which checkpoints are kept."""
     #: A resumed job may go on with this many ranks; a new one waits for ``world_size``.
     min_world_size: Annotated[int, Field(ge=1, le=100_000)] | None = None
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = defaults.MAX_RESTARTS
@@ -205,6 +211,7 @@ class Recovery(Part):
 
 
 class Training(Part):
+    """What every rank's training is told."""
     #: None: the train function's own default (1 if it declares none).
     epochs: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     #: Seconds a collective waits for its peers; None: the server's ``COLLECTIVE_TIMEOUT``.
@@ -315,7 +322,7 @@ def _worker(per: int, world: int | None, gpus: int | None) -> int:
     return per
 
 
-def _tp_resolved(where: tuple, one_group: bool, tp: TensorParallel, world: int | None,
+def _tp_resolved(where: tuple[str, ...], one_group: bool, tp: TensorParallel, world: int | None,
                  gpus: int | None) -> tuple[int | None, int | None]:
     """A TP group is one GPU client's ranks: TP's job is one group, FSDP+TP's several."""
     size, at = tp.size, (*where, "size")
@@ -349,7 +356,7 @@ def _check_recovery(strategy: Any, resources: Resources, recovery: Recovery) -> 
 
 def _pipeline(strategy: Pipeline, world: int | None) -> Pipeline:
     try:
-        resolved = strategy.resolved(world)
+        resolved = cast(Pipeline, strategy.resolved(world))
     except ValueError as exc:  # the plan and the ranks do not fit
         fail(("strategy", "pipeline"), str(exc))
     n = world or (resolved.stages // (resolved.stages_per_rank or 1) if resolved.stages else None)

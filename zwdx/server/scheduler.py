@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import BadRequest
-from ..protocol import (ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, Devices, JobStatus,
+from ..protocol import (ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus,
                         Parallelism, SlotKind)
 from ..protocol.base import parse
 from ..protocol.checkpoint import resumable
@@ -433,20 +433,12 @@ class Scheduler:
             if not any(p.rank in rank_keys for p in job.placement if p.client_id == client_id):
                 continue  # joining: not this client's
             assign = JobAssign(
-                job_id=job.id, attempt=job.attempt, world_size=job.world_size,
+                job_id=job.id, attempt=job.attempt, spec=spec, world_size=job.world_size,
                 ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank])
                        for p in job.placement if p.client_id == client_id and p.rank in rank_keys],
                 master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
-                bundle_artifact=spec.code.bundle_artifact, bundle_sha256=spec.code.bundle_sha256,
-                bundle_size=spec.code.bundle_size or None,
-                parallelism=spec.parallelism, epochs=spec.training.epochs,
                 checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
-                keep_checkpoints=spec.recovery.keep_checkpoints, checkpoint_every_epoch=spec.recovery.checkpoint_every_epoch,
-                collective_timeout=timeout, kind=spec.kind, script=spec.script and spec.script.model_dump(exclude={"type"}), group_rank=group_rank,
-                group_world_size=len(groups), max_restarts=spec.recovery.max_restarts, diloco=spec.diloco, pipeline=spec.pipeline,
-                peers=peers, datasets=spec.datasets, joining=joining, image=spec.resources.image,
-                addresses=addresses.egress_addresses(list(clients.values()), client),
-                devices=Devices.MIXED if spec.mixed else Devices.SAME, global_batch=spec.mixed and spec.mixed.global_batch,
-                tp_plan=spec.tp and spec.tp.plan,
+                collective_timeout=timeout, group_rank=group_rank, group_world_size=len(groups), peers=peers,
+                joining=joining, addresses=addresses.egress_addresses(list(clients.values()), client),
                 tp_size=tp_size(spec, job.placement))
             socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)
