@@ -254,7 +254,7 @@ def suspects_of(room: Api, job: dict) -> dict:
     return after["suspects"]
 
 
-def test_a_worker_whose_final_weights_are_not_the_servers_is_a_suspect(app):
+def test_a_worker_whose_final_weights_are_not_the_servers_is_a_suspect(app, capsys):
     net = model()
     room, ranks, job = placed(app, start_weights.encode(net))
     weights = torch.nn.Parameter(flat(net).clone())
@@ -268,6 +268,13 @@ def test_a_worker_whose_final_weights_are_not_the_servers_is_a_suspect(app):
     named = suspects_of(room, job)
     assert list(named) == ["2"] and "not the server's global weights" in named["2"]["reason"], named
     assert named["2"]["client_id"] == f"gpu-{job['id']}-2"
+    from types import SimpleNamespace
+    from zwdx.jobs_cli import jobs_show
+    jobs_show(SimpleNamespace(get_job=lambda _: room.get(f"/jobs/{job['id']}").json),
+              SimpleNamespace(job_id=job["id"], json=False))
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("SUSPECT")]
+    assert len(shown) == 1 and "rank 2" in shown[0] and "at the end: its final weights" in shown[0], shown
+    assert "dropped" not in shown[0]  # it finished: named, not dropped
 
 
 @pytest.mark.parametrize("world_size,says,suspect", [(3, ["a", "a", "b"], ["2"]), (3, ["b", "a", "a"], ["0"]),

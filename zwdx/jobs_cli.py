@@ -154,8 +154,10 @@ def jobs_show(sdk, args) -> int:
             if state.get("terms"):
                 _show(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
     for rank, suspect in sorted((job.get("suspects") or {}).items(), key=lambda kv: int(kv[0])):
-        _show(f"SUSPECT: rank {rank} (gpu client {suspect.get('client_id') or '?'}), rounds "
-              f"{', '.join(map(str, suspect.get('rounds') or []))}: {suspect.get('reason')}; dropped from the job")
+        rounds = suspect.get("rounds") or []  # none: named at the end, by its final weights
+        when = f"rounds {', '.join(map(str, rounds))}" if rounds else "at the end"
+        _show(f"SUSPECT: rank {rank} (gpu client {suspect.get('client_id') or '?'}), {when}: {suspect.get('reason')}"
+              f"{'; dropped from the job' if rounds else ''}")
     for line in plan_lines(job):
         _show(line)
     for rank in job.get("failure_order") or []:

@@ -110,7 +110,9 @@ function Suspects({ job }) {
       <ul>
         {suspects.map(([rank, s]) => (
           <li key={rank}>
-            rank {rank} (GPU client {s.client_id || "?"}), rounds {(s.rounds || []).join(", ")}: {s.reason}; dropped
+            rank {rank} (GPU client {s.client_id || "?"}),{" "}
+            {s.rounds?.length ? `rounds ${s.rounds.join(", ")}` : "at the end"}: {s.reason}
+            {s.rounds?.length ? "; dropped" : ""}
           </li>
         ))}
       </ul>

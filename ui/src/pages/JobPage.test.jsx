@@ -181,6 +181,15 @@ describe("the job page", () => {
     const box = await screen.findByTestId("suspects");
     expect(box).toHaveTextContent("rank 2 (GPU client gpu-c), rounds 3, 4, 5: its pseudo-gradient's norm is 41.0x");
     expect(box).toHaveTextContent("the ranks' final weights differ: rank(s) 0, 1 hold aaaa");
+    expect(box).toHaveTextContent("41.0x the round's median; dropped");
+    cleanup();
+    // Named once the job completed, by its final weights: no rounds, and not dropped.
+    const atEnd = { ...named, suspects: { 1: { client_id: "gpu-b", rounds: [], reason: "its final weights are not the server's global weights", at: 1700000005 } } };
+    mockFetch(routes(atEnd));
+    renderApp("/jobs/j1");
+    const end = await screen.findByTestId("suspects");
+    expect(end).toHaveTextContent("rank 1 (GPU client gpu-b), at the end: its final weights are not the server's global weights");
+    expect(end).not.toHaveTextContent("dropped");
     cleanup();
     mockFetch(routes(running));
     renderApp("/jobs/j1");
