@@ -103,3 +103,74 @@ def test_version_prints_zwdx_and_its_protocol(capsys, command):
         main([*command, "--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith(f"zwdx {__version__} (protocol {PROTOCOL}, Python 3.")
+
+
+# -- real processes: a server and GPU clients of other versions ---------------------------------------
+#: Run at a child's start (sitecustomize, on PYTHONPATH): the process then speaks ``protocol``,
+#: and with ``extra`` its register carries a field this version does not know.
+PRETEND = '''import os, sys
+sys.path.insert(0, os.getcwd())
+import zwdx.protocol.base as base, zwdx.protocol.gpu as gpu
+base.PROTOCOL = {protocol!r}
+if {extra!r}:
+    class Register(gpu.Register):
+        future_field: int = 1
+    gpu.Register = Register
+'''
+
+
+def pretending(tmp_path, protocol: str, extra: bool = False) -> dict:
+    """The environment of a child that speaks ``protocol`` (a newer or older zwdx, simulated)."""
+    folder = tmp_path / f"pretend-{protocol}-{extra}"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(PRETEND.format(protocol=protocol, extra=extra))
+    return {"PYTHONPATH": str(folder)}
+
+
+def test_a_gpu_client_of_a_newer_major_exits_saying_to_upgrade_the_server(server, room, tmp_path):
+    from procs import GpuClient
+    major = int(PROTOCOL.split(".")[0])
+    client = GpuClient(server.url, room["donor_token"], str(tmp_path / "newer"),
+                       env=pretending(tmp_path, f"{major + 1}.0"))
+    try:
+        assert client.wait(120) == 2, client.output()
+        assert (f"this GPU client speaks zwdx protocol {major + 1}.0 (zwdx {__version__}); this server speaks "
+                f"{PROTOCOL}") in client.output() and "upgrade the server" in client.output(), client.output()
+    finally:
+        client.stop()
+
+
+def test_a_gpu_client_of_an_older_major_exits_saying_to_upgrade_it(tmp_path):
+    import requests
+
+    from procs import GpuClient, Server
+    major = int(PROTOCOL.split(".")[0])
+    newer = Server(str(tmp_path / "server"), extra=["--async-mode", "threading"],
+                   env=pretending(tmp_path, f"{major + 1}.0"))
+    client = None
+    try:
+        room = requests.post(f"{newer.url}/api/v1/rooms", json={"name": "upgrades"}, timeout=30).json()  # no SDK:
+        # this one would be refused, as another major
+        client = GpuClient(newer.url, room["donor_token"], str(tmp_path / "older"))
+        assert client.wait(120) == 2, client.output()
+        assert f"this server speaks {major + 1}.0" in client.output(), client.output()
+        assert "upgrade the GPU client" in client.output(), client.output()
+    finally:
+        if client is not None:
+            client.stop()
+        newer.stop()
+
+
+def test_a_gpu_client_of_a_newer_minor_joins_and_its_extra_field_is_ignored(server, room, sdk, tmp_path):
+    from procs import GpuClient, wait_until
+    major = int(PROTOCOL.split(".")[0])
+    client = GpuClient(server.url, room["donor_token"], str(tmp_path / "newer"), client_id="newer-minor",
+                       env=pretending(tmp_path, f"{major}.9", extra=True))
+    try:
+        wait_until(lambda: any(c["id"] == "newer-minor" and c["status"] == "online"
+                               for c in sdk.get_room(room["token"])["clients"]), 120,
+                   what=f"the newer GPU client online\n{client.output()}")
+        assert "a Register carried field 'future_field'" in server.output()
+        assert f"server zwdx {__version__}, protocol {PROTOCOL}" in client.output()
+    finally:
+        client.stop()
