@@ -36,11 +36,11 @@ import traceback
 import requests
 import socketio
 
-from zwdx import defaults, tls
+from zwdx import __version__, defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REFRESH, EV_REGISTER,
                            EV_RESERVE_PORT, EV_UNREACHABLE, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
-from zwdx.protocol.base import parse
+from zwdx.protocol.base import PROTOCOL, parse
 from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
                                Refresh, Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
@@ -204,12 +204,18 @@ class Agent:
         health.beat(self.work_dir)
         for slot in self.slots:
             self._want_standby(slot.index)
-        log.info("gpu-client %s: registered in room %s with %d slot(s): %s%s", self.client_id, answer.room_id,
-                 len(self.slots), ", ".join(s.name for s in self.slots), _link_line(self.link))
+        log.info("gpu-client %s: registered in room %s with %d slot(s): %s%s; server zwdx %s, protocol %s",
+                 self.client_id, answer.room_id, len(self.slots), ", ".join(s.name for s in self.slots),
+                 _link_line(self.link), answer.zwdx or "0.1.0 or older", answer.protocol or "1.0")
+
+    def _auth(self) -> dict:
+        """What it connects with: its donor token, and the protocol and zwdx it speaks (a server of
+        another protocol major refuses it, naming both and which side to upgrade)."""
+        return {"token": self.token, "protocol": PROTOCOL, "zwdx": __version__}
 
     def _on_connect_error(self, data=None):
         message = data.get("message") if isinstance(data, dict) else str(data)
-        if message and "token" in message:
+        if message and ("token" in message or "zwdx protocol" in message):  # no retry mends these
             self.fatal = message
             self.stop.set()
         log.warning("gpu-client %s: connection refused: %s", self.client_id, message)
@@ -229,7 +235,7 @@ class Agent:
         backoff = 0.5
         while not self.stop.wait(backoff) and not self.sio.connected:
             try:
-                self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
+                self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth=self._auth(),
                                  transports=["websocket"], wait_timeout=10)
             except (socketio.exceptions.ConnectionError, ValueError) as exc:  # ValueError: not closed yet
                 if self.fatal:
@@ -549,7 +555,7 @@ class Agent:
             if not self._trusted():
                 break
             try:
-                self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth={"token": self.token},
+                self.sio.connect(self.server, namespaces=[GPU_NAMESPACE], auth=self._auth(),
                                  transports=["websocket"], wait_timeout=10)
             except socketio.exceptions.ConnectionError:
                 if self.fatal:
