@@ -78,7 +78,7 @@ def test_queue_depth_has_a_sample_at_zero():
     assert [(s.labels, s.value) for s in depth.samples] == [({"room": "r1"}, 0.0)]
 
 
-@pytest.mark.parametrize("refusal", ["job quota", "unknown dataset", "unknown field"])
+@pytest.mark.parametrize("refusal", ["job quota", "unknown dataset", "unknown field", "tree: unknown dataset"])
 def test_a_refused_submits_bundle_frees_the_quota_at_once(make_app, refusal):
     from conftest import Api
     api = Api(make_app(ROOM_MAX_JOBS=1, ROOM_MAX_ARTIFACT_BYTES=10_000).test_client()).create_room()
@@ -87,7 +87,11 @@ def test_a_refused_submits_bundle_frees_the_quota_at_once(make_app, refusal):
     used = api.get("/room").json["usage"]["artifact_bytes"]
     fields = {"unknown dataset": {"datasets": ["nope"]}, "unknown field": {"future_field": 1}}.get(refusal, {})
     bundle = api.upload(b"b" * 4000)
-    resp = api.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": "3.11"}, **fields})
+    body = {"bundle_artifact": bundle["id"], "versions": {"python": "3.11"}, **fields}
+    if refusal.startswith("tree"):  # the shape the SDK sends (zwdx.protocol.spec)
+        body = {"spec": {"code": {"bundle_artifact": bundle["id"], "versions": {"python": "3.11"}},
+                         "datasets": ["nope"]}}
+    resp = api.post("/jobs", json=body)
     assert resp.status_code in (400, 429), resp.text
     assert api.get("/room").json["usage"]["artifact_bytes"] == used
     assert api.get(f"/artifacts/{bundle['id']}").status_code == 404

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import math
 import re
 import time
@@ -49,6 +50,8 @@ from ..protocol.base import LONG_NUMBER_BYTES, parse
 from ..protocol.rest import ArtifactView
 from . import connections, json_limits, limits
 from .auth import donor, job_in_room, rank_sender, request_token, submitter
+
+log = logging.getLogger(__name__)
 
 #: Where every REST route lives.
 P = defaults.API_PREFIX
@@ -163,7 +166,10 @@ def operation(bp, method: str, rule: str, summary: str, *, auth: Auth = Auth.ROO
                 return _answer(op, handler(**{k: v for k, v in args.items() if k in wants}))
             except ZwdxError:
                 if refused is not None and data is not None and "room" in args:
-                    refused(args["room"], data)
+                    try:
+                        refused(args["room"], data)
+                    except Exception:  # the caller still gets its refusal, not a 500
+                        log.exception("server: undoing what a refused %s %s left failed", method, full)
                 raise
 
         view.operation = op
