@@ -135,8 +135,10 @@ def render() -> str:
         answer = f"`{e.answer.__name__}`" if e.answer else "none"
         out.append(f"| `{e.name}` | `{e.namespace}` | {e.direction} | `{e.payload.__name__}` | {answer} | {e.note} |")
     out += ["", "## The types", "",
-            "A field marked `?` may be left out. What a peer sends is checked strictly (no `\"1\"` for `1`, "
-            "unknown fields refused); what the server sends may gain fields, which older peers ignore.", ""]
+            "A field marked `?` may be left out. What a peer sends is checked strictly (no `\"1\"` for `1`); "
+            "fields a GPU client of a newer minor adds are ignored (logged once), unknown fields elsewhere refused; "
+            "what the server sends may gain fields, which older peers ignore "
+            "([upgrades](operations.md#upgrades)).", ""]
     top: dict[str, tuple[dict, str]] = {}
     nested: dict[str, dict] = {}
     for e in EVENTS:
