@@ -22,6 +22,13 @@ def test_server_size_flags_take_units(flag):
         build_parser().parse_args(["server", flag, "100 GiBs"])
 
 
+def test_the_dataset_chunk_size_takes_units():
+    args = build_parser().parse_args(["data", "push", "folder", "--name", "d", "--chunk-bytes", "64MiB"])
+    assert args.chunk_bytes == 64 * 2**20
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["data", "push", "folder", "--name", "d", "--chunk-bytes", "lots"])
+
+
 def test_server_size_variables_take_units(tmp_path, monkeypatch):
     from zwdx.server import create_app
     monkeypatch.setenv("ZWDX_MAX_ARTIFACT_BYTES", "2MiB")

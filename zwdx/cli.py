@@ -269,12 +269,8 @@ def _token_arguments(parser, what: str) -> None:
                              "prefer --room-token-file or $ZWDX_ROOM_TOKEN")
 
 
-def byte_size(text: str) -> int:
-    """``8GiB`` -> 8589934592 (argparse's type for sizes: zwdx.sizes)."""
-    try:
-        return sizes.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+#: argparse's type for sizes (``8GiB`` -> 8589934592).
+byte_size = sizes.argument
 
 
 def _run_script(args) -> int:

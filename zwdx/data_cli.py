@@ -15,7 +15,7 @@ import time
 
 from tabulate import tabulate
 
-from . import defaults
+from . import defaults, sizes
 from .jobs_cli import _ago, _print_json, room_token
 
 
@@ -87,8 +87,8 @@ def add_data_parser(sub, server_arguments, token_arguments, run) -> None:
         if action == "push":
             a.add_argument("path", help="the folder")
             a.add_argument("--name", required=True, help="the dataset's name in the room (a new version if it has one)")
-            a.add_argument("--chunk-bytes", type=int, default=defaults.DATASET_CHUNK_BYTES, metavar="N",
-                           help="the size files are cut at (default 8 MiB; larger for datasets of many TiB: the "
+            a.add_argument("--chunk-bytes", type=sizes.argument, default=defaults.DATASET_CHUNK_BYTES, metavar="SIZE",
+                           help="the size files are cut at (default 8MiB; larger for datasets of many TiB: the "
                                 "manifest, about 70 bytes a chunk, must stay within the server's 8 MiB body limit)")
         elif action in ("show", "rm"):
             a.add_argument("name")

@@ -3,6 +3,7 @@ reads them back (``3.2 MiB``): the CLI's size flags, their ``ZWDX_*`` variables,
 ``zwdx room show`` prints."""
 from __future__ import annotations
 
+import argparse
 import re
 
 #: Units taken: powers of 1024 for the short ones and the *iB ones (as torch prints), of 1000 for kB/MB/GB/TB.
@@ -20,6 +21,14 @@ def parse(text: str | int) -> int:
     if not match or match.group(2).lower() not in UNITS:
         raise ValueError(f"{text!r} is not a size (8GiB, 512MB, 1000000)")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def argument(text: str) -> int:
+    """``8GiB`` -> 8589934592: argparse's ``type`` for a size flag (its error says what it expected)."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def human(n: int | float) -> str:
