@@ -64,6 +64,22 @@ def test_jobs_queues_clients_and_slots_are_what_the_rooms_hold(app, api, socket_
         assert token not in text
 
 
+def test_a_heartbeat_shows_at_the_next_scrape_and_the_process_says_what_it_holds(app, api, socket_client):
+    gpu = socket_client("/gpu", api.donor)
+    slot = {"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 900, "utilization": 5.0}
+    assert gpu.emit("register", {"client_id": "c1", "hostname": "h1", "versions": {"python": "3.11.7"},
+                                 "slots": [slot]}, namespace="/gpu", callback=True)["ok"]
+    assert gpu.emit("heartbeat", {"slots": [{"index": 0, "utilization": 77.0}]}, namespace="/gpu",
+                    callback=True)["ok"]  # kept in the process's memory, not yet in the store
+    _, rank, placed = placed_job(app, "events")
+    assert rank.post(f"/jobs/{placed['id']}/events", json={"events": [
+        {"kind": "metric", "step": 0, "data": {"loss": 1.0}}]}).status_code == 200
+    samples = scrape(app.test_client())
+    assert value(samples, "zwdx_slot_utilization_percent", room=api.room["id"], client="c1", slot="0") == 77.0
+    assert value(samples, "zwdx_presence_clients") == 1
+    assert value(samples, "zwdx_event_posts_total") == 1 and value(samples, "zwdx_event_writes_total") == 1
+
+
 def test_requests_and_job_ends_are_counted_by_route_and_status(app, api):
     before = scrape(app.test_client())
     job = api.submit(name="to-cancel").json

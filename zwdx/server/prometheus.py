@@ -23,7 +23,7 @@ from collections import Counter as Tally
 
 from flask import Blueprint, Response, current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .. import __version__
@@ -41,8 +41,9 @@ TEXT = "text/plain"
 class StoreCollector(Collector):
     """Gauges read from the store when Prometheus scrapes (nothing is kept between scrapes)."""
 
-    def __init__(self, store, clock=time.time):
-        self.store, self.clock = store, clock
+    def __init__(self, store, clock=time.time, overlay=None):
+        #: ``overlay``: the fresh figures of the clients the processes hold (``Presence.overlay``)
+        self.store, self.clock, self.overlay = store, clock, overlay or (lambda clients: clients)
 
     def collect(self):
         now = self.clock()
@@ -91,7 +92,7 @@ class StoreCollector(Collector):
                                   "other (kept apart for DDP and FSDP)", labels=["room"])
         by_status, by_state, pairs = Tally(), Tally(), {}
         now = self.clock()
-        for client in self.store.list_clients(None):
+        for client in self.overlay(self.store.list_clients(None)):
             room = client.get("room_id")
             if not isinstance(room, str):
                 continue
@@ -128,8 +129,8 @@ class StoreCollector(Collector):
 class _Meters(Collector):
     """What this process counted (``meters.REGISTRY``), in the same answer, and whether it leads."""
 
-    def __init__(self, lease):
-        self.lease = lease
+    def __init__(self, lease, presence=None, events=None):
+        self.lease, self.presence, self.events = lease, presence, events
 
     def collect(self):
         yield from meters.REGISTRY.collect()
@@ -137,6 +138,18 @@ class _Meters(Collector):
                                    "sweeper (alone: always; among several: while it holds the store's lease)")
         leader.add_metric([], 1 if self.lease.held() else 0)
         yield leader
+        if self.presence is not None:
+            held = GaugeMetricFamily("zwdx_presence_clients", "GPU clients whose connection this server process holds "
+                                     "(their heartbeats kept in its memory: presence.py)")
+            held.add_metric([], len(self.presence.live))
+            yield held
+        if self.events is not None:
+            writes = CounterMetricFamily("zwdx_event_writes", "Store writes of ranks' events by this process (each "
+                                         "takes the posts that came meanwhile: batches.py)")
+            writes.add_metric([], self.events.writes)
+            posts = CounterMetricFamily("zwdx_event_posts", "Posts of ranks' events this process stored")
+            posts.add_metric([], self.events.requests)
+            yield from (writes, posts)
 
 
 def _may_scrape() -> None:
@@ -163,8 +176,8 @@ def metrics():
     token set on the server, to ``Authorization: Bearer <token>`` only."""
     _may_scrape()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(ctx().store))
-    registry.register(_Meters(ctx().lease))
+    registry.register(StoreCollector(ctx().store, overlay=ctx().presence.overlay))
+    registry.register(_Meters(ctx().lease, ctx().presence, ctx().events))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST.split(";")[0],
                     content_type=CONTENT_TYPE_LATEST)
 
