@@ -106,3 +106,15 @@ def redis_subscribers(redis) -> int:
         return int(client.pubsub_numsub("zwdx:clients")[0][1])
     finally:
         client.close()
+
+
+def test_the_submit_hint_reads_the_view_current_and_without_reading_the_room_again(store):
+    from zwdx.server.placement import RecentClients
+    views = RoomViews(store)
+    observe(store, views)
+    hint = RecentClients(store, ttl=3600, views=views)
+    add_clients(store, 30)
+    assert {c["id"] for c in hint.of("r1")} == {f"c{i}" for i in range(30)}
+    store.update_client("c4", {"status": "offline"})
+    assert {c["id"]: c["status"] for c in hint.of("r1")}["c4"] == "offline"  # at once, not after the ttl
+    assert views.rebuilds == 1 and views.rereads == 1

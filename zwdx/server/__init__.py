@@ -152,7 +152,7 @@ class ServerContext:
         #: ranks' events, written in batches (``batches.py``)
         self.events = EventWriter(self.store)
         #: each room's GPU clients as read lately, for the submit-time hint (``placement.RecentClients``)
-        self.recent_clients = RecentClients(self.store)
+        self.recent_clients = RecentClients(self.store, views=self.views)
         self.sweeper = Sweeper(self)
         self.limiter = None  # limits.init_app, once the routes are registered
         self.stopping = threading.Event()

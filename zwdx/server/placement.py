@@ -406,17 +406,20 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
 
 
 class RecentClients:
-    """Each room's GPU clients as read at most ``ttl`` seconds ago (per server process), for the
-    submit-time ``unschedulable`` hint: a room of thousands of clients that takes many submits a
-    second is then read once a ``ttl``, not once a submit. A hint that refuses the job
-    (``fail_if_unschedulable``) and the scheduler's placement read the store itself."""
+    """Each room's GPU clients for the submit-time ``unschedulable`` hint: from the placement view
+    (``views``, ``roomview.py``: current, and read in proportion to what changed); without one,
+    as read at most ``ttl`` seconds ago (per server process), so that a room of thousands of
+    clients that takes many submits a second is read once a ``ttl``, not once a submit (a hint
+    that refuses the job, ``fail_if_unschedulable``, reads the store itself)."""
 
-    def __init__(self, store, ttl: float = 5.0):
-        self.store, self.ttl = store, ttl
+    def __init__(self, store, ttl: float = 5.0, views=None):
+        self.store, self.ttl, self.views = store, ttl, views
         self._held: dict[str, tuple[float, list[dict]]] = {}
         self._lock = threading.Lock()
 
     def of(self, room_id: str, fresh: bool = False) -> list[dict]:
+        if self.views is not None:
+            return list(self.views.of(room_id).values())
         now = time.monotonic()
         with self._lock:
             held = self._held.get(room_id)

@@ -41,6 +41,7 @@ class RoomViews:
         self._stale: dict[str, object] = {}  # room id -> set of client ids, or _ALL
         self._room_of: dict[str, str] = {}  # client id -> its room, for a change that names no room
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # one ``of`` at a time (the scheduler's and a submit's)
         self.redis = None
         self._me = uuid.uuid4().hex[:12]  # this process's announcements, not marked twice
         if redis_url and redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -81,7 +82,12 @@ class RoomViews:
     # -- the view ------------------------------------------------------------------------------
     def of(self, room_id: str) -> dict[str, dict]:
         """The room's GPU clients by id, each with its slots, as the store has them now (up to the
-        announcements in flight). The scheduler's pass may change its slots as it reserves them."""
+        announcements in flight): a dict of the caller's own over the view's documents (the
+        scheduler's pass marks the slots it reserves in them, as the store has them)."""
+        with self._reading:
+            return self._of(room_id)
+
+    def _of(self, room_id: str) -> dict[str, dict]:
         now = time.monotonic()
         with self._lock:
             view = self._rooms.get(room_id)
@@ -95,7 +101,7 @@ class RoomViews:
                 for cid in clients:
                     self._room_of[cid] = room_id
             self.rebuilds += 1
-            return clients
+            return dict(clients)
         fresh = {}
         for cid in stale:
             client = self.store.get_client(cid)
@@ -108,8 +114,8 @@ class RoomViews:
                     view.pop(cid, None)
                 else:
                     view[cid], self._room_of[cid] = client, room_id
-        self.rereads += len(fresh)
-        return view
+            self.rereads += len(fresh)
+            return dict(view)
 
     # -- the other processes' changes --------------------------------------------------------
     def start(self, stopping: threading.Event) -> None:
