@@ -29,6 +29,7 @@ committed nor read: its ``.metadata`` is a pickle.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .vocab import CheckpointFormat, Parallelism
 
@@ -62,7 +63,7 @@ def writers(parallelism: Parallelism | str, world_size: int) -> int:
     return 1 if Parallelism(parallelism) == Parallelism.DILOCO else world_size
 
 
-def resumable(entry, parallelism: Parallelism | str) -> bool:
+def resumable(entry: Any, parallelism: Parallelism | str) -> bool:
     """Whether a job of ``parallelism`` may go on from the committed checkpoint ``entry``: only
     from one of the format it writes (never ``dcp``, nor another parallelism's)."""
     return entry is not None and CheckpointFormat(entry.format) == format_for(parallelism)

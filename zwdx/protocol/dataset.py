@@ -19,7 +19,7 @@ import hashlib
 import json
 import posixpath
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, field_validator
 
@@ -82,7 +82,8 @@ class Manifest(Message):
     @field_validator("files")
     @classmethod
     def _distinct(cls, files: list[ManifestFile]) -> list[ManifestFile]:
-        seen, dirs = set(), set()
+        seen: set[str] = set()
+        dirs: set[str] = set()
         for f in files:
             if f.path in seen:
                 raise ValueError(f"{f.path!r} is there twice")
@@ -133,7 +134,7 @@ class DatasetView(Answer):
     name: str
     latest: DatasetVersion
     versions: list[DatasetVersion]
-    manifest: dict | None = None
+    manifest: dict[str, Any] | None = None
 
 
 class DatasetList(Answer):

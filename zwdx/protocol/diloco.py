@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .base import Answer, ByValue, Id, Message
 from .vocab import Aggregate, Compression
@@ -64,13 +64,13 @@ class DilocoSettings(Message):
 
     @field_validator("nesterov")
     @classmethod
-    def _needs_momentum(cls, value: bool, info):
+    def _needs_momentum(cls, value: bool, info: ValidationInfo) -> bool:
         if value and info.data.get("outer_momentum") == 0:
             raise ValueError("must be false when outer_momentum is 0 (Nesterov momentum needs a momentum)")
         return value
 
     @model_validator(mode="after")
-    def _plain_sgd(self):
+    def _plain_sgd(self) -> DilocoSettings:
         if self.outer_momentum == 0 and "nesterov" not in self.model_fields_set:
             self.nesterov = False
         return self

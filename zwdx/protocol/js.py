@@ -36,7 +36,7 @@ _GROUPS = {
 }
 
 
-def _js(value) -> str:
+def _js(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 

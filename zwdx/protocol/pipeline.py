@@ -44,12 +44,12 @@ class PipelineSettings(Message):
 
     @field_validator("schedule", mode="before")
     @classmethod
-    def _lower(cls, value):
+    def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
     @field_validator("stage_plan", mode="before")
     @classmethod
-    def _plan(cls, value):
+    def _plan(cls, value: Any) -> list[Any] | None:
         if value is None:
             return None
         if not isinstance(value, (list, tuple)) or not value:
@@ -80,7 +80,7 @@ class PipelineSettings(Message):
         return ranges
 
     @model_validator(mode="after")
-    def _per_rank(self):
+    def _per_rank(self) -> PipelineSettings:
         interleaved = self.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B
         if not interleaved and (self.stages_per_rank or 1) > 1:
             raise ValueError(f"stages_per_rank: a rank runs several stages with the interleaved1f1b schedule "

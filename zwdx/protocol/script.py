@@ -115,7 +115,7 @@ class ScriptSpec(Message):
 
     @field_validator("env")
     @classmethod
-    def _not_ours(cls, env: dict) -> dict:
+    def _not_ours(cls, env: dict[str, str]) -> dict[str, str]:
         ours = sorted(name for name in env if reserved(name))
         if ours:
             raise ValueError(f"must not set {', '.join(ours)}: zwdx sets it for every rank (torchrun's environment "

@@ -13,6 +13,7 @@ by the SDK before upload; the server checks the plan's form here.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .vocab import Parallelism
 
@@ -24,7 +25,7 @@ MAX_PLAN = 4096
 MODES = (Parallelism.TP, Parallelism.FSDP_TP)
 
 
-def check_plan(plan: dict) -> dict:
+def check_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """``plan`` with its form checked: a non-empty dict of module names (or patterns) to styles.
     ``ValueError`` naming the first entry that is not."""
     if not plan:

@@ -181,7 +181,7 @@ TRAIN_ARGS = ("model", "loader", "optimizer", "optim", "rank", "world_size", "ep
 EVAL_ARGS = ("model", "loader", "rank", "world_size", "device")
 
 
-def runtime_versions() -> dict:
+def runtime_versions() -> dict[str, str]:
     """Versions that decide whether cloudpickled code can be loaded here."""
     versions = {"python": platform.python_version()}
     try:
@@ -190,7 +190,7 @@ def runtime_versions() -> dict:
     except ImportError:  # the server runs without torch
         pass
     try:
-        import cloudpickle
+        import cloudpickle  # type: ignore[import-untyped]
         versions["cloudpickle"] = cloudpickle.__version__
     except ImportError:
         pass
