@@ -106,12 +106,15 @@ def test_version_prints_zwdx_and_its_protocol(capsys, command):
 
 
 # -- real processes: a server and GPU clients of other versions ---------------------------------------
-#: Run at a child's start (sitecustomize, on PYTHONPATH): the process then speaks ``protocol``,
-#: and with ``extra`` its register carries a field this version does not know.
+#: Run at a child's start (sitecustomize, on PYTHONPATH): the process then speaks ``protocol``;
+#: with ``extra`` its register carries a field this version does not know; ``unchecked``: it lets
+#: every peer in (as a server from before versions did).
 PRETEND = '''import os, sys
 sys.path.insert(0, os.getcwd())
 import zwdx.protocol.base as base, zwdx.protocol.gpu as gpu
 base.PROTOCOL = {protocol!r}
+if {unchecked!r}:
+    base.incompatible = lambda *args: None
 if {extra!r}:
     class Register(gpu.Register):
         future_field: int = 1
@@ -119,11 +122,11 @@ if {extra!r}:
 '''
 
 
-def pretending(tmp_path, protocol: str, extra: bool = False) -> dict:
+def pretending(tmp_path, protocol: str, extra: bool = False, unchecked: bool = False) -> dict:
     """The environment of a child that speaks ``protocol`` (a newer or older zwdx, simulated)."""
-    folder = tmp_path / f"pretend-{protocol}-{extra}"
+    folder = tmp_path / f"pretend-{protocol}-{extra}-{unchecked}"
     folder.mkdir()
-    (folder / "sitecustomize.py").write_text(PRETEND.format(protocol=protocol, extra=extra))
+    (folder / "sitecustomize.py").write_text(PRETEND.format(protocol=protocol, extra=extra, unchecked=unchecked))
     return {"PYTHONPATH": str(folder)}
 
 
@@ -140,20 +143,22 @@ def test_a_gpu_client_of_a_newer_major_exits_saying_to_upgrade_the_server(server
         client.stop()
 
 
-def test_a_gpu_client_of_an_older_major_exits_saying_to_upgrade_it(tmp_path):
+@pytest.mark.parametrize("checked", [True, False], ids=["refused at connect", "server lets it in"])
+def test_a_gpu_client_of_an_older_major_exits_saying_to_upgrade_it(tmp_path, checked):
     import requests
 
     from procs import GpuClient, Server
     major = int(PROTOCOL.split(".")[0])
     newer = Server(str(tmp_path / "server"), extra=["--async-mode", "threading"],
-                   env=pretending(tmp_path, f"{major + 1}.0"))
+                   env=pretending(tmp_path, f"{major + 1}.0", unchecked=not checked))
     client = None
     try:
         room = requests.post(f"{newer.url}/api/v1/rooms", json={"name": "upgrades"}, timeout=30).json()  # no SDK:
         # this one would be refused, as another major
         client = GpuClient(newer.url, room["donor_token"], str(tmp_path / "older"))
         assert client.wait(120) == 2, client.output()
-        assert f"this server speaks {major + 1}.0" in client.output(), client.output()
+        said = f"this server speaks {major + 1}.0" if checked else f"this server speaks zwdx protocol {major + 1}.0"
+        assert said in client.output(), client.output()
         assert "upgrade the GPU client" in client.output(), client.output()
     finally:
         if client is not None:

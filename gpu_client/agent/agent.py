@@ -40,7 +40,7 @@ from zwdx import __version__, defaults, tls
 from zwdx.errors import BadRequest
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REFRESH, EV_REGISTER,
                            EV_RESERVE_PORT, EV_UNREACHABLE, GPU_NAMESPACE, RankStatus, SlotKind, runtime_versions)
-from zwdx.protocol.base import PROTOCOL, parse
+from zwdx.protocol.base import PROTOCOL, incompatible, parse
 from zwdx.protocol.gpu import (Ack, Heartbeat, HeartbeatAnswer, JobAssign, JobCancel, Link, PortOffer, RankPlace, RanksExited,
                                Refresh, Register, RegisterAnswer, ReservePort, Running, Unreachable)
 from zwdx.protocol.rank import RankSpec
@@ -191,8 +191,11 @@ class Agent:
             self.identity.renew()
             self.workspace.renamed(old, self.client_id)
             return self._register(again=False)
-        if not answer.ok:
-            self.fatal = answer.error or "register refused"
+        # a server that let it in without checking (one from before versions: 1.0) may still speak
+        # another major: its word is checked here too
+        mismatch = answer.ok and incompatible(answer.protocol, "server", "GPU client", answer.zwdx, __version__)
+        if not answer.ok or mismatch:
+            self.fatal = mismatch or answer.error or "register refused"
             log.error("gpu-client %s: %s", self.client_id, self.fatal)
             self.stop.set()
             return
