@@ -53,3 +53,12 @@ def test_docs_name_files_that_exist():
     missing = sorted({f"{page}: {path}" for page in pages for path in PATH_IN_TEXT.findall(_read(page))
                       if not os.path.exists(os.path.join(ROOT, path))})
     assert not missing, "the docs name files that are not in the tree (moved? renamed?):\n" + "\n".join(missing)
+
+
+def test_architecture_names_every_import_contract():
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        contracts = tomllib.load(fh)["tool"]["importlinter"]["contracts"]
+    page = _read("docs", "architecture.md").split("## Import layers", 1)[-1]
+    missing = [c["id"] for c in contracts if f"({c['id']})" not in page]
+    assert not missing, f"docs/architecture.md's Import layers section does not draw the contracts {missing}"
