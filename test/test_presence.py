@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 
 from zwdx.protocol import ClientStatus
 
@@ -73,3 +74,12 @@ def test_a_heartbeat_that_names_other_running_jobs_is_written_at_once(app, api, 
     assert ctx.store.get_client("p1")["running_jobs"] == ["j1:0"]  # no step needed: placement judges by it
     assert call(gpu, "heartbeat", {"running": []}) == {"ok": True}
     assert ctx.store.get_client("p1")["running_jobs"] == []
+
+
+@pytest.mark.app_config(CLIENT_TIMEOUT=0.5)
+def test_an_app_without_its_scheduler_declares_no_silent_client_lost_by_itself(app, api, socket_client):
+    ctx = app.extensions["zwdx"]  # SCHEDULER=False, as the in-process tests make their apps
+    gpu = socket_client("/gpu", api.donor)
+    assert call(gpu, "register", HELLO)["ok"]
+    time.sleep(2.5)  # two steps of its loop past the client's deadline
+    assert ctx.store.get_client("p1")["status"] == ClientStatus.ONLINE.value and ctx.presence.held("p1")
