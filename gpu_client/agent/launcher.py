@@ -33,6 +33,7 @@ from zwdx.protocol.rank import RankSpec, Sandbox
 from zwdx.protocol.vocab import Isolation
 
 from gpu_client.sandbox.compile_cache import Lent, RoomCaches
+from gpu_client.rank.tuning import DEFAULT_TUNING, Tuning
 from gpu_client.sandbox.isolation import ProcessIsolation, private_dir, python_argv, with_import_root
 
 log = logging.getLogger("gpu_client.agent.launcher")
@@ -56,10 +57,11 @@ class RunningJob:
 PINNING_THREADS = 8
 
 
-def rank_environ(threads: int, network: dict[str, str]) -> dict[str, str]:
-    """A rank process's environment: this one's, without its secrets, with what libraries read."""
+def rank_environ(threads: int, network: dict[str, str], tuning: Tuning = DEFAULT_TUNING) -> dict[str, str]:
+    """A rank process's environment: this one's, without its secrets, with what libraries read
+    and the GPU client's switches (``tuning``)."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
-    env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **network})
+    env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **network, **tuning.environ()})
     env = with_import_root(env)
     env.update(pinning_environ(env))
     return env
@@ -88,8 +90,9 @@ class Launcher:
     for gloo and NCCL (set once the agent knows which interface reaches the server)."""
 
     def __init__(self, work_dir: str, isolation: ProcessIsolation, standby: bool = True,
-                 compile_cache: RoomCaches | None = None):
+                 compile_cache: RoomCaches | None = None, tuning: Tuning = DEFAULT_TUNING):
         self.work_dir = work_dir
+        self.tuning = tuning  # the switches its ranks get (rank_environ)
         self.isolation = isolation
         self.use_standby = standby
         #: ``--compile-cache``: the rooms' compile caches (not for containers, which see no host folder)
@@ -125,7 +128,7 @@ class Launcher:
             with open(os.path.join(folder, f"slot{index}.log"), "ab") as out:
                 self.standby[index] = self.isolation.popen(
                     python_argv("gpu_client.sandbox.rank_process", "--standby", device), out,
-                    rank_environ(threads, self.network))
+                    rank_environ(threads, self.network, self.tuning))
 
     # -- ranks ---------------------------------------------------------------------------------------
     def start(self, index: int, spec: RankSpec, client_id: str = "", listeners: tuple = ()) -> subprocess.Popen:
@@ -172,7 +175,7 @@ class Launcher:
             log.info("gpu-client %s: no standby rank process on slot %d; starting a fresh one", client_id, index)
         with open(spec.log_path, "ab") as out:
             proc = self.isolation.popen(python_argv("gpu_client.sandbox.rank_process"), out,
-                                        rank_environ(spec.threads, self.network))
+                                        rank_environ(spec.threads, self.network, self.tuning))
         try:
             proc.stdin.write(spec.line())
             proc.stdin.flush()

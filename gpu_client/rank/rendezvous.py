@@ -16,8 +16,9 @@ thread). Two stages, each a mark of the rank's startup line (``runner.Startup``)
   that beat making it here (``device_id``) on both submit -> first step (cnn 0.43 s against
   1.00 s) and first step done (5.9 s against 6.4 s), one run each.
 
-Switches a GPU client's environment sets for its ranks (the bench compares them in one run);
-each defaults to what is expected to be fastest, and none changes what a CPU (gloo) rank does:
+Switches a GPU client sets for its ranks (``tuning.Tuning``: ``zwdx gpu-client`` flags or these
+variables; the bench compares them in one run); each defaults to what is expected to be fastest,
+and none changes what a CPU (gloo) rank does:
 
 - ``ZWDX_EAGER_NCCL=1``: ``device_id`` to ``init_process_group``: NCCL's communicator is made in
   the join (overlapping the bundle's load) instead of at the first collective.
@@ -44,26 +45,23 @@ import threading
 import time
 from urllib.parse import urlparse
 
+from .tuning import DEFAULT_TUNING, Tuning
+
 log = logging.getLogger("gpu_client.rank.rendezvous")
 
 #: How often a rank tries rank 0's port until it listens (seconds).
 POLL = 0.005
 
 
-def switch(name: str, default: str) -> str:
-    """A ``ZWDX_*`` switch of this rank's environment, lower-cased."""
-    return (os.environ.get(name) or default).strip().lower()
-
-
-def join(arguments: dict, backend: str, device, timeout: float, mark) -> None:
+def join(arguments: dict, backend: str, device, timeout: float, mark, tuning: Tuning = DEFAULT_TUNING) -> None:
     """``init_process_group`` with the strategy's ``arguments`` (``rendezvous()``), marking
     ``met`` and ``joined``. ``device``: the rank's torch.device; ``timeout``: the job's
-    collective timeout in seconds; ``mark(name)``: the startup's."""
+    collective timeout in seconds; ``mark(name)``: the startup's; ``tuning``: the GPU client's switches."""
     import torch.distributed as dist
     cuda = device.type == "cuda"
-    if cuda and switch("ZWDX_NCCL_CONNECT", "runtime") == "init":
+    if cuda and tuning.nccl_connect == "init":
         os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
-    warm = warm_cuda(device) if cuda and switch("ZWDX_WARM_CUDA", "0") == "1" else None
+    warm = warm_cuda(device) if cuda and tuning.warm_cuda else None
     wait = datetime.timedelta(seconds=timeout)
     init_method = arguments.get("init_method", "")
     if init_method.startswith("tcp://"):
@@ -71,7 +69,7 @@ def join(arguments: dict, backend: str, device, timeout: float, mark) -> None:
         store = meet(init_method, rank, world_size, timeout)
         arguments = {"store": dist.PrefixStore("default_pg", store), "rank": rank, "world_size": world_size}
     mark("met")
-    eager = cuda and switch("ZWDX_EAGER_NCCL", "0") == "1"
+    eager = cuda and tuning.eager_nccl
     dist.init_process_group(backend, **arguments, timeout=wait, **({"device_id": device} if eager else {}))
     if warm is not None:
         warm.join()

@@ -37,6 +37,7 @@ from zwdx.protocol.vocab import JobKind, Parallelism, RankStatus
 from .failures import MissingPackage, is_collective_error, missing_package
 from .metrics import CountingLoader, SystemMetrics
 from .reporter import Reporter
+from .tuning import DEFAULT_TUNING, Tuning
 
 log = logging.getLogger("gpu_client.rank.runner")
 
@@ -44,8 +45,8 @@ log = logging.getLogger("gpu_client.rank.runner")
 class Trainer:
     """One rank of one job: ``setup``, ``train``, ``finish``; ``run`` does the three and reports."""
 
-    def __init__(self, spec: RankSpec):
-        self.spec = spec
+    def __init__(self, spec: RankSpec, tuning: Tuning = DEFAULT_TUNING):
+        self.spec, self.tuning = spec, tuning
         self.startup = Startup(spec.assigned_at)
         self.startup.mark("rank_process")
         self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank,
@@ -53,7 +54,7 @@ class Trainer:
         self.joined = False
         self.system: SystemMetrics | None = None
         from gpu_client.rank.strategies.registry import strategy
-        self.strategy = strategy(spec, self.reporter)  # DDP/FSDP, or DILOCO: where the ways to train differ
+        self.strategy = strategy(spec, self.reporter, tuning)  # DDP/FSDP, or DILOCO: where the ways to train differ
 
     def run(self) -> int:
         """The rank, start to end: 0 when it completed, 1 when it failed (and said why)."""
@@ -96,7 +97,7 @@ class Trainer:
         spec, device = self.spec, torch.device(self.spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        join(self.strategy.rendezvous(), spec.backend, device, spec.collective_timeout, self.startup.mark)
+        join(self.strategy.rendezvous(), spec.backend, device, spec.collective_timeout, self.startup.mark, self.tuning)
         self.joined = True
         return device
 
@@ -400,11 +401,11 @@ def _upload_weights(reporter: Reporter, state: dict) -> str:
         os.unlink(path)
 
 
-def rank_for(spec: RankSpec):
+def rank_for(spec: RankSpec, tuning: Tuning = DEFAULT_TUNING):
     """How this rank runs, chosen from its spec: the submitter's functions (``Trainer``), or a
     script under torchrun's environment (``gpu_client.rank.script``). Each has ``run() -> exit code``."""
     if spec.kind == JobKind.SCRIPT:
         from .script import ScriptRank
         return ScriptRank(spec)
-    return Trainer(spec)
+    return Trainer(spec, tuning)
 

@@ -8,7 +8,6 @@ job's start.
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger("gpu_client.rank.standby")
 
@@ -16,9 +15,9 @@ log = logging.getLogger("gpu_client.rank.standby")
 READY = "standby rank process ready"
 
 
-def prepare(device: str) -> None:
-    """Everything a rank's first seconds would pay that does not depend on its job.
-    ``ZWDX_STANDBY_WARMUP`` lists the optional parts (see ``warm_up``); "none" skips them."""
+def prepare(device: str, warmup: tuple[str, ...] = ("imports",)) -> None:
+    """Everything a rank's first seconds would pay that does not depend on its job. ``warmup``:
+    the optional parts (``Tuning.standby_warmup``, ``ZWDX_STANDBY_WARMUP``; see ``warm_up``); "none" skips them."""
     import time
     started = time.time()
     import torch
@@ -31,7 +30,7 @@ def prepare(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)
-    warm_up(torch.device(device), set(os.environ.get("ZWDX_STANDBY_WARMUP", "imports").split(",")))
+    warm_up(torch.device(device), set(warmup))
     print(f"{READY} on {device} after {time.time() - started:.1f} s", flush=True)  # into the slot's standby log
 
 

@@ -232,10 +232,12 @@ def main(argv: list[str]) -> int:
     from . import folder as sandbox
     from gpu_client.rank.runner import rank_for
     from gpu_client.rank.standby import prepare
+    from gpu_client.rank.tuning import Tuning
 
     from .rank_process import enter
+    tuning = Tuning.from_environ()
     if argv[:1] == ["--standby"] and len(argv) == 2:
-        prepare(argv[1])
+        prepare(argv[1], tuning.standby_warmup)
     line = stdin.readline()
     if not line.strip():
         return 0  # let go before it got a rank
@@ -256,7 +258,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_take_files, args=(stdin, box, ready_w), daemon=True).start()
     enter(spec.sandbox)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return rank_for(spec).run()
+    return rank_for(spec, tuning).run()
 
 
 def _take_files(stdin, box: str, ready_w: int) -> None:

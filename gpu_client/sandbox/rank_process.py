@@ -2,7 +2,8 @@
 [--standby DEVICE]``, as the launcher starts one per slot (``isolation.python_argv``).
 
 It dies with the GPU client, warms up as a standby would (``rank.standby.prepare``) when asked,
-reads its ``RankSpec`` (one JSON line on stdin), takes its listeners and its log, enters the
+reads its ``RankSpec`` (one JSON line on stdin) and its GPU client's switches (``Tuning``, from
+its environment), takes its listeners and its log, enters the
 job's sandbox (``enter``: the job's private directory and, under a per-job user, that user for
 good) before anything of the job is read, then runs ``rank.runner.rank_for(spec)``. The rank's
 own code knows its spec only; who started it and how it is confined are this module's.
@@ -20,6 +21,7 @@ from zwdx.protocol.rank import RankSpec, Sandbox
 from gpu_client.rank.rendezvous import take_listeners
 from gpu_client.rank.runner import rank_for
 from gpu_client.rank.standby import prepare
+from gpu_client.rank.tuning import Tuning
 
 from . import compile_cache, folder as sandbox
 
@@ -46,8 +48,9 @@ def write_output_to(path: str | None) -> None:
 
 def main(argv: list[str]) -> int:
     die_with_parent()
+    tuning = Tuning.from_environ()  # the GPU client's switches, set in this process's environment
     if argv[:1] == ["--standby"] and len(argv) == 2:
-        prepare(argv[1])
+        prepare(argv[1], tuning.standby_warmup)
     spec = RankSpec.read(sys.stdin)
     if spec is None:
         return 0  # the GPU client let this process go before giving it a rank
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> int:
     enter(spec.sandbox)
     die_with_parent()  # a change of user cleared it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(name)s: %(message)s")
-    return rank_for(spec).run()
+    return rank_for(spec, tuning).run()
 
 
 def enter(box: Sandbox | None) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from zwdx.model_rules import has_forward as _has_forward
 from zwdx.model_rules import repeated_blocks as _repeated_blocks
 
 from gpu_client.rank.failures import watch_gradients
+from gpu_client.rank.tuning import Tuning
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class Collective:
 
     #: Whether this rank's model is a part of the submitted one (a pipeline's stage).
     part = False
+    #: The GPU client's switches (``registry.strategy`` sets them).
+    tuning = Tuning()
 
     def rendezvous(self) -> dict:
         """``init_process_group``'s arguments: where and as which rank to meet the others."""
@@ -93,10 +95,9 @@ class Collective:
         which only a pipeline needs)."""
         # Every rank unpickled the same bundle, its sha256 checked: the weights are equal already,
         # and DDP's check and broadcast of them at init (collectives over the whole model) would
-        # only cost the start time (ZWDX_DDP_INIT_SYNC=1 keeps them). FSDP2 assumes as much.
-        init_sync = os.environ.get("ZWDX_DDP_INIT_SYNC", "0") == "1"
+        # only cost the start time (tuning.ddp_init_sync keeps them). FSDP2 assumes as much.
         return wrap(model.to(device), self.wrap_as, device, units=bundle.get("fsdp_units"), report=report,
-                    init_sync=init_sync)
+                    init_sync=self.tuning.ddp_init_sync)
 
     def layout(self, model: nn.Module) -> dict:
         """What this rank holds of the wrapped ``model``, for the job's page (``zwdx.protocol.layout``):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from gpu_client.rank.tuning import Tuning
+
 #: Strategy type -> (module under gpu_client.rank.strategies, class, whether it takes the reporter).
 STRATEGIES: dict[str, tuple[str, str, bool]] = {
     "DDP": ("parallel", "Collective", False),
@@ -26,10 +28,13 @@ def strategy_type(spec) -> str:
     return kind
 
 
-def strategy(spec, reporter):
+def strategy(spec, reporter, tuning: Tuning | None = None):
     """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE,
     ``TensorParallel`` for TP and FSDP+TP, ``Mixed`` for a job over mixed devices,
-    ``Collective`` for DDP and FSDP."""
+    ``Collective`` for DDP and FSDP; with the GPU client's ``tuning``."""
     module, name, takes_reporter = STRATEGIES[strategy_type(spec)]
     cls = getattr(import_module(f"{__package__}.{module}"), name)
-    return cls(spec, reporter) if takes_reporter else cls(spec)
+    chosen = cls(spec, reporter) if takes_reporter else cls(spec)
+    if tuning is not None:
+        chosen.tuning = tuning
+    return chosen
