@@ -131,8 +131,8 @@ def test_an_unmodified_torchrun_script_runs_on_two_gpu_clients_as_under_torchrun
     with open(os.path.join(outputs, "summary.txt")) as zwdx_summary, \
             open(os.path.join(local, "outputs", "summary.txt")) as torchrun_summary:
         assert zwdx_summary.read() == torchrun_summary.read()
-    assert room.sdk.get_job(job)["spec"]["script"] == {"path": "ddp.py", "args": ["--steps", "3", "--lr", "0.05"],
-                                                      "env": {}}
+    assert room.sdk.get_job(job)["spec"]["strategy"] == {"type": "script", "path": "ddp.py",
+                                                        "args": ["--steps", "3", "--lr", "0.05"], "env": {}}
 
 
 def test_a_script_that_raises_fails_the_job_with_its_traceback(room, tmp_path):

@@ -157,7 +157,7 @@ class ZWDX(Compat, Reads):
     def tokens(self):
         """The room's tokens: ``zwdx.tokens.list()``, ``.create(role, name)``, ``.revoke(id)``,
         ``.rotate(id)`` (``zwdx.room_tokens.RoomTokens``)."""
-        from .room_tokens import RoomTokens
+        from ..room_tokens import RoomTokens
         return RoomTokens(self)
 
     # -- jobs --------------------------------------------------------------------------------
@@ -289,13 +289,13 @@ class ZWDX(Compat, Reads):
         of the working dir that come back with the outputs. ``"outputs_note"``: where rank 0 wrote
         when no outputs came back. ``$ZWDX_OUTPUT_DIR`` and ``$ZWDX_DATA_DIR`` in ``args`` are the
         rank's folders on the GPU client."""
-        from .script_jobs import ScriptJobs
+        from ..script_jobs import ScriptJobs
         return ScriptJobs(self).submit(script, args, nproc=nproc, working_dir=working_dir, **options)
 
     def download_outputs(self, job_id: str, dest: str | None = None, room_token: str | None = None) -> str | None:
         """A script job's outputs (what its rank 0 wrote under ``$ZWDX_OUTPUT_DIR``) unpacked into
         ``dest`` (default ``zwdx-output/<job id>``): that folder, or None when it has none."""
-        from .script_jobs import ScriptJobs
+        from ..script_jobs import ScriptJobs
         return ScriptJobs(self).download_outputs(job_id, dest, room_token)
 
     def wait(self, job_id: str, room_token: str | None = None, progress: bool = True,
