@@ -37,6 +37,7 @@ import socketio
 from harness import ServerProc, cpu_seconds, fmt, free_port, machine, median, table, wait_until, write_out
 from zwdx import codec, defaults
 from zwdx.protocol import runtime_versions
+from zwdx.protocol.base import PROTOCOL
 
 P = defaults.API_PREFIX
 
@@ -50,7 +51,7 @@ class StandIn(socketio.Client):
         self.keys: dict[int, str] = {}
         self.on("reserve_port", lambda data: {"addr": "127.0.0.1", "port": free_port()}, namespace="/gpu")
         self.on("job_assign", self._assigned, namespace="/gpu")
-        self.connect(url, namespaces=["/gpu"], auth={"token": token}, transports=["websocket"])
+        self.connect(url, namespaces=["/gpu"], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"])
         answer = self.call("register", {"client_id": f"bench-{uuid.uuid4().hex[:8]}", "hostname": "bench", "running": [],
                                         "versions": runtime_versions(),
                                         "slots": [{"index": i, "kind": "cpu", "memory_total": 1 << 34,

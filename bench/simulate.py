@@ -31,6 +31,9 @@ from collections import defaultdict
 import aiohttp
 import socketio
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's zwdx
+from zwdx.protocol.base import PROTOCOL  # noqa: E402  (the protocol the simulated clients speak)
+
 API = "/api/v1"
 TOKEN = "X-Zwdx-Room-Token"
 RANK_KEY = "X-Zwdx-Rank-Key"
@@ -134,7 +137,7 @@ class Sim:
         sio.on("job_cancel", job_cancel, namespace=ns)
         started = time.time()
         try:
-            await sio.connect(self.url, namespaces=[ns], auth={"token": token}, transports=["websocket"],
+            await sio.connect(self.url, namespaces=[ns], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"],
                               wait_timeout=60)
             self.rec.note("socket.io connect", started)
             started = time.time()
@@ -278,7 +281,7 @@ class Sim:
         sio.on("job_events", job_events, namespace="/ui")
         sio.on("clients_update", clients_update, namespace="/ui")
         try:
-            await sio.connect(self.url, namespaces=["/ui"], auth={"token": token}, transports=["websocket"],
+            await sio.connect(self.url, namespaces=["/ui"], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"],
                               wait_timeout=60)
         except Exception as exc:
             self.rec.error("dashboard connect", exc)

@@ -24,6 +24,7 @@ from workloads import slow_train
 from zwdx import ZWDX, defaults
 from zwdx.protocol import EV_JOB_UPDATE, UI_NAMESPACE
 from zwdx.testing import BalancerProc, GpuClientProc, MongoProc, RedisProc
+from zwdx.protocol.base import PROTOCOL
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ class Dashboard(socketio.Client):
         super().__init__(reconnection=False)
         self.updates: list[dict] = []
         self.on(EV_JOB_UPDATE, self.updates.append, namespace=UI_NAMESPACE)
-        self.connect(url, namespaces=[UI_NAMESPACE], auth={"token": token}, transports=["polling"], wait_timeout=30)
+        self.connect(url, namespaces=[UI_NAMESPACE], auth={"token": token, "protocol": PROTOCOL}, transports=["polling"], wait_timeout=30)
 
     def saw(self, job_id: str, status: str) -> bool:
         return any(u["id"] == job_id and u["status"] == status for u in list(self.updates))

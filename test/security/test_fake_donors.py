@@ -23,13 +23,14 @@ from security_world import HELLO, snapshot
 from procs import wait_until
 from zwdx import defaults
 from zwdx.protocol.job import Master
+from zwdx.protocol.base import PROTOCOL
 
 GiB = 1 << 30
 
 
 def connect(w, token: str | None = None):
     from zwdx.server import socketio
-    return socketio.test_client(w.app, namespace="/gpu", auth={"token": token or w.tokens["donor"]})
+    return socketio.test_client(w.app, namespace="/gpu", auth={"token": token or w.tokens["donor"], "protocol": PROTOCOL})
 
 
 def register(sock, client_id: str, **hello) -> dict:

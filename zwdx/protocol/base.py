@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 #: The protocol this version of zwdx speaks, MAJOR.MINOR: the major changes when a message
 #: changes in a way an older peer would misread (a field removed, renamed or made required); the
 #: minor when optional fields are added. A peer that does not say speaks 1.0 (every release
-#: before versions were exchanged: zwdx 0.1.0).
-PROTOCOL = "1.0"
+#: before versions were exchanged: zwdx 0.1.0). 2.0: the job spec became one tree (JobAssign and
+#: RankSpec carry it; a 1.x GPU client would misread them).
+PROTOCOL = "2.0"
 #: The HTTP header each side of the REST API names its protocol in, and the one an SDK names its
 #: zwdx version in (shown in a refusal).
 PROTOCOL_HEADER = "Zwdx-Protocol"

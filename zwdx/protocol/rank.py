@@ -125,7 +125,7 @@ class RankSpec(Message):
     ca_file: Path | None = None
     #: The file the rank's output goes to (a standby process redirects itself there).
     log_path: Path | None = None
-    #: Where the rank runs and as whom (``gpu_client.sandbox.isolation.enter``); None: where it was started.
+    #: Where the rank runs and as whom (``gpu_client.sandbox.rank_process.enter``); None: where it was started.
     sandbox: Sandbox | None = None
 
     # -- a script job (``gpu_client.rank.script``): what the runner does is chosen by ``job.kind`` ----
