@@ -49,7 +49,7 @@ def what_a_user_sees(server: Server, token: str, done: str, queued: str) -> dict
         "metrics": sdk.get_job_metrics(done),
         "logs": sdk.get_job_logs(done),
         "weights": weights(server, done, token),
-        "queued": (waiting["status"], waiting["queue_position"], waiting["spec"]["world_size"]),
+        "queued": (waiting["status"], waiting["queue_position"], waiting["spec"]["resources"]["world_size"]),
     }
 
 

@@ -47,7 +47,7 @@ def test_the_earlier_example_runs_unchanged_and_reaches_its_success_branch(serve
     assert room["token"] not in out.replace(f"-rt {room['token']}", "")
 
     [job] = sdk.list_jobs(room["token"])
-    assert job["spec"]["epochs"] is None and job["name"] == "train"
+    assert job["spec"]["training"]["epochs"] is None and job["name"] == "train"
     epochs = [line["text"].split(":")[0] for line in sdk.get_job_logs(job["id"], room["token"])
               if re.match(r"Epoch \d+: Loss=", line["text"])]
     assert epochs == ["Epoch 0", "Epoch 1", "Epoch 2"]  # train's own epochs=3, not a default of ours

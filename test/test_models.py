@@ -225,7 +225,7 @@ def test_lora_trains_only_the_adapter_and_brings_back_the_adapter_alone(pool, pa
     assert result["status"] == "completed"
     job_id, reported = result["job_id"], result["results"]["eval_loss"]
     assert not isinstance(model, PeftModel) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert pool.sdk.get_job(job_id)["spec"]["lora"]["target_modules"] == ["c_attn"]
+    assert pool.sdk.get_job(job_id)["spec"]["strategy"]["lora"]["target_modules"] == ["c_attn"]
 
     # only the adapter came back, and it trained (lora_B starts at zero)
     adapter = pool.sdk.get_adapter(job_id)

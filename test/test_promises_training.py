@@ -118,7 +118,7 @@ def test_only_the_last_keep_checkpoints_and_their_files_remain(pool):
     # what the job left in the artifact store: its bundle, its weights and the files of the two kept
     job = pool.sdk.get_job(job_id)
     left = set(os.listdir(artifacts)) - before
-    assert left == {job["spec"]["bundle_artifact"], job["weights_artifact"],
+    assert left == {job["spec"]["code"]["bundle_artifact"], job["weights_artifact"],
                     *(artifact for c in kept for artifact in c["files"].values())}, left
     assert sorted(kept[-1]["files"]) == ["rng-0.pt", "state.pt"]
 

@@ -176,7 +176,9 @@ def test_a_rank_has_no_secret_in_its_environment_or_command_line(sdk, room, star
     import os
 
     from procs import PROCESSES
+    from gpu_client.rank import tuning
     given = {k for k in (*os.environ, *PROCESSES) if k.startswith("ZWDX_")} - {"ZWDX_ROOM_TOKEN"}
+    given |= set(tuning.VARIABLES.values())  # the donor's switches (AgentConfig.tuning), handed on: no secret
     assert set(seen["zwdx_variables"]) <= given
     assert seen["torch"] == ["0", "1", "0"]  # torch's variables, for libraries that read them
     assert "pinned_use_cuda_host_register:True" in seen["allocator"]  # a checkpoint's pinning off the training thread

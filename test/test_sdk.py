@@ -249,7 +249,7 @@ def test_the_train_function_default_wins_when_no_epochs_are_given(cluster):
     assert {k: r["results"]["epochs_run"] for k, r in runs.items()} == \
         {"own default": 5, "none declared": 1, "given": 2, "kwargs": 1}
     job = runs["own default"]["job"]
-    assert job["spec"]["epochs"] is None and runs["given"]["job"]["spec"]["epochs"] == 2
+    assert job["spec"]["training"]["epochs"] is None and runs["given"]["job"]["spec"]["training"]["epochs"] == 2
     assert job["name"] == "train_with_default"
     model = torch.nn.Linear(4, 2)
     # the earlier project's positional order: model, loader, train, eval, optimizer, parallelism,

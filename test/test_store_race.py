@@ -66,7 +66,7 @@ def hammer(store, name: str, ledger: str, seconds: float = 60.0) -> dict:
         for job in jobs:
             if job.status == "queued":
                 free = [s["id"] for s in store.list_slots(ROOM) if s["job_id"] is None]
-                need = job.spec.world_size
+                need = job.spec.resources.world_size
                 if len(free) < need:
                     continue
                 picked = rng.sample(free, need)

@@ -161,7 +161,7 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
              "victim_cached_bundle": os.path.join(victim_agent, "bundles", cached),
              "victim_sandbox_bundle": os.path.join(victim_dir, "bundle.zwdx"),
              "victim_rank_log": os.path.join(victim_agent, "jobs", victim_id, "rank0.log")}
-    writes = {"package_module": os.path.join(package, "runner.py"),
+    writes = {"package_module": os.path.join(package, "rank", "runner.py"),
               "package_new_file": os.path.join(package, "sitecustomize.py"),
               "own_bundle_cache": os.path.join(attacker_agent, "bundles", cached),
               "sandbox_parent": os.path.join(os.path.dirname(victim_dir), "planted")}
@@ -181,7 +181,7 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
     for secret in (donors["room"]["token"], donors["room"]["donor_token"]):
         assert secret not in got["agent_cmdline"]
     assert got["uid"] not in (0, int(fields["uid"])) and got["cwd"] != victim_home  # a user and a directory per job
-    assert os.path.getsize(os.path.join(package, "runner.py")) > 0 and not os.path.exists(writes["package_new_file"])
+    assert os.path.getsize(os.path.join(package, "rank", "runner.py")) > 0 and not os.path.exists(writes["package_new_file"])
     assert sdk.wait(victim_id, progress=False, timeout=60)["status"] == "completed"  # the victim itself was not disturbed
 
     daemon = int(got["daemon"])  # what outlived the job went with its user
