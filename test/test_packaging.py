@@ -112,3 +112,16 @@ def test_a_build_without_the_dashboard_build_or_npm_stops_and_says_what_to_do(tm
     assert done.returncode == 0, done.stdout + done.stderr
     (wheel,) = glob.glob(str(tmp_path / "out" / "zwdx-*.whl"))
     assert not [n for n in zipfile.ZipFile(wheel).namelist() if "ui_dist" in n]
+
+
+def test_the_server_starts_where_the_gpu_client_is_not_installed(monkeypatch):
+    """The server image (Dockerfile's server target) copies zwdx/ alone: ``zwdx server``'s parser
+    must not need gpu_client (the gpu-client subcommand's tuning flags once imported it, and the
+    server container never became healthy)."""
+    import sys
+    for name in [n for n in sys.modules if n == "gpu_client" or n.startswith("gpu_client.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "gpu_client", None)  # import gpu_client: ModuleNotFoundError
+    from zwdx import cli
+    args = cli.build_parser().parse_args(["server", "--port", "4461"])
+    assert args.port == 4461

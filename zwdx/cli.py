@@ -248,7 +248,12 @@ def _gpu_client(args) -> int:
 def _tuning_arguments(p) -> None:
     """``zwdx gpu-client``'s switches of its ranks' start (``gpu_client.rank.tuning``), each
     defaulting to its ``ZWDX_*`` variable, else to what was measured fastest."""
-    from gpu_client.rank.tuning import VARIABLES, WARMUPS, Tuning
+    try:
+        from gpu_client.rank.tuning import VARIABLES, WARMUPS, Tuning
+    except ModuleNotFoundError as exc:  # a server-only install (the server image): gpu-client fails as it starts
+        if (exc.name or "").partition(".")[0] != "gpu_client":
+            raise
+        return
     env = Tuning.from_environ()
     t = p.add_argument_group("rank start", "how its ranks start (measure before changing: bench/README.md)")
     t.add_argument("--eager-nccl", action=argparse.BooleanOptionalAction, default=env.eager_nccl,
