@@ -147,10 +147,42 @@ def wide_batches(rank, world_size):
 
 def checkpoint_then_die_uploading(model, loader, optimizer, reporter):
     """Checkpoint 0 after the second batch; checkpoint 1 after the fourth, and then (first attempt)
-    the GPU client and this rank are SIGKILLed at once, while checkpoint 1's 100 MB are still
-    being written and uploaded in the background (save returned after the copy)."""
+    the GPU client and this rank are SIGKILLed at once, while checkpoint 1's upload is half sent:
+    its first MiB is on the wire and the rest is held back until the kill (save returned after
+    the copy, and the upload goes on in the background; holding it makes the kill land mid-body
+    on any machine, never after a fast upload's commit)."""
+    import hashlib
     import os
     import signal as signals
+    import threading
+    half_sent = threading.Event()
+    upload = reporter.upload
+
+    class HeldBack:
+        """The file, read as requests streams it: the first MiB, then nothing until the kill."""
+        def __init__(self, path):
+            self.fh, self.size, self.sent = open(path, "rb"), os.path.getsize(path), 0
+
+        def __len__(self):
+            return self.size
+
+        def read(self, n=-1):
+            if self.sent >= 1 << 20:
+                half_sent.set()
+                threading.Event().wait()
+            block = self.fh.read(min(n if n > 0 else 1 << 16, (1 << 20) - self.sent))
+            self.sent += len(block)
+            return block
+
+    def upload_held_back(path, file_path):
+        if not path.startswith("checkpoints/1/"):
+            return upload(path, file_path)
+        digest = hashlib.sha256(open(file_path, "rb").read()).hexdigest()
+        reporter.session.put(f"{reporter.base}/{path}", data=HeldBack(file_path),
+                             headers={"X-Zwdx-Sha256": digest}, timeout=600)
+
+    if not reporter.resume:  # the second attempt's own checkpoints go up whole
+        reporter.upload = upload_held_back
     done = reporter.resume["step"] if reporter.resume else 0
     if reporter.resume:
         reporter.log_metrics(resumed_step=done, step=done)
@@ -167,7 +199,8 @@ def checkpoint_then_die_uploading(model, loader, optimizer, reporter):
             n = reporter.checkpoint()
             if i == 3:
                 reporter.log_metrics(killed_after_checkpoint=n, step=i)
-                reporter.close()  # the metrics above are delivered; the checkpoint's upload is not waited for
+                reporter.close()  # the metrics above are delivered
+                assert half_sent.wait(120), "checkpoint 1's upload never started"
                 os.kill(os.getppid(), signals.SIGKILL)  # the GPU client (ranks run as its user here)
                 os.kill(os.getpid(), signals.SIGKILL)
     return loss.item()
