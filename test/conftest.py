@@ -69,8 +69,14 @@ def _note(report) -> None:
         SKIPPED.append(f"{report.nodeid or '(collection)'}: {reason}")
 
 
+#: Seconds each test file took (setup, call and teardown of its tests), for the summary below.
+FILE_SECONDS: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report):
     _note(report)
+    path = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
 
 
 def pytest_collectreport(report):
@@ -83,6 +89,13 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if FILE_SECONDS and terminalreporter.config.getoption("durations", None) is not None:
+        # where a lane's time goes, per file (--durations names single tests; most of a lane's
+        # time is in files of many middling ones)
+        total = sum(FILE_SECONDS.values())
+        terminalreporter.section(f"test files by time ({total:.0f} s in all, the 25 slowest)")
+        for path, seconds in sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
     if in_ci() and SKIPPED:
         terminalreporter.section("skipped under CI: the run fails", red=True, bold=True)
         for line in SKIPPED:
