@@ -194,6 +194,16 @@ def outer_step(params: np.ndarray, momentum: np.ndarray | None, grad: np.ndarray
     return _fused(params, grad, -lr), momentum
 
 
+def held_size(job: JobRecord, numel: int) -> int:
+    """The bytes the server's global weights take after a round of ``numel`` values (float32
+    weights and momentum, and a header): what ``step`` writes beside the round's average, counted
+    against the room's quota before the round is averaged (0 where the server holds none)."""
+    settings = job.spec.diloco
+    if job.spec.parallelism != Parallelism.DILOCO or not settings or not settings.start_weights:
+        return 0
+    return 4 * numel * (2 if settings.outer_momentum else 1) + 256
+
+
 def step(job: JobRecord, n: int, average: dict) -> None:
     """After round ``n``'s aggregate ``average`` is made: the server's global weights after it.
     Round 0 starts from the submitter's weights; a later round from those after round ``n - 1``
@@ -231,6 +241,18 @@ def step(job: JobRecord, n: int, average: dict) -> None:
     for old in ctx().store.list_artifacts(job.id, ArtifactKind.DILOCO_GLOBAL.value):
         if old["id"] != artifact_id and ctx().store.delete_artifact(old["id"]):
             ctx().artifacts.delete(old["id"])
+
+
+def joining_state(job: JobRecord, n: int) -> bytes | None:
+    """What a worker joining after round ``n`` starts from: the server's own global weights and
+    momentum after round ``n`` (safetensors, metadata ``round``: ``n + 1``, as a worker sends
+    them); None where the server holds none after round ``n``."""
+    held = _held(job)
+    if held is None or held.get("round") != n or held.get("attempt") != job.attempt:
+        return None
+    header, _, body = read(_bytes(held["id"]))
+    return write({k: ("F32", t["shape"], bytes(body[slice(*t["data_offsets"])])) for k, t in header.items()},
+                 {"round": str(n + 1)})
 
 
 # -- the job's weights -----------------------------------------------------------------------------
