@@ -167,9 +167,13 @@ class RoomDetail(RoomView):
 
 
 class ClientsUpdate(Answer):
-    """``clients_update`` on the ``/ui`` namespace."""
+    """``clients_update`` on the ``/ui`` namespace: the room's whole GPU-client list (``full``,
+    on connect), or what changed since the last push: the clients whose view changed or that
+    are new, and the ids of those ``removed``."""
     clients: list[ClientView]
     totals: RoomTotals
+    full: bool = True
+    removed: list[str] = []
 
 
 # -- artifacts -----------------------------------------------------------------------------------

@@ -6,9 +6,13 @@ sent only while a dashboard watches the room (one that connects gets the list at
 client that joined, left or was lost shows within ``CLIENTS_PUSH_INTERVAL`` seconds; fresh
 heartbeat figures (free memory, utilisation, last seen) and slots taken or freed by jobs
 (which ``job_update`` already told) within one heartbeat interval, the pace the figures change
-at. A room's list costs the same to send whatever part of it changed, so in a busy room this
-is about one list per heartbeat interval, whatever the number of GPU clients and jobs. A list
-costs in proportion to the room's clients, so a room's lists are also paced by what they cost:
+at. A dashboard that connects gets the whole list; after that a room is sent only what changed
+since its last push (``full: false``: the clients whose view changed, the ids ``removed``), so
+a room of 10,000 GPU clients where ten moved sends ten, not 10,000. A view counts as changed
+when anything but ``last_seen`` moved, or ``last_seen`` by ``LAST_SEEN_STEP`` (each heartbeat
+moves it). In a busy room this is about one push per heartbeat interval, whatever the number
+of GPU clients and jobs. Making one reads the room's clients, so a room's pushes are also paced
+by what they cost:
 one that took t to make and send is followed by the next no sooner than t x
 (1 / ``CLIENTS_PUSH_SHARE`` - 1) later, which holds them to a tenth of the process in a room of
 thousands of clients that join and leave all the time.
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 CLIENTS_PUSH_INTERVAL = 0.5
 #: The largest share of a server process's time one room's GPU-client lists may take.
 CLIENTS_PUSH_SHARE = 0.1
+#: How far a client's ``last_seen`` moves (seconds) before a push carries it again by itself.
+LAST_SEEN_STEP = 30.0
 
 _lock = threading.Lock()
 
@@ -50,6 +56,8 @@ class ClientPushes:
     def __init__(self):
         self.due: dict[str, float] = {}  # room id -> when its client list should go out
         self.earliest: dict[str, float] = {}  # room id -> when its next list may go out, by what the last one cost
+        self.sent: dict[str, dict[str, dict]] = {}  # room id -> client id -> its view as last pushed
+        self.sent_totals: dict[str, dict] = {}  # room id -> its totals as last pushed
         self.flusher: threading.Thread | None = None
 
 
@@ -122,12 +130,49 @@ def events_added(job: JobRecord, events: list[dict]) -> None:
 
 
 def clients_payload(ctx, room_id: str) -> Encoded | dict:
-    """The room's GPU clients and what they offer in all (``room_totals``): a ``ClientsUpdate``,
-    to emit (``wire``)."""
+    """The room's GPU clients and what they offer in all (``room_totals``): a whole
+    ``ClientsUpdate``, to emit (``wire``)."""
     clients = ctx.presence.overlay(ctx.store.list_clients(room_id))
     payload = ClientsUpdate.model_validate({"clients": [client_view(c) for c in clients],
                                             "totals": room_totals(clients)})
     return wire(payload)
+
+
+def _moved(before: dict | None, view: dict) -> bool:
+    if before is None:
+        return True
+    if abs((view.get("last_seen") or 0.0) - (before.get("last_seen") or 0.0)) >= LAST_SEEN_STEP:
+        return True
+    return any(view.get(k) != before.get(k) for k in view.keys() | before.keys() if k != "last_seen")
+
+
+def clients_delta(sent: dict[str, dict], views: list[dict]) -> tuple[list[dict], list[str]]:
+    """What a room's dashboards lack, given the views pushed last (``sent``): the views that
+    changed or are new, and the ids of those gone."""
+    now = {v["id"] for v in views}
+    changed = [v for v in views if _moved(sent.get(v["id"]), v)]
+    return changed, sorted(set(sent) - now)
+
+
+def push_clients(ctx, room_id: str) -> bool:
+    """Send the room's dashboards what changed in its GPU-client list since the last push (the
+    whole list the first time); False when nothing had."""
+    clients = ctx.presence.overlay(ctx.store.list_clients(room_id))
+    views = [client_view(c) for c in clients]
+    sent = ctx.pushes.sent.get(room_id)
+    totals = room_totals(clients)
+    if sent is None:
+        payload = {"clients": views, "totals": totals}
+    else:
+        changed, removed = clients_delta(sent, views)
+        if not changed and not removed and totals == ctx.pushes.sent_totals.get(room_id):
+            return False
+        payload = {"clients": changed, "removed": removed, "totals": totals, "full": False}
+    ctx.pushes.sent[room_id] = {v["id"]: v for v in views}
+    ctx.pushes.sent_totals[room_id] = totals
+    socketio.emit(EV_CLIENTS_UPDATE, wire(ClientsUpdate.model_validate(payload)), to=ui_room(room_id),
+                  namespace=UI_NAMESPACE)
+    return True
 
 
 def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
@@ -138,7 +183,7 @@ def clients_changed(ctx, room_id: str, joined_or_left: bool = False) -> None:
         ctx.recent_clients.forget(room_id)
     elif room_id in pushes.due and pushes.flusher is not None and pushes.flusher.is_alive():
         return  # marked already, as soon or sooner (each heartbeat comes here: no lock for it)
-    due = time.monotonic() + (0.0 if joined_or_left else float(ctx.config["HEARTBEAT_INTERVAL"]))
+    due = time.monotonic() + (0.0 if joined_or_left else ctx.settings.heartbeat_interval)
     with _lock:
         pushes.due[room_id] = min(due, pushes.due.get(room_id, due))
         if pushes.flusher is None or not pushes.flusher.is_alive():
@@ -157,11 +202,11 @@ def _flush_loop(ctx) -> None:
                 del pushes.due[room_id]
         for room_id in rooms:
             if not watched(room_id):
+                pushes.sent.pop(room_id, None)  # the next dashboard to watch it starts from a whole list
                 continue  # no dashboard open on this room: nothing to list
             started = time.monotonic()
             try:
-                socketio.emit(EV_CLIENTS_UPDATE, clients_payload(ctx, room_id), to=ui_room(room_id),
-                              namespace=UI_NAMESPACE)
+                push_clients(ctx, room_id)
             except Exception:
                 log.exception("notify: clients of room %s not sent", room_id)
             ended = time.monotonic()

@@ -70,7 +70,14 @@ export function LiveProvider({ token, onRefused, children }) {
       }
     });
     socket.on(UiEvent.CLIENTS_UPDATE, (msg) =>
-      dispatch({ type: "clients", clients: msg.clients, totals: msg.totals, at: Date.now() / 1000 }),
+      dispatch({
+        type: "clients",
+        clients: msg.clients,
+        removed: msg.removed,
+        full: msg.full,
+        totals: msg.totals,
+        at: Date.now() / 1000,
+      }),
     );
     socket.on(UiEvent.JOB_UPDATE, (job) => dispatch({ type: "job", job }));
     socket.on(UiEvent.JOB_EVENTS, (msg) => {

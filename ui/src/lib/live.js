@@ -21,17 +21,27 @@ function appendSample(history, slot, at) {
   return { t: keep(prev.t, at), util: keep(prev.util, slot.utilization ?? null), mem: keep(prev.mem, used) };
 }
 
+/** A push of what changed (``full: false``) laid over the list held: changed and new clients
+ * replace theirs (new ones last), ``removed`` ids go. */
+function mergeClients(held, { clients, removed = [] }) {
+  const byId = new Map(held.map((c) => [c.id, c]));
+  for (const id of removed) byId.delete(id);
+  for (const c of clients) byId.set(c.id, c);
+  return [...byId.values()];
+}
+
 export function liveReducer(state, action) {
   switch (action.type) {
     case "connection":
       return { ...state, connection: action.status, error: action.error ?? null };
     case "clients": {
+      const clients = action.full === false && state.clients ? mergeClients(state.clients, action) : action.clients;
       const slotHistory = { ...state.slotHistory };
-      for (const client of action.clients) {
+      for (const client of clients) {
         if (client.status !== ClientStatus.ONLINE) continue;
         for (const slot of client.slots || []) slotHistory[slot.id] = appendSample(slotHistory, slot, action.at);
       }
-      return { ...state, clients: action.clients, totals: action.totals ?? null, slotHistory };
+      return { ...state, clients, totals: action.totals ?? null, slotHistory };
     }
     case "jobs": {
       const jobs = { ...state.jobs };

@@ -26,6 +26,17 @@ describe("the live room state", () => {
     expect(state.slotHistory).toEqual({});
   });
 
+  it("lays a push of what changed over the list it holds", () => {
+    const named = (id, status) => ({ id, status, slots: [] });
+    let state = liveReducer(initialLive, { type: "clients", clients: [named("a", "online"), named("b", "online"), named("e", "online")], at: 1 });
+    state = liveReducer(state, {
+      type: "clients", full: false, clients: [named("b", "lost"), named("c", "online")], removed: ["a"], at: 2,
+    });
+    expect(state.clients.map((c) => [c.id, c.status])).toEqual([["b", "lost"], ["e", "online"], ["c", "online"]]);
+    state = liveReducer(state, { type: "clients", clients: [named("d", "online")], at: 3 }); // a whole list replaces
+    expect(state.clients.map((c) => c.id)).toEqual(["d"]);
+  });
+
   it("keeps the newest copy of a job whatever order updates arrive in", () => {
     const running = { id: "j", status: "running", timeline: [{}, {}, {}] };
     const queued = { id: "j", status: "queued", timeline: [{}] };
