@@ -34,7 +34,7 @@ FAST = ["-m", "not slow"]
 #: process could never be credited with a kill.
 MODULES: dict[str, tuple[str, list[str]]] = {
     "auth": ("zwdx/server/auth.py", ["test/test_api.py", "test/test_edge.py", "test/test_mutants_auth.py"] + FAST),
-    "job": ("zwdx/server/job.py", ["test/test_job.py", "test/test_scheduler.py", "test/test_mutants_job.py"] + FAST),
+    "job": ("zwdx/server/jobs/model.py", ["test/test_job.py", "test/test_scheduler.py", "test/test_mutants_job.py"] + FAST),
     "placement": ("zwdx/server/placement.py",
                   ["test/test_placement.py", "test/test_scheduler.py", "test/test_mutants_placement.py"] + FAST),
     "scheduler": ("zwdx/server/scheduler.py",

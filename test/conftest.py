@@ -227,7 +227,7 @@ class Api:
 
 def placed_job(app, name: str) -> tuple[Api, Api, dict]:
     """A new room of ``app`` with one job placed on one CPU slot of a GPU client (as the
-    scheduler places it: ``zwdx.server.job.Job.start``) under a rank key the test holds: the
+    scheduler places it: ``zwdx.server.jobs.Job.start``) under a rank key the test holds: the
     room's Api, its rank 0's Api (the rank key alone, as a rank process calls), and the job as
     submitted."""
     room, ranks, job = placed_ranks(app, name, 1)
@@ -240,7 +240,7 @@ def placed_ranks(app, name: str, world_size: int) -> tuple[Api, list[Api], dict]
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     room = Api(app.test_client()).create_room(name)
     bundle = room.upload(f"bundle of {name}".encode())
     job = room.post("/jobs", json={"bundle_artifact": bundle["id"], "versions": {"python": platform.python_version()},

@@ -134,7 +134,7 @@ def placed(app, world_size: int = 2, parallelism: str = "DILOCO", compression: s
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     room = Api(app.test_client()).create_room(f"room-{parallelism}")
     extra = {"diloco": {"compression": compression, **settings}} if parallelism == "DILOCO" else {}
     job = room.submit(parallelism=parallelism, world_size=world_size, **extra).json
@@ -230,7 +230,7 @@ def test_a_round_goes_on_without_a_worker_that_misses_its_deadline(app):
 
 
 def test_a_lost_worker_is_dropped_and_the_job_goes_on_without_a_restart(app):
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     room, (r0, r1), job = placed(app, compression="none")
     ctx = app.extensions["zwdx"]
     for rank in (r0, r1):
@@ -252,7 +252,7 @@ def test_a_lost_worker_is_dropped_and_the_job_goes_on_without_a_restart(app):
 
 
 def test_a_lost_worker_restarts_a_ddp_job_and_a_diloco_job_left_with_no_worker(app):
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     ctx = app.extensions["zwdx"]
     for parallelism in ("DDP", "DILOCO"):
         room, ranks, job = placed(app, world_size=1 if parallelism == "DILOCO" else 2, parallelism=parallelism)
@@ -268,7 +268,7 @@ def test_a_rank_cannot_report_itself_dropped(app):
 
 
 def test_with_rank_0_dropped_the_first_worker_left_brings_the_weights_and_the_results(app):
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     room, (r0, r1), job = placed(app)
     lifecycle.client_lost(app.extensions["zwdx"], f"gpu-{job['id']}-0", "staged")
     assert put(r1, job, 0, [1.0]).json["dropped"] == [0]
@@ -302,7 +302,7 @@ def test_a_diloco_checkpoint_is_rank_0s_alone_so_a_dropped_worker_never_holds_it
 
 
 def test_a_worker_of_two_ranks_uploads_once_and_one_rank_lost_drops_the_whole_worker(app):
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     room, ranks, job = placed(app, world_size=4, compression="none", ranks_per_worker=2)
     assert job["spec"]["resources"]["gpus_per_client"] == 2  # a worker's ranks are placed on one GPU client
     refused = put(ranks[1], job, 0, [9.0, 9.0], "none")

@@ -24,9 +24,9 @@ def state_bytes(n: int, numel: int, momentum: bool = True, **meta) -> bytes:
 def test_a_joining_worker_starts_from_the_global_weights_at_the_next_round(app):
     from zwdx.protocol.job import PlacementEntry
     from zwdx.protocol import SlotKind
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job, wanting
+    from zwdx.server.jobs import Job, wanting
     room, (r0, r1), job = placed(app, compression="none")
     ctx, url = app.extensions["zwdx"], f"/jobs/{job['id']}/diloco"
     for rank, api in enumerate((r0, r1)):
@@ -84,7 +84,7 @@ def test_a_joining_worker_starts_from_the_global_weights_at_the_next_round(app):
 
 
 def test_the_scheduler_gives_a_dropped_workers_place_to_a_free_slot(app):
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     room, (r0, r1), job = placed(app, compression="none")
     ctx = app.extensions["zwdx"]
     for rank, api in enumerate((r0, r1)):

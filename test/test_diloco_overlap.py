@@ -123,9 +123,9 @@ def test_overlap_is_off_unless_asked_and_must_be_a_boolean(api):
 def test_a_worker_joining_an_overlapped_job_ends_on_the_same_global_weights(app, served):
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     (a, ma), (b, mb) = workers(app, served, outer_lr=0.5, outer_momentum=0.5, overlap=True, inner_steps=3,
                                all_reduce=False)
     ctx, job_id = app.extensions["zwdx"], a.reporter.job_id

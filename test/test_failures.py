@@ -167,7 +167,7 @@ def test_the_rank_whose_code_raised_comes_first_whichever_report_the_server_hear
     """The orders the real-process test above may see, each made to happen: the rank whose own
     code raised leads the failures, and the rank that lost its peer follows whenever it told."""
     from conftest import placed_ranks
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     room, (r0, r1), job = placed_ranks(app, order.replace(" ", "-"), 2)
     raised = {"status": "failed", "error": "ValueError: rank 1 gives up", "traceback": "Traceback: rank 1 gives up"}
     lost = {"status": "failed", "error": "RuntimeError: Connection closed by peer", "collective": True,

@@ -39,8 +39,10 @@ def test_the_import_contracts_hold():
     ("zwdx/server/notify.py", "from . import api", "zwdx.server.notify is not allowed to import zwdx.server.api"),
     ("zwdx/server/checkpoints.py", "from .api import bp", "zwdx.server.checkpoints is not allowed to import "
                                                           "zwdx.server.api"),
-    ("zwdx/server/lifecycle.py", "from . import create_app", "zwdx.server.lifecycle is not allowed to import "
-                                                              "zwdx.server"),
+    ("zwdx/server/jobs/lifecycle.py", "from .. import create_app", "zwdx.server.jobs.lifecycle is not allowed to "
+                                                                   "import zwdx.server"),
+    ("zwdx/server/jobs/model.py", "from . import effects", "zwdx.server.jobs.model is not allowed to import "
+                                                           "zwdx.server.jobs.effects"),
     ("zwdx/server/store/gridfs.py", "from .. import artifacts", "zwdx.server.store is not allowed to import "
                                                                 "zwdx.server.artifacts"),
     ("gpu_client/rank/runner.py", "from gpu_client.sandbox import rank_process", "gpu_client.rank is not allowed to "

@@ -1,4 +1,4 @@
-"""The job's state machine (``zwdx.server.job.Job``), in-process on a real SQLite store in a
+"""The job's state machine (``zwdx.server.jobs.Job``), in-process on a real SQLite store in a
 temporary directory, with a fake clock: every move, every refused move (wrong state, a race
 lost to another handle on the same job), failing and suspect jobs, failure order, restarts."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from store_backends import job_record
 from zwdx.protocol import FailureKind, JobStatus, RankStatus
 from zwdx.protocol.job import CheckpointEntry, JobSpec, JobView, Master, PlacementEntry
-from zwdx.server.job import FAILURE_GRACE, Job
+from zwdx.server.jobs import FAILURE_GRACE, Job
 from zwdx.server.store.sqlite import SQLiteStore
 
 CLIENT_TIMEOUT = 8.0

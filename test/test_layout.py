@@ -56,7 +56,7 @@ def two_ranks(app) -> tuple[Api, list[Api], str]:
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     room = Api(app.test_client()).create_room("layout")
     job = room.post("/jobs", json={"bundle_artifact": room.upload()["id"], "world_size": 2,
                                    "versions": {"python": platform.python_version()}}).json

@@ -174,7 +174,7 @@ def test_no_rank_key_is_an_auth_error(app, key):
 
 def test_a_failed_jobs_key_works_late_within_the_grace_and_only_there(app, monkeypatch):
     from conftest import placed_job
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     _, rank, job = placed_job(app, "late")
     ctx = app.extensions["zwdx"]
     record = Job.load(ctx.store, job["id"])
@@ -196,7 +196,7 @@ def test_a_failed_jobs_key_works_late_within_the_grace_and_only_there(app, monke
 
 def test_a_finished_jobs_key_is_refused_even_late(app):
     from conftest import placed_job
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     _, rank, job = placed_job(app, "done")
     ctx = app.extensions["zwdx"]
     Job.load(ctx.store, job["id"]).cancel("done")

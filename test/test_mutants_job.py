@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_job import clock, place, statuses, store, submit  # noqa: F401  (clock, store: fixtures)
 from zwdx.protocol import JobStatus, RankStatus
 from zwdx.protocol.job import PlacementEntry
-from zwdx.server.job import Job
+from zwdx.server.jobs import Job
 
 
 def test_a_placement_that_did_not_start_waits_again_avoiding_its_clients(store, clock):

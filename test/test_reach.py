@@ -101,7 +101,7 @@ def test_ddp_and_fsdp_are_placed_only_among_clients_that_reach_each_other():
 def test_a_job_whose_clients_cannot_meet_is_placed_again_once_without_the_pair(app, api, socket_client):
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import Master, PlacementEntry
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     store = app.extensions["zwdx"].store
     socks = {}
     for cid in ("a", "b", "c"):

@@ -132,7 +132,7 @@ def test_a_rooms_working_dirs_stay_while_a_job_names_them_or_they_were_used_late
 
 # -- the job's moves ----------------------------------------------------------------------------------
 def test_a_script_that_exited_badly_fails_the_job_with_its_words_once_every_rank_exited(app):
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     room, rank0, job = placed_job(app, "exits")
     resp = rank0.post(f"/jobs/{job['id']}/ranks/0", json={
         "status": "failed", "error": "script train.py exited with code 1", "traceback": "ValueError: boom",

@@ -101,7 +101,7 @@ def placed(app, start: bytes | None, world_size: int = 3, **settings):
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     room = Api(app.test_client()).create_room("trust")
     diloco = {"compression": "none", **settings}
     if start is not None:

@@ -11,7 +11,7 @@ either store, with every kind of credential the server hands out.
     room A   also a revoked submitter token
     room B   submitter token, donor token; GPU client b1
 
-Jobs are placed as the scheduler places them (``zwdx.server.job.Job.start``, which stores only
+Jobs are placed as the scheduler places them (``zwdx.server.jobs.Job.start``, which stores only
 the hashes of the keys) under keys the test made, and move by the server's own ``Job`` moves
 and REST routes. ``snapshot(world)`` is everything stored (every table or collection, and the
 artifact bytes), to check that a refused request changed nothing.
@@ -105,7 +105,7 @@ class World:
         from zwdx.protocol import SlotKind
         from zwdx.protocol.job import PlacementEntry
         from zwdx.server.auth import hash_secret
-        from zwdx.server.job import Job
+        from zwdx.server.jobs import Job
         placement = [PlacementEntry(rank=rank, client_id=slot.split(":")[0], gpu_index=int(slot.split(":")[1]),
                                     kind=SlotKind.CPU) for rank, slot in sorted(ranks.items())]
         job = Job.load(self.store, job_id)
@@ -130,7 +130,7 @@ def _room(client, name: str) -> dict:
 def build(app, backend: Backend) -> World:
     """The world (see the module's docstring) on a fresh app over ``backend``."""
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     w = World(app=app, backend=backend, client=app.test_client())
     w.rooms = {"A": _room(w.client, "A"), "B": _room(w.client, "B")}
     legacy = f"zr_{uuid.uuid4().hex}{uuid.uuid4().hex}"

@@ -497,7 +497,7 @@ def server_to_client_cells(w: World):
     """What the server sends goes to those it concerns only: a job's GPU clients (each its own
     ranks' keys), the room's dashboards."""
     from zwdx.protocol.job import Master
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     ctx, live = w.app.extensions["zwdx"], w.jobs["live"]
     gpus = {cid: sock for cid, sock in w.sockets.items()}
     for sock in gpus.values():

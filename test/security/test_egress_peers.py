@@ -49,7 +49,7 @@ def test_a_fake_clients_claimed_address_opens_nothing_in_an_honest_clients_rules
     as rank 0, that the rendezvous is there, on port 22)."""
     from zwdx.protocol.gpu import JobAssign
     from zwdx.protocol.job import Master
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     w = world
     honest = register_from(w, HONEST, hello("honest", HONEST, 41000))
     register_from(w, f"::ffff:{FAKE}", hello("fake", VICTIM, 80))

@@ -52,7 +52,7 @@ def schedule(w) -> None:
 
 
 def settle(w) -> None:
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     with w.app.app_context():
         lifecycle.settle_suspects(ctx(w), w.rooms["A"]["id"])
 
@@ -130,7 +130,7 @@ def test_a_job_whose_ranks_never_start_is_placed_again_elsewhere_then_fails(worl
     job_id = world.submit(world_size=1)["id"]
     key = f"rk_fake_{uuid.uuid4().hex}"
     world.place(job_id, {0: "fake-idle:0"}, {0: key})
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     assert Job.load(world.store, job_id).rendezvous(Master(addr="127.0.0.1", port=29500))  # assigned, never run
 
     def requeued():
@@ -169,7 +169,7 @@ def test_beside_an_honest_gpu_client_only_the_one_that_never_ran_the_job_is_pass
     assert register(sock, "fake-idle", slots=cpu_slots(1))["ok"]
     job_id = world.submit(world_size=2)["id"]
     world.place(job_id, {0: "a2:1", 1: "fake-idle:0"}, {0: f"rk_{uuid.uuid4().hex}", 1: f"rk_{uuid.uuid4().hex}"})
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     assert Job.load(world.store, job_id).rendezvous(Master(addr="127.0.0.1", port=29500))
     attempt = world.store.get_job(job_id).attempt
     beat = world.sockets["a2"].emit("heartbeat", {"running": [{"job_id": job_id, "attempt": attempt}]},

@@ -212,7 +212,7 @@ def place(app, job_id: str, name: str, world: int, attempt_key: str) -> None:
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     placement = [PlacementEntry(rank=r, client_id=f"{name}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in range(world)]
     keys = {r: hash_secret(f"rk_{name}_{attempt_key}_{r}") for r in range(world)}
     assert Job.load(app.extensions["zwdx"].store, job_id).start(placement, [f"{name}-{r}:0" for r in range(world)], keys)
@@ -344,7 +344,7 @@ def test_an_empty_or_partial_commit_wipes_no_checkpoint(backend_app):
     assert room.get(f"/jobs/{jid}/checkpoints/0/state.pt").data == b"state.pt of 0"
 
     # A new attempt: the files of the one before do not count, and the good checkpoint stays
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     store = backend_app.extensions["zwdx"].store
     assert Job.load(store, jid).interrupt("a gpu client was lost")
     store.release_slots(jid)

@@ -14,7 +14,7 @@
                      secret, tracebacks by rank, ``failure_order``; ``queue_position`` while queued
     Submitted        the answer to a submit: the view and ``unschedulable``
 
-The server moves a record through its statuses with ``zwdx.server.job.Job``; the store keeps
+The server moves a record through its statuses with ``zwdx.server.jobs.Job``; the store keeps
 it as JSON (``docs/store.md``). Records are read leniently (a field a newer server added is
 ignored) and may hold NaN and infinities (a diverged loss), which JSON carries as the strings
 "NaN", "Infinity" and "-Infinity" (``zwdx.protocol.report.Reported``), in the store too.

@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import __version__, defaults
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unschedulable, ZwdxError
-from ..protocol import ACTIVE, ArtifactKind, CredentialRole, JobKind, JobStatus, Parallelism, \
+from ..protocol import ArtifactKind, CredentialRole, JobKind, JobStatus, Parallelism, \
     RankStatus
 from ..protocol.job import Job as JobRecord, JobSpec, JobView, Submitted, TimelineEntry
 from ..protocol.base import PROTOCOL
@@ -28,10 +28,10 @@ from ..protocol.spec import nest
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, MetricsQuery, PruneClients, PrunedClients, RoomCreated,
                              RoomDetail, RoomSettings, RoomView, SubmitJob)
-from . import clients, global_weights, limits, lifecycle, manifests, notify, series, suspects
+from . import clients, global_weights, jobs, limits, manifests, notify, series, suspects
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
-from .job import Job, rejoined
+from .jobs import Job
 from .placement import room_totals, unschedulable
 from .store.base import event_bytes
 from .views import client_view, job_view, named_clients, room_view, submitted_view
@@ -257,7 +257,7 @@ def _held(job: JobRecord, query: JobQuery, detail: JobDetail) -> JobDetail:
 @operation(bp, "POST", "/jobs/<job_id>/cancel", "Cancel a job", answer=JobView, errors=(409,), tag="jobs")
 def cancel_job(job: JobRecord):
     """A job that ended already is a conflict (409)."""
-    updated = lifecycle.cancel(ctx(), job.id)
+    updated = jobs.cancel(ctx(), job.id)
     if updated is None:
         raise Conflict(f"job {job.id} already {job.status.value}", job_id=job.id, status=job.status.value)
     return job_view(updated)
@@ -347,25 +347,11 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
             job_artifact(job, body.weights_artifact, ArtifactKind.WEIGHTS.value) is None:
         raise BadRequest(f"field 'weights_artifact': no weights {body.weights_artifact} uploaded for job {job.id}",
                          field="weights_artifact")
-    if (state := job.ranks.get(str(rank))) is not None and state.status == RankStatus.DROPPED \
-            and not rejoined(job, rank):
-        return RankReportAnswer(ok=False, ignored=f"rank {rank} was dropped (a DILOCO worker the job goes on without)")
-    if body.status == RankStatus.FAILED and (job.status == JobStatus.FAILED or job.status in ACTIVE):
-        # on a failed job too: every failing rank's traceback is kept
-        lifecycle.rank_failed(ctx(), job, rank, body.error or "error", body.traceback or "(no traceback)",
-                              body.collective, body.exit_code)
-        return RankReportAnswer(ok=True)
-    if job.status not in ACTIVE:
-        return RankReportAnswer(ok=False, ignored=f"job is {job.status.value}")
-    if body.status == RankStatus.RUNNING:
-        lifecycle.rank_started(ctx(), job, rank)
-    else:
-        lifecycle.rank_completed(ctx(), job, rank, fingerprint=body.fingerprint, results=body.results or {},
-                                 final_loss=body.final_loss,
-                                 weights_artifact=global_weights.weights(job, rank, body.weights_artifact),
-                                 global_fingerprint=body.global_fingerprint)
+    answer = jobs.report(ctx(), job, rank, body,
+                         weights=lambda: global_weights.weights(job, rank, body.weights_artifact))
+    if answer.ok and body.status == RankStatus.COMPLETED:
         suspects.compare_weights(ctx().store.get_job(job.id))  # DILOCO: its workers' final weights, once done
-    return RankReportAnswer(ok=True)
+    return answer
 
 
 @operation(bp, "POST", "/jobs/<job_id>/ranks/<rank>/layout", "Report what a rank holds of the model",
@@ -377,7 +363,7 @@ def post_rank_layout(job: JobRecord, sender: Sender, rank: int, body: RankLayout
     if job.world_size is None or not 0 <= rank < job.world_size:
         raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")
     only_rank(sender, rank, f"a layout for rank {rank}", job.id)
-    if not lifecycle.rank_layout(ctx(), job, rank, body):
+    if not jobs.rank_layout(ctx(), job, rank, body):
         return RankReportAnswer(ok=False, ignored=f"rank {rank} is not running")
     return RankReportAnswer(ok=True)
 

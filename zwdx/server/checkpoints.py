@@ -29,7 +29,7 @@ from ..protocol.rest import ArtifactView, CheckpointList
 from . import notify
 from .auth import Sender, only_rank
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from .job import Job
+from .jobs import Job
 
 log = logging.getLogger(__name__)
 

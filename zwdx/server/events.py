@@ -27,12 +27,12 @@ from pydantic import BaseModel
 
 from .. import __version__, defaults
 from ..errors import AuthError, BadRequest, Forbidden, RateLimited
-from ..protocol import (ACTIVE, EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
+from ..protocol import (EV_CLIENTS_UPDATE, EV_HEARTBEAT, EV_JOB_CANCEL, EV_RANKS_EXITED, EV_REGISTER,
                         EV_UNREACHABLE, GPU_NAMESPACE, UI_NAMESPACE, ClientStatus)
 from ..protocol.base import PROTOCOL, incompatible, parse
-from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, JobCancel, RanksExited, Register, RegisterAnswer, Unreachable
+from ..protocol.gpu import Ack, Heartbeat, HeartbeatAnswer, RanksExited, Register, RegisterAnswer, Unreachable
 from ..protocol.tokens import CLIENT_SECRET_PREFIX
-from . import addresses, donors, json_limits, limits, lifecycle, notify, reach
+from . import addresses, donors, jobs, json_limits, limits, notify, reach
 from .auth import Caller, donor, hash_secret, new_secret, submitter
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,9 @@ def on_register(hello: Register) -> RegisterAnswer:
     sess["client_id"], sess["interval"] = client_id, pace[0]
     ctx.presence.joined(client_id, sess["room_id"], request.sid, now, now + pace[1], slots, client["running_jobs"])
     running = {r.job_id: r.attempt for r in hello.running}  # the jobs it still runs ranks of
-    _forget_ranks_gone(ctx, sess["room_id"], client_id, running)
-    _stop_ranks_not_wanted(ctx, client_id, running)
+    jobs.forget_ranks_gone(ctx, sess["room_id"], client_id, running)
+    for cancel in jobs.not_wanted(ctx, client_id, running):
+        _socketio().emit(EV_JOB_CANCEL, cancel.model_dump(), to=request.sid, namespace=GPU_NAMESPACE)
     log.info("gpu-client %s: registered in room %s with %d slot(s) from %s", client_id, sess["room_id"],
              len(slots), client["hostname"])
     notify.clients_changed(ctx, sess["room_id"], joined_or_left=True)
@@ -185,7 +186,7 @@ def on_register(hello: Register) -> RegisterAnswer:
 
 def running_jobs(running) -> list[str]:
     """What a client says it runs, as kept on its record ("job:attempt"): a placement that does not
-    start is then held against the clients that never said so (``lifecycle.not_started``)."""
+    start is then held against the clients that never said so (``jobs.not_started``)."""
     return [f"{r.job_id}:{r.attempt}" for r in running]
 
 
@@ -204,26 +205,6 @@ def heartbeat_pace(ctx) -> tuple[float, float]:
     wanted = math.ceil(2.0 * len(_sessions) / rate) / 2.0
     interval = min(max(base, wanted), base * defaults.HEARTBEAT_MAX_STRETCH)
     return interval, timeout * interval / base
-
-
-def _forget_ranks_gone(ctx, room_id: str, client_id: str, running: dict[str, int]) -> None:
-    """Slots the store thinks are busy with jobs this client no longer runs: those ranks are gone."""
-    for slot in ctx.store.list_slots(room_id, client_id):
-        if slot["job_id"] and slot["job_id"] not in running:
-            job = ctx.store.get_job(slot["job_id"])
-            lifecycle.ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1},
-                                   job.attempt if job else 0)
-
-
-def _stop_ranks_not_wanted(ctx, client_id: str, running: dict[str, int]) -> None:
-    """Ranks it still runs of jobs that went on without it (or ended): stop them."""
-    for job_id, attempt in running.items():
-        job = ctx.store.get_job(job_id)
-        mine = job and job.status in ACTIVE and job.attempt == attempt and \
-            any(p.client_id == client_id for p in job.placement or [])
-        if not mine:
-            cancel = JobCancel(job_id=job_id, attempt=attempt, reason="the job went on without this gpu client")
-            _socketio().emit(EV_JOB_CANCEL, cancel.model_dump(), to=request.sid, namespace=GPU_NAMESPACE)
 
 
 def heartbeat(ctx, sid: str, beat: Heartbeat) -> HeartbeatAnswer:
@@ -261,7 +242,7 @@ def on_ranks_exited(report: RanksExited) -> Ack:
     if job is None or job.room_id != sess["room_id"]:
         return Ack(ok=False, error="no such job in this room")
     exits = {str(int(rank)): code for rank, code in report.exits.items()}
-    if report.attempt == job.attempt:  # an older attempt's exits change nothing (lifecycle ignores them)
+    if report.attempt == job.attempt:  # an older attempt's exits change nothing (jobs.ranks_exited ignores them)
         placed = {str(p.rank): p.client_id for p in job.placement or []}
         foreign = sorted((r for r in exits if placed.get(r) != sess["client_id"]), key=int)
         if foreign:
@@ -269,7 +250,7 @@ def on_ranks_exited(report: RanksExited) -> Ack:
                         sess["client_id"], ", ".join(foreign), job.id)
             return Ack(ok=False, error=f"rank(s) {', '.join(foreign)} of job {job.id} (attempt {job.attempt}) are "
                                        f"not placed on this gpu client")
-    lifecycle.ranks_exited(ctx, sess["client_id"], job.id, exits, report.attempt)
+    jobs.ranks_exited(ctx, sess["client_id"], job.id, exits, report.attempt)
     return Ack(ok=True)
 
 

@@ -4,9 +4,9 @@ connection, not written to the store at every heartbeat.
 A heartbeat changes only this process's memory (``Presence.beat``): the client's last word,
 its deadline, its slots' figures, the jobs it runs; only one that says the client runs other
 jobs than it said before is written at once (a job started or ended there:
-``lifecycle.not_started`` reads it). Once a second (``step``) the process
+``jobs.not_started`` reads it). Once a second (``step``) the process
 
-- declares lost its own clients past their deadline (``lifecycle.client_lost``: the store is
+- declares lost its own clients past their deadline (``jobs.client_lost``: the store is
   told, their jobs moved), unless the store says the client registered since through another
   connection;
 - writes to the store, in one transaction, what changed that matters: a slot's free memory moved by 1/``MEMORY_STEP`` of its total or more (placement reads it), and
@@ -113,7 +113,7 @@ class Presence:
         for stat in stats:
             live.stats.setdefault(stat["index"], {}).update(_figures(stat))
         if running != live.stored_running:  # a job started or ended on it: the scheduler's judgement
-            # of a placement that did not start reads it (lifecycle.not_started), so at once
+            # of a placement that did not start reads it (jobs.not_started), so at once
             if not self.ctx.store.touch_client(client_id, {"last_seen": now, "running_jobs": running}, [],
                                                expect_status=ClientStatus.ONLINE.value):
                 self._forget(client_id)
@@ -202,12 +202,12 @@ class Presence:
                 self._reap_dead_servers(now)
 
     def _lost(self, live: Live, now: float) -> None:
-        from . import lifecycle
+        from . import jobs
         self._forget(live.client_id)
         stored = self.ctx.store.get_client(live.client_id)
         if not stored or stored.get("sid") != live.sid or stored.get("status") != ClientStatus.ONLINE.value:
             return  # registered again through another connection, or lost already
-        lifecycle.client_lost(self.ctx, live.client_id, f"no heartbeat for {now - live.last_seen:.1f} s")
+        jobs.client_lost(self.ctx, live.client_id, f"no heartbeat for {now - live.last_seen:.1f} s")
 
     def _write(self, now: float) -> None:
         touches = []

@@ -6,7 +6,7 @@ a job connects to every other's reachability port (``JobAssign.peers``, ``gpu_cl
 one that cannot says so at once (``Unreachable``), instead of its ranks waiting out the
 collective timeout. Then:
 
-- the job is placed again, once, without the pair (``lifecycle.interrupt``: it resumes, as
+- the job is placed again, once, without the pair (``jobs.interrupt``: it resumes, as
   after a lost GPU client) when the room has GPU clients enough that reach each other; else
   it fails at once, naming the pair(s) (client ids and hosts) and what the connection said,
   and suggesting ``parallelism="DILOCO"`` (which syncs through the server and needs no
@@ -27,7 +27,7 @@ import time
 
 from ..protocol import ACTIVE, JobStatus
 from ..protocol.gpu import Ack, Unreachable
-from . import lifecycle, notify
+from . import jobs, notify
 from .placement import meets_over_tcp, plan
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,9 @@ def reported(ctx, room_id: str, client_id: str, report: Unreachable) -> Ack:
                   job.spec.parallelism.value)
     log.warning("job %s: gpu-client %s cannot reach %s", job.id, client_id, ", ".join(report.peers))
     if _placeable_apart(ctx, job):
-        lifecycle.interrupt(ctx, job.id, f"{why}; placing the job again without the pair")
+        jobs.interrupt(ctx, job.id, f"{why}; placing the job again without the pair")
     else:
-        lifecycle.fail(ctx, job.id, why)
+        jobs.fail(ctx, job.id, why)
     notify.clients_changed(ctx, room_id)
     return Ack(ok=True)
 

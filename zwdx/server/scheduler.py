@@ -20,7 +20,7 @@ never waits for it. The answer finishes the placement on the next pass: every cl
 its ranks (``JobAssign``), each with its rank key: a fresh secret per rank of the attempt,
 bound to the GPU client it goes to, whose hash the placement stores. No answer within
 ``RESERVE_TIMEOUT`` frees the job's slots and places it again, not on that GPU client; so does
-no rank reporting running within ``START_TIMEOUT`` (``lifecycle.not_started``, settled on the
+no rank reporting running within ``START_TIMEOUT`` (``jobs.not_started``, settled on the
 clock), not on any GPU client of the placement; the ``START_TRIES``-th such placement fails the
 job. A dead or fake GPU client delays nothing but the job it held, and that one only so long.
 """
@@ -40,11 +40,11 @@ from ..protocol.checkpoint import resumable
 from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
-from . import addresses, lifecycle, notify
+from . import addresses, jobs, notify
 from . import clients as clients_of_room
 from .extensions import socketio
 from .auth import hash_secret, new_secret
-from .job import Job, wanting
+from .jobs import Job, wanting
 from .placement import meets_over_tcp, mixed, plan, tp_size, unschedulable
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class Scheduler:
                 holds_ranks = any(s.get("job_id") for s in client["slots"])
                 if client.get("status") == ClientStatus.ONLINE.value or holds_ranks:
                     why = ("connection dropped and not back" if client.get("disconnected_at") else "no heartbeat")
-                    lifecycle.client_lost(self.ctx, client["id"],
+                    jobs.client_lost(self.ctx, client["id"],
                                           f"{why} for {now - float(client.get('last_seen') or now):.1f} s")
             except Exception:  # one client's record never keeps the others from being declared lost
                 log.exception("scheduler: gpu client %s of room %s not reaped", client.get("id"), client.get("room_id"))
@@ -191,7 +191,7 @@ class Scheduler:
     def settle(self) -> None:
         """Settle the jobs whose ranks failed or lost their peers, room by room (``lifecycle``)."""
         for room_id in self.ctx.store.job_rooms(ACTIVE):
-            _guarded(f"settling the jobs of room {room_id}", lifecycle.settle_suspects, self.ctx, room_id)
+            _guarded(f"settling the jobs of room {room_id}", jobs.settle_suspects, self.ctx, room_id)
 
     def grace_after_restart(self) -> None:
         """A (re)started server gives every GPU client that was online or running ranks
@@ -399,7 +399,7 @@ class Scheduler:
             except BadRequest as exc:
                 error = exc.message
         if error is not None:  # placed again elsewhere: a GPU client that never answers holds no job
-            lifecycle.not_started(self.ctx, job.record, f"rank-0 gpu client {request.client_id} did not offer a "
+            jobs.not_started(self.ctx, job.record, f"rank-0 gpu client {request.client_id} did not offer a "
                                                         f"rendezvous address: {error}", {request.client_id})
             return False
         if not job.rendezvous(Master(addr=offer.addr, port=offer.port)):

@@ -24,7 +24,7 @@ from ..protocol.job import Job as JobRecord
 from ..protocol.rest import ArtifactView
 from .auth import Sender, only_rank
 from .http import OCTET, Auth, ctx, job_artifact, operation, save_artifact, stream
-from .job import Job
+from .jobs import Job
 
 log = logging.getLogger(__name__)
 

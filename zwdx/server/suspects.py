@@ -20,7 +20,7 @@ from .. import robust
 from ..protocol import EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.job import Job as JobRecord, Suspect
 from .http import ctx
-from . import lifecycle, notify
+from . import jobs, notify
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def compare_weights(job: JobRecord | None) -> None:
     server does not hold them (the rounds were averaged among the workers), against the
     fingerprint a strict majority of the ranks reported. A worker that disagrees is a suspect
     (its client not given the job again); with no strict majority nobody can be told apart, and
-    the fingerprints' warning (``lifecycle._compare_fingerprints``) is all there is."""
+    the fingerprints' warning (``jobs.reports._compare_fingerprints``) is all there is."""
     if job is None or job.spec.parallelism != Parallelism.DILOCO or job.status != JobStatus.COMPLETED:
         return
     held = {int(r): s.global_fingerprint for r, s in job.ranks.items()
@@ -92,7 +92,7 @@ def _name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = 
         "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-suspect:{job.attempt}:{r}", "step": None,
         "data": {"text": text}, "ts": now} for r, text in zip(sorted(named), texts)]))
     fresh = store.get_job(job.id)
-    if drop and not lifecycle.drop(ctx(), fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
+    if drop and not jobs.drop(ctx(), fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
         log.warning("job %s: the suspect(s) %s could not be dropped (no other worker left)", job.id, sorted(named))
     notify.job_changed(store.get_job(job.id))
 

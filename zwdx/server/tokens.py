@@ -26,7 +26,7 @@ from ..protocol.tokens import PREFIXES, CreateToken, NewToken, Rotated, TokenLis
 from .auth import Caller, hash_secret, issue_credential, new_secret
 from .extensions import socketio
 from .http import ctx, operation
-from . import lifecycle
+from . import jobs
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _lost(server_ctx, credential: dict, sids: list[str], why: str) -> None:
     for client in server_ctx.store.list_clients(credential["room_id"]):
         if client.get("sid") in gpu:
             try:
-                lifecycle.client_lost(server_ctx, client["id"], why)
+                jobs.client_lost(server_ctx, client["id"], why)
             except Exception:  # its connection is closed anyway; the reaper declares it lost on the clock
                 log.exception("tokens: gpu client %s not declared lost", client["id"])
 

@@ -13,7 +13,7 @@ through small verbs, each taking typed values of the fields it writes (``docs/st
                                                              items of list fields (+ fields)
     reserve_slots(job_id, [(slot_id, rank)], fields)         slots and fields, all or nothing
 
-Atomicity promises (the scheduler and ``zwdx.server.job.Job`` rely on them, across threads
+Atomicity promises (the scheduler and ``zwdx.server.jobs.Job`` rely on them, across threads
 and processes):
 - ``reserve_slots`` gives a slot to at most one job and moves the job out of ``queued`` (or
   ``resuming``) at most once: all of it happens or none of it does.

@@ -2,8 +2,8 @@
 (rq's ``Job``). The record is ``zwdx.protocol.job.Job`` (``JobRecord`` here); each move is a
 store write of typed values, guarded by the statuses it may happen from, so two servers or
 threads that race apply it at most once. A move that does not apply changes nothing and says
-so (False or None). Moves only write: the caller (``lifecycle.py``, ``scheduler.py``) tells
-the GPU clients and the dashboards.
+so (False or None). Moves only write: the caller (``lifecycle.py``, ``reports.py``, the scheduler) says what
+must follow (``effects.Effects``: who is told, what is released), and ``effects.apply`` does it.
 
     queued|resuming --start--> starting --rank_running--> running --complete--> completed
     queued|resuming|starting|running --fail--> failed      ... --cancel--> cancelled
@@ -16,30 +16,23 @@ once every rank reported (or ``FAILURE_GRACE`` is over), with every failing rank
 A rank that lost its peers (a collective broke, or its process died without a word) makes
 the job *suspect*: if a GPU client of the job turns out lost, the job is interrupted (it goes
 on from its last checkpoint, up to ``max_restarts`` times); if none is lost within
-``CLIENT_TIMEOUT`` (or every rank exited), it fails. ``overdue`` says when.
+``CLIENT_TIMEOUT`` (or every rank exited), it fails. ``overdue`` says when (``rules.py``).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Collection
 
-from ..protocol import ACTIVE, WAITING, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
-from ..protocol.layout import RankLayout
-from ..protocol.job import CheckpointEntry, DilocoJoin, Job as JobRecord, Master, PlacementEntry, RankCredential, \
+from ...protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
+from ...protocol.layout import RankLayout
+from ...protocol.job import CheckpointEntry, DilocoJoin, Job as JobRecord, Master, PlacementEntry, RankCredential, \
     RankFailure, RankState, RestartEntry, TimelineEntry
-from . import meters
-from .store import Store
-
-#: Seconds the other ranks of a failing job get to report their own failure after the first one.
-FAILURE_GRACE = 2.0
+from .. import meters
+from ..store import Store
+from . import rules
 
 _ACTIVE = tuple(ACTIVE)
 _OPEN = (*ACTIVE, *WAITING)
-
-
-#: Why a starting job with no rendezvous ``assign_timeout`` after its placement is overdue:
-#: settling places it again (``unplace``).
-NO_RENDEZVOUS = "no rendezvous address came from rank 0's gpu client (the server that placed the job stopped)"
 
 
 class Job:
@@ -340,46 +333,12 @@ class Job:
         return JobStatus.RESUMING if moved else None
 
     def overdue(self, offline: Collection[str], client_timeout: float, assign_timeout: float) -> str | None:
-        """Why this active job should fail now, or None:
-        - a rank raised, and every rank reported (or exited), or ``FAILURE_GRACE`` is over;
-        - a rank lost its peers, none of the job's GPU clients is ``offline`` (else it waits
-          for them to be declared lost, and is interrupted), and ``client_timeout`` passed or
-          every rank exited;
-        - it is starting and no GPU client was told where to meet ``assign_timeout`` after it
-          was placed (the server that placed it stopped)."""
-        r, now = self.record, self.clock()
-        if r.status not in _ACTIVE:
-            return None
-        if r.failing_since is not None:
-            if self.all_heard(r.failures) or r.failing_since < now - FAILURE_GRACE:
-                return r.failing_reason or "a rank failed"
-            return None
-        if r.suspect_since is not None:
-            if any(p.client_id in offline for p in r.placement or []):
-                return None
-            if r.suspect_since < now - client_timeout - 1.0 or self.all_heard({}):
-                return r.suspect_reason or "a rank lost its peers and no GPU client was lost"
-            return None
-        if r.status == JobStatus.STARTING and r.master is None and (r.started_at or now) < now - assign_timeout:
-            return NO_RENDEZVOUS
-        return None
+        """Why this active job should fail now, or None (``rules.overdue``)."""
+        return rules.overdue(self.record, self.clock(), offline, client_timeout, assign_timeout)
 
     def start_overdue(self, start_timeout: float) -> str | None:
-        """Why this starting job's placement should be given up, or None: it was placed
-        ``start_timeout`` seconds ago (0: never), its GPU clients were told where to meet, and no
-        rank reported running (a GPU client that takes jobs and never starts them, or one too
-        slow to: the others' ranks wait in their rendezvous for its)."""
-        r, now = self.record, self.clock()
-        if not start_timeout or r.status != JobStatus.STARTING or r.master is None or r.ranks or \
-                r.failing_since is not None or r.suspect_since is not None or \
-                (r.started_at or now) >= now - start_timeout:
-            return None
-        return f"no rank reported running within {start_timeout:g} s of its placement"
-
-    def all_heard(self, failures: dict) -> bool:
-        """Every rank of the attempt exited, or is in ``failures``."""
-        r = self.record
-        return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
+        """Why this starting job's placement should be given up, or None (``rules.start_overdue``)."""
+        return rules.start_overdue(self.record, self.clock(), start_timeout)
 
     def outputs_uploaded(self, artifact_id: str) -> bool:
         """Rank 0 of a script job uploaded what its script wrote under ``$ZWDX_OUTPUT_DIR``: the
@@ -399,20 +358,3 @@ class Job:
             return None
         return self.record.checkpoints
 
-
-def wanting(record: JobRecord) -> list[int]:
-    """DILOCO: the dropped ranks of a running job that a new worker may join in place of (none
-    placed in their place since they were dropped)."""
-    if record.spec.parallelism != Parallelism.DILOCO or record.status != JobStatus.RUNNING or \
-            not any(s.status == RankStatus.RUNNING for s in record.ranks.values()) or \
-            record.spec.diloco.ranks_per_worker > 1:  # a worker of several ranks: its place stays empty
-        return []  # (with no worker still training, none would send the joiner the global weights)
-    return [int(rank) for rank, state in sorted(record.ranks.items(), key=lambda kv: int(kv[0]))
-            if state.status == RankStatus.DROPPED and not rejoined(record, int(rank))]
-
-
-def rejoined(record: JobRecord, rank: int) -> bool:
-    """DILOCO: a worker was placed in dropped rank ``rank``'s place since it was dropped (its
-    key is the joiner's now)."""
-    join, state = record.joins.get(str(rank)), record.ranks.get(str(rank))
-    return join is not None and state is not None and join.placed_at >= (state.ended_at or 0)

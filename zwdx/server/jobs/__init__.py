@@ -1,0 +1,22 @@
+"""Every decision about a job the server makes, and what follows from it.
+
+    rules.py      what the record says by itself (overdue? which DILOCO places are open?)
+    model.py      ``Job``: the record's moves, each one guarded store write (rq's ``Job``)
+    effects.py    ``Effects``: what a move asks of the world, and ``apply``, the one place doing it
+    lifecycle.py  fail, cancel, interrupt, drop, exits, placements that did not start, settling
+    reports.py    what ranks and registering GPU clients report
+
+The HTTP and Socket.IO handlers parse and authorize, then call one function of this package.
+"""
+from __future__ import annotations
+
+from .effects import Effects, Release, apply, tell_clients
+from .lifecycle import cancel, client_lost, drop, fail, interrupt, not_started, ranks_exited, settle_suspects
+from .model import Job
+from .reports import forget_ranks_gone, not_wanted, rank_completed, rank_failed, rank_layout, rank_started, report
+from .rules import FAILURE_GRACE, NO_RENDEZVOUS, rejoined, wanting
+
+__all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "cancel", "client_lost", "drop",
+           "fail", "forget_ranks_gone", "interrupt", "not_started", "not_wanted", "rank_completed", "rank_failed",
+           "rank_layout", "rank_started", "ranks_exited", "rejoined", "report", "settle_suspects", "tell_clients",
+           "wanting"]
