@@ -151,6 +151,7 @@ def functions(cfg: dict, between: int, checkpoints: int, pause: float, where: bo
 def child(args) -> dict:
     import torch
 
+    import zwdx
     from zwdx import ZWDX
     from zwdx.testing import GpuClientProc, ServerProc, wait_until
     import workload
@@ -175,8 +176,9 @@ def child(args) -> dict:
         data_loader, train = functions(cfg, args.between, args.checkpoints, args.pause, where=args.where)
         committed: dict[int, float] = {}
         job_id = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train, optimizer=optimizer,
-                                parallelism=args.parallelism, room_token=token, epochs=1, world_size=n,
-                                progress=False, wait=False, name="bench-checkpoint")
+                                parallelism=args.parallelism, resources=zwdx.Resources(world_size=n),
+                                training=zwdx.Training(epochs=1),
+                                run=zwdx.Run(room_token=token, name="bench-checkpoint", progress=False), wait=False)
         del model, optimizer
         done = threading.Event()
 

@@ -34,6 +34,7 @@ from harness import GpuClientProc, ServerProc, median, table, wait_until  # noqa
 
 sys.path.insert(0, os.path.join(harness.ROOT, "test"))
 import dockerd  # noqa: E402
+import zwdx
 import mnist  # noqa: E402
 
 SETUPS = {"process": ["--isolation", "process"], "user": ["--isolation", "user"], "docker": ["--isolation", "docker"],
@@ -61,8 +62,8 @@ def run_job(sdk, token: str, ranks: int) -> dict:
     import torch
     submitted = time.time()
     res = sdk.submit_job(mnist.Net(), mnist.create_loader, train, None, torch.optim.AdamW(mnist.Net().parameters(),
-                         lr=3e-3), "DDP", 0, room_token=token, epochs=1, world_size=ranks, progress=False,
-                         timeout=600)
+                         lr=3e-3), "DDP", 0, resources=zwdx.Resources(world_size=ranks),
+                         training=zwdx.Training(epochs=1), run=zwdx.Run(room_token=token, progress=False, timeout=600))
     returned = time.time()
     if res["status"] != "completed":
         raise RuntimeError(f"job {res['job_id']} {res['status']}: {res.get('reason')}")

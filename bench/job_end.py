@@ -87,6 +87,7 @@ def main() -> None:
     harness.require(harness.SERVER_MODULES + harness.CLIENT_MODULES)
     import torch
 
+    import zwdx
     from zwdx import ZWDX
     work = tempfile.mkdtemp(prefix="zwdx-job-end-")
     server = ServerProc(os.path.join(work, "server"))
@@ -104,8 +105,9 @@ def main() -> None:
             time.sleep(args.settle)
             model = torch.nn.Linear(16, 4)
             result = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train,
-                                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1), room_token=token,
-                                    world_size=2, progress=False, timeout=120)
+                                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                    resources=zwdx.Resources(world_size=2),
+                                    run=zwdx.Run(room_token=token, progress=False, timeout=120))
             returned[result["job_id"]] = time.time()
         try:  # each GPU client (one rank of each job) logs its ranks' exit
             harness.wait_until(lambda: len({(c, j) for c, j, _ in exit_lines(work) if j in returned})

@@ -63,6 +63,7 @@ def _spread(r: dict) -> float:
 def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
     import workload
 
+    import zwdx
     from zwdx import defaults
     from zwdx.bundle import pack
     model, optimizer = workload.build(cfg)
@@ -84,10 +85,13 @@ def run_zwdx(sdk, token: str, cfg: dict, n: int, timeout: float) -> dict:
     download_s = time.time() - t
     del blob
 
+    pipeline = cfg.get("submit", {}).get("pipeline")  # bench/strategies.py's PIPELINE settings
     submitted = time.time()
     res = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train, optimizer=optimizer,
-                         parallelism=cfg.get("parallelism", "DDP"), room_token=token, epochs=1, world_size=n, progress=False,
-                         name=f"bench-{cfg['model']}", timeout=timeout, **cfg.get("submit", {}))
+                         parallelism=cfg.get("parallelism", "DDP"), resources=zwdx.Resources(world_size=n),
+                         training=zwdx.Training(epochs=1),
+                         run=zwdx.Run(room_token=token, name=f"bench-{cfg['model']}", progress=False,
+                                      timeout=timeout), strategy=zwdx.Pipeline(**pipeline) if pipeline else None)
     ended = time.time()
     job, r = res["job"], res["results"]
     if res["status"] != "completed":

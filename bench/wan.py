@@ -179,6 +179,7 @@ class Net:
 
 # -- one run ----------------------------------------------------------------------------------------
 def run_job(sdk, net: Net, steps: int, parallelism: str, diloco: dict | None) -> dict:
+    import zwdx
     from zwdx.protocol.report import from_wire
     torch.manual_seed(0)
     model = GPT(CFG["vocab"], CFG["seq"], CFG["layers"], CFG["heads"], CFG["dim"])
@@ -186,9 +187,9 @@ def run_job(sdk, net: Net, steps: int, parallelism: str, diloco: dict | None) ->
     before = {n: net.sent(n) for n in ("a", "b")}
     result = sdk.submit_job(model=model, data_loader_func=data_loader, train_func=train,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=CFG["lr"]), parallelism=parallelism,
-                            world_size=2, progress=False, timeout=3600, collective_timeout=600,
-                            checkpoint_every_epoch=False,  # the bytes are training's (and the weights at the end)
-                            **({"diloco": {"all_reduce": False, **diloco}} if diloco else {}))  # the server's way
+                            resources=zwdx.Resources(world_size=2), training=zwdx.Training(collective_timeout=600),
+                            run=zwdx.Run(progress=False, timeout=3600, recovery=zwdx.Recovery(checkpoint_every_epoch=False)),  # the bytes are training's (and the weights at the end)
+                            strategy=zwdx.Diloco(all_reduce=False, **diloco) if diloco else None)  # the server's way
     sent = {n: net.sent(n) - before[n] for n in ("a", "b")}
     job = sdk.get_job(result["job_id"])
     results = from_wire(job["results"])

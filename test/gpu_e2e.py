@@ -57,6 +57,7 @@ from procs import Proc, Server, wait_until  # noqa: E402
 from workloads import a_few_steps, slow_train  # noqa: E402
 
 from gpu_client.rank.strategies.parallel import fingerprint  # noqa: E402
+import zwdx
 from zwdx import ZWDX  # noqa: E402
 
 
@@ -86,8 +87,9 @@ def language_models(sdk, out, epochs: int = 3) -> None:
             optimizer = (model.configure_optimizers() if isinstance(model, models.GPT)
                          else torch.optim.AdamW(model.parameters(), lr=3e-3))
             r = sdk.submit_job(model=model, data_loader_func=models.lm_loaders, train_func=models.lm_train(loss_fn),
-                               eval_func=models.lm_eval(loss_fn), optimizer=optimizer, parallelism=par, world_size=2,
-                               epochs=epochs, progress=False)
+                               eval_func=models.lm_eval(loss_fn), optimizer=optimizer, parallelism=par,
+                               resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=epochs),
+                               run=zwdx.Run(progress=False))
             series = sdk.get_job_metrics(r["job_id"])
             steps = sorted(p["ts"] for p in series["loss"] if p["rank"] == 0)
             per_step = (steps[-1] - steps[0]) / max(len(steps) - 1, 1)
@@ -208,9 +210,10 @@ def mixed_devices(url, work, out, problems) -> None:
         model = mixed_job.Net()
         t0 = time.time()
         r = sdk.submit_job(model, mixed_job.mixed_loaders, mixed_job.mixed_train, mixed_job.mixed_eval,
-                           torch.optim.SGD(model.parameters(), lr=mixed_job.LR), "DDP", epochs=mixed_job.EPOCHS,
-                           world_size=2, devices="mixed", global_batch=mixed_job.G, progress=False, timeout=600,
-                           raise_on_failure=False)
+                           torch.optim.SGD(model.parameters(), lr=mixed_job.LR), "DDP",
+                           strategy=zwdx.Mixed(global_batch=mixed_job.G), resources=zwdx.Resources(world_size=2),
+                           training=zwdx.Training(epochs=mixed_job.EPOCHS),
+                           run=zwdx.Run(progress=False, raise_on_failure=False, timeout=600))
         wall = time.time() - t0
     finally:
         for c in clients:
@@ -276,9 +279,10 @@ def pipelines(sdk, out, problems) -> None:
     model = models.stage_lm()
     t0 = time.time()
     r = sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
-                       torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs, world_size=2,
-                       pipeline={"schedule": "1f1b", "microbatches": micro}, progress=False, timeout=600,
-                       raise_on_failure=False)
+                       torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE",
+                       strategy=zwdx.Pipeline(schedule="1f1b", microbatches=micro),
+                       resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=epochs),
+                       run=zwdx.Run(progress=False, raise_on_failure=False, timeout=600))
     wall = time.time() - t0
     if r["status"] != "completed":
         problems.append(f"P: pipeline job {r['status']}: {r.get('reason')}")
@@ -310,9 +314,9 @@ def pipelines(sdk, out, problems) -> None:
         model = models.StageLM(models.GPTConfig(**BIG))
         t0 = time.time()
         r = sdk.submit_job(model, capped_loaders, kwargs["train_func"], models.pipe_eval,
-                           torch.optim.AdamW(model.parameters(), lr=1e-4), kwargs["parallelism"], epochs=1,
-                           world_size=kwargs["world_size"], progress=False, timeout=900, raise_on_failure=False,
-                           max_restarts=0)
+                           torch.optim.AdamW(model.parameters(), lr=1e-4), kwargs["parallelism"],
+                           resources=zwdx.Resources(world_size=kwargs["world_size"]), training=zwdx.Training(epochs=1),
+                           run=zwdx.Run(progress=False, raise_on_failure=False, timeout=900, recovery=zwdx.Recovery(max_restarts=0)))
         wall = time.time() - t0
         why = (r.get("reason") or "")[:160].replace("|", "/").replace("\n", " ")
         out(f"| {name} | {r['status']} | {wall:.1f} | {why or 'eval loss ' + format(r['results']['eval_loss'], '.4f')} |")
@@ -327,11 +331,12 @@ def diloco_on_gpus(sdk, out, problems) -> None:
     out("## G. DILOCO against DDP (MNIST example, 2 GPU clients, 3 epochs)")
     out("| parallelism | final loss | held-out accuracy | MB of the largest round upload (rank 0) | rounds | wall s |")
     out("|---|---|---|---|---|---|")
-    for par, extra in (("DDP", {}), ("DILOCO", {"diloco": {"inner_steps": 20, "compression": "int8"}})):
+    for par, extra in (("DDP", {}), ("DILOCO", {"strategy": zwdx.Diloco(inner_steps=20, compression="int8")})):
         t0 = time.time()
         r = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
                            eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                           parallelism=par, world_size=2, epochs=3, progress=False, raise_on_failure=False, **extra)
+                           parallelism=par, resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=3),
+                           run=zwdx.Run(progress=False, raise_on_failure=False), **extra)
         wall = time.time() - t0
         metrics = sdk.get_job_metrics(r["job_id"])
         sent = [p["value"] for p in metrics.get("sent_bytes", []) if p["rank"] == 0]
@@ -353,7 +358,8 @@ def mnist_both(sdk, out) -> None:
         epochs = 3
         r = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
                            eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                           parallelism=par, world_size=2, epochs=epochs, progress=False)
+                           parallelism=par, resources=zwdx.Resources(world_size=2),
+                           training=zwdx.Training(epochs=epochs), run=zwdx.Run(progress=False))
         job = sdk.get_job(r["job_id"])
         per_epoch = (job["ended_at"] - job["running_at"]) / epochs
         acc = mnist.held_out_accuracy(sdk.get_trained_model(r["job_id"], mnist.Net()))
@@ -369,7 +375,8 @@ def metrics_of_a_short_job(sdk, out, problems) -> None:
     out("|---|---|---|---|")
     model = mnist.Net()
     r = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
-                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05), world_size=2, progress=False)
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05), resources=zwdx.Resources(world_size=2),
+                       run=zwdx.Run(progress=False))
     metrics = sdk.get_job_metrics(r["job_id"])
     for rank in (0, 1):
         util = [p["value"] for p in metrics["gpu_utilization"] if p["rank"] == rank]
@@ -391,7 +398,8 @@ def lost_client(args, sdk, server, clients, token, out):
     for run in range(args.repeats):
         job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
                                 optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                                world_size=3, min_world_size=2, epochs=5, wait=False)
+                                resources=zwdx.Resources(world_size=3), training=zwdx.Training(epochs=5),
+                                run=zwdx.Run(recovery=zwdx.Recovery(min_world_size=2)), wait=False)
         job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
                          j["latest_checkpoint"]["epoch"] >= 1 and j, 180, what="checkpoint")
         victim_id = job["placement"][1]["client_id"]
@@ -423,7 +431,7 @@ def server_restarts(args, sdk, server, out):
     for run in range(args.repeats):
         job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
                                 optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                                world_size=2, epochs=3, wait=False)
+                                resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=3), wait=False)
         wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training")
         server.kill(signal.SIGKILL)
         server.popen.wait()

@@ -113,6 +113,7 @@ def held_out_accuracy(model) -> float:
 
 
 def main() -> None:
+    import zwdx
     from zwdx import ZWDX
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", default=os.environ.get("ZWDX_SERVER_URL", "http://localhost:4461"))
@@ -128,8 +129,9 @@ def main() -> None:
     model = Net()
     result = zwdx.submit_job(model=model, data_loader_func=create_loader, train_func=train, eval_func=test,
                              optimizer=torch.optim.AdamW(Net().parameters(), lr=3e-3),
-                             parallelism=args.parallelism, memory_required=0, room_token=args.room_token,
-                             epochs=args.epochs, world_size=args.world_size)
+                             parallelism=args.parallelism, memory_required=0,
+                             resources=zwdx.Resources(world_size=args.world_size),
+                             training=zwdx.Training(epochs=args.epochs), run=zwdx.Run(room_token=args.room_token))
     print(f"job {result['job_id']}: {result['status']} on {result['world_size']} rank(s), "
           f"final loss {result['results'].get('final_loss'):.4f}, results {result['results']}")
     trained = zwdx.get_trained_model(result["job_id"], Net())

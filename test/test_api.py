@@ -17,6 +17,7 @@ import pytest
 
 import mnist
 from procs import GpuClient, free_port
+import zwdx
 from zwdx import ZWDX, AuthError, BadRequest, NotFound, ServerUnreachable
 from zwdx.errors import Forbidden, IntegrityError, PayloadTooLarge
 
@@ -245,10 +246,11 @@ def test_history_names_a_wrong_status_and_starts_empty(api):
 
 def test_the_sdk_checks_its_arguments_before_it_calls_the_server():
     sdk = ZWDX(f"http://127.0.0.1:{free_port()}", remember=False)  # nothing listens there
-    fine = dict(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train, room_token="zr_x")
+    fine = dict(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
+                run=zwdx.Run(room_token="zr_x"))
     for wrong, message in [({"parallelism": "ZeRO"}, "parallelism"), ({"train_func": 42}, "train_func must be a function"),
                            ({"model": "net"}, "model must be a torch.nn.Module"),
-                           ({"room_token": None}, "room token")]:
+                           ({"run": zwdx.Run()}, "room token")]:
         with pytest.raises(BadRequest, match=message):
             sdk.submit_job(**{**fine, **wrong})
 
@@ -264,7 +266,7 @@ def test_the_sdk_raises_typed_errors_for_the_wrong_token_and_unknown_jobs(server
         sdk.list_jobs("zr_wrong")
     with pytest.raises(AuthError, match="not recognised"):
         sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                       room_token="zr_wrong", wait=False)
+                       run=zwdx.Run(room_token="zr_wrong"), wait=False)
     with pytest.raises(NotFound, match="no job nope"):
         sdk.get_job("nope", room["token"])
     with pytest.raises(NotFound):

@@ -15,6 +15,7 @@ import torch
 
 from procs import GpuClient, Proc, Server, wait_until
 from workloads import logged_steps
+import zwdx
 from zwdx import ZWDX
 from zwdx.cli import main
 
@@ -48,7 +49,7 @@ def test_a_restored_backup_serves_the_same_jobs_metrics_and_weights(tmp_path):
         procs.append(GpuClient(server.url, room["donor_token"], str(tmp_path / "client"), "backup-client"))
         model = torch.nn.Linear(2, 2)
         job = sdk.submit_job(model, pairs, logged_steps, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
-                             world_size=1, progress=False, timeout=120)
+                             resources=zwdx.Resources(world_size=1), run=zwdx.Run(progress=False, timeout=120))
         assert job["status"] == "completed"
         before = {"job": sdk.get_job(job["job_id"]), "metrics": sdk.get_job_metrics(job["job_id"]),
                   "weights": sdk.download_weights(job["job_id"], str(tmp_path / "weights-before.pt"))}

@@ -12,6 +12,8 @@ import threading
 import torch
 from safetensors.torch import load_file
 
+from zwdx import Resources, Run, Training
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -54,10 +56,11 @@ def zwdx(cluster, *args, env=None, timeout=120):
     return proc
 
 
-def submit(cluster, train_func, **kwargs) -> dict:
+def submit(cluster, train_func, epochs: int | None = None, name: str = "", wait: bool = True) -> dict:
     model = torch.nn.Linear(4, 2)
     return cluster.sdk.submit_job(model, loader, train_func, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                  world_size=2, progress=False, **kwargs)
+                                  resources=Resources(world_size=2), training=Training(epochs=epochs),
+                                  run=Run(name=name, progress=False), wait=wait)
 
 
 def test_list_show_logs_metrics_download_of_a_finished_job(cluster, tmp_path):

@@ -11,6 +11,7 @@ import traceback
 
 import pytest
 
+import zwdx
 from zwdx import cli
 from zwdx.sdk import ZWDX
 
@@ -65,7 +66,8 @@ def test_ctrl_c_in_submit_job_cancels_and_raises_a_keyboard_interrupt_without_th
     sdk._follow = _deep_read
     model = torch.nn.Linear(2, 2)
     with pytest.raises(KeyboardInterrupt) as caught:
-        sdk.submit_job(model, _loader, _train, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), progress=False)
+        sdk.submit_job(model, _loader, _train, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       run=zwdx.Run(progress=False))
     assert ("POST", "/jobs/job1/cancel") in calls
     err = caught.value
     assert err.__suppress_context__ and "recv_into" not in _frames(err), _frames(err)

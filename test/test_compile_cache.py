@@ -18,6 +18,7 @@ import torch
 from procs import SLACK, wait_until
 from gpu_client.sandbox.compile_cache import RoomCaches
 from gpu_client.sandbox.isolation import SYSTEM_RANK_DIR
+import zwdx
 from zwdx import ZWDX
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-job users (the default as root) need root")
@@ -72,7 +73,8 @@ def run_compiled(sdk: ZWDX, client, work_dir) -> tuple[str, dict]:
     """A job that compiles, handed to the client's standby rank process (waited for): its id and results."""
     wait_until(lambda: standby_ready(work_dir), 60 + SLACK, what=f"the standby rank process\n{client.output()}")
     result = sdk.submit_job(Tiny(), loader, train, None, torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
-                            world_size=1, memory_required=0, progress=False, timeout=240 + SLACK)
+                            resources=zwdx.Resources(world_size=1),
+                            run=zwdx.Run(progress=False, timeout=240 + SLACK), memory_required=0)
     assert result["status"] == "completed", (result.get("error"), [line["text"] for line in
                                                                    sdk.get_job_logs(result["job_id"])][-30:])
     return result["job_id"], result["results"]

@@ -21,6 +21,7 @@ import pytest
 import requests
 import torch
 
+import zwdx
 import mnist
 import models
 import needs
@@ -107,12 +108,13 @@ def sign_in(pg, url: str, token: str) -> None:
     pg.get_by_test_id("overview").wait_for()
 
 
-def submit(sdk, room, train_func=slow_train, **kwargs) -> str:
+def submit(sdk, room, epochs: int, world_size: int, name: str, train_func=slow_train) -> str:
     """The MNIST example, by default on the slow workload (about a second an epoch): a page has
     time to watch it run."""
     return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_func,
                           eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                          room_token=room["token"], wait=False, progress=False, **kwargs)
+                          resources=zwdx.Resources(world_size=world_size), training=zwdx.Training(epochs=epochs),
+                          run=zwdx.Run(room_token=room["token"], name=name, progress=False), wait=False)
 
 
 def unique(name: str) -> str:
@@ -137,9 +139,11 @@ def test_the_job_page_draws_a_running_pipelines_stages_and_schedule(cluster, pag
     sign_in(page, url, room["token"])
     model = models.stage_lm()
     job_id = sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
-                            torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=100_000, world_size=2,
-                            pipeline={"schedule": "1f1b", "microbatches": 4}, room_token=room["token"], wait=False,
-                            progress=False, name=unique("pipeline"))  # runs until cancelled below
+                            torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE",
+                            strategy=zwdx.Pipeline(schedule="1f1b", microbatches=4),
+                            resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=100_000),
+                            run=zwdx.Run(room_token=room["token"], name=unique("pipeline"), progress=False),
+                            wait=False)  # runs until cancelled below
     page.goto(f"{url}/jobs/{job_id}")  # open before the ranks say what they hold: the plan arrives live
     page.get_by_test_id("job-page").wait_for()
     stages = page.locator('[data-testid="plan-rank"][data-role="stage"]')

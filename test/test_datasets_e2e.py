@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from procs import ROOT, SLACK, GpuClient, Server, wait_until
+import zwdx
 from zwdx import ZWDX
 from zwdx.errors import BadRequest, JobFailed
 from zwdx.testing import child_env
@@ -160,8 +161,9 @@ class World:
         wait_until(lambda: all(s["job_id"] is None for c in self.sdk.get_room()["clients"] for s in c["slots"]),
                    30 + SLACK, what="the slot free")
         return self.sdk.submit_job(model, loader, train, eval_func=count,
-                                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1), world_size=1,
-                                   datasets=datasets, progress=False, timeout=JOB_TIME, **kwargs)
+                                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                   resources=zwdx.Resources(world_size=1),
+                                   run=zwdx.Run(progress=False, timeout=JOB_TIME, datasets=datasets), **kwargs)
 
     def stop(self):
         self.http.shutdown()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import zwdx
 import mnist
 
 pytestmark = pytest.mark.slow  # a server and three GPU-client processes
@@ -41,8 +42,9 @@ def test_a_worker_adding_noise_is_named_a_suspect_and_the_job_still_learns(sdk, 
     model = mnist.Net()
     result = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=noisy_train,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
-                            diloco={"inner_steps": 4, "all_reduce": False}, world_size=3, epochs=3,
-                            progress=False, timeout=300)
+                            strategy=zwdx.Diloco(inner_steps=4, all_reduce=False),
+                            resources=zwdx.Resources(world_size=3), training=zwdx.Training(epochs=3),
+                            run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed", result["reason"]
     assert [s["rank"] for s in result["suspects"]] == [2], result["suspects"]
     suspect = result["suspects"][0]

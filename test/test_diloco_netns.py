@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import zwdx
 import mnist
 import test_netns
 from test_netns import sh
@@ -51,7 +52,8 @@ def submit(sdk, parallelism: str, **kwargs) -> dict:
     model = mnist.Net()
     return sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,
                           eval_func=mnist.test, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                          parallelism=parallelism, world_size=2, epochs=EPOCHS, progress=False, timeout=600, **kwargs)
+                          parallelism=parallelism, resources=zwdx.Resources(world_size=2),
+                          training=zwdx.Training(epochs=EPOCHS), run=zwdx.Run(progress=False, timeout=600), **kwargs)
 
 
 @pytest.mark.parametrize("net_hosts", [["s", "a", "b"]], indirect=True)
@@ -67,7 +69,7 @@ def test_diloco_trains_between_gpu_clients_that_reach_only_the_server(net_cluste
     assert connect_error(net, "b", net.hosts["a"][1], 9) == errno.EHOSTUNREACH
     assert connect_error(net, "a", net.hosts["s"][1], server_port) == 0
 
-    diloco = submit(sdk, "DILOCO", diloco={"inner_steps": 12})
+    diloco = submit(sdk, "DILOCO", strategy=zwdx.Diloco(inner_steps=12))
     assert diloco["status"] == "completed", diloco["reason"]
     diloco_loss = train_loss(sdk.get_trained_model(diloco["job_id"], mnist.Net()))
     print(f"\ntraining loss after {EPOCHS} epochs on 2 workers: DDP {ddp_loss:.4f}, DILOCO {diloco_loss:.4f} "

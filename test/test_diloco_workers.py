@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import zwdx
 import mnist
 from digests import state_digest as fingerprint
 
@@ -29,8 +30,10 @@ def test_two_workers_of_two_ranks_train_with_one_upload_per_worker_a_round(sdk, 
     before = held_out_loss(model, None, 0, 1)["eval_loss"]
     result = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,
                             eval_func=held_out_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                            parallelism="DILOCO", world_size=4, epochs=2, progress=False, timeout=300,
-                            diloco={"inner_steps": 5, "ranks_per_worker": 2, "all_reduce": False})
+                            parallelism="DILOCO",
+                            strategy=zwdx.Diloco(inner_steps=5, ranks_per_worker=2, all_reduce=False),
+                            resources=zwdx.Resources(world_size=4), training=zwdx.Training(epochs=2),
+                            run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed", result["reason"]
     job = sdk.get_job(result["job_id"])
     placed = {p["rank"]: p["client_id"] for p in job["placement"]}

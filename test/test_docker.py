@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import dockerd
+import zwdx
 import mnist
 import needs
 from procs import ROOT, Proc, free_port, wait_until
@@ -170,7 +171,8 @@ def test_images_build_and_the_stack_trains_the_example_job(engine, tmp_path, mon
 def _train(sdk, token: str) -> dict:
     result = sdk.submit_job(mnist.Net(), mnist.create_loader, mnist.train, mnist.test,
                             torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), "DDP", 0,
-                            room_token=token, epochs=2, world_size=1, progress=False)
+                            resources=zwdx.Resources(world_size=1), training=zwdx.Training(epochs=2),
+                            run=zwdx.Run(room_token=token, progress=False))
     assert result["status"] == "completed", result
     return result
 

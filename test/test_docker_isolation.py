@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import dockerd
+import zwdx
 import mnist
 import needs
 from procs import ROOT, SLACK, GpuClient, Server, wait_until
@@ -125,11 +126,14 @@ def _containers(tag: str, job: str | None = None) -> list[str]:
     return dockerd.docker("ps", "-a", "-q", *label).stdout.split()
 
 
-def _submit(stack: Stack, train, **kwargs) -> dict:
-    kwargs.setdefault("world_size", 1)
-    return stack.sdk.submit_job(mnist.Net(), mnist.create_loader, train, kwargs.pop("eval_func", None),
+def _submit(stack: Stack, train, world_size: int = 1, epochs: int | None = None, image: str | None = None,
+            max_restarts: int | None = None, eval_func=None, wait: bool = True) -> dict:
+    recovery = None if max_restarts is None else zwdx.Recovery(max_restarts=max_restarts)
+    return stack.sdk.submit_job(mnist.Net(), mnist.create_loader, train, eval_func,
                                 torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), "DDP", 0,
-                                room_token=stack.token, progress=False, **kwargs)
+                                resources=zwdx.Resources(world_size=world_size, image=image),
+                                training=zwdx.Training(epochs=epochs),
+                                run=zwdx.Run(room_token=stack.token, progress=False, recovery=recovery), wait=wait)
 
 
 def probe(target: str, agent_dir: str):
@@ -293,8 +297,10 @@ def test_a_script_job_and_a_diloco_job_run_in_containers_too(stack, tmp_path):
             failed.value), failed.value
     model = mnist.Net()
     diloco = stack.sdk.submit_job(model, mnist.create_loader, mnist.train, None,
-                                  torch.optim.AdamW(model.parameters(), lr=3e-3), "DILOCO", 0, room_token=stack.token,
-                                  diloco={"inner_steps": 10}, world_size=2, epochs=1, progress=False)
+                                  torch.optim.AdamW(model.parameters(), lr=3e-3), "DILOCO", 0,
+                                  strategy=zwdx.Diloco(inner_steps=10), resources=zwdx.Resources(world_size=2),
+                                  training=zwdx.Training(epochs=1),
+                                  run=zwdx.Run(room_token=stack.token, progress=False))
     assert diloco["complete"] and diloco["final_loss"] < 2.0  # rounds through the server, from containers
     job = stack.sdk.get_job(diloco["job_id"], room_token=stack.token)
     assert {state["isolation"] for state in job["ranks"].values()} == {"docker"}
@@ -353,7 +359,8 @@ def test_a_jobs_dataset_reaches_its_container(stack, tmp_path):
     stack.sdk.push_dataset(str(tmp_path / "noise"), "noise", room_token=stack.token, progress=False)
     model = torch.nn.Linear(64, 2)
     job = stack.sdk.submit_job(model, _noise_loader, _noise_train, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                               "DDP", 0, room_token=stack.token, datasets=["noise"], world_size=1, progress=False)
+                               "DDP", 0, resources=zwdx.Resources(world_size=1),
+                               run=zwdx.Run(room_token=stack.token, progress=False, datasets=["noise"]))
     assert job["complete"], job  # its loader read the dataset's file, nested, in the container's sandbox
 
 

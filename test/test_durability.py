@@ -15,6 +15,7 @@ import mnist
 from mnist import Net, create_loader, train
 from procs import SLACK, GpuClient, Server, wait_until
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
+import zwdx
 from zwdx import ZWDX, defaults
 from zwdx.server.store import SCHEMA_VERSION
 
@@ -65,14 +66,15 @@ def test_everything_survives_sigterm_and_sigkill_of_the_server(backend, tmp_path
         wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room(token)["clients"]) == 2, 60,
                    what="two gpu clients online")
         result = sdk.submit_job(Net(), create_loader, train, eval_func=mnist.test,
-                                optimizer=torch.optim.AdamW(Net().parameters(), lr=3e-3), room_token=token,
-                                world_size=2, epochs=1, progress=False, timeout=180)
+                                optimizer=torch.optim.AdamW(Net().parameters(), lr=3e-3),
+                                resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=1),
+                                run=zwdx.Run(room_token=token, progress=False, timeout=180))
         assert result["status"] == "completed"
         done = result["job_id"]
         for client in clients:
             client.stop()
-        queued = sdk.submit_job(Net(), create_loader, train, room_token=token, world_size=3, wait=False,
-                                progress=False)
+        queued = sdk.submit_job(Net(), create_loader, train, resources=zwdx.Resources(world_size=3),
+                                run=zwdx.Run(room_token=token, progress=False), wait=False)
         before = what_a_user_sees(server, token, done, queued)
         assert before["queued"] == ("queued", 1, 3)
         assert before["metrics"]["loss"] and before["metrics"]["accuracy"]
@@ -91,8 +93,9 @@ def test_everything_survives_sigterm_and_sigkill_of_the_server(backend, tmp_path
             again = ZWDX(server.url).get_trained_model(done, Net(), token).state_dict()
             assert all(torch.equal(again[k], trained[k]) for k in trained)
             outcomes[sig.name] = "all there, queued job still queued"
-        later = ZWDX(server.url).submit_job(Net(), create_loader, train, room_token=token, world_size=3,
-                                            wait=False, progress=False)
+        later = ZWDX(server.url).submit_job(Net(), create_loader, train, resources=zwdx.Resources(world_size=3),
+                                            run=zwdx.Run(room_token=token, progress=False),
+                                            wait=False)
         assert ZWDX(server.url).get_job(later, token)["queue_position"] == 2  # behind the one queued before
         print(f"\ndurability [{backend.name}]: " + "; ".join(f"{k}: {v}" for k, v in outcomes.items()))
     finally:

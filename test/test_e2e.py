@@ -12,14 +12,16 @@ import mnist
 from digests import weights_digest
 from models import local_numel
 from procs import wait_until
+import zwdx
 from zwdx import defaults
 
 
-def submit_example(sdk, room, parallelism="DDP", train_func=mnist.train, **kwargs):
+def submit_example(sdk, room, parallelism="DDP", train_func=mnist.train, epochs=3, world_size=2, wait=True):
     return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_func,
                           eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                          parallelism=parallelism, memory_required=0, room_token=room["token"],
-                          progress=False, **{"epochs": 3, "world_size": 2, **kwargs})
+                          parallelism=parallelism, memory_required=0,
+                          resources=zwdx.Resources(world_size=world_size), training=zwdx.Training(epochs=epochs),
+                          run=zwdx.Run(room_token=room["token"], progress=False), wait=wait)
 
 
 def train_reporting_what_each_rank_holds(model, loader, optim, eval_func, rank, world_size, epochs=3, reporter=None):

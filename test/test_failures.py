@@ -12,6 +12,7 @@ import torch
 import mnist
 from procs import wait_until
 from workloads import slow_train
+import zwdx
 from zwdx import JobFailed
 
 
@@ -32,7 +33,7 @@ def test_failing_train_func_returns_every_rank_traceback_and_clients_take_the_ne
     sdk, room, (a, b) = cluster.sdk, cluster.room, cluster.clients
     with pytest.raises(JobFailed) as info:
         sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_raises,
-                       room_token=room["token"], world_size=2, progress=False)
+                       resources=zwdx.Resources(world_size=2), run=zwdx.Run(room_token=room["token"], progress=False))
     err = info.value
     assert err.job_id and "failed" in str(err)
     assert set(err.failures) == {"0", "1"}
@@ -40,21 +41,23 @@ def test_failing_train_func_returns_every_rank_traceback_and_clients_take_the_ne
         assert "Traceback" in tb and f"ValueError: boom on rank {rank}" in tb and "train_that_raises" in tb
 
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_raises,
-                            room_token=room["token"], world_size=2, progress=False, raise_on_failure=False)
+                            resources=zwdx.Resources(world_size=2),
+                            run=zwdx.Run(room_token=room["token"], progress=False, raise_on_failure=False))
     assert result["status"] == "failed" and set(result["failures"]) == {"0", "1"}
 
     assert a.alive() and b.alive()
     ok = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
-                        optimizer=torch.optim.SGD(mnist.Net().parameters(), lr=0.05), room_token=room["token"],
-                        world_size=2, epochs=1, progress=False)
+                        optimizer=torch.optim.SGD(mnist.Net().parameters(), lr=0.05),
+                        resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=1),
+                        run=zwdx.Run(room_token=room["token"], progress=False))
     assert ok["status"] == "completed"
 
 
 def test_rank_process_that_dies_fails_the_job_quickly(cluster):
     sdk, room, (a, b) = cluster.sdk, cluster.room, cluster.clients
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
-                            room_token=room["token"], world_size=2, progress=False, raise_on_failure=False,
-                            timeout=60)
+                            resources=zwdx.Resources(world_size=2),
+                            run=zwdx.Run(room_token=room["token"], progress=False, raise_on_failure=False, timeout=60))
     assert result["status"] == "failed"
     assert "rank process died" in result["reason"] and "exit code 3" in result["reason"]
     assert a.alive() and b.alive()
@@ -65,7 +68,7 @@ def test_rank_process_that_dies_fails_the_job_quickly(cluster):
 def test_cancel_stops_the_ranks_and_frees_the_slots(cluster):
     sdk, room = cluster.sdk, cluster.room
     job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
-                            room_token=room["token"], world_size=1, wait=False)
+                            resources=zwdx.Resources(world_size=1), run=zwdx.Run(room_token=room["token"]), wait=False)
     wait_until(lambda: sdk.get_job(job_id)["status"] == "running", 60, what="job running")
     assert sdk.cancel_job(job_id)["status"] == "cancelled"
     wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
@@ -98,7 +101,8 @@ def _standbys(client) -> list:
 def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_gpu_client(sdk, room, start_client):
     a = start_client("a")
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
-                            room_token=room["token"], world_size=1, progress=False)
+                            resources=zwdx.Resources(world_size=1),
+                            run=zwdx.Run(room_token=room["token"], progress=False))
     assert result["status"] == "completed"
     # the job's rank process was the slot's standby; once it is gone, the slot gets a new one, which stays
     ran_in = result["results"]["pid"]
@@ -108,8 +112,9 @@ def test_standby_rank_processes_wait_between_jobs_and_their_ranks_die_with_the_g
     # the next job runs in it (so it waited), and it dies with its GPU client, even with no peer to notice
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train_saying_its_pid,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=0.01), room_token=room["token"],
-                            world_size=1, epochs=20, progress=False, wait=False)
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                            resources=zwdx.Resources(world_size=1), training=zwdx.Training(epochs=20),
+                            run=zwdx.Run(room_token=room["token"], progress=False), wait=False)
     said = wait_until(lambda: sdk.get_job_metrics(job_id).get("pid"), 60, what="the job training")
     assert int(said[0]["value"]) == standby.pid, (said, standby.pid)  # the rank is the standby that waited
     a.kill()  # SIGKILL
@@ -138,7 +143,8 @@ def test_the_rank_whose_code_raised_comes_first_with_its_file_and_lines(sdk, roo
     try:
         train = importlib.import_module(name).train
         job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train,
-                                room_token=room["token"], world_size=2, wait=False)
+                                resources=zwdx.Resources(world_size=2), run=zwdx.Run(room_token=room["token"]),
+                                wait=False)
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop(name, None)
@@ -201,8 +207,8 @@ def train_that_times_out_on_its_own(rank):
 def test_a_users_own_timeout_error_fails_the_job_as_raised_not_as_a_lost_peer(cluster):
     sdk, room = cluster.sdk, cluster.room
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
-                            train_func=train_that_times_out_on_its_own, room_token=room["token"], world_size=2,
-                            progress=False, raise_on_failure=False, timeout=120)
+                            train_func=train_that_times_out_on_its_own, resources=zwdx.Resources(world_size=2),
+                            run=zwdx.Run(room_token=room["token"], progress=False, raise_on_failure=False, timeout=120))
     job = result["job"]
     assert result["status"] == "failed"
     assert "rank 1 failed: TimeoutError: timed out reading data" in result["reason"], result["reason"]

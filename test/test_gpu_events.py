@@ -17,6 +17,7 @@ import socketio
 import torch
 
 from procs import Server, wait_until
+import zwdx
 from zwdx import defaults
 from zwdx.protocol.base import PROTOCOL
 
@@ -132,7 +133,8 @@ def test_a_wrong_heartbeat_is_refused_and_changes_nothing_a_right_one_does(serve
 
 def test_a_wrong_ranks_exited_is_refused_and_leaves_the_job_as_it_was(server, room, sdk, gpu):
     assert call(gpu, "register", HELLO)["ok"]
-    job_id = sdk.submit_job(torch.nn.Linear(2, 2), loader, train, room_token=room["token"], world_size=2,
+    job_id = sdk.submit_job(torch.nn.Linear(2, 2), loader, train, resources=zwdx.Resources(world_size=2),
+                            run=zwdx.Run(room_token=room["token"]),
                             wait=False)  # one slot in the room: it waits
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("waiting_reason") and j, 30, what="the job waiting")
     wrong = [

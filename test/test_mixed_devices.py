@@ -19,6 +19,8 @@ import torch
 from donor import Donor
 from mixed_job import EPOCHS, G, LR, Net, farthest, local_eval_loss, mixed_eval, mixed_loaders, mixed_train, reference
 from procs import ROOT, GpuClient, Server, wait_until
+from earlier_form import earlier_form
+import zwdx
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 from zwdx.server.placement import mixed, plan, unschedulable
@@ -53,14 +55,15 @@ def test_the_sdk_checks_the_loader_of_a_mixed_job_before_uploading_anything():
     def no_default(rank, world_size, batch_size, sampler):
         return None
 
-    for loader, options, field, says in [
-            (plain, {"devices": "mixed", "global_batch": 64}, "data_loader_func", "must declare batch_size"),
-            (no_default, {"devices": "mixed"}, "global_batch", "needs global_batch"),
-            (no_default, {}, "data_loader_func", "only to a job over mixed devices"),
-            (mixed_loaders, {"devices": "everywhere"}, "devices", "devices")]:
-        with pytest.raises(BadRequest, match=says) as err:
-            sdk.submit_job(Net(), loader, mixed_train, parallelism="DDP", **options)
-        assert err.value.field == field
+    with earlier_form():  # its errors name the earlier keywords
+        for loader, options, field, says in [
+                (plain, {"devices": "mixed", "global_batch": 64}, "data_loader_func", "must declare batch_size"),
+                (no_default, {"devices": "mixed"}, "global_batch", "needs global_batch"),
+                (no_default, {}, "data_loader_func", "only to a job over mixed devices"),
+                (mixed_loaders, {"devices": "everywhere"}, "devices", "devices")]:
+            with pytest.raises(BadRequest, match=says) as err:
+                sdk.submit_job(Net(), loader, mixed_train, parallelism="DDP", **options)
+            assert err.value.field == field
 
 
 # -- the shares and the sampler -----------------------------------------------------------------
@@ -153,11 +156,13 @@ def test_a_job_on_a_gpu_and_a_cpu_slot_meets_over_gloo_and_says_what_it_costs(se
     donors = [Donor(server.url, made["donor_token"], "gpu-box", kind="cuda"),
               Donor(server.url, made["donor_token"], "cpu-box")]
     try:
-        plain = sdk.submit_job(Net(), mixed_loaders, mixed_train, world_size=2, wait=False, global_batch=None)
+        plain = sdk.submit_job(Net(), mixed_loaders, mixed_train, resources=zwdx.Resources(world_size=2),
+                               wait=False)
         assert "unless submitted with devices=\"mixed\"" in wait_until(
             lambda: sdk.get_job(plain).get("waiting_reason"), 30, what="the plain job's waiting reason")
         sdk.cancel_job(plain)
-        job_id = sdk.submit_job(Net(), mixed_loaders, mixed_train, world_size=2, devices="mixed", global_batch=G,
+        job_id = sdk.submit_job(Net(), mixed_loaders, mixed_train, strategy=zwdx.Mixed(global_batch=G),
+                                resources=zwdx.Resources(world_size=2),
                                 wait=False)
         job = wait_until(lambda: (j := sdk.get_job(job_id))["status"] == "starting" and j["master"] and j, 30,
                          what="the mixed job placed")
@@ -234,8 +239,9 @@ def test_the_slower_rank_takes_the_smaller_batch_and_a_step_is_the_whole_global_
                    what="two gpu clients online")
         model = Net()
         result = sdk.submit_job(model, mixed_loaders, mixed_train, mixed_eval,
-                                torch.optim.SGD(model.parameters(), lr=LR), "DDP", epochs=EPOCHS, world_size=2,
-                                devices="mixed", global_batch=G, progress=False, timeout=300)
+                                torch.optim.SGD(model.parameters(), lr=LR), "DDP", strategy=zwdx.Mixed(global_batch=G),
+                                resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=EPOCHS),
+                                run=zwdx.Run(progress=False, timeout=300))
     finally:
         throttle.close()
         for client in clients:

@@ -22,6 +22,8 @@ import needs
 from digests import state_digest as fingerprint
 from gpu_client.rank.strategies.parallel import describe_plan, fsdp_plan
 from procs import GpuClient, Server, wait_until
+from earlier_form import earlier_form
+import zwdx
 from zwdx import ZWDX, BadRequest
 
 pytestmark = pytest.mark.slow  # a server, GPU clients and language-model jobs
@@ -107,13 +109,14 @@ def test_bad_fsdp_units_are_refused_at_submit_naming_the_field(pool):
     cases = [("DDP", [models.Block], "FSDP and FSDP+TP only"), ("FSDP", "Block", "got str"),
              ("FSDP", [models.Block, "MLP"], "'MLP' is not a module class"),
              ("FSDP", [nn.Conv2d], "no module of class Conv2d")]
-    for parallelism, units, says in cases:
-        model = make("nanogpt")
-        with pytest.raises(BadRequest) as err:
-            pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders, train_func=models.lm_train(
-                models.nano_loss), parallelism=parallelism, fsdp_units=units, progress=False)
-        assert err.value.field == "fsdp_units" and says in str(err.value), (units, str(err.value))
-    assert len(pool.sdk.list_jobs()) == before  # nothing stored
+    with earlier_form():  # its errors name the earlier keywords
+        for parallelism, units, says in cases:
+            model = make("nanogpt")
+            with pytest.raises(BadRequest) as err:
+                pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders, train_func=models.lm_train(
+                    models.nano_loss), parallelism=parallelism, fsdp_units=units, progress=False)
+            assert err.value.field == "fsdp_units" and says in str(err.value), (units, str(err.value))
+        assert len(pool.sdk.list_jobs()) == before  # nothing stored
 
 
 # -- jobs ------------------------------------------------------------------------------------------
@@ -125,7 +128,8 @@ def test_language_model_trains_and_comes_back_as_it_evaluated(pool, kind, parall
     started = time.time()
     result = pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders, train_func=models.lm_train(loss_fn),
                                  eval_func=models.lm_eval(loss_fn), optimizer=optimizer_for(model),
-                                 parallelism=parallelism, epochs=2, world_size=2, progress=False, timeout=300)
+                                 parallelism=parallelism, resources=zwdx.Resources(world_size=2),
+                                 training=zwdx.Training(epochs=2), run=zwdx.Run(progress=False, timeout=300))
     print(f"\n{kind} {parallelism}: {time.time() - started:.1f} s, eval loss {result['results']['eval_loss']:.4f}")
     assert result["status"] == "completed" and result["world_size"] == 2
     reported = result["results"]["eval_loss"]
@@ -152,9 +156,10 @@ def test_fsdp_units_given_as_a_function(pool):
     result = pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders,
                                  train_func=models.lm_train(models.nano_loss),
                                  eval_func=models.lm_eval(models.nano_loss),
-                                 optimizer=optimizer_for(model), parallelism="FSDP", epochs=1, world_size=2,
-                                 fsdp_units=lambda m: isinstance(m, (models.MLP, nn.Embedding)),
-                                 progress=False, timeout=300)
+                                 optimizer=optimizer_for(model), parallelism="FSDP",
+                                 strategy=zwdx.FSDP(units=lambda m: isinstance(m, (models.MLP, nn.Embedding))),
+                                 resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=1),
+                                 run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed"
     check_returned(pool, result["job_id"], "nanogpt", result["results"]["eval_loss"])
     logs = [line["text"] for line in pool.sdk.get_job_logs(result["job_id"])]
@@ -168,7 +173,8 @@ def test_batchnorm_buffers_come_back_as_rank_0s(pool, parallelism):
     model = models.bn_model()
     result = pool.sdk.submit_job(model=model, data_loader_func=models.bn_loaders, train_func=models.bn_train,
                                  eval_func=models.bn_eval, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                 parallelism=parallelism, epochs=2, world_size=2, progress=False, timeout=300)
+                                 parallelism=parallelism, resources=zwdx.Resources(world_size=2),
+                                 training=zwdx.Training(epochs=2), run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed"
     trained = pool.sdk.get_trained_model(result["job_id"], models.bn_model(seed=1))
     ranks = pool.sdk.get_job(result["job_id"])["ranks"]
@@ -186,7 +192,9 @@ def test_fsdp_job_goes_on_from_a_sharded_checkpoint_after_a_lost_gpu_client(pool
     job_id = sdk.submit_job(model=model, data_loader_func=models.lm_loaders,
                             train_func=models.lm_train(models.nano_loss, pause=0.3),
                             eval_func=models.lm_eval(models.nano_loss), optimizer=optimizer_for(model),
-                            parallelism="FSDP", epochs=4, world_size=2, min_world_size=1, wait=False)
+                            parallelism="FSDP", resources=zwdx.Resources(world_size=2),
+                            training=zwdx.Training(epochs=4), run=zwdx.Run(recovery=zwdx.Recovery(min_world_size=1)),
+                            wait=False)
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and j, 120, what="a checkpoint")
     assert job["latest_checkpoint"]["format"] == "shards" and job["status"] == "running", job
     victim = next(c for c in pool.clients if c.client_id == job["placement"][1]["client_id"])
@@ -220,8 +228,9 @@ def test_lora_trains_only_the_adapter_and_brings_back_the_adapter_alone(pool, pa
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = pool.sdk.submit_job(model=model, data_loader_func=models.lm_loaders,
                                  train_func=models.lm_train(models.hf_loss), eval_func=models.lm_eval(models.hf_loss),
-                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), parallelism=parallelism,
-                                 epochs=2, world_size=2, lora=config, progress=False, timeout=300)
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                 strategy=getattr(zwdx, parallelism)(lora=config), resources=zwdx.Resources(world_size=2),
+                                 training=zwdx.Training(epochs=2), run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed"
     job_id, reported = result["job_id"], result["results"]["eval_loss"]
     assert not isinstance(model, PeftModel) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

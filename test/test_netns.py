@@ -16,6 +16,7 @@ import mnist
 import needs
 from procs import PROCESSES, SLACK, Proc, free_port, wait_until
 from workloads import slow_train
+import zwdx
 from zwdx import ZWDX
 from zwdx.server.scheduler import REAP_INTERVAL
 
@@ -129,7 +130,8 @@ def test_ddp_over_gloo_between_three_network_namespaces(net_cluster):
     net, sdk, url = net_cluster
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=mnist.train,
                             eval_func=mnist.test, optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                            parallelism="DDP", world_size=2, epochs=2, progress=False)
+                            parallelism="DDP", resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=2),
+                            run=zwdx.Run(progress=False))
     assert result["status"] == "completed"
     job = sdk.get_job(result["job_id"])
     rank0_host = job["placement"][0]["client_id"]
@@ -142,8 +144,9 @@ def test_ddp_over_gloo_between_three_network_namespaces(net_cluster):
 def test_cut_network_of_a_live_gpu_client_is_detected_and_the_job_resumes(net_cluster):
     net, sdk, url = net_cluster
     job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
-                            optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), world_size=3,
-                            min_world_size=2, epochs=4, wait=False)
+                            optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                            resources=zwdx.Resources(world_size=3), training=zwdx.Training(epochs=4),
+                            run=zwdx.Run(recovery=zwdx.Recovery(min_world_size=2)), wait=False)
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and j, 120, what="a checkpoint")
     victim = job["placement"][2]["client_id"]
     net.cut(victim)

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gpu_client.outage import http_session
 from procs import GpuClient, Server, wait_until
+import zwdx
 from zwdx import ZWDX
 from zwdx.errors import Conflict, ServerUnreachable
 
@@ -94,8 +95,9 @@ def a_revoked_donor_exits(base) -> None:
         client = GpuClient(server.url, donor["token"], str(base / "a"), client_id="client-a")
         wait_until(lambda: any(c["id"] == "client-a" and c["status"] == "online" for c in sdk.get_room()["clients"]),
                    60, what="the gpu client online")
-        job_id = sdk.submit_job(torch.nn.Linear(4, 2), tiny_loader, slow_steps, world_size=1, max_restarts=0,
-                                wait=False, progress=False)
+        job_id = sdk.submit_job(torch.nn.Linear(4, 2), tiny_loader, slow_steps, resources=zwdx.Resources(world_size=1),
+                                run=zwdx.Run(progress=False, recovery=zwdx.Recovery(max_restarts=0)),
+                                wait=False)
         wait_until(lambda: sdk.get_job_metrics(job_id).get("loss"), 120, what="the job running")
 
         sdk.tokens.revoke(donor["id"])
@@ -128,9 +130,11 @@ def test_a_job_rides_through_a_two_minute_server_outage_and_a_revoked_donor_exit
     token = room["token"]
     sdk = ZWDX(server.url, remember=False)
     model = torch.nn.Linear(4, 2)
-    job_id = sdk.submit_job(model, tiny_loader, through_an_outage, room_token=token, world_size=1, epochs=1,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_every_epoch=False,
-                            wait=False, progress=False)
+    job_id = sdk.submit_job(model, tiny_loader, through_an_outage, resources=zwdx.Resources(world_size=1),
+                            training=zwdx.Training(epochs=1),
+                            run=zwdx.Run(room_token=token, progress=False, recovery=zwdx.Recovery(checkpoint_every_epoch=False)),
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            wait=False)
     wait_until(lambda: len(sdk.get_job_metrics(job_id, token).get("loss", [])) > CHECKPOINT_AT, 120,
                what="the job at its checkpoint's step")
 

@@ -13,6 +13,8 @@ import torch
 
 import models
 from procs import wait_until
+from earlier_form import earlier_form
+import zwdx
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 
@@ -66,15 +68,16 @@ def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, 
 
 def test_the_sdk_checks_the_plan_against_the_model_before_uploading_anything():
     sdk = ZWDX("http://127.0.0.1:9", room_token="zs_unused", remember=False)  # nothing listens: nothing is sent
-    for plan, says in [([[0, 2], [2, 3]], "the model has 4 repeated blocks"), (["h.9"], "no module 'h.9'")]:
-        with pytest.raises(BadRequest, match=says) as err:
+    with earlier_form():  # its errors name the earlier keywords
+        for plan, says in [([[0, 2], [2, 3]], "the model has 4 repeated blocks"), (["h.9"], "no module 'h.9'")]:
+            with pytest.raises(BadRequest, match=says) as err:
+                sdk.submit_job(models.stage_lm(), models.pipe_loaders, models.pipe_train, parallelism="PIPELINE",
+                               pipeline={"stage_plan": plan})
+            assert err.value.field == "pipeline.stage_plan"
+        with pytest.raises(BadRequest) as err:
             sdk.submit_job(models.stage_lm(), models.pipe_loaders, models.pipe_train, parallelism="PIPELINE",
-                           pipeline={"stage_plan": plan})
-        assert err.value.field == "pipeline.stage_plan"
-    with pytest.raises(BadRequest) as err:
-        sdk.submit_job(models.stage_lm(), models.pipe_loaders, models.pipe_train, parallelism="PIPELINE",
-                       pipeline={"schedule": "interleaved"})
-    assert err.value.field == "pipeline.schedule"
+                           pipeline={"schedule": "interleaved"})
+        assert err.value.field == "pipeline.schedule"
 
 
 def test_the_automatic_cut_follows_each_stages_free_memory_with_a_block_at_least():
@@ -118,8 +121,9 @@ def test_two_stages_on_two_gpu_clients_train_as_one_process_would(cluster, pipel
     model = models.stage_lm()
     started = time.time()
     result = cluster.sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
-                                 torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs,
-                                 world_size=2, pipeline=pipeline, progress=False, timeout=300)
+                                 torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE",
+                                    strategy=zwdx.Pipeline(**pipeline), resources=zwdx.Resources(world_size=2),
+                                    training=zwdx.Training(epochs=epochs), run=zwdx.Run(progress=False, timeout=300))
     print(f"\npipeline {pipeline}: {time.time() - started:.1f} s, eval loss {result['results']['eval_loss']:.4f}")
     assert result["status"] == "completed", result
     job_id = result["job_id"]
@@ -165,8 +169,9 @@ def test_a_pipeline_whose_gpu_client_is_lost_resumes_from_its_stages_checkpoint(
     epochs, microbatches = 3, 2
     model = models.stage_lm()
     job_id = sdk.submit_job(model, models.pipe_loaders, models.pipe_train_then_wait, models.pipe_eval,
-                            torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE", epochs=epochs, world_size=2,
-                            room_token=room["token"], progress=False, wait=False)
+                            torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE",
+                            resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=epochs),
+                            run=zwdx.Run(room_token=room["token"], progress=False), wait=False)
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and j, 120, what="epoch 0's checkpoint")
     saved = job["latest_checkpoint"]
     assert (saved["format"], saved["epoch"], saved["step"]) == ("stages", 0, 8), saved

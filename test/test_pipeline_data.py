@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import zwdx
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 
@@ -177,10 +178,10 @@ class TwoLayers(nn.Module):
 
 @pytest.mark.parametrize("make, fields, says", [
     (TwoLayers, {}, "no repeated blocks and no nn.Sequential"),
-    (lambda: nn.Sequential(nn.Linear(DIM, CLASSES), nn.ReLU()), {"world_size": 3},
+    (lambda: nn.Sequential(nn.Linear(DIM, CLASSES), nn.ReLU()), {"resources": zwdx.Resources(world_size=3)},
      "2 children of its nn.Sequential (the model itself) cannot make 3 stages"),
-    (mixed_sequential, {"pipeline": {"stage_plan": [[0, 2], [2, 5]]}}, "the model has 6 children of its nn.Sequential"),
-    (block_net, {"world_size": 5}, "4 repeated blocks cannot make 5 stages")])
+    (mixed_sequential, {"strategy": zwdx.Pipeline(stage_plan=[[0, 2], [2, 5]])}, "the model has 6 children of its nn.Sequential"),
+    (block_net, {"resources": zwdx.Resources(world_size=5)}, "4 repeated blocks cannot make 5 stages")])
 def test_a_model_the_default_plan_cannot_cut_is_refused_at_submit_naming_the_stage_plan(make, fields, says):
     sdk = ZWDX("http://127.0.0.1:9", room_token="zs_unused", remember=False)  # nothing listens: nothing is sent
     with pytest.raises(BadRequest) as err:
@@ -204,8 +205,9 @@ def test_a_model_the_default_plan_can_cut_passes_the_sdks_checks():
 def test_a_shuffled_loader_trains_as_one_process_on_the_first_stages_batches(cluster, make, loaders):
     model = make()
     result = cluster.sdk.submit_job(model, loaders, train, evaluate, torch.optim.SGD(model.parameters(), lr=LR),
-                                    "PIPELINE", epochs=EPOCHS, world_size=2, collective_timeout=60, progress=False,
-                                    timeout=240)
+                                    "PIPELINE", resources=zwdx.Resources(world_size=2),
+                                    training=zwdx.Training(epochs=EPOCHS, collective_timeout=60),
+                                    run=zwdx.Run(progress=False, timeout=240))
     assert result["status"] == "completed", result
     order = result["results"]["order"]
     assert order[0] != list(range(BATCH))  # shuffled

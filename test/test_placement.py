@@ -23,6 +23,7 @@ import mnist
 import needs
 from procs import wait_until
 from workloads import slow_train
+import zwdx
 from zwdx.bundle import pack, required_modules
 from zwdx.protocol import runtime_versions
 
@@ -148,8 +149,8 @@ def test_cpu_slots_of_one_host_share_its_ram(server, sdk, room, start_client):
 
     # A rank of one job holds `memory` of this host: the other job waits, though a slot is idle.
     holder = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
-                            room_token=room["token"], world_size=1, epochs=50, memory_required=memory,
-                            progress=False, wait=False)
+                            resources=zwdx.Resources(world_size=1), training=zwdx.Training(epochs=50),
+                            run=zwdx.Run(room_token=room["token"], progress=False), memory_required=memory, wait=False)
     wait_until(lambda: sdk.get_job(holder, room["token"])["status"] == "running", 60, what="the first job running")
     second = post_job(server, room, example(), world_size=1, epochs=1, memory_required=memory)
     assert second.json()["unschedulable"] is None  # it fits the room as such: it waits

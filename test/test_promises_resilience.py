@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import mnist
 from procs import Server, wait_until
 from workloads import slow_train
+import zwdx
 from zwdx import ZWDX
 
 pytestmark = pytest.mark.slow  # server and GPU-client processes
@@ -39,8 +40,10 @@ def test_a_submit_job_already_waiting_rides_through_a_server_sigkill(server, roo
     def submit():  # the submitter: one blocking call, started before anything goes wrong
         try:
             outcome["result"] = ZWDX(server.url, remember=False).submit_job(
-                mnist.Net(), mnist.create_loader, slow_train, room_token=token, world_size=1, epochs=3,
-                optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), progress=False, timeout=300)
+                mnist.Net(), mnist.create_loader, slow_train, resources=zwdx.Resources(world_size=1),
+                                                                            training=zwdx.Training(epochs=3),
+                                                                            run=zwdx.Run(room_token=token, progress=False, timeout=300),
+                optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3))
         except BaseException as exc:  # noqa: BLE001 (the test reports it)
             outcome["error"] = exc
     submitter = threading.Thread(target=submit, name="submitter", daemon=True)
@@ -113,9 +116,10 @@ def test_a_resumed_job_goes_on_from_a_mid_epoch_checkpoint(sdk, room, start_clie
     clients = [start_client("a"), start_client("b")]
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    job_id = sdk.submit_job(model, ten_batches, checkpoint_mid_epoch, room_token=room["token"], world_size=1,
-                            epochs=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                            progress=False, wait=False)
+    job_id = sdk.submit_job(model, ten_batches, checkpoint_mid_epoch, resources=zwdx.Resources(world_size=1),
+                            training=zwdx.Training(epochs=1),
+                            run=zwdx.Run(room_token=room["token"], progress=False), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            wait=False)
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and j, 120, what="the checkpoint")
     saved = job["latest_checkpoint"]
     assert (saved["epoch"], saved["step"], saved["epoch_complete"]) == (0, CHECKPOINT_AFTER, False), saved
@@ -211,9 +215,10 @@ def test_a_client_lost_while_a_checkpoint_uploads_resumes_from_the_one_before(sd
     clients = [start_client(name, extra=["--isolation", "process"]) for name in ("a", "b")]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(12)), torch.nn.Linear(1024, 2))
-    job_id = sdk.submit_job(model, wide_batches, checkpoint_then_die_uploading, room_token=room["token"],
-                            world_size=1, epochs=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                            progress=False, wait=False)
+    job_id = sdk.submit_job(model, wide_batches, checkpoint_then_die_uploading, resources=zwdx.Resources(world_size=1),
+                            training=zwdx.Training(epochs=1),
+                            run=zwdx.Run(room_token=room["token"], progress=False), optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                            wait=False)
     result = sdk.wait(job_id, progress=False, timeout=300)
     assert result["status"] == "completed", result.get("reason")
     job = sdk.get_job(job_id)

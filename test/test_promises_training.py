@@ -30,6 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from gpu_pool import GpuPool
 from procs import ROOT
+import zwdx
 from zwdx import defaults
 
 pytestmark = pytest.mark.slow  # a server and GPU-client processes
@@ -86,8 +87,8 @@ def say_three_lines(model, loader, rank, reporter):
 
 
 def test_reporter_log_lines_are_in_the_jobs_logs_by_rank(pool):
-    result = pool.sdk.submit_job(tiny_model(), tiny_loader, say_three_lines, world_size=2, progress=False,
-                                 timeout=300)
+    result = pool.sdk.submit_job(tiny_model(), tiny_loader, say_three_lines, resources=zwdx.Resources(world_size=2),
+                                 run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed", result.get("reason")
     said = [(line["rank"], line["text"]) for line in pool.sdk.get_job_logs(result["job_id"])
             if line["text"].startswith("line ")]
@@ -107,7 +108,8 @@ def test_only_the_last_keep_checkpoints_and_their_files_remain(pool):
     before = set(os.listdir(artifacts))
     model = tiny_model()
     result = pool.sdk.submit_job(model, tiny_loader, steps, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                 epochs=5, keep_checkpoints=2, world_size=1, progress=False, timeout=300)
+                                 resources=zwdx.Resources(world_size=1), training=zwdx.Training(epochs=5),
+                                 run=zwdx.Run(progress=False, timeout=300, recovery=zwdx.Recovery(keep_checkpoints=2)))
     assert result["status"] == "completed", result.get("reason")
     job_id = result["job_id"]
     kept = rest(pool, f"/jobs/{job_id}/checkpoints").json()["checkpoints"]
@@ -142,8 +144,8 @@ def count_eval_samples(model, loader):
 def test_eval_func_gets_the_eval_loader_of_a_pair(pool):
     model = tiny_model()
     result = pool.sdk.submit_job(model, train_and_eval_loaders, count_training_samples, eval_func=count_eval_samples,
-                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1), world_size=1, progress=False,
-                                 timeout=300)
+                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 resources=zwdx.Resources(world_size=1), run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed", result.get("reason")
     results = result["results"]
     assert (results["train_samples"], results["eval_samples"], results["eval_batches"]) == (48, 20, 4), results
@@ -182,8 +184,9 @@ def test_the_optimizer_is_rebuilt_with_every_param_groups_settings(pool, paralle
     optimizer = torch.optim.AdamW([{"params": model.body.parameters(), "lr": 0.01, "weight_decay": 0.1},
                                    {"params": model.head.parameters(), "lr": 0.002, "weight_decay": 0.0,
                                     "betas": (0.8, 0.95)}], eps=1e-6)
-    result = pool.sdk.submit_job(model, tiny_loader, report_param_groups, optimizer=optimizer, world_size=2,
-                                 parallelism=parallelism, progress=False, timeout=300)
+    result = pool.sdk.submit_job(model, tiny_loader, report_param_groups, optimizer=optimizer,
+                                 resources=zwdx.Resources(world_size=2), run=zwdx.Run(progress=False, timeout=300),
+                                 parallelism=parallelism)
     assert result["status"] == "completed", result.get("reason")
     assert result["results"]["optimizer"] == "AdamW"
     assert result["results"]["shapes"] == [[[8, 4], [8]], [[2, 8], [2]]]
@@ -263,9 +266,10 @@ def test_a_rank_hanging_in_a_collective_fails_the_job_within_about_the_collectiv
     # the job fails once the collective timed out and no GPU client turned out lost (CLIENT_TIMEOUT)
     limit = COLLECTIVE_TIMEOUT + defaults.CLIENT_TIMEOUT
     started = time.time()
-    result = pool.sdk.submit_job(tiny_model(), tiny_loader, hang_in_a_collective, world_size=2,
-                                 collective_timeout=COLLECTIVE_TIMEOUT, progress=False, raise_on_failure=False,
-                                 timeout=limit + 120)  # far below the default of 300 s
+    result = pool.sdk.submit_job(tiny_model(), tiny_loader, hang_in_a_collective,
+                                 resources=zwdx.Resources(world_size=2),
+                                 training=zwdx.Training(collective_timeout=COLLECTIVE_TIMEOUT),
+                                 run=zwdx.Run(progress=False, raise_on_failure=False, timeout=limit + 120))  # far below the default of 300 s
     assert result["status"] == "failed"
     job = pool.sdk.get_job(result["job_id"])
     hung = at(job, "failed") - at(job, "running")

@@ -24,6 +24,7 @@ import torch
 
 from procs import ROOT, GpuClient, Proc, Server, free_port, wait_until
 from workloads import logged_steps
+import zwdx
 from zwdx import ZWDX, defaults, tls
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -175,7 +176,8 @@ def stack(pki, tmp_path_factory):
             raise TimeoutError("\n".join([str(exc), *(c.tail() for c in clients.values()), server.tail()])) from None
         model = torch.nn.Linear(2, 2)
         result = sdk.submit_job(model, pairs, logged_steps, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
-                                world_size=2, progress=False, timeout=180, raise_on_failure=False)
+                                resources=zwdx.Resources(world_size=2),
+                                run=zwdx.Run(progress=False, raise_on_failure=False, timeout=180))
         yield {"server": server, "urls": urls, "room": room, "result": result, "clients": clients, "sdk": sdk,
                "folder": folder}
     finally:

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+import zwdx
 import mnist
 import test_netns
 from procs import wait_until
@@ -36,11 +37,13 @@ def room_clients(sdk, url: str) -> dict[str, dict]:
     return {c["id"]: c for c in json.loads(out)}
 
 
-def submit(sdk, **kwargs):
+def submit(sdk, wait: bool = True, **run):
     model = mnist.Net()
     return sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DDP", world_size=2,
-                          epochs=1, collective_timeout=COLLECTIVE_TIMEOUT, progress=False, **kwargs)
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DDP",
+                          resources=zwdx.Resources(world_size=2),
+                          training=zwdx.Training(epochs=1, collective_timeout=COLLECTIVE_TIMEOUT),
+                          run=zwdx.Run(progress=False, **run), wait=wait)
 
 
 @pytest.mark.parametrize("net_hosts", [["s", "a", "b"]], indirect=True)

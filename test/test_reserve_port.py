@@ -13,6 +13,7 @@ import torch
 import mnist
 from procs import GpuClient, Server, wait_until
 from workloads import a_few_steps
+import zwdx
 from zwdx import ZWDX
 from zwdx.protocol import EV_HEARTBEAT, EV_REGISTER, EV_RESERVE_PORT, GPU_NAMESPACE, runtime_versions
 from zwdx.protocol.base import PROTOCOL
@@ -53,9 +54,10 @@ class SilentClient(socketio.Client):
         self.disconnect()
 
 
-def submit(sdk: ZWDX, token: str, **kwargs):
-    return sdk.submit_job(mnist.Net(), mnist.create_loader, a_few_steps, room_token=token, world_size=1,
-                          optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=1e-3), progress=False, **kwargs)
+def submit(sdk: ZWDX, token: str, wait: bool = True, timeout: float | None = None):
+    return sdk.submit_job(mnist.Net(), mnist.create_loader, a_few_steps, resources=zwdx.Resources(world_size=1),
+                          run=zwdx.Run(room_token=token, progress=False, timeout=timeout),
+                          optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=1e-3), wait=wait)
 
 
 def test_a_gpu_client_that_never_answers_delays_no_other_rooms_job(tmp_path):

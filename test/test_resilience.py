@@ -16,6 +16,7 @@ import mnist
 from gpu_client.agent.launcher import Launcher
 from procs import SLACK, Server, wait_until
 from workloads import slow_train, tracked_train
+import zwdx
 from zwdx import defaults
 from zwdx.server.scheduler import REAP_INTERVAL
 
@@ -25,10 +26,12 @@ LOST_WITHIN = defaults.DISCONNECT_GRACE + REAP_INTERVAL + SLACK
 KILL_GRACE = inspect.signature(Launcher.kill).parameters["grace"].default
 
 
-def submit(sdk, room, **kwargs):
+def submit(sdk, room, world_size: int, epochs: int, wait: bool = True, **recovery):
     return sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
-                          optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3), room_token=room["token"],
-                          progress=False, **kwargs)
+                          optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
+                          resources=zwdx.Resources(world_size=world_size), training=zwdx.Training(epochs=epochs),
+                          run=zwdx.Run(room_token=room["token"], progress=False,
+                                       recovery=zwdx.Recovery(**recovery) if recovery else None), wait=wait)
 
 
 def rank_pids(client) -> list[int]:
@@ -154,8 +157,10 @@ def test_a_resumed_job_gets_back_its_lr_scheduler_tracked_objects_and_random_gen
     clients = [start_client(name) for name in ("a", "b", "c")]
     model, lr = mnist.Net(), 0.02
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=tracked_train,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=lr), room_token=room["token"],
-                            parallelism=parallelism, world_size=3, min_world_size=2, epochs=5, progress=False,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                            resources=zwdx.Resources(world_size=3), training=zwdx.Training(epochs=5),
+                            run=zwdx.Run(room_token=room["token"], progress=False, recovery=zwdx.Recovery(min_world_size=2)),
+                            parallelism=parallelism,
                             wait=False)
     job = wait_until(lambda: (j := sdk.get_job(job_id)).get("latest_checkpoint") and
                      j["latest_checkpoint"]["epoch"] >= 1 and j, 120, what="checkpoint of epoch 1")

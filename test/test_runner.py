@@ -15,6 +15,7 @@ import torch
 import mnist
 from procs import wait_until
 from workloads import a_few_steps
+import zwdx
 from zwdx import JobFailed, defaults
 from zwdx.bundle import pack
 from zwdx.protocol import runtime_versions
@@ -50,13 +51,14 @@ def _alive(proc: psutil.Process) -> bool:
 def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_the_exit(sdk, room, start_client):
     start_client("a")
     first = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_then_linger,
-                           room_token=room["token"], world_size=1, progress=False, timeout=120)
+                           resources=zwdx.Resources(world_size=1),
+                           run=zwdx.Run(room_token=room["token"], progress=False, timeout=120))
     assert first["status"] == "completed"
     rank = psutil.Process(first["results"]["pid"])
     assert _alive(rank), "the job should complete on its rank's report, not wait for the process to exit"
 
     second = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
-                            room_token=room["token"], world_size=1, wait=False)
+                            resources=zwdx.Resources(world_size=1), run=zwdx.Run(room_token=room["token"]), wait=False)
     # the slot stays the lingering process's until it is gone
     status, lingering = wait_until(lambda: (s := sdk.get_job(second)["status"]) != "queued" and (s, _alive(rank)),
                                    60, 0.2, what="the next job placed once the lingering rank exited")
@@ -70,8 +72,8 @@ def test_a_completed_job_stays_completed_when_its_lingering_rank_dies_with_its_g
     start_client("a")
     b = start_client("b")
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
-                            train_func=train_then_linger_on_rank_1, room_token=room["token"], world_size=2,
-                            progress=False, timeout=120)
+                            train_func=train_then_linger_on_rank_1, resources=zwdx.Resources(world_size=2),
+                            run=zwdx.Run(room_token=room["token"], progress=False, timeout=120))
     assert result["status"] == "completed"
     b.kill(signal.SIGKILL)  # rank 1 is still in its teardown there
     assert_startup_line_lists_every_stage(sdk.get_job_logs(result["job_id"]))
@@ -102,15 +104,17 @@ def test_metrics_always_have_the_platform_series_and_a_short_job_has_its_samples
     start_client("a")
     model = mnist.Net()
     short = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=a_few_steps,
-                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05), room_token=room["token"],
-                           world_size=1, progress=False, timeout=120)
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                           resources=zwdx.Resources(world_size=1),
+                           run=zwdx.Run(room_token=room["token"], progress=False, timeout=120))
     metrics = sdk.get_job_metrics(short["job_id"])
     assert metrics["gpu_utilization"] == []  # a CPU slot has no GPU to sample
     assert len(metrics["throughput"]) >= 2, metrics["throughput"]  # after the first step, and at the end
     assert all(p["value"] > 0 and p["rank"] == 0 for p in metrics["throughput"])
 
     idle = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=quick_train,
-                          room_token=room["token"], world_size=1, progress=False, timeout=120)
+                          resources=zwdx.Resources(world_size=1),
+                          run=zwdx.Run(room_token=room["token"], progress=False, timeout=120))
     assert sdk.get_job_metrics(idle["job_id"]) == {"throughput": [], "gpu_utilization": []}  # nothing to sample
 
 
@@ -146,7 +150,8 @@ def test_a_package_missing_on_the_gpu_client_is_named_with_the_client_and_its_ho
             importlib.import_module("zwdx_absent_pkg")  # as the train function runs: no check can see it
         with pytest.raises(JobFailed) as info:
             sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_importing_it,
-                           room_token=room["token"], world_size=1, progress=False, timeout=120)
+                           resources=zwdx.Resources(world_size=1),
+                           run=zwdx.Run(room_token=room["token"], progress=False, timeout=120))
         assert f"{where} lacks package 'zwdx_absent_pkg'" in info.value.reason
     finally:
         sys.path.remove(str(site))
@@ -168,7 +173,8 @@ def test_a_rank_has_no_secret_in_its_environment_or_command_line(sdk, room, star
                 "torch": [os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")],
                 "allocator": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_looking_around,
-                            room_token=token, world_size=1, progress=False, timeout=120)
+                            resources=zwdx.Resources(world_size=1),
+                            run=zwdx.Run(room_token=token, progress=False, timeout=120))
     seen = result["results"]
     assert seen["secrets"] == [] and seen["in_cmdline"] is False
     # no ZWDX_* variable of zwdx's own for the rank: only what the GPU client's environment had

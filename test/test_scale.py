@@ -21,6 +21,7 @@ import mnist
 import needs
 from procs import SLACK, Server, wait_until
 from workloads import slow_train
+import zwdx
 from zwdx import ZWDX, defaults
 from zwdx.protocol import EV_JOB_UPDATE, UI_NAMESPACE
 from zwdx.testing import BalancerProc, GpuClientProc, MongoProc, RedisProc
@@ -107,7 +108,8 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
         balanced = Dashboard(balancer.url, room["token"])  # its polls stay on one server (HAProxy's cookie)
         job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
                                 optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                                room_token=room["token"], world_size=2, epochs=2, wait=False, progress=False)
+                                resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=2),
+                                run=zwdx.Run(room_token=room["token"], progress=False), wait=False)
         wait_until(lambda: len(sdk.get_job_metrics(job_id).get("loss", [])) > 10, 120, what="training under way")
         assert leads(leader) and not leads(other)
         wait_until(lambda: watching.saw(job_id, "starting") and watching.saw(job_id, "running") and
@@ -143,8 +145,8 @@ def test_sigkill_the_scheduling_server_mid_job_the_other_takes_over(servers, tmp
         wait_until(lambda: subscribers(redis) == 1, 30, what="the surviving server subscribed to Redis again")
         again = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=slow_train,
                                optimizer=torch.optim.AdamW(mnist.Net().parameters(), lr=3e-3),
-                               room_token=room["token"], world_size=2, epochs=1, wait=True, progress=False,
-                               timeout=300)
+                               resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=1),
+                               run=zwdx.Run(room_token=room["token"], progress=False, timeout=300), wait=True)
         assert again["status"] == "completed", again.get("reason")
         wait_until(lambda: watching.saw(again["job_id"], "completed"), 30, what="the dashboard told after Redis restarted")
         watching.disconnect()

@@ -17,6 +17,7 @@ import torch
 
 import mnist
 from procs import ROOT, wait_until
+import zwdx
 from zwdx import ZWDX, BadRequest, JobStatus, Unschedulable
 from zwdx.checks import OFFERED, call_with
 from zwdx.credentials import CredentialStore
@@ -65,7 +66,8 @@ def train_with_kwargs(model, loader, **offered):
 def tiny(sdk, room, train_func, **kwargs):
     model = torch.nn.Linear(4, 2)
     return sdk.submit_job(model, tiny_loader, train_func, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                          room_token=room["token"], world_size=1, progress=False, **kwargs)
+                          resources=zwdx.Resources(world_size=1),
+                          run=zwdx.Run(room_token=room["token"], progress=False), **kwargs)
 
 
 # -- the earlier project's surface ------------------------------------------------------------------
@@ -208,8 +210,10 @@ def test_the_job_id_alone_opens_a_job_in_a_fresh_process(cluster, config_dir):
     sdk, room = ZWDX(cluster.server.url), cluster.room  # this SDK remembers, in the test's config dir
     model = mnist.Net()
     result = sdk.submit_job(model, mnist.create_loader, mnist.train, optimizer=torch.optim.AdamW(model.parameters()),
-                            room_token=room["token"], world_size=1, progress=False)
-    waiting = sdk.submit_job(model, mnist.create_loader, mnist.train, room_token=room["token"], world_size=4,
+                            resources=zwdx.Resources(world_size=1),
+                            run=zwdx.Run(room_token=room["token"], progress=False))
+    waiting = sdk.submit_job(model, mnist.create_loader, mnist.train, resources=zwdx.Resources(world_size=4),
+                             run=zwdx.Run(room_token=room["token"]),
                              wait=False)
     fresh = python(
         "import json, sys, mnist\nfrom zwdx import ZWDX\nfrom digests import state_digest\n"
@@ -243,7 +247,7 @@ def test_the_train_function_default_wins_when_no_epochs_are_given(cluster):
     runs = {
         "own default": tiny(sdk, room, train_with_default),
         "none declared": tiny(sdk, room, train_without_default),
-        "given": tiny(sdk, room, train_with_default, epochs=2),
+        "given": tiny(sdk, room, train_with_default, training=zwdx.Training(epochs=2)),
         "kwargs": tiny(sdk, room, train_with_kwargs),
     }
     assert {k: r["results"]["epochs_run"] for k, r in runs.items()} == \
@@ -255,7 +259,8 @@ def test_the_train_function_default_wins_when_no_epochs_are_given(cluster):
     # the earlier project's positional order: model, loader, train, eval, optimizer, parallelism,
     # memory_required; the rest by name
     result = sdk.submit_job(model, tiny_loader, train_without_default, None, torch.optim.SGD(model.parameters(), 0.1),
-                            "DDP", 0, room_token=room["token"], epochs=3, world_size=1, progress=False, name="named")
+                            "DDP", 0, resources=zwdx.Resources(world_size=1), training=zwdx.Training(epochs=3),
+                            run=zwdx.Run(room_token=room["token"], name="named", progress=False))
     assert result["results"]["epochs_run"] == 3 and result["job"]["name"] == "named"
     assert result["status"] == "completed" and result["complete"] is True
 
@@ -295,11 +300,12 @@ def test_zwdx_as_a_context_manager_closes_its_connections_to_the_server(server):
 SUBMIT_SLOW = """
 import signal, sys, torch, mnist, workloads
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a test run started in the background ignores it
-from zwdx import ZWDX
+from zwdx import ZWDX, Resources, Run, Training
 url, token, mode, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ZWDX(url).submit_job(mnist.Net(), mnist.create_loader, workloads.slow_train,
-                     optimizer=torch.optim.SGD(mnist.Net().parameters(), lr=0.01), room_token=token, epochs=50,
-                     world_size=world, progress=mode == "bar", cancel_on_interrupt=mode != "detach")
+                     optimizer=torch.optim.SGD(mnist.Net().parameters(), lr=0.01), resources=Resources(world_size=world),
+                     training=Training(epochs=50),
+                     run=Run(room_token=token, progress=mode == "bar", cancel_on_interrupt=mode != "detach"))
 """
 
 
@@ -373,12 +379,13 @@ def test_an_unschedulable_job_is_said_at_submit_and_refused_on_request(cluster, 
     model = torch.nn.Linear(4, 2)
     before = {j["id"] for j in sdk.list_jobs(room["token"])}
     with pytest.raises(Unschedulable) as refused:
-        sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3, wait=False,
-                       fail_if_unschedulable=True)
+        sdk.submit_job(model, tiny_loader, train_with_default, resources=zwdx.Resources(world_size=3),
+                       run=zwdx.Run(room_token=room["token"], fail_if_unschedulable=True), wait=False)
     assert "world_size 3" in str(refused.value)  # the server's reason
     assert {j["id"] for j in sdk.list_jobs(room["token"])} == before  # nothing stored
     capfd.readouterr()
-    job_id = sdk.submit_job(model, tiny_loader, train_with_default, room_token=room["token"], world_size=3,
+    job_id = sdk.submit_job(model, tiny_loader, train_with_default, resources=zwdx.Resources(world_size=3),
+                            run=zwdx.Run(room_token=room["token"]),
                             wait=False)
     lines = [line for line in capfd.readouterr().err.splitlines() if "cannot run in this room" in line]
     assert len(lines) == 1 and job_id in lines[0] and "fail_if_unschedulable=True" in lines[0], lines
@@ -411,7 +418,8 @@ def test_a_bundle_the_server_hashes_differently_is_refused_before_any_job(tmp_pa
     try:
         sdk = ZWDX(f"http://127.0.0.1:{server.server_address[1]}", remember=False)
         with pytest.raises(Exception, match="arrived changed"):
-            sdk.submit_job(torch.nn.Linear(64, 64), tiny_loader, train_with_default, room_token="zs_x", wait=False)
+            sdk.submit_job(torch.nn.Linear(64, 64), tiny_loader, train_with_default, run=zwdx.Run(room_token="zs_x"),
+                           wait=False)
     finally:
         server.shutdown()
     assert [path for path, _ in seen] == ["/api/v1/artifacts"]  # no POST /jobs followed

@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 import zwdx
+from earlier_form import earlier_form
 from zwdx import ZWDX
 from zwdx.errors import BadRequest
 from zwdx.sdk import submission
@@ -82,7 +83,7 @@ def test_a_new_option_needs_no_sdk_change():
 def test_wrong_combinations_are_refused_naming_the_argument():
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
         posted(colour="red")
-    with pytest.raises(BadRequest) as err:
+    with earlier_form(), pytest.raises(BadRequest) as err:
         posted(strategy=zwdx.Diloco(), diloco={"inner_steps": 5})
     assert err.value.field == "diloco" and "strategy=zwdx.Diloco(...)" in str(err.value)
     with pytest.raises(BadRequest) as err:

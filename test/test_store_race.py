@@ -25,6 +25,7 @@ import requests
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from store_backends import Backend, job_record, open_spec
 from procs import Server
+import zwdx
 from zwdx.protocol.job import TimelineEntry
 from zwdx.server.store.sqlite import SQLiteStore
 
@@ -280,8 +281,9 @@ def test_two_servers_on_one_store_apply_each_transition_once(kind, tmp_path, req
         room = a.create_room("two servers")
         token = room["token"]
         assert b.get_room(token)["id"] == room["id"]
-        jobs = [(a if i % 2 else b).submit_job(Net(), create_loader, train, room_token=token, world_size=4,
-                                               wait=False, progress=False) for i in range(6)]
+        jobs = [(a if i % 2 else b).submit_job(Net(), create_loader, train, resources=zwdx.Resources(world_size=4),
+                                               run=zwdx.Run(room_token=token, progress=False),
+                                               wait=False) for i in range(6)]
         assert [j["id"] for j in a.list_jobs(token)] == jobs == [j["id"] for j in b.list_jobs(token)]
         assert [b.get_job(j, token)["queue_position"] for j in jobs] == list(range(1, 7))
 

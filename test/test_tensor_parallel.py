@@ -22,6 +22,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from conftest import Cluster
 from procs import free_port, wait_until
+from earlier_form import earlier_form
+import zwdx
 from zwdx import ZWDX, tp_plan
 from zwdx.errors import BadRequest
 from zwdx.server.placement import plan as place
@@ -180,18 +182,19 @@ def test_bad_settings_are_a_400_naming_the_field_and_store_nothing(api, fields, 
 
 def test_the_sdk_checks_the_plan_against_the_model_before_uploading_anything():
     sdk = ZWDX("http://127.0.0.1:9", room_token="zs_unused", remember=False)  # nothing listens: nothing is sent
-    for plan, says in [({"blocks.*.mlp.gate": "colwise"}, "names no module"),
-                       ({"blocks.*.ln1": "colwise"}, "a LayerNorm: only nn.Linear and nn.Embedding"),
-                       ({"blocks.0.mlp.up": "colwise", "blocks.*.mlp.up": "rowwise"}, "named twice")]:
-        with pytest.raises(BadRequest, match=says) as err:
-            sdk.submit_job(tiny(), loaders, train, parallelism="TP", tp_plan=plan)
+    with earlier_form():  # its errors name the earlier keywords
+        for plan, says in [({"blocks.*.mlp.gate": "colwise"}, "names no module"),
+                           ({"blocks.*.ln1": "colwise"}, "a LayerNorm: only nn.Linear and nn.Embedding"),
+                           ({"blocks.0.mlp.up": "colwise", "blocks.*.mlp.up": "rowwise"}, "named twice")]:
+            with pytest.raises(BadRequest, match=says) as err:
+                sdk.submit_job(tiny(), loaders, train, parallelism="TP", tp_plan=plan)
+            assert err.value.field == "tp_plan"
+        with pytest.raises(BadRequest, match="found no pair of Linear layers to split in Sequential") as err:
+            sdk.submit_job(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), loaders, train, parallelism="FSDP+TP")
         assert err.value.field == "tp_plan"
-    with pytest.raises(BadRequest, match="found no pair of Linear layers to split in Sequential") as err:
-        sdk.submit_job(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), loaders, train, parallelism="FSDP+TP")
-    assert err.value.field == "tp_plan"
-    with pytest.raises(BadRequest) as err:
-        sdk.submit_job(tiny(), loaders, train, parallelism="FSDP+TP", world_size=4, tp_size=3)
-    assert err.value.field == "tp_size"
+        with pytest.raises(BadRequest) as err:
+            sdk.submit_job(tiny(), loaders, train, parallelism="FSDP+TP", world_size=4, tp_size=3)
+        assert err.value.field == "tp_size"
 
 
 def test_the_derived_plan_splits_attention_and_mlp_pairs_and_leaves_what_it_cannot_tell_whole():
@@ -356,7 +359,8 @@ def pool(tmp_path_factory):
 def _run(pool, parallelism: str, world_size: int, epochs: int = 2, **options) -> tuple[dict, dict]:
     model = tiny()
     result = pool.sdk.submit_job(model, loaders, train, evaluate, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                 parallelism, epochs=epochs, world_size=world_size, progress=False, timeout=300,
+                                 parallelism, resources=zwdx.Resources(world_size=world_size),
+                                 training=zwdx.Training(epochs=epochs), run=zwdx.Run(progress=False, timeout=300),
                                  **options)
     assert result["status"] == "completed", result
     return result, pool.sdk.get_job(result["job_id"])
@@ -369,7 +373,7 @@ def _run(pool, parallelism: str, world_size: int, epochs: int = 2, **options) ->
      "TP (one TP group of 2): 3 colwise, 2 rowwise (blocks.0.mlp.up ... head), tp_plan")])
 def test_tp_on_one_gpu_client_trains_as_one_process_would(pool, plan, says):
     epochs = 2
-    result, job = _run(pool, "TP", 2, epochs, tp_plan=plan)
+    result, job = _run(pool, "TP", 2, epochs, strategy=zwdx.TP(plan=plan))
     assert len({p["client_id"] for p in job["placement"]}) == 1  # the group on one GPU client
     logs = [line["text"] for line in pool.sdk.get_job_logs(result["job_id"])]
     assert any(says in t for t in logs), logs
@@ -404,7 +408,8 @@ def test_fsdp_tp_splits_within_each_gpu_client_and_shards_across_them(pool):
 
 @pytest.mark.slow
 def test_a_tp_job_no_gpu_client_can_hold_waits_saying_why(pool):
-    job_id = pool.sdk.submit_job(tiny(), loaders, train, parallelism="TP", world_size=3, wait=False, progress=False)
+    job_id = pool.sdk.submit_job(tiny(), loaders, train, parallelism="TP", resources=zwdx.Resources(world_size=3),
+                                 run=zwdx.Run(progress=False), wait=False)
     try:
         says = "TP keeps a TP group of 3 rank(s) on one GPU client: 2 gpu client(s) have fewer than 3 such slot(s)"
         wait_until(lambda: says in (pool.sdk.get_job(job_id).get("waiting_reason") or ""), 60, what=says)
@@ -436,7 +441,8 @@ def test_a_tp_job_whose_gpu_client_is_lost_goes_on_from_its_checkpoint_on_anothe
     epochs = 6
     model = tiny()
     job_id = pool.sdk.submit_job(model, loaders, resumable_train, evaluate, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                 "TP", epochs=epochs, world_size=2, wait=False, progress=False)
+                                 "TP", resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=epochs),
+                                 run=zwdx.Run(progress=False), wait=False)
     job = wait_until(lambda: (j := pool.sdk.get_job(job_id)).get("latest_checkpoint") and
                      j["latest_checkpoint"]["epoch"] >= 1 and j, 120, what="a checkpoint of epoch 1")
     first = job["placement"][0]["client_id"]

@@ -11,6 +11,7 @@ import pytest
 import needs
 from conftest import placed_ranks
 from security.test_limits import http_app  # noqa: F401  (fixture: an app served over HTTP)
+import zwdx
 from zwdx import ZWDX, BadRequest
 from zwdx.trackers import TensorBoard, WandB
 
@@ -105,7 +106,7 @@ def test_a_tracker_zwdx_does_not_know_is_refused_before_anything_is_sent(http_ap
     room = __import__("conftest").Api(app.test_client()).create_room("no-trackers")
     sdk = ZWDX(url, room_token=room.token, remember=False)
     with pytest.raises(BadRequest, match="trackers: each is one of tensorboard, wandb"):
-        sdk.submit_job(object(), lambda: None, lambda: None, trackers=["mlflow"])
+        sdk.submit_job(object(), lambda: None, lambda: None, run=zwdx.Run(trackers=["mlflow"]))
     assert room.jobs() == [] and room.get("/room").json["usage"]["artifact_bytes"] == 0
 
 

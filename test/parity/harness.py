@@ -49,12 +49,14 @@ import contextlib
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+import zwdx
 from parity.zoo import SEED, Case
 
 #: Relative difference allowed where the job's arithmetic is one process's up to summation order.
@@ -66,14 +68,14 @@ REPLICA_SEED = 1000
 @dataclass(frozen=True)
 class Mode:
     """How a case is submitted: ``parallelism``, ``world_size`` ranks forming ``replicas``
-    replicas (TP: one group is one), more ``options`` of ``submit_job``; ``mixed``: a
-    ``devices="mixed"`` job (the loader takes ``batch_size`` and ``sampler``); ``lora``: the case's
+    replicas (TP: one group is one), its ``strategy`` (``zwdx.FSDP(tp=...)``, ...; None: the
+    parallelism's own); ``mixed``: a ``zwdx.Mixed`` job (the loader takes ``batch_size`` and ``sampler``); ``lora``: the case's
     model with an adapter (``lora_config``); ``slots``: CPU slots a GPU client needs for it."""
     name: str
     parallelism: str
     world_size: int
     replicas: int
-    options: dict = field(default_factory=dict)
+    strategy: Any = None
     mixed: bool = False
     lora: bool = False
     tolerance: float = TOLERANCE
@@ -83,10 +85,10 @@ MODES = {m.name: m for m in [
     Mode("DDP", "DDP", 2, 2),
     Mode("FSDP", "FSDP", 2, 2),
     Mode("TP", "TP", 2, 1),
-    Mode("FSDP+TP", "FSDP+TP", 4, 2, {"tp_size": 2}),
+    Mode("FSDP+TP", "FSDP+TP", 4, 2, zwdx.FSDP(tp=zwdx.TensorParallel(size=2))),
     Mode("LoRA", "DDP", 2, 2, lora=True),
     Mode("LoRA-FSDP", "FSDP", 2, 2, lora=True),
-    Mode("mixed", "DDP", 2, 1, {"devices": "mixed"}, mixed=True),
+    Mode("mixed", "DDP", 2, 1, mixed=True),
 ]}
 
 #: LoRA's target modules per case (cases not named here have no LoRA variant).
@@ -180,13 +182,12 @@ def run_job(sdk, case: Case, mode: Mode, epochs: int | None = None, timeout: flo
     returned weights ({name: tensor}; LoRA: the adapter) and the result."""
     model = initial_model(case, mode)
     optimizer = initial_optimizer(case, mode, model)
-    extra = {**mode.options, **options}
-    if mode.mixed:
-        extra.setdefault("global_batch", case.batch)
+    strategy = zwdx.Mixed(global_batch=case.batch) if mode.mixed else mode.strategy
     result = sdk.submit_job(model, loader_func(case, mode), train_func(case), None, optimizer, mode.parallelism,
-                            epochs=epochs or case.epochs, world_size=mode.world_size, progress=False,
-                            timeout=timeout, name=f"parity-{mode.name}-{case.name}", fail_if_unschedulable=True,
-                            **extra)
+                            strategy=strategy, resources=zwdx.Resources(world_size=mode.world_size),
+                            training=zwdx.Training(epochs=epochs or case.epochs),
+                            run=zwdx.Run(name=f"parity-{mode.name}-{case.name}", progress=False, timeout=timeout,
+                                         fail_if_unschedulable=True), **options)
     return returned_weights(sdk, result["job_id"]), result
 
 

@@ -29,6 +29,7 @@ import torch
 
 from parity import harness, zoo
 from parity.zoo import blobs
+import zwdx
 from zwdx import codec
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ PAPER = {"inner_steps": 4, "compression": "none"}  # outer SGD lr 0.7, Nesterov 
 
 
 def mode(settings: dict) -> harness.Mode:
-    return harness.Mode("DILOCO", "DILOCO", WORKERS, WORKERS, {"diloco": settings})
+    return harness.Mode("DILOCO", "DILOCO", WORKERS, WORKERS, zwdx.Diloco(**settings))
 
 
 def held_out_loss(case: zoo.Case, state: dict) -> float:
@@ -127,9 +128,10 @@ def simulate(case: zoo.Case, settings: dict, epochs: int | None = None) -> dict:
 def run_job(sdk, case: zoo.Case, settings: dict, timeout: float = 240) -> dict:
     model = case.model()
     result = sdk.submit_job(model, harness.loader_func(case, DDP), harness.train_func(case), None,
-                            case.make_optimizer(model), "DILOCO", epochs=case.epochs, world_size=WORKERS,
-                            diloco=settings, collective_timeout=60, progress=False, timeout=timeout,
-                            name=f"parity-DILOCO-{case.name}")
+                            case.make_optimizer(model), "DILOCO", strategy=zwdx.Diloco(**settings),
+                            resources=zwdx.Resources(world_size=WORKERS),
+                            training=zwdx.Training(epochs=case.epochs, collective_timeout=60),
+                            run=zwdx.Run(name=f"parity-DILOCO-{case.name}", progress=False, timeout=timeout))
     assert result["status"] == "completed", result.get("reason")
     return harness.returned_weights(sdk, result["job_id"])
 

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import models
+import zwdx
 from parity import harness, zoo
 
 pytestmark = pytest.mark.slow
@@ -89,7 +90,7 @@ class PipeCase:
 
     @property
     def mode(self) -> harness.Mode:
-        return harness.Mode(f"PIPELINE-{self.settings['schedule']}", "PIPELINE", RANKS, 1, {"pipeline": self.settings})
+        return harness.Mode(f"PIPELINE-{self.settings['schedule']}", "PIPELINE", RANKS, 1, zwdx.Pipeline(**self.settings))
 
     @property
     def stages(self) -> int:
@@ -136,9 +137,10 @@ def run_job(sdk, pc: PipeCase, timeout: float = 240) -> tuple[dict, dict]:
     model = pc.case.model()
     model.train(not pc.eval_mode)
     result = sdk.submit_job(model, harness.loader_func(pc.case, pc.mode), train_func(pc.loss_fn, pc.accumulate), None,
-                            pc.case.make_optimizer(model), "PIPELINE", epochs=pc.case.epochs, world_size=RANKS,
-                            pipeline=pc.settings, collective_timeout=60, progress=False, timeout=timeout,
-                            name=f"parity-{pc.name}")
+                            pc.case.make_optimizer(model), "PIPELINE", strategy=zwdx.Pipeline(**pc.settings),
+                            resources=zwdx.Resources(world_size=RANKS),
+                            training=zwdx.Training(epochs=pc.case.epochs, collective_timeout=60),
+                            run=zwdx.Run(name=f"parity-{pc.name}", progress=False, timeout=timeout))
     assert result["status"] == "completed", result.get("reason")
     return harness.returned_weights(sdk, result["job_id"]), result
 

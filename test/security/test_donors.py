@@ -26,6 +26,7 @@ import torch
 import gpu_client
 import needs
 from procs import ROOT, SLACK, GpuClient, Server, wait_until
+import zwdx
 from zwdx import ZWDX
 
 pytestmark = pytest.mark.slow
@@ -140,7 +141,8 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
     sdk, work = donors["sdk"], donors["work"]
     release = os.path.join(donors["base"], "release")
     victim_id = sdk.submit_job(Tiny(), tiny_loader, victim(release, 300), None,
-                               torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP", world_size=1, wait=False)
+                               torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
+                               resources=zwdx.Resources(world_size=1), wait=False)
     said = wait_until(lambda: log_line(sdk, victim_id, "victim pid="), 60 + SLACK, what="the victim job running")
     fields = dict(part.split("=", 1) for part in said.split()[1:])
     victim_pid, victim_home = int(fields["pid"]), fields["cwd"]
@@ -169,8 +171,8 @@ def test_job_code_reaches_neither_its_gpu_client_nor_another_job(donors):
                 "own_work_dir_jobs": os.path.join(attacker_agent, "jobs")}
     try:
         result = sdk.submit_job(Tiny(), tiny_loader, attacker(reads, writes, listings, victim_pid, leftover), None,
-                                torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP", world_size=1, progress=False,
-                                timeout=120)
+                                torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
+                                resources=zwdx.Resources(world_size=1), run=zwdx.Run(progress=False, timeout=120))
     finally:
         open(release, "w").close()
     got = result["results"]
@@ -199,7 +201,8 @@ def test_an_ordinary_job_trains_across_both_clients_as_per_job_users(donors, par
     for client in sdk.get_room()["clients"]:
         assert [s["isolation"] for s in client["slots"]] == ["user"], client
     result = sdk.submit_job(Tiny(), tiny_loader, whoami, None, torch.optim.SGD(Tiny().parameters(), lr=0.1),
-                            parallelism, world_size=2, progress=False, timeout=120)
+                            parallelism, resources=zwdx.Resources(world_size=2),
+                            run=zwdx.Run(progress=False, timeout=120))
     assert result["status"] == "completed"
     uid = result["results"]["uid_0"]
     assert uid >= 2_000_000_000 and result["results"]["home_0"].startswith("/var/lib/zwdx/ranks/")
@@ -286,7 +289,8 @@ def test_a_package_only_root_can_read_is_missing_for_the_jobs_of_a_per_job_user(
                    what=f"the GPU client online\n{client.tail()}")
         with pytest.raises(Unschedulable) as refused:
             donors["sdk"].submit_job(Tiny(), tiny_loader, train, None, torch.optim.SGD(Tiny().parameters(), lr=0.1),
-                                     "DDP", world_size=1, fail_if_unschedulable=True, progress=False)
+                                     "DDP", resources=zwdx.Resources(world_size=1),
+                                     run=zwdx.Run(progress=False, fail_if_unschedulable=True))
         said = str(refused.value)  # root's view would have placed it on donor-root-only
         assert "donor-root-only on host" in said and "lack package(s) zwdx_root_only" in said, said
     finally:

@@ -30,6 +30,7 @@ import torch
 from conftest import Api
 from procs import GpuClient, wait_until
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
+import zwdx
 from zwdx import ZWDX, defaults
 from zwdx.bundle import MAGIC, load, pack, required_modules, unpack
 from zwdx.protocol import runtime_versions
@@ -403,8 +404,10 @@ def test_a_donors_forged_dcp_checkpoint_runs_nothing_when_the_job_resumes(sdk, r
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader,
                             train_func=forging_train(evil_pickle(marker), 0.05),
-                            optimizer=torch.optim.SGD(model.parameters(), lr=0.02), room_token=room["token"],
-                            parallelism="FSDP", world_size=2, min_world_size=1, epochs=5, progress=False, wait=False)
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.02),
+                            resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=5),
+                            run=zwdx.Run(room_token=room["token"], progress=False, recovery=zwdx.Recovery(min_world_size=1)),
+                            parallelism="FSDP", wait=False)
 
     def forged():
         lines = [line["text"] for line in sdk.get_job_logs(job_id) if "forged:" in line["text"]]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from procs import PROCESSES, SLACK, Server, wait_until
+import zwdx
 from zwdx import ZWDX
 from zwdx.testing import GpuClientProc
 
@@ -61,7 +62,7 @@ def test_a_package_planted_in_the_gpu_clients_working_directory_never_runs_in_a_
             with open(os.path.join(planted, name), "w") as fh:
                 fh.write(f"import os\nopen({marker!r}, 'a').write(f'{{os.getuid()}} ran {name}\\n')\n")
         job_id = sdk.submit_job(Tiny(), loader, train, None, torch.optim.SGD(Tiny().parameters(), lr=0.1), "DDP",
-                                world_size=1, wait=False)
+                                resources=zwdx.Resources(world_size=1), wait=False)
         wait_until(lambda: os.path.exists(marker) or sdk.get_job(job_id)["status"] in ("completed", "failed"),
                    120 + SLACK, what=f"job {job_id} ended\n{client.tail()}")
         assert not os.path.exists(marker), f"the planted package ran: {open(marker).read()}"

@@ -23,6 +23,7 @@ from gpu_client.agent import datasets
 from gpu_client.agent.datasets import Provided
 from procs import SLACK, GpuClient, Server, wait_until
 from sandbox_rig import as_job, rig, root_secret_dir, untouched  # noqa: F401  (rig: a fixture)
+import zwdx
 from zwdx import ZWDX
 
 pytestmark = pytest.mark.slow
@@ -279,7 +280,8 @@ def test_a_models_setstate_on_a_real_gpu_client_gets_root_to_write_nothing_outsi
                    what=f"the GPU client online\n{client.tail()}")
         model = Trap(target)
         result = sdk.submit_job(model, data_loader, report, None, torch.optim.SGD(model.parameters(), lr=0.1), "DDP",
-                                world_size=1, datasets=["ds"], progress=False, timeout=120, raise_on_failure=False)
+                                resources=zwdx.Resources(world_size=1),
+                                run=zwdx.Run(progress=False, raise_on_failure=False, timeout=120, datasets=["ds"]))
         untouched(target)
         assert result["status"] == "completed", (result.get("reason"), result.get("failures"))
         tries, done = (int(v) for v in result["results"]["swapper"].split())

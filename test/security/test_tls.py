@@ -22,6 +22,7 @@ import torch
 import needs
 from procs import SLACK, GpuClient, Server, free_port, wait_until
 from test_donors import Tiny, tiny_loader, whoami
+import zwdx
 from zwdx import ZWDX
 from zwdx.errors import ServerUnreachable
 
@@ -96,7 +97,8 @@ def test_a_job_runs_end_to_end_over_https_and_wss(pki, tmp_path, mode):
         wait_until(lambda: sum(c["status"] == "online" for c in sdk.get_room()["clients"]) == 2, 60,
                    what=f"GPU clients online over WSS\n{clients[0].tail()}")
         result = sdk.submit_job(Tiny(), tiny_loader, whoami, None, torch.optim.SGD(Tiny().parameters(), lr=0.1),
-                                "DDP", world_size=2, progress=False, timeout=180)
+                                "DDP", resources=zwdx.Resources(world_size=2),
+                                run=zwdx.Run(progress=False, timeout=180))
         assert result["status"] == "completed"  # the ranks reported over HTTPS, verifying the CA from their sandbox
         assert any(line["text"].startswith("rank 1 runs as uid") for line in sdk.get_job_logs(result["job_id"]))
         weights = sdk.get_trained_model(result["job_id"], Tiny())
