@@ -74,15 +74,13 @@ class Job:
         return True
 
     def append_timeline(self, entry: TimelineEntry, when: Collection[JobStatus] | None = None) -> bool:
-        return self._took(self.store.append_job(self.id, {"timeline": entry}, when=when))
+        return self._took(self.store.jobs.note(self.id, entry, when))
 
     def _move(self, to: JobStatus, when: Collection[JobStatus], at: float, fields: dict | None = None,
               history: RestartEntry | None = None, **entry) -> bool:
         """Change the status (and ``fields``) and record it on the timeline, in one write."""
-        items = {"timeline": TimelineEntry(status=to, at=at, **entry)}
-        if history is not None:
-            items["restart_history"] = history
-        if not self._took(self.store.append_job(self.id, items, fields={"status": to, **(fields or {})}, when=when)):
+        if not self._took(self.store.jobs.move(self.id, to, TimelineEntry(status=to, at=at, **entry), when, fields,
+                                               history)):
             return False
         meters.job_moved(self.record, to, at)
         return True
@@ -92,7 +90,7 @@ class Job:
         """A waiting job's ``waiting_reason`` changed (written only when it did)."""
         if self.status not in WAITING or self.record.waiting_reason == reason:
             return False
-        return self._took(self.store.set_job(self.id, {"waiting_reason": reason}, when=[self.status]))
+        return self._took(self.store.jobs.wait(self.id, reason, self.status))
 
     def start(self, placement: list[PlacementEntry], slot_ids: list[str], key_hashes: dict[int, str],
               note: str | None = None) -> bool:
@@ -165,8 +163,7 @@ class Job:
         if not self.store.reserve_slots(self.id, [(slot_id, entry.rank)], fields, when=[JobStatus.RUNNING]):
             return False
         self.refresh()
-        self._took(self.store.put_job_entries(self.id, "joins", {rank: DilocoJoin(client_id=entry.client_id,
-                                                                                    placed_at=now)}, when=_ACTIVE))
+        self._took(self.store.jobs.joined(self.id, {rank: DilocoJoin(client_id=entry.client_id, placed_at=now)}))
         going_on = sum(1 for i in range(r.world_size or 0) if str(i) == rank or (
             (s := self.record.ranks.get(str(i))) is None or s.status != RankStatus.DROPPED))
         self.append_timeline(TimelineEntry(status=self.status, at=now, attempt=r.attempt, world_size=going_on,
@@ -177,7 +174,7 @@ class Job:
 
     def rendezvous(self, master: Master) -> bool:
         """Rank 0's GPU client offered where the ranks meet; only a job still starting takes it."""
-        return self._took(self.store.set_job(self.id, {"master": master}, when=[JobStatus.STARTING]))
+        return self._took(self.store.jobs.rendezvous(self.id, master))
 
     # -- what ranks report -----------------------------------------------------------------
     def rank_running(self, rank: int, isolation: str | None = None, terms: dict | None = None) -> bool:
@@ -185,7 +182,7 @@ class Job:
         first one moves the job starting -> running (True then)."""
         now = self.clock()
         entry = RankState(status=RankStatus.RUNNING, started_at=now, isolation=isolation, terms=terms)
-        if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
+        if not self._took(self.store.jobs.rank_states(self.id, {rank: entry})):
             return False
         return self._move(JobStatus.RUNNING, [JobStatus.STARTING], now, {"running_at": now},
                           attempt=self.record.attempt)
@@ -197,7 +194,7 @@ class Job:
         if before is None or before.status != RankStatus.RUNNING:
             return False
         entry = before.model_copy(update={"layout": layout})
-        return self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE))
+        return self._took(self.store.jobs.rank_states(self.id, {rank: entry}))
 
     def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
                        final_loss: float | None = None, weights_artifact: str | None = None,
@@ -207,14 +204,13 @@ class Job:
         has, or was dropped (True then)."""
         now = self.clock()
         if rank == 0 or weights_artifact is not None:
-            self._took(self.store.set_job(self.id, {"results": results or {}, "final_loss": final_loss,
-                                                    "weights_artifact": weights_artifact}, when=_ACTIVE))
+            self._took(self.store.jobs.result(self.id, results or {}, final_loss, weights_artifact))
         before = self.record.ranks.get(str(rank))
         entry = RankState(status=RankStatus.COMPLETED, started_at=before.started_at if before else None,
                           ended_at=now, fingerprint=fingerprint, global_fingerprint=global_fingerprint,
                           isolation=before.isolation if before else None,
                           terms=before.terms if before else None, layout=before.layout if before else None)
-        if not self._took(self.store.put_job_entries(self.id, "ranks", {rank: entry}, when=_ACTIVE)):
+        if not self._took(self.store.jobs.rank_states(self.id, {rank: entry})):
             return False
         return self.complete()
 
@@ -246,7 +242,7 @@ class Job:
             return False  # the others are done and none uploaded the weights: only a restart gives them
         entries = {rank: RankState(status=RankStatus.DROPPED, ended_at=now,
                                    started_at=(r.ranks[rank].started_at if rank in r.ranks else None)) for rank in gone}
-        if not self._took(self.store.put_job_entries(self.id, "ranks", entries, when=_ACTIVE)):
+        if not self._took(self.store.jobs.rank_states(self.id, entries)):
             return False
         self.append_timeline(TimelineEntry(status=self.status, at=now, attempt=r.attempt, world_size=len(going_on),
                                            reason=f"{reason}: rank(s) {', '.join(sorted(gone, key=int))} dropped, "
@@ -266,17 +262,15 @@ class Job:
             FailureKind.COLLECTIVE if collective else FailureKind.RAISED
         failure = RankFailure(traceback=traceback, at=now, kind=kind)
         if self.status == JobStatus.FAILED:
-            return self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=[JobStatus.FAILED]))
-        if not self._took(self.store.put_job_entries(self.id, "failures", {rank: failure}, when=_ACTIVE)):
+            return self._took(self.store.jobs.rank_failures(self.id, {rank: failure}, when=[JobStatus.FAILED]))
+        if not self._took(self.store.jobs.rank_failures(self.id, {rank: failure})):
             return False
         if exit_code is not None:
-            self._took(self.store.set_job(self.id, {"suspect_since": now, "suspect_reason": f"rank {rank} failed: {error}"},
-                                          when=_ACTIVE, unless_set="suspect_since"))
+            self._took(self.store.jobs.mark_suspect(self.id, now, f"rank {rank} failed: {error}"))
         elif collective:
-            self._took(self.store.set_job(self.id, {"suspect_since": now}, when=_ACTIVE, unless_set="suspect_since"))
+            self._took(self.store.jobs.mark_suspect(self.id, now))
         else:
-            self._took(self.store.set_job(self.id, {"failing_since": now, "failing_reason": f"rank {rank} failed: {error}"},
-                                          when=_ACTIVE, unless_set="failing_since"))
+            self._took(self.store.jobs.mark_failing(self.id, now, f"rank {rank} failed: {error}"))
         return True
 
     def ranks_exited(self, exits: dict) -> bool:
@@ -284,7 +278,7 @@ class Job:
         without reporting a failure (nor its completion) makes the job suspect. True when a
         rank exited badly."""
         exits = {str(rank): int(code) for rank, code in exits.items()}
-        self._took(self.store.put_job_entries(self.id, "exits", exits, when=_ACTIVE))
+        self._took(self.store.jobs.rank_exits(self.id, exits))
         r = self.record
         bad = {rank: code for rank, code in exits.items() if code != 0 and
                not ((state := r.ranks.get(rank)) is not None and state.status in (RankStatus.COMPLETED,
@@ -296,9 +290,9 @@ class Job:
                                           kind=FailureKind.EXITED) for rank, code in unreported.items()}
             reason = "rank process died (" + ", ".join(
                 f"rank {rank} exit code {code}" for rank, code in sorted(unreported.items())) + ")"
-            if self._took(self.store.put_job_entries(self.id, "failures", failures, when=_ACTIVE)):
-                self._took(self.store.set_job(self.id, {"suspect_since": now}, when=_ACTIVE, unless_set="suspect_since"))
-                self._took(self.store.set_job(self.id, {"suspect_reason": reason}, when=_ACTIVE))
+            if self._took(self.store.jobs.rank_failures(self.id, failures)):
+                self._took(self.store.jobs.mark_suspect(self.id, now))
+                self._took(self.store.jobs.suspect_reason(self.id, reason))
         return bool(bad)
 
     # -- the end ---------------------------------------------------------------------------
@@ -344,8 +338,7 @@ class Job:
         """Rank 0 of a script job uploaded what its script wrote under ``$ZWDX_OUTPUT_DIR``: the
         job's outputs now (an earlier attempt's are left to the sweeper). While the job runs,
         or just failed."""
-        return self._took(self.store.set_job(self.id, {"outputs_artifact": artifact_id},
-                                             when=(*_ACTIVE, JobStatus.FAILED)))
+        return self._took(self.store.jobs.outputs(self.id, artifact_id))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_committed(self, entry: CheckpointEntry) -> list[CheckpointEntry] | None:
@@ -353,8 +346,7 @@ class Job:
         ``keep_checkpoints``. Returns those kept; None when the job is not starting or running
         (nothing changed)."""
         keep = self.record.spec.recovery.keep_checkpoints
-        if not self._took(self.store.append_job(self.id, {"checkpoints": entry}, fields={"latest_checkpoint": entry},
-                                                when=_ACTIVE, keep_last=keep)):
+        if not self._took(self.store.jobs.add_checkpoint(self.id, entry, keep)):
             return None
         return self.record.checkpoints
 

@@ -106,7 +106,7 @@ def _compare_fingerprints(ctx, job: JobRecord) -> None:
     if len(groups[0]) > len(groups[1]):
         text += f"; the majority is rank(s) {', '.join(map(str, sorted(groups[0])))}"
     log.warning("job %s: %s", job.id, text)
-    ctx.store.set_job(job.id, {"warnings": [*job.warnings, text]})
+    ctx.store.jobs.warnings(job.id, [*job.warnings, text])
     notify.events_added(job, ctx.store.add_events(job.id, [{
         "kind": EventKind.LOG.value, "rank": None, "key": f"fingerprints:{job.attempt}", "step": None,
         "data": {"text": f"WARNING: {text}"}, "ts": time.time()}]))

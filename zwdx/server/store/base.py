@@ -13,6 +13,9 @@ through small verbs, each taking typed values of the fields it writes (``docs/st
                                                              items of list fields (+ fields)
     reserve_slots(job_id, [(slot_id, rank)], fields)         slots and fields, all or nothing
 
+Above the store, a job's moves write through ``store.jobs`` (``job_verbs.py``): the same
+writes named after what happened (``move``, ``mark_suspect``, ``add_checkpoint``, ...).
+
 Atomicity promises (the scheduler and ``zwdx.server.jobs.Job`` rely on them, across threads
 and processes):
 - ``reserve_slots`` gives a slot to at most one job and moves the job out of ``queued`` (or
@@ -39,6 +42,7 @@ from pydantic import ConfigDict, TypeAdapter
 from pydantic.errors import PydanticUserError
 
 from ...protocol.job import Job as JobRecord
+from .job_verbs import JobVerbs
 
 #: The layout version this code writes. Bump it and add a migration when the layout changes
 #: (``migrations.py``).
@@ -119,6 +123,11 @@ def status_values(when: Iterable | None) -> list[str] | None:
 
 class Store(abc.ABC):
     """Abstract store. Methods raise ``zwdx.errors.StoreError`` when the backend fails."""
+
+    @property
+    def jobs(self) -> JobVerbs:
+        """The job's writes named after what happened (``job_verbs.py``), over the verbs below."""
+        return JobVerbs(self)
 
     # -- lifecycle -------------------------------------------------------------------------
     @abc.abstractmethod
