@@ -10,8 +10,9 @@ worker needs outbound access to the server and nothing else: no open port, no pe
     GET /api/v1/jobs/<id>/diloco/state                        them, for the joiner (200), or 202 while it waits
 
 A worker that joins in a dropped one's place (the scheduler's ``join_workers``, ``Job.join``)
-is not waited for until the round it joins at (``joins``): the round's answers name a worker
-(``state_from``) that sends the global weights after that round's average, and the joiner
+is not waited for until the round it joins at (``joins``): it starts from the server's own
+global weights after the round (``joiners.serve``), or, where the server holds none, the round's
+answers name a worker (``state_from``) that sends its own after that round's average; the joiner
 uploads from the next round on. Workers that reach each other may skip these routes
 altogether (``gpu_client/rank/strategies/peers.py``).
 
@@ -24,7 +25,7 @@ compression: every worker decodes the same bytes and so keeps the same global we
 What a round is, lives in its artifacts (no store verb of its own): ``pseudo_gradient``
 (round, rank, attempt, last) and ``outer_gradient`` (round, attempt, expected, members, left).
 A round waits for the ranks of the job's current attempt that have not left (said ``last`` in an
-earlier round) nor were dropped (``jobs.drop``: a lost GPU client or process), at most
+earlier round) nor were dropped (``lifecycle.drop``: a lost GPU client or process), at most
 ``round_timeout`` after its first upload: then it is averaged over those in, and a worker that
 missed two rounds in a row is dropped. Once a round is averaged its uploads are deleted, and the
 averages older than the one before it; every artifact counts against the room's quota, and what a
@@ -32,7 +33,6 @@ finished job leaves, the sweeper takes.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -43,14 +43,14 @@ from flask import Blueprint, current_app
 from .. import codec
 from ..errors import BadRequest, Conflict, NotFound
 from .. import robust
-from ..protocol import Aggregate, ArtifactKind, EventKind, JobStatus, Parallelism, RankStatus
+from ..protocol import Aggregate, ArtifactKind, EventKind, Parallelism, RankStatus
 from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.rest import ArtifactView
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
-from .jobs import rejoined
+from .job import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from . import global_weights, jobs, limits, notify, suspects
+from . import global_weights, joiners, lifecycle, limits, notify, suspects
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _averages(job: JobRecord) -> dict[int, dict]:
 def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, dict]]:
     """Where round ``n`` stands, its average (None until made) and its uploads by rank. A round
     waits for the ranks of the attempt that neither left (said ``last`` in an earlier round) nor
-    were dropped (their GPU client or process lost: ``jobs.drop``)."""
+    were dropped (their GPU client or process lost: ``lifecycle.drop``)."""
     averages, uploads = _averages(job), _uploads(job, n)
     average = averages.get(n)
     earlier = [r for r in averages if r < n]
@@ -238,22 +238,11 @@ def put_state(job: JobRecord, sender: Sender, n: int):
     artifact = save_artifact({"id": job.room_id}, ArtifactKind.DILOCO_STATE.value, job.id, round=n,
                              rank=sender.rank, attempt=sender.attempt).model_dump()
     try:
-        _check_state(ctx().artifacts.open(artifact["id"]), n, averages[newest].get("numel") if averages else None)
+        joiners.check_state(_yielding(ctx().artifacts.open(artifact["id"])), n, averages[newest].get("numel") if averages else None)
     except BaseException:
         _delete(artifact)
         raise
-    for old in ctx().store.list_artifacts(job.id, ArtifactKind.DILOCO_STATE.value):
-        if old["id"] != artifact["id"]:
-            _delete(old)
-    first = n + 1 if job.spec.diloco.overlap else n
-    ctx().store.put_job_entries(job.id, "joins", {r: job.joins[str(r)].model_copy(
-        update={"round": first, "state_from": sender.rank}) for r in waiting}, when=[JobStatus.RUNNING])
-    text = (f"diloco: rank(s) {', '.join(map(str, waiting))} joined: from rank {sender.rank}'s global weights after "
-            f"round {n - 1}, uploading from round {first} on")
-    log.info("job %s: %s", job.id, text)
-    notify.events_added(job, ctx().store.add_events(job.id, [{
-        "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-join:{job.attempt}:{n}", "step": None,
-        "data": {"text": text}, "ts": time.time()}]))
+    first = joiners.joined(job, n, artifact, waiting, sender.rank)
     return state(ctx().store.get_job(job.id), first)[0], 201
 
 
@@ -270,33 +259,6 @@ def get_state(job: JobRecord, sender: Sender):
         return stream(max(states, key=lambda a: a["created_at"]))
     newest = max(_averages(job), default=-1)
     return state(job, newest + 1)[0], 202
-
-
-def _check_state(chunks, n: int, numel: int | None) -> None:
-    """A safetensors file of float32 vectors ``global`` (and ``momentum``) of ``numel`` values,
-    metadata ``round`` = ``n``: read by its header and its size."""
-    reader = codec.ChunkReader(_yielding(chunks))
-    head = reader.read(8)
-    length = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if not 0 < length <= 1 << 16:
-        raise BadRequest("the body is not safetensors (its header's length)", field="body")
-    try:
-        header = json.loads(reader.read(length))
-        meta = header.pop("__metadata__", {}) or {}
-        assert set(header) in ({"global"}, {"global", "momentum"})
-        sizes = [(v["dtype"], v["shape"], v["data_offsets"]) for v in header.values()]
-    except (ValueError, AssertionError, KeyError, TypeError, AttributeError):
-        raise BadRequest("the body is not the global weights: safetensors with float32 vectors 'global' and, "
-                         "with momentum, 'momentum'", field="body") from None
-    count = sizes[0][1][0] if sizes[0][1] else -1
-    if any(d != "F32" or s != [count] for d, s, _ in sizes) or (numel is not None and count != numel):
-        raise BadRequest(f"the body's vectors must be float32 of the model's {numel} values", field="body")
-    if meta.get("round") != str(n):
-        raise BadRequest(f"the body's metadata must say round {n}", field="body")
-    rest = sum(len(c) for c in iter(lambda: reader.read(1 << 20), b""))
-    if rest != 4 * count * len(sizes) or sorted(o for _, _, o in sizes) != sorted(
-            [[i * 4 * count, (i + 1) * 4 * count] for i in range(len(sizes))]):
-        raise BadRequest("the body's size is not its header's", field="body")
 
 
 def close(job: JobRecord, n: int) -> dict | None:
@@ -339,8 +301,9 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
                                robust=settings.aggregate == Aggregate.ROBUST, trim=settings.trim)
     layout, members, chunks = codec.average(readers, combiner.frame)
     allowed, by_quota = limits.artifact_allowance(job.room_id, int(current_app.config["MAX_ARTIFACT_BYTES"]))
-    if layout.size() > allowed:
-        raise limits.artifact_quota_exceeded(job.room_id, layout.size())
+    held = global_weights.held_size(job, layout.numel)  # the server's global weights after the round
+    if layout.size() > allowed or (by_quota and layout.size() + held > allowed):
+        raise limits.artifact_quota_exceeded(job.room_id, layout.size() + held if by_quota else layout.size())
     artifact_id = uuid.uuid4().hex
     size, sha = ctx().artifacts.save(artifact_id, codec.ChunkReader(_yielding(chunks)), allowed)
     left = sorted(set(round_state.left) | {r for r, a in uploads.items() if a.get("last")})
@@ -350,12 +313,13 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
         "numel": layout.numel,
         "expected": round_state.expected, "members": members, "left": left, "missed": round_state.waiting_for})
     global_weights.step(job, n, record)  # the server's own global weights after this round
+    joiners.serve(job, n)
     earlier = _averages(job).get(n - 1) or {}
     flagged = suspects.judge(job, n, members, combiner, earlier, record)
     _collect(job, n)
     twice = [r for r in round_state.waiting_for if r in (earlier.get("missed") or [])]
     if twice:  # two rounds in a row: it is gone, or too slow to be waited for
-        jobs.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
+        lifecycle.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
     text = (f"diloco round {n}: averaged the pseudo-gradients of rank(s) {', '.join(map(str, members)) or 'none'} "
             f"through the server ({layout.compression}, {sum(a['size'] for a in uploads.values())} bytes in, "
             f"{size} bytes out to each worker, {time.time() - started:.2f} s)"
