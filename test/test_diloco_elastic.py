@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import zwdx
 import mnist
 from procs import wait_until
 from workloads import slow_train
@@ -18,7 +19,8 @@ def test_a_worker_killed_mid_job_is_dropped_and_the_job_completes_without_a_rest
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
                             eval_func=mnist.test, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                            parallelism="DILOCO", diloco={"inner_steps": 4, "all_reduce": False}, world_size=3, epochs=4, wait=False)
+                            parallelism="DILOCO", strategy=zwdx.Diloco(inner_steps=4, all_reduce=False),
+                            resources=zwdx.Resources(world_size=3), training=zwdx.Training(epochs=4), wait=False)
 
     def rounds() -> list[str]:
         return [line["text"] for line in sdk.get_job_logs(job_id) if line["text"].startswith("diloco round")]
@@ -48,7 +50,8 @@ def test_a_diloco_job_with_no_worker_left_resumes_from_its_checkpoint_with_the_g
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
-                            diloco={"inner_steps": 10}, world_size=1, epochs=3, wait=False)
+                            strategy=zwdx.Diloco(inner_steps=10), resources=zwdx.Resources(world_size=1),
+                            training=zwdx.Training(epochs=3), wait=False)
     checkpoint = wait_until(lambda: sdk.get_job(job_id).get("latest_checkpoint"), 120, what="a checkpoint")
     first.popen.kill()
     wait_until(lambda: sdk.get_job(job_id)["restarts"] == 1, 60, what="the job interrupted")
@@ -73,7 +76,8 @@ def test_a_gpu_client_started_mid_job_joins_in_a_killed_workers_place(sdk, room,
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
-                            diloco={"inner_steps": 4, "all_reduce": False}, world_size=2, epochs=12, wait=False)
+                            strategy=zwdx.Diloco(inner_steps=4, all_reduce=False),
+                            resources=zwdx.Resources(world_size=2), training=zwdx.Training(epochs=12), wait=False)
 
     def logs() -> list[str]:
         return [line["text"] for line in sdk.get_job_logs(job_id)]
@@ -115,7 +119,8 @@ def test_workers_on_one_host_average_by_all_reduce_among_themselves(sdk, room, s
     model = mnist.Net()
     result = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), parallelism="DILOCO",
-                            diloco={"inner_steps": 12}, world_size=2, epochs=2, progress=False, timeout=300)
+                            strategy=zwdx.Diloco(inner_steps=12), resources=zwdx.Resources(world_size=2),
+                            training=zwdx.Training(epochs=2), run=zwdx.Run(progress=False, timeout=300))
     assert result["status"] == "completed", result["reason"]
     logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]
     assert "DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)" in logs, logs

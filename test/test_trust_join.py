@@ -18,9 +18,9 @@ torch.set_num_threads(1)
 def test_a_joining_worker_takes_the_servers_global_weights(app):
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
-    from zwdx.server import lifecycle
+    from zwdx.server.jobs import lifecycle
     from zwdx.server.auth import hash_secret
-    from zwdx.server.job import Job
+    from zwdx.server.jobs import Job
     net = model()
     room, (r0, r1), job = placed(app, start_weights.encode(net), world_size=2)
     ctx, url = app.extensions["zwdx"], f"/jobs/{job['id']}/diloco"

@@ -25,7 +25,7 @@ compression: every worker decodes the same bytes and so keeps the same global we
 What a round is, lives in its artifacts (no store verb of its own): ``pseudo_gradient``
 (round, rank, attempt, last) and ``outer_gradient`` (round, attempt, expected, members, left).
 A round waits for the ranks of the job's current attempt that have not left (said ``last`` in an
-earlier round) nor were dropped (``lifecycle.drop``: a lost GPU client or process), at most
+earlier round) nor were dropped (``jobs.drop``: a lost GPU client or process), at most
 ``round_timeout`` after its first upload: then it is averaged over those in, and a worker that
 missed two rounds in a row is dropped. Once a round is averaged its uploads are deleted, and the
 averages older than the one before it; every artifact counts against the room's quota, and what a
@@ -48,9 +48,9 @@ from ..protocol.diloco import RoundState, RoundUpload
 from ..protocol.rest import ArtifactView
 from ..protocol.job import Job as JobRecord
 from .auth import Sender
-from .job import rejoined
+from .jobs import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from . import global_weights, joiners, lifecycle, limits, notify, suspects
+from . import global_weights, jobs, joiners, limits, notify, suspects
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _averages(job: JobRecord) -> dict[int, dict]:
 def state(job: JobRecord, n: int) -> tuple[RoundState, dict | None, dict[int, dict]]:
     """Where round ``n`` stands, its average (None until made) and its uploads by rank. A round
     waits for the ranks of the attempt that neither left (said ``last`` in an earlier round) nor
-    were dropped (their GPU client or process lost: ``lifecycle.drop``)."""
+    were dropped (their GPU client or process lost: ``jobs.drop``)."""
     averages, uploads = _averages(job), _uploads(job, n)
     average = averages.get(n)
     earlier = [r for r in averages if r < n]
@@ -319,7 +319,7 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
     _collect(job, n)
     twice = [r for r in round_state.waiting_for if r in (earlier.get("missed") or [])]
     if twice:  # two rounds in a row: it is gone, or too slow to be waited for
-        lifecycle.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
+        jobs.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
     text = (f"diloco round {n}: averaged the pseudo-gradients of rank(s) {', '.join(map(str, members)) or 'none'} "
             f"through the server ({layout.compression}, {sum(a['size'] for a in uploads.values())} bytes in, "
             f"{size} bytes out to each worker, {time.time() - started:.2f} s)"
