@@ -35,8 +35,10 @@ FAST = ["-m", "not slow"]
 MODULES: dict[str, tuple[str, list[str]]] = {
     "auth": ("zwdx/server/auth.py", ["test/test_api.py", "test/test_edge.py", "test/test_mutants_auth.py"] + FAST),
     "job": ("zwdx/server/jobs/model.py", ["test/test_job.py", "test/test_scheduler.py", "test/test_mutants_job.py"] + FAST),
-    "placement": ("zwdx/server/placement.py",
-                  ["test/test_placement.py", "test/test_scheduler.py", "test/test_mutants_placement.py"] + FAST),
+    "placement": ("zwdx/server/placement/filters.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
+                                                       "test/test_mutants_placement.py"] + FAST),
+    "placement-groups": ("zwdx/server/placement/groups.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
+                                                             "test/test_tensor_parallel.py"] + FAST),
     "scheduler": ("zwdx/server/scheduler.py",
                   ["test/test_scheduler.py", "test/test_placement.py", "test/test_job.py"] + FAST),
     "limits": ("zwdx/server/limits.py",

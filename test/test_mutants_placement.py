@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from zwdx import defaults
 from zwdx.server import placement
-from zwdx.server.placement import GiB, _eligible, _python, memory
+from zwdx.server.placement import GiB, memory
+from zwdx.server.placement import free_slots as _eligible, python_of as _python
 
 
 def client(cid, python="3.11.4", status="online", modules=None, hostname=None):

@@ -1,0 +1,161 @@
+"""The GPU clients, slots and job asks placement reads, typed: read once from the store's
+documents (``store.list_clients``, a job's ``spec``), whose format stays as it is."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ... import defaults
+from ...protocol import ClientStatus, JobStatus, SlotKind, python_minor
+from ...protocol.flat import nest
+
+GiB = 1024**3
+#: The modes whose ranks form TP groups, each on one GPU client.
+TP_MODES = ("TP", "FSDP+TP")
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def count(value) -> int:
+    """A count from a record: a number a bug or an older zwdx stored as something else counts 0."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def memory(slot: dict, field: str = "memory_total") -> int:
+    """A slot's ``memory_total`` or ``memory_free`` as placement believes it: at most what its kind
+    of device can have, and free at most total (a record stored before registers were checked
+    for plausibility draws no job by a claim no hardware makes)."""
+    bound = defaults.MAX_GPU_MEMORY if slot.get("kind", "cuda") == "cuda" else defaults.MAX_HOST_MEMORY
+    total = min(count(slot.get("memory_total")), bound)
+    return total if field == "memory_total" else min(count(slot.get(field)), total)
+
+
+def python_of(client: dict) -> str:
+    """The Python version a GPU client reported ("?" if its record holds none)."""
+    versions = client.get("versions")
+    return str(versions.get("python", "?")) if isinstance(versions, dict) else "?"
+
+
+def host_of(client: dict) -> str:
+    """The machine a GPU client runs on (one of its own when it did not say)."""
+    return client.get("host_id") or f"client:{client['id']}"
+
+
+def online(client: dict | None) -> bool:
+    return bool(client) and client.get("status") == ClientStatus.ONLINE.value
+
+
+def _kind(value) -> SlotKind | None:
+    try:
+        return SlotKind(value or SlotKind.CUDA.value)
+    except ValueError:  # a kind this zwdx does not know: never placed
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One GPU, or the CPU of a client without GPUs; ``doc`` is the store's document (what a
+    plan returns, and the scheduler marks as taken)."""
+    id: str
+    client_id: str
+    index: int
+    kind: SlotKind | None
+    memory_total: int
+    memory_free: int
+    job_id: str | None
+    allowed_images: tuple[str, ...]
+    doc: dict = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, doc: dict) -> Slot:
+        return cls(id=doc.get("id") or f"{doc['client_id']}:{doc.get('index', 0)}", client_id=doc["client_id"],
+                   index=count(doc.get("index")), kind=_kind(doc.get("kind")), memory_total=memory(doc),
+                   memory_free=memory(doc, "memory_free"), job_id=doc.get("job_id") or None,
+                   allowed_images=tuple((doc.get("terms") or {}).get("allowed_images") or ()), doc=doc)
+
+
+@dataclass(frozen=True, slots=True)
+class Client:
+    """A GPU client as placement sees it. ``modules``: the packages it can import, as it reported
+    them (None: it did not say, and is not checked)."""
+    id: str
+    online: bool
+    python: str
+    modules: str | None
+    hostname: str | None
+    host: str
+    unreachable: tuple[tuple[str, float], ...]
+    slots: tuple[Slot, ...]
+    doc: dict = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, doc: dict) -> Client:
+        held = doc.get("unreachable")
+        apart = tuple((e["client_id"], float(e["until"])) for e in (held if isinstance(held, list) else ())
+                      if isinstance(e, dict) and isinstance(e.get("client_id"), str)
+                      and isinstance(e.get("until"), (int, float)))
+        return cls(id=doc["id"], online=online(doc), python=python_of(doc), modules=doc.get("modules"),
+                   hostname=doc.get("hostname"), host=host_of(doc), unreachable=apart,
+                   slots=tuple(Slot.of(s) for s in doc.get("slots") or ()), doc=doc)
+
+    @property
+    def name(self) -> str:
+        return f"{self.id} on host {self.hostname or '?'}"
+
+    def apart_from(self, now: float) -> list[str]:
+        """The GPU clients this one is known not to reach, or not to be reached by, at ``now``."""
+        return sorted({peer for peer, until in self.unreachable if until > now})
+
+
+def tree(spec: dict) -> dict:
+    """A spec document as the tree (``zwdx.protocol.spec``) with its mode named, whichever shape
+    it has (a record of an earlier zwdx, a hand-made document, are flat)."""
+    if "strategy" in spec or "code" in spec:
+        return spec
+    mode = {"parallelism": str(spec.get("parallelism") or "DDP").upper(), "kind": spec.get("kind") or "function"}
+    return {**nest(spec), **mode}
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What a job asks of the slots it runs on. ``python``: the minor version its code loads on
+    (its bundle's: cloudpickled code needs the one that made it; a script job's, None: its script
+    runs on the GPU client's Python). ``want``: its ranks (None: as many as fit); ``least``: a
+    resuming job's fewest. ``avoid``: GPU clients that held a placement of it that did not start."""
+    python: str | None
+    modules: tuple[str, ...]
+    memory: int
+    image: str | None
+    want: int | None
+    least: int | None
+    per: int
+    parallelism: str | None
+    mixed: bool
+    avoid: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, spec: dict, job: dict | None = None) -> Need:
+        spec, job = tree(spec), job or {}
+        code, res = spec.get("code") or {}, spec.get("resources") or {}
+        want, least = res.get("world_size"), None
+        if job.get("status") == JobStatus.RESUMING.value and job.get("world_size"):
+            want, least = job["world_size"], (spec.get("recovery") or {}).get("min_world_size")
+        python = (code.get("versions") or {}).get("python")
+        return cls(python=None if spec.get("kind") == "script" or not python else python_minor(python),
+                   modules=tuple(code.get("required_modules") or ()), memory=count(res.get("memory_required")),
+                   image=res.get("image"), want=want, least=least, per=count(res.get("gpus_per_client")),
+                   parallelism=spec.get("parallelism"), mixed=(spec.get("strategy") or {}).get("type") == "mixed",
+                   avoid=frozenset(job.get("avoid") or ()))
+
+    @property
+    def tp(self) -> bool:
+        return self.parallelism in TP_MODES
+
+    @property
+    def tcp(self) -> bool:
+        """Whether its ranks open TCP to each other (all but DILOCO, which syncs through the server)."""
+        return self.parallelism != "DILOCO"
