@@ -36,8 +36,8 @@ def quota(app, monkeypatch):
     ctx = app.extensions["zwdx"]
 
     def make(sums: Sums, **config):
-        for name in ("ROOM_MAX_JOBS", "ROOM_MAX_EVENTS", "ROOM_MAX_ARTIFACT_BYTES"):
-            monkeypatch.setitem(app.config, name, config.get(name, 0))
+        monkeypatch.setattr(ctx, "settings", ctx.settings.replace(**{name: config.get(name, 0) for name in (
+            "ROOM_MAX_JOBS", "ROOM_MAX_EVENTS", "ROOM_MAX_ARTIFACT_BYTES")}))
         for name in ("count_jobs", "room_artifact_bytes", "room_event_usage"):
             monkeypatch.setattr(ctx.store, name, getattr(sums, name))
         app.extensions.pop("zwdx.artifact_sums", None)
@@ -152,8 +152,8 @@ def test_usage_reports_every_sum_and_limit(quota):
 
 
 def _window(app, monkeypatch, **rates):
-    for name, rate in rates.items():
-        monkeypatch.setitem(app.config, name, rate)
+    ctx = app.extensions["zwdx"]
+    monkeypatch.setattr(ctx, "settings", ctx.settings.replace(**rates))
     return RateLimits("memory://")
 
 

@@ -9,8 +9,6 @@ import re
 #: Units taken: powers of 1024 for the short ones and the *iB ones (as torch prints), of 1000 for kB/MB/GB/TB.
 UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
-#: Config keys the server reads as sizes (``create_app`` parses a string, as ``ZWDX_<KEY>`` gives).
-SERVER_SIZES = ("MAX_ARTIFACT_BYTES", "MAX_REQUEST_BYTES", "ROOM_MAX_ARTIFACT_BYTES", "MIN_FREE_BYTES")
 
 
 def parse(text: str | int) -> int:
@@ -37,13 +35,3 @@ def human(n: int | float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
-
-
-def server_config(config) -> None:
-    """Parse the server's size settings given as strings (``ZWDX_MAX_ARTIFACT_BYTES=100GiB``)."""
-    for key in SERVER_SIZES:
-        if isinstance(config.get(key), str):
-            try:
-                config[key] = parse(config[key])
-            except ValueError as exc:
-                raise ValueError(f"ZWDX_{key}: {exc}") from None

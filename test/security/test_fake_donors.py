@@ -124,7 +124,7 @@ def test_jobs_spread_over_gpu_clients_rather_than_all_going_to_the_biggest(world
 
 # -- M3: a client that takes a job and never starts it ---------------------------------------------
 def test_a_job_whose_ranks_never_start_is_placed_again_elsewhere_then_fails(world):
-    world.app.config.update(START_TIMEOUT=0.3, START_TRIES=2)
+    world.app.extensions["zwdx"].reconfigure(START_TIMEOUT=0.3, START_TRIES=2)
     sock = connect(world)
     assert register(sock, "fake-idle", slots=cpu_slots(1))["ok"]
     job_id = world.submit(world_size=1)["id"]
@@ -164,7 +164,7 @@ def test_a_job_whose_ranks_never_start_is_placed_again_elsewhere_then_fails(worl
 def test_beside_an_honest_gpu_client_only_the_one_that_never_ran_the_job_is_passed_over(world):
     """An honest client's ranks wait in the rendezvous for the fake's: the honest one said in its
     heartbeat that it runs the job, so only the fake is held against it."""
-    world.app.config.update(START_TIMEOUT=0.3)
+    world.app.extensions["zwdx"].reconfigure(START_TIMEOUT=0.3)
     sock = connect(world)
     assert register(sock, "fake-idle", slots=cpu_slots(1))["ok"]
     job_id = world.submit(world_size=2)["id"]
@@ -187,7 +187,7 @@ def test_beside_an_honest_gpu_client_only_the_one_that_never_ran_the_job_is_pass
 
 
 def test_a_gpu_client_that_never_offers_a_rendezvous_address_holds_no_job(world):
-    world.app.config.update(RESERVE_TIMEOUT=0.2)
+    world.app.extensions["zwdx"].reconfigure(RESERVE_TIMEOUT=0.2)
     sock = connect(world)  # the test client hears reserve_port and never answers it
     assert register(sock, "fake-mute", slots=cpu_slots(2))["ok"]
     job_id = world.submit(world_size=1)["id"]
@@ -221,7 +221,7 @@ def test_a_job_only_passed_over_clients_could_run_holds_back_no_job_behind_it(wo
 
 # -- L7: what one donor token may register ---------------------------------------------------------
 def test_one_donor_token_is_held_to_its_clients_and_slots(world):
-    world.app.config.update(DONOR_MAX_CLIENTS=3, CLIENT_MAX_SLOTS=16)
+    world.app.extensions["zwdx"].reconfigure(DONOR_MAX_CLIENTS=3, CLIENT_MAX_SLOTS=16)
     sock = connect(world)
     before = snapshot(world)
     answer = register(sock, "wide", slots=cpu_slots(17))
@@ -246,7 +246,7 @@ def test_one_donor_token_is_held_to_its_clients_and_slots(world):
 
 
 def test_registers_of_one_donor_token_are_rate_limited(world):
-    world.app.config.update(RATE_LIMIT_REGISTERS="3 per minute", DONOR_MAX_CLIENTS=0)
+    world.app.extensions["zwdx"].reconfigure(RATE_LIMIT_REGISTERS="3 per minute", DONOR_MAX_CLIENTS=0)
     socks = [connect(world) for _ in range(4)]
     for i, sock in enumerate(socks[:3]):
         assert register(sock, f"churn-{i}")["ok"]

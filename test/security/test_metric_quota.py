@@ -68,9 +68,9 @@ def read_metrics(world, job_id: str) -> tuple[dict, int]:
 
 # -- H2: quotas and rate ------------------------------------------------------------------------------
 def test_a_flood_of_events_stops_at_the_rooms_event_quota_and_keeps_what_was_stored(world):
-    world.app.config.update(RATE_LIMIT_EVENTS="1000 per second")
+    world.app.extensions["zwdx"].reconfigure(RATE_LIMIT_EVENTS="1000 per second")
     held = usage(world)["events"]
-    world.app.config["ROOM_MAX_EVENTS"] = held + 500
+    world.app.extensions["zwdx"].reconfigure(ROOM_MAX_EVENTS=held + 500)
     answers = [post(world, batch(200, 200 * i)) for i in range(4)]
     assert [a.status_code for a in answers] == [200, 200, 429, 429], [a.text[:200] for a in answers]
     error = answers[2].json["error"]
@@ -87,13 +87,13 @@ def test_a_flood_of_events_stops_at_the_rooms_event_quota_and_keeps_what_was_sto
 
 
 def test_events_count_in_the_rooms_byte_quota_with_its_artifacts(world):
-    world.app.config.update(RATE_LIMIT_EVENTS="1000 per second", ROOM_MAX_EVENTS=0)
+    world.app.extensions["zwdx"].reconfigure(RATE_LIMIT_EVENTS="1000 per second", ROOM_MAX_EVENTS=0)
     start = usage(world)
     assert post(world, batch(100, 0)).status_code == 200
     grown = usage(world)
     assert grown["events"] == start["events"] + 100 and grown["event_bytes"] > start["event_bytes"] + 100 * 20 * 8
     stored = grown["artifact_bytes"] + grown["event_bytes"]
-    world.app.config["ROOM_MAX_ARTIFACT_BYTES"] = stored + 50_000
+    world.app.extensions["zwdx"].reconfigure(ROOM_MAX_ARTIFACT_BYTES=stored + 50_000)
     codes = [post(world, batch(100, 100 * (i + 1))).status_code for i in range(12)]
     assert 200 in codes and codes[-1] == 429, codes  # about 20 KB a batch: two fit, then no more
     refused = post(world, batch(100, 5000))
@@ -106,7 +106,7 @@ def test_events_count_in_the_rooms_byte_quota_with_its_artifacts(world):
 
 
 def test_a_rank_posting_too_often_is_told_to_wait_and_its_peer_is_not(world):
-    world.app.config.update(RATE_LIMIT_EVENTS="3 per minute")
+    world.app.extensions["zwdx"].reconfigure(RATE_LIMIT_EVENTS="3 per minute")
     assert [post(world, batch(1, i)).status_code for i in range(3)] == [200, 200, 200]
     before = snapshot(world)
     refused = post(world, batch(1, 3))
@@ -134,7 +134,7 @@ def test_a_ranks_reporter_waits_out_the_rate_and_gives_up_a_batch_over_the_quota
     from gpu_client.rank.reporter import Reporter
     app, url = served
     room, rank0, job = placed_job(app, "reported")
-    app.config.update(RATE_LIMIT_EVENTS="2 per second", ROOM_MAX_EVENTS=6)
+    app.extensions["zwdx"].reconfigure(RATE_LIMIT_EVENTS="2 per second", ROOM_MAX_EVENTS=6)
     reporter = Reporter(url, rank0.rank_key, job["id"], 0, flush_interval=0.01)
     for step in range(4):  # posted one by one: past the rate, answered 429 and sent again
         reporter.log_metrics(loss=float(step))
@@ -170,7 +170,7 @@ def test_waiting_on_a_job_brings_every_event_however_many_pages_they_take(served
 
 # -- H2: the reads ------------------------------------------------------------------------------------
 def test_a_series_past_the_cap_is_thinned_and_keeps_its_first_and_last_points(world):
-    world.app.config.update(RATE_LIMIT_EVENTS="1000 per second", MAX_SERIES_POINTS=100)
+    world.app.extensions["zwdx"].reconfigure(RATE_LIMIT_EVENTS="1000 per second", MAX_SERIES_POINTS=100)
     for i in range(10):
         events = batch(100, 100 * i, values=1, loss=lambda s: 1000.0 - s)
         for ev in events["events"]:
@@ -186,7 +186,7 @@ def test_a_series_past_the_cap_is_thinned_and_keeps_its_first_and_last_points(wo
 
 
 def test_the_reads_come_in_pages_and_following_them_gets_every_point(world):
-    world.app.config.update(RATE_LIMIT_EVENTS="1000 per second")
+    world.app.extensions["zwdx"].reconfigure(RATE_LIMIT_EVENTS="1000 per second")
     for i in range(5):
         assert post(world, batch(200, 200 * i, values=5, throughput=float)).status_code == 200
     series, pages = read_metrics(world, world.jobs["live"])
@@ -207,7 +207,7 @@ def test_the_reads_come_in_pages_and_following_them_gets_every_point(world):
 # -- M2: the disk -------------------------------------------------------------------------------------
 def test_below_the_free_space_floor_new_data_is_refused_and_stored_data_stays_readable(world):
     bundle = world.request("POST", "/artifacts", world.as_submitter(), data=b"a bundle for later").json
-    world.app.config["MIN_FREE_BYTES"] = 10**18  # more than any disk has free
+    world.app.extensions["zwdx"].reconfigure(MIN_FREE_BYTES=10**18)  # more than any disk has free
     before = snapshot(world)
     refused = {
         "upload": world.request("POST", "/artifacts", world.as_submitter(), data=b"more"),
@@ -225,7 +225,7 @@ def test_below_the_free_space_floor_new_data_is_refused_and_stored_data_stays_re
     assert world.request("GET", f"/jobs/{world.jobs['live']}/events", world.as_submitter()).status_code == 200
     assert world.request("POST", f"/jobs/{world.jobs['live']}/ranks/0", world.as_rank("rank0"),
                          json={"status": "running"}).status_code == 200  # a job may still move and end
-    world.app.config["MIN_FREE_BYTES"] = 0
+    world.app.extensions["zwdx"].reconfigure(MIN_FREE_BYTES=0)
     assert world.request("POST", "/artifacts", world.as_submitter(), data=b"more").status_code == 201
 
 

@@ -25,7 +25,7 @@ from flask import Flask
 from flask.json.provider import DefaultJSONProvider
 from socketio import packet as socketio_packet
 
-from .. import defaults, sizes
+from .. import defaults
 from ..protocol.base import loads
 from ..protocol.report import to_wire
 from . import (api, checkpoints, collector, connections, dashboard_api, datasets, diloco, disk, events, json_limits,
@@ -39,6 +39,7 @@ from .placement import RecentClients
 from .presence import Presence
 from .roomview import RoomViews, observe
 from .scheduler import Scheduler
+from .settings import ServerConfig
 from .store import open_store
 from .sweeper import Sweeper
 
@@ -128,26 +129,27 @@ class ServerContext:
     """What every part of the server shares: config, store, artifact bytes, scheduler, sweeper,
     rate limiter."""
 
-    def __init__(self, app: Flask):
-        cfg = app.config
-        self.config = cfg
-        if not cfg.get("MONGO_URI"):
-            private_dir(cfg["DATA_DIR"])
-        self.store = open_store(cfg["DATA_DIR"], cfg.get("MONGO_URI"))
-        if cfg.get("MONGO_URI"):
+    def __init__(self, app: Flask, settings: ServerConfig):
+        #: the settings, checked once (``settings.py``); ``config`` is Flask's mirror of them
+        self.settings = settings
+        self.config = app.config
+        if not settings.mongo_uri:
+            private_dir(settings.data_dir)
+        self.store = open_store(settings.data_dir, settings.mongo_uri)
+        if settings.mongo_uri:
             from .store.gridfs import GridFSArtifactStore  # pymongo, imported only when used
-            self.artifacts = GridFSArtifactStore(cfg["MONGO_URI"])
+            self.artifacts = GridFSArtifactStore(settings.mongo_uri)
         else:
-            self.artifacts = FileArtifactStore(os.path.join(cfg["DATA_DIR"], "artifacts"))
+            self.artifacts = FileArtifactStore(os.path.join(settings.data_dir, "artifacts"))
         #: whether this process leads (runs the scheduler and the sweeper): always alone, the
         #: lease's holder among processes that share a store and a message queue (``lease.py``)
-        self.lease = Lease(self.store, shared=bool(cfg.get("MESSAGE_QUEUE")),
-                           ttl=float(cfg.get("SCHEDULER_LEASE_TTL") or defaults.SCHEDULER_LEASE_TTL))
+        self.lease = Lease(self.store, shared=bool(settings.message_queue),
+                           ttl=settings.scheduler_lease_ttl or defaults.SCHEDULER_LEASE_TTL)
         self.scheduler = Scheduler(self)
         #: the GPU clients this process holds, alive in memory (``presence.py``)
-        self.presence = Presence(self, cfg.get("MESSAGE_QUEUE"))
+        self.presence = Presence(self, settings.message_queue)
         #: each room's GPU clients as placement reads them, kept by the store's writes (``roomview.py``)
-        self.views = RoomViews(self.store, cfg.get("MESSAGE_QUEUE"))
+        self.views = RoomViews(self.store, settings.message_queue)
         observe(self.store, self.views)
         #: ranks' events, written in batches (``batches.py``)
         self.events = EventWriter(self.store)
@@ -162,6 +164,13 @@ class ServerContext:
         self.connections: dict[str, tuple[str, str, str | None]] = {}
         #: the rooms' GPU-client lists waiting to go to the dashboards (``notify.clients_changed``)
         self.pushes = notify.ClientPushes()
+
+    def reconfigure(self, **changes) -> ServerConfig:
+        """Change settings while the app runs (a test's ``START_TIMEOUT=0.3``), checked as at start;
+        what was built from the old ones at start (the limiter's storage, the sockets) stays."""
+        self.settings = self.settings.replace(**changes)
+        self.config.update(self.settings.as_config())
+        return self.settings
 
     def close(self) -> None:
         """Stop the background loops and release the store (an app in a test, at its end)."""
@@ -178,69 +187,20 @@ class ServerContext:
 
 def create_app(config: dict | None = None) -> Flask:
     app = Flask(__name__, static_folder=None)
-    app.config.from_mapping(
-        DATA_DIR=os.path.abspath("zwdx-data"),
-        MONGO_URI=None,
-        ASYNC_MODE="threading",
-        MAX_ARTIFACT_BYTES=defaults.MAX_ARTIFACT_BYTES,
-        MAX_REQUEST_BYTES=defaults.MAX_REQUEST_BYTES,
-        ROOM_MAX_JOBS=defaults.ROOM_MAX_JOBS,
-        ROOM_MAX_ARTIFACT_BYTES=defaults.ROOM_MAX_ARTIFACT_BYTES,
-        ROOM_MAX_EVENTS=defaults.ROOM_MAX_EVENTS,
-        RATE_LIMIT_EVENTS=defaults.RATE_LIMIT_EVENTS,
-        MAX_SERIES_POINTS=defaults.MAX_SERIES_POINTS,
-        MIN_FREE_BYTES=defaults.MIN_FREE_BYTES,
-        RATE_LIMIT_ROOMS=defaults.RATE_LIMIT_ROOMS,
-        RATE_LIMIT_AUTH_FAILURES=defaults.RATE_LIMIT_AUTH_FAILURES,
-        RATE_LIMIT_LINK=defaults.RATE_LIMIT_LINK,
-        LINK_PROBE_MAX_BYTES=defaults.LINK_PROBE_MAX_BYTES,
-        UNREACHABLE_TTL=defaults.UNREACHABLE_TTL,
-        SWEEP_INTERVAL=defaults.SWEEP_INTERVAL,
-        UNATTACHED_GRACE=defaults.UNATTACHED_GRACE,
-        ARTIFACT_RETENTION=defaults.ARTIFACT_RETENTION,
-        CLIENT_TIMEOUT=defaults.CLIENT_TIMEOUT,
-        HEARTBEAT_INTERVAL=defaults.HEARTBEAT_INTERVAL,
-        HEARTBEAT_RATE=defaults.HEARTBEAT_RATE,
-        COLLECTIVE_TIMEOUT=defaults.COLLECTIVE_TIMEOUT,
-        RESERVE_TIMEOUT=defaults.RESERVE_TIMEOUT,
-        START_TIMEOUT=defaults.START_TIMEOUT,
-        START_TRIES=defaults.START_TRIES,
-        DONOR_MAX_CLIENTS=defaults.DONOR_MAX_CLIENTS,
-        CLIENT_MAX_SLOTS=defaults.CLIENT_MAX_SLOTS,
-        RATE_LIMIT_REGISTERS=defaults.RATE_LIMIT_REGISTERS,
-        CLIENT_RETENTION=defaults.CLIENT_RETENTION,
-        METRICS_TOKEN=None,  # GET /metrics: None answers loopback addresses only (prometheus.py)
-        UI_DIR=None,  # the dashboard's build; None: the one installed with the package (ui.find_dashboard)
-        #: Socket.IO's message queue (redis://host:port/db), shared by several server processes on one
-        #: store: an emit of any of them reaches a client connected to any other; the scheduler runs
-        #: in the one that holds the store's lease (docs/deploy-scale.md). None: one process.
-        MESSAGE_QUEUE=None,
-        SCHEDULER_LEASE_TTL=defaults.SCHEDULER_LEASE_TTL,
-        HEADER_TIMEOUT=defaults.HEADER_TIMEOUT,
-        IDLE_TIMEOUT=defaults.IDLE_TIMEOUT,
-        BODY_TIMEOUT=defaults.BODY_TIMEOUT,
-        MAX_CONNECTIONS_PER_ADDRESS=defaults.MAX_CONNECTIONS_PER_ADDRESS,
-        SOCKET_SESSIONS_PER_ADDRESS=defaults.SOCKET_SESSIONS_PER_ADDRESS,
-        SOCKET_AUTH_TIMEOUT=defaults.SOCKET_AUTH_TIMEOUT,
-        PROXY_HOPS=0,  # reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
-    )
-    app.config.from_prefixed_env("ZWDX")
-    if config:
-        app.config.update(config)
-    sizes.server_config(app.config)  # ZWDX_MAX_ARTIFACT_BYTES=100GiB
-    # Every body but an artifact's (those stream within their own limit, ``http.save_artifact``).
-    app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_REQUEST_BYTES"])
+    # defaults < ZWDX_<KEY> < config, checked once (settings.py); app.config mirrors them for Flask
+    settings = ServerConfig.from_sources(config, os.environ)
+    app.config.update(config or {})
     app.json = WireJSON(app)
-    mode = app.config["ASYNC_MODE"]
-    if mode not in ASYNC_MODES:
-        raise ValueError(f"ASYNC_MODE must be one of {', '.join(ASYNC_MODES)}, got {mode!r}")
-    if mode == "gevent" and not gevent_patched():
+    if settings.async_mode == "gevent" and not gevent_patched():
         log.warning("server: ASYNC_MODE gevent needs a process gevent monkey-patched first (as `zwdx server` "
                     "does); serving with threads instead")
-        mode = app.config["ASYNC_MODE"] = "threading"
-
-    app.config["UI_DIR"] = ui.find_dashboard(app.config["UI_DIR"])
-    ctx = ServerContext(app)
+        settings = settings.replace(async_mode="threading")
+    settings = settings.replace(ui_dir=ui.find_dashboard(settings.ui_dir))
+    app.config.update(settings.as_config())
+    # Every body but an artifact's (those stream within their own limit, ``http.save_artifact``).
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    mode = settings.async_mode
+    ctx = ServerContext(app, settings)
     app.extensions["zwdx"] = ctx
 
     app.register_blueprint(api.bp)
@@ -260,7 +220,7 @@ def create_app(config: dict | None = None) -> Flask:
     prometheus.observe_requests(app)
     ctx.limiter = limits.init_app(app)
     disk.init_app(app)
-    queue = {"message_queue": app.config["MESSAGE_QUEUE"]} if app.config["MESSAGE_QUEUE"] else {}
+    queue = {"message_queue": settings.message_queue} if settings.message_queue else {}
     # No Flask session is used: its copy per event is saved. A client's events are handled on its
     # connection's own reader, in order, not each in a new thread (greenlet) that then waits its
     # turn again: no handler waits on anything but the store (events.py).
@@ -277,14 +237,14 @@ def create_app(config: dict | None = None) -> Flask:
     ctx.sweeper.start()
     ctx.lease.start(ctx.stopping)
     log.info("server: store %s, data dir %s, async mode %s, dashboard from %s", type(ctx.store).__name__,
-             app.config["DATA_DIR"], mode, app.config["UI_DIR"])
+             settings.data_dir, mode, settings.ui_dir)
     if not ctx.lease.shared and ctx.store.lease_holder(SCHEDULER_LEASE):
         log.warning("server: another server process on this store runs with a message queue (it holds the "
                     "scheduler's lease), and this one without: this one schedules too and cannot reach that one's GPU "
                     "clients. Start every server process with the same ZWDX_MESSAGE_QUEUE (docs/deploy-scale.md)")
     if ctx.lease.shared:
         log.info("server: one of several processes (message queue %s); this one is %s", _without_password(
-            app.config["MESSAGE_QUEUE"]), ctx.lease.holder)
+            settings.message_queue), ctx.lease.holder)
     return app
 
 
@@ -305,9 +265,9 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
     open_files = _raise_open_files_limit()
     ctx = app.extensions["zwdx"]
     ctx.store.serving()
-    if not app.config.get("MONGO_URI"):  # held until the process ends: `zwdx server restore` refuses meanwhile
+    if not ctx.settings.mongo_uri:  # held until the process ends: `zwdx server restore` refuses meanwhile
         from .backup import serving
-        ctx.serving_lock = serving(app.config["DATA_DIR"])
+        ctx.serving_lock = serving(ctx.settings.data_dir)
     collector.keep_pauses_short(ctx.stopping)
     tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     if socketio.async_mode == "gevent":
@@ -315,11 +275,11 @@ def serve(app: Flask, host: str, port: int, ssl_context=None) -> None:
         holds = connections.capacity(open_files)
         log.info("server: holds up to %d connections at once (open files %d; past that they wait to be accepted); "
                  "headers within %gs, idle connections closed after %gs, %s connections per address", holds,
-                 open_files, app.config["HEADER_TIMEOUT"], app.config["IDLE_TIMEOUT"],
-                 app.config["MAX_CONNECTIONS_PER_ADDRESS"] or "any")
+                 open_files, ctx.settings.header_timeout, ctx.settings.idle_timeout,
+                 ctx.settings.max_connections_per_address or "any")
         if ssl_context is not None:  # the handshake on the first read, within the header timeout
             tls["do_handshake_on_connect"] = False
-        socketio.run(app, host=host, port=port, log_output=False, handler_class=connections.handler_class(app.config),
+        socketio.run(app, host=host, port=port, log_output=False, handler_class=connections.handler_class(ctx.settings),
                      spawn=Pool(holds), **tls)
     else:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)

@@ -79,7 +79,7 @@ def no_route(rest: str):
 def health():
     ok = ctx().store.ping()
     answer = Health(status="ok" if ok else "store unavailable", store=type(ctx().store).__name__,
-                    async_mode=current_app.config["ASYNC_MODE"], zwdx=__version__, protocol=PROTOCOL)
+                    async_mode=current_app.extensions["zwdx"].settings.async_mode, zwdx=__version__, protocol=PROTOCOL)
     return answer, 200 if ok else 503
 
 
@@ -281,7 +281,7 @@ def get_metrics(job: JobRecord, query: MetricsQuery):
     2,000 points; ``next`` and ``stride`` ask for the next one. A series shows at most
     ``MAX_SERIES_POINTS`` points: a longer one keeps the first and last of each span of
     ``stride`` events (``series.py``)."""
-    stride = query.stride or series.stride_for(ctx().store, job.id, int(current_app.config["MAX_SERIES_POINTS"]))
+    stride = query.stride or series.stride_for(ctx().store, job.id, current_app.extensions["zwdx"].settings.max_series_points)
     found, after = series.metrics_page(ctx().store, job.id, query.after, stride)
     return MetricsAnswer.model_validate({"job_id": job.id, "series": found, "stride": stride, "next": after})
 

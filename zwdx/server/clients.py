@@ -57,10 +57,10 @@ def ask_refresh(job_id: str, spec: dict, clients, now: float | None = None) -> i
     return asked
 
 
-def retention(config, room: dict | None) -> float:
+def retention(settings, room: dict | None) -> float:
     """Seconds the room keeps an offline GPU client (0: for ever): its own setting, else the server's."""
     own = (room or {}).get("client_retention")
-    return float(config.get("CLIENT_RETENTION") or 0) if own is None else float(own)
+    return settings.client_retention if own is None else float(own)
 
 
 def drop(context, room_id: str, seen_before: float, why: str) -> list[str]:
@@ -78,7 +78,7 @@ def drop_expired(context, now: float | None = None) -> int:
     rooms = {c["room_id"] for c in context.store.list_clients(None) if c.get("status") == ClientStatus.OFFLINE.value}
     dropped = 0
     for room_id in sorted(rooms):
-        keep = retention(context.config, context.store.get_room(room_id))
+        keep = retention(context.settings, context.store.get_room(room_id))
         if keep > 0:
             dropped += len(drop(context, room_id, now - keep, f"offline for more than {keep:g} s"))
     return dropped

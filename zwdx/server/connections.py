@@ -17,7 +17,7 @@
   reserve (a websocket takes two descriptors under gevent); past it, new connections wait in
   the listen backlog instead of failing for want of descriptors.
 
-    handler_class(config) -> the gevent handler class ``serve`` runs
+    handler_class(settings) -> the gevent handler class ``serve`` runs
     body_deadline(seconds, environ) -> a context: ``BadRequest`` if the body is not read in time
     capacity(open_files)   -> connections one process holds
 """
@@ -95,7 +95,7 @@ def body_deadline(seconds: float, environ: dict):
         timer.close()
 
 
-def handler_class(config):
+def handler_class(settings):
     """gevent's request handler as zwdx serves with it (the module's docstring), and two fixes:
 
     - Nagle's algorithm off: the handler sends a response's headers and body in two writes,
@@ -107,9 +107,9 @@ def handler_class(config):
     import gevent
     from gevent import pywsgi
 
-    header_timeout = float(config["HEADER_TIMEOUT"]) or None
-    idle_timeout = float(config["IDLE_TIMEOUT"]) or None
-    cap = 0 if int(config.get("PROXY_HOPS") or 0) else int(config["MAX_CONNECTIONS_PER_ADDRESS"])
+    header_timeout = settings.header_timeout or None
+    idle_timeout = settings.idle_timeout or None
+    cap = 0 if settings.proxy_hops else settings.max_connections_per_address
     held: dict[str, int] = {}  # address key -> connections open now
     refused = {"at": 0.0, "n": 0}
 

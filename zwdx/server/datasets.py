@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 
-from flask import Blueprint, current_app, request
+from flask import Blueprint, request
 
 from .. import defaults
 from ..errors import BadRequest, Conflict, IntegrityError, NotFound, PayloadTooLarge
@@ -29,6 +29,7 @@ from ..protocol.dataset import (ChunkQuery, DatasetList, DatasetRemoved, Dataset
                                 valid_name)
 from ..protocol.job import Job as JobRecord
 from ..protocol.rest import ArtifactView
+from .settings import settings
 from . import limits, manifests, meters
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
 
@@ -103,7 +104,7 @@ def create_version(room: dict, body: Manifest):
         if record["sha256"] == version:
             return _view(room["id"], body.name), 200
     raw = body.canonical()
-    allowed, by_quota = limits.artifact_allowance(room["id"], int(current_app.config["MAX_ARTIFACT_BYTES"]))
+    allowed, by_quota = limits.artifact_allowance(room["id"], settings().max_artifact_bytes)
     if len(raw) > allowed:
         raise limits.artifact_quota_exceeded(room["id"], len(raw)) if by_quota else \
             PayloadTooLarge(f"the manifest is larger than the limit of {allowed} bytes", limit=allowed)

@@ -52,8 +52,8 @@ def free_bytes(path: str) -> int:
 
 def check_floor() -> None:
     """``InsufficientStorage`` while the data dir's disk has less free than ``MIN_FREE_BYTES``."""
-    floor = int(current_app.config.get("MIN_FREE_BYTES") or 0)
-    if floor and (free := free_bytes(current_app.config["DATA_DIR"])) < floor:
+    floor = current_app.extensions["zwdx"].settings.min_free_bytes
+    if floor and (free := free_bytes(current_app.extensions["zwdx"].settings.data_dir)) < floor:
         global _warned
         if time.monotonic() - _warned > WARN_EVERY:  # one line a minute, however many are refused
             _warned = time.monotonic()

@@ -26,18 +26,18 @@ from ..protocol.gpu import Register
 
 def refusal(ctx, room_id: str, token_id: str | None, hello: Register, existing: dict | None) -> str | None:
     """Why this register of ``token_id`` (a donor credential's id) is refused, or None."""
-    config = ctx.config
-    most_slots = int(config.get("CLIENT_MAX_SLOTS") or 0)
+    config = ctx.settings
+    most_slots = config.client_max_slots
     if most_slots and len(hello.slots) > most_slots:
         return (f"register: field 'slots' has {len(hello.slots)} slot(s); this server takes at most {most_slots} "
                 f"per gpu client (its --client-max-slots): offer fewer (--gpus, --cpu-slots)")
     if token_id is None:
         return None
-    rate = config.get("RATE_LIMIT_REGISTERS")
+    rate = config.rate_limit_registers
     if rate and not ctx.limiter.window.hit(parse_rate(rate), "registers", token_id):
         return (f"register: this donor token registered more than {rate} already; wait and retry "
                 f"(the server's --rate-limit-registers)")
-    most_clients = int(config.get("DONOR_MAX_CLIENTS") or 0)
+    most_clients = config.donor_max_clients
     if most_clients and not (existing and existing.get("status") == ClientStatus.ONLINE.value):
         online = sum(1 for c in ctx.store.list_clients(room_id) if c.get("token_id") == token_id
                      and c.get("status") == ClientStatus.ONLINE.value and c["id"] != hello.client_id)

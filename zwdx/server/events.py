@@ -198,8 +198,8 @@ def heartbeat_pace(ctx) -> tuple[float, float]:
     about a millisecond, so 250 a second is a quarter of it; past that, figures a few seconds
     staler and a slower verdict on a silent client buy room for everything else (see
     docs/deploy-scale.md)."""
-    base, timeout = float(ctx.config["HEARTBEAT_INTERVAL"]), float(ctx.config["CLIENT_TIMEOUT"])
-    rate = float(ctx.config["HEARTBEAT_RATE"])
+    base, timeout = ctx.settings.heartbeat_interval, ctx.settings.client_timeout
+    rate = ctx.settings.heartbeat_rate
     if rate <= 0:
         return base, timeout
     wanted = math.ceil(2.0 * len(_sessions) / rate) / 2.0

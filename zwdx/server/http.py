@@ -50,6 +50,7 @@ from ..protocol.base import LONG_NUMBER_BYTES, parse
 from ..protocol.rest import ArtifactView
 from . import connections, json_limits, limits
 from .auth import donor, job_in_room, rank_sender, request_token, submitter
+from .settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def _json_body():
     and ``MAX_JSON_DEPTH``, with no NaN or Infinity in it (no JSON has them; a rank's non-finite
     numbers are the strings "NaN", "Infinity", "-Infinity"), no number too large for a float and
     no object key with a NUL in it; ``BadRequest`` (or ``PayloadTooLarge``) otherwise."""
-    limit = int(current_app.config.get("MAX_REQUEST_BYTES") or MAX_JSON_BYTES)
+    limit = settings().max_request_bytes or MAX_JSON_BYTES
     if (request.content_length or 0) > limit:
         raise PayloadTooLarge(f"a JSON body is at most {limit} bytes", limit=limit)
     raw = _read_bounded(limit)
@@ -233,7 +234,7 @@ def _read_bounded(limit: int) -> bytes:
     (``json_limits.Depth``): a body too deep is refused at its first chunk past the limit, the
     rest unread, and the hub gets a turn between chunks."""
     depth, chunks, size = json_limits.Depth(), [], 0
-    with connections.body_deadline(float(current_app.config.get("BODY_TIMEOUT") or 0), request.environ):
+    with connections.body_deadline(settings().body_timeout, request.environ):
         while True:
             chunk = request.stream.read(min(_CHUNK, limit + 1 - size))
             if not chunk:
@@ -270,7 +271,7 @@ def save_artifact(room: dict, kind: str, job_id: str | None = None, **fields) ->
     artifact store within ``MAX_ARTIFACT_BYTES`` and the room's quota (``limits.py``), checked
     against the sha256 header if sent. Refused, it leaves nothing behind."""
     artifact_id = uuid.uuid4().hex
-    allowed, by_quota = limits.artifact_allowance(room["id"], int(current_app.config["MAX_ARTIFACT_BYTES"]))
+    allowed, by_quota = limits.artifact_allowance(room["id"], settings().max_artifact_bytes)
 
     def too_large(size: int | None = None) -> Exception:
         if by_quota:

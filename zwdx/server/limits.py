@@ -36,6 +36,7 @@ from limits.strategies import MovingWindowRateLimiter
 from ..errors import QuotaExceeded, RateLimited
 from ..protocol import ACTIVE, WAITING
 from ..protocol.rest import RoomUsage
+from .settings import settings
 
 #: The route that creates rooms (anyone may call it): rate-limited per address.
 ROOM_CREATION = "api.create_room"
@@ -60,11 +61,11 @@ class RateLimits:
 
     def allowed(self, setting: str, scope: str) -> bool:
         """Whether the caller's address is still under ``setting``'s rate in ``scope`` (not counted)."""
-        return self.window.test(parse_rate(current_app.config[setting]), scope, _address())
+        return self.window.test(parse_rate(getattr(settings(), setting.lower())), scope, _address())
 
     def hit(self, setting: str, scope: str, key: str | None = None) -> bool:
         """Count one for ``key`` (the caller's address by default); False when that took it over the rate."""
-        return self.window.hit(parse_rate(current_app.config[setting]), scope, key or _address())
+        return self.window.hit(parse_rate(getattr(settings(), setting.lower())), scope, key or _address())
 
 
 def _address() -> str:
@@ -75,19 +76,18 @@ def init_app(app: Flask) -> RateLimits:
     """The app's rate limits (kept as ``ServerContext.limiter``): failed authentication counted
     per address over every route that authenticates, room creation and link probes limited per
     address. Call after the blueprints are registered."""
-    app.config.setdefault("RATELIMIT_STORAGE_URI", "memory://")
-    limiter = RateLimits(app.config["RATELIMIT_STORAGE_URI"])
+    limiter = RateLimits(app.extensions["zwdx"].settings.ratelimit_storage_uri)
 
     @app.before_request
     def _refuse_after_failures():
-        if _authenticating() and not limiter.allowed("RATE_LIMIT_AUTH_FAILURES", "auth-failures"):
+        if _authenticating() and not limiter.allowed("rate_limit_auth_failures", "auth-failures"):
             raise RateLimited("too many requests with a wrong room token or rank key from this address; wait and "
                               "retry")
 
     @app.after_request
     def _count_failures(response):
         if response.status_code in FAILED_AUTH and _authenticating():
-            limiter.hit("RATE_LIMIT_AUTH_FAILURES", "auth-failures")
+            limiter.hit("rate_limit_auth_failures", "auth-failures")
         return response
 
     def limited(view, setting: str, scope: str, message: str):
@@ -98,10 +98,10 @@ def init_app(app: Flask) -> RateLimits:
             return view(*args, **kwargs)
         return checked
 
-    app.view_functions[ROOM_CREATION] = limited(app.view_functions[ROOM_CREATION], "RATE_LIMIT_ROOMS", "rooms",
+    app.view_functions[ROOM_CREATION] = limited(app.view_functions[ROOM_CREATION], "rate_limit_rooms", "rooms",
                                                 "too many rooms created from this address; wait and retry")
     for endpoint in LINK_PROBES:  # one window for both
-        app.view_functions[endpoint] = limited(app.view_functions[endpoint], "RATE_LIMIT_LINK", "link",
+        app.view_functions[endpoint] = limited(app.view_functions[endpoint], "rate_limit_link", "link",
                                                "too many link measurements from this address; wait and retry")
     return limiter
 
@@ -117,20 +117,20 @@ def socket_auth(ok: bool | None = None) -> None:
     """A Socket.IO connection's token: before it is checked (``ok`` None), ``RateLimited`` if
     the caller's address failed too often; afterwards, ``ok=False`` counts one failure."""
     limiter = current_app.extensions["zwdx"].limiter
-    if ok is None and not limiter.allowed("RATE_LIMIT_AUTH_FAILURES", "socket-auth-failures"):
+    if ok is None and not limiter.allowed("rate_limit_auth_failures", "socket-auth-failures"):
         raise RateLimited("too many connections with a wrong room token from this address; wait and retry")
     if ok is False:
-        limiter.hit("RATE_LIMIT_AUTH_FAILURES", "socket-auth-failures")
+        limiter.hit("rate_limit_auth_failures", "socket-auth-failures")
 
 
 # -- quotas --------------------------------------------------------------------------------------
 def _limit(name: str) -> int:
-    return int(current_app.config.get(name) or 0)
+    return int(getattr(settings(), name))
 
 
 def check_job_quota(room: dict) -> None:
     """``QuotaExceeded`` if the room has ``ROOM_MAX_JOBS`` jobs waiting or running already."""
-    limit = _limit("ROOM_MAX_JOBS")
+    limit = _limit("room_max_jobs")
     if not limit:
         return
     used = current_app.extensions["zwdx"].store.count_jobs(room["id"], OPEN)
@@ -148,7 +148,7 @@ def _stored_bytes(room_id: str) -> int:
 def artifact_allowance(room_id: str, max_bytes: int) -> tuple[int, bool]:
     """How many bytes an artifact of the room may have now: ``max_bytes``, or less when the
     room's quota has less left; and whether the quota is what limits it."""
-    limit = _limit("ROOM_MAX_ARTIFACT_BYTES")
+    limit = _limit("room_max_artifact_bytes")
     if not limit:
         return max_bytes, False
     left = max(0, limit - _stored_bytes(room_id))
@@ -157,7 +157,7 @@ def artifact_allowance(room_id: str, max_bytes: int) -> tuple[int, bool]:
 
 def artifact_quota_exceeded(room_id: str, size: int | None = None) -> QuotaExceeded:
     """The error for an artifact of ``size`` bytes (None: unknown, over what is left) that the room's quota has no room for."""
-    limit = _limit("ROOM_MAX_ARTIFACT_BYTES")
+    limit = _limit("room_max_artifact_bytes")
     used = _stored_bytes(room_id)
     what = f"an artifact of {size} bytes" if size is not None else "the artifact"
     return QuotaExceeded(f"room {room_id} keeps {used} bytes of artifacts and events, its quota is {limit}: {what} "
@@ -167,9 +167,9 @@ def artifact_quota_exceeded(room_id: str, size: int | None = None) -> QuotaExcee
 
 def check_event_rate(job_id: str, rank: int | None) -> None:
     """``RateLimited`` once this rank of the job posted events ``RATE_LIMIT_EVENTS`` times in the window."""
-    if not current_app.extensions["zwdx"].limiter.hit("RATE_LIMIT_EVENTS", "events", f"{job_id}:{rank}"):
+    if not current_app.extensions["zwdx"].limiter.hit("rate_limit_events", "events", f"{job_id}:{rank}"):
         raise RateLimited(f"rank {rank} of job {job_id} posts events faster than the server takes them "
-                          f"({current_app.config['RATE_LIMIT_EVENTS']}); send larger batches less often",
+                          f"({settings().rate_limit_events}); send larger batches less often",
                           job_id=job_id, rank=rank)
 
 
@@ -177,7 +177,7 @@ def check_event_quota(room_id: str, events: int, size: int) -> None:
     """``QuotaExceeded`` if ``events`` more events of ``size`` bytes would take the room past
     ``ROOM_MAX_EVENTS`` or ``ROOM_MAX_ARTIFACT_BYTES``. Checked before the write: posts racing
     each other may go past a quota by a batch each (``MAX_REQUEST_BYTES``)."""
-    rows_limit, bytes_limit = _limit("ROOM_MAX_EVENTS"), _limit("ROOM_MAX_ARTIFACT_BYTES")
+    rows_limit, bytes_limit = _limit("room_max_events"), _limit("room_max_artifact_bytes")
     if not rows_limit and not bytes_limit:
         return
     held = current_app.extensions["zwdx"].store.room_event_usage(room_id)
@@ -204,7 +204,7 @@ def usage(room_id: str) -> RoomUsage:
     """What the room uses of its quotas."""
     store = current_app.extensions["zwdx"].store
     held = store.room_event_usage(room_id)
-    return RoomUsage(jobs=store.count_jobs(room_id, OPEN), jobs_limit=_limit("ROOM_MAX_JOBS"),
+    return RoomUsage(jobs=store.count_jobs(room_id, OPEN), jobs_limit=_limit("room_max_jobs"),
                      artifact_bytes=store.room_artifact_bytes(room_id),
-                     artifact_bytes_limit=_limit("ROOM_MAX_ARTIFACT_BYTES"),
-                     events=held["events"], event_bytes=held["bytes"], events_limit=_limit("ROOM_MAX_EVENTS"))
+                     artifact_bytes_limit=_limit("room_max_artifact_bytes"),
+                     events=held["events"], event_bytes=held["bytes"], events_limit=_limit("room_max_events"))

@@ -26,7 +26,7 @@ _BLOCK = os.urandom(64 * 1024)
 
 
 def _limit() -> int:
-    return int(current_app.config.get("LINK_PROBE_MAX_BYTES") or defaults.LINK_PROBE_MAX_BYTES)
+    return current_app.extensions["zwdx"].settings.link_probe_max_bytes or defaults.LINK_PROBE_MAX_BYTES
 
 
 @operation(bp, "GET", "/link", "Bytes for a GPU client to time its download", auth=Auth.DONOR, query=LinkQuery,

@@ -173,7 +173,7 @@ class Presence:
     def _loop(self, app) -> None:
         # An app made with SCHEDULER=False (a test's) declares nothing lost by itself, as its
         # scheduler's reaper does not: its steps write and publish only.
-        reap = self.ctx.config.get("SCHEDULER", True) is not False
+        reap = self.ctx.settings.scheduler
         with app.app_context():
             while not self.ctx.stopping.wait(PRESENCE_INTERVAL):
                 try:
@@ -273,7 +273,7 @@ class Presence:
         except Exception as exc:
             self._redis_failed(exc)
             return
-        grace = float(self.ctx.config["CLIENT_TIMEOUT"])
+        grace = self.ctx.settings.client_timeout
         for server in dead:
             if server == self.server:
                 continue

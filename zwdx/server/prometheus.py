@@ -21,7 +21,7 @@ import ipaddress
 import time
 from collections import Counter as Tally
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -153,7 +153,7 @@ class _Meters(Collector):
 
 
 def _may_scrape() -> None:
-    token = current_app.config.get("METRICS_TOKEN")
+    token = ctx().settings.metrics_token
     if token:
         sent = request.headers.get("Authorization", "")
         if not (sent.lower().startswith("bearer ") and hmac.compare_digest(sent[7:].encode(), str(token).encode())):

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def install(app) -> None:
     """Wrap ``app.wsgi_app`` (outside Socket.IO's middleware, so that both see the result)."""
-    hops = int(app.config["PROXY_HOPS"])
+    hops = app.extensions["zwdx"].settings.proxy_hops
     if hops:
         from werkzeug.middleware.proxy_fix import ProxyFix
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops)

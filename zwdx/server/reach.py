@@ -79,7 +79,7 @@ def reported(ctx, room_id: str, client_id: str, report: Unreachable) -> Ack:
                                    f"each other")
     if report.attempt != job.attempt or job.status not in ACTIVE:
         return Ack(ok=True)  # an attempt that ended already: nothing to stop
-    ttl = float(ctx.config.get("UNREACHABLE_TTL") or 0)
+    ttl = ctx.settings.unreachable_ttl
     for peer_id in report.peers:
         remember(ctx, client_id, peer_id, ttl)
     reporter = ctx.store.get_client(client_id)

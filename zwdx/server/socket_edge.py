@@ -72,10 +72,10 @@ class SocketEdge:
     """The Engine.IO sessions of this process by address, and which have authenticated."""
 
     def __init__(self, app: Flask, server, ctx):
-        cfg = app.config
+        cfg = ctx.settings
         self.server, self.ctx = server, ctx
-        self.cap = int(cfg["SOCKET_SESSIONS_PER_ADDRESS"])
-        self.auth_timeout = float(cfg["SOCKET_AUTH_TIMEOUT"])
+        self.cap = cfg.socket_sessions_per_address
+        self.auth_timeout = cfg.socket_auth_timeout
         self.by_address: dict[str, set[str]] = {}
         self.sessions: dict[str, tuple[str, float]] = {}  # eio sid -> (address key, opened at)
         self.waiting: set[str] = set()  # eio sids not yet in a namespace

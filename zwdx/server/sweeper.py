@@ -58,7 +58,7 @@ class Sweeper:
         self._done: dict[str, bool] = {}
 
     def start(self) -> None:
-        interval = float(self.ctx.config.get("SWEEP_INTERVAL") or 0)
+        interval = self.ctx.settings.sweep_interval
         if interval > 0:
             self._thread = threading.Thread(target=self._loop, args=(interval,), name="zwdx-sweeper", daemon=True)
             self._thread.start()
@@ -105,9 +105,9 @@ class Sweeper:
     def sweep(self, now: float | None = None) -> Counter:
         """One pass; returns how many of each kind were deleted (``unattached``, ``partial``,
         ``orphaned``, ``unreferenced``, ``retention``)."""
-        cfg, store, now = self.ctx.config, self.ctx.store, time.time() if now is None else now
-        grace = float(cfg.get("UNATTACHED_GRACE") or 0)
-        retention = float(cfg.get("ARTIFACT_RETENTION") or 0)
+        cfg, store, now = self.ctx.settings, self.ctx.store, time.time() if now is None else now
+        grace = cfg.unattached_grace
+        retention = cfg.artifact_retention
         gone = Counter()
         in_use: dict[str, set[str] | None] = {}  # room id -> the working dirs its jobs name
         for artifact in store.list_unattached_artifacts(now - grace):

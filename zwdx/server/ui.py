@@ -65,7 +65,7 @@ def _index(dist: str):
 @bp.get("/")
 @bp.get("/<path:path>")
 def dashboard(path: str = ""):
-    dist = current_app.config["UI_DIR"]
+    dist = current_app.extensions["zwdx"].settings.ui_dir
     if path.startswith("api/"):
         raise NotFound(f"no API route /{path}")
     inside = safe_join(dist, path) if path else None  # None: the path leaves the build

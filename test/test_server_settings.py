@@ -1,0 +1,53 @@
+"""The server's settings (zwdx/server/settings.py): typed, checked once as the app is made,
+from the defaults, ``ZWDX_<KEY>`` and create_app's mapping, in that order."""
+import pytest
+from pydantic import ValidationError
+
+from zwdx import defaults
+from zwdx.server import create_app
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def make_app(**config):
+        app = create_app({"DATA_DIR": str(tmp_path / "data"), "SCHEDULER": False, **config})
+        made.append(app)
+        return app
+    yield make_app
+    for app in made:
+        app.extensions["zwdx"].close()
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("ZWDX_CLIENT_TIMEOUT", "soon", "valid number"),
+    ("ZWDX_MAX_ARTIFACT_BYTES", "12XB", "is not a size (8GiB, 512MB, 1000000)"),
+    ("ZWDX_RATE_LIMIT_ROOMS", "lots", "expected a rate"),
+    ("ZWDX_ROOM_MAX_JOBS", "-1", "greater than or equal to 0"),
+])
+def test_a_bad_value_stops_the_start_naming_it(make, monkeypatch, variable, value, expected):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError) as refused:
+        make()
+    assert variable in str(refused.value) and expected in str(refused.value) and value in str(refused.value)
+
+
+def test_defaults_then_the_environment_then_the_mapping(make, monkeypatch):
+    monkeypatch.setenv("ZWDX_CLIENT_TIMEOUT", "3")
+    monkeypatch.setenv("ZWDX_START_TRIES", "5")
+    monkeypatch.setenv("ZWDX_MIN_FREE_BYTES", "2MiB")
+    settings = make(START_TRIES=7).extensions["zwdx"].settings
+    assert (settings.client_timeout, settings.start_tries, settings.min_free_bytes) == (3.0, 7, 2 * 2**20)
+    assert settings.reserve_timeout == defaults.RESERVE_TIMEOUT
+    with pytest.raises(ValidationError):
+        settings.client_timeout = 1.0  # frozen: a change goes through reconfigure, checked
+
+
+def test_a_change_while_running_is_checked_and_mirrored(make):
+    app = make()
+    ctx = app.extensions["zwdx"]
+    assert ctx.reconfigure(START_TIMEOUT="0.5").start_timeout == 0.5 and app.config["START_TIMEOUT"] == 0.5
+    with pytest.raises(ValueError, match="START_TRIES"):
+        ctx.reconfigure(START_TRIES="twice")
+    assert ctx.settings.start_tries == defaults.START_TRIES
