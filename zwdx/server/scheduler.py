@@ -33,19 +33,18 @@ from dataclasses import dataclass
 
 from .. import defaults
 from ..errors import BadRequest
-from ..protocol import (ACTIVE, EV_JOB_ASSIGN, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus,
+from ..protocol import (ACTIVE, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus,
                         Parallelism, SlotKind)
 from ..protocol.base import parse
-from ..protocol.checkpoint import resumable
-from ..protocol.gpu import JobAssign, Peer, PortOffer, RankPlace, ReservePort
+from ..protocol.gpu import PortOffer, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
 from ..protocol.tokens import RANK_KEY_PREFIX
-from . import addresses, jobs, notify
+from . import jobs
 from . import clients as clients_of_room
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .jobs import Job, wanting
-from .placement import meets_over_tcp, mixed, plan, tp_size, unschedulable
+from .placement import mixed, plan, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +183,12 @@ class Scheduler:
                 if client.get("status") == ClientStatus.ONLINE.value or holds_ranks:
                     why = ("connection dropped and not back" if client.get("disconnected_at") else "no heartbeat")
                     jobs.client_lost(self.ctx, client["id"],
-                                          f"{why} for {now - float(client.get('last_seen') or now):.1f} s")
+                                     f"{why} for {now - float(client.get('last_seen') or now):.1f} s")
             except Exception:  # one client's record never keeps the others from being declared lost
                 log.exception("scheduler: gpu client %s of room %s not reaped", client.get("id"), client.get("room_id"))
 
     def settle(self) -> None:
-        """Settle the jobs whose ranks failed or lost their peers, room by room (``lifecycle``)."""
+        """Settle the jobs whose ranks failed or lost their peers, room by room (``jobs.settle_suspects``)."""
         for room_id in self.ctx.store.job_rooms(ACTIVE):
             _guarded(f"settling the jobs of room {room_id}", jobs.settle_suspects, self.ctx, room_id)
 
@@ -257,8 +256,8 @@ class Scheduler:
                 job = Job.load(self.ctx.store, job_id)
             except Exception:
                 continue  # the job's own record is what does not read
-            if job is not None and job.wait(reason):
-                notify.job_changed(job.record)
+            if job is not None:
+                jobs.said(self.ctx, job, reason)
 
     def _held_memory(self, job: JobRecord, slots: list[dict]) -> dict:
         """Bytes per rank of the jobs on the room's CPU slots (job id -> memory_required), which
@@ -291,11 +290,7 @@ class Scheduler:
             # over could run (a fake client must not stop the room's queue through the job it held).
             never = unschedulable(_least(record, asked["spec"]),
                                   [c for c in clients.values() if c["id"] not in record.avoid])
-            if record.status == JobStatus.RESUMING:
-                last = record.restart_history[-1].reason if record.restart_history else None
-                reason = f"resuming after: {last}; {reason}"
-            if job.wait(reason):
-                notify.job_changed(job.record)
+            jobs.wait(self.ctx, record, reason)
             return _PASSED if never else _BLOCKED
         placement = [PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
             "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
@@ -311,8 +306,7 @@ class Scheduler:
                  ", ".join(f"rank {p.rank}@{p.hostname}:{p.gpu_index}" for p in placement),
                  f" ({note})" if note else "")
         self._ask_port(job.record, rank_keys, clients[placement[0].client_id])
-        notify.job_changed(job.record)
-        notify.clients_changed(self.ctx, job.record.room_id)
+        jobs.placed(self.ctx, job.record)
         return _STARTED
 
     def join_workers(self) -> int:
@@ -343,9 +337,8 @@ class Scheduler:
             if not job.join(entry, slot["id"], hash_secret(key)):
                 break
             log.info("job %s: gpu client %s joins as rank %d", record.id, entry.client_id, rank)
-            self._assign(job.record, {rank: key}, joining=True)
-            notify.job_changed(job.record)
-            notify.clients_changed(self.ctx, record.room_id)
+            jobs.assign(self.ctx, job.record, {rank: key}, joining=True)
+            jobs.placed(self.ctx, job.record)
             record, joined = job.record, joined + 1
         return joined
 
@@ -387,7 +380,7 @@ class Scheduler:
         if job is None or job.record.attempt != request.attempt:
             return False
         if job.status != JobStatus.STARTING:
-            self._let_go(job)  # cancelled, failed or interrupted while it waited
+            jobs.let_go(self.ctx, job.record)  # cancelled, failed or interrupted while it waited
             return False
         offer, error = None, request.error
         if not request.answered:
@@ -403,42 +396,8 @@ class Scheduler:
                                                         f"rendezvous address: {error}", {request.client_id})
             return False
         if not job.rendezvous(Master(addr=offer.addr, port=offer.port)):
-            self._let_go(job.refresh())  # it moved on as the answer came
+            jobs.let_go(self.ctx, job.refresh().record)  # it moved on as the answer came
             return False
-        self._assign(job.record, request.rank_keys)
-        notify.job_changed(job.record)
+        jobs.assign(self.ctx, job.record, request.rank_keys)
+        jobs.apply(self.ctx, jobs.Effects(show=job.record))
         return True
-
-    def _let_go(self, job: Job) -> None:
-        """Free the slots of a job that left ``starting`` before its GPU clients were told of it
-        (none of them will say its ranks exited)."""
-        self.ctx.store.release_slots(job.id)
-        notify.clients_changed(self.ctx, job.record.room_id)
-
-    def _assign(self, job: JobRecord, rank_keys: dict[int, str], joining: bool = False) -> None:
-        """Tell every GPU client of the job its ranks, each with its key (sent to that client
-        only), and every value the ranks need decided here; ``joining``: only the ranks of
-        ``rank_keys``, joining the running job."""
-        spec = job.spec
-        timeout = spec.training.collective_timeout or float(self.ctx.config["COLLECTIVE_TIMEOUT"])
-        groups = list(dict.fromkeys(p.client_id for p in job.placement))  # a script's GROUP_RANK: its client's place
-        clients = {client_id: self.ctx.store.get_client(client_id) or {} for client_id in groups}
-        peers = [Peer(client_id=c["id"], hostname=c.get("hostname") or "", addr=c["advertise_addr"],
-                      port=c["reach_port"]) for c in clients.values() if c.get("advertise_addr") and c.get("reach_port")] \
-            if len(groups) > 1 and meets_over_tcp({"parallelism": spec.parallelism.value}) else []
-        for group_rank, client_id in enumerate(groups):
-            client = clients[client_id]
-            if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
-                continue  # gone since it was placed: the reaper declares it lost and interrupts the job
-            if not any(p.rank in rank_keys for p in job.placement if p.client_id == client_id):
-                continue  # joining: not this client's
-            assign = JobAssign(
-                job_id=job.id, attempt=job.attempt, spec=spec, world_size=job.world_size,
-                ranks=[RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank])
-                       for p in job.placement if p.client_id == client_id and p.rank in rank_keys],
-                master_addr=job.master.addr, master_port=job.master.port, backend=job.backend,
-                checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
-                collective_timeout=timeout, group_rank=group_rank, group_world_size=len(groups), peers=peers,
-                joining=joining, addresses=addresses.egress_addresses(list(clients.values()), client),
-                tp_size=tp_size(spec, job.placement))
-            socketio.emit(EV_JOB_ASSIGN, assign.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)

@@ -3,6 +3,7 @@
     rules.py      what the record says by itself (overdue? which DILOCO places are open?)
     model.py      ``Job``: the record's moves, each one guarded store write (rq's ``Job``)
     effects.py    ``Effects``: what a move asks of the world, and ``apply``, the one place doing it
+    placing.py    what a job says while it waits, its assignment, a placement let go
     lifecycle.py  fail, cancel, interrupt, drop, exits, placements that did not start, settling
     reports.py    what ranks and registering GPU clients report
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 from .effects import Effects, Release, apply, tell_clients
 from .lifecycle import cancel, client_lost, drop, fail, interrupt, not_started, ranks_exited, settle_suspects
 from .model import Job
+from .placing import assign, let_go, placed, said, wait
 from .reports import forget_ranks_gone, not_wanted, rank_completed, rank_failed, rank_layout, rank_started, report
 from .rules import FAILURE_GRACE, NO_RENDEZVOUS, rejoined, wanting
 
-__all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "cancel", "client_lost", "drop",
-           "fail", "forget_ranks_gone", "interrupt", "not_started", "not_wanted", "rank_completed", "rank_failed",
-           "rank_layout", "rank_started", "ranks_exited", "rejoined", "report", "settle_suspects", "tell_clients",
-           "wanting"]
+__all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "assign", "cancel", "client_lost",
+           "drop", "fail", "forget_ranks_gone", "interrupt", "let_go", "not_started", "not_wanted", "placed",
+           "rank_completed", "rank_failed", "rank_layout", "rank_started", "ranks_exited", "rejoined", "report", "said",
+           "settle_suspects", "tell_clients", "wait", "wanting"]
