@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from needs import in_ci, leave_out_gpu_tests  # noqa: E402
 from procs import GpuClient, Server, wait_until  # noqa: E402
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 #: Fixtures that start processes: a test using one is in the slow lane.
 PROCESS_FIXTURES = {"server", "sdk", "room", "start_client", "cluster", "shared_cluster",
@@ -281,7 +281,7 @@ def socket_client(app):
     made = []
 
     def connect(namespace: str = "/gpu", token: str | None = None):
-        sock = socketio.test_client(app, namespace=namespace, auth={"token": token, "protocol": PROTOCOL} if token else None)
+        sock = socketio.test_client(app, namespace=namespace, auth=connect_auth(token) if token else None)
         made.append(sock)
         return sock
 

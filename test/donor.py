@@ -27,7 +27,7 @@ from zwdx import defaults
 from zwdx.protocol import (EV_HEARTBEAT, EV_JOB_ASSIGN, EV_RANKS_EXITED, EV_REGISTER, EV_RESERVE_PORT, GPU_NAMESPACE,
                            UI_NAMESPACE, runtime_versions)
 from zwdx.protocol.gpu import Heartbeat, JobAssign, PortOffer, RanksExited, Register, Running, Slot, SlotStats
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 GiB = 1 << 30
 
@@ -44,7 +44,7 @@ class Donor(socketio.Client):
         self.on(EV_RESERVE_PORT, lambda data: PortOffer(addr="127.0.0.1", port=free_port()).model_dump(),
                 namespace=GPU_NAMESPACE)
         self.on(EV_JOB_ASSIGN, self._assign, namespace=GPU_NAMESPACE)
-        self.connect(url, namespaces=[GPU_NAMESPACE], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"],
+        self.connect(url, namespaces=[GPU_NAMESPACE], auth=connect_auth(token), transports=["websocket"],
                      wait_timeout=30)
         hello = Register(client_id=client_id, hostname=f"host-{client_id}", versions=runtime_versions(),
                          slots=[Slot(index=i, kind=kind, name=kind.upper(), memory_total=8 * GiB, memory_free=8 * GiB)
@@ -130,7 +130,7 @@ class Dashboard(socketio.Client):
         self.received: list[tuple[str, object]] = []
         self.on("*", lambda event, *args: self.received.append((event, args[0] if args else None)),
                 namespace=UI_NAMESPACE)
-        self.connect(url, namespaces=[UI_NAMESPACE], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"],
+        self.connect(url, namespaces=[UI_NAMESPACE], auth=connect_auth(token), transports=["websocket"],
                      wait_timeout=30)
 
     def saw(self, event: str, predicate=lambda payload: True) -> bool:

@@ -19,7 +19,7 @@ import torch
 from procs import Server, wait_until
 import zwdx
 from zwdx import defaults
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 H = defaults.TOKEN_HEADER
 SLOT = {"index": 0, "kind": "cpu", "name": "CPU", "memory_total": 1000, "memory_free": 1000}
@@ -38,7 +38,7 @@ def server(tmp_path):
 @pytest.fixture
 def gpu(server, room):
     sio = socketio.Client(reconnection=False)
-    sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["donor_token"], "protocol": PROTOCOL}, transports=["websocket"],
+    sio.connect(server.url, namespaces=["/gpu"], auth=connect_auth(room["donor_token"]), transports=["websocket"],
                 wait_timeout=30)
     yield sio
     sio.disconnect()
@@ -189,7 +189,7 @@ def test_a_server_with_many_gpu_clients_asks_them_to_beat_less_often_and_waits_l
 
         def join(n: int):
             sio = socketio.Client(reconnection=False)
-            sio.connect(server.url, namespaces=["/gpu"], auth={"token": room["donor_token"], "protocol": PROTOCOL},
+            sio.connect(server.url, namespaces=["/gpu"], auth=connect_auth(room["donor_token"]),
                         transports=["websocket"], wait_timeout=30)
             socks.append(sio)
             return call(sio, "register", {**HELLO, "client_id": f"paced-{n}"})

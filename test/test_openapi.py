@@ -20,7 +20,7 @@ import socketio
 from procs import Server, free_port, wait_until
 from zwdx import defaults
 from zwdx.protocol import EV_HEARTBEAT, EV_JOB_ASSIGN, EV_REGISTER, EV_RESERVE_PORT, GPU_NAMESPACE, runtime_versions
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 EXAMPLES = int(os.environ.get("ZWDX_FUZZ_EXAMPLES", "25"))
 
@@ -102,7 +102,7 @@ class PortOfferingClient(socketio.Client):
         self.stopped = threading.Event()
         self.on(EV_RESERVE_PORT, lambda data: {"addr": "127.0.0.1", "port": free_port()}, namespace=GPU_NAMESPACE)
         self.on(EV_JOB_ASSIGN, self.assigned.append, namespace=GPU_NAMESPACE)
-        self.connect(url, namespaces=[GPU_NAMESPACE], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"])
+        self.connect(url, namespaces=[GPU_NAMESPACE], auth=connect_auth(token), transports=["websocket"])
         answer = self.call(EV_REGISTER, {
             "client_id": "fuzz-gpu", "hostname": "fuzz", "versions": runtime_versions(), "running": [],
             "slots": [{"index": 0, "kind": "cpu", "name": "CPU", "memory_total": 8 << 30, "memory_free": 8 << 30}]},

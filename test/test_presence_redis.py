@@ -18,7 +18,7 @@ from procs import SLACK, Server, wait_until
 from zwdx import defaults
 from zwdx.server.presence import PRESENCE_TTL
 from zwdx.testing import RedisProc
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 pytestmark = pytest.mark.slow
 H = defaults.TOKEN_HEADER
@@ -28,7 +28,7 @@ SLOT = {"index": 0, "kind": "cpu", "name": "CPU", "memory_total": 64_000, "memor
 
 def gpu(url: str, token: str, client_id: str, secret: str | None = None) -> tuple[socketio.Client, dict]:
     sio = socketio.Client(reconnection=False)
-    sio.connect(url, namespaces=["/gpu"], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"], wait_timeout=30)
+    sio.connect(url, namespaces=["/gpu"], auth=connect_auth(token), transports=["websocket"], wait_timeout=30)
     hello = {"client_id": client_id, "hostname": client_id, "versions": {"python": "3.11.7"}, "slots": [SLOT],
              **({"client_secret": secret} if secret else {})}
     answer = sio.call("register", hello, namespace="/gpu", timeout=30)

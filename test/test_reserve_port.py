@@ -16,7 +16,7 @@ from workloads import a_few_steps
 import zwdx
 from zwdx import ZWDX
 from zwdx.protocol import EV_HEARTBEAT, EV_REGISTER, EV_RESERVE_PORT, GPU_NAMESPACE, runtime_versions
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 pytestmark = pytest.mark.slow  # a server and GPU-client processes
 
@@ -29,7 +29,7 @@ class SilentClient(socketio.Client):
         super().__init__(reconnection=False)
         self.asked = threading.Event()
         self.stopped = threading.Event()
-        self.connect(url, namespaces=[GPU_NAMESPACE], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"])
+        self.connect(url, namespaces=[GPU_NAMESPACE], auth=connect_auth(token), transports=["websocket"])
         answer = self.call(EV_REGISTER, {
             "client_id": client_id, "hostname": "silent", "versions": runtime_versions(), "running": [],
             "slots": [{"index": 0, "kind": "cpu", "name": "CPU", "memory_total": 8 << 30, "memory_free": 8 << 30}]},

@@ -25,7 +25,7 @@ import zwdx
 from zwdx import ZWDX, defaults
 from zwdx.protocol import EV_JOB_UPDATE, UI_NAMESPACE
 from zwdx.testing import BalancerProc, GpuClientProc, MongoProc, RedisProc
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ class Dashboard(socketio.Client):
         super().__init__(reconnection=False)
         self.updates: list[dict] = []
         self.on(EV_JOB_UPDATE, self.updates.append, namespace=UI_NAMESPACE)
-        self.connect(url, namespaces=[UI_NAMESPACE], auth={"token": token, "protocol": PROTOCOL}, transports=["polling"], wait_timeout=30)
+        self.connect(url, namespaces=[UI_NAMESPACE], auth=connect_auth(token), transports=["polling"], wait_timeout=30)
 
     def saw(self, job_id: str, status: str) -> bool:
         return any(u["id"] == job_id and u["status"] == status for u in list(self.updates))

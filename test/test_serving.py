@@ -13,7 +13,7 @@ import socketio
 
 from procs import Server, wait_until
 from zwdx import ZWDX
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 CLIENTS = 60
 
@@ -26,7 +26,7 @@ def os_threads(pid: int) -> int:
 def gpu_client(url: str, token: str, client_id: str) -> socketio.Client:
     """A bare GPU client over a websocket, as gpu_client/agent/agent.py connects: registered, one slot."""
     sio = socketio.Client(reconnection=False)
-    sio.connect(url, namespaces=["/gpu"], auth={"token": token, "protocol": PROTOCOL}, transports=["websocket"], wait_timeout=30)
+    sio.connect(url, namespaces=["/gpu"], auth=connect_auth(token), transports=["websocket"], wait_timeout=30)
     answer = sio.call("register", {"client_id": client_id, "hostname": client_id, "versions": {"python": "3.11.7"},
                                    "slots": [{"index": 0, "kind": "cpu", "memory_total": 1000, "memory_free": 1000}]},
                       namespace="/gpu", timeout=30)
@@ -72,7 +72,7 @@ def test_a_dashboard_upgrades_from_polling_to_a_websocket(server, room):
     ui = socketio.Client(reconnection=False)
     pushed = []
     ui.on("clients_update", pushed.append, namespace="/ui")
-    ui.connect(server.url, namespaces=["/ui"], auth={"token": room["token"], "protocol": PROTOCOL}, wait_timeout=30)  # as a browser
+    ui.connect(server.url, namespaces=["/ui"], auth=connect_auth(room["token"]), wait_timeout=30)  # as a browser
     try:
         wait_until(lambda: ui.transport() == "websocket", 10, what="the upgrade to a websocket")
         wait_until(lambda: pushed, 10, what="the GPU-client list pushed on connect")

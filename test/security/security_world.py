@@ -38,7 +38,7 @@ import pytest
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from store_backends import BACKENDS, Backend, with_database
 from zwdx import defaults
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 __all__ = ["World", "world", "shared_world", "snapshot", "HELLO", "backend", "mongo_server", "mongo_uri"]
 
@@ -113,7 +113,7 @@ class World:
 
     def register(self, client_id: str, token: str):
         from zwdx.server import socketio
-        sock = socketio.test_client(self.app, namespace="/gpu", auth={"token": token, "protocol": PROTOCOL})
+        sock = socketio.test_client(self.app, namespace="/gpu", auth=connect_auth(token))
         answer = sock.emit("register", {"client_id": client_id, **HELLO}, namespace="/gpu", callback=True)
         assert answer["ok"], answer
         self.secrets[client_id], self.sockets[client_id] = answer["client_secret"], sock

@@ -40,7 +40,7 @@ from security_world import HELLO, World, snapshot
 from zwdx import codec, defaults
 from zwdx.protocol import events as ev
 from zwdx.server import global_weights
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 P = defaults.API_PREFIX
 ROOM_COLUMNS = ("none", "wrong", "revoked", "other_submitter", "other_donor", "donor", "legacy", "submitter")
@@ -360,7 +360,7 @@ def connect(w: World, namespace: str, column: str):
     """A test client on ``namespace`` with the column's token (or rank key) as its ``auth``."""
     from zwdx.server import socketio
     token = {**headers(w, column)}.popitem()[1] if column != "none" else None
-    return socketio.test_client(w.app, namespace=namespace, auth={"token": token, "protocol": PROTOCOL} if token else None)
+    return socketio.test_client(w.app, namespace=namespace, auth=connect_auth(token) if token else None)
 
 
 #: Who may connect: /gpu with a donor token (a legacy one too; room B's donor joins room B), /ui

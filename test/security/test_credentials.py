@@ -22,14 +22,14 @@ from security_world import *  # noqa: F401,F403  (fixtures: world, backend, ...)
 from security_world import HELLO, World, snapshot
 from zwdx import defaults
 from zwdx.protocol import events as ev
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 GPU, UI = ev.GPU_NAMESPACE, ev.UI_NAMESPACE
 
 
 def _connect(w: World, namespace: str, token: str):
     from zwdx.server import socketio
-    return socketio.test_client(w.app, namespace=namespace, auth={"token": token, "protocol": PROTOCOL})
+    return socketio.test_client(w.app, namespace=namespace, auth=connect_auth(token))
 
 
 def _names(sock, namespace: str) -> list[str]:

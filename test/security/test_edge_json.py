@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from security_world import HELLO, world  # noqa: F401 (fixture)
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 
 def test_a_nul_in_a_json_key_of_a_rest_body_is_a_400_naming_the_field(world):
@@ -41,7 +41,7 @@ def test_a_nul_in_a_json_key_of_a_socketio_payload_is_refused_naming_the_field(w
     from zwdx.server import socketio
     w = world
     token = w.rooms["A"]["donor_token"]
-    sock = socketio.test_client(w.app, namespace="/gpu", auth={"token": token, "protocol": PROTOCOL})
+    sock = socketio.test_client(w.app, namespace="/gpu", auth=connect_auth(token))
     hello = {**HELLO, "client_id": "nul-keys", "versions": {"python": "3.11", "cuda\u0000": "12"}}
     answer = sock.emit("register", hello, namespace="/gpu", callback=True)
     assert answer["ok"] is False and "versions.cuda\\u0000" in answer["error"] and "NUL" in answer["error"], answer

@@ -20,7 +20,7 @@ import pytest
 from procs import wait_until
 from security_world import *  # noqa: F401,F403  (fixtures: world, backend, ...)
 from zwdx.protocol import events as ev
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 EPHEMERAL = (32768, 60999)
 HONEST, FAKE, VICTIM = "198.51.100.10", "203.0.113.66", "192.168.1.1"
@@ -36,7 +36,7 @@ def register_from(w, address: str, message: dict):
     from zwdx.server import socketio
     http = w.app.test_client()
     http.environ_base["REMOTE_ADDR"] = address
-    sock = socketio.test_client(w.app, namespace="/gpu", auth={"token": w.rooms["A"]["donor_token"], "protocol": PROTOCOL},
+    sock = socketio.test_client(w.app, namespace="/gpu", auth=connect_auth(w.rooms["A"]["donor_token"]),
                                 flask_test_client=http)
     answer = sock.emit("register", message, namespace="/gpu", callback=True)
     assert answer["ok"], answer
@@ -85,7 +85,7 @@ def _register_over_http(app, token: str, client_id: str, remote: str, forwarded_
     opened = http.get("/socket.io/?EIO=4&transport=polling", headers=headers)
     assert opened.status_code == 200, opened.data
     url = f"/socket.io/?EIO=4&transport=polling&sid={json.loads(opened.data[1:])['sid']}"
-    for packet in ("40/gpu," + json.dumps({"token": token, "protocol": PROTOCOL}),
+    for packet in ("40/gpu," + json.dumps(connect_auth(token)),
                    "42/gpu,1" + json.dumps(["register", hello(client_id, "10.0.0.1", 41000)])):
         assert http.post(url, data=packet, headers=headers).status_code == 200
     wait_until(lambda: app.extensions["zwdx"].store.get_client(client_id), 10, what=f"{client_id} registered")

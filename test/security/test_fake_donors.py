@@ -23,14 +23,14 @@ from security_world import HELLO, snapshot
 from procs import wait_until
 from zwdx import defaults
 from zwdx.protocol.job import Master
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 GiB = 1 << 30
 
 
 def connect(w, token: str | None = None):
     from zwdx.server import socketio
-    return socketio.test_client(w.app, namespace="/gpu", auth={"token": token or w.tokens["donor"], "protocol": PROTOCOL})
+    return socketio.test_client(w.app, namespace="/gpu", auth=connect_auth(token or w.tokens["donor"]))
 
 
 def register(sock, client_id: str, **hello) -> dict:

@@ -17,7 +17,7 @@ from conftest import Api
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from store_backends import Backend
 from zwdx.server.store import SCHEMA_VERSION
-from zwdx.protocol.base import PROTOCOL
+from wire_auth import connect_auth
 
 V2 = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "store_v2.json")
 
@@ -51,7 +51,7 @@ def sockets(old_app):
     made = []
 
     def connect(namespace: str, token: str):
-        made.append((namespace, socketio.test_client(old_app, namespace=namespace, auth={"token": token, "protocol": PROTOCOL})))
+        made.append((namespace, socketio.test_client(old_app, namespace=namespace, auth=connect_auth(token))))
         return made[-1][1]
     yield connect
     for namespace, sock in made:
