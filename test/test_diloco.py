@@ -12,6 +12,7 @@ import pytest
 from conftest import Api
 from procs import SLACK, wait_until
 from earlier_form import earlier_form
+from workloads import start_placed
 from zwdx import ZWDX, codec, defaults
 from zwdx.errors import BadRequest
 
@@ -133,23 +134,10 @@ def test_the_sdk_refuses_bad_settings_before_uploading_anything():
 def placed(app, world_size: int = 2, parallelism: str = "DILOCO", compression: str = "int8", **settings):
     """A room with a job placed on ``world_size`` CPU slots, one GPU client each, under rank keys
     the test holds: the room's Api, each rank's Api (its key alone), the job."""
-    from zwdx.protocol import SlotKind
-    from zwdx.protocol.job import PlacementEntry
-    from zwdx.server.auth import hash_secret
-    from zwdx.server.jobs import Job
     room = Api(app.test_client()).create_room(f"room-{parallelism}")
     extra = {"diloco": {"compression": compression, **settings}} if parallelism == "DILOCO" else {}
     job = room.submit(parallelism=parallelism, world_size=world_size, **extra).json
-    ctx = app.extensions["zwdx"]
-    keys = {r: f"rk_{job['id']}_{r}" for r in range(world_size)}
-    for r in keys:
-        ctx.store.upsert_client({"id": f"gpu-{job['id']}-{r}", "room_id": room.room["id"], "hostname": f"h{r}",
-                                 "status": "online"}, [{"id": f"gpu-{job['id']}-{r}:0", "client_id": f"gpu-{job['id']}-{r}",
-                                                        "room_id": room.room["id"], "index": 0, "kind": "cpu"}])
-    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
-    assert Job.load(ctx.store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
-                                                {r: hash_secret(k) for r, k in keys.items()})
-    return room, [room.as_(None, rank_key=k) for k in keys.values()], job
+    return room, start_placed(app, room, job, world_size), job
 
 
 def put(rank: Api, job: dict, n: int, values, compression: str = "int8", last: bool = False):

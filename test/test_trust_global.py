@@ -16,6 +16,7 @@ from safetensors.torch import load as load_safetensors
 from conftest import Api
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from test_robust import honest
+from workloads import start_placed
 from zwdx import codec, defaults, start_weights
 from zwdx.server import global_weights
 
@@ -98,10 +99,6 @@ def test_a_workers_fingerprint_of_its_parameters_is_the_servers_of_the_same_weig
 # -- a job's rounds and weights ---------------------------------------------------------------------
 def placed(app, start: bytes | None, world_size: int = 3, **settings):
     """``test_diloco.placed``, the job submitted with start weights as the SDK sends them."""
-    from zwdx.protocol import SlotKind
-    from zwdx.protocol.job import PlacementEntry
-    from zwdx.server.auth import hash_secret
-    from zwdx.server.jobs import Job
     room = Api(app.test_client()).create_room("trust")
     diloco = {"compression": "none", **settings}
     if start is not None:
@@ -109,16 +106,7 @@ def placed(app, start: bytes | None, world_size: int = 3, **settings):
         assert answer.status_code == 201, answer.json
         diloco["start_weights"] = answer.json["id"]
     job = room.submit(parallelism="DILOCO", world_size=world_size, diloco=diloco).json
-    ctx = app.extensions["zwdx"]
-    keys = {r: f"rk_{job['id']}_{r}" for r in range(world_size)}
-    for r in keys:
-        ctx.store.upsert_client({"id": f"gpu-{job['id']}-{r}", "room_id": room.room["id"], "hostname": f"h{r}",
-                                 "status": "online"}, [{"id": f"gpu-{job['id']}-{r}:0", "client_id": f"gpu-{job['id']}-{r}",
-                                                        "room_id": room.room["id"], "index": 0, "kind": "cpu"}])
-    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
-    assert Job.load(ctx.store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
-                                                {r: hash_secret(k) for r, k in keys.items()})
-    ranks = [room.as_(None, rank_key=k) for k in keys.values()]
+    ranks = start_placed(app, room, job, world_size)
     for r, api in enumerate(ranks):
         assert api.post(f"/jobs/{job['id']}/ranks/{r}", json={"status": "running"}).json["ok"]
     return room, ranks, job

@@ -95,3 +95,23 @@ def logged_steps(model, loader, optimizer, reporter):
         optimizer.step()
         reporter.log_metrics(loss=loss.item(), step=step)
     return {"final_loss": loss.item()}
+
+
+def start_placed(app, room, job: dict, world_size: int) -> list:
+    """``job`` (submitted to ``room``, a ``conftest.Api`` of the in-process ``app``) started as the
+    scheduler starts it: ``world_size`` GPU clients of one CPU slot each, rank r on the r-th, under
+    a rank key the test holds. Each rank's Api (its key alone), in rank order."""
+    from zwdx.protocol import SlotKind
+    from zwdx.protocol.job import PlacementEntry
+    from zwdx.server.auth import hash_secret
+    from zwdx.server.jobs import Job
+    store, job_id, room_id = app.extensions["zwdx"].store, job["id"], room.room["id"]
+    keys = {r: f"rk_{job_id}_{r}" for r in range(world_size)}
+    for r in keys:
+        client = f"gpu-{job_id}-{r}"
+        store.upsert_client({"id": client, "room_id": room_id, "hostname": f"h{r}", "status": "online"},
+                            [{"id": f"{client}:0", "client_id": client, "room_id": room_id, "index": 0, "kind": "cpu"}])
+    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job_id}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
+    assert Job.load(store, job_id).start(placement, [f"gpu-{job_id}-{r}:0" for r in keys],
+                                         {r: hash_secret(k) for r, k in keys.items()})
+    return [room.as_(None, rank_key=k) for k in keys.values()]
