@@ -33,6 +33,7 @@ from .protocol import JobKind, runtime_versions
 from .protocol.base import parse
 from .protocol.rest import SubmitJob
 from .protocol.script import MAX_LEFT_OUT, VARIABLE, ScriptSpec
+from .archives import data_filter_missing
 from .datasets import check_datasets
 from .sizes import human
 from .workdir import Packed, pack
@@ -46,9 +47,9 @@ def print_line(event: dict) -> None:
 def extract_outputs(archive: str, dest: str) -> list[str]:
     """The outputs' tar unpacked into ``dest`` (made if need be): the files it wrote, relative.
     An entry that would land outside ``dest``, link out of it or be a device is refused, naming it."""
-    if not hasattr(tarfile, "data_filter"):
-        raise ZwdxError(f"Python {sys.version.split()[0]} lacks tarfile's data filter (3.10.12, 3.11.4 and later have "
-                        f"it): zwdx does not unpack a job's outputs without it")
+    missing = data_filter_missing()
+    if missing:
+        raise ZwdxError(f"{missing}: zwdx does not unpack a job's outputs without it")
     os.makedirs(dest, exist_ok=True)
     try:
         with tarfile.open(archive, "r:") as tar:

@@ -45,6 +45,7 @@ import traceback
 
 import requests
 
+from zwdx.archives import data_filter_missing
 from zwdx.protocol.rank import RankSpec
 from zwdx.protocol.script import VARIABLE
 from zwdx.protocol.vocab import JobKind, RankStatus, SlotKind
@@ -87,9 +88,9 @@ def unpack(archive: str, dest: str, where: str = "this GPU client") -> set[str]:
     """The working dir's archive into ``dest``; an entry that would land outside it (or is a
     device, a link out of the tree) is refused, naming it, and nothing is run. ``where``: the
     GPU client, as a refusal names it. The names it unpacked."""
-    if not hasattr(tarfile, "data_filter"):
-        raise RuntimeError(f"{where}: its Python {sys.version.split()[0]} lacks tarfile's data filter "
-                           f"(3.10.12, 3.11.4 and later have it): it does not unpack working dirs")
+    missing = data_filter_missing()
+    if missing:
+        raise RuntimeError(f"{where}: its {missing}: it does not unpack working dirs")
     os.makedirs(dest, exist_ok=True)
     try:
         with tarfile.open(archive, "r:*") as tar:
