@@ -26,10 +26,9 @@ from ..protocol import checkpoint as files_of
 from ..protocol.job import CheckpointEntry, Job as JobRecord
 from ..protocol.report import CheckpointCommit, FileName
 from ..protocol.rest import ArtifactView, CheckpointList
-from . import notify
+from . import jobs
 from .auth import Sender, only_rank
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from .jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +141,10 @@ def commit_checkpoint(job: JobRecord, sender: Sender, n: int, body: CheckpointCo
     entry = CheckpointEntry.model_validate({
         **body.model_dump(exclude={"files", "format"}, exclude_none=True), "format": fmt, "n": n, "world_size": world,
         "attempt": job.attempt, "files": {name: files[name] for name in sorted(named)}, "at": time.time()})
-    handle = Job(ctx().store, job)
-    kept = handle.checkpoint_committed(entry)
+    kept = jobs.checkpoint_committed(ctx(), job, entry)
     if kept is None:
-        raise Conflict(f"job {job.id} is {handle.record.status.value}: it commits no checkpoint", job_id=job.id)
+        raise Conflict(f"job {job.id} is {job.status.value}: it commits no checkpoint", job_id=job.id)
     _forget_older(job.id, n, kept)
-    log.info("job %s: checkpoint %d committed (epoch %s, step %s)", job.id, n, entry.epoch, entry.step)
-    notify.job_changed(handle.record)
     return entry, 201
 
 

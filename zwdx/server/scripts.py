@@ -24,7 +24,7 @@ from ..protocol.job import Job as JobRecord
 from ..protocol.rest import ArtifactView
 from .auth import Sender, only_rank
 from .http import OCTET, Auth, ctx, job_artifact, operation, save_artifact, stream
-from .jobs import Job
+from . import jobs
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def put_outputs(job: JobRecord, sender: Sender):
     are kept too). They replace an earlier attempt's."""
     only_rank(sender, 0, "uploading the outputs", job.id)
     saved = save_artifact({"id": job.room_id}, ArtifactKind.OUTPUT.value, job.id, attempt=sender.attempt)
-    Job(ctx().store, job).outputs_uploaded(saved.id)
+    jobs.outputs_uploaded(ctx(), job, saved.id)
     return saved, 201
 
 

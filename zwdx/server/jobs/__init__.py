@@ -15,10 +15,12 @@ from .effects import Effects, Release, apply, tell_clients
 from .lifecycle import cancel, client_lost, drop, fail, interrupt, not_started, ranks_exited, settle_suspects
 from .model import Job
 from .placing import assign, let_go, placed, said, wait
-from .reports import forget_ranks_gone, not_wanted, rank_completed, rank_failed, rank_layout, rank_started, report
+from .reports import checkpoint_committed, forget_ranks_gone, not_wanted, outputs_uploaded, rank_completed, rank_failed, \
+    rank_layout, rank_started, report
 from .rules import FAILURE_GRACE, NO_RENDEZVOUS, rejoined, wanting
 
-__all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "assign", "cancel", "client_lost",
-           "drop", "fail", "forget_ranks_gone", "interrupt", "let_go", "not_started", "not_wanted", "placed",
+__all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "assign", "cancel",
+           "checkpoint_committed", "client_lost", "drop", "fail", "forget_ranks_gone", "interrupt", "let_go", "not_started",
+           "not_wanted", "outputs_uploaded", "placed",
            "rank_completed", "rank_failed", "rank_layout", "rank_started", "ranks_exited", "rejoined", "report", "said",
            "settle_suspects", "tell_clients", "wait", "wanting"]

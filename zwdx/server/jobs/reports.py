@@ -1,5 +1,6 @@
 """What a job's ranks and GPU clients report, and what follows: a rank started, said what it
-holds, completed or failed; a registering GPU client says which ranks it still runs.
+holds, completed or failed; rank 0 committed a checkpoint or uploaded a script's outputs; a
+registering GPU client says which ranks it still runs.
 
 ``report`` is the one call behind ``POST /jobs/<id>/ranks/<rank>`` (``api.post_rank_status``
 parses and authorizes, then calls it); the others are its steps and the Socket.IO side's.
@@ -12,7 +13,7 @@ from typing import Callable
 
 from ...protocol import ACTIVE, EventKind, JobStatus, RankStatus
 from ...protocol.gpu import JobCancel
-from ...protocol.job import Job as JobRecord
+from ...protocol.job import CheckpointEntry, Job as JobRecord
 from ...protocol.layout import RankLayout
 from ...protocol.report import RankReport, RankReportAnswer
 from .. import notify
@@ -147,3 +148,19 @@ def not_wanted(ctx, client_id: str, running: dict[str, int]) -> list[JobCancel]:
         if not mine:
             cancels.append(JobCancel(job_id=job_id, attempt=attempt, reason="the job went on without this gpu client"))
     return cancels
+
+
+def checkpoint_committed(ctx, job: JobRecord, entry: CheckpointEntry) -> list[CheckpointEntry] | None:
+    """Rank 0 committed a checkpoint (its files checked already): the job's latest, shown. The
+    checkpoints the job keeps, or None: it is not starting or running (nothing changed)."""
+    handle = Job(ctx.store, job)
+    kept = handle.checkpoint_committed(entry)
+    if kept is not None:
+        log.info("job %s: checkpoint %d committed (epoch %s, step %s)", job.id, entry.n, entry.epoch, entry.step)
+        apply(ctx, Effects(show=handle.record))
+    return kept
+
+
+def outputs_uploaded(ctx, job: JobRecord, artifact_id: str) -> bool:
+    """Rank 0 of a script job uploaded its outputs (``Job.outputs_uploaded``)."""
+    return Job(ctx.store, job).outputs_uploaded(artifact_id)
