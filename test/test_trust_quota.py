@@ -26,7 +26,7 @@ def stored(app, room_id: str) -> int:
 def test_start_weights_over_the_rooms_quota_are_refused_with_its_message(app):
     room = Api(app.test_client()).create_room("trust-quota-start")
     data = start_weights.encode(model())
-    app.config["ROOM_MAX_ARTIFACT_BYTES"] = stored(app, room.room["id"]) + len(data) // 2
+    app.extensions["zwdx"].reconfigure(ROOM_MAX_ARTIFACT_BYTES=stored(app, room.room["id"]) + len(data) // 2)
     answer = room.post("/diloco/start", data=data, headers=OCTET)
     assert answer.status_code == 429 and answer.json["error"]["code"] == "quota_exceeded", answer.json
     assert "its quota is" in answer.json["error"]["message"]
@@ -41,7 +41,7 @@ def test_a_round_whose_global_weights_do_not_fit_the_quota_is_refused_and_writes
     put(ranks[0], job, 0, vectors[0])
     upload = len(codec.encode(vectors[1], "none"))
     # room for the second upload and the round's average, not for the server's global weights beside them
-    app.config["ROOM_MAX_ARTIFACT_BYTES"] = stored(app, room.room["id"]) + 2 * upload + 4 * numel
+    app.extensions["zwdx"].reconfigure(ROOM_MAX_ARTIFACT_BYTES=stored(app, room.room["id"]) + 2 * upload + 4 * numel)
     data = codec.encode(np.asarray(vectors[1], np.float32), "none")
     answer = ranks[1].put(f"/jobs/{job['id']}/diloco/rounds/0?last=false", data=data,
                           headers={defaults.SHA256_HEADER: __import__("hashlib").sha256(data).hexdigest()})
@@ -50,6 +50,6 @@ def test_a_round_whose_global_weights_do_not_fit_the_quota_is_refused_and_writes
     store = app.extensions["zwdx"].store
     assert store.list_artifacts(job["id"], ArtifactKind.OUTER_GRADIENT.value) == []
     assert store.list_artifacts(job["id"], ArtifactKind.DILOCO_GLOBAL.value) == []
-    app.config["ROOM_MAX_ARTIFACT_BYTES"] = 0  # the quota lifted: the round goes on
+    app.extensions["zwdx"].reconfigure(ROOM_MAX_ARTIFACT_BYTES=0)  # the quota lifted: the round goes on
     put(ranks[1], job, 0, vectors[1])
     assert len(store.list_artifacts(job["id"], ArtifactKind.DILOCO_GLOBAL.value)) == 1

@@ -119,7 +119,7 @@ def _state_from(job: JobRecord, expected: list[int]) -> int | None:
 
 def round_timeout(job: JobRecord) -> float:
     """Seconds a round waits for its last workers after its first upload."""
-    return float(job.spec.diloco.round_timeout or job.spec.training.collective_timeout or current_app.config["COLLECTIVE_TIMEOUT"])
+    return float(job.spec.diloco.round_timeout or job.spec.training.collective_timeout or current_app.extensions["zwdx"].settings.collective_timeout)
 
 
 def _delete(artifact: dict) -> None:
@@ -300,7 +300,7 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
     combiner = robust.Combiner([float(uploads[r].get("norm") or 0.0) for r in ranks],
                                robust=settings.aggregate == Aggregate.ROBUST, trim=settings.trim)
     layout, members, chunks = codec.average(readers, combiner.frame)
-    allowed, by_quota = limits.artifact_allowance(job.room_id, int(current_app.config["MAX_ARTIFACT_BYTES"]))
+    allowed, by_quota = limits.artifact_allowance(job.room_id, current_app.extensions["zwdx"].settings.max_artifact_bytes)
     held = global_weights.held_size(job, layout.numel)  # the server's global weights after the round
     if layout.size() > allowed or (by_quota and layout.size() + held > allowed):
         raise limits.artifact_quota_exceeded(job.room_id, layout.size() + held if by_quota else layout.size())

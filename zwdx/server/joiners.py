@@ -59,7 +59,7 @@ def serve(job: JobRecord, n: int) -> None:
     data = global_weights.joining_state(job, n) if waiting else None
     if data is None:
         return
-    allowed, _ = limits.artifact_allowance(job.room_id, int(current_app.config["MAX_ARTIFACT_BYTES"]))
+    allowed, _ = limits.artifact_allowance(job.room_id, current_app.extensions["zwdx"].settings.max_artifact_bytes)
     if len(data) > allowed:
         log.warning("job %s: no room in the quota for the joiners' global weights; a worker sends them", job.id)
         return

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-from ... import defaults
 from ...protocol import ACTIVE, ClientStatus, JobStatus, Parallelism, RankStatus
 from ...protocol.job import Job as JobRecord
 from .effects import Effects, Release, apply, stopping
@@ -108,7 +107,7 @@ def not_started(ctx, record: JobRecord, reason: str, clients) -> JobRecord | Non
     again on other GPU clients than ``clients``, or fails after ``START_TRIES`` such placements
     (``Job.not_started``). None if it moved on meanwhile."""
     handle = Job(ctx.store, record)
-    moved = handle.not_started(reason, clients, int(ctx.config.get("START_TRIES", defaults.START_TRIES) or 0))
+    moved = handle.not_started(reason, clients, ctx.settings.start_tries)
     if moved is None:
         return None
     log.warning("job %s: %s; %s", record.id, reason, "failed" if moved == JobStatus.FAILED else "placing it again")
@@ -120,7 +119,7 @@ def not_started(ctx, record: JobRecord, reason: str, clients) -> JobRecord | Non
 def _start_overdue(ctx, room_id: str | None) -> None:
     """Give up the placements of the room's starting jobs none of whose ranks reported running
     within ``START_TIMEOUT``."""
-    timeout = float(ctx.config.get("START_TIMEOUT", defaults.START_TIMEOUT) or 0)
+    timeout = ctx.settings.start_timeout
     if not timeout:
         return
     for record in ctx.store.list_jobs(room_id, statuses=[JobStatus.STARTING]):
@@ -140,14 +139,14 @@ def settle_suspects(ctx, room_id: str | None = None) -> None:
     """Fail the active jobs (of the room, when given) that are overdue (``Job.overdue``): their
     ranks raised and every rank reported, or their ranks lost their peers and no GPU client
     turned out lost."""
-    assign_timeout = 2 * float(ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT)) + 5.0
+    assign_timeout = 2 * ctx.settings.reserve_timeout + 5.0
     for record in ctx.store.list_jobs(room_id, statuses=list(ACTIVE), unsettled=True):  # the others are not overdue
         handle = Job(ctx.store, record)
         offline = set()
         if record.suspect_since is not None:
             offline = {p.client_id for p in record.placement or []
                        if (ctx.store.get_client(p.client_id) or {}).get("status") != ClientStatus.ONLINE.value}
-        reason = handle.overdue(offline, float(ctx.config["CLIENT_TIMEOUT"]), assign_timeout)
+        reason = handle.overdue(offline, ctx.settings.client_timeout, assign_timeout)
         if reason == NO_RENDEZVOUS and handle.unplace(f"placed again: {reason}"):
             log.warning("job %s: %s; placing it again", record.id, reason)
             apply(ctx, Effects(release=(Release(record.id),),  # no GPU client was told of it
