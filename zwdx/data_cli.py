@@ -16,7 +16,8 @@ import time
 from tabulate import tabulate
 
 from . import defaults, sizes
-from .jobs_cli import _ago, _print_json, room_token
+from .job_text import ago as _ago
+from .jobs_cli import _print_json, room_token
 
 
 def _size(n: int) -> str:

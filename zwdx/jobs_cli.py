@@ -24,45 +24,12 @@ import time
 
 from tabulate import tabulate
 
-from . import sizes
 from .errors import BadRequest
 from .protocol import FINISHED, JobStatus
 from .protocol.base import escape_controls
 from .protocol.spec import nest
-
-
-def _ago(ts: float | None, now: float) -> str:
-    if not ts:
-        return "-"
-    s = max(0.0, now - ts)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{s / size:.0f}{unit} ago"
-    return f"{s:.0f}s ago"
-
-
-def _gib(n) -> str:
-    """A size in the unit that reads best (``12.0 KiB``, ``3.2 GiB``): a small quota is not ``0.0 GiB``."""
-    return sizes.human(n) if isinstance(n, (int, float)) and n else "-"
-
-
-def _number(v) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.6g}"
-    return "-" if v is None else str(v)
-
-
-#: How a slot keeps job code (``Isolation``'s values), in the dashboard's words.
-ISOLATION_WORDS = {"docker": "container", "user": "per-job user", "process": "same user"}
-
-
-def terms_line(terms: dict) -> str:
-    """A container's image and limits (``protocol.gpu.Terms``) on one line."""
-    return (f"image {terms.get('image')} ({terms.get('image_id') or '?'}), {terms.get('user')}, root "
-            f"{terms.get('root_fs')}, capabilities {terms.get('capabilities')}, "
-            f"{'no-new-privileges, ' if terms.get('no_new_privileges') else ''}seccomp {terms.get('seccomp')}, "
-            f"memory {_gib(terms.get('memory_bytes'))}, pids {terms.get('pids')}, /dev/shm "
-            f"{_gib(terms.get('shm_bytes'))}, work dir {terms.get('work_dir')}; network: {terms.get('network')}")
+from .job_text import (ago, facts, gib, notes, number, placement_rows, plan_lines,
+                       suspect_lines, terms_line)
 
 
 def _show(text: str, keep: str = "\n") -> None:
@@ -103,8 +70,8 @@ def jobs_list(sdk, args) -> int:
         return 0
     now = time.time()
     rows = [[j["id"], j.get("name") or "", j["status"], j.get("world_size") or "-",
-             (j.get("spec") or {}).get("parallelism", "-"), _ago(j.get("created_at"), now),
-             _number(j.get("final_loss")), (j.get("waiting_reason") or j.get("reason") or "")[:60]]
+             (j.get("spec") or {}).get("parallelism", "-"), ago(j.get("created_at"), now),
+             number(j.get("final_loss")), (j.get("waiting_reason") or j.get("reason") or "")[:60]]
             for j in jobs]
     _show(tabulate(rows, headers=["ID", "NAME", "STATUS", "RANKS", "MODE", "SUBMITTED", "FINAL LOSS", "WHY"]))
     return 0
@@ -115,84 +82,32 @@ def jobs_show(sdk, args) -> int:
     if args.json:
         _print_json(job)
         return 0
-    now, spec = time.time(), nest(job.get("spec") or {})  # a server before the tree says it flat
-    fields = [("id", job["id"]), ("name", job.get("name") or ""), ("status", job["status"]),
-              ("parallelism", spec.get("parallelism")), ("world size", job.get("world_size") or "-"),
-              ("attempt", f"{job.get('attempt', 0)} ({job.get('restarts', 0)} restart(s))"),
-              ("submitted", _ago(job.get("created_at"), now)), ("started", _ago(job.get("started_at"), now)),
-              ("ended", _ago(job.get("ended_at"), now)), ("final loss", _number(job.get("final_loss")))]
-    if spec.get("datasets"):
-        fields.append(("datasets", ", ".join(f"{d['name']} ({d['url'] if d.get('url') else d['version'][:12]})"
-                                             for d in spec["datasets"])))
-    strategy = spec.get("strategy") or {}
-    mixed = strategy.get("type") == "mixed"
-    if mixed:
-        placed = [e.get("reason") for e in job.get("timeline") or [] if e.get("status") == "starting"]
-        fields.append(("devices", f"mixed, global batch {strategy.get('global_batch') or 'from data_loader_func'}"
-                                  + (f" ({placed[-1]})" if placed and placed[-1] else "")))
-    if job.get("waiting_reason"):
-        fields.append(("waiting because", job["waiting_reason"]))
-    if job.get("reason"):
-        fields.append(("reason", job["reason"]))
-    for warning in job.get("warnings") or []:
-        fields.append(("WARNING", warning))
-    for name, value in (job.get("results") or {}).items():
-        fields.append((f"result: {name}", _number(value)))
-    _show(tabulate(fields, tablefmt="plain"))
-    placement = job.get("placement") or []
-    if placement:
+    spec = nest(job.get("spec") or {})  # a server before the tree says it flat
+    mixed = (spec.get("strategy") or {}).get("type") == "mixed"
+    _show(tabulate(facts(job, spec, time.time()) + notes(job), tablefmt="plain"))
+    if job.get("placement"):
         print()
-        ranks = job.get("ranks") or {}
-        batch = _batches(sdk, job["id"]) if mixed else {}  # each rank's share of the global batch, as measured
-        _show(tabulate([[p["rank"], p.get("hostname") or "", p["client_id"], p.get("gpu_index"), p.get("gpu_name") or "",
-                         ranks.get(str(p["rank"]), {}).get("status", "-"),
-                         ISOLATION_WORDS.get(ranks.get(str(p["rank"]), {}).get("isolation"), "-"),
-                         *([batch.get(p["rank"], "-")] if mixed else [])] for p in placement],
-                       headers=["RANK", "HOST", "GPU CLIENT", "SLOT", "GPU", "STATUS", "ISOLATION",
-                                *(["BATCH"] if mixed else [])]))
-        for rank, state in sorted(ranks.items(), key=lambda kv: int(kv[0])):
-            if state.get("terms"):
-                _show(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
-    for rank, suspect in sorted((job.get("suspects") or {}).items(), key=lambda kv: int(kv[0])):
-        rounds = suspect.get("rounds") or []  # none: named at the end, by its final weights
-        when = f"rounds {', '.join(map(str, rounds))}" if rounds else "at the end"
-        _show(f"SUSPECT: rank {rank} (gpu client {suspect.get('client_id') or '?'}), {when}: {suspect.get('reason')}"
-              f"{'; dropped from the job' if rounds else ''}")
-    for line in plan_lines(job):
+        _show_placement(job, _batches(sdk, job["id"]) if mixed else None)
+    for line in suspect_lines(job) + plan_lines(job):
         _show(line)
     for rank in job.get("failure_order") or []:
         _show(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}", keep="\n\t")
     return 0
 
 
+def _show_placement(job: dict, batch: dict | None) -> None:
+    """The ranks' table and their containers' terms."""
+    rows, headers = placement_rows(job, batch)
+    _show(tabulate(rows, headers=headers))
+    for rank, state in sorted((job.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+        if state.get("terms"):
+            _show(f"rank {rank} ran in a container: {terms_line(state['terms'])}")
+
+
 def _batches(sdk, job_id: str) -> dict:
     """rank -> its batch (the ``batch_size`` metric a mixed-devices rank records at its start)."""
     return {p["rank"]: int(p["value"]) for p in sdk.get_job_metrics(job_id).get("batch_size", [])
             if isinstance(p.get("value"), (int, float))}
-
-
-def plan_lines(job: dict) -> list[str]:
-    """The job's plan as text (what the job page draws): each rank's layout, as it reported it
-    once its model was wrapped, and for a pipeline the stage order and its schedule."""
-    ranks, where = job.get("ranks") or {}, {p["rank"]: p for p in job.get("placement") or []}
-    said = sorted(((int(rank), state["layout"]) for rank, state in ranks.items() if state.get("layout")))
-    if not said:
-        return []
-    lines = ["", "plan:"]
-    for rank, layout in said:
-        place = where.get(rank) or {}
-        params = f", {layout['params']:,} params" if isinstance(layout.get("params"), int) else ""
-        lines.append(f"  rank {rank} on {place.get('hostname') or place.get('client_id') or '?'} "
-                     f"({layout.get('device') or 'slot ' + str(place.get('gpu_index', '?'))}), {layout['role']}: "
-                     f"{layout['text']}{params}")
-    stages = sorted((layout["stage"]["index"], rank) for rank, layout in said if layout.get("stage"))
-    if stages:
-        settings = nest(job.get("spec") or {}).get("strategy") or {}
-        count = said[0][1]["stage"]["of"] if said[0][1].get("stage") else len(stages)
-        lines.append("  stages: " + " -> ".join(f"{index} (rank {rank})" for index, rank in stages)
-                     + f"; schedule {settings.get('schedule', 'gpipe')}, "
-                       f"{settings.get('microbatches') or count} micro-batches a batch")
-    return lines
 
 
 def jobs_logs(sdk, args) -> int:
@@ -224,8 +139,8 @@ def jobs_metrics(sdk, args) -> int:
         values = [p["value"] for p in points if isinstance(p.get("value"), (int, float))]
         finite = [v for v in values if math.isfinite(v)]
         last = points[-1] if points else {}
-        rows.append([name, len(points), last.get("step", "-"), _number(last.get("value")),
-                     _number(min(finite)) if finite else "-", _number(max(finite)) if finite else "-"])
+        rows.append([name, len(points), last.get("step", "-"), number(last.get("value")),
+                     number(min(finite)) if finite else "-", number(max(finite)) if finite else "-"])
     print(tabulate(rows, headers=["SERIES", "POINTS", "LAST STEP", "LAST", "MIN", "MAX"]))
     return 0
 
@@ -274,10 +189,10 @@ def room_show(sdk, args) -> int:
     if usage:
         limit = usage.get("jobs_limit") or "no limit"
         fields += [("jobs waiting or running", f"{usage['jobs']} of {limit}"),
-                   ("bytes stored", f"{_gib(usage['artifact_bytes'] + usage.get('event_bytes', 0))} of "
-                                    f"{_gib(usage['artifact_bytes_limit']) if usage['artifact_bytes_limit'] else 'no limit'}"
-                                    f" (artifacts {_gib(usage['artifact_bytes'])}, "
-                                    f"events {_gib(usage.get('event_bytes', 0))})"),
+                   ("bytes stored", f"{gib(usage['artifact_bytes'] + usage.get('event_bytes', 0))} of "
+                                    f"{gib(usage['artifact_bytes_limit']) if usage['artifact_bytes_limit'] else 'no limit'}"
+                                    f" (artifacts {gib(usage['artifact_bytes'])}, "
+                                    f"events {gib(usage.get('event_bytes', 0))})"),
                    ("events", f"{usage.get('events', 0)} of {usage.get('events_limit') or 'no limit'}")]
     _show(tabulate(fields, tablefmt="plain"))
     return 0
@@ -300,9 +215,9 @@ def room_clients(sdk, args) -> int:
         for s in c.get("slots") or [{}]:
             busy = f"job {s['job_id']} rank {s.get('rank')}" if s.get("job_id") else "free"
             rows.append([c["id"], c.get("hostname") or "", c["status"], s.get("index", "-"),
-                         f"{s.get('kind', '-')} {s.get('name') or ''}".strip(), _gib(s.get("memory_free")),
-                         _gib(s.get("memory_total")), s.get("isolation") or "-", busy if s else "-",
-                         _link(c.get("link")), _ago(c.get("last_seen"), now)])
+                         f"{s.get('kind', '-')} {s.get('name') or ''}".strip(), gib(s.get("memory_free")),
+                         gib(s.get("memory_total")), s.get("isolation") or "-", busy if s else "-",
+                         _link(c.get("link")), ago(c.get("last_seen"), now)])
     _show(tabulate(rows, headers=["GPU CLIENT", "HOST", "STATUS", "SLOT", "DEVICE", "FREE", "TOTAL", "ISOLATION",
                                   "RUNNING", "LINK (DOWN/UP, RTT)", "LAST SEEN"]))
     apart = sorted({tuple(sorted((c["id"], peer))) for c in room["clients"] for peer in c.get("unreachable") or []})
