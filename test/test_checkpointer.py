@@ -183,3 +183,175 @@ def test_track_refuses_what_it_cannot_keep_and_names_a_state_the_checkpoint_lack
     resumed = Checkpointer(reporter, model, opt, Parallelism.DDP, 0, 1, CPU, latest=entry)
     resumed.track(Counter(5), "new")
     assert reporter.lines == ["checkpoint 0 holds no state for 'new': it starts afresh"]
+
+
+def test_every_generator_comes_back_python_numpy_and_torch(tmp_path):
+    import random
+
+    import numpy as np
+    reporter = FolderReporter(tmp_path)
+    model, opt = _trained()
+    np.random.seed(3)
+    np.random.randn()  # numpy now holds a cached gaussian, which the state keeps too
+    saver = Checkpointer(reporter, model, opt, Parallelism.DDP, 0, 1, CPU)
+    saver.save(0, 1)
+    expected = (random.random(), np.random.randn(), np.random.rand(), torch.rand(2))
+    saver.wait()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    resumed = Checkpointer(reporter, *_fresh(), Parallelism.DDP, 0, 1, CPU, latest=reporter.commits[0])
+    resumed.restore()
+    resumed.restore_rng()
+    got = (random.random(), np.random.randn(), np.random.rand(), torch.rand(2))
+    assert got[:3] == expected[:3] and torch.equal(got[3], expected[3])
+    assert reporter.lines and reporter.lines[0].startswith("checkpoint 0 saved (epoch 0, step 1)")
+
+
+def test_a_commit_refused_for_another_reason_is_raised_at_once_and_missing_files_only_until_the_timeout(tmp_path):
+    class Refusing(FolderReporter):
+        def __init__(self, root, status, body):
+            super().__init__(root)
+            self.status, self.body, self.tries = status, body, 0
+
+        def commit_checkpoint(self, n, files, **fields):
+            self.tries += 1
+            resp = requests.Response()
+            resp.status_code, resp._content = self.status, self.body
+            raise requests.HTTPError(str(self.status), response=resp)
+
+    model, opt = _trained()
+    for status, body in [(400, b'{"error": {"field": "name", "missing": ["x"]}}'),
+                         (400, b'{"error": {"field": "files", "missing": []}}'),
+                         (409, b'{"error": {"field": "files", "missing": ["x"]}}'),
+                         (400, b'not json'), (400, b'{"other": 1}')]:
+        reporter = Refusing(tmp_path / str(len(body)) / str(status), status, body)
+        saver = Checkpointer(reporter, model, opt, Parallelism.DDP, 0, 1, CPU)
+        saver.save(0, 1)
+        with pytest.raises(RuntimeError, match=f"HTTPError: {status}"):
+            saver.wait()
+        assert reporter.tries == 1, body
+    waiting = Refusing(tmp_path / "w", 400, b'{"error": {"field": "files", "missing": ["rng-1.pt"]}}')
+    saver = Checkpointer(waiting, model, opt, Parallelism.DDP, 0, 1, CPU, commit_timeout=0.3)
+    saver.save(0, 1)
+    with pytest.raises(RuntimeError, match="HTTPError: 400"):
+        saver.wait()
+    assert 2 <= waiting.tries <= 8  # tried again (50, 100, 200 ms apart) until the timeout
+
+
+def _forge(reporter, name: str, value, files=("state.pt", "rng-0.pt")) -> CheckpointEntry:
+    """A committed checkpoint whose ``name`` holds ``value`` (the others as a rank writes them)."""
+    model, opt = _trained()
+    saver = Checkpointer(reporter, model, opt, Parallelism.DDP, 0, 1, CPU)
+    saver.save(0, 1)
+    saver.wait()
+    entry = reporter.commits[-1]
+    torch.save(value, os.path.join(reporter.root, entry.files[name]))
+    return entry.model_copy(update={"files": {**entry.files, **{f: f"checkpoints/0/{f}" for f in files}}})
+
+
+class Kept:
+    """A class of the job's code: never loaded from a checkpoint, even where the job allowed it."""
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("state.pt", {"model": [1, 2]}, "state.pt is not a model and optimizer state"),
+    ("state.pt", {"model": {"w": 1.0}, "optimizer": None}, "state.pt is not a model and optimizer state"),
+    ("state.pt", {"model": {}, "optimizer": [1]}, "state.pt is not a model and optimizer state"),
+    ("state.pt", [torch.zeros(1)], "state.pt is not a model and optimizer state"),
+    ("rng-0.pt", {"python": "x", "torch": torch.zeros(1)}, "a rank's generators are not the state zwdx saves"),
+    ("rng-0.pt", {"python": (1, 2), "torch": 3}, "a rank's generators are not the state zwdx saves"),
+    ("rng-0.pt", [1], "a rank's generators are not the state zwdx saves"),
+])
+def test_a_file_that_is_not_what_a_rank_writes_is_refused_naming_it(tmp_path, name, value, message):
+    entry = _forge(FolderReporter(tmp_path), name, value)
+    with pytest.raises(ValueError, match=f"checkpoint 0: {message}"):
+        Checkpointer(FolderReporter(tmp_path), *_fresh(), Parallelism.DDP, 0, 1, CPU, latest=entry).restore()
+
+
+def test_a_tracked_state_that_is_no_dict_is_refused_and_no_global_of_the_jobs_is_ever_loaded(tmp_path):
+    reporter = FolderReporter(tmp_path)
+    model, opt = _trained()
+    saver = Checkpointer(reporter, model, opt, Parallelism.DDP, 0, 1, CPU)
+    saver.track(Counter(1), "c")
+    saver.save(0, 1)
+    saver.wait()
+    entry = reporter.commits[-1]
+    torch.save({"tracked": [1]}, os.path.join(reporter.root, entry.files["extra.pt"]))
+    with pytest.raises(ValueError, match="checkpoint 0: extra.pt is not the tracked objects' state"):
+        Checkpointer(reporter, *_fresh(), Parallelism.DDP, 0, 1, CPU, latest=entry).restore()
+    torch.save({"tracked": {"c": Kept()}}, os.path.join(reporter.root, entry.files["extra.pt"]))
+    torch.serialization.add_safe_globals([Kept])  # the job's code allowed it: the checkpoint still does not
+    try:
+        with pytest.raises(Exception, match="Kept"):
+            Checkpointer(reporter, *_fresh(), Parallelism.DDP, 0, 1, CPU, latest=entry).restore()
+        assert Kept in torch.serialization.get_safe_globals()  # given back after the load
+    finally:
+        torch.serialization.clear_safe_globals()
+
+
+def test_ddp_saves_the_module_inside_the_wrapper_and_pipeline_ranks_each_their_stage(tmp_path):
+    class Wrapper(torch.nn.Module):  # as DistributedDataParallel holds the user's module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    reporter = FolderReporter(tmp_path)
+    model, opt = _trained()
+    saver = Checkpointer(reporter, Wrapper(model), opt, Parallelism.DDP, 0, 1, CPU)
+    saver.save(0, 1)
+    saver.wait()
+    inner, opt2 = _fresh()
+    Checkpointer(reporter, Wrapper(inner), opt2, Parallelism.DDP, 0, 1, CPU, latest=reporter.commits[0]).restore()
+    assert _same(inner.state_dict(), model.state_dict())  # keys without "module."
+
+    stage1 = Checkpointer(FolderReporter(tmp_path / "p"), model, opt, Parallelism.PIPELINE, 1, 2, CPU)
+    stage1.save(1, 2)
+    stage1.wait()
+    assert sorted(os.listdir(tmp_path / "p" / "checkpoints" / "0")) == ["rng-1.pt", "stage-1.pt"]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A process group of this process alone (gloo), as an FSDP rank's, for the test only."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_shards_give_back_the_model_the_optimizer_the_tracked_state_and_the_generators(tmp_path, one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+    reporter = FolderReporter(tmp_path)
+
+    def sharded(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, opt = sharded(0)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    saver = Checkpointer(reporter, model, opt, Parallelism.FSDP, 0, 1, CPU)
+    saver.track(Counter(4), "counter")
+    saver.save(2, 5, epoch_complete=True)
+    after_save = torch.rand(2)
+    saver.wait()
+    [entry] = reporter.commits
+    assert entry.format == CheckpointFormat.SHARDS and (entry.epoch, entry.step) == (2, 5)
+
+    model2, opt2 = sharded(1)
+    resumed = Checkpointer(reporter, model2, opt2, Parallelism.FSDP, 0, 1, CPU, latest=entry)
+    assert resumed.start_epoch == 3
+    resumed.restore()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    assert _same({k: v.full_tensor() for k, v in model2.state_dict().items()}, full)
+    steps = [opt.state[p]["exp_avg"].full_tensor() for p in model.parameters()]
+    assert all(torch.equal(opt2.state[p]["exp_avg"].full_tensor(), s) for p, s in zip(model2.parameters(), steps))
+    assert resumed.track(Counter(), "counter").value == 4
+    torch.manual_seed(7)
+    resumed.restore_rng()
+    assert torch.equal(torch.rand(2), after_save)
