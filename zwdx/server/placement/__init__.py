@@ -31,18 +31,18 @@ from . import filters as _filters, groups as _groups
 
 def missing_modules(spec: dict, client: dict) -> list[str]:
     """The job's required modules the GPU client (a store document) cannot import (none when it did not say)."""
-    return _filters.missing_modules(Need.of(spec), Client.of({**client, "slots": []}))
+    return _filters.missing_modules(Need.of(spec), Client.of(client, with_slots=False))
 
 
 def apart_from(client: dict, now: float) -> list[str]:
     """The GPU clients this one (a store document) is known not to reach, or not to be reached by,
     at ``now`` (its record's ``unreachable``, written by ``reach.py``)."""
-    return Client.of({**client, "slots": []}).apart_from(now)
+    return Client.of(client, with_slots=False).apart_from(now)
 
 
 def apart(clients: dict[str, dict], now: float) -> set[frozenset]:
     """Pairs of the room's GPU clients (store documents by id) known not to reach each other at ``now``."""
-    return _groups.apart({cid: Client.of({**c, "slots": []}) for cid, c in clients.items()}, now)
+    return _groups.apart({cid: Client.of(c, with_slots=False) for cid, c in clients.items()}, now)
 
 
 def meets_over_tcp(spec: dict) -> bool:

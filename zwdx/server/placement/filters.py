@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from ...protocol import python_minor
 from .records import Client, Need, Slot, gib
 
 Check = Callable[[Need, Client, Slot], "str | None"]
@@ -27,8 +27,8 @@ def image(need: Need, client: Client, slot: Slot) -> str | None:
 
 
 def python(need: Need, client: Client, slot: Slot) -> str | None:
-    if need.python is not None and python_minor(client.python) != need.python:
-        return f"gpu client {client.id} runs Python {python_minor(client.python)}, the bundle needs {need.python}"
+    if need.python is not None and client.minor != need.python:
+        return f"gpu client {client.id} runs Python {client.minor}, the bundle needs {need.python}"
     return None
 
 
@@ -36,8 +36,13 @@ def missing_modules(need: Need, client: Client) -> list[str]:
     """The job's required modules the client cannot import (none when it did not say)."""
     if not need.modules or client.modules is None:
         return []
-    have = set(client.modules.split())
-    return [m for m in need.modules if m not in have]
+    return list(_missing(need.modules, client.modules))
+
+
+@lru_cache(maxsize=4096)  # a client's list is long and the same for each of its slots, pass after pass
+def _missing(need: tuple[str, ...], modules: str) -> tuple[str, ...]:
+    have = set(modules.split())
+    return tuple(m for m in need if m not in have)
 
 
 def packages(need: Need, client: Client, slot: Slot) -> str | None:

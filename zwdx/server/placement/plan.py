@@ -88,8 +88,8 @@ def choose(need: Need, ok: list[Slot], room: Room) -> Choice:
 
 
 def _records(slots: list[dict], clients: dict) -> tuple[dict[str, Client], list[Slot]]:
-    return {cid: Client.of(c if "slots" in c else {**c, "slots": []}) for cid, c in clients.items()}, \
-        [Slot.of(s) for s in slots]
+    """The scheduler's documents as records (its slots are ``slots``: a client's own are not read)."""
+    return {cid: Client.of(c, with_slots=False) for cid, c in clients.items()}, [Slot.of(s) for s in slots]
 
 
 def free_slots(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ... import defaults
-from ...protocol import SlotKind, python_minor
+from ...protocol import SlotKind
 from .filters import STANDING, Eligible, missing_modules
 from .records import Client, Need, gib, online
 
@@ -65,7 +65,7 @@ def now(found: Eligible, need: Need) -> list[str]:
     if "image" in refused:
         why.append(f"{len(refused['image'])} slot(s) do not run image {need.image} ({_images(found)})")
     if "python" in refused:
-        wrong = Counter(f"{python_minor(c.python)} (gpu client {c.id})" for c, _, _ in refused["python"])
+        wrong = Counter(f"{c.minor} (gpu client {c.id})" for c, _, _ in refused["python"])
         why.append(f"{sum(wrong.values())} slot(s) on Python {', '.join(sorted(wrong))} cannot load "
                    f"a bundle made with Python {need.python}")
     if "packages" in refused:
@@ -121,7 +121,7 @@ def never_eligible(found: Eligible, need: Need) -> str | None:
         if f.name == "image":
             return f"no slot of a GPU client online runs image {need.image} ({_images(found)})"
         if f.name == "python":
-            theirs = sorted({f"{python_minor(c.python)} (gpu client {c.id})" for c in found.clients("python")})
+            theirs = sorted({f"{c.minor} (gpu client {c.id})" for c in found.clients("python")})
             return (f"no GPU client online runs Python {need.python}, the submitter's (they run {', '.join(theirs)}); "
                     f"a bundle loads only on the Python minor version that made it")
         if f.name == "packages":
