@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from ...protocol import EV_JOB_CANCEL, GPU_NAMESPACE, ClientStatus
 from ...protocol.gpu import JobCancel
@@ -18,6 +19,10 @@ from .. import notify
 from ..extensions import socketio
 
 log = logging.getLogger(__name__)
+
+#: The server's context (``zwdx.server.ServerContext``: its store, settings, scheduler, ...), which
+#: no server module may import (it is the factory above them all).
+Ctx = Any
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ def stopping(record: JobRecord, reason: str, attempt: int | None = None) -> tupl
     return record, JobCancel(job_id=record.id, attempt=attempt, reason=reason)
 
 
-def apply(ctx, effects: Effects) -> None:
+def apply(ctx: Ctx, effects: Effects) -> None:
     """Do what ``effects`` asks, in order."""
     if effects.stop is not None:
         record, cancel = effects.stop
@@ -69,7 +74,7 @@ def apply(ctx, effects: Effects) -> None:
         ctx.scheduler.kick(settle=effects.settle)
 
 
-def tell_clients(ctx, job: JobRecord, event: str, payload: dict, only: set | None = None) -> None:
+def tell_clients(ctx: Ctx, job: JobRecord, event: str, payload: dict[str, Any], only: set[str] | None = None) -> None:
     """Send ``event`` to the job's GPU clients that are online (``only``: those of them)."""
     for client_id in {p.client_id for p in job.placement or []}:
         if only is not None and client_id not in only:

@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Collection
 
 from ...protocol import ACTIVE, ClientStatus, JobStatus, Parallelism, RankStatus
 from ...protocol.job import Job as JobRecord
-from .effects import Effects, Release, apply, stopping
+from .effects import Ctx, Effects, Release, apply, stopping
 from .model import Job
 from .rules import NO_RENDEZVOUS
 
 log = logging.getLogger(__name__)
 
 
-def _ended(ctx, handle: Job, reason: str) -> JobRecord:
+def _ended(ctx: Ctx, handle: Job, reason: str) -> JobRecord:
     """The job stopped running (failed, cancelled, interrupted): stop its ranks, show it, and
     let the scheduler use its slots once they are free."""
     apply(ctx, Effects(stop=stopping(handle.record, reason), show=handle.record, kick=True))
     return handle.record
 
 
-def fail(ctx, job_id: str, reason: str) -> JobRecord | None:
+def fail(ctx: Ctx, job_id: str, reason: str) -> JobRecord | None:
     """Fail an active or waiting job and stop its ranks; None if it had ended already."""
     handle = Job.load(ctx.store, job_id)
     if handle is None or not handle.fail(reason):
@@ -37,7 +38,7 @@ def fail(ctx, job_id: str, reason: str) -> JobRecord | None:
     return _ended(ctx, handle, reason)
 
 
-def cancel(ctx, job_id: str, reason: str = "cancelled by the submitter") -> JobRecord | None:
+def cancel(ctx: Ctx, job_id: str, reason: str = "cancelled by the submitter") -> JobRecord | None:
     handle = Job.load(ctx.store, job_id)
     if handle is None or not handle.cancel(reason):
         return None
@@ -45,7 +46,7 @@ def cancel(ctx, job_id: str, reason: str = "cancelled by the submitter") -> JobR
     return _ended(ctx, handle, reason)
 
 
-def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
+def interrupt(ctx: Ctx, job_id: str, reason: str) -> JobRecord | None:
     """A GPU client of the running job is gone: stop the other ranks and queue the job again
     as ``resuming`` (it goes on from its last checkpoint), or fail it after too many restarts."""
     handle = Job.load(ctx.store, job_id)
@@ -62,7 +63,7 @@ def interrupt(ctx, job_id: str, reason: str) -> JobRecord | None:
     return _ended(ctx, handle, f"job interrupted: {reason}")
 
 
-def drop(ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
+def drop(ctx: Ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
     """A DILOCO job goes on without these workers (``Job.drop``); False when it cannot (it is no
     DILOCO job, or no other worker is left), and the caller does what it does for DDP and FSDP.
     True when there was nothing to drop (those ranks completed already)."""
@@ -81,7 +82,7 @@ def drop(ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
     return True
 
 
-def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0) -> None:
+def ranks_exited(ctx: Ctx, client_id: str, job_id: str, exits: dict[str, int], attempt: int = 0) -> None:
     """A GPU client says its rank processes of this job (this attempt) are gone; free its slots.
     A DILOCO worker that died without a word is dropped, and the others go on."""
     handle = Job.load(ctx.store, job_id)
@@ -101,7 +102,7 @@ def ranks_exited(ctx, client_id: str, job_id: str, exits: dict, attempt: int = 0
                        settle=bool(bad or record.failing_since or record.suspect_since)))
 
 
-def not_started(ctx, record: JobRecord, reason: str, clients) -> JobRecord | None:
+def not_started(ctx: Ctx, record: JobRecord, reason: str, clients: Collection[str]) -> JobRecord | None:
     """The job's placement did not start: its ranks are told to stop, its slots freed (a GPU
     client that never starts ranks never says they exited either), and it waits to be placed
     again on other GPU clients than ``clients``, or fails after ``START_TRIES`` such placements
@@ -116,7 +117,7 @@ def not_started(ctx, record: JobRecord, reason: str, clients) -> JobRecord | Non
     return handle.record
 
 
-def _start_overdue(ctx, room_id: str | None) -> None:
+def _start_overdue(ctx: Ctx, room_id: str | None) -> None:
     """Give up the placements of the room's starting jobs none of whose ranks reported running
     within ``START_TIMEOUT``."""
     timeout = ctx.settings.start_timeout
@@ -135,14 +136,14 @@ def _start_overdue(ctx, room_id: str | None) -> None:
         not_started(ctx, record, f"{reason}; {why}", silent or held)
 
 
-def settle_suspects(ctx, room_id: str | None = None) -> None:
+def settle_suspects(ctx: Ctx, room_id: str | None = None) -> None:
     """Fail the active jobs (of the room, when given) that are overdue (``Job.overdue``): their
     ranks raised and every rank reported, or their ranks lost their peers and no GPU client
     turned out lost."""
     assign_timeout = 2 * ctx.settings.reserve_timeout + 5.0
     for record in ctx.store.list_jobs(room_id, statuses=list(ACTIVE), unsettled=True):  # the others are not overdue
         handle = Job(ctx.store, record)
-        offline = set()
+        offline: set[str] = set()
         if record.suspect_since is not None:
             offline = {p.client_id for p in record.placement or []
                        if (ctx.store.get_client(p.client_id) or {}).get("status") != ClientStatus.ONLINE.value}
@@ -156,7 +157,7 @@ def settle_suspects(ctx, room_id: str | None = None) -> None:
     _start_overdue(ctx, room_id)
 
 
-def client_lost(ctx, client_id: str, reason: str) -> None:
+def client_lost(ctx: Ctx, client_id: str, reason: str) -> None:
     """A GPU client disconnected or went silent for too long: its ranks are gone."""
     client = ctx.store.get_client(client_id)
     if client is None:

@@ -21,7 +21,7 @@ on from its last checkpoint, up to ``max_restarts`` times); if none is lost with
 from __future__ import annotations
 
 import time
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 from ...protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
 from ...protocol.layout import RankLayout
@@ -76,8 +76,8 @@ class Job:
     def append_timeline(self, entry: TimelineEntry, when: Collection[JobStatus] | None = None) -> bool:
         return self._took(self.store.jobs.note(self.id, entry, when))
 
-    def _move(self, to: JobStatus, when: Collection[JobStatus], at: float, fields: dict | None = None,
-              history: RestartEntry | None = None, **entry) -> bool:
+    def _move(self, to: JobStatus, when: Collection[JobStatus], at: float, fields: dict[str, Any] | None = None,
+              history: RestartEntry | None = None, **entry: Any) -> bool:
         """Change the status (and ``fields``) and record it on the timeline, in one write."""
         if not self._took(self.store.jobs.move(self.id, to, TimelineEntry(status=to, at=at, **entry), when, fields,
                                                history)):
@@ -124,8 +124,8 @@ class Job:
         if r.status != JobStatus.STARTING or r.master is not None:
             return False
         back = JobStatus.RESUMING if r.restarts or r.latest_checkpoint else JobStatus.QUEUED
-        fields = {"placement": None, "world_size": None, "rank_keys": {}, "started_at": None, "waiting_reason": reason,
-                  "ranks": {}, "exits": {}}
+        fields: dict[str, Any] = {"placement": None, "world_size": None, "rank_keys": {}, "started_at": None,
+                                  "waiting_reason": reason, "ranks": {}, "exits": {}}
         return self._move(back, [JobStatus.STARTING], self.clock(), fields, reason=reason)
 
     def not_started(self, reason: str, clients: Collection[str], tries: int) -> JobStatus | None:
@@ -177,7 +177,7 @@ class Job:
         return self._took(self.store.jobs.rendezvous(self.id, master))
 
     # -- what ranks report -----------------------------------------------------------------
-    def rank_running(self, rank: int, isolation: str | None = None, terms: dict | None = None) -> bool:
+    def rank_running(self, rank: int, isolation: str | None = None, terms: dict[str, Any] | None = None) -> bool:
         """A rank started (how its slot keeps it: ``isolation``, a container's ``terms``); the
         first one moves the job starting -> running (True then)."""
         now = self.clock()
@@ -196,7 +196,7 @@ class Job:
         entry = before.model_copy(update={"layout": layout})
         return self._took(self.store.jobs.rank_states(self.id, {rank: entry}))
 
-    def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict | None = None,
+    def rank_completed(self, rank: int, fingerprint: str | None = None, results: dict[str, Any] | None = None,
                        final_loss: float | None = None, weights_artifact: str | None = None,
                        global_fingerprint: str | None = None) -> bool:
         """A rank reported its result (rank 0's carries the job's, or that of the rank that uploaded
@@ -273,7 +273,7 @@ class Job:
             self._took(self.store.jobs.mark_failing(self.id, now, f"rank {rank} failed: {error}"))
         return True
 
-    def ranks_exited(self, exits: dict) -> bool:
+    def ranks_exited(self, exits: dict[str, int]) -> bool:
         """A GPU client's rank processes exited (rank -> exit code). A rank that exited badly
         without reporting a failure (nor its completion) makes the job suspect. True when a
         rank exited badly."""
@@ -314,8 +314,8 @@ class Job:
         if r.status not in _ACTIVE:
             return None
         if r.restarts >= r.spec.recovery.max_restarts:
-            history = "; ".join(h.reason for h in r.restart_history)
-            why = f"{reason}; gave up after {r.restarts} restart(s)" + (f" ({history})" if history else "")
+            before = "; ".join(h.reason for h in r.restart_history)
+            why = f"{reason}; gave up after {r.restarts} restart(s)" + (f" ({before})" if before else "")
             return JobStatus.FAILED if self.fail(why) else None
         now, checkpoint = self.clock(), r.latest_checkpoint
         history = RestartEntry(at=now, reason=reason, from_checkpoint=checkpoint,

@@ -3,6 +3,8 @@ assignment each of its GPU clients gets once rank 0's client offered where the r
 and letting go of a placement the job left before any GPU client was told of it."""
 from __future__ import annotations
 
+from typing import Any
+
 from ...protocol import EV_JOB_ASSIGN, GPU_NAMESPACE, ClientStatus, JobStatus
 from ...protocol.checkpoint import resumable
 from ...protocol.gpu import JobAssign, Peer, RankPlace
@@ -10,11 +12,11 @@ from ...protocol.job import Job as JobRecord
 from .. import addresses
 from ..extensions import socketio
 from ..placement import meets_over_tcp, tp_size
-from .effects import Effects, Release, apply
+from .effects import Ctx, Effects, Release, apply
 from .model import Job
 
 
-def wait(ctx, record: JobRecord, reason: str) -> bool:
+def wait(ctx: Ctx, record: JobRecord, reason: str) -> bool:
     """A waiting job says why it waits (a resuming one, after what); shown when that changed."""
     if record.status == JobStatus.RESUMING:
         last = record.restart_history[-1].reason if record.restart_history else None
@@ -22,7 +24,7 @@ def wait(ctx, record: JobRecord, reason: str) -> bool:
     return said(ctx, Job(ctx.store, record), reason)
 
 
-def said(ctx, job: Job, reason: str) -> bool:
+def said(ctx: Ctx, job: Job, reason: str) -> bool:
     """``job`` waits for ``reason``, as it is (written and shown only when it changed)."""
     if not job.wait(reason):
         return False
@@ -30,18 +32,18 @@ def said(ctx, job: Job, reason: str) -> bool:
     return True
 
 
-def placed(ctx, record: JobRecord) -> None:
+def placed(ctx: Ctx, record: JobRecord) -> None:
     """The job took its slots (placed, or a DILOCO worker joined): show it and its room's clients."""
     apply(ctx, Effects(show=record, room=record.room_id))
 
 
-def let_go(ctx, record: JobRecord) -> None:
+def let_go(ctx: Ctx, record: JobRecord) -> None:
     """Free the slots of a job that left ``starting`` before its GPU clients were told of it
     (none of them will say its ranks exited)."""
     apply(ctx, Effects(release=(Release(record.id),), room=record.room_id))
 
 
-def assign(ctx, job: JobRecord, rank_keys: dict[int, str], joining: bool = False) -> None:
+def assign(ctx: Ctx, job: JobRecord, rank_keys: dict[int, str], joining: bool = False) -> None:
     """Tell every GPU client of the job its ranks, each with its key (sent to that client
     only), and every value the ranks need decided here; ``joining``: only the ranks of
     ``rank_keys``, joining the running job."""
@@ -61,7 +63,7 @@ def assign(ctx, job: JobRecord, rank_keys: dict[int, str], joining: bool = False
         socketio.emit(EV_JOB_ASSIGN, assignment.model_dump(mode="json"), to=client["sid"], namespace=GPU_NAMESPACE)
 
 
-def _peers(job: JobRecord, clients: dict[str, dict]) -> list[Peer]:
+def _peers(job: JobRecord, clients: dict[str, dict[str, Any]]) -> list[Peer]:
     """The job's GPU clients' reach addresses, for a mode whose ranks meet over TCP."""
     if not meets_over_tcp({"parallelism": job.spec.parallelism.value}):
         return []
@@ -69,7 +71,7 @@ def _peers(job: JobRecord, clients: dict[str, dict]) -> list[Peer]:
             for c in clients.values() if c.get("advertise_addr") and c.get("reach_port")]
 
 
-def _assignment(ctx, job: JobRecord, ranks: list[RankPlace], group: tuple[int, int], peers: list[Peer],
+def _assignment(ctx: Ctx, job: JobRecord, ranks: list[RankPlace], group: tuple[int, int], peers: list[Peer],
                 joining: bool, egress: list[str]) -> JobAssign:
     """One GPU client's ``JobAssign``: its ranks, its place among the job's clients (``group``:
     its index, their number), and the addresses its ranks may reach (``egress``)."""

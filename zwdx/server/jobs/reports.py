@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ...protocol import ACTIVE, EventKind, JobStatus, RankStatus
 from ...protocol.gpu import JobCancel
@@ -17,7 +17,7 @@ from ...protocol.job import CheckpointEntry, Job as JobRecord
 from ...protocol.layout import RankLayout
 from ...protocol.report import RankReport, RankReportAnswer
 from .. import notify
-from .effects import Effects, apply
+from .effects import Ctx, Effects, apply
 from .lifecycle import ranks_exited
 from .model import Job
 from .rules import rejoined
@@ -25,7 +25,7 @@ from .rules import rejoined
 log = logging.getLogger(__name__)
 
 
-def report(ctx, job: JobRecord, rank: int, body: RankReport, weights: Callable[[], str | None]) -> RankReportAnswer:
+def report(ctx: Ctx, job: JobRecord, rank: int, body: RankReport, weights: Callable[[], str | None]) -> RankReportAnswer:
     """Rank ``rank`` of ``job`` reports (its sender checked already). Once the job failed, a
     rank may still report its own failure (its traceback is kept); nothing else. ``weights``:
     the weights artifact the job returns, asked only once the rank completes."""
@@ -48,7 +48,7 @@ def report(ctx, job: JobRecord, rank: int, body: RankReport, weights: Callable[[
     return RankReportAnswer(ok=True)
 
 
-def rank_started(ctx, job: JobRecord, rank: int) -> None:
+def rank_started(ctx: Ctx, job: JobRecord, rank: int) -> None:
     handle = Job(ctx.store, job)
     if handle.rank_running(rank, **_kept(ctx, job, rank)):
         log.info("job %s: running (world size %d, attempt %d)", job.id, handle.record.world_size,
@@ -56,7 +56,7 @@ def rank_started(ctx, job: JobRecord, rank: int) -> None:
         apply(ctx, Effects(show=handle.record))
 
 
-def _kept(ctx, job: JobRecord, rank: int) -> dict:
+def _kept(ctx: Ctx, job: JobRecord, rank: int) -> dict[str, Any]:
     """How the rank's slot keeps it (isolation, a container's image and limits), as its GPU client
     registered them: what the job's page shows its ranks ran under."""
     place = next((p for p in job.placement or [] if p.rank == rank), None)
@@ -70,7 +70,7 @@ def _kept(ctx, job: JobRecord, rank: int) -> dict:
     return {"isolation": slot.get("isolation"), "terms": terms}
 
 
-def rank_layout(ctx, job: JobRecord, rank: int, layout: RankLayout) -> bool:
+def rank_layout(ctx: Ctx, job: JobRecord, rank: int, layout: RankLayout) -> bool:
     """A running rank said what it holds of the model: kept on its state, and the dashboards told."""
     handle = Job(ctx.store, job)
     if not handle.rank_layout(rank, layout):
@@ -79,7 +79,7 @@ def rank_layout(ctx, job: JobRecord, rank: int, layout: RankLayout) -> bool:
     return True
 
 
-def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict | None = None,
+def rank_completed(ctx: Ctx, job: JobRecord, rank: int, fingerprint: str | None = None, results: dict[str, Any] | None = None,
                    final_loss: float | None = None, weights_artifact: str | None = None,
                    global_fingerprint: str | None = None) -> None:
     handle = Job(ctx.store, job)
@@ -89,7 +89,7 @@ def rank_completed(ctx, job: JobRecord, rank: int, fingerprint: str | None = Non
         apply(ctx, Effects(show=ctx.store.get_job(job.id) or handle.record, kick=True))
 
 
-def _compare_fingerprints(ctx, job: JobRecord) -> None:
+def _compare_fingerprints(ctx: Ctx, job: JobRecord) -> None:
     """Every rank that holds the whole model reports a sha256 of its final weights, equal on
     each after a correct run: ranks that disagree are a warning on the job (a faulty or
     dishonest donor, or a job whose ranks were not in step), never silence."""
@@ -113,7 +113,7 @@ def _compare_fingerprints(ctx, job: JobRecord) -> None:
         "data": {"text": f"WARNING: {text}"}, "ts": time.time()}]))
 
 
-def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,
+def rank_failed(ctx: Ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,
                 exit_code: int | None = None) -> None:
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
     probably gone), so wait to see whether a GPU client was lost before failing the job; so
@@ -128,7 +128,7 @@ def rank_failed(ctx, job: JobRecord, rank: int, error: str, tb: str, collective:
     apply(ctx, Effects(settle=True))  # fails the job as soon as every rank reported
 
 
-def forget_ranks_gone(ctx, room_id: str, client_id: str, running: dict[str, int]) -> None:
+def forget_ranks_gone(ctx: Ctx, room_id: str, client_id: str, running: dict[str, int]) -> None:
     """A GPU client registered saying which jobs it still runs ranks of (job id -> attempt): the
     slots the store thinks it keeps busy with others hold ranks that are gone."""
     for slot in ctx.store.list_slots(room_id, client_id):
@@ -137,7 +137,7 @@ def forget_ranks_gone(ctx, room_id: str, client_id: str, running: dict[str, int]
             ranks_exited(ctx, client_id, slot["job_id"], {str(slot["rank"]): -1}, job.attempt if job else 0)
 
 
-def not_wanted(ctx, client_id: str, running: dict[str, int]) -> list[JobCancel]:
+def not_wanted(ctx: Ctx, client_id: str, running: dict[str, int]) -> list[JobCancel]:
     """Of the ranks a registering GPU client still runs, those of jobs that went on without it
     (or ended): what it is told to stop them."""
     cancels = []
@@ -150,7 +150,7 @@ def not_wanted(ctx, client_id: str, running: dict[str, int]) -> list[JobCancel]:
     return cancels
 
 
-def checkpoint_committed(ctx, job: JobRecord, entry: CheckpointEntry) -> list[CheckpointEntry] | None:
+def checkpoint_committed(ctx: Ctx, job: JobRecord, entry: CheckpointEntry) -> list[CheckpointEntry] | None:
     """Rank 0 committed a checkpoint (its files checked already): the job's latest, shown. The
     checkpoints the job keeps, or None: it is not starting or running (nothing changed)."""
     handle = Job(ctx.store, job)
@@ -161,6 +161,6 @@ def checkpoint_committed(ctx, job: JobRecord, entry: CheckpointEntry) -> list[Ch
     return kept
 
 
-def outputs_uploaded(ctx, job: JobRecord, artifact_id: str) -> bool:
+def outputs_uploaded(ctx: Ctx, job: JobRecord, artifact_id: str) -> bool:
     """Rank 0 of a script job uploaded its outputs (``Job.outputs_uploaded``)."""
     return Job(ctx.store, job).outputs_uploaded(artifact_id)

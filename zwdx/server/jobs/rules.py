@@ -3,7 +3,7 @@ DILOCO places are open. Pure functions of the record and the time, so that the m
 (``model.Job``) and the scheduler ask the same questions the same way."""
 from __future__ import annotations
 
-from typing import Collection
+from typing import Collection, Mapping
 
 from ...protocol import ACTIVE, JobStatus, Parallelism, RankStatus
 from ...protocol.job import Job as JobRecord
@@ -54,7 +54,7 @@ def start_overdue(r: JobRecord, now: float, start_timeout: float) -> str | None:
     return f"no rank reported running within {start_timeout:g} s of its placement"
 
 
-def all_heard(r: JobRecord, failures: dict) -> bool:
+def all_heard(r: JobRecord, failures: Mapping[str, object]) -> bool:
     """Every rank of the attempt exited, or is in ``failures``."""
     return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
 
@@ -64,7 +64,7 @@ def wanting(record: JobRecord) -> list[int]:
     placed in their place since they were dropped)."""
     if record.spec.parallelism != Parallelism.DILOCO or record.status != JobStatus.RUNNING or \
             not any(s.status == RankStatus.RUNNING for s in record.ranks.values()) or \
-            record.spec.diloco.ranks_per_worker > 1:  # a worker of several ranks: its place stays empty
+            record.spec.diloco is None or record.spec.diloco.ranks_per_worker > 1:  # a worker of several ranks: its place stays empty
         return []  # (with no worker still training, none would send the joiner the global weights)
     return [int(rank) for rank, state in sorted(record.ranks.items(), key=lambda kv: int(kv[0]))
             if state.status == RankStatus.DROPPED and not rejoined(record, int(rank))]

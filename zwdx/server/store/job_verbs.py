@@ -50,11 +50,11 @@ class JobVerbs:
         return self.store.set_job(job_id, {"master": master}, when=[JobStatus.STARTING])
 
     # -- what its ranks report ---------------------------------------------------------------
-    def rank_states(self, job_id: str, states: Mapping[int | str, RankState]) -> JobRecord | None:
+    def rank_states(self, job_id: str, states: Mapping[Any, RankState]) -> JobRecord | None:
         """These ranks' states (running, completed, dropped) of an active job."""
         return self.store.put_job_entries(job_id, "ranks", states, when=_ACTIVE)
 
-    def rank_failures(self, job_id: str, failures: Mapping[int | str, RankFailure],
+    def rank_failures(self, job_id: str, failures: Mapping[Any, RankFailure],
                       when: Collection[JobStatus] = _ACTIVE) -> JobRecord | None:
         """These ranks' failures (tracebacks), kept beside the others'."""
         return self.store.put_job_entries(job_id, "failures", failures, when=when)
@@ -63,11 +63,11 @@ class JobVerbs:
         """These rank processes of an active job exited (rank -> exit code)."""
         return self.store.put_job_entries(job_id, "exits", exits, when=_ACTIVE)
 
-    def joined(self, job_id: str, joins: Mapping[int | str, DilocoJoin]) -> JobRecord | None:
+    def joined(self, job_id: str, joins: Mapping[Any, DilocoJoin]) -> JobRecord | None:
         """DILOCO: workers placed in dropped ranks' places."""
         return self.store.put_job_entries(job_id, "joins", joins, when=_ACTIVE)
 
-    def result(self, job_id: str, results: dict, final_loss: float | None,
+    def result(self, job_id: str, results: dict[str, Any], final_loss: float | None,
                weights_artifact: str | None) -> JobRecord | None:
         """What an active job returns: its results, final loss and weights."""
         return self.store.set_job(job_id, {"results": results, "final_loss": final_loss,
