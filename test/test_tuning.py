@@ -53,3 +53,15 @@ def test_the_config_is_frozen_and_the_strategy_gets_its_tuning():
     spec = SimpleNamespace(parallelism=SimpleNamespace(value="DDP"), devices=SimpleNamespace(value="same"))
     assert strategy(spec, None, config.tuning).tuning.ddp_init_sync is True
     assert strategy(spec, None).tuning == Tuning()
+
+
+def test_the_flags_are_declared_where_gpu_client_is_not_installed(monkeypatch):
+    """zwdx/tuning.py declares them: a zwdx without gpu_client (the server image) still shows and
+    parses them (they were left out there, as their declarations were gpu_client's)."""
+    import sys
+    for name in [n for n in sys.modules if n == "gpu_client" or n.startswith("gpu_client.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "gpu_client", None)  # import gpu_client: ModuleNotFoundError
+    from zwdx.tuning import Tuning
+    args = build_parser().parse_args(["gpu-client", "--warm-cuda", "--standby-warmup", "imports,nccl"])
+    assert Tuning.from_arguments(args) == Tuning(warm_cuda=True, standby_warmup=("imports", "nccl"))

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from . import data_cli, defaults, jobs_cli, sizes
+from . import data_cli, defaults, jobs_cli, sizes, tuning
 from .errors import ZwdxError
 from .token_source import token_from
 
@@ -230,9 +230,6 @@ def _gpu_client(args) -> int:
         print(f"zwdx gpu-client: {err}", file=sys.stderr)
         return 2
     from gpu_client.agent.config import AgentConfig
-    from gpu_client.rank.tuning import Tuning
-    tuning = Tuning(eager_nccl=args.eager_nccl, nccl_connect=args.nccl_connect, warm_cuda=args.warm_cuda,
-                    ddp_init_sync=args.ddp_init_sync, standby_warmup=tuple(args.standby_warmup.split(",")))
     return serve(AgentConfig(
         server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu or bool(args.cpu_slots),
         cpu_slots=args.cpu_slots or 1, advertise_addr=args.advertise_addr, client_id=args.client_id,
@@ -240,37 +237,9 @@ def _gpu_client(args) -> int:
         isolation=args.isolation, rank_uids=uids, rank_dir=args.rank_dir, ca_file=args.ca_file,
         dataset_cache_bytes=args.dataset_cache_bytes, fetch_policy=fetch_policy,
         compile_cache=args.compile_cache, outage_tolerance=args.outage_tolerance,
-        modules_refresh=args.modules_refresh, tuning=tuning,
+        modules_refresh=args.modules_refresh, tuning=tuning.Tuning.from_arguments(args),
         confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
                                 pids=args.container_pids, shm=args.container_shm)))
-
-
-def _tuning_arguments(p) -> None:
-    """``zwdx gpu-client``'s switches of its ranks' start (``gpu_client.rank.tuning``), each
-    defaulting to its ``ZWDX_*`` variable, else to what was measured fastest."""
-    try:
-        from gpu_client.rank.tuning import VARIABLES, WARMUPS, Tuning
-    except ModuleNotFoundError as exc:  # a server-only install (the server image): gpu-client fails as it starts
-        if (exc.name or "").partition(".")[0] != "gpu_client":
-            raise
-        return
-    env = Tuning.from_environ()
-    t = p.add_argument_group("rank start", "how its ranks start (measure before changing: bench/README.md)")
-    t.add_argument("--eager-nccl", action=argparse.BooleanOptionalAction, default=env.eager_nccl,
-                   help="make NCCL's communicator as a rank joins (device_id), not at its first collective "
-                        f"(default: ${VARIABLES['eager_nccl']}=1, else off)")
-    t.add_argument("--nccl-connect", choices=("runtime", "init"), default=env.nccl_connect,
-                   help="init: NCCL connects a rank's peers in an eager join (NCCL_RUNTIME_CONNECT=0) rather than at "
-                        f"the first collective (default: ${VARIABLES['nccl_connect']}, else runtime)")
-    t.add_argument("--warm-cuda", action=argparse.BooleanOptionalAction, default=env.warm_cuda,
-                   help="make the cuBLAS and cuDNN handles while a rank joins "
-                        f"(default: ${VARIABLES['warm_cuda']}=1, else off)")
-    t.add_argument("--ddp-init-sync", action=argparse.BooleanOptionalAction, default=env.ddp_init_sync,
-                   help="DDP checks the ranks' shapes and broadcasts rank 0's weights as it wraps "
-                        f"(default: ${VARIABLES['ddp_init_sync']}=1, else off: every rank loads the same bundle)")
-    t.add_argument("--standby-warmup", default=",".join(env.standby_warmup), metavar="PARTS",
-                   help=f"what a standby rank process pays ahead, of {', '.join(WARMUPS)} (comma-separated; none: "
-                        f"nothing) (default: ${VARIABLES['standby_warmup']}, else imports)")
 
 
 def _sdk(args):
@@ -569,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "a rank container")
     iso.add_argument("--container-shm", type=byte_size, default=2 * 1024**3, metavar="SIZE",
                      help="--isolation docker: /dev/shm of a rank container (default 2g)")
-    _tuning_arguments(p)
+    tuning.add_arguments(p)
     p.set_defaults(func=_gpu_client)
 
     p = sub.add_parser("run", help="run a torchrun script unchanged on the room's GPUs",
