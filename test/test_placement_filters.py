@@ -111,3 +111,12 @@ def test_plan_and_unschedulable_agree_on_an_idle_room():
         assert (never is None) == (chosen is not None), (asked, room, never, why)
         seen[chosen is not None] += 1
     assert min(seen.values()) > 300, seen  # both answers drawn often
+
+
+def test_an_image_no_slot_runs_is_never_schedulable_and_another_python_is_said_first():
+    room = [doc("a", images=["x:1"]), doc("b")]
+    assert unschedulable(spec(image="y:2"), room) == \
+        "no slot of a GPU client online runs image y:2 (gpu client a allows x:1; gpu client b runs no containers)"
+    assert unschedulable(spec(image="x:1"), room) is None
+    assert unschedulable(spec(image="y:2", python="3.12.0"), room).startswith(
+        "no GPU client online runs Python 3.12, the submitter's (they run 3.11 (gpu client a), 3.11 (gpu client b))")
