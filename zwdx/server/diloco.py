@@ -301,9 +301,11 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
                                robust=settings.aggregate == Aggregate.ROBUST, trim=settings.trim)
     layout, members, chunks = codec.average(readers, combiner.frame)
     allowed, by_quota = limits.artifact_allowance(job.room_id, current_app.extensions["zwdx"].settings.max_artifact_bytes)
-    held = global_weights.held_size(job, layout.numel)  # the server's global weights after the round
-    if layout.size() > allowed or (by_quota and layout.size() + held > allowed):
-        raise limits.artifact_quota_exceeded(job.room_id, layout.size() + held if by_quota else layout.size())
+    if layout.size() > allowed:
+        raise limits.artifact_quota_exceeded(job.room_id, layout.size())
+    both = layout.size() + global_weights.held_size(job, layout.numel)  # and the server's global weights after it
+    if limits.artifact_allowance(job.room_id, both)[1]:
+        raise limits.artifact_quota_exceeded(job.room_id, both)
     artifact_id = uuid.uuid4().hex
     size, sha = ctx().artifacts.save(artifact_id, codec.ChunkReader(_yielding(chunks)), allowed)
     left = sorted(set(round_state.left) | {r for r, a in uploads.items() if a.get("last")})
