@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Annotated, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError,
@@ -52,13 +53,13 @@ VERSION_HEADER = "Zwdx-Version"
 _PROTOCOL = re.compile(r"^([0-9]{1,4})\.([0-9]{1,4})$")
 
 
-def protocol_major(version) -> int | None:
+def protocol_major(version: object) -> int | None:
     """``'1.3'`` -> 1; None for anything that is not MAJOR.MINOR."""
     found = _PROTOCOL.match(version) if isinstance(version, str) else None
     return int(found.group(1)) if found else None
 
 
-def incompatible(theirs, them: str, us: str, their_zwdx, ours: str) -> str | None:
+def incompatible(theirs: object, them: str, us: str, their_zwdx: object, ours: str) -> str | None:
     """Why a peer speaking protocol ``theirs`` (None: one that did not say, 1.0) cannot talk to
     this one, naming both versions and which side to upgrade; None when it can. ``them`` and
     ``us`` say who is who, as nouns ("GPU client", "server"); ``their_zwdx`` and ``ours``: the
@@ -70,7 +71,7 @@ def incompatible(theirs, them: str, us: str, their_zwdx, ours: str) -> str | Non
     said = escape_controls(str(theirs)[:20])
     them_at = f"this {them} speaks zwdx protocol {said}" + (f" (zwdx {escape_controls(str(their_zwdx)[:32])})"
                                                        if isinstance(their_zwdx, str) else "")
-    if major is None:
+    if major is None or mine is None:
         return f"{them_at}, which is no protocol version (MAJOR.MINOR); this {us} speaks {PROTOCOL} (zwdx {ours})"
     older = them if major < mine else us
     return (f"{them_at}; this {us} speaks {PROTOCOL} (zwdx {ours}): another major version, which the "
@@ -143,7 +144,7 @@ class Tolerant(Message):
 
     @model_validator(mode="before")
     @classmethod
-    def _note_unknown(cls, data):
+    def _note_unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name in data.keys() - cls.model_fields.keys():
                 key = (cls.__name__, escape_controls(str(name)[:64]))
@@ -177,9 +178,9 @@ _BOUNDS = {"greater_than_equal": "must be at least {ge}", "less_than_equal": "mu
            "extra_forbidden": "is not a field of this message"}
 
 
-def say(error: dict) -> str:
+def say(error: Mapping[str, Any]) -> str:
     """One of pydantic's errors in words, after ``field 'path'``: ``must be int, got str``."""
-    kind, ctx, msg = error["type"], error.get("ctx") or {}, error["msg"]
+    kind, ctx, msg = error["type"], error.get("ctx") or {}, str(error["msg"])
     if kind in _EXPECTED:
         return f"must be {_EXPECTED[kind]}, got {type(error['input']).__name__}"
     if kind in _BOUNDS:
@@ -195,12 +196,12 @@ def say(error: dict) -> str:
     return f": {msg[:1].lower() + msg[1:]}"
 
 
-def field_path(loc) -> str:
+def field_path(loc: Sequence[object]) -> str:
     """``('slots', 0, 'index')`` -> ``'slots.0.index'``."""
     return ".".join(str(part) for part in loc if part not in ("[key]",)) or "body"
 
 
-def parse(model: type[M], data, what: str = "") -> M:
+def parse(model: type[M], data: object, what: str = "") -> M:
     """``data`` (already decoded JSON) as ``model``, or ``BadRequest`` naming the first wrong field."""
     where = f"{what}: " if what else ""
     if not isinstance(data, dict):
@@ -221,7 +222,7 @@ LONG_NUMBER = re.compile(r"[0-9]{19}")
 LONG_NUMBER_BYTES = re.compile(rb"[0-9]{19}")
 
 
-def loads(text: str | bytes):
+def loads(text: str | bytes) -> Any:
     """JSON text as zwdx's processes and stores write it, read with orjson (several times
     ``json``'s speed: every Socket.IO packet, every stored document); ``json`` reads what orjson
     refuses (NaN, lone surrogates), and text that starts with a space: ``exact`` marks so a

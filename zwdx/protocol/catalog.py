@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -85,10 +86,10 @@ def _module(model: type[BaseModel]) -> str:
     return "zwdx/" + model.__module__.removeprefix("zwdx.").replace(".", "/") + ".py"
 
 
-def _type(schema: dict) -> str:
+def _type(schema: dict[str, Any]) -> str:
     """A JSON Schema as a short type: ``int``, ``str | null``, ``Slot[]``, ``{str: int}``."""
     if "$ref" in schema:
-        return schema["$ref"].rsplit("/", 1)[-1]
+        return str(schema["$ref"]).rsplit("/", 1)[-1]
     if "anyOf" in schema:
         return " | ".join(_type(s) for s in schema["anyOf"])
     if "enum" in schema:
@@ -101,10 +102,11 @@ def _type(schema: dict) -> str:
     if kind == "object":
         values = schema.get("additionalProperties") or next(iter(schema.get("patternProperties", {}).values()), None)
         return "{str: " + _type(values) + "}" if isinstance(values, dict) else "object"
-    return {"integer": "int", "string": "str", "number": "float", "boolean": "bool", "null": "null"}.get(kind, "any")
+    names = {"integer": "int", "string": "str", "number": "float", "boolean": "bool", "null": "null"}
+    return names.get(str(kind), "any")
 
 
-def _section(name: str, schema: dict, where: str = "") -> list[str]:
+def _section(name: str, schema: dict[str, Any], where: str = "") -> list[str]:
     """One type: its description, then its fields (``name?`` may be left out) or its values."""
     out = [f"### `{name}`" + (f" ({where})" if where else ""), ""]
     doc = " ".join((schema.get("description") or "").split("\n\n")[0].split()).replace("``", "`")
@@ -140,12 +142,14 @@ def render() -> str:
             "fields a GPU client of a newer minor adds are ignored (logged once), unknown fields elsewhere refused; "
             "what the server sends may gain fields, which older peers ignore "
             "([upgrades](operations.md#upgrades)).", ""]
-    top: dict[str, tuple[dict, str]] = {}
-    nested: dict[str, dict] = {}
+    top: dict[str, tuple[dict[str, Any], str]] = {}
+    nested: dict[str, dict[str, Any]] = {}
     for e in EVENTS:
         sent_by_server = e.direction != CLIENT_TO_SERVER
-        for model, mode in ((e.payload, "serialization" if sent_by_server else "validation"),
-                            (e.answer, "validation" if sent_by_server else "serialization")):
+        modes: tuple[Literal["serialization", "validation"], Literal["serialization", "validation"]] = \
+            ("serialization", "validation") if sent_by_server else ("validation", "serialization")
+        for model, mode in ((e.payload, modes[0]),
+                            (e.answer, modes[1])):
             if model is None or model.__name__ in top:
                 continue
             schema = model.model_json_schema(mode=mode)

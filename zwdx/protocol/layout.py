@@ -12,7 +12,7 @@ and shown as text, never markup.
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, model_validator
 
@@ -30,8 +30,12 @@ MAX_VIRTUAL = 64
 Line = Annotated[str, StringConstraints(min_length=1, max_length=500, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")]
 #: A module's name as ``named_modules`` says it, or a folded run (``transformer.h.0-5``).
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")]
-#: An optional field, left out of the JSON when it is not set.
-_unset = {"default": None, "exclude_if": lambda value: value is None}
+
+
+def _unset() -> Any:
+    """An optional field, left out of the JSON when it is not set."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
 
 #: A place in a group of ranks: whole numbers a rank can be.
 Place = Annotated[int, Field(ge=0, le=100_000)]
@@ -45,7 +49,7 @@ class Mesh(Message):
     tp_size: Annotated[int, Field(ge=1, le=100_000)]
 
     @model_validator(mode="after")
-    def _inside(self):
+    def _inside(self) -> Mesh:
         if self.dp >= self.dp_size or self.tp >= self.tp_size:
             raise ValueError("dp and tp must be below dp_size and tp_size")
         return self
@@ -56,10 +60,10 @@ class StagePlace(Message):
     every virtual stage it runs (``virtual``, in order)."""
     index: Place
     of: Annotated[int, Field(ge=1, le=100_000)]
-    virtual: Annotated[list[Place], Field(max_length=MAX_VIRTUAL)] | None = Field(**_unset)
+    virtual: Annotated[list[Place], Field(max_length=MAX_VIRTUAL)] | None = _unset()
 
     @model_validator(mode="after")
-    def _inside(self):
+    def _inside(self) -> StagePlace:
         if self.index >= self.of or any(v >= self.of for v in self.virtual or []):
             raise ValueError("a stage index must be below 'of'")
         return self
@@ -70,18 +74,18 @@ class RankLayout(Message):
     role: Annotated[LayoutRole, ByValue]
     text: Line
     #: The modules it holds whole or in part (top-level-ish names, runs of blocks folded).
-    modules: Annotated[list[ModuleName], Field(max_length=MAX_MODULES)] | None = Field(**_unset)
+    modules: Annotated[list[ModuleName], Field(max_length=MAX_MODULES)] | None = _unset()
     #: Parameter elements held on this rank (a shard counted locally).
-    params: Count | None = Field(**_unset)
-    mesh: Mesh | None = Field(**_unset)
-    stage: StagePlace | None = Field(**_unset)
+    params: Count | None = _unset()
+    mesh: Mesh | None = _unset()
+    stage: StagePlace | None = _unset()
     #: Mixed devices: this rank's per-step batch size, and its share of the gradient.
-    batch: Annotated[int, Field(ge=1, le=2**31)] | None = Field(**_unset)
-    weight: Annotated[float, Field(ge=0, le=1)] | None = Field(**_unset)
-    device: Annotated[str, StringConstraints(pattern=r"^(cuda|cpu|mps|xpu)(:[0-9]{1,3})?$")] | None = Field(**_unset)
+    batch: Annotated[int, Field(ge=1, le=2**31)] | None = _unset()
+    weight: Annotated[float, Field(ge=0, le=1)] | None = _unset()
+    device: Annotated[str, StringConstraints(pattern=r"^(cuda|cpu|mps|xpu)(:[0-9]{1,3})?$")] | None = _unset()
 
     @model_validator(mode="after")
-    def _small(self):
+    def _small(self) -> RankLayout:
         size = len(json.dumps(self.model_dump(mode="json", exclude_none=True)))
         if size > MAX_LAYOUT_CHARS:
             raise ValueError(f"a layout takes at most {MAX_LAYOUT_CHARS} characters of JSON, this one {size}")

@@ -11,7 +11,7 @@ has no such numbers; ``Reported``), in both directions, to the store and back.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Union
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, StringConstraints, WithJsonSchema, \
     model_validator
@@ -35,7 +35,7 @@ def _not_dots(name: str) -> str:
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def from_wire(value):
+def from_wire(value: Any) -> Any:
     """``value`` with the strings of ``NON_FINITE`` read back as floats, in lists and dicts too
     (what the SDK does with the numbers a job reported)."""
     if isinstance(value, str):
@@ -47,7 +47,7 @@ def from_wire(value):
     return value
 
 
-def to_wire(value):
+def to_wire(value: Any) -> Any:
     """``value`` with every NaN or infinite float written as its string of ``NON_FINITE``, in
     lists and dicts too (what a rank sends: ``requests`` refuses NaN in JSON)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -59,7 +59,7 @@ def to_wire(value):
     return value
 
 
-def _read_non_finite(value):
+def _read_non_finite(value: object) -> object:
     return NON_FINITE[value] if isinstance(value, str) and value in NON_FINITE else value
 
 
@@ -71,7 +71,7 @@ Reported = Annotated[float, Field(allow_inf_nan=True), BeforeValidator(_read_non
                      WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}]})]
 
 
-def clipped(limit: int, keep: str = "head"):
+def clipped(limit: int, keep: str = "head") -> AfterValidator:
     """Text cut to ``limit`` characters (the head, or the tail of a traceback) instead of refused:
     a rank's failure is recorded however long its message."""
     def clip(text: str) -> str:
@@ -82,8 +82,11 @@ def clipped(limit: int, keep: str = "head"):
 
 
 #: A JSON value that a rank measured or returned: its numbers may be NaN or infinite.
-Measured = TypeAliasType("Measured", Union[int, Reported, str, bool, None, list["Measured"],
-                                           dict[str, "Measured"]])
+if TYPE_CHECKING:  # the same recursive type, as mypy reads one
+    Measured = Union[int, float, str, bool, None, list["Measured"], dict[str, "Measured"]]
+else:
+    Measured = TypeAliasType("Measured", Union[int, Reported, str, bool, None, list["Measured"],
+                                               dict[str, "Measured"]])
 
 #: A checkpoint file's name: letters, digits and ``._-``, not ``.`` or ``..``.
 FileName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$"),
@@ -102,7 +105,7 @@ class EventIn(Tolerant):
     ts: Annotated[float, Field(ge=0, le=1e11)] | None = None
 
     @model_validator(mode="after")
-    def _shape(self):
+    def _shape(self) -> EventIn:
         if self.kind is EventKind.METRIC:
             if len(self.data) > 200:
                 raise ValueError("a metric event holds at most 200 values")
@@ -154,7 +157,7 @@ class RankReport(Tolerant):
     exit_code: Annotated[int, Field(ge=-255, le=255)] | None = None
 
     @model_validator(mode="after")
-    def _reported(self):
+    def _reported(self) -> RankReport:
         if self.status is RankStatus.DROPPED:
             raise ValueError("a rank reports running, completed or failed; the server drops a lost DILOCO worker")
         return self
