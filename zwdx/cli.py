@@ -184,53 +184,39 @@ def version_line() -> str:
     return f"zwdx {__version__} (protocol {PROTOCOL}, Python {platform.python_version()})"
 
 
+class _Refused(Exception):
+    """What ``zwdx gpu-client`` cannot take from its flags: said, then exit 2."""
+
+
 def _gpu_client(args) -> int:
     from gpu_client.agent.agent import serve
     if args.refresh:
         return _refresh_gpu_clients(args.work_dir)
-    if args.gpus and (args.cpu or args.cpu_slots is not None):
-        print(f"zwdx gpu-client: --gpus {args.gpus} offers GPUs, {'--cpu' if args.cpu else '--cpu-slots'} offers "
-              f"CPU slots instead: give one or the other", file=sys.stderr)
-        return 2
     try:
-        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    except ValueError:
-        print(f"zwdx gpu-client: --gpus takes GPU indices separated by commas (0,1), got {args.gpus!r}",
-              file=sys.stderr)
+        config = _agent_config(args)
+    except _Refused as refused:
+        print(f"zwdx gpu-client: {refused}", file=sys.stderr)
         return 2
+    return serve(config)
+
+
+def _agent_config(args):
+    """The donor's ``AgentConfig`` from its flags; ``_Refused`` naming the first wrong one."""
+    gpus = _offered_gpus(args)
     if args.modules_refresh < 0:
-        print(f"zwdx gpu-client: --modules-refresh must be 0 or more seconds, got {args.modules_refresh:g}",
-              file=sys.stderr)
-        return 2
+        raise _Refused(f"--modules-refresh must be 0 or more seconds, got {args.modules_refresh:g}")
     token = token_from(args.room_token, args.room_token_file, "zwdx gpu-client")
     if not token:
-        print("zwdx gpu-client: the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN",
-              file=sys.stderr)
-        return 2
-    from gpu_client.sandbox.isolation import IsolationError, parse_uids
-    from gpu_client.sandbox.container import DEFAULT_IMAGE, Confinement
+        raise _Refused("the room's donor token is required: --room-token-file FILE, or $ZWDX_ROOM_TOKEN")
     if args.cpu_slots is not None and args.cpu_slots < 1:
-        print(f"zwdx gpu-client: --cpu-slots must be at least 1, got {args.cpu_slots}", file=sys.stderr)
-        return 2
+        raise _Refused(f"--cpu-slots must be at least 1, got {args.cpu_slots}")
     if not 0 < args.outage_tolerance <= 1e7:
-        print(f"zwdx gpu-client: --outage-tolerance (or $ZWDX_OUTAGE_TOLERANCE) must be seconds above 0, got "
-              f"{args.outage_tolerance:g}", file=sys.stderr)
-        return 2
-    try:
-        if args.isolation not in (None, *ISOLATIONS):
-            raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
-        uids = parse_uids(args.rank_uids) if args.rank_uids else None
-        from gpu_client.agent.fetch import FetchPolicy, parse_nets
-        fetch_policy = FetchPolicy(parse_nets(args.dataset_allow_net or os.environ.get("ZWDX_DATASET_ALLOW_NETS")),
-                                   s3_credentials=args.dataset_s3_credentials)
-        if args.isolation in ("user", "process") and (args.allow_image or args.container_memory):
-            raise IsolationError("--allow-image and --container-memory apply to --isolation docker (a container per "
-                                 "rank); pass it, or leave them out")
-    except (IsolationError, ValueError) as err:
-        print(f"zwdx gpu-client: {err}", file=sys.stderr)
-        return 2
+        raise _Refused(f"--outage-tolerance (or $ZWDX_OUTAGE_TOLERANCE) must be seconds above 0, got "
+                       f"{args.outage_tolerance:g}")
+    uids, fetch_policy = _sandbox_terms(args)
     from gpu_client.agent.config import AgentConfig
-    return serve(AgentConfig(
+    from gpu_client.sandbox.container import DEFAULT_IMAGE, Confinement
+    return AgentConfig(
         server=args.server, room_token=token, gpus_only=gpus, cpu=args.cpu or bool(args.cpu_slots),
         cpu_slots=args.cpu_slots or 1, advertise_addr=args.advertise_addr, client_id=args.client_id,
         threads=args.threads, work_dir=args.work_dir, max_jobs=args.max_jobs, standby=not args.no_standby,
@@ -239,7 +225,36 @@ def _gpu_client(args) -> int:
         compile_cache=args.compile_cache, outage_tolerance=args.outage_tolerance,
         modules_refresh=args.modules_refresh, tuning=tuning.Tuning.from_arguments(args),
         confinement=Confinement(images=args.allow_image or [DEFAULT_IMAGE], memory=args.container_memory,
-                                pids=args.container_pids, shm=args.container_shm)))
+                                pids=args.container_pids, shm=args.container_shm))
+
+
+def _offered_gpus(args) -> list[int] | None:
+    """``--gpus 0,1`` as indices (None: every GPU), never with ``--cpu``/``--cpu-slots``."""
+    if args.gpus and (args.cpu or args.cpu_slots is not None):
+        raise _Refused(f"--gpus {args.gpus} offers GPUs, {'--cpu' if args.cpu else '--cpu-slots'} offers "
+                       f"CPU slots instead: give one or the other")
+    try:
+        return [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    except ValueError:
+        raise _Refused(f"--gpus takes GPU indices separated by commas (0,1), got {args.gpus!r}") from None
+
+
+def _sandbox_terms(args):
+    """The ranks' uids and what their datasets may reach, from the isolation flags."""
+    from gpu_client.agent.fetch import FetchPolicy, parse_nets
+    from gpu_client.sandbox.isolation import IsolationError, parse_uids
+    try:
+        if args.isolation not in (None, *ISOLATIONS):
+            raise IsolationError(f"ZWDX_ISOLATION must be one of {', '.join(ISOLATIONS)}, got {args.isolation!r}")
+        uids = parse_uids(args.rank_uids) if args.rank_uids else None
+        fetch_policy = FetchPolicy(parse_nets(args.dataset_allow_net or os.environ.get("ZWDX_DATASET_ALLOW_NETS")),
+                                   s3_credentials=args.dataset_s3_credentials)
+        if args.isolation in ("user", "process") and (args.allow_image or args.container_memory):
+            raise IsolationError("--allow-image and --container-memory apply to --isolation docker (a container per "
+                                 "rank); pass it, or leave them out")
+    except (IsolationError, ValueError) as err:
+        raise _Refused(str(err)) from None
+    return uids, fetch_policy
 
 
 def _sdk(args):
