@@ -94,9 +94,9 @@ def _records(slots: list[dict], clients: dict) -> tuple[dict[str, Client], list[
 
 def free_slots(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it (``plan``'s first step)."""
-    records, mine = _records(slots, clients)
-    found = eligible(Need.of(job["spec"], job), records.values(), mine)
-    return [s.doc for s in found.slots], reasons.now(found, Need.of(job["spec"], job))
+    need, (records, mine) = Need.of(job["spec"], job), _records(slots, clients)
+    found = eligible(need, records.values(), mine)
+    return [s.doc for s in found.slots], reasons.now(found, need)
 
 
 def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
