@@ -31,7 +31,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .. import defaults
 from ..errors import BadRequest
 from ..protocol import (ACTIVE, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientStatus, JobStatus,
                         Parallelism, SlotKind)
@@ -124,7 +123,7 @@ class Scheduler:
         self._wake.set()
 
     def start(self, app) -> None:
-        if self.ctx.config.get("SCHEDULER", True) is False:
+        if not self.ctx.settings.scheduler:
             return
         if self.ctx.lease.shared:  # it leads once it holds the lease, and may take it over from another
             self.ctx.lease.on_taken.append(self.took_over)
@@ -195,7 +194,7 @@ class Scheduler:
     def grace_after_restart(self) -> None:
         """A (re)started server gives every GPU client that was online or running ranks
         ``CLIENT_TIMEOUT`` to reconnect before declaring it lost."""
-        until = time.time() + float(self.ctx.config["CLIENT_TIMEOUT"])
+        until = time.time() + self.ctx.settings.client_timeout
         for client in self.ctx.store.list_clients(None):
             if client.get("status") == ClientStatus.ONLINE.value or any(s.get("job_id") for s in client["slots"]):
                 self.ctx.store.update_client(client["id"], {"status": ClientStatus.OFFLINE.value, "sid": None,
@@ -206,7 +205,7 @@ class Scheduler:
         ranks get ``CLIENT_TIMEOUT`` from now before they are declared lost (those of a process
         that died reconnect through the balancer to another one), their records left as they
         are (the others are connected, to other processes)."""
-        until = time.time() + float(self.ctx.config["CLIENT_TIMEOUT"])
+        until = time.time() + self.ctx.settings.client_timeout
         for client in self.ctx.store.list_clients(None):
             if client.get("status") == ClientStatus.ONLINE.value and client.get("lost_after") is None:
                 continue  # held by a live process (presence.py: a dead one's are found through Redis)
@@ -345,7 +344,7 @@ class Scheduler:
     def _ask_port(self, job: JobRecord, rank_keys: dict[int, str], client: dict) -> None:
         """Ask the rank-0 GPU client for a rendezvous address; its acknowledgement comes back on
         a Socket.IO thread, which only notes it and wakes the scheduler."""
-        timeout = float(self.ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT))
+        timeout = self.ctx.settings.reserve_timeout
         request = PortRequest(job.id, job.attempt, rank_keys, client["id"], time.time() + timeout)
         with self._asked_lock:
             self._asked[job.id] = request
@@ -384,7 +383,7 @@ class Scheduler:
             return False
         offer, error = None, request.error
         if not request.answered:
-            timeout = float(self.ctx.config.get("RESERVE_TIMEOUT", defaults.RESERVE_TIMEOUT))
+            timeout = self.ctx.settings.reserve_timeout
             error = f"no answer within {timeout:g} s"
         elif error is None:
             try:
