@@ -1,4 +1,4 @@
-"""zwdx/server/placement.py, checked where mutation testing (bench/mutation.py) found nothing
+"""zwdx/server/placement/, checked where mutation testing (bench/mutation.py) found nothing
 looking: which free slots a job may take and the exact words for each slot it may not (clients it
 avoids, images, Python, packages, memory in all and free), memory's plausibility bounds, a
 client's Python. Pure functions, fast lane."""

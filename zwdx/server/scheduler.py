@@ -1,7 +1,7 @@
 """Gang scheduling inside a room.
 
 A job needs ``world_size`` slots (a GPU, or one CPU slot of a GPU client without GPUs) that
-can run it (placement.py says which: Python version, packages, memory, CPU slots of one host
+can run it (``placement/`` says which: Python version, packages, memory, CPU slots of one host
 sharing its RAM). Jobs start in FIFO order per room; one that does not fit waits and says why
 (``waiting_reason``), and the jobs behind it wait too, unless the room as it is could never
 run it (``placement.unschedulable``: more ranks than its eligible slots, ...): such a job
