@@ -51,3 +51,9 @@ def test_a_change_while_running_is_checked_and_mirrored(make):
     with pytest.raises(ValueError, match="START_TRIES"):
         ctx.reconfigure(START_TRIES="twice")
     assert ctx.settings.start_tries == defaults.START_TRIES
+
+
+def test_a_key_not_yet_declared_still_reads_from_the_environment(make, monkeypatch):
+    monkeypatch.setenv("ZWDX_A_NEW_KNOB", "0.5")  # a module's own setting, before ServerConfig declares it
+    assert make().config["A_NEW_KNOB"] == 0.5
+    assert make(A_NEW_KNOB=2).config["A_NEW_KNOB"] == 2

@@ -189,6 +189,7 @@ def create_app(config: dict | None = None) -> Flask:
     app = Flask(__name__, static_folder=None)
     # defaults < ZWDX_<KEY> < config, checked once (settings.py); app.config mirrors them for Flask
     settings = ServerConfig.from_sources(config, os.environ)
+    app.config.from_prefixed_env("ZWDX")  # a key not (yet) in ServerConfig still reads from ZWDX_<KEY>
     app.config.update(config or {})
     app.json = WireJSON(app)
     if settings.async_mode == "gevent" and not gevent_patched():

@@ -81,6 +81,6 @@ def _assignment(ctx: Ctx, job: JobRecord, ranks: list[RankPlace], group: tuple[i
         job_id=job.id, attempt=job.attempt, spec=spec, world_size=job.world_size, ranks=ranks,
         master_addr=master.addr, master_port=master.port, backend=job.backend,
         checkpoint=job.latest_checkpoint if resumable(job.latest_checkpoint, spec.parallelism) else None,
-        collective_timeout=spec.training.collective_timeout or float(ctx.config["COLLECTIVE_TIMEOUT"]),
+        collective_timeout=spec.training.collective_timeout or ctx.settings.collective_timeout,
         group_rank=group[0], group_world_size=group[1], peers=peers, joining=joining, addresses=egress,
         tp_size=tp_size(spec, job.placement))
