@@ -62,3 +62,73 @@ def test_a_joining_worker_takes_the_servers_global_weights(app):
     put(r0, job, 2, vectors[0])
     put(joiner, job, 2, vectors[1])  # from round 2 on, the rounds wait for it again
     assert codec.decode(joiner.get(f"{url}/rounds/2").data).size == weights.numel()
+
+
+def test_a_worker_joining_an_overlapped_job_starts_from_the_servers_weights_and_agrees_to_the_bit(app):
+    """Two real DILOCO workers (``test_diloco_overlap``'s, moved by known amounts in place of
+    training) and a joiner, overlapped, the job submitted with start weights: the joiner's global
+    weights and momentum are the server's, and they are its peer's to the bit (numpy's outer step
+    is torch's), though no worker sent them."""
+    import threading
+    import types
+
+    from werkzeug.serving import make_server
+
+    from gpu_client.rank.reporter import Reporter
+    from gpu_client.rank.strategies.diloco import Diloco
+    from test_diloco_overlap import Checkpoints, Vector, train
+    from zwdx.protocol import SlotKind
+    from zwdx.protocol.job import PlacementEntry
+    from zwdx.protocol.spec import Diloco as DilocoSpec
+    from zwdx.server.auth import hash_secret
+    from zwdx.server.jobs import Job, lifecycle
+    httpd = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url, ctx = f"http://127.0.0.1:{httpd.server_port}", app.extensions["zwdx"]
+    room, ranks, job = placed(app, start_weights.encode(Vector([1.0, 2.0, 3.0])), world_size=2, outer_lr=0.5,
+                              outer_momentum=0.5, overlap=True, inner_steps=3, all_reduce=False)
+    settings = DilocoSpec.model_validate(job["spec"]["strategy"])
+    pairs = []
+    for rank, api in enumerate(ranks):
+        spec = types.SimpleNamespace(rank=rank, world_size=2, collective_timeout=30.0, joining=False, diloco=settings)
+        worker, m = Diloco(spec, Reporter(url, api.rank_key, job["id"], rank)), Vector([1.0, 2.0, 3.0])
+        worker.attach(m, Checkpoints())
+        worker._hook.remove()
+        pairs.append((worker, m))
+    (a, ma), (b, mb) = pairs
+    joiner = None
+    try:
+        for n in range(2):
+            train(a, ma, [0.25 * (n + 1), -0.5, 1.0])
+            a.sync()
+            train(b, mb, [1.0, 0.5, -0.25 * n])
+            b.sync()
+        for w in (a, b):
+            w.pending._thread.join(30)  # round 1 averaged before the loss: the joiner joins after round 2
+        lifecycle.client_lost(ctx, f"gpu-{job['id']}-1", "staged")
+        ctx.store.upsert_client({"id": "late", "room_id": room.room["id"], "hostname": "late", "status": "online"},
+                                [{"id": "late:0", "client_id": "late", "room_id": room.room["id"], "index": 0,
+                                  "kind": "cpu"}])
+        assert Job.load(ctx.store, job["id"]).join(PlacementEntry(rank=1, client_id="late", gpu_index=0,
+                                                                  kind=SlotKind.CPU), "late:0", hash_secret("rk_j"))
+        spec = types.SimpleNamespace(rank=1, world_size=2, collective_timeout=30.0, joining=True, diloco=settings)
+        joiner, mj = Diloco(spec, Reporter(url, "rk_j", job["id"], 1)), Vector([0.0, 0.0, 0.0])
+        joiner.reporter.session.post(f"{joiner.reporter.base}/ranks/1", json={"status": "running"}).raise_for_status()
+        attached = threading.Thread(target=joiner.attach, args=(mj, Checkpoints()))
+        attached.start()  # it waits for the global weights
+        train(a, ma, [0.5, 0.5, 0.5])
+        a.sync()  # round 2, averaged with rank 0 alone: the server writes its global weights after it
+        train(a, ma, [0.5, 0.5, 0.5])
+        a.sync()  # round 3: rank 0 applies round 2's average; the joiner uploads from round 4
+        attached.join(30)
+        assert not attached.is_alive() and joiner.round == 4 and joiner.pending is not None
+        joiner._hook.remove()
+        assert torch.equal(joiner.global_.detach(), a.global_.detach())
+        assert torch.equal(joiner.outer.state[joiner.global_]["momentum_buffer"], a.outer.state[a.global_]["momentum_buffer"])
+        assert room.get(f"/jobs/{job['id']}").json["joins"]["1"].get("state_from") is None
+        assert not a.state_for  # no worker was named to send them
+    finally:
+        for w in (a, b, joiner):
+            if w is not None:
+                w.reporter.close()
+        httpd.shutdown()
