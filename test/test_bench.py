@@ -40,7 +40,7 @@ def test_strategies_runs_the_four_ways():
 
 
 def test_job_end_runs():
-    assert "job completed" in bench("job_end.py", "--jobs", "2", "--settle", "0").lower()
+    assert "job completed" in bench("job_end.py", "--jobs", "1", "--settle", "0").lower()
 
 
 def test_control_plane_runs_with_rank_keys_and_donor_tokens_on_one_and_two_servers():
