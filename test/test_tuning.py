@@ -12,6 +12,7 @@ from gpu_client.agent.launcher import rank_environ
 from gpu_client.rank.strategies.registry import strategy
 from gpu_client.rank.tuning import VARIABLES, Tuning
 from zwdx.cli import build_parser
+from zwdx.protocol.spec import DDP, FSDP, TP, Diloco, Mixed, Pipeline, TensorParallel
 
 TUNED = Tuning(eager_nccl=True, nccl_connect="init", warm_cuda=True, ddp_init_sync=True,
                standby_warmup=("imports", "kernels"))
@@ -50,7 +51,7 @@ def test_the_config_is_frozen_and_the_strategy_gets_its_tuning():
     config = AgentConfig(server="http://127.0.0.1:1", room_token="zd_x", tuning=TUNED)
     with pytest.raises(AttributeError):
         config.server = "elsewhere"  # type: ignore[misc]
-    spec = SimpleNamespace(parallelism=SimpleNamespace(value="DDP"), devices=SimpleNamespace(value="same"))
+    spec = SimpleNamespace(job=SimpleNamespace(strategy=DDP()), parallelism=SimpleNamespace(value="DDP"))
     assert strategy(spec, None, config.tuning).tuning.ddp_init_sync is True
     assert strategy(spec, None).tuning == Tuning()
 
@@ -65,3 +66,13 @@ def test_the_flags_are_declared_where_gpu_client_is_not_installed(monkeypatch):
     from zwdx.tuning import Tuning
     args = build_parser().parse_args(["gpu-client", "--warm-cuda", "--standby-warmup", "imports,nccl"])
     assert Tuning.from_arguments(args) == Tuning(warm_cuda=True, standby_warmup=("imports", "nccl"))
+
+
+@pytest.mark.parametrize("kind, cls", [
+    (DDP(), "Collective"), (FSDP(), "Collective"), (FSDP(tp=TensorParallel(size=2)), "TensorParallel"),
+    (TP(), "TensorParallel"), (Pipeline(), "Pipeline"), (Diloco(), "Diloco"), (Mixed(), "Mixed")])
+def test_the_registry_is_keyed_on_the_specs_strategy_type(kind, cls):
+    """gpu_client/rank/strategies/registry.py looks a rank's strategy up by its job's strategy
+    (its type; FSDP with a tp dimension is FSDP+TP), not by a flat parallelism string."""
+    from gpu_client.rank.strategies.registry import STRATEGIES, strategy_type
+    assert STRATEGIES[strategy_type(SimpleNamespace(strategy=kind))][1] == cls

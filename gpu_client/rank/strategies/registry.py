@@ -7,32 +7,30 @@ from importlib import import_module
 
 from gpu_client.rank.tuning import Tuning
 
-#: Strategy type -> (module under gpu_client.rank.strategies, class, whether it takes the reporter).
+#: The spec's strategy type (``zwdx.protocol.spec``'s ``type``; FSDP with a ``tp`` dimension is
+#: ``fsdp+tp``) -> (module under gpu_client.rank.strategies, class, whether it takes the reporter).
 STRATEGIES: dict[str, tuple[str, str, bool]] = {
-    "DDP": ("parallel", "Collective", False),
-    "FSDP": ("parallel", "Collective", False),
-    "TP": ("tensor_parallel", "TensorParallel", False),
-    "FSDP+TP": ("tensor_parallel", "TensorParallel", False),
-    "PIPELINE": ("pipeline", "Pipeline", False),
-    "DILOCO": ("diloco", "Diloco", True),
+    "ddp": ("parallel", "Collective", False),
+    "fsdp": ("parallel", "Collective", False),
+    "tp": ("tensor_parallel", "TensorParallel", False),
+    "fsdp+tp": ("tensor_parallel", "TensorParallel", False),
+    "pipeline": ("pipeline", "Pipeline", False),
+    "diloco": ("diloco", "Diloco", True),
     "mixed": ("mixed", "Mixed", True),
 }
 
 
-def strategy_type(spec) -> str:
-    """The key of ``STRATEGIES`` for a rank's spec: its parallelism, or ``mixed`` for a DDP or
-    FSDP job over mixed devices."""
-    kind = spec.parallelism.value
-    if kind in ("DDP", "FSDP") and spec.devices.value == "mixed":
-        return "mixed"
-    return kind
+def strategy_type(job) -> str:
+    """The key of ``STRATEGIES`` for a job's spec (``JobSpec``): its strategy's type."""
+    kind = job.strategy.type
+    return "fsdp+tp" if kind == "fsdp" and job.strategy.tp is not None else kind
 
 
 def strategy(spec, reporter, tuning: Tuning | None = None):
     """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE,
     ``TensorParallel`` for TP and FSDP+TP, ``Mixed`` for a job over mixed devices,
     ``Collective`` for DDP and FSDP; with the GPU client's ``tuning``."""
-    module, name, takes_reporter = STRATEGIES[strategy_type(spec)]
+    module, name, takes_reporter = STRATEGIES[strategy_type(spec.job)]
     cls = getattr(import_module(f"{__package__}.{module}"), name)
     chosen = cls(spec, reporter) if takes_reporter else cls(spec)
     if tuning is not None:
