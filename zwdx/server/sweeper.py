@@ -105,12 +105,31 @@ class Sweeper:
     def sweep(self, now: float | None = None) -> Counter:
         """One pass; returns how many of each kind were deleted (``unattached``, ``partial``,
         ``orphaned``, ``unreferenced``, ``retention``)."""
-        cfg, store, now = self.ctx.settings, self.ctx.store, time.time() if now is None else now
-        grace = cfg.unattached_grace
-        retention = cfg.artifact_retention
-        gone = Counter()
+        now = time.time() if now is None else now
+        grace, retention = self.ctx.settings.unattached_grace, self.ctx.settings.artifact_retention
+        gone = self._unattached(now, grace, retention)
+        gone["partial"] += self.ctx.artifacts.discard_partial(now - grace)
+        stored = self.ctx.artifacts.stored(now - grace)
+        for artifact_id in set(stored) - self.ctx.store.known_artifacts(stored):
+            self.ctx.artifacts.delete(artifact_id)
+            gone["orphaned"] += 1
+        for room_id in self.ctx.store.job_rooms(FINISHED):  # room by room: one room's unreadable record stops no other's
+            try:
+                jobs = self.ctx.store.list_jobs(room_id, statuses=list(FINISHED))
+            except Exception:
+                log.exception("sweeper: the finished jobs of room %s not swept", room_id)
+                continue
+            for job in jobs:
+                gone += self._finished(job, now, grace, retention)
+        if sum(gone.values()):
+            log.info("sweeper: deleted %s", ", ".join(f"{n} {what}" for what, n in sorted(gone.items()) if n))
+        return +gone  # what was deleted, none of the zeros
+
+    def _unattached(self, now: float, grace: float, retention: float) -> Counter:
+        """Uploads no job took within the grace (a room's datasets and working dirs in use kept)."""
+        gone: Counter = Counter()
         in_use: dict[str, set[str] | None] = {}  # room id -> the working dirs its jobs name
-        for artifact in store.list_unattached_artifacts(now - grace):
+        for artifact in self.ctx.store.list_unattached_artifacts(now - grace):
             if artifact.get("kind") in DATASETS:
                 continue  # the room's until zwdx data rm (datasets.py)
             if artifact.get("kind") == ArtifactKind.WORKDIR.value:
@@ -118,29 +137,20 @@ class Sweeper:
                         self._workdir_in_use(artifact, in_use, now - retention if retention else None):
                     continue
             gone["unattached"] += self._delete(artifact, if_unattached=True)
-        gone["partial"] += self.ctx.artifacts.discard_partial(now - grace)
-        stored = self.ctx.artifacts.stored(now - grace)
-        for artifact_id in set(stored) - store.known_artifacts(stored):
-            self.ctx.artifacts.delete(artifact_id)
-            gone["orphaned"] += 1
-        for room_id in store.job_rooms(FINISHED):  # room by room: one room's unreadable record stops no other's
-            try:
-                jobs = store.list_jobs(room_id, statuses=list(FINISHED))
-            except Exception:
-                log.exception("sweeper: the finished jobs of room %s not swept", room_id)
-                continue
-            for job in jobs:
-                if self._done.get(job.id):
-                    continue
-                ended = job.ended_at or now
-                expired = bool(retention) and ended < now - retention
-                if job.id in self._done and not expired and ended < now - grace:
-                    continue  # swept since it ended, and too long ago for a late upload to come
-                keep = set() if expired else referenced(job)
-                for artifact in store.list_artifacts(job.id):
-                    if artifact["id"] not in keep:
-                        gone["retention" if expired else "unreferenced"] += self._delete(artifact)
-                self._done[job.id] = expired
-        if sum(gone.values()):
-            log.info("sweeper: deleted %s", ", ".join(f"{n} {what}" for what, n in sorted(gone.items()) if n))
-        return +gone  # what was deleted, none of the zeros
+        return gone
+
+    def _finished(self, job, now: float, grace: float, retention: float) -> Counter:
+        """A finished job's artifacts it no longer names, or all of them past the retention."""
+        gone: Counter = Counter()
+        if self._done.get(job.id):
+            return gone
+        ended = job.ended_at or now
+        expired = bool(retention) and ended < now - retention
+        if job.id in self._done and not expired and ended < now - grace:
+            return gone  # swept since it ended, and too long ago for a late upload to come
+        keep = set() if expired else referenced(job)
+        for artifact in self.ctx.store.list_artifacts(job.id):
+            if artifact["id"] not in keep:
+                gone["retention" if expired else "unreferenced"] += self._delete(artifact)
+        self._done[job.id] = expired
+        return gone
