@@ -1,7 +1,7 @@
 """zwdx: pool GPUs that people lend, and train PyTorch models on them.
 
 Public surface: ``ZWDX`` (the SDK), the settings a job is submitted with (``DDP``, ``FSDP``, ``TP``,
-``TensorParallel``, ``Pipeline``, ``Diloco``, ``Mixed``, ``Resources``, ``Recovery``, ``Training``,
+``TensorParallel``, ``Pipeline``, ``Diloco``, ``Mixed``, ``Auto``, ``Resources``, ``Recovery``, ``Training``,
 ``Run``: ``zwdx.sdk.settings``), ``JobStatus`` and the errors.
 
 The SDK (and with it requests, socket and ssl) is imported on first use of ``ZWDX``, so that
@@ -14,8 +14,8 @@ from .protocol import JobStatus
 __version__ = "0.1.0"
 
 #: The settings objects (``zwdx.sdk.settings``), imported with the SDK on first use.
-SETTINGS = ("DDP", "FSDP", "TP", "TensorParallel", "Pipeline", "Diloco", "Mixed", "Resources", "Recovery", "Training",
-            "Run")
+SETTINGS = ("DDP", "FSDP", "TP", "TensorParallel", "Pipeline", "Diloco", "Mixed", "Auto", "Resources", "Recovery",
+            "Training", "Run")
 
 __all__ = ["ZWDX", *SETTINGS, "JobStatus", "ZwdxError", "AuthError", "BadRequest", "Conflict", "JobFailed", "NotFound",
            "InsufficientStorage", "QuotaExceeded", "RateLimited", "ServerUnreachable", "Unschedulable", "__version__"]

@@ -154,3 +154,11 @@ MAX_CONNECTIONS_PER_ADDRESS = 1000
 #: to /gpu or /ui with its token before it is closed (``zwdx/server/socket_edge.py``).
 SOCKET_SESSIONS_PER_ADDRESS = 256
 SOCKET_AUTH_TIMEOUT = 10.0
+#: ``parallelism="AUTO"`` (``zwdx.server.auto``): the slowest link to the server (bytes/s) at which a
+#: job spanning hosts still runs DDP/FSDP/PIPELINE rather than DILOCO (1 Gbit/s: a guess until the
+#: device bench measures where DDP's all-reduce stops paying, docs/modes/auto.md); the share of a
+#: slot's free memory held back; one rank's activations as a multiple of the parameters' bytes
+#: when the submitter neither measured nor stated them.
+AUTO_MIN_LINK = 125_000_000.0
+AUTO_MARGIN = 0.2
+AUTO_ACTIVATION_FACTOR = 1.0

@@ -62,8 +62,10 @@ def facts(job: dict, spec: dict, now: float) -> list[tuple[str, object]]:
 
 
 def notes(job: dict) -> list[tuple[str, object]]:
-    """Why it waits or ended, its warnings and its results."""
+    """What AUTO chose, why it waits or ended, its warnings and its results."""
     fields: list[tuple[str, object]] = []
+    if job.get("auto"):  # parallelism="AUTO": the mode chosen as it was placed, and why
+        fields.append(("AUTO chose", job["auto"]["reason"]))
     if job.get("waiting_reason"):
         fields.append(("waiting because", job["waiting_reason"]))
     if job.get("reason"):

@@ -19,7 +19,8 @@ PARTS = {"code": ("bundle_artifact", "bundle_sha256", "bundle_size", "versions",
          "recovery": ("min_world_size", "max_restarts", "keep_checkpoints", "checkpoint_every_epoch"),
          "training": ("epochs", "collective_timeout")}  # frozen: a new option is the tree's only
 _OPTIONS = ("diloco", "pipeline", "lora", "global_batch", "tp_plan", "tp_size", "devices")
-_TYPES = {"DDP": "ddp", "FSDP": "fsdp", "FSDP+TP": "fsdp", "TP": "tp", "PIPELINE": "pipeline", "DILOCO": "diloco"}
+_TYPES = {"DDP": "ddp", "FSDP": "fsdp", "FSDP+TP": "fsdp", "TP": "tp", "PIPELINE": "pipeline", "DILOCO": "diloco",
+          "AUTO": "auto"}
 _TP = {"plan": "tp_plan", "size": "tp_size"}
 #: The flat body's fields in the order its model declared them: the order its errors came in.
 FIELDS = ("versions", "bundle_artifact", "kind", "parallelism", "epochs", "world_size", "memory_required", "name",

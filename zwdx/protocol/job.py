@@ -7,6 +7,7 @@
     RankFailure      a failing rank's traceback, when the server heard of it and how it failed
     TimelineEntry    one change of status
     RestartEntry     one restart from a checkpoint, after a lost GPU client
+    AutoChoice       the mode an AUTO job was given as it was placed, and why
     CheckpointEntry  a committed checkpoint (also handed to a resumed attempt in ``JobAssign``)
     RankCredential   the hash of one rank's key and what it is bound to (server-only)
     Job              the record the store keeps, with the server-only ``rank_keys``
@@ -29,7 +30,7 @@ from .base import Answer
 from .layout import RankLayout
 from .report import Measured, Reported
 from .spec import JobSpec
-from .vocab import CheckpointFormat, FailureKind, JobStatus, RankStatus, SlotKind
+from .vocab import CheckpointFormat, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
 
 
 def _absent(value: object) -> bool:
@@ -142,6 +143,13 @@ class RestartEntry(Record):
     from_checkpoint: CheckpointEntry | None = None
 
 
+class AutoChoice(Record):
+    """What ``parallelism="AUTO"`` became as the job was placed (``zwdx.server.auto``), and why."""
+    parallelism: Parallelism
+    reason: str
+    at: float
+
+
 class JobFields(Record):
     """The fields a job's record and its view share."""
     id: str
@@ -157,6 +165,8 @@ class JobFields(Record):
     timeline: list[TimelineEntry] = Field(default_factory=list)
     #: Why a queued or resuming job waits, in words.
     waiting_reason: str | None = None
+    #: An AUTO job: the mode chosen as it was placed and why (its ``spec.strategy`` is that mode's).
+    auto: AutoChoice | None = None
     # -- the current attempt (set when placed) ---------------------------------------------
     attempt: int = 0
     placement: list[PlacementEntry] | None = None
@@ -255,5 +265,5 @@ class Submitted(JobView):
     unschedulable: str | None = None
 
 
-__all__ = ["CheckpointEntry", "Suspect", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
+__all__ = ["CheckpointEntry", "AutoChoice", "Suspect", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
            "RankCredential", "RestartEntry", "JobFields", "Job", "FailureInfo", "failure_order", "JobView", "Submitted"]

@@ -3,7 +3,8 @@ what the server stores (``Job.spec``), what a GPU client is handed (``JobAssign.
 
     JobSpec
       code        the bundle (or a script's working dir) and what it needs to load
-      strategy    how the ranks train: one of DDP | FSDP | TP | Pipeline | Diloco | Mixed | Script,
+      strategy    how the ranks train: one of DDP | FSDP | TP | Pipeline | Diloco | Mixed | Script
+                  | Auto (resolved into one of the others as the job is placed),
                   told apart by ``type``; each holds only its own options (FSDP+TP is FSDP with
                   a ``tp`` dimension, as torchtitan's ParallelDims composes them)
       resources   how many ranks, where, with how much memory
@@ -183,7 +184,25 @@ class Script(ScriptSpec):
         return Parallelism.DDP
 
 
-Strategy = Annotated[Union[DDP, FSDP, TP, Pipeline, Diloco, Mixed, Script], Field(discriminator="type")]
+class Auto(Part):
+    """AUTO: the server picks DDP, FSDP, FSDP+TP, PIPELINE or DILOCO as it places the job
+    (``zwdx.server.auto``), from what one replica needs, each slot's free memory and the links;
+    the job's record then holds the strategy chosen, and ``Job.auto`` what and why."""
+    type: Literal["auto"] = "auto"
+    #: Bytes of one replica's parameters (the SDK counts them from the model).
+    parameter_bytes: Bytes = 0
+    #: Bytes of one replica's parameters, gradients and optimizer state (the SDK counts them).
+    state_bytes: Bytes = 0
+    #: Bytes of one rank's activations at its batch, as measured or stated; None: the server's
+    #: ``AUTO_ACTIVATION_FACTOR`` times ``parameter_bytes``.
+    activation_bytes: Bytes | None = None
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism.AUTO
+
+
+Strategy = Annotated[Union[DDP, FSDP, TP, Pipeline, Diloco, Mixed, Script, Auto], Field(discriminator="type")]
 
 
 # -- the other parts ----------------------------------------------------------------------------
@@ -386,6 +405,6 @@ class JobSpec(SpecTree):
         return JobKind.SCRIPT if isinstance(self.strategy, Script) else JobKind.FUNCTION
 
 
-__all__ = ["Part", "Code", "DDP", "FSDP", "TensorParallel", "TP", "Pipeline", "Diloco", "Mixed", "Script",
+__all__ = ["Part", "Code", "DDP", "FSDP", "TensorParallel", "TP", "Pipeline", "Diloco", "Mixed", "Script", "Auto",
            "Strategy", "Resources", "Recovery", "Training", "SpecTree", "SubmitSpec", "JobSpec", "nest",
            "Versions", "Lora", "ModuleName"]

@@ -44,6 +44,9 @@ class Parallelism(str, Enum):
     TP = "TP"
     #: 2-D: TP inside each GPU client's group of ranks, FSDP2 ``fully_shard`` across the groups.
     FSDP_TP = "FSDP+TP"
+    #: Chosen by the server as the job is placed (``zwdx.server.auto``): a job is AUTO only while
+    #: it waits; its record then holds the mode chosen and why (``Job.auto``).
+    AUTO = "AUTO"
 
 
 class PipelineSchedule(str, Enum):

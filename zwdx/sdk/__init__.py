@@ -21,7 +21,8 @@ tokens of the rooms this user created or submitted to are remembered per server 
 from .client import ZWDX
 from .follow import log_line
 from .results import Result, ResultStatus
-from .settings import DDP, FSDP, TP, Diloco, Mixed, Pipeline, Recovery, Resources, Run, TensorParallel, Training
+from .settings import (DDP, FSDP, TP, Auto, Diloco, Mixed, Pipeline, Recovery, Resources, Run, TensorParallel,
+                       Training)
 
 __all__ = ["ZWDX", "Result", "ResultStatus", "log_line", "DDP", "FSDP", "TP", "TensorParallel", "Pipeline", "Diloco",
-           "Mixed", "Resources", "Recovery", "Training", "Run"]
+           "Mixed", "Auto", "Resources", "Recovery", "Training", "Run"]

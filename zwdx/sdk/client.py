@@ -11,6 +11,7 @@ import requests
 from .. import __version__, defaults, tls, trackers as _trackers
 from .. import lora as _lora
 from .. import start_weights
+from . import auto as _auto
 from ..bundle import HEAD_PARTS, pack_parts, required_modules
 from ..checks import check_devices, check_pipeline, check_tp_plan
 from ..credentials import CredentialStore, remember_by_default
@@ -192,6 +193,8 @@ class ZWDX(Compat, Reads):
         tree = checked.model_dump(mode="json", exclude={"code", "datasets"})
         if lora_config is not None:
             tree["strategy"]["lora"] = lora_config
+        if tree["strategy"]["type"] == "auto":  # what one replica needs: the server chooses the mode with it
+            tree["strategy"] = _auto.counted(tree["strategy"], model, optimizer)
         if checked.diloco is not None:  # DILOCO: the start weights the server steps
             tree["strategy"] = start_weights.upload(self, token, model, "DILOCO", tree["strategy"])
         artifact = self._upload_bundle(token, parts)

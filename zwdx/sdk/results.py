@@ -101,6 +101,12 @@ class Result(dict):
         return self["suspects"]
 
     @property
+    def auto(self) -> dict | None:
+        """``parallelism="AUTO"``: the mode chosen as it was placed and why (``{"parallelism", "reason",
+        "at"}``); None for a job of another mode."""
+        return self["auto"]
+
+    @property
     def job(self) -> dict:
         """The job's last document."""
         return self["job"]
@@ -116,7 +122,7 @@ def result_of(job: dict, raise_on_failure: bool) -> Result:
                      "world_size": job.get("world_size"), "placement": job.get("placement"),
                      "failures": job.get("failures") or {}, "failure_order": job.get("failure_order") or [],
                      "reason": job.get("reason"), "job": job, "warnings": job.get("warnings") or [],
-                     "suspects": suspects})
+                     "suspects": suspects, "auto": job.get("auto")})
     if job["status"] == JobStatus.FAILED.value and raise_on_failure:
         raise JobFailed(f"job {job['id']} failed: {job.get('reason')}", job_id=job["id"],
                         failures=job.get("failures"), reason=job.get("reason") or "", result=result,

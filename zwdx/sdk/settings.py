@@ -2,7 +2,7 @@
 RunConfig and FailureConfig are the model)::
 
     zwdx.submit_job(model, loaders, train,
-                    strategy=zwdx.FSDP(units=[Block]),                 # or DDP(), TP(), Pipeline(), Diloco(), Mixed()
+                    strategy=zwdx.FSDP(units=[Block]),     # or DDP(), TP(), Pipeline(), Diloco(), Mixed(), Auto()
                     resources=zwdx.Resources(world_size=4, memory_required=8 * 2**30),
                     training=zwdx.Training(epochs=3, seed=0),
                     run=zwdx.Run(name="gpt", trackers=["tensorboard"],
@@ -73,6 +73,13 @@ class Mixed(_spec.Mixed):
     lora: Any = Field(default=None, exclude=True)
 
 
+class Auto(_spec.Auto):
+    """AUTO: the server picks DDP, FSDP, FSDP+TP, PIPELINE or DILOCO as it places the job
+    (docs/modes/auto.md). ``submit_job`` counts ``parameter_bytes`` and ``state_bytes`` from the
+    model and the optimizer; ``activation_bytes``: one rank's activations at its batch, if you
+    measured them (None: the server's ``AUTO_ACTIVATION_FACTOR`` times the parameters' bytes)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """How ``submit_job`` submits the job and follows it."""
@@ -96,5 +103,5 @@ class Run:
     fail_if_unschedulable: bool = False
 
 
-__all__ = ["DDP", "FSDP", "TP", "TensorParallel", "Pipeline", "Diloco", "Mixed", "Resources", "Recovery",
+__all__ = ["DDP", "FSDP", "TP", "TensorParallel", "Pipeline", "Diloco", "Mixed", "Auto", "Resources", "Recovery",
            "Training", "Run"]

@@ -37,8 +37,9 @@ from ..protocol import (ACTIVE, EV_RESERVE_PORT, GPU_NAMESPACE, WAITING, ClientS
 from ..protocol.base import parse
 from ..protocol.gpu import PortOffer, ReservePort
 from ..protocol.job import Job as JobRecord, Master, PlacementEntry
+from ..protocol.spec import Auto
 from ..protocol.tokens import RANK_KEY_PREFIX
-from . import jobs
+from . import auto, jobs
 from . import clients as clients_of_room
 from .extensions import socketio
 from .auth import hash_secret, new_secret
@@ -277,6 +278,11 @@ class Scheduler:
         slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
         if any(s.get("job_id") == record.id for s in slots):
             return _BLOCKED  # ranks of its last attempt are still stopping
+        if isinstance(record.spec.strategy, Auto):  # its mode chosen now, from the room as it is (auto.py)
+            resolved = auto.resolve(self.ctx, record, clients)
+            if resolved is None:
+                return _PASSED  # none fits the idle slots now: it waits saying why, holding back no one
+            record = resolved
         asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
                  "world_size": record.world_size, "avoid": record.avoid}
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))

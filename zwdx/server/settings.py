@@ -81,6 +81,11 @@ class ServerConfig(BaseModel):
     rate_limit_registers: Annotated[Rate | None, BeforeValidator(lambda v: v or None)] = defaults.RATE_LIMIT_REGISTERS
     link_probe_max_bytes: Size = defaults.LINK_PROBE_MAX_BYTES
     unreachable_ttl: Seconds = defaults.UNREACHABLE_TTL
+    #: parallelism="AUTO" (``auto.py``): the slowest link to the server (bytes/s) for DDP across hosts,
+    #: the share of a slot's free memory held back, activations per parameter byte when not given
+    auto_min_link: Annotated[float, Field(gt=0)] = defaults.AUTO_MIN_LINK
+    auto_margin: Annotated[float, Field(ge=0, lt=1)] = defaults.AUTO_MARGIN
+    auto_activation_factor: Annotated[float, Field(ge=0)] = defaults.AUTO_ACTIVATION_FACTOR
     sweep_interval: Seconds = defaults.SWEEP_INTERVAL
     unattached_grace: Seconds = defaults.UNATTACHED_GRACE
     artifact_retention: Seconds = defaults.ARTIFACT_RETENTION

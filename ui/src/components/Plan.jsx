@@ -4,7 +4,7 @@
 // text (React escapes it): it comes from a process beside the job's own code.
 import { formatNumber } from "../lib/format.js";
 import { MAX_DRAWN, pipelineSchedule, planColumns, scheduleOf, stageOrder } from "../lib/plan.js";
-import { SlotKind } from "../lib/protocol.js";
+import { Parallelism, SlotKind } from "../lib/protocol.js";
 
 const ROLE_WORDS = { replica: "replica", shard: "shard", stage: "stage", tp: "tensor parallel", "fsdp+tp": "FSDP + TP" };
 
@@ -120,12 +120,34 @@ function Schedule({ settings }) {
   );
 }
 
+// parallelism="AUTO": the mode the server chose as it placed the job, and why (the job's `auto`).
+function AutoChoice({ job }) {
+  if (job.auto) {
+    return (
+      <p data-testid="auto-choice" data-mode={job.auto.parallelism}>
+        <strong>AUTO chose {job.auto.parallelism}</strong>{" "}
+        <span className="muted">{job.auto.reason.replace(/^[^:]*: /, "")}</span>
+      </p>
+    );
+  }
+  if (job.spec?.parallelism !== Parallelism.AUTO) return null;
+  return <p className="muted" data-testid="auto-choice">AUTO: the mode is chosen as the job is placed.</p>;
+}
+
 export default function Plan({ job }) {
   const columns = planColumns(job);
-  if (!columns.length) return <p className="muted">Drawn once the job is placed: which rank holds what, where.</p>;
+  if (!columns.length) {
+    return (
+      <>
+        <AutoChoice job={job} />
+        <p className="muted">Drawn once the job is placed: which rank holds what, where.</p>
+      </>
+    );
+  }
   const settings = scheduleOf(job);
   return (
     <div data-testid="plan">
+      <AutoChoice job={job} />
       <div className="plan">
         {columns.map((c) => (
           <div className="plan-client" key={c.id} data-testid="plan-client" data-client={c.id}>

@@ -19,6 +19,7 @@ export const Parallelism = Object.freeze({
   PIPELINE: "PIPELINE",
   TP: "TP",
   FSDP_TP: "FSDP+TP",
+  AUTO: "AUTO",
 });
 
 /** The order a PIPELINE job's stages run their micro-batches in (torch's schedule classes). */
