@@ -100,23 +100,14 @@ class StoreCollector(Collector):
             by_status[(room, ClientStatus.ONLINE.value if online else ClientStatus.OFFLINE.value)] += 1
             pairs.setdefault(room, set()).update(frozenset((str(client.get("id")), peer))
                                                  for peer in apart_from(client, now))
-            link = client.get("link")
-            if online and isinstance(link, dict):
-                for family, labels, key in ((rtt, [room, str(client.get("id"))], "rtt"),
-                                            (rate, [room, str(client.get("id")), "up"], "up"),
-                                            (rate, [room, str(client.get("id")), "down"], "down")):
-                    value = link.get(key)
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        family.add_metric(labels, float(value))
+            if online:
+                _link(client, room, rtt, rate)
             for slot in client.get("slots") or []:
                 by_state[(room, "lost" if not online else "busy" if slot.get("job_id") else "free")] += 1
-                if not online:
-                    continue
-                labels = [room, str(client.get("id")), str(slot.get("index")), str(slot.get("kind") or "cuda")]
-                for family, key in ((utilization, "utilization"), (free, "memory_free"), (total, "memory_total")):
-                    value = slot.get(key)
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        family.add_metric(labels, float(value))
+                if online:
+                    labels = [room, str(client.get("id")), str(slot.get("index")), str(slot.get("kind") or "cuda")]
+                    _measured(slot, labels, ((utilization, "utilization"), (free, "memory_free"),
+                                             (total, "memory_total")))
         for (room, status), n in sorted(by_status.items()):
             clients.add_metric([room, status], n)
         for (room, state), n in sorted(by_state.items()):
@@ -124,6 +115,23 @@ class StoreCollector(Collector):
         for room, held in sorted(pairs.items()):
             apart.add_metric([room], len(held))
         yield from (clients, slots, utilization, free, total, rtt, rate, apart)
+
+
+def _link(client: dict, room: str, rtt, rate) -> None:
+    """A GPU client's link to the server, as measured at register, if it was."""
+    link, cid = client.get("link"), str(client.get("id"))
+    if isinstance(link, dict):
+        _measured(link, [room, cid], ((rtt, "rtt"),))
+        for direction in ("up", "down"):
+            _measured(link, [room, cid, direction], ((rate, direction),))
+
+
+def _measured(doc: dict, labels: list[str], families) -> None:
+    """Each (family, key) of ``families`` given ``doc[key]`` under ``labels``, where it is a number."""
+    for family, key in families:
+        value = doc.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            family.add_metric(labels, float(value))
 
 
 class _Meters(Collector):
