@@ -173,3 +173,21 @@ def test_the_sdk_result_says_what_auto_chose():
     chosen = {"parallelism": "DILOCO", "reason": "DILOCO: gpu clients a and b cannot reach each other", "at": 1.0}
     job = {"id": "j1", "status": "completed", "auto": chosen}
     assert result_of(job, True).auto == chosen and result_of({**job, "auto": None}, True)["auto"] is None
+
+
+@pytest.mark.parametrize("choice, strategy, world, per_client", [
+    (Choice(Parallelism.FSDP_TP, "", tp=2, ranks=4), {"type": "fsdp", "lora": None, "tp": {"plan": None, "size": 2}}, 4, 2),
+    (Choice(Parallelism.PIPELINE, "", ranks=3), {"type": "pipeline", "schedule": "gpipe"}, 3, None),
+    (Choice(Parallelism.DILOCO, "", ranks=2), {"type": "diloco", "inner_steps": 500}, None, None),
+])
+def test_the_stored_spec_takes_the_mode_chosen_with_what_it_decides_of_the_resources(choice, strategy, world,
+                                                                                      per_client):
+    from zwdx.protocol.spec import JobSpec
+    from zwdx.server.auto import _strategy
+    spec = JobSpec.model_validate({"code": {"bundle_artifact": "a", "versions": {"python": "3.11"}},
+                                   "strategy": {"type": "auto", "parameter_bytes": 10}})
+    resolved = JobSpec.model_validate(_strategy(choice, spec).model_dump(mode="json"))  # as the store reads it back
+    assert resolved.parallelism == choice.parallelism
+    dumped = resolved.strategy.model_dump(mode="json")
+    assert {k: dumped[k] for k in strategy} == strategy
+    assert (resolved.resources.world_size, resolved.resources.gpus_per_client) == (world, per_client)
