@@ -145,7 +145,9 @@ class Agent(JobRunning):
     def _on_connect(self):
         threading.Thread(target=self._register, daemon=True).start()
 
-    def _register(self, again: bool = True):
+    def _reach(self) -> None:
+        """Where this client is reached (its address, interface and reachability port) and its
+        link to the server, measured again when older than ``LINK_REFRESH``."""
         if self.advertise_addr is None:
             self.advertise_addr = reaching_address(self.server)
         iface = interface_of(self.advertise_addr)
@@ -156,6 +158,9 @@ class Agent(JobRunning):
             self.listener = reach.Listener(self.advertise_addr, self.client_id)
         if self.link is None or time.time() - self.link.measured_at > defaults.LINK_REFRESH:
             self.link = link.measure(self.http, self.server, self.token) or self.link
+
+    def _register(self, again: bool = True):
+        self._reach()
         hello = Register(client_id=self.client_id, hostname=self.hostname, host_id=self.host_id, slots=self.slots,
                          versions=self.isolation.versions(runtime_versions()), modules=self.modules, advertise_addr=self.advertise_addr,
                          reach_port=self.listener.port, link=self.link, running=self._running(),
@@ -179,6 +184,10 @@ class Agent(JobRunning):
             log.error("gpu-client %s: %s", self.client_id, self.fatal)
             self.stop.set()
             return
+        self._registered_as(answer)
+
+    def _registered_as(self, answer: RegisterAnswer) -> None:
+        """What the server's yes says: the secret it gave, the beat it asks, the room; then standbys."""
         if answer.client_secret:
             self.identity.keep(answer.client_secret)
         self.heartbeat_interval = answer.heartbeat_interval or self.heartbeat_interval
