@@ -57,27 +57,8 @@ class PipelineSettings(Message):
         if len(value) > MAX_STAGES:
             raise ValueError(f"must have at most {MAX_STAGES} entries")
         if all(isinstance(v, str) for v in value):
-            bad = next((v for v in value if not _MODULE.match(v) or len(v) > 300), None)
-            if bad is not None:
-                raise ValueError(f"must name modules (like 'transformer.h.6'), got {bad!r}")
-            if len(set(value)) != len(value):
-                raise ValueError("names a module twice")
-            return list(value)
-        ranges = []
-        for v in value:
-            if (not isinstance(v, (list, tuple)) or len(v) != 2
-                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in v)):
-                raise ValueError(f"must be a list of block ranges [start, end] (whole numbers) or of module names, "
-                                 f"got {v!r}")
-            ranges.append([v[0], v[1]])
-        if ranges[0][0] != 0:
-            raise ValueError(f"must start at block 0, got {ranges[0][0]}")
-        for (start, end), nxt in zip(ranges, ranges[1:] + [None]):
-            if end <= start:
-                raise ValueError(f"range [{start}, {end}] must hold at least one block")
-            if nxt is not None and nxt[0] != end:
-                raise ValueError(f"ranges must follow each other: [{start}, {end}] then [{nxt[0]}, {nxt[1]}]")
-        return ranges
+            return _module_names(list(value))
+        return _block_ranges(value)
 
     @model_validator(mode="after")
     def _per_rank(self) -> PipelineSettings:
@@ -121,6 +102,36 @@ class PipelineSettings(Message):
                 raise ValueError(f"microbatches: interleaved1f1b runs them in rounds of the ranks' number "
                                  f"({world_size}): {self.microbatches} is not a multiple of {rounds} rounds")
         return self.model_copy(update={"stages_per_rank": per if per > 1 else None})
+
+
+
+def _module_names(names: list[str]) -> list[Any]:
+    """A plan of module names: each a module's dotted name, none twice."""
+    bad = next((v for v in names if not _MODULE.match(v) or len(v) > 300), None)
+    if bad is not None:
+        raise ValueError(f"must name modules (like 'transformer.h.6'), got {bad!r}")
+    if len(set(names)) != len(names):
+        raise ValueError("names a module twice")
+    return list(names)
+
+
+def _block_ranges(value: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """A plan of block ranges [start, end]: from block 0, each after the one before, none empty."""
+    ranges = []
+    for v in value:
+        if (not isinstance(v, (list, tuple)) or len(v) != 2
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in v)):
+            raise ValueError(f"must be a list of block ranges [start, end] (whole numbers) or of module names, "
+                             f"got {v!r}")
+        ranges.append([v[0], v[1]])
+    if ranges[0][0] != 0:
+        raise ValueError(f"must start at block 0, got {ranges[0][0]}")
+    for (start, end), nxt in zip(ranges, ranges[1:] + [None]):
+        if end <= start:
+            raise ValueError(f"range [{start}, {end}] must hold at least one block")
+        if nxt is not None and nxt[0] != end:
+            raise ValueError(f"ranges must follow each other: [{start}, {end}] then [{nxt[0]}, {nxt[1]}]")
+    return ranges
 
 
 __all__ = ["PipelineSettings", "MAX_STAGES"]
