@@ -89,24 +89,7 @@ def check(value, where: str) -> None:
 
 def _encode(value, tensors: dict, seen: dict, where: str, copy: bool = True, stage=None):
     if isinstance(value, torch.Tensor):
-        key = seen.get(id(value))
-        dtensor = isinstance(value, _dtensor_class())
-        local = value.to_local() if dtensor else value
-        if key is None:
-            key = seen[id(value)] = f"t{len(tensors)}"
-            if not copy:
-                tensors[key] = local
-            elif stage is not None:
-                tensors[key] = stage(key, local)
-            else:
-                tensors[key] = local.detach().to("cpu", copy=True).contiguous()
-        if not dtensor:
-            return {"tensor": key}
-        shape, offset = _local_box(value)
-        if list(local.shape) != shape:
-            raise ValueError(f"{where}: the local shard's shape {list(local.shape)} is not its layout's {shape}")
-        return {"dtensor": key, "shape": list(value.shape), "dtype": _dtype_name(value.dtype), "offset": offset,
-                "local": shape}
+        return _encode_tensor(value, tensors, seen, where, copy, stage)
     if isinstance(value, bool):
         return {"bool": value}
     if isinstance(value, int):
@@ -128,6 +111,42 @@ def _encode(value, tensors: dict, seen: dict, where: str, copy: bool = True, sta
         return {"dict": [[k, _encode(v, tensors, seen, f"{where}[{k!r}]", copy, stage)] for k, v in value.items()]}
     raise TypeError(f"{where} is a {type(value).__name__}: a checkpoint holds tensors, numbers, strings, None and "
                     f"lists, tuples or dicts of them")
+
+
+def _encode_tensor(value, tensors: dict, seen: dict, where: str, copy: bool, stage):
+    """A tensor's node: its bytes kept once under a key (a DTensor's local shard, with its box)."""
+    key = seen.get(id(value))
+    dtensor = isinstance(value, _dtensor_class())
+    local = value.to_local() if dtensor else value
+    if key is None:
+        key = seen[id(value)] = f"t{len(tensors)}"
+        if not copy:
+            tensors[key] = local
+        elif stage is not None:
+            tensors[key] = stage(key, local)
+        else:
+            tensors[key] = local.detach().to("cpu", copy=True).contiguous()
+    if not dtensor:
+        return {"tensor": key}
+    shape, offset = _local_box(value)
+    if list(local.shape) != shape:
+        raise ValueError(f"{where}: the local shard's shape {list(local.shape)} is not its layout's {shape}")
+    return {"dtensor": key, "shape": list(value.shape), "dtype": _dtype_name(value.dtype), "offset": offset,
+            "local": shape}
+
+
+def _scalar(kind: str, value, where: str):
+    """A leaf of the index (an int, bool, str, None or float node's value), checked to be one."""
+    if kind == "float":
+        if isinstance(value, str) and value in _NON_FINITE:
+            return _NON_FINITE[value]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"checkpoint: {where} is not a float")
+    expected = {"int": int, "bool": bool, "str": str, "none": type(None)}[kind]
+    if not isinstance(value, expected) or (kind == "int" and isinstance(value, bool)):
+        raise ValueError(f"checkpoint: {where} is not a {kind}")
+    return value
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -183,17 +202,8 @@ class Reader:
         if "dtensor" in node or "tensor" in node:
             return self._tensor(node, target, rank, path, where)
         (kind, value), = node.items()
-        if kind in ("int", "bool", "str", "none"):
-            expected = {"int": int, "bool": bool, "str": str, "none": type(None)}[kind]
-            if not isinstance(value, expected) or (kind == "int" and isinstance(value, bool)):
-                raise ValueError(f"checkpoint: {where} is not a {kind}")
-            return value
-        if kind == "float":
-            if isinstance(value, str) and value in _NON_FINITE:
-                return _NON_FINITE[value]
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            raise ValueError(f"checkpoint: {where} is not a float")
+        if kind in ("int", "bool", "str", "none", "float"):
+            return _scalar(kind, value, where)
         if kind in ("list", "tuple"):
             if not isinstance(value, list):
                 raise ValueError(f"checkpoint: {where} is not a {kind}")
