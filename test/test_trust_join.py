@@ -15,53 +15,70 @@ from zwdx import codec, start_weights
 torch.set_num_threads(1)
 
 
-def test_a_joining_worker_takes_the_servers_global_weights(app):
+def joining(app, room, job, rank: int, key: str):
+    """Rank ``rank``'s GPU client lost, a new one placed in its place (the scheduler's
+    ``join_workers`` does this with a slot it chose); the joiner's Api."""
     from zwdx.protocol import SlotKind
     from zwdx.protocol.job import PlacementEntry
-    from zwdx.server.jobs import lifecycle
     from zwdx.server.auth import hash_secret
-    from zwdx.server.jobs import Job
-    net = model()
-    room, (r0, r1), job = placed(app, start_weights.encode(net), world_size=2)
-    ctx, url = app.extensions["zwdx"], f"/jobs/{job['id']}/diloco"
-    weights = torch.nn.Parameter(flat(net).clone())
-    sgd = torch.optim.SGD([weights], lr=0.7, momentum=0.9, nesterov=True)  # the settings' defaults
-
-    def stepped(n: int) -> None:  # an honest worker's global weights after round n
-        weights.grad = torch.from_numpy(codec.decode(r0.get(f"{url}/rounds/{n}").data))
-        sgd.step()
-
-    vectors = [0.01 * v for v in honest(2, weights.numel(), seed=0)]
-    put(r0, job, 0, vectors[0])
-    put(r1, job, 0, vectors[1])
-    stepped(0)
-    lifecycle.client_lost(ctx, f"gpu-{job['id']}-1", "staged")
+    from zwdx.server.jobs import Job, lifecycle
+    ctx = app.extensions["zwdx"]
+    lifecycle.client_lost(ctx, f"gpu-{job['id']}-{rank}", "staged")
     ctx.store.upsert_client({"id": "late", "room_id": room.room["id"], "hostname": "late", "status": "online"},
                             [{"id": "late:0", "client_id": "late", "room_id": room.room["id"], "index": 0, "kind": "cpu"}])
-    entry = PlacementEntry(rank=1, client_id="late", gpu_index=0, kind=SlotKind.CPU)
-    assert Job.load(ctx.store, job["id"]).join(entry, "late:0", hash_secret("rk_late"))
-    joiner = r1.as_(None, rank_key="rk_late")
-    assert joiner.post(f"/jobs/{job['id']}/ranks/1", json={"status": "running"}).json["ok"]
-    assert joiner.get(f"{url}/state").status_code == 202
+    entry = PlacementEntry(rank=rank, client_id="late", gpu_index=0, kind=SlotKind.CPU)
+    assert Job.load(ctx.store, job["id"]).join(entry, "late:0", hash_secret(key))
+    joiner = room.as_(None, rank_key=key)
+    assert joiner.post(f"/jobs/{job['id']}/ranks/{rank}", json={"status": "running"}).json["ok"]
+    return joiner
 
-    put(r0, job, 1, 0.01 * honest(1, weights.numel(), seed=1)[0])  # round 1: rank 0 alone
-    stepped(1)
+
+def logged(room, job) -> list[str]:
+    return [e["data"]["text"] for e in room.get(f"/jobs/{job['id']}/events").json["events"] if e["kind"] == "log"]
+
+
+def test_a_joiner_waiting_for_a_round_takes_the_servers_global_weights_after_it(app):
+    net = model()
+    room, (r0, r1), job = placed(app, start_weights.encode(net), world_size=2)
+    url = f"/jobs/{job['id']}/diloco"
+    weights = torch.nn.Parameter(flat(net).clone())
+    sgd = torch.optim.SGD([weights], lr=0.7, momentum=0.9, nesterov=True)  # the settings' defaults
+    vectors = [0.01 * v for v in honest(2, weights.numel(), seed=0)]
+    put(r0, job, 0, vectors[0])
+    joiner = joining(app, room, job, 1, "rk_late")  # before round 0 is averaged: it waits for it
+    assert joiner.get(f"{url}/state").status_code == 202
+    weights.grad = torch.from_numpy(codec.decode(r0.get(f"{url}/rounds/0").data))  # averaged now, rank 0 alone
+    sgd.step()
     got = joiner.get(f"{url}/state")
     assert got.status_code == 200, got.json  # the server's, at once: no worker was asked
     state = safetensors.numpy.load(got.data)
     assert np.array_equal(state["global"], weights.detach().numpy())  # to the bit
     assert np.array_equal(state["momentum"], sgd.state[weights]["momentum_buffer"].numpy())
     after = room.get(f"/jobs/{job['id']}").json
-    assert after["joins"]["1"]["round"] == 2 and after["joins"]["1"].get("state_from") is None
-    forged = safetensors.numpy.save({"global": state["global"] + 1}, metadata={"round": "2"})
-    assert r0.put(f"{url}/state/2", data=forged).status_code == 409  # no one waits for a worker's word
-    assert joiner.get(f"{url}/state").data == got.data
-    logs = [e["data"]["text"] for e in room.get(f"/jobs/{job['id']}/events").json["events"] if e["kind"] == "log"]
-    assert any("rank(s) 1 joined: from the server's own global weights after round 1, uploading from round 2" in t
-               for t in logs), logs
-    put(r0, job, 2, vectors[0])
-    put(joiner, job, 2, vectors[1])  # from round 2 on, the rounds wait for it again
-    assert codec.decode(joiner.get(f"{url}/rounds/2").data).size == weights.numel()
+    assert after["joins"]["1"]["round"] == 1 and after["joins"]["1"].get("state_from") is None
+    assert any("rank(s) 1 joined: from the server's own global weights after round 0, uploading from round 1" in t
+               for t in logged(room, job))
+    put(r0, job, 1, vectors[0])
+    put(joiner, job, 1, vectors[1])  # from round 1 on, the rounds wait for it
+    assert codec.decode(joiner.get(f"{url}/rounds/1").data).size == weights.numel()
+
+
+def test_a_workers_offer_of_the_global_weights_is_refused_where_the_server_holds_them(app):
+    net = model()
+    room, (r0, r1), job = placed(app, start_weights.encode(net), world_size=2)
+    url = f"/jobs/{job['id']}/diloco"
+    vectors = [0.01 * v for v in honest(2, flat(net).numel(), seed=0)]
+    put(r0, job, 0, vectors[0])
+    put(r1, job, 0, vectors[1])
+    joiner = joining(app, room, job, 1, "rk_late")  # after round 0 was averaged
+    forged = safetensors.numpy.save({"global": np.zeros(flat(net).numel(), np.float32)}, metadata={"round": "1"})
+    before = [a["id"] for a in app.extensions["zwdx"].store.list_artifacts(job["id"])]
+    refused = r0.put(f"{url}/state/1", data=forged)
+    assert refused.status_code == 409 and "server's own" in refused.json["error"]["message"], refused.json
+    assert [a["id"] for a in app.extensions["zwdx"].store.list_artifacts(job["id"])] == before
+    got = joiner.get(f"{url}/state")  # the server's own after round 0, written as it asks
+    assert got.status_code == 200 and not np.array_equal(safetensors.numpy.load(got.data)["global"], np.zeros(1))
+    assert room.get(f"/jobs/{job['id']}").json["joins"]["1"]["round"] == 1
 
 
 def test_a_worker_joining_an_overlapped_job_starts_from_the_servers_weights_and_agrees_to_the_bit(app):
@@ -104,7 +121,7 @@ def test_a_worker_joining_an_overlapped_job_starts_from_the_servers_weights_and_
             train(b, mb, [1.0, 0.5, -0.25 * n])
             b.sync()
         for w in (a, b):
-            w.pending._thread.join(30)  # round 1 averaged before the loss: the joiner joins after round 2
+            w.pending._thread.join(30)  # round 1 averaged before the loss
         lifecycle.client_lost(ctx, f"gpu-{job['id']}-1", "staged")
         ctx.store.upsert_client({"id": "late", "room_id": room.room["id"], "hostname": "late", "status": "online"},
                                 [{"id": "late:0", "client_id": "late", "room_id": room.room["id"], "index": 0,
@@ -115,14 +132,12 @@ def test_a_worker_joining_an_overlapped_job_starts_from_the_servers_weights_and_
         joiner, mj = Diloco(spec, Reporter(url, "rk_j", job["id"], 1)), Vector([0.0, 0.0, 0.0])
         joiner.reporter.session.post(f"{joiner.reporter.base}/ranks/1", json={"status": "running"}).raise_for_status()
         attached = threading.Thread(target=joiner.attach, args=(mj, Checkpoints()))
-        attached.start()  # it waits for the global weights
-        train(a, ma, [0.5, 0.5, 0.5])
-        a.sync()  # round 2, averaged with rank 0 alone: the server writes its global weights after it
-        train(a, ma, [0.5, 0.5, 0.5])
-        a.sync()  # round 3: rank 0 applies round 2's average; the joiner uploads from round 4
-        attached.join(30)
-        assert not attached.is_alive() and joiner.round == 4 and joiner.pending is not None
+        attached.start()
+        attached.join(30)  # at once: the server holds the global weights after round 1
+        assert not attached.is_alive() and joiner.round == 3 and joiner.pending is not None
         joiner._hook.remove()
+        train(a, ma, [0.5, 0.5, 0.5])
+        a.sync()  # round 2: rank 0 applies round 1's average
         assert torch.equal(joiner.global_.detach(), a.global_.detach())
         assert torch.equal(joiner.outer.state[joiner.global_]["momentum_buffer"], a.outer.state[a.global_]["momentum_buffer"])
         assert room.get(f"/jobs/{job['id']}").json["joins"]["1"].get("state_from") is None

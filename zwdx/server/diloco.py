@@ -235,6 +235,9 @@ def put_state(job: JobRecord, sender: Sender, n: int):
     waiting = sorted(int(r) for r, j in job.joins.items() if j.round is None)
     if not waiting:
         raise Conflict(f"no worker waits to join job {job.id}", job_id=job.id)
+    if global_weights.holds(job, newest):
+        raise Conflict(f"job {job.id}'s joining workers start from the server's own global weights, not a "
+                       f"worker's", job_id=job.id)
     artifact = save_artifact({"id": job.room_id}, ArtifactKind.DILOCO_STATE.value, job.id, round=n,
                              rank=sender.rank, attempt=sender.attempt).model_dump()
     try:
@@ -254,10 +257,15 @@ def get_state(job: JobRecord, sender: Sender):
     join = job.joins.get(str(sender.rank))
     if join is None:
         raise Conflict(f"rank {sender.rank} of job {job.id} is not joining it", job_id=job.id)
+    newest = max(_averages(job), default=-1)
+    if join.round is None and global_weights.holds(job, newest):  # it came after round newest was averaged
+        with _averaging:
+            joiners.serve(job, newest)  # the server's own global weights, at once
+        job = ctx().store.get_job(job.id) or job
+        join = job.joins.get(str(sender.rank)) or join
     states = ctx().store.list_artifacts(job.id, ArtifactKind.DILOCO_STATE.value)
     if join.round is not None and states:
         return stream(max(states, key=lambda a: a["created_at"]))
-    newest = max(_averages(job), default=-1)
     return state(job, newest + 1)[0], 202
 
 

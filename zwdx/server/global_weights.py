@@ -243,14 +243,19 @@ def step(job: JobRecord, n: int, average: dict) -> None:
             ctx().artifacts.delete(old["id"])
 
 
+def holds(job: JobRecord, n: int) -> bool:
+    """Whether the server holds the job's global weights after round ``n`` of its attempt."""
+    held = _held(job)
+    return held is not None and held.get("round") == n and held.get("attempt") == job.attempt
+
+
 def joining_state(job: JobRecord, n: int) -> bytes | None:
     """What a worker joining after round ``n`` starts from: the server's own global weights and
     momentum after round ``n`` (safetensors, metadata ``round``: ``n + 1``, as a worker sends
     them); None where the server holds none after round ``n``."""
-    held = _held(job)
-    if held is None or held.get("round") != n or held.get("attempt") != job.attempt:
+    if not holds(job, n):
         return None
-    header, _, body = read(_bytes(held["id"]))
+    header, _, body = read(_bytes(_held(job)["id"]))
     return write({k: ("F32", t["shape"], bytes(body[slice(*t["data_offsets"])])) for k, t in header.items()},
                  {"round": str(n + 1)})
 
