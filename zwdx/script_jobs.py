@@ -62,6 +62,25 @@ def extract_outputs(archive: str, dest: str) -> list[str]:
     return sorted(m.name for m in members if m.isfile())
 
 
+def _check_arguments(args, include, outputs_from, datasets) -> None:
+    """``BadRequest`` for a list that is not of strings, or args naming $ZWDX_DATA_DIR without datasets."""
+    for field, value in (("args", args), ("include", include), ("outputs_from", outputs_from)):
+        if isinstance(value, str) or not all(isinstance(a, str) for a in value):
+            raise BadRequest(f"{field} must be a list of strings", field=field)
+    if not datasets and any((m.group(1) or m.group(2)) == "ZWDX_DATA_DIR" for a in args
+                            for m in VARIABLE.finditer(a)):
+        raise BadRequest("args name $ZWDX_DATA_DIR, the job's datasets, but the job has none: name them with "
+                         "datasets=[...] (zwdx run --dataset NAME)", field="args")
+
+
+def _say_left_out(packed) -> None:
+    """What the packing left out of the working dir, and --include patterns that matched nothing."""
+    for pattern in packed.unmatched:
+        _say(f"zwdx: --include {pattern!r} names none of the files a .gitignore left out")
+    if packed.left_out_line():
+        _say(f"zwdx: {packed.left_out_line()}")
+
+
 class ScriptJobs:
     """The script-job calls of one ``ZWDX`` (which exposes them as its own methods)."""
 
@@ -105,22 +124,13 @@ class ScriptJobs:
                include=(), outputs_from=()):
         sdk = self.sdk
         token = sdk._token(room_token)
-        for field, value in (("args", args), ("include", include), ("outputs_from", outputs_from)):
-            if isinstance(value, str) or not all(isinstance(a, str) for a in value):
-                raise BadRequest(f"{field} must be a list of strings", field=field)
-        if not datasets and any((m.group(1) or m.group(2)) == "ZWDX_DATA_DIR" for a in args
-                                for m in VARIABLE.finditer(a)):
-            raise BadRequest("args name $ZWDX_DATA_DIR, the job's datasets, but the job has none: name them with "
-                             "datasets=[...] (zwdx run --dataset NAME)", field="args")
+        _check_arguments(args, include, outputs_from, datasets)
         run = parse(ScriptSpec, {"path": "pending", "args": list(args), "env": dict(env or {}),
                                  "outputs_from": list(outputs_from)}, "script")
         packed = pack(working_dir, script, max_workdir_bytes, include)
         try:
             if progress:
-                for pattern in packed.unmatched:
-                    _say(f"zwdx: --include {pattern!r} names none of the files a .gitignore left out")
-                if packed.left_out_line():
-                    _say(f"zwdx: {packed.left_out_line()}")
+                _say_left_out(packed)
             run.path = packed.script
             run.left_out = packed.left_out_entries[:MAX_LEFT_OUT]
             fields = {"kind": JobKind.SCRIPT.value, "script": run.model_dump(), "world_size": nproc,
@@ -131,19 +141,7 @@ class ScriptJobs:
             submit = parse(SubmitJob, {**fields, "bundle_artifact": "pending"}).model_dump(mode="json")  # the server's
             # own check, before the upload; the body is the one spec tree, as submit_job's
 
-            def body(artifact_id: str) -> dict:
-                code = {**submit["spec"]["code"], "bundle_artifact": artifact_id}
-                return {**submit, "spec": {**submit["spec"], "code": code}}
-
-            workdir = self.push_workdir(packed, token)
-            try:
-                job = sdk._json("POST", "/jobs", token, json=body(workdir["id"]))
-            except BadRequest as err:
-                if err.context.get("field") != "bundle_artifact" or workdir["uploaded"]:
-                    raise
-                # swept between the question and the submit (unused for UNATTACHED_GRACE): upload it after all
-                workdir = self.push_workdir(packed, token, ask=False)
-                job = sdk._json("POST", "/jobs", token, json=body(workdir["id"]))
+            job, workdir = self._post(submit, packed, token)
         finally:
             packed.discard()
         try:  # from here on, Ctrl-C has a job to cancel
@@ -158,25 +156,47 @@ class ScriptJobs:
                      f"for GPU clients that fit")
             if not wait:
                 return job["id"]
-            notes = []
-
-            def on_log(event: dict) -> None:
-                text = event["data"].get("text", "")
-                if event.get("rank") == 0 and text.startswith("zwdx: no outputs"):
-                    notes.append(text[len("zwdx: "):])
-                print_line(event)
-            done = sdk._follow(job["id"], token, progress, timeout, on_log=on_log if progress else None)
-            try:
-                result = sdk._result(done, raise_on_failure)
-            except JobFailed as err:
-                err.result.update(workdir=workdir, outputs_note=notes[-1] if notes else None)
-                raise
-            result.update(workdir=workdir, outputs_note=notes[-1] if notes else None)
-            return result
+            return self._wait(job["id"], token, workdir, progress, timeout, raise_on_failure)
         except KeyboardInterrupt:
             if wait:
                 sdk._interrupted(job["id"], token, cancel_on_interrupt)
             raise
+
+    def _post(self, submit: dict, packed, token: str) -> tuple[dict, dict]:
+        """The working dir pushed (unless the room has it) and the job posted with it; pushed again
+        if it was swept between the question and the submit (unused for UNATTACHED_GRACE)."""
+        def body(artifact_id: str) -> dict:
+            code = {**submit["spec"]["code"], "bundle_artifact": artifact_id}
+            return {**submit, "spec": {**submit["spec"], "code": code}}
+
+        workdir = self.push_workdir(packed, token)
+        try:
+            return self.sdk._json("POST", "/jobs", token, json=body(workdir["id"])), workdir
+        except BadRequest as err:
+            if err.context.get("field") != "bundle_artifact" or workdir["uploaded"]:
+                raise
+            workdir = self.push_workdir(packed, token, ask=False)
+            return self.sdk._json("POST", "/jobs", token, json=body(workdir["id"])), workdir
+
+    def _wait(self, job_id: str, token: str, workdir: dict, progress: bool, timeout: float | None,
+              raise_on_failure: bool):
+        """The job followed to its end (its log printed), its result with the working dir and what
+        rank 0 said of its outputs."""
+        notes = []
+
+        def on_log(event: dict) -> None:
+            text = event["data"].get("text", "")
+            if event.get("rank") == 0 and text.startswith("zwdx: no outputs"):
+                notes.append(text[len("zwdx: "):])
+            print_line(event)
+        done = self.sdk._follow(job_id, token, progress, timeout, on_log=on_log if progress else None)
+        try:
+            result = self.sdk._result(done, raise_on_failure)
+        except JobFailed as err:
+            err.result.update(workdir=workdir, outputs_note=notes[-1] if notes else None)
+            raise
+        result.update(workdir=workdir, outputs_note=notes[-1] if notes else None)
+        return result
 
     def download_outputs(self, job_id: str, dest: str | None = None, room_token: str | None = None) -> str | None:
         """What the job's rank 0 wrote under ``$ZWDX_OUTPUT_DIR``, unpacked into ``dest``
