@@ -497,7 +497,7 @@ def server_to_client_cells(w: World):
     """What the server sends goes to those it concerns only: a job's GPU clients (each its own
     ranks' keys), the room's dashboards."""
     from zwdx.protocol.job import Master
-    from zwdx.server.jobs import Job
+    from zwdx.server.jobs import Job, placing
     ctx, live = w.app.extensions["zwdx"], w.jobs["live"]
     gpus = {cid: sock for cid, sock in w.sockets.items()}
     for sock in gpus.values():
@@ -512,7 +512,7 @@ def server_to_client_cells(w: World):
         record = w.store.get_job(live)
         ctx.scheduler._ask_port(record, {0: w.keys["rank0"], 1: w.keys["rank1"]}, w.store.get_client("a1"))
         assert Job.load(w.store, live).rendezvous(Master(addr="127.0.0.1", port=29500))
-        ctx.scheduler._assign(w.store.get_job(live), {0: w.keys["rank0"], 1: w.keys["rank1"]})
+        placing.assign(ctx, w.store.get_job(live), {0: w.keys["rank0"], 1: w.keys["rank1"]})
     came = {cid: _received(s, ev.GPU_NAMESPACE) for cid, s in gpus.items()}
     asked = {cid: got.get(ev.EV_RESERVE_PORT, []) for cid, got in came.items()}
     assert {cid for cid, got in asked.items() if got} == {"a1"}, asked

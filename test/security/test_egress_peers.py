@@ -49,7 +49,7 @@ def test_a_fake_clients_claimed_address_opens_nothing_in_an_honest_clients_rules
     as rank 0, that the rendezvous is there, on port 22)."""
     from zwdx.protocol.gpu import JobAssign
     from zwdx.protocol.job import Master
-    from zwdx.server.jobs import Job
+    from zwdx.server.jobs import Job, placing
     w = world
     honest = register_from(w, HONEST, hello("honest", HONEST, 41000))
     register_from(w, f"::ffff:{FAKE}", hello("fake", VICTIM, 80))
@@ -59,7 +59,7 @@ def test_a_fake_clients_claimed_address_opens_nothing_in_an_honest_clients_rules
     ctx = w.app.extensions["zwdx"]
     with w.app.app_context():
         assert Job.load(w.store, job["id"]).rendezvous(Master(addr=VICTIM, port=22))
-        ctx.scheduler._assign(w.store.get_job(job["id"]), {0: "rk_fake", 1: "rk_honest"})
+        placing.assign(ctx, w.store.get_job(job["id"]), {0: "rk_fake", 1: "rk_honest"})
     got = [m["args"][0] for m in honest.get_received("/gpu") if m["name"] == ev.EV_JOB_ASSIGN]
     assign = JobAssign.model_validate(got[0])
     assert assign.addresses == sorted([HONEST, FAKE])  # seen addresses, and its own: never the claim
