@@ -86,13 +86,22 @@ def check(flat: dict[str, Any]) -> None:
     devices = _value(given.get("devices", "same")).lower()
     if devices not in ("same", "mixed"):
         fail(("devices",), f"must be 'same' or 'mixed', got {devices!r}", given["devices"])
-    mixed = devices == "mixed"
+    _script_rules(given, script, parallelism)
+    _option_rules(given, parallelism, script, devices == "mixed")
+
+
+def _script_rules(given: dict[str, Any], script: bool, parallelism: str) -> None:
+    """A script job names its script, runs no PIPELINE; a job of functions names none."""
     if script and "script" not in given:
         fail(("script",), "a script job needs its script: {\"path\", \"args\", \"env\"}")
     if not script and "script" in given:
         fail(("script",), "only a job of kind \"script\" runs a script", given["script"])
     if script and parallelism == "PIPELINE":
         fail(("pipeline",), "a script job has no model to cut into stages: PIPELINE is for submit_job's functions")
+
+
+def _option_rules(given: dict[str, Any], parallelism: str, script: bool, mixed: bool) -> None:
+    """Each mode's own options only with that mode (DILOCO's, PIPELINE's, LoRA, mixed devices, TP's)."""
     for option, modes in (("diloco", ("DILOCO",)), ("pipeline", ("PIPELINE",))):
         if option in given and parallelism not in modes:
             fail((option,), f"applies to parallelism {modes[0]} only, not {parallelism}", given[option])
