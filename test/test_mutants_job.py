@@ -1,4 +1,4 @@
-"""zwdx/server/job.py, checked where mutation testing (bench/mutation.py) found nothing looking:
+"""zwdx/server/jobs/model.py (job.py then), checked where mutation testing (bench/mutation.py) found nothing looking:
 a placement that did not start (placed again elsewhere, or failed after its tries), DILOCO's
 dropped and joining workers, each with the exact record and timeline it leaves. In-process on a
 real SQLite store with a fake clock (test_job.py's fixtures)."""
