@@ -246,21 +246,30 @@ def rebuild_optimizer(spec: dict | None, model: torch.nn.Module, part: bool = Fa
     import inspect
     cls, groups = spec["cls"], spec["groups"]
     named = _plain_names(model)
-    if part and all(g["params"] is not None for g in groups):
+    named_groups = all(g["params"] is not None for g in groups)
+    if part and named_groups:
         groups = [{**g, "params": [n for n in g["params"] if n in named]} for g in groups]
         groups = [g for g in groups if g["params"]] or groups[:1]
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     defaults = {k: v for k, v in groups[0]["hyper"].items() if k in accepted}
-    if all(g["params"] is not None for g in groups):
-        missing = [n for g in groups for n in g["params"] if n not in named]
-        if not missing:
-            return cls([{"params": [named[n] for n in g["params"]], **g["hyper"]} for g in groups], **defaults)
-        log.warning("optimizer: %d parameter name(s) not in the model; using one group", len(missing))
+    if named_groups:
+        by_name = _groups_by_name(groups, named)
+        if by_name is not None:
+            return cls(by_name, **defaults)
     if len(groups) > 1:
         log.warning("optimizer: %d param groups over parameters of another model instance; "
                     "rebuilding one group with the first group's settings", len(groups))
     trainable = [p for p in named.values() if p.requires_grad]  # a LoRA model's: the adapter's
     return cls(trainable or list(named.values()), **defaults)
+
+
+def _groups_by_name(groups: list[dict], named: dict) -> list[dict] | None:
+    """The param groups over the model's parameters by name; None (said) if it lacks some."""
+    missing = [n for g in groups for n in g["params"] if n not in named]
+    if missing:
+        log.warning("optimizer: %d parameter name(s) not in the model; using one group", len(missing))
+        return None
+    return [{"params": [named[n] for n in g["params"]], **g["hyper"]} for g in groups]
 
 
 def full_state_dict(model: torch.nn.Module, parallelism: str, rank: int) -> dict | None:
