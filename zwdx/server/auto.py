@@ -118,53 +118,87 @@ def _why_slow(used: list[Place], rules: Rules) -> str | None:
             f"({_bits(rules.min_link)}): DDP's all-reduce would wait on it every step")
 
 
+@dataclass(frozen=True)
+class _Room:
+    """What ``decide``'s rules read: the slots the job would take, what a slot can hold, and the
+    words that say so."""
+    used: list[Place]
+    n: int
+    usable: int | None  # None: no slot said its free memory
+    room: str
+    replica: str
+    replica_bytes: int
+    links: str
+
+    def fits(self, need: int) -> bool:
+        return self.usable is None or need <= self.usable
+
+
+def _room(need: Need, used: list[Place], rules: Rules) -> _Room:
+    n = sum(len(p.free) for p in used)
+    known = [f for p in used for f in p.free if f is not None]
+    usable = int(min(known) * (1 - rules.margin)) if known else None
+    room = ("no slot reported its free memory" if usable is None else
+            f"the smallest of the {n} slot(s) has {_gib(min(known))} free, {_gib(usable)} usable "
+            f"(AUTO_MARGIN {rules.margin:.0%} held back)")
+    replica = f"a replica needs {_gib(need.replica)} (state {_gib(need.state)} + activations {_gib(need.activations)})"
+    measured = [p.link for p in used if p.link is not None]
+    links = ("one host" if len({p.host or p.id for p in used}) < 2 else
+             f"links of at least {_bits(min(measured))}" if measured else "links not measured (taken as fast)")
+    return _Room(used, n, usable, room, replica, need.replica, links)
+
+
+def _apart_or_slow(r: _Room, pairs: set[frozenset], rules: Rules) -> Choice | None:
+    """Rule 1: DILOCO where the GPU clients cannot all meet, or meet too slowly."""
+    apart_why = _why_apart(r.used, pairs) if len(r.used) > 1 else None
+    why = apart_why or _why_slow(r.used, rules)
+    if why is None:
+        return None
+    if r.fits(r.replica_bytes):
+        return Choice(Parallelism.DILOCO, f"DILOCO: {why}; it syncs through the server, and "
+                                          f"{r.replica}, which fits one slot ({r.room})", ranks=r.n)
+    return Choice(None, f"no mode fits: {why} (so DILOCO, whose workers hold a replica each), "
+                        f"but {r.replica} and {r.room}")
+
+
+def _sharded(need: Need, r: _Room) -> Choice:
+    """Rules 3-6, for a replica that does not fit one slot: FSDP, FSDP+TP, PIPELINE, or none."""
+    n = r.n
+    fsdp = need.state // n + need.activations
+    if r.fits(fsdp):
+        return Choice(Parallelism.FSDP, f"FSDP: {r.replica}, more than one slot ({r.room}); sharded over {n} ranks "
+                                        f"a rank needs {_gib(fsdp)}; {r.links}", ranks=n)
+    group = min(len(p.free) for p in r.used)
+    each = need.state // n + need.activations // group
+    if group >= 2 and all(len(p.free) == group for p in r.used) and r.fits(each):
+        return Choice(Parallelism.FSDP_TP, f"FSDP+TP: sharded over {n} ranks a rank still needs {_gib(fsdp)} "
+                                           f"({r.room}); with TP over each gpu client's {group} slots its activations "
+                                           f"split too: {_gib(each)} a rank; {r.links}", tp=group, ranks=n)
+    stage = need.replica // n
+    if r.fits(stage):
+        return Choice(Parallelism.PIPELINE, f"PIPELINE: sharded over {n} ranks a rank still needs {_gib(fsdp)} "
+                                            f"({r.room}); cut into {n} stages one needs about {_gib(stage)}; {r.links}",
+                      ranks=n)
+    return Choice(None, f"no mode fits: {r.replica}; even cut into {n} stages one needs {_gib(stage)}, and {r.room}")
+
+
 def decide(need: Need, places: list[Place], pairs: set[frozenset] | None = None, world: int | None = None,
            rules: Rules = Rules()) -> Choice:
     """The mode for a job needing ``need`` on the idle slots of ``places`` (``world`` ranks; None:
     every idle slot), ``pairs`` the GPU clients known not to reach each other."""
     used = _used(places, world)
-    n = sum(len(p.free) for p in used)
-    if n == 0:
+    if not any(p.free for p in used):
         return Choice(None, "no idle slot to choose a mode for yet")
-    known = [f for p in used for f in p.free if f is not None]
-    usable = int(min(known) * (1 - rules.margin)) if known else None  # None: no slot said
-    fits = (lambda b: True) if usable is None else (lambda b: b <= usable)
-    room = ("no slot reported its free memory" if usable is None else
-            f"the smallest of the {n} slot(s) has {_gib(min(known))} free, {_gib(usable)} usable "
-            f"(AUTO_MARGIN {rules.margin:.0%} held back)")
-    replica = f"a replica needs {_gib(need.replica)} (state {_gib(need.state)} + activations {_gib(need.activations)})"
-    apart_why = _why_apart(used, pairs or set()) if len(used) > 1 else None
-    slow_why = None if apart_why else _why_slow(used, rules)
-    if apart_why or slow_why:
-        if fits(need.replica):
-            return Choice(Parallelism.DILOCO, f"DILOCO: {apart_why or slow_why}; it syncs through the server, and "
-                                              f"{replica}, which fits one slot ({room})", ranks=n)
-        return Choice(None, f"no mode fits: {apart_why or slow_why} (so DILOCO, whose workers hold a replica each), "
-                            f"but {replica} and {room}")
-    links = ("one host" if len({p.host or p.id for p in used}) < 2 else
-             f"links of at least {_bits(min(p.link for p in used if p.link is not None))}"
-             if any(p.link is not None for p in used) else "links not measured (taken as fast)")
-    if fits(need.replica):
-        return Choice(Parallelism.DDP, f"DDP: {replica}, which fits every slot ({room}); {len(used)} gpu client(s) "
-                                       f"that reach each other, {links}", ranks=n)
-    if n < 2:
-        return Choice(None, f"no mode fits one slot: {replica} and {room}")
-    fsdp = need.state // n + need.activations
-    if fits(fsdp):
-        return Choice(Parallelism.FSDP, f"FSDP: {replica}, more than one slot ({room}); sharded over {n} ranks "
-                                        f"a rank needs {_gib(fsdp)}; {links}", ranks=n)
-    group = min(len(p.free) for p in used)
-    if group >= 2 and all(len(p.free) == group for p in used) and fits(need.state // n + need.activations // group):
-        each = need.state // n + need.activations // group
-        return Choice(Parallelism.FSDP_TP, f"FSDP+TP: sharded over {n} ranks a rank still needs {_gib(fsdp)} "
-                                           f"({room}); with TP over each gpu client's {group} slots its activations "
-                                           f"split too: {_gib(each)} a rank; {links}", tp=group, ranks=n)
-    stage = need.replica // n
-    if fits(stage):
-        return Choice(Parallelism.PIPELINE, f"PIPELINE: sharded over {n} ranks a rank still needs {_gib(fsdp)} "
-                                            f"({room}); cut into {n} stages one needs about {_gib(stage)}; {links}",
-                      ranks=n)
-    return Choice(None, f"no mode fits: {replica}; even cut into {n} stages one needs {_gib(stage)}, and {room}")
+    r = _room(need, used, rules)
+    unlinked = _apart_or_slow(r, pairs or set(), rules)
+    if unlinked is not None:
+        return unlinked
+    if r.fits(need.replica):
+        return Choice(Parallelism.DDP, f"DDP: {r.replica}, which fits every slot ({r.room}); {len(used)} gpu client(s) "
+                                       f"that reach each other, {r.links}", ranks=r.n)
+    if r.n < 2:
+        return Choice(None, f"no mode fits one slot: {r.replica} and {r.room}")
+    return _sharded(need, r)
 
 
 # -- the server's side --------------------------------------------------------------------------
