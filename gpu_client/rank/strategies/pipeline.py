@@ -98,8 +98,6 @@ class Pipeline(Collective):
     def wrap(self, model: nn.Module, device, bundle: dict, report, example=None) -> nn.Module:
         """Trace ``model`` (on the CPU) with one micro-batch of ``example()``'s batch, cut it, and keep this
         rank's stage on ``device``; it is what the optimizer, the checkpoints and train_func see."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint
-        from torch.distributed.pipelining import pipeline as trace
         self.device = device
         shares = self._shares(model, device)  # a rank's share shared by its stages
         points, line = split_points(model, self.settings.stage_plan, self.stages,
@@ -109,17 +107,7 @@ class Pipeline(Collective):
             raise ValueError(f"a batch of {x.shape[0]} cannot be split into {self.microbatches} micro-batches "
                              f"(pipeline.microbatches)")
         ties = tied_names(model)
-        modes = {m: m.training for m in model.modules()}
-        model.train()  # a stage's modes are fixed by its trace: train_func's model.train() reaches no graph
-        try:
-            pipe = trace(model, mb_args=(x.tensor_split(self.microbatches)[0],),
-                         split_spec={name: SplitPoint.BEGINNING for name in points})
-        finally:
-            for m, training in modes.items():
-                m.training = training
-        if pipe.num_stages != self.stages:
-            raise ValueError(f"the model traced into {pipe.num_stages} stage(s), not {self.stages}: a split point "
-                             f"({', '.join(points)}) is not called in the model's forward")
+        pipe = self._traced(model, x, points)
         self.tensors = [sorted((k, v.shape, v.dtype) for k, v in pipe.get_stage_module(i).state_dict().items())
                         for i in range(self.stages)]
         self.held = held_modules(model, [name for name, _, _ in self._tensors_of(self.index)])
@@ -134,15 +122,7 @@ class Pipeline(Collective):
                 # nowhere, for they go only to loss_fn, never to a peer (the activations between
                 # stages, which fill the receivers' buffers, stay checked).
                 stage._validate_fwd_outputs = lambda outputs: None
-        interleaved = self.settings.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B
-        cls = ScheduleInterleaved1F1B if interleaved else \
-            Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
-        # The schedule's own scaling divides every gradient after the step, those accumulated over
-        # earlier steps too (a loop that steps its optimizer every few batches): each micro-batch's
-        # loss is divided instead, where this torch lets the schedule leave the gradients alone.
-        self._scale = "scale_grads" in inspect.signature(cls.__init__).parameters
-        self.schedule = cls(stages if interleaved else stages[0], n_microbatches=self.microbatches,
-                            loss_fn=self._loss, **({"scale_grads": False} if self._scale else {}))
+        self.schedule = self._scheduled(stages)
         self.whole = model if self.index == 0 else None
         if self.index == 0:
             each = f" ({self.per} stages a rank, rank r runs r, r + {self.ranks}, ...)" if self.per > 1 else ""
@@ -151,6 +131,37 @@ class Pipeline(Collective):
             log.info("%s", line)
             report(line)
         return stages[0].submod if self.per == 1 else Stages([stage.submod for stage in stages])
+
+    def _traced(self, model: nn.Module, x: torch.Tensor, points: list[str]):
+        """The model traced with one micro-batch and cut at ``points`` (in train mode, its modes
+        then put back): one stage per split, or ``ValueError`` saying which point is never called."""
+        from torch.distributed.pipelining import SplitPoint
+        from torch.distributed.pipelining import pipeline as trace
+        modes = {m: m.training for m in model.modules()}
+        model.train()  # a stage's modes are fixed by its trace: train_func's model.train() reaches no graph
+        try:
+            pipe = trace(model, mb_args=(x.tensor_split(self.microbatches)[0],),
+                         split_spec={name: SplitPoint.BEGINNING for name in points})
+        finally:
+            for m, training in modes.items():
+                m.training = training
+        if pipe.num_stages != self.stages:
+            raise ValueError(f"the model traced into {pipe.num_stages} stage(s), not {self.stages}: a split point "
+                             f"({', '.join(points)}) is not called in the model's forward")
+        return pipe
+
+    def _scheduled(self, stages: list):
+        """The schedule the settings name, over this rank's stages."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        interleaved = self.settings.schedule == PipelineSchedule.INTERLEAVED_ONE_F_ONE_B
+        cls = ScheduleInterleaved1F1B if interleaved else \
+            Schedule1F1B if self.settings.schedule == PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
+        # The schedule's own scaling divides every gradient after the step, those accumulated over
+        # earlier steps too (a loop that steps its optimizer every few batches): each micro-batch's
+        # loss is divided instead, where this torch lets the schedule leave the gradients alone.
+        self._scale = "scale_grads" in inspect.signature(cls.__init__).parameters
+        return cls(stages if interleaved else stages[0], n_microbatches=self.microbatches,
+                   loss_fn=self._loss, **({"scale_grads": False} if self._scale else {}))
 
     def _tensors_of(self, rank: int) -> list[tuple[str, torch.Size, torch.dtype]]:
         """The tensors of every stage ``rank`` runs, stage by stage."""
