@@ -108,22 +108,22 @@ def auto_job(api, parameter_bytes: int) -> str:
     return resp.json["id"]
 
 
-@pytest.mark.parametrize("room, mode, why", [
+@pytest.mark.parametrize("where, mode, why", [  # not "room": that names the process fixture (slow)
     ("near", "DDP", "DDP: a replica needs 0.62 GiB"),
     ("small", "FSDP", "FSDP: a replica needs 1.25 GiB"),
     ("apart", "DILOCO", "DILOCO: gpu clients a and b cannot reach each other"),
     ("slow", "DILOCO", "DILOCO: gpu client a's link measures 0.10 Gbit/s"),
 ])
-def test_the_scheduler_gives_an_auto_job_its_mode_records_why_and_logs_it(app, api, socket_client, room, mode, why):
+def test_the_scheduler_gives_an_auto_job_its_mode_records_why_and_logs_it(app, api, socket_client, where, mode, why):
     import time
     ctx = app.extensions["zwdx"]
-    link = {"rtt": 0.01, "up": 12.5e6 if room == "slow" else 1.25e9, "down": 1.25e9, "measured_at": 1.7e9}
+    link = {"rtt": 0.01, "up": 12.5e6 if where == "slow" else 1.25e9, "down": 1.25e9, "measured_at": 1.7e9}
     for cid in ("a", "b"):
         sock = socket_client("/gpu", api.donor)
         assert sock.emit("register", hello(cid, GiB, link=link), namespace="/gpu", callback=True)["ok"]
-    if room == "apart":
+    if where == "apart":
         ctx.store.update_client("a", {"unreachable": [{"client_id": "b", "until": time.time() + 60}]})
-    job_id = auto_job(api, (GiB // 4 if room == "small" else GiB // 8))  # state 4x, activations 1x the parameters
+    job_id = auto_job(api, (GiB // 4 if where == "small" else GiB // 8))  # state 4x, activations 1x the parameters
     ctx.scheduler.schedule_once()
     job = api.get(f"/jobs/{job_id}").json
     assert job["status"] == "starting" and job["spec"]["parallelism"] == mode, job
@@ -191,3 +191,35 @@ def test_the_stored_spec_takes_the_mode_chosen_with_what_it_decides_of_the_resou
     dumped = resolved.strategy.model_dump(mode="json")
     assert {k: dumped[k] for k in strategy} == strategy
     assert (resolved.resources.world_size, resolved.resources.gpus_per_client) == (world, per_client)
+
+
+@pytest.mark.parametrize("where, mode", [("near", "DDP"), ("apart", "DILOCO")])
+def test_an_auto_jobs_start_weights_are_the_global_weights_diloco_steps_or_go_when_it_chooses_another(
+        app, api, socket_client, where, mode):
+    import time
+
+    import torch
+
+    from zwdx import start_weights
+    ctx = app.extensions["zwdx"]
+    for cid in ("a", "b"):
+        assert socket_client("/gpu", api.donor).emit("register", hello(cid, GiB), namespace="/gpu", callback=True)["ok"]
+    if where == "apart":
+        ctx.store.update_client("a", {"unreachable": [{"client_id": "b", "until": time.time() + 60}]})
+    start = api.post("/diloco/start", data=start_weights.encode(torch.nn.Linear(3, 2)),
+                     headers={"Content-Type": "application/octet-stream"})
+    assert start.status_code == 201, start.json
+    import platform
+    code = {"bundle_artifact": api.upload()["id"], "versions": {"python": platform.python_version()}}
+    resp = api.post("/jobs", json={"spec": {"code": code, "resources": {"world_size": 2}, "strategy": {
+        "type": "auto", "parameter_bytes": GiB // 8, "start_weights": start.json["id"]}}})
+    assert resp.status_code == 201, resp.json
+    assert ctx.store.get_artifact(start.json["id"])["job_id"] == resp.json["id"]  # the job's, swept with it
+    ctx.scheduler.schedule_once()
+    job = api.get(f"/jobs/{resp.json['id']}").json
+    assert job["spec"]["parallelism"] == mode, job
+    if mode == "DILOCO":  # the server steps its own global weights from the submitter's start
+        assert job["spec"]["strategy"]["start_weights"] == start.json["id"]
+        assert ctx.store.get_artifact(start.json["id"]) is not None
+    else:
+        assert ctx.store.get_artifact(start.json["id"]) is None  # no job will step them: out of the quota

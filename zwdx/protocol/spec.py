@@ -24,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StringConstr
                       ValidatorFunctionWrapHandler, computed_field, field_validator, model_validator)
 
 from .. import defaults
-from .base import ByValue, Bytes
+from .base import ByValue, Bytes, Id
 from .dataset import DatasetPin, DatasetRef
 from .flat import fail, nest
 from .diloco import DilocoSettings
@@ -196,6 +196,10 @@ class Auto(Part):
     #: Bytes of one rank's activations at its batch, as measured or stated; None: the server's
     #: ``AUTO_ACTIVATION_FACTOR`` times ``parameter_bytes``.
     activation_bytes: Bytes | None = None
+    #: The submitter's start weights, as DILOCO's (``DilocoSettings.start_weights``): should AUTO
+    #: choose DILOCO, the server steps the global weights from them and returns its own; any
+    #: other choice deletes them.
+    start_weights: Id | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @property
     def parallelism(self) -> Parallelism:

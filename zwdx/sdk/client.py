@@ -195,7 +195,7 @@ class ZWDX(Compat, Reads):
             tree["strategy"]["lora"] = lora_config
         if tree["strategy"]["type"] == "auto":  # what one replica needs: the server chooses the mode with it
             tree["strategy"] = _auto.counted(tree["strategy"], model, optimizer)
-        if checked.diloco is not None:  # DILOCO: the start weights the server steps
+        if checked.diloco is not None or tree["strategy"]["type"] == "auto":  # the start weights DILOCO steps
             tree["strategy"] = start_weights.upload(self, token, model, "DILOCO", tree["strategy"])
         artifact = self._upload_bundle(token, parts)
         code = {"bundle_artifact": artifact["id"], "versions": runtime_versions(),

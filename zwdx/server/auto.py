@@ -236,9 +236,17 @@ def _strategy(choice: Choice, spec):
     elif choice.parallelism == Parallelism.PIPELINE:
         strategy = Pipeline().resolved(resources.world_size or choice.ranks)
         resources = resources.model_copy(update={"world_size": resources.world_size or choice.ranks})
+    elif choice.parallelism == Parallelism.DILOCO:  # the server steps the global weights from the submitter's
+        strategy = Diloco(start_weights=spec.strategy.start_weights)
     else:
-        strategy = {Parallelism.DDP: DDP, Parallelism.FSDP: FSDP, Parallelism.DILOCO: Diloco}[choice.parallelism]()
+        strategy = {Parallelism.DDP: DDP, Parallelism.FSDP: FSDP}[choice.parallelism]()
     return spec.model_copy(update={"strategy": strategy, "resources": resources})
+
+
+def _drop_start(ctx, start_id: str | None) -> None:
+    """Start weights no job will step (AUTO chose another mode): deleted, out of the room's quota."""
+    if start_id and ctx.store.delete_artifact(start_id):
+        ctx.artifacts.delete(start_id)
 
 
 def resolve(ctx, record: JobRecord, clients: dict) -> JobRecord | None:
@@ -259,6 +267,8 @@ def resolve(ctx, record: JobRecord, clients: dict) -> JobRecord | None:
                                when=[record.status])
     if stored is None:
         return None  # it moved on meanwhile (cancelled)
+    if choice.parallelism != Parallelism.DILOCO:
+        _drop_start(ctx, strategy.start_weights)
     text = f"AUTO chose {choice.reason}"
     log.info("job %s: %s", record.id, text)
     notify.events_added(stored, ctx.store.add_events(record.id, [{

@@ -123,8 +123,7 @@ def check_start(data: bytes) -> int:
 # -- the start, attached to its job -----------------------------------------------------------------
 def start_of(room: dict, submit) -> dict | None:
     """A submit's ``diloco.start_weights``: an unattached start upload of the room (400 else)."""
-    diloco = getattr(getattr(submit, "spec", submit), "diloco", None)  # the flat SubmitJob's, or its tree's
-    start_id = diloco.start_weights if diloco else None
+    start_id = start_named(getattr(submit, "spec", submit))  # the flat SubmitJob's, or its tree's
     if start_id is None:
         return None
     artifact = ctx().store.get_artifact(start_id)
@@ -146,9 +145,18 @@ def release_start(room: dict, tree: dict | None) -> None:
         ctx().artifacts.delete(start_id)
 
 
+def start_named(spec) -> str | None:
+    """The start weights a spec names: DILOCO's, or AUTO's (uploaded in case it chooses DILOCO)."""
+    diloco = getattr(spec, "diloco", None)
+    if diloco is not None:
+        return diloco.start_weights
+    strategy = getattr(spec, "strategy", None)
+    return getattr(strategy, "start_weights", None) if getattr(strategy, "type", None) == "auto" else None
+
+
 def attach_start(job: JobRecord) -> None:
     """The new job owns its start weights (swept with it)."""
-    start_id = job.spec.diloco.start_weights if job.spec.diloco else None
+    start_id = start_named(job.spec)
     if start_id:
         ctx().store.update_artifact(start_id, {"job_id": job.id})
 
