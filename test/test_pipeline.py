@@ -122,7 +122,7 @@ def test_two_stages_on_two_gpu_clients_train_as_one_process_would(cluster, pipel
     started = time.time()
     result = cluster.sdk.submit_job(model, models.pipe_loaders, models.pipe_train, models.pipe_eval,
                                  torch.optim.AdamW(model.parameters(), lr=3e-3), "PIPELINE",
-                                    strategy=zwdx.Pipeline(**pipeline), resources=zwdx.Resources(world_size=2),
+                                    strategy=zwdx.Pipeline(**(pipeline or {})), resources=zwdx.Resources(world_size=2),
                                     training=zwdx.Training(epochs=epochs), run=zwdx.Run(progress=False, timeout=300))
     print(f"\npipeline {pipeline}: {time.time() - started:.1f} s, eval loss {result['results']['eval_loss']:.4f}")
     assert result["status"] == "completed", result
