@@ -1,5 +1,5 @@
 """zwdx gpu-client's flags it cannot take: each refused before anything starts (exit 2), the
-message naming the flag and what it takes (zwdx/cli.py, _agent_config)."""
+message naming the flag and what it takes (zwdx/cli_gpu.py, _agent_config)."""
 import pytest
 
 from zwdx.cli import main

@@ -1,5 +1,5 @@
 """What a GPU client is told at its start (``zwdx gpu-client``'s flags, each also settable by a
-``ZWDX_*`` variable there: ``zwdx/cli.py`` is the edge that reads the environment): one frozen
+``ZWDX_*`` variable there: ``zwdx/cli_gpu.py`` is the edge that reads the environment): one frozen
 ``AgentConfig``, which ``Agent`` takes whole."""
 from __future__ import annotations
 
