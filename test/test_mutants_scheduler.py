@@ -345,3 +345,51 @@ def test_a_new_leader_gives_clients_held_by_no_live_process_the_client_timeout(a
     assert ctx.store.get_client("a").get("lost_after") is None  # held by a live process
     assert ctx.store.get_client("b")["lost_after"] >= before + ctx.settings.client_timeout
     assert sched._settle is True
+
+
+# -- memory held on a host, the loop -----------------------------------------------------------------
+def test_the_ram_other_jobs_ranks_hold_on_a_host_counts_against_a_job_that_needs_memory(app, api, socket_client,
+                                                                                         asked):
+    ctx = app.extensions["zwdx"]
+    sock = socket_client("/gpu", api.donor)
+    hello = {"client_id": "a", "hostname": "host-a", "versions": {"python": platform.python_version()},
+             "slots": [{"index": i, "kind": "cpu", "memory_total": 16 * GiB, "memory_free": 12 * GiB}
+                       for i in range(2)]}
+    assert sock.emit("register", hello, namespace="/gpu", callback=True)["ok"]
+    first = api.submit(world_size=1, memory_required=10 * GiB).json["id"]
+    assert ctx.scheduler.schedule_once() == 1
+    second = api.submit(world_size=1, memory_required=8 * GiB).json["id"]
+    assert ctx.scheduler.schedule_once() == 0
+    job = job_of(api, second)
+    assert job["status"] == "queued" and "6.0 GiB left" in job["waiting_reason"], job
+    held = ctx.scheduler._held_memory(ctx.store.get_job(second), [s for c in ctx.views.of(api.room["id"]).values()
+                                                                  for s in c["slots"]])
+    assert held == {first: 10 * GiB}
+    assert ctx.scheduler._held_memory(ctx.store.get_job(first), []) == {}  # asked only for a job that needs memory
+    third = api.submit(world_size=1).json["id"]  # needs none: not held back by RAM, but behind the head
+    assert ctx.scheduler.schedule_once() == 0 and job_of(api, third)["status"] == "queued"
+
+
+@pytest.mark.app_config(SCHEDULER=True)
+def test_the_loop_places_a_job_and_finishes_its_placement_when_rank0_answers(app, api, socket_client, asked):
+    ctx = app.extensions["zwdx"]
+    sock = register(socket_client, api, "a")
+    job_id = api.submit(world_size=1).json["id"]
+    ctx.scheduler.kick()
+    deadline = time.time() + 20
+    while not asked and time.time() < deadline:
+        time.sleep(0.02)
+    assert asked and asked[0][0] == {"job_id": job_id}
+    asked[0][3]({"addr": "10.9.9.9", "port": 4242})
+    while job_of(api, job_id)["master"] is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert job_of(api, job_id)["master"] == {"addr": "10.9.9.9", "port": 4242}
+    assert [a["master_port"] for a in assignments(sock)] == [4242]
+    ctx.scheduler.stop()
+    assert ctx.stopping.is_set() and not ctx.scheduler._thread.is_alive()
+
+
+def test_a_server_without_the_scheduler_starts_no_loop(app):
+    sched = app.extensions["zwdx"].scheduler
+    sched.start(app)
+    assert sched._thread is None
