@@ -376,7 +376,7 @@ def test_the_loop_places_a_job_and_finishes_its_placement_when_rank0_answers(app
     sock = register(socket_client, api, "a")
     job_id = api.submit(world_size=1).json["id"]
     ctx.scheduler.kick()
-    deadline = time.time() + 20
+    deadline = time.time() + 10  # a pass every 0.2 s; a mutant that stops the loop is a timeout
     while not asked and time.time() < deadline:
         time.sleep(0.02)
     assert asked and asked[0][0] == {"job_id": job_id}
@@ -393,3 +393,20 @@ def test_a_server_without_the_scheduler_starts_no_loop(app):
     sched = app.extensions["zwdx"].scheduler
     sched.start(app)
     assert sched._thread is None
+
+
+def test_a_resuming_job_is_judged_by_the_ranks_it_may_go_on_with():
+    from types import SimpleNamespace
+
+    from zwdx.protocol import JobStatus
+    spec = {"resources": {"world_size": 4, "gpus_per_client": 1}, "recovery": {"min_world_size": 2, "tries": 5},
+            "code": "kept"}
+    resuming = SimpleNamespace(status=JobStatus.RESUMING, world_size=3)
+    assert scheduler_module._least(resuming, spec) == {
+        "resources": {"world_size": 2, "gpus_per_client": 1}, "recovery": {"min_world_size": None, "tries": 5},
+        "code": "kept"}
+    spec_none = {**spec, "recovery": {"min_world_size": None, "tries": 5}}
+    assert scheduler_module._least(resuming, spec_none)["resources"]["world_size"] == 3  # the ranks it ran with
+    assert scheduler_module._least(SimpleNamespace(status=JobStatus.QUEUED, world_size=3), spec) is spec
+    assert scheduler_module._least(SimpleNamespace(status=JobStatus.RESUMING, world_size=None), spec) is spec
+    assert spec["resources"]["world_size"] == 4 and spec["recovery"]["min_world_size"] == 2  # not changed in place
