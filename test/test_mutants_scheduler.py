@@ -410,3 +410,57 @@ def test_a_resuming_job_is_judged_by_the_ranks_it_may_go_on_with():
     assert scheduler_module._least(SimpleNamespace(status=JobStatus.QUEUED, world_size=3), spec) is spec
     assert scheduler_module._least(SimpleNamespace(status=JobStatus.RESUMING, world_size=None), spec) is spec
     assert spec["resources"]["world_size"] == 4 and spec["recovery"]["min_world_size"] == 2  # not changed in place
+
+
+def test_an_offline_client_is_reaped_only_while_it_holds_ranks_and_one_that_fails_stops_no_other(
+        app, api, socket_client, asked, monkeypatch, caplog):
+    ctx = app.extensions["zwdx"]
+    for cid in ("a", "b", "c"):
+        register(socket_client, api, cid)
+    job_id = api.submit(world_size=1).json["id"]
+    assert ctx.scheduler.schedule_once() == 1
+    assert job_of(api, job_id)["placement"][0]["client_id"] == "a"
+    past = time.time() - 1
+    for cid in ("a", "b"):
+        ctx.store.update_client(cid, {"status": "offline", "lost_after": past, "last_seen": past})
+    with caplog.at_level(logging.WARNING):
+        ctx.scheduler.reap_silent_clients()
+    assert "gpu-client a: lost" in caplog.text and "gpu-client b" not in caplog.text
+    assert job_of(api, job_id)["status"] != "starting"
+    # a restart: the offline client holding nothing keeps its record as it is
+    ctx.scheduler.grace_after_restart()
+    assert ctx.store.get_client("b").get("lost_after") == past and ctx.store.get_client("b")["status"] == "offline"
+    assert ctx.store.get_client("c")["lost_after"] > time.time()
+
+    lost, client_lost = [], scheduler_module.jobs.client_lost
+
+    def flaky(ctx_, client_id, reason):
+        if client_id == "b":
+            raise RuntimeError("a record that does not read")
+        lost.append(client_id)
+        return client_lost(ctx_, client_id, reason)
+    monkeypatch.setattr(scheduler_module.jobs, "client_lost", flaky)
+    for cid in ("b", "c"):
+        ctx.store.update_client(cid, {"status": "online", "lost_after": time.time() - 1})
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="zwdx.server.scheduler"):
+        ctx.scheduler.reap_silent_clients()
+    assert lost == ["c"]
+    assert f"scheduler: gpu client b of room {api.room['id']} not reaped" in caplog.text
+
+
+def test_what_a_room_that_cannot_be_placed_tells_its_jobs_is_cut_at_200_characters(app, api, monkeypatch):
+    ctx = app.extensions["zwdx"]
+    first = api.submit(world_size=1).json["id"]
+    second = api.submit(world_size=1).json["id"]
+    load = scheduler_module.Job.load
+
+    def unreadable(store, job_id, *args):
+        if job_id == first:
+            raise ValueError("does not read as a job")
+        return load(store, job_id, *args)
+    monkeypatch.setattr(scheduler_module.Job, "load", unreadable)
+    ctx.scheduler._could_not_place(api.room["id"], KeyError("k" * 300))
+    said = job_of(api, second)["waiting_reason"]
+    assert said == f"the scheduler cannot place this room's jobs (KeyError: '{'k' * 199}); see the server's log"
+    assert job_of(api, first)["waiting_reason"] != said
