@@ -464,3 +464,17 @@ def test_what_a_room_that_cannot_be_placed_tells_its_jobs_is_cut_at_200_characte
     said = job_of(api, second)["waiting_reason"]
     assert said == f"the scheduler cannot place this room's jobs (KeyError: '{'k' * 199}); see the server's log"
     assert job_of(api, first)["waiting_reason"] != said
+
+
+def test_a_job_that_waits_asks_the_rooms_gpu_clients_to_look_again_for_its_packages(app, api, socket_client,
+                                                                                   asked, monkeypatch):
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a")
+    calls = []
+    monkeypatch.setattr(scheduler_module.clients_of_room, "ask_refresh",
+                        lambda job_id, spec, clients: calls.append((job_id, spec, sorted(c["id"] for c in clients))))
+    job_id = api.submit(world_size=2).json["id"]  # one slot: it waits
+    assert ctx.scheduler.schedule_once() == 0
+    [(called_id, spec, ids)] = calls
+    assert called_id == job_id and ids == ["a"]
+    assert spec == ctx.store.get_job(job_id).spec.model_dump(mode="json")
