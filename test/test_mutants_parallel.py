@@ -88,9 +88,17 @@ def test_the_strategy_wraps_with_the_bundles_units_its_report_and_its_tuning(mon
     monkeypatch.setattr(parallel, "wrap", lambda *a, **k: calls.append((a, k)) or "wrapped")
     strategy = Collective(spec("FSDP"))
     strategy.tuning = SimpleNamespace(ddp_init_sync="sync?")
-    model, report = nn.Linear(1, 1), print
+    moved = []
+
+    class Moving(nn.Linear):
+        def to(self, *args):
+            moved.append(args)
+            return self
+
+    model, report = Moving(1, 1), print
     assert strategy.wrap(model, CPU, {"fsdp_units": [nn.Linear]}, report) == "wrapped"
     assert calls == [((model, "FSDP", CPU), {"units": [nn.Linear], "report": report, "init_sync": "sync?"})]
+    assert moved == [(CPU,)]
     calls.clear()
     strategy.wrap(model, CPU, {}, None)
     assert calls[0][1]["units"] is None and calls[0][1]["report"] is None
@@ -121,7 +129,18 @@ def test_an_fsdp_layout_of_many_units_folds_them_within_the_bound_and_says_the_f
     assert layout["text"] == f"1/1 of each of {MAX_MODULES + 7} FSDP units' weights (m0, m1, m2, m3, ..., then the root)"
 
 
-def test_an_fsdp_layout_of_four_units_names_them_all(group_of_one):
+@pytest.mark.parametrize("count", [4, 5])
+def test_an_fsdp_layout_names_four_units_and_elides_a_fifth(group_of_one, count):
+    strategy = Collective(spec("FSDP", rank=0, world_size=1))
+    model = nn.Sequential()
+    for name in "abcde"[:count]:
+        model.add_module(name, nn.Linear(1, 1))
+    layout = strategy.layout(strategy.wrap(model, CPU, {"fsdp_units": nn.Linear}, report=None))
+    assert layout["text"] == f"1/1 of each of {count + 1} FSDP units' weights " \
+        f"(a, b, c, d{', ...' if count == 5 else ''}, then the root)"
+
+
+def test_an_fsdp_layout_of_four_blocks_folds_them(group_of_one):
     strategy = Collective(spec("FSDP", rank=0, world_size=1))
     model = strategy.wrap(Net(4), CPU, {}, report=None)
     layout = strategy.layout(model)
@@ -191,7 +210,11 @@ def test_fsdp_shards_inner_units_before_outer_then_the_root_and_rank_0_reports(m
     assert sharded == [(model[0].inner, "mesh"), (model[0], "mesh"), (model[1], "mesh"), (model, "mesh")]
     line = "FSDP units: 1 x Outer (0), 2 x Linear (0.inner, 1), then the root Sequential"
     assert reports == [line] and caplog.messages == [line]
-    wrap(nn.Sequential(nn.Linear(1, 1)), "FSDP", CPU, units=None, report=None)  # no report: only the log
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=parallel.__name__):
+        wrap(Net(2), "FSDP", CPU, units=[Block, nn.ModuleList], report=None)  # no report: only the log
+    assert caplog.messages == ["FSDP units: 2 x Block (blocks.0, blocks.1), then the root Net; "
+                               "left to the enclosing unit: blocks (ModuleList has no forward)"]
 
     monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
     reports.clear()
@@ -236,6 +259,12 @@ def test_named_units_skip_what_has_no_forward_no_parameters_or_a_tied_parameter(
                       ("blocks.1", model.blocks[1]), ("blocks.1.lin", model.blocks[1].lin)]
     assert skipped == [("embed", "shares a parameter with head.weight"), ("blocks", "ModuleList has no forward"),
                        ("head", "shares a parameter with embed.weight")]
+
+
+def test_named_units_are_only_the_modules_of_the_classes_named():
+    model = Net(2)
+    assert fsdp_plan(model, Block) == ([("blocks.0", model.blocks[0]), ("blocks.1", model.blocks[1])], [])
+    assert fsdp_plan(model, lambda module: isinstance(module, Net)) == ([], [])  # never the root
 
 
 def test_a_unit_whose_name_prefixes_anothers_is_not_taken_as_holding_it():
@@ -350,6 +379,13 @@ def test_names_the_model_lacks_give_one_group_of_its_trainable_parameters(caplog
     assert [g["params"] for g in opt.param_groups] == [[model.weight]] and opt.defaults["lr"] == 0.1
 
 
+def test_only_the_optimizers_own_settings_are_passed_never_self_or_params():
+    model = nn.Linear(1, 1)
+    groups = [{"params": None, "hyper": {"lr": 0.3, "self": 0, "params": 0, "betas": (0.9, 0.9)}}]
+    opt = rebuild_optimizer({"cls": torch.optim.SGD, "groups": groups}, model)
+    assert opt.defaults["lr"] == 0.3 and "betas" not in opt.defaults
+
+
 def test_unnamed_groups_take_every_parameter_when_none_is_trainable(caplog):
     model = nn.Linear(1, 1).requires_grad_(False)
     with caplog.at_level(logging.WARNING, logger=parallel.__name__):
@@ -388,6 +424,17 @@ def test_small_fsdp_weights_reach_every_rank_and_large_ones_rank_0_alone(group_o
     assert full_state_dict(model, "FSDP", 1) is None
     state = full_state_dict(model, "FSDP", 0)
     assert asked[1:] == [(True, True), (True, True)] and all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_large_fsdp_weights_count_every_ranks_share(monkeypatch):
+    import torch.distributed.checkpoint.state_dict as dcp
+    monkeypatch.setattr(dcp, "get_model_state_dict", lambda model, options: {"w": torch.ones(1)})
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    model = nn.Linear(2, 1)  # 3 parameters a rank, 6 in all
+    monkeypatch.setattr(parallel, "FINGERPRINT_MAX_NUMEL", 6)
+    assert full_state_dict(model, "FSDP", 1) is None
+    monkeypatch.setattr(parallel, "FINGERPRINT_MAX_NUMEL", 7)
+    assert full_state_dict(model, "FSDP", 1) == {"w": torch.ones(1)}
 
 
 def test_the_fingerprint_is_sha256_over_names_and_bytes_in_name_order():
