@@ -478,3 +478,37 @@ def test_a_job_that_waits_asks_the_rooms_gpu_clients_to_look_again_for_its_packa
     [(called_id, spec, ids)] = calls
     assert called_id == job_id and ids == ["a"]
     assert spec == ctx.store.get_job(job_id).spec.model_dump(mode="json")
+
+
+def test_a_free_slot_joins_a_diloco_job_in_a_dropped_workers_place_and_is_told_at_once(
+        app, api, socket_client, asked, caplog):
+    from zwdx.server.jobs import lifecycle
+    ctx = app.extensions["zwdx"]
+    socks = {cid: register(socket_client, api, cid) for cid in ("a", "b")}
+    job_id = api.submit(parallelism="DILOCO", world_size=2, diloco={"compression": "none"}).json["id"]
+    assert ctx.scheduler.schedule_once() == 1
+    asked[0][3]({"addr": "10.1.2.3", "port": 29555})
+    assert ctx.scheduler.finish_placements() == 1
+    for cid, sock in socks.items():
+        [assignment] = assignments(sock)
+        rank = assignment["ranks"][0]
+        resp = api.as_(None, rank_key=rank["key"]).post(f"/jobs/{job_id}/ranks/{rank['rank']}",
+                                                        json={"status": "running"})
+        assert resp.json["ok"], resp.json
+    assert ctx.scheduler.join_workers() == 0  # nothing dropped
+    lifecycle.client_lost(ctx, "b", "gone")
+    assert job_of(api, job_id)["status"] == "running"
+    assert ctx.scheduler.join_workers() == 0  # no free slot
+    late = register(socket_client, api, "c", slots=2)
+    with caplog.at_level(logging.INFO, logger="zwdx.server.scheduler"):
+        assert ctx.scheduler.join_workers() == 1
+    job = job_of(api, job_id)
+    assert [(p["rank"], p["client_id"], p["gpu_index"], p["hostname"], p["kind"]) for p in job["placement"]] == [
+        (0, "a", 0, "host-a", "cpu"), (1, "c", 0, "host-c", "cpu")]
+    assert job["joins"]["1"]["client_id"] == "c"
+    [told] = assignments(late)
+    assert told["joining"] is True and [r["rank"] for r in told["ranks"]] == [1] and told["ranks"][0]["key"]
+    assert told["master_addr"] == "10.1.2.3"
+    assert f"job {job_id}: gpu client c joins as rank 1" in caplog.text
+    assert slots_held(ctx, api.room["id"])["c:0"] == job_id and slots_held(ctx, api.room["id"])["c:1"] is None
+    assert ctx.scheduler.join_workers() == 0  # placed once
