@@ -512,3 +512,22 @@ def test_a_free_slot_joins_a_diloco_job_in_a_dropped_workers_place_and_is_told_a
     assert f"job {job_id}: gpu client c joins as rank 1" in caplog.text
     assert slots_held(ctx, api.room["id"])["c:0"] == job_id and slots_held(ctx, api.room["id"])["c:1"] is None
     assert ctx.scheduler.join_workers() == 0  # placed once
+
+
+def test_a_new_leader_extends_the_deadline_of_clients_holding_ranks_and_shortens_none(app, api, socket_client, asked):
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "c")
+    job_id = api.submit(world_size=1).json["id"]
+    assert ctx.scheduler.schedule_once() == 1  # c holds its rank
+    for cid in ("d", "e"):
+        register(socket_client, api, cid)
+    past, later = time.time() - 5, time.time() + 10_000
+    ctx.store.update_client("c", {"status": "offline", "lost_after": None})
+    ctx.store.update_client("d", {"status": "offline", "lost_after": past})  # holds nothing
+    ctx.store.update_client("e", {"lost_after": later})
+    before = time.time()
+    ctx.scheduler.took_over()
+    assert slots_held(ctx, api.room["id"])["c:0"] == job_id
+    assert before + ctx.settings.client_timeout <= ctx.store.get_client("c")["lost_after"] < later
+    assert ctx.store.get_client("d")["lost_after"] == past
+    assert ctx.store.get_client("e")["lost_after"] == later
