@@ -446,7 +446,8 @@ def test_an_offline_client_is_reaped_only_while_it_holds_ranks_and_one_that_fail
     with caplog.at_level(logging.ERROR, logger="zwdx.server.scheduler"):
         ctx.scheduler.reap_silent_clients()
     assert lost == ["c"]
-    assert f"scheduler: gpu client b of room {api.room['id']} not reaped" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name == "zwdx.server.scheduler"] == [
+        f"scheduler: gpu client b of room {api.room['id']} not reaped"]
 
 
 def test_what_a_room_that_cannot_be_placed_tells_its_jobs_is_cut_at_200_characters(app, api, monkeypatch):
@@ -481,7 +482,7 @@ def test_a_job_that_waits_asks_the_rooms_gpu_clients_to_look_again_for_its_packa
 
 
 def test_a_free_slot_joins_a_diloco_job_in_a_dropped_workers_place_and_is_told_at_once(
-        app, api, socket_client, asked, caplog):
+        app, api, room_api, socket_client, asked, caplog):
     from zwdx.server.jobs import lifecycle
     ctx = app.extensions["zwdx"]
     socks = {cid: register(socket_client, api, cid) for cid in ("a", "b")}
@@ -499,17 +500,25 @@ def test_a_free_slot_joins_a_diloco_job_in_a_dropped_workers_place_and_is_told_a
     lifecycle.client_lost(ctx, "b", "gone")
     assert job_of(api, job_id)["status"] == "running"
     assert ctx.scheduler.join_workers() == 0  # no free slot
-    late = register(socket_client, api, "c", slots=2)
+    ctx.store.set_job(job_id, {"avoid": ["b2"]})  # a GPU client the job passed over: never joins it
+    register(socket_client, api, "b2")
+    register(socket_client, room_api("elsewhere"), "b3")  # another room's free slot: never joins it
+    late = socket_client("/gpu", api.donor)
+    assert late.emit("register", {"client_id": "c", "hostname": "host-c", "versions": {
+        "python": platform.python_version()}, "slots": [{"index": i, "kind": "cpu", "name": "CPU c",
+                                                          "memory_total": 8 * GiB, "memory_free": 8 * GiB}
+                                                         for i in range(2)]}, namespace="/gpu", callback=True)["ok"]
     with caplog.at_level(logging.INFO, logger="zwdx.server.scheduler"):
         assert ctx.scheduler.join_workers() == 1
     job = job_of(api, job_id)
-    assert [(p["rank"], p["client_id"], p["gpu_index"], p["hostname"], p["kind"]) for p in job["placement"]] == [
-        (0, "a", 0, "host-a", "cpu"), (1, "c", 0, "host-c", "cpu")]
+    assert [(p["rank"], p["client_id"], p["gpu_index"], p["hostname"], p["kind"], p["gpu_name"])
+            for p in job["placement"]] == [(0, "a", 0, "host-a", "cpu", ""), (1, "c", 0, "host-c", "cpu", "CPU c")]
     assert job["joins"]["1"]["client_id"] == "c"
     [told] = assignments(late)
-    assert told["joining"] is True and [r["rank"] for r in told["ranks"]] == [1] and told["ranks"][0]["key"]
+    assert told["joining"] is True and [r["rank"] for r in told["ranks"]] == [1]
+    assert told["ranks"][0]["key"].startswith("rk_")
     assert told["master_addr"] == "10.1.2.3"
-    assert f"job {job_id}: gpu client c joins as rank 1" in caplog.text
+    assert f"job {job_id}: gpu client c joins as rank 1" in [r.getMessage() for r in caplog.records]
     assert slots_held(ctx, api.room["id"])["c:0"] == job_id and slots_held(ctx, api.room["id"])["c:1"] is None
     assert ctx.scheduler.join_workers() == 0  # placed once
 
@@ -531,3 +540,36 @@ def test_a_new_leader_extends_the_deadline_of_clients_holding_ranks_and_shortens
     assert before + ctx.settings.client_timeout <= ctx.store.get_client("c")["lost_after"] < later
     assert ctx.store.get_client("d")["lost_after"] == past
     assert ctx.store.get_client("e")["lost_after"] == later
+
+
+def test_settling_asks_each_room_with_active_jobs_and_one_that_fails_stops_no_other(
+        app, api, room_api, socket_client, asked, monkeypatch, caplog):
+    ctx = app.extensions["zwdx"]
+    other, idle = room_api("other"), room_api("idle")
+    register(socket_client, api, "a")
+    register(socket_client, other, "b")
+    for room in (api, other, idle):
+        room.submit(world_size=1)
+    assert ctx.scheduler.schedule_once() == 2  # idle has no GPU client: its job stays queued
+    calls = []
+
+    def settle_suspects(ctx_, room_id):
+        calls.append((ctx_, room_id))
+        if room_id == api.room["id"]:
+            raise RuntimeError("a record that does not read")
+    monkeypatch.setattr(scheduler_module.jobs, "settle_suspects", settle_suspects)
+    with caplog.at_level(logging.ERROR, logger="zwdx.server.scheduler"):
+        ctx.scheduler.settle()
+    assert sorted(calls, key=lambda c: c[1]) == sorted([(ctx, api.room["id"]), (ctx, other.room["id"])],
+                                                       key=lambda c: c[1])
+    assert [r.getMessage() for r in caplog.records] == [f"scheduler: settling the jobs of room {api.room['id']} failed"]
+
+
+def test_a_restarted_server_gives_an_offline_client_holding_ranks_the_client_timeout(app, api, socket_client, asked):
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a")
+    api.submit(world_size=1)
+    assert ctx.scheduler.schedule_once() == 1
+    ctx.store.update_client("a", {"status": "offline", "lost_after": None})
+    ctx.scheduler.grace_after_restart()
+    assert ctx.store.get_client("a")["lost_after"] > time.time()
