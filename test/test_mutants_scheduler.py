@@ -490,7 +490,7 @@ def test_a_free_slot_joins_a_diloco_job_in_a_dropped_workers_place_and_is_told_a
     assert ctx.scheduler.schedule_once() == 1
     asked[0][3]({"addr": "10.1.2.3", "port": 29555})
     assert ctx.scheduler.finish_placements() == 1
-    for cid, sock in socks.items():
+    for sock in socks.values():
         [assignment] = assignments(sock)
         rank = assignment["ranks"][0]
         resp = api.as_(None, rank_key=rank["key"]).post(f"/jobs/{job_id}/ranks/{rank['rank']}",
