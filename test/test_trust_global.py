@@ -223,6 +223,8 @@ def test_start_weights_are_the_rooms_own_and_checked_by_their_header(app):
     room = Api(app.test_client()).create_room("trust-start")
     bad = room.post("/diloco/start", data=b"\x08\0\0\0\0\0\0\0{}      ", headers={"Content-Type": "application/octet-stream"})
     assert bad.status_code == 400 and bad.json["error"]["field"] == "body"
+    documented = app.test_client().get("/api/v1/openapi.json").json["paths"]["/api/v1/diloco/start"]["post"]
+    assert "400" in documented["responses"]  # the answer it gives is the one it declares (the fuzz found it missing)
     other = Api(app.test_client()).create_room("trust-other")
     theirs = other.post("/diloco/start", data=start_weights.encode(model()),
                         headers={"Content-Type": "application/octet-stream"}).json["id"]

@@ -202,7 +202,7 @@ def get_round(job: JobRecord, n: int):
 
 
 @operation(bp, "POST", "/diloco/start", "Upload a DILOCO job's start weights (the SDK, before the job)",
-           body=OCTET, answer=ArtifactView, status=201, errors=(413, 422, 429), tag="diloco")
+           body=OCTET, answer=ArtifactView, status=201, errors=(400, 413, 422, 429), tag="diloco")
 def post_start(room: dict):
     """The submitter's model as submitted: a safetensors of its state_dict whose metadata
     ``parameters`` lists each parameter's state_dict keys in ``model.parameters()`` order
