@@ -151,6 +151,18 @@ def app(request, make_app):
 
 
 @pytest.fixture
+def group_of_one():
+    """A torch.distributed process group of this process alone (gloo, in memory), for the test only:
+    what a rank's strategy or checkpointer needs of one, in-process."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def client(app):
     return app.test_client()
 

@@ -309,18 +309,7 @@ def test_ddp_saves_the_module_inside_the_wrapper_and_pipeline_ranks_each_their_s
     assert sorted(os.listdir(tmp_path / "p" / "checkpoints" / "0")) == ["rng-1.pt", "stage-1.pt"]
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A process group of this process alone (gloo), as an FSDP rank's, for the test only."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp_shards_give_back_the_model_the_optimizer_the_tracked_state_and_the_generators(tmp_path, one_rank_group):
+def test_fsdp_shards_give_back_the_model_the_optimizer_the_tracked_state_and_the_generators(tmp_path, group_of_one):
     from torch.distributed.fsdp import fully_shard
     reporter = FolderReporter(tmp_path)
 

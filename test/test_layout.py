@@ -133,16 +133,6 @@ def test_jobs_show_prints_the_plan_and_a_pipelines_stage_order():
 
 
 # -- what the strategies say (a process group of one, in process) ---------------------------------
-@pytest.fixture
-def group_of_one():
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def spec(parallelism: str, rank: int = 0, world_size: int = 1):
     from types import SimpleNamespace
 

@@ -29,15 +29,6 @@ def spec(parallelism="DDP", rank=2, world_size=4):
                            master_addr="10.0.0.7", master_port=29511)
 
 
-@pytest.fixture
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
