@@ -45,6 +45,17 @@ def refused(answer) -> None:
     assert "its quota is" in answer.json["error"]["message"]
 
 
+def half_a_round(app):
+    """A DILOCO job of two workers whose rank 0 uploaded round 0: its room, ranks and record, the
+    number of values, and rank 1's pseudo-gradient, still to upload."""
+    net = model()
+    room, ranks, job = placed(app, start_weights.encode(net), world_size=2)
+    numel = flat(net).numel()
+    vectors = [0.01 * v for v in honest(2, numel, seed=0)]
+    put(ranks[0], job, 0, vectors[0])
+    return room, ranks, job, numel, vectors[1]
+
+
 def test_start_weights_over_the_rooms_quota_are_refused_with_its_message(app):
     room = Api(app.test_client()).create_room("trust-quota-start")
     data = start_weights.encode(model())
@@ -54,31 +65,23 @@ def test_start_weights_over_the_rooms_quota_are_refused_with_its_message(app):
 
 
 def test_a_round_whose_global_weights_do_not_fit_the_quota_is_refused_and_writes_nothing(app):
-    net = model()
-    room, ranks, job = placed(app, start_weights.encode(net), world_size=2)
-    numel = flat(net).numel()
-    vectors = [0.01 * v for v in honest(2, numel, seed=0)]
-    put(ranks[0], job, 0, vectors[0])
-    size = len(codec.encode(vectors[1], "none"))
+    room, ranks, job, numel, second = half_a_round(app)
+    size = len(codec.encode(second, "none"))
     # room for the second upload and the round's average, not for the server's global weights beside them
     limit(app, ROOM_MAX_ARTIFACT_BYTES=stored(app, room.room["id"]) + 2 * size + 4 * numel)
-    refused(upload(ranks[1], job, 0, vectors[1]))
+    refused(upload(ranks[1], job, 0, second))
     store = app.extensions["zwdx"].store
     assert store.list_artifacts(job["id"], ArtifactKind.OUTER_GRADIENT.value) == []
     assert store.list_artifacts(job["id"], ArtifactKind.DILOCO_GLOBAL.value) == []
     limit(app, ROOM_MAX_ARTIFACT_BYTES=0)  # the quota lifted: the round goes on
-    put(ranks[1], job, 0, vectors[1])
+    put(ranks[1], job, 0, second)
     assert len(store.list_artifacts(job["id"], ArtifactKind.DILOCO_GLOBAL.value)) == 1
 
 
 def test_the_quota_counts_the_global_weights_where_the_artifact_size_limit_is_lower(app):
-    net = model()
-    room, ranks, job = placed(app, start_weights.encode(net), world_size=2)
-    numel = flat(net).numel()
-    vectors = [0.01 * v for v in honest(2, numel, seed=0)]
-    put(ranks[0], job, 0, vectors[0])
-    size = len(codec.encode(vectors[1], "none"))
+    room, ranks, job, numel, second = half_a_round(app)
+    size = len(codec.encode(second, "none"))
     # each artifact within the size limit, and more left of the quota than that limit, not enough for all
     limit(app, MAX_ARTIFACT_BYTES=size + 1024, ROOM_MAX_ARTIFACT_BYTES=stored(app, room.room["id"]) + 2 * size + 4 * numel)
-    refused(upload(ranks[1], job, 0, vectors[1]))
+    refused(upload(ranks[1], job, 0, second))
     assert app.extensions["zwdx"].store.list_artifacts(job["id"], ArtifactKind.DILOCO_GLOBAL.value) == []
