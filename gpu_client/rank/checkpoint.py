@@ -287,10 +287,9 @@ class Checkpointer:
             self.optimizer.load_state_dict(state["optimizer"])
         if EXTRA in entry.files:
             extra = plain_load(self._fetch(entry, folder, EXTRA))
-            tracked = extra.get("tracked") if isinstance(extra, dict) else None
-            if not isinstance(tracked, (dict, type(None))):
+            if not isinstance(extra, dict) or not isinstance(extra.get("tracked"), dict):
                 raise ValueError(f"checkpoint {entry.n}: {EXTRA} is not the tracked objects' state")
-            self.tracked_state = tracked or {}
+            self.tracked_state = extra["tracked"]
         rng = files_of.rng_file(self.rank)
         if rng in entry.files:
             self.rng_state = _rng_checked(plain_load(self._fetch(entry, folder, rng)), entry.n)
