@@ -36,12 +36,15 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "auth": ("zwdx/server/auth.py", ["test/test_api.py", "test/test_edge.py", "test/test_mutants_auth.py"] + FAST),
     "job": ("zwdx/server/jobs/model.py", ["test/test_job.py", "test/test_scheduler.py", "test/test_mutants_job.py"] + FAST),
     "placement": ("zwdx/server/placement/filters.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
-                                                       "test/test_mutants_placement.py"] + FAST),
+                                                       "test/test_mutants_placement.py", "test/test_mutants_placement2.py"]
+                  + FAST),
     "placement-groups": ("zwdx/server/placement/groups.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
-                                                             "test/test_tensor_parallel.py"] + FAST),
+                                                             "test/test_tensor_parallel.py", "test/test_mutants_placement2.py"]
+                         + FAST),
     "scheduler": ("zwdx/server/scheduler.py",
                   ["test/test_scheduler.py", "test/test_placement.py", "test/test_job.py", "test/test_auto.py",
-                   "test/test_diloco_join.py", "test/test_mutants_scheduler.py"] + FAST),
+                   "test/test_diloco_join.py", "test/test_mutants_scheduler.py", "test/test_mutants_scheduler2.py"]
+                  + FAST),
     "limits": ("zwdx/server/limits.py",
                ["test/test_api.py", "test/test_mutants_limits.py"] + FAST),
     "codec": ("zwdx/codec.py", ["test/test_diloco.py", "test/test_diloco_join.py", "test/test_mutants_codec.py"] + FAST),
