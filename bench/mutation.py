@@ -52,7 +52,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                    + FAST),
     "parallel": ("gpu_client/rank/strategies/parallel.py", ["test/test_layout.py", "test/test_digests.py",
                                                             "test/test_mutants_parallel.py"] + FAST),
-    "diloco": ("gpu_client/rank/strategies/diloco.py", ["test/test_diloco_overlap.py", "test/test_diloco.py"] + FAST),
+    "diloco": ("gpu_client/rank/strategies/diloco.py", ["test/test_mutants_diloco.py", "test/test_mutants_diloco_rounds.py"]
+               + FAST),
 }
 SKIP = {".git", ".venv", ".whl", ".gl", "node_modules", "build", "mutants", "zwdx-data", "test-artifacts",
         "__pycache__", ".pytest_cache", "zwdx.egg-info", ".mutation"}

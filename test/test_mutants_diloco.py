@@ -1,0 +1,442 @@
+"""gpu_client/rank/strategies/diloco.py called in this process (issue 31 item 3: its mutation
+score): the Diloco worker driven through its methods against a fake reporter whose ``session``
+answers as the server would (or as told), on a clock the test owns (``diloco.time`` replaced),
+so every wait, deadline and duration is exact. This file: the strategy's surface, the tracked
+state, the step counting and the blocking rounds; test_mutants_diloco_rounds.py: the server's
+answers (upload, fetch, retries), the overlapped rounds and the all-reduce among workers."""
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+
+import numpy as np
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+
+from gpu_client.rank.strategies import diloco as diloco_module
+from gpu_client.rank.strategies.diloco import Diloco
+from gpu_client.rank.strategies.parallel import fingerprint
+from zwdx import codec, defaults
+from zwdx.protocol.spec import Diloco as DilocoSpec
+
+torch.set_num_threads(1)
+BASE = "http://srv/api/v1/jobs/j1"
+ROUNDS = f"{BASE}/diloco/rounds"
+
+
+# -- the fakes -------------------------------------------------------------------------------------
+class Clock:
+    """``diloco.time`` in the tests: time moves only when the worker sleeps or a request takes long."""
+
+    def __init__(self):
+        self.now, self.sleeps = 1000.0, []
+
+    def time(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def response(status=200, content=b"", headers=None, body=None):
+    resp = requests.Response()
+    resp.status_code, resp.url, resp.encoding = status, ROUNDS, "utf-8"
+    resp._content = json.dumps(body).encode() if body is not None else content
+    resp.headers.update(headers or {})
+    return resp
+
+
+def average_response(values, compression="none"):
+    data = codec.encode(np.asarray(values, np.float32), compression)
+    return response(200, data, {defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
+
+
+class Server:
+    """The reporter's session: a server of one worker (a round's average is its own upload) unless
+    told the average (``averages``) or an answer (``queued``: (method, url) -> responses, served first).
+    Every call is kept in ``calls``; each takes ``latency`` seconds of the clock."""
+
+    def __init__(self, clock, latency=0.0):
+        self.clock, self.latency = clock, latency
+        self.calls, self.uploads, self.averages, self.queued = [], {}, {}, {}
+        self.answer = {"dropped": []}
+        self.during = None  # called inside every request (the training thread, say)
+
+    def _call(self, method, url, kwargs):
+        self.calls.append((method, url, kwargs))
+        self.clock.now += self.latency
+        if self.during:
+            self.during()
+        queue = self.queued.get((method, url))
+        if queue:
+            out = queue.pop(0)
+            if isinstance(out, Exception):
+                raise out
+            return out
+        n = int(url.rsplit("/", 1)[1]) if url.startswith(ROUNDS) else None
+        if method == "put" and n is not None:
+            self.uploads[n] = kwargs["data"]
+            return response(200, body=self.answer)
+        if method == "get" and n is not None:
+            if n in self.averages:
+                return average_response(self.averages[n])
+            data = self.uploads[n]
+            return response(200, data, {defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
+        return response(200, body={})
+
+    def put(self, url, **kwargs):
+        return self._call("put", url, kwargs)
+
+    def get(self, url, **kwargs):
+        return self._call("get", url, kwargs)
+
+    def urls(self):
+        return [(m, u) for m, u, _ in self.calls]
+
+
+class Reporter:
+    def __init__(self, session, patience=5.0):
+        self.session, self.base, self.patience = session, BASE, patience
+        self.logs, self.system, self.outer_step = [], [], None
+
+    def log(self, text):
+        self.logs.append(text)
+
+    def log_system(self, **values):
+        self.system.append(values)
+
+
+class Checkpoints:
+    def __init__(self):
+        self.tracked = []
+
+    def track(self, obj, name):
+        self.tracked.append((obj, name))
+
+
+class Vector(torch.nn.Module):
+    def __init__(self, *values):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(values, dtype=torch.float32))
+
+
+class Two(torch.nn.Module):
+    """Two parameters of different shapes and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        self.b = torch.nn.Parameter(torch.tensor([5.0]))
+        self.register_buffer("seen", torch.tensor([7.0, 8.0]))
+
+
+def make_spec(rank=0, world_size=1, joining=False, worker_port=None, collective_timeout=30.0, **settings):
+    settings = {"compression": "none", "all_reduce": False, "outer_momentum": 0.0, "outer_lr": 0.5,
+                "inner_steps": 3, **settings}
+    return types.SimpleNamespace(rank=rank, world_size=world_size, joining=joining, worker_port=worker_port, shadow=None,
+                                 collective_timeout=collective_timeout, master_addr="10.0.0.9", master_port=29500,
+                                 diloco=DilocoSpec(**settings))
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(diloco_module, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def make(clock):
+    """A worker attached to a model, against a Server on the test's clock; its step hook removed at the end."""
+    made = []
+
+    def make_worker(model=None, latency=0.0, patience=5.0, **spec):
+        server = Server(clock, latency)
+        worker = Diloco(make_spec(**spec), Reporter(server, patience))
+        model = model if model is not None else Vector(1.0, 2.0, 3.0)
+        worker.attach(model, Checkpoints())
+        made.append(worker)
+        return worker, model, server
+
+    yield make_worker
+    for worker in made:
+        if worker._hook is not None:
+            worker._hook.remove()
+
+
+def train(worker, model, by):
+    """In place of ``inner_steps`` steps: the worker's weights move by ``by``."""
+    with torch.no_grad():
+        model.w += torch.tensor(by)
+    worker.steps = worker.settings.inner_steps
+
+
+# -- the strategy's surface ------------------------------------------------------------------------
+def test_a_new_worker_knows_its_place_and_holds_nothing_yet():
+    worker = Diloco(make_spec(rank=5, world_size=8, ranks_per_worker=2), Reporter(None))
+    assert (worker.per, worker.lead, worker.worker, worker.workers) == (2, False, 2, 4)
+    assert worker.base == f"{BASE}/diloco" and worker.url == f"{BASE}/diloco/rounds"
+    assert (worker.round, worker.steps, worker.left, worker.params, worker.global_, worker.outer) == (0, 0, False, [], None, None)
+    assert worker._hook is None and worker._busy is False and worker.dropped == [] and worker.state_for == set()
+    assert worker.anchor is None and worker.pending is None and worker.peers is None and worker.reduced == -1
+    assert worker.wrap_as == "DDP" and worker.settings is worker.spec.diloco
+    assert Diloco(make_spec(rank=4, world_size=8, ranks_per_worker=2), Reporter(None)).lead is True
+
+
+def test_a_worker_of_one_rank_meets_alone_and_one_of_several_on_its_port():
+    alone = Diloco(make_spec(rank=3, world_size=4), Reporter(None)).rendezvous()
+    assert set(alone) == {"store", "rank", "world_size"} and isinstance(alone["store"], dist.HashStore)
+    assert (alone["rank"], alone["world_size"]) == (0, 1)
+    several = Diloco(make_spec(rank=3, world_size=4, ranks_per_worker=2, worker_port=29600), Reporter(None))
+    assert several.rendezvous() == {"init_method": "tcp://127.0.0.1:29600", "rank": 1, "world_size": 2}
+    with pytest.raises(RuntimeError) as caught:
+        Diloco(make_spec(rank=3, world_size=4, ranks_per_worker=2), Reporter(None)).rendezvous()
+    assert str(caught.value) == "a DILOCO worker of several ranks needs its worker_port (an older GPU client?)"
+
+
+def test_attach_keeps_the_global_weights_the_outer_optimizer_and_says_so(make):
+    worker, model, _ = make(outer_lr=0.7, outer_momentum=0.9, overlap=True, inner_steps=4)
+    assert worker.params == [model.w]
+    assert torch.equal(worker.global_.detach(), torch.tensor([1.0, 2.0, 3.0])) and worker.global_.requires_grad
+    assert torch.equal(worker.anchor, worker.global_.detach())
+    assert worker.anchor.data_ptr() != worker.global_.data_ptr() != model.w.data_ptr()
+    group = worker.outer.param_groups[0]
+    assert group["params"] == [worker.global_] and (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)
+    assert worker.reporter.outer_step == worker.sync and worker._hook is not None
+    assert worker.reporter.logs == [
+        "DILOCO: worker 0 of 1, an outer step every 4 inner steps through the server, overlapped with the next "
+        "round (one-step delay) (none, outer SGD lr 0.7 momentum 0.9 Nesterov)"]
+
+
+def test_attach_registers_the_state_and_a_worker_of_several_ranks_says_so(clock):
+    checkpoints = Checkpoints()
+    worker = Diloco(make_spec(world_size=4, ranks_per_worker=2, compression="int8"), Reporter(None))
+    worker.attach(Vector(1.0), checkpoints)
+    worker._hook.remove()
+    assert checkpoints.tracked == [(worker, "diloco")]
+    assert worker.reporter.logs == ["DILOCO: worker 0 of 2 (2 ranks each, DDP among them), an outer step every 3 "
+                                    "inner steps through the server (int8, outer SGD lr 0.5 momentum 0.0)"]
+    other = Diloco(make_spec(rank=1, world_size=4, ranks_per_worker=2), Reporter(None))
+    other.attach(Vector(1.0), Checkpoints())
+    other._hook.remove()
+    assert other.reporter.logs == []  # rank 0 alone says it
+
+
+def test_the_workers_first_ranks_try_to_reach_each_other_and_rank_0_says_how_it_went(clock, monkeypatch):
+    formed, peers = [], object()
+    monkeypatch.setattr(diloco_module, "form", lambda *a: formed.append(a) or answer)
+    answer = (peers, "")
+    first = Diloco(make_spec(world_size=3, all_reduce=True), Reporter(None))
+    first.attach(Vector(1.0), Checkpoints())
+    first._hook.remove()
+    assert formed == [("10.0.0.9", 29500, 0, 3, 30.0)] and first.peers is peers
+    assert first.reporter.logs == [
+        "DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)",
+        "DILOCO: worker 0 of 3, an outer step every 3 inner steps by all-reduce (none, outer SGD lr 0.5 momentum 0.0)"]
+    answer = (None, "a reason")
+    second = Diloco(make_spec(rank=2, world_size=3, all_reduce=True), Reporter(None))
+    second.attach(Vector(1.0), Checkpoints())
+    second._hook.remove()
+    assert formed[-1] == ("10.0.0.9", 29500, 2, 3, 30.0) and second.peers is None and second.reporter.logs == []
+    third = Diloco(make_spec(world_size=3, all_reduce=True), Reporter(None))
+    third.attach(Vector(1.0), Checkpoints())
+    third._hook.remove()
+    assert third.reporter.logs[0] == "DILOCO: the workers do not all reach each other (a reason): rounds go through the server"
+    formed.clear()
+    for spec in (make_spec(world_size=3), make_spec(world_size=1, all_reduce=True),
+                 make_spec(rank=1, world_size=4, ranks_per_worker=2, all_reduce=True)):
+        worker = Diloco(spec, Reporter(None))
+        worker.attach(Vector(1.0), Checkpoints())
+        worker._hook.remove()
+    assert formed == []  # off, a single worker, a worker's second rank
+
+
+def test_a_joining_worker_joins_instead_of_reaching_its_peers(clock, monkeypatch):
+    joined, formed = [], []
+    monkeypatch.setattr(diloco_module.joining, "join", joined.append)
+    monkeypatch.setattr(diloco_module, "form", lambda *a: formed.append(a) or (None, ""))
+    worker = Diloco(make_spec(rank=1, world_size=3, all_reduce=True, joining=True), Reporter(None))
+    worker.attach(Vector(1.0), Checkpoints())
+    worker._hook.remove()
+    assert joined == [worker] and formed == []
+
+
+def test_the_layout_says_the_workers_place(group_of_one):
+    worker = Diloco(make_spec(rank=0, world_size=2), Reporter(None))
+    out = worker.layout(Vector(1.0, 2.0))
+    assert out["role"] == "replica" and out["params"] == 2
+    assert out["text"] == "DiLoCo worker 0 of 2: the whole model, an outer step every 3 inner steps"
+    several = Diloco(make_spec(rank=3, world_size=4, ranks_per_worker=2), Reporter(None))
+    assert several.layout(Vector(1.0))["text"] == ("DiLoCo worker 1 of 2, rank 1 of its 2 (DDP): the whole model, "
+                                                   "an outer step every 3 inner steps")
+
+
+@pytest.mark.parametrize("rank, per, dropped, uploads", [
+    (0, 1, [], True), (1, 1, [], False), (1, 1, [0], True), (2, 1, [0], False), (2, 1, [0, 1], True),
+    (2, 2, [0], True), (1, 2, [0], False), (0, 2, [2], True)])
+def test_the_first_rank_not_dropped_uploads_the_weights(rank, per, dropped, uploads):
+    worker = Diloco(make_spec(rank=rank, world_size=4, ranks_per_worker=per), Reporter(None))
+    worker.dropped = dropped
+    assert worker.uploads_weights() is uploads
+
+
+def test_the_global_fingerprint_covers_the_parameters_alone():
+    model, worker = Two(), Diloco(make_spec(), Reporter(None))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params_only = fingerprint({"a": state["a"], "b": state["b"]})
+    assert worker.global_fingerprint(model, state) == params_only != fingerprint(state)
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # as DDP holds it
+    assert worker.global_fingerprint(wrapped, state) == params_only
+    assert worker.global_fingerprint(model, None) is None
+
+
+# -- the tracked state -----------------------------------------------------------------------------
+def test_the_state_round_trips_and_a_resumed_worker_starts_from_the_global_weights(make):
+    worker, model, _ = make(outer_momentum=0.5)
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.sync()
+    state = worker.state_dict()
+    assert set(state) == {"global", "outer", "round"} and state["round"] == 1
+    assert torch.equal(state["global"], worker.global_.detach()) and state["global"].data_ptr() != worker.global_.data_ptr()
+    assert state["outer"]["state"][0]["momentum_buffer"] is not None
+    other, other_model, _ = make(outer_momentum=0.5, model=Vector(9.0, 9.0, 9.0))
+    other.pending, other.round = "in flight", 7
+    other.load_state_dict({**state, "round": torch.tensor(1)})
+    assert other.round == 1 and type(other.round) is int and other.pending is None
+    assert torch.equal(other.global_.detach(), state["global"]) and torch.equal(other_model.w.detach(), state["global"])
+    assert torch.equal(other.anchor, state["global"]) and other.anchor.data_ptr() != other.global_.data_ptr()
+    assert torch.equal(other.outer.state_dict()["state"][0]["momentum_buffer"], state["outer"]["state"][0]["momentum_buffer"])
+
+
+# -- counting steps --------------------------------------------------------------------------------
+def test_every_inner_steps_th_step_of_any_optimizer_takes_an_outer_step(make):
+    worker, model, server = make(inner_steps=3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for expected in (1, 2):
+        inner.step()
+        assert worker.steps == expected and server.calls == []
+    inner.step()
+    assert worker.steps == 0 and worker.round == 1 and [u for _, u in server.urls()] == [f"{ROUNDS}/0"] * 2
+    worker.outer.step()  # the outer optimizer's own steps do not count
+    assert worker.steps == 0
+    worker.left = True
+    inner.step()
+    assert worker.steps == 0
+
+
+def test_steps_taken_while_a_round_is_under_way_do_not_count_and_those_after_do(make):
+    worker, model, server = make(inner_steps=5)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    server.during = inner.step  # another optimizer steps while the round travels
+    train(worker, model, [1.0, 0.0, 0.0])
+    worker.sync()
+    assert worker.steps == 0 and worker._busy is False
+    server.during = None
+    inner.step()
+    assert worker.steps == 1
+
+
+def test_a_sync_before_attach_or_after_leaving_does_nothing(clock):
+    worker = Diloco(make_spec(), Reporter(Server(clock)))
+    worker.sync()
+    assert worker.reporter.session.calls == [] and worker.round == 0
+
+
+def test_a_round_that_fails_leaves_the_worker_free_to_count_again(make):
+    worker, model, server = make()
+    server.queued[("put", f"{ROUNDS}/0")] = [response(500)]
+    train(worker, model, [1.0, 0.0, 0.0])
+    with pytest.raises(requests.HTTPError):
+        worker.sync()
+    assert worker._busy is False
+
+
+# -- blocking rounds -------------------------------------------------------------------------------
+def test_a_blocking_round_uploads_the_pseudo_gradient_and_steps_the_global_weights_with_the_average(make):
+    worker, model, server = make(latency=0.25)
+    server.averages[0] = [2.0, -2.0, 4.0]
+    train(worker, model, [1.0, 2.0, -3.0])
+    worker.sync()
+    sent = codec.encode(np.array([-1.0, -2.0, 3.0], np.float32), "none")
+    assert server.uploads[0] == sent
+    put = server.calls[0]
+    assert put[0:2] == ("put", f"{ROUNDS}/0") and put[2]["params"] == {"last": "false"} and put[2]["timeout"] == 600
+    assert put[2]["headers"] == {defaults.SHA256_HEADER: hashlib.sha256(sent).hexdigest()}
+    assert server.urls()[1] == ("get", f"{ROUNDS}/0")
+    expected = torch.tensor([0.0, 3.0, 1.0])  # w0 - 0.5 * average
+    assert torch.equal(worker.global_.detach(), expected) and torch.equal(model.w.detach(), expected)
+    assert worker.global_.grad is None
+    assert (worker.round, worker.steps, worker.left) == (1, 0, False)
+    received = len(average_response([0.0, 0.0, 0.0]).content)
+    assert worker.reporter.system == [{"outer_round": 0, "sync_seconds": 0.5, "sent_bytes": len(sent),
+                                       "received_bytes": received, "all_reduce": 0.0}]
+
+
+def test_a_worker_that_has_not_stepped_adds_nothing_and_a_second_round_has_its_number(make):
+    worker, model, server = make()
+    worker.sync()
+    assert server.uploads[0] == codec.encode(np.zeros(0, np.float32), "none")
+    assert torch.equal(worker.global_.detach(), torch.tensor([1.0, 2.0, 3.0])) and worker.round == 1
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.sync()
+    assert server.urls()[2:] == [("put", f"{ROUNDS}/1"), ("get", f"{ROUNDS}/1")]
+    assert torch.equal(model.w.detach(), torch.tensor([1.5, 2.5, 3.5]))  # its own average: w0 + 0.5 * d
+    assert [s["outer_round"] for s in worker.reporter.system] == [0, 1]
+
+
+def test_the_last_round_says_so_and_the_worker_leaves(make):
+    worker, model, server = make()
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.trained()
+    assert server.calls[0][2]["params"] == {"last": "true"} and worker.left is True
+    assert worker.reporter.outer_step is None
+    worker.sync()
+    assert len(server.calls) == 2
+
+
+def test_trained_stops_the_outer_steps_even_when_the_last_round_fails(make):
+    worker, model, server = make()
+    server.queued[("put", f"{ROUNDS}/0")] = [response(500)]
+    with pytest.raises(requests.HTTPError):
+        worker.trained()
+    assert worker.reporter.outer_step is None
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert worker.steps == 0
+
+
+def test_a_last_round_averaged_without_it_says_it_leaves_in_the_next(make):
+    worker, model, server = make()
+    server.queued[("put", f"{ROUNDS}/0")] = [response(409, b"round 0 was averaged without it")]
+    server.averages[0] = [1.0, 1.0, 1.0]
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.trained()
+    assert server.urls() == [("put", f"{ROUNDS}/0"), ("get", f"{ROUNDS}/0"), ("put", f"{ROUNDS}/1"),
+                             ("get", f"{ROUNDS}/1")]
+    assert server.calls[2][2]["params"] == {"last": "true"} and server.uploads[1] == codec.encode(np.zeros(0, np.float32), "none")
+    assert worker.left is True and worker.round == 2
+    assert torch.equal(model.w.detach(), torch.tensor([0.5, 1.5, 2.5]))  # round 0's average, not its own
+
+
+def test_a_round_sends_the_global_weights_to_a_joining_worker_when_named(make):
+    worker, model, server = make()
+    server.answer = {"dropped": [], "state_from": 0}
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.sync()
+    assert server.urls()[2] == ("put", f"{BASE}/diloco/state/1") and worker.state_for == set()
+
+
+def test_weights_that_diverged_stop_the_round_before_anything_travels(make):
+    worker, model, server = make()
+    for bad in (float("nan"), float("inf")):
+        train(worker, model, [bad, 0.0, 0.0])
+        with pytest.raises(FloatingPointError) as caught:
+            worker.sync()
+        assert str(caught.value) == ("DILOCO round 0: this worker's weights hold NaN or infinite values "
+                                     "(its training diverged)")
+    assert server.calls == []
+    worker._finite(0, torch.tensor([1.0, -2.0]))
