@@ -34,7 +34,8 @@ FAST = ["-m", "not slow"]
 #: process could never be credited with a kill.
 MODULES: dict[str, tuple[str, list[str]]] = {
     "auth": ("zwdx/server/auth.py", ["test/test_api.py", "test/test_edge.py", "test/test_mutants_auth.py"] + FAST),
-    "job": ("zwdx/server/jobs/model.py", ["test/test_job.py", "test/test_scheduler.py", "test/test_mutants_job.py"] + FAST),
+    "job": ("zwdx/server/jobs/model.py", ["test/test_job.py", "test/test_scheduler.py", "test/test_mutants_job.py",
+                                          "test/test_mutants_job2.py"] + FAST),
     "placement": ("zwdx/server/placement/filters.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
                                                        "test/test_mutants_placement.py", "test/test_mutants_placement2.py"]
                   + FAST),
