@@ -8,9 +8,12 @@ step that fails logged by name without stopping the pass."""
 from __future__ import annotations
 
 import logging
+import platform
 
 import pytest
+from test_mutants_scheduler import GiB, asked, job_of, placed_one, register  # noqa: F401  (asked: a fixture)
 
+from zwdx.protocol import JobStatus, Parallelism, SlotKind
 from zwdx.server import scheduler as scheduler_module
 
 STEPS = ("reap_silent_clients", "settle", "finish_placements", "schedule_once", "join_workers")
@@ -215,3 +218,123 @@ def test_stop_sets_stopping_wakes_the_loop_and_waits_for_it_ten_seconds(app):
     sched.stop()
     assert joined == [10.0] and sched._wake.is_set() and sched._port_answered.is_set()
     assert app.extensions["zwdx"].stopping.is_set()
+
+
+# -- what test_mutants_scheduler.py left alive -------------------------------------------------------
+def test_the_ram_of_a_job_no_longer_stored_counts_as_none(app, api):
+    ctx = app.extensions["zwdx"]
+    job_id = api.submit(world_size=1, memory_required=GiB).json["id"]
+    slots = [{"job_id": "gone", "kind": "cpu"}, {"job_id": job_id, "kind": "cpu"}, {"job_id": "gpu", "kind": "cuda"},
+             {"job_id": None, "kind": "cpu"}]
+    assert ctx.scheduler._held_memory(ctx.store.get_job(job_id), slots) == {"gone": 0, job_id: GiB}
+
+
+def test_a_placement_names_the_slots_gpu_keeps_the_passes_view_as_the_store_and_says_what_mixed_costs(
+        app, api, socket_client, asked, monkeypatch, caplog):
+    ctx = app.extensions["zwdx"]
+    hello = {"client_id": "a", "hostname": "host-a", "versions": {"python": platform.python_version()},
+             "slots": [{"index": i, "kind": "cpu", "name": f"CPU {i}", "memory_total": 8 * GiB, "memory_free": 8 * GiB}
+                       for i in range(2)]}
+    assert socket_client("/gpu", api.donor).emit("register", hello, namespace="/gpu", callback=True)["ok"]
+    kinds = []
+    monkeypatch.setattr(scheduler_module, "mixed", lambda ks: kinds.append(list(ks)) or (
+        "mixed test: what it costs" if len(kinds) == 2 else None))
+    plain, noted = api.submit(world_size=1).json["id"], api.submit(world_size=1).json["id"]
+    view = ctx.views.of(api.room["id"])
+    with caplog.at_level(logging.INFO, logger="zwdx.server.scheduler"):
+        for job_id in (plain, noted):
+            assert ctx.scheduler._try_start(ctx.store.get_job(job_id), view) is scheduler_module._STARTED
+    assert kinds == [[SlotKind.CPU], [SlotKind.CPU]]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"job {plain}: placed on 1 slot(s): rank 0@host-a:0",
+        f"job {noted}: placed on 1 slot(s): rank 0@host-a:1 (mixed test: what it costs)"]
+    assert [p["gpu_name"] for j in (plain, noted) for p in job_of(api, j)["placement"]] == ["CPU 0", "CPU 1"]
+    reasons = {j: [e.get("reason") for e in job_of(api, j)["timeline"] if e["status"] == "starting"] for j in (plain, noted)}
+    assert reasons == {plain: [None], noted: ["mixed test: what it costs"]}
+    stored = {s["id"]: (s.get("job_id"), s.get("rank")) for c in ctx.store.list_clients(api.room["id"]) for s in c["slots"]}
+    assert {s["id"]: (s.get("job_id"), s.get("rank")) for s in view["a"]["slots"]} == stored \
+        == {"a:0": (plain, 0), "a:1": (noted, 0)}
+
+
+def test_a_failing_request_for_packages_is_logged_naming_the_job(app, api, socket_client, asked, monkeypatch, caplog):
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a")
+
+    def refresh(*args):
+        raise ConnectionError("gone")
+    monkeypatch.setattr(scheduler_module.clients_of_room, "ask_refresh", refresh)
+    job_id = api.submit(world_size=2).json["id"]
+    with caplog.at_level(logging.ERROR, logger="zwdx.server.scheduler"):
+        assert ctx.scheduler.schedule_once() == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"scheduler: asking gpu clients to look again for job {job_id}'s packages failed"]
+    assert job_of(api, job_id)["waiting_reason"]  # it waits as ever, saying why
+
+
+def test_a_placement_that_cannot_be_finished_or_a_room_that_cannot_be_told_is_logged_naming_it(
+        app, api, socket_client, asked, monkeypatch, caplog):
+    ctx, sock, job_id = placed_one(app, api, socket_client, asked)
+    asked[0][3]({"addr": "10.1.2.3", "port": 29555})
+
+    def unreadable(*args):
+        raise ValueError("does not read")
+    monkeypatch.setattr(scheduler_module.Job, "load", unreadable)
+    with caplog.at_level(logging.ERROR, logger="zwdx.server.scheduler"):
+        assert ctx.scheduler.finish_placements() == 0
+        monkeypatch.setattr(ctx.scheduler, "schedule_room", unreadable)
+        monkeypatch.setattr(ctx.scheduler, "_could_not_place", unreadable)
+        api.submit(world_size=1)
+        assert ctx.scheduler.schedule_once() == 0
+    room = api.room["id"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"scheduler: finishing the placement of job {job_id} failed", f"scheduler: room {room} not placed",
+        f"scheduler: telling room {room}'s jobs failed"]
+
+
+def test_a_finished_placement_is_shown_with_its_rendezvous(app, api, socket_client, asked, monkeypatch):
+    from zwdx.server import notify
+    ctx, sock, job_id = placed_one(app, api, socket_client, asked)
+    shown, job_changed = [], notify.job_changed
+    monkeypatch.setattr(notify, "job_changed", lambda job: shown.append(job) or job_changed(job))
+    asked[0][3]({"addr": "10.1.2.3", "port": 29555})
+    assert ctx.scheduler.finish_placements() == 1
+    assert [(j.id, j.master and (j.master.addr, j.master.port)) for j in shown] == [(job_id, ("10.1.2.3", 29555))]
+
+
+def test_join_workers_asks_the_store_for_running_diloco_jobs_counts_every_join_and_logs_a_failing_one(
+        app, api, monkeypatch, caplog):
+    ctx = app.extensions["zwdx"]
+    ids = [api.submit(world_size=1).json["id"] for _ in range(3)]
+    queries = []
+
+    def listed(*args, **kwargs):
+        queries.append((args, kwargs))
+        return [ctx.store.get_job(i) for i in ids]
+    monkeypatch.setattr(ctx.store, "list_jobs", listed)
+
+    def join(record):
+        if record.id == ids[1]:
+            raise ValueError("x")
+        return 1
+    monkeypatch.setattr(ctx.scheduler, "_join", join)
+    with caplog.at_level(logging.ERROR, logger="zwdx.server.scheduler"):
+        assert ctx.scheduler.join_workers() == 2
+    assert queries == [((None,), {"statuses": [JobStatus.RUNNING], "parallelism": Parallelism.DILOCO})]
+    assert [r.getMessage() for r in caplog.records] == [f"scheduler: a worker joining job {ids[1]} failed"]
+
+
+@pytest.mark.parametrize("stop", ["no slot", "taken"])
+def test_a_join_that_stops_half_way_counts_the_workers_that_joined(app, api, socket_client, asked, monkeypatch, stop):
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a", slots=2)
+    record = ctx.store.get_job(api.submit(world_size=1).json["id"])
+    monkeypatch.setattr(scheduler_module, "wanting", lambda r: [1, 2])
+    plans = [([{"id": "a:0", "client_id": "a", "index": 0}], None),
+             (None if stop == "no slot" else [{"id": "a:1", "client_id": "a", "index": 1}], "none")]
+    monkeypatch.setattr(scheduler_module, "plan", lambda *args: plans.pop(0))
+    joins = [True, False]
+    monkeypatch.setattr(scheduler_module.Job, "join", lambda self, entry, slot_id, key_hash: joins.pop(0))
+    told = []
+    monkeypatch.setattr(scheduler_module.jobs, "assign", lambda ctx_, job, keys, joining: told.append(sorted(keys)))
+    monkeypatch.setattr(scheduler_module.jobs, "placed", lambda ctx_, job: None)
+    assert ctx.scheduler._join(record) == 1 and told == [[1]]
