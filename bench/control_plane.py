@@ -21,7 +21,9 @@ prints where its Python time goes; ``--stalls`` prints the main thread's longest
 N server processes on the level's store with a Redis message queue and HAProxy in front, both
 started by the bench (``redis-server`` and ``haproxy`` on PATH; docs/deploy-scale.md): the
 clients, users and dashboards reach them through the balancer only, and the server CPU is
-theirs added up (the peak memory, the largest one's).
+theirs added up (the peak memory, the largest one's). ``--kill-one AT`` (levels of two
+processes or more) SIGKILLs the last server process AT seconds into the window and reports
+its clients' way back (bench/kill_one.py).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,7 @@ from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+import kill_one  # noqa: E402
 from harness import BalancerProc, Child, MongoProc, RedisProc, ServerProc, percentile, proc_status, table  # noqa: E402
 
 from zwdx import defaults  # noqa: E402
@@ -44,7 +48,13 @@ from zwdx import defaults  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOCKET_KINDS = ("socket.io heartbeat", "socket.io register", "socket.io ranks_exited")
 NOT_GATED = ("socket.io connect", "socket.io register", "job submit->completed", "metric -> dashboard",
-             "metric -> SDK", "GET /jobs/<id>?wait (held)")
+             "metric -> SDK", "GET /jobs/<id>?wait (held)", "socket.io register (again)")
+
+
+def gated(kind: str) -> bool:
+    """Whether a call's p99 (or an error of it) decides a level: not one of NOT_GATED, nor made
+    during a kill's span (--kill-one: reported apart)."""
+    return kind not in NOT_GATED and not kind.endswith(kill_one.DURING)
 
 
 def level_database(uri: str, level_dir: str) -> str:
@@ -94,11 +104,13 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
                  for i in range(args.rooms)]
         tokens = [{"submitter": r["submitter_token"], "donor": r["donor_token"]} for r in rooms]
         users = max(1, round(clients * args.users_per_100 / 100))
+        kill_at = args.kill_one if n_servers > 1 else None
         plan = {"url": url, "tokens": tokens, "clients": clients, "users": users, "procs": args.procs,
                 "connect_rate": args.connect_rate, "connect_timeout": 60, "world_size": args.world_size,
                 "job_seconds": args.job_seconds, "metric_interval": args.metric_interval,
                 "events_per_post": args.events_per_post, "bundle_bytes": args.bundle_kb * 1024,
-                "poll_interval": args.poll_interval, "long_poll": args.long_poll}
+                "poll_interval": args.poll_interval, "long_poll": args.long_poll,
+                "kill_at": kill_at, "drain": 1.5 * args.job_seconds + 30}
         plan_path = os.path.join(level_dir, "plan.json")
         with open(plan_path, "w") as fh:
             json.dump(plan, fh)
@@ -140,12 +152,21 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
                                     "--duration", str(int(args.hold)), "--format", "raw", "--nonblocking",
                                     "--output", os.path.join(level_dir, "server.pyspy.txt")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        killed = None
+        if kill_at is not None:  # the last process (py-spy may watch the first), by its pid
+            time.sleep(max(0.0, t0 + kill_at - time.time()))
+            victim = servers[-1]
+            victim_cpu = harness.cpu_seconds(victim.pid)
+            victim.kill(signal.SIGKILL)  # the process alone, as a crash
+            killed = {"server": len(servers) - 1, "pid": victim.pid, "at": time.time(), "cpu": victim_cpu}
+            victim.wait()
+        alive = [srv for srv in servers if killed is None or srv.pid != killed["pid"]]
         time.sleep(max(0.0, t1 - time.time()))
         window = time.time() - w0
-        cpu = (sum(harness.cpu_seconds(srv.pid) for srv in servers) - cpu0) / window
+        cpu = (sum(harness.cpu_seconds(srv.pid) for srv in alive) + (killed["cpu"] if killed else 0) - cpu0) / window
         gen_cpu = (sum(harness.cpu_seconds(g.pid) for g in gens) - gen0) / window
         mongo_cpu = (harness.cpu_seconds(mongo.pid) - mongo0) / window if mongo else None
-        each = [proc_status(srv.pid) for srv in servers]
+        each = [proc_status(srv.pid) for srv in alive]
         status = {"VmRSS": max(e["VmRSS"] for e in each), "VmHWM": max(e["VmHWM"] for e in each),
                   "Threads": max(e["Threads"] for e in each)}
         mongo_status = proc_status(mongo.pid) if mongo else None
@@ -157,12 +178,13 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
             pass
         for g in gens:
             try:
-                g.wait(90)
+                g.wait(90 + (plan["drain"] if killed else 0))
             except subprocess.TimeoutExpired:
                 g.stop()
         profile = summarize_profile(os.path.join(level_dir, "server.pyspy.txt")) if finished(spy) else None
         stalls = summarize_stalls(os.path.join(level_dir, "server.speedscope.json")) if finished(stall_spy) else None
         lat, errors, counts, samples, held = defaultdict(list), Counter(), Counter(), [], 0
+        drops, jobs = [], {}
         for i in range(args.procs):
             path = os.path.join(level_dir, f"result-{i}.json")
             if not os.path.exists(path):
@@ -177,13 +199,16 @@ def run_level(args, store: str, clients: int, work: str, n_servers: int = 1) -> 
             counts.update(r["counts"])
             samples += r["error_samples"]
             held += r.get("held_at_end", 0)
+            drops += r.get("drops") or []
+            jobs.update(r.get("jobs") or {})
         return {"store": store, "servers": n_servers, "clients": clients, "async_mode": async_mode, "users": users, "rooms": args.rooms,
                 "ramp_s": ramp_s,
                 "held_ready": held_ready, "held": held, "online": online, "hold_s": args.hold,
                 "cpu": cpu, "gen_cpu": gen_cpu, "rss": status["VmRSS"], "hwm": status["VmHWM"], "threads": status["Threads"],
                 "mongo_hwm": mongo_status["VmHWM"] if mongo_status else None, "mongo_cpu": mongo_cpu,
                 "lat": {k: summarize(v) for k, v in lat.items()}, "errors": dict(errors), "counts": dict(counts),
-                "error_samples": samples[:10], "profile": profile, "stalls": stalls}
+                "error_samples": samples[:10], "profile": profile, "stalls": stalls,
+                "kill": {**kill_one.summarize(drops, jobs, t0 + kill_at), "server": killed["server"]} if killed else None}
     finally:
         for recorder in (spy, stall_spy):
             if recorder is not None and recorder.poll() is None:
@@ -310,14 +335,14 @@ def summarize_stalls(path: str, top: int = 12) -> dict | None:
 
 
 def passed(r: dict, limit: float) -> tuple[bool, str]:
-    worst = max(((k, v["p99"]) for k, v in r["lat"].items() if k not in NOT_GATED and v["n"]),
+    worst = max(((k, v["p99"]) for k, v in r["lat"].items() if gated(k) and v["n"]),
                 key=lambda kv: kv[1], default=("-", 0.0))
-    why = []
+    why = kill_one.verdict(r["kill"]) if r.get("kill") else []
     if worst[1] >= limit:
         why.append(f"p99 {worst[1]:,.0f} ms ({worst[0]})")
     if r["held"] < r["clients"]:
         why.append(f"held {r['held']}/{r['clients']}")
-    errs = sum(r["errors"].values())
+    errs = sum(n for k, n in r["errors"].items() if not k.endswith(kill_one.DURING))
     if errs:
         why.append(f"{errs} errors")
     return not why, "; ".join(why) or f"worst p99 {worst[1]:,.0f} ms ({worst[0]})"
@@ -332,7 +357,7 @@ def report(results: list[dict], args) -> str:
             continue
         ok, why = passed(r, args.p99_limit)
         lat = r["lat"]
-        rest = {k: v for k, v in lat.items() if k.startswith(("GET", "POST")) and k not in NOT_GATED and v["n"]}
+        rest = {k: v for k, v in lat.items() if k.startswith(("GET", "POST")) and gated(k) and v["n"]}
         rest_all = [v for v in rest.values()]
         hb = lat.get("socket.io heartbeat", {"n": 0, "p50": None, "p99": None})
         dash = lat.get("metric -> dashboard", {"n": 0, "p50": None, "p99": None})
@@ -354,6 +379,19 @@ def report(results: list[dict], args) -> str:
                              + (f", nx-27017 peak {r['mongo_hwm'] / mib:,.0f} MiB, CPU {100 * r['mongo_cpu']:.0f}%"
                                 if r.get("mongo_hwm") else "")
                              + ")"))
+        if r.get("kill"):
+            k = r["kill"]
+            details.append(table(
+                ["clients dropped", "back", "not back", "back p50 s", "back p99 s", "back max s",
+                 f"back later than {kill_one.BACK_WITHIN:g} s", "connected again p50 / max s", "jobs", "jobs lost"],
+                [[k["dropped"], k["back"], k["not_back"], k["p50_s"], k["p99_s"], k["max_s"], k["late"],
+                  f"{harness.fmt(k['connected_p50_s'])} / {harness.fmt(k['connected_max_s'])}", k["jobs"],
+                  k["jobs_lost"]]],
+                f"server process {k['server']} of {r['servers']} SIGKILLed {args.kill_one:g} s into the window: its "
+                f"GPU clients' way back (from the drop to their next register on a process still alive) and the jobs "
+                f"submitted (followed to their end); calls and errors marked{kill_one.DURING} are not gated"))
+            if k["lost_sample"]:
+                details.append("jobs lost: " + " | ".join(k["lost_sample"]) + "\n")
         if r.get("error_samples"):
             details.append("errors seen: " + " | ".join(r["error_samples"][:5]) + "\n")
         if r.get("stalls"):
@@ -405,6 +443,9 @@ def main() -> int:
     parser.add_argument("--servers", default="1",
                         help="server processes (a list: 1,2,4); more than one: with a Redis message queue and HAProxy "
                              "in front, started here (redis-server and haproxy on PATH)")
+    parser.add_argument("--kill-one", type=float, default=None, metavar="AT",
+                        help="with --servers >= 2: SIGKILL one server process (the last) AT s into the window and "
+                             "report how its clients came back and the jobs lost (kill_one.py)")
     parser.add_argument("--rooms", type=int, default=1, help="rooms the clients and users are spread over")
     parser.add_argument("--users-per-100", type=float, default=10, help="SDK users per 100 GPU clients")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per simulated job")
@@ -444,6 +485,9 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="append the tables here (and raw figures to OUT.json)")
     args = parser.parse_args()
     server_counts = [int(n) for n in args.servers.split(",") if n.strip()]
+    if args.kill_one is not None and max(server_counts) < 2:
+        print("bench control_plane: --kill-one needs --servers 2 or more", file=sys.stderr)
+        return 2
     harness.require(harness.SERVER_MODULES + ["aiohttp"] + (["pymongo"] if "mongo" in args.store else [])
                     + (["redis"] if max(server_counts) > 1 else []))
     if max(server_counts) > 1:

@@ -13,6 +13,14 @@ waits on it as ``ZWDX.wait`` does (the job with its new events, one call held up
 ``long_poll`` 0: a plain poll every ``poll_interval``) and reads its metrics, again and again. A dashboard joins
 /ui and notes how long each metric event took from the rank's report to its screen. Only what
 happens inside the measurement window is kept.
+
+With a kill planned (``kill_at``, control_plane.py ``--kill-one``) the clients ride out a server
+process that dies as gpu_client does: a dropped connection is made again through the balancer
+(python-socketio's reconnection, the agent's delays) and registered anew with the jobs it runs;
+the ranks' REST calls are tried again while the server is away (gpu_client/outage.py); the
+dashboards reconnect. Each drop is noted with when its client was registered again, the calls
+and errors of the kill's span are filed apart (kill_one.py), and after the window the SDK users
+follow the jobs they submitted to their end (for at most ``drain`` s) so that a lost one shows.
 """
 from __future__ import annotations
 
@@ -26,13 +34,15 @@ import platform
 import random
 import sys
 import time
-from collections import defaultdict
 
 import aiohttp
 import socketio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's zwdx
 from zwdx.protocol.base import PROTOCOL  # noqa: E402  (the protocol the simulated clients speak)
+from recorder import Recorder  # noqa: E402
+
+AWAY = (502, 503, 504)  # what HAProxy answers for a server process that is gone
 
 API = "/api/v1"
 TOKEN = "X-Zwdx-Room-Token"
@@ -40,39 +50,24 @@ RANK_KEY = "X-Zwdx-Rank-Key"
 SHA = "X-Zwdx-Sha256"
 
 
-class Recorder:
-    def __init__(self, plan: dict):
-        self.t0, self.t1 = None, None
-        self.lat: dict[str, list[float]] = defaultdict(list)
-        self.errors: dict[str, int] = defaultdict(int)
-        self.counts: dict[str, int] = defaultdict(int)
-        self.error_samples: list[str] = []
+class Away(RuntimeError):
+    """A proxy's answer for a server that is away."""
 
-    def inside(self, t: float) -> bool:
-        return self.t0 is not None and self.t0 <= t <= self.t1
 
-    def note(self, kind: str, started: float, ended: float | None = None) -> None:
-        ended = ended or time.time()
-        if self.inside(started):
-            self.lat[kind].append(1000.0 * (ended - started))
-
-    def error(self, kind: str, exc) -> None:
-        if self.t0 is None or time.time() <= self.t1:
-            self.errors[kind] += 1
-            if len(self.error_samples) < 20:
-                self.error_samples.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])
-
-    def count(self, kind: str, n: int = 1, at: float | None = None) -> None:
-        if self.inside(at or time.time()):
-            self.counts[kind] += n
+#: How long a rank's call is tried again while the server is away (a rank's is 900 s; the
+#: bench's drain is shorter).
+PATIENCE = 120.0
 
 
 class Sim:
     def __init__(self, plan: dict, index: int):
         self.plan, self.index = plan, index
         self.url = plan["url"]
-        self.rec = Recorder(plan)
+        self.rec = Recorder()
         self.stop = asyncio.Event()
+        self.closing = asyncio.Event()  # no new jobs (set with stop, or before it to follow jobs to their end)
+        self.reconnect = plan.get("kill_at") is not None
+        self.jobs_seen: dict[str, str | None] = {}  # job id -> its last status seen by its SDK user
         self.http: aiohttp.ClientSession | None = None
         self.held = self.held_at_end = 0
         self.versions = {"python": platform.python_version(), "torch": "2.4.0", "cloudpickle": "3.0.0"}
@@ -82,24 +77,39 @@ class Sim:
         """A REST call with a room's submitter token, or a rank's key (as a rank process calls)."""
         headers = {**({TOKEN: token} if token else {}), **({RANK_KEY: rank_key} if rank_key else {}),
                    **kw.pop("headers", {})}
-        started = time.time()
-        try:
-            async with self.http.request(method, f"{self.url}{API}{path}", headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=60), **kw) as resp:
-                body = await resp.read()
-                if resp.status >= 400:
-                    raise RuntimeError(f"HTTP {resp.status}: {body[:200]!r}")
-            self.rec.note(kind, started)
-            return json.loads(body) if body else None
-        except Exception as exc:
-            self.rec.error(kind, exc)
-            return None
+        started, tries = time.time(), 0
+        # a rank's calls are tried again while the server is away, as gpu_client/outage.py does
+        patient = self.reconnect and rank_key is not None
+        while True:
+            try:
+                async with self.http.request(method, f"{self.url}{API}{path}", headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=60), **kw) as resp:
+                    body = await resp.read()
+                    if resp.status >= 400:
+                        raise (Away if resp.status in AWAY else RuntimeError)(f"HTTP {resp.status}: {body[:200]!r}")
+                self.rec.note(kind, started)
+                if tries:
+                    self.rec.count(f"{kind}: sent again (server away)")
+                return json.loads(body) if body else None
+            except (Away, aiohttp.ClientConnectionError) as exc:
+                if not patient or time.time() - started > PATIENCE:
+                    self.rec.error(kind, exc)
+                    return None
+                await asyncio.sleep(min(5.0, 0.5 * 2 ** tries))
+                tries += 1
+            except Exception as exc:
+                self.rec.error(kind, exc)
+                return None
 
     # -- a GPU client ---------------------------------------------------------------------
     async def gpu_client(self, n: int, token: str, delay: float) -> None:
         await asyncio.sleep(delay)
         cid = f"sim-{self.index}-{n}"
-        sio = socketio.AsyncClient(reconnection=False, http_session=self.http, ssl_verify=False)
+        # with a kill planned: reconnecting as the agent does (gpu_client/agent/agent.py)
+        sio = socketio.AsyncClient(reconnection=self.reconnect, reconnection_delay=0.5, reconnection_delay_max=2,
+                                   randomization_factor=0.5, http_session=self.http, ssl_verify=False)
+        registered = asyncio.Event()
+        drop: list[list] = []  # its last drop: [[client, dropped at, registered again at]]
         jobs: dict[str, asyncio.Task] = {}
         running: dict[str, int] = {}
         ns = "/gpu"
@@ -110,8 +120,11 @@ class Sim:
 
         async def job_assign(data):
             self.rec.count("jobs assigned")
+            earlier = jobs.pop(data["job_id"], None)  # an attempt before this one
+            if earlier is not None:
+                earlier.cancel()
             running[data["job_id"]] = int(data.get("attempt") or 0)
-            jobs[data["job_id"]] = asyncio.create_task(self.ranks(sio, data, running))
+            jobs[data["job_id"]] = asyncio.create_task(self.ranks(sio, data, running, registered))
 
         async def job_cancel(data):
             task = jobs.pop(data.get("job_id"), None)
@@ -132,6 +145,37 @@ class Sim:
                 secret["s"] = answer["client_secret"]
             return answer
 
+        async def disconnected(*_):
+            if registered.is_set() and not self.stop.is_set():
+                registered.clear()
+                self.held -= 1
+                drop[:] = [[cid, time.time(), None]]
+                self.rec.drops.append(drop[0])
+
+        async def connected():
+            if drop and not registered.is_set():  # connected again: registered again, with its jobs
+                drop[0][3:] = [time.time()]
+                asyncio.get_running_loop().create_task(register_again())
+
+        async def register_again():  # (the connect event comes before sio.connected is True)
+            while not registered.is_set() and not self.stop.is_set():
+                t = time.time()
+                try:
+                    await register()
+                except Exception as exc:
+                    self.rec.error("socket.io register (again)", exc)
+                    if ns not in sio.namespaces:  # dropped again: its next connect tries
+                        return
+                    await asyncio.sleep(1.0)
+                    continue
+                self.rec.note("socket.io register (again)", t)
+                drop[0][2] = time.time()
+                registered.set()
+                self.held += 1
+
+        if self.reconnect:
+            sio.on("disconnect", disconnected, namespace=ns)
+            sio.on("connect", connected, namespace=ns)
         sio.on("reserve_port", reserve_port, namespace=ns)
         sio.on("job_assign", job_assign, namespace=ns)
         sio.on("job_cancel", job_cancel, namespace=ns)
@@ -148,10 +192,17 @@ class Sim:
             await self._close(sio)
             return
         self.held += 1
+        registered.set()
         interval = float(answer.get("heartbeat_interval") or 2.0)
         await asyncio.sleep(random.random() * interval)
         try:
             while not self.stop.is_set():
+                if not registered.is_set():  # dropped: it beats again once registered elsewhere
+                    try:
+                        await asyncio.wait_for(registered.wait(), 1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
                 t = time.time()
                 try:
                     stats = [{"index": 0, "memory_free": 79 * 2**30 - random.randrange(2**30),
@@ -166,14 +217,15 @@ class Sim:
                         interval = float(answer["heartbeat_interval"])
                 except Exception as exc:
                     self.rec.error("socket.io heartbeat", exc)
-                    if not sio.connected:
+                    if not sio.connected and not self.reconnect:
                         break
                 try:
                     await asyncio.wait_for(self.stop.wait(), max(0.0, interval - (time.time() - t)))
                 except asyncio.TimeoutError:
                     pass
         finally:
-            self.held -= 1
+            if registered.is_set():
+                self.held -= 1
             for task in jobs.values():
                 task.cancel()
             await self._close(sio)
@@ -184,11 +236,12 @@ class Sim:
         except Exception:
             pass
 
-    async def ranks(self, sio, data: dict, running: dict) -> None:
+    async def ranks(self, sio, data: dict, running: dict, registered: asyncio.Event) -> None:
         """The rank processes of one job on this client, as the runner drives them over REST:
         each with its own rank key, and no room token."""
         plan = self.plan
         job, keys = data["job_id"], {r["rank"]: r["key"] for r in data["ranks"]}
+        attempt = int(data.get("attempt") or 0)
         ranks = list(keys)
         try:
             for r in ranks:
@@ -213,21 +266,26 @@ class Sim:
                 await self.rest("POST /ranks completed", "POST", f"/jobs/{job}/ranks/{r}", None, keys[r],
                                 json={"status": "completed", "results": {"loss": 0.1}, "final_loss": 0.1,
                                       "fingerprint": "5" * 64})  # a sha256, as a rank sends
-            t = time.time()
-            try:
-                await sio.call("ranks_exited", {"job_id": job, "attempt": running.get(job, 0),
-                                                "exits": {str(r): 0 for r in ranks}}, namespace="/gpu", timeout=30)
-                self.rec.note("socket.io ranks_exited", t)
-            except Exception as exc:
-                self.rec.error("socket.io ranks_exited", exc)
+            for _ in range(3 if self.reconnect else 1):  # said again once its client is registered again
+                t = time.time()
+                try:
+                    if self.reconnect:
+                        await asyncio.wait_for(registered.wait(), 60)
+                    await sio.call("ranks_exited", {"job_id": job, "attempt": attempt,
+                                                    "exits": {str(r): 0 for r in ranks}}, namespace="/gpu", timeout=30)
+                    self.rec.note("socket.io ranks_exited", t)
+                    break
+                except Exception as exc:
+                    self.rec.error("socket.io ranks_exited", exc)
         finally:
-            running.pop(job, None)
+            if running.get(job) == attempt:
+                running.pop(job, None)
 
     # -- an SDK user ----------------------------------------------------------------------
     async def user(self, n: int, token: str) -> None:
         await asyncio.sleep(random.random() * self.plan["job_seconds"] / 2)  # users do not act in step
         plan = self.plan
-        while not self.stop.is_set():
+        while not self.closing.is_set():
             blob = os.urandom(plan["bundle_bytes"])
             art = await self.rest("POST /artifacts (bundle)", "POST", "/artifacts", token, data=blob,
                                   headers={SHA: hashlib.sha256(blob).hexdigest(),
@@ -242,6 +300,7 @@ class Sim:
                 await asyncio.sleep(1)
                 continue
             submitted, after = time.time(), 0
+            self.jobs_seen[job["id"]] = job.get("status")
             while not self.stop.is_set():  # as ZWDX.wait: the job and its new events in one call
                 asked = time.monotonic()
                 if plan["long_poll"]:  # held until the job has news: its time is not a latency
@@ -250,6 +309,8 @@ class Sim:
                 else:
                     doc = await self.rest("GET /jobs/<id>?events_after", "GET", f"/jobs/{job['id']}", token,
                                           params={"events_after": str(after)})
+                if doc:
+                    self.jobs_seen[job["id"]] = doc["status"]
                 if doc and doc.get("events"):
                     after = doc["events"][-1]["seq"]
                     now = time.time()
@@ -266,7 +327,7 @@ class Sim:
 
     # -- a dashboard ----------------------------------------------------------------------
     async def dashboard(self, token: str) -> None:
-        sio = socketio.AsyncClient(reconnection=False, http_session=self.http)
+        sio = socketio.AsyncClient(reconnection=self.reconnect, http_session=self.http)
 
         async def job_events(data):
             now = time.time()
@@ -315,10 +376,16 @@ class Sim:
         with open(go_path) as fh:
             go = json.load(fh)
         self.rec.t0, self.rec.t1 = go["t0"], go["t1"]
+        if self.reconnect:
+            self.rec.kill_time = go["t0"] + plan["kill_at"]
         users = [u for u in range(plan["users"]) if u % plan["procs"] == me]
-        tasks += [asyncio.create_task(self.user(u, tokens[u % len(tokens)]["submitter"])) for u in users]
+        following = [asyncio.create_task(self.user(u, tokens[u % len(tokens)]["submitter"])) for u in users]
+        tasks += following
         await asyncio.sleep(max(0.0, go["t1"] - time.time()))
         self.held_at_end = self.held
+        self.closing.set()
+        if self.reconnect and following:  # the jobs under way, followed to their end (or for `drain` s)
+            await asyncio.wait(following, timeout=plan.get("drain", 60))
         self.stop.set()
         _, pending = await asyncio.wait(tasks, timeout=30)
         for task in pending:
@@ -340,7 +407,8 @@ def main() -> int:
     rec = sim.rec
     with open(args.result, "w") as fh:
         json.dump({"lat": rec.lat, "errors": rec.errors, "counts": rec.counts, "error_samples": rec.error_samples,
-                   "held_at_end": sim.held_at_end,
+                   "held_at_end": sim.held_at_end, "drops": rec.drops,
+                   "jobs": sim.jobs_seen if sim.reconnect else None,
                    "window": [rec.t0, rec.t1]}, fh)
     return 0
 
