@@ -340,11 +340,43 @@ def test_fsdp_without_tracked_objects_or_an_optimizer_restores_and_refuses_an_un
         saver.save(0, 2)
 
 
-def test_an_fsdp_rank_but_0_writes_no_tracked_state(tmp_path, group_of_one):
+def test_fsdp_rank_1_writes_no_tracked_state_and_reads_rank_0s(tmp_path, group_of_one):
+    """Two ranks' files of one checkpoint, written here one after the other (each a one-rank
+    group, so each holds the whole model): rank 1 keeps its tracked objects out of its own and
+    reads them back from rank 0's."""
     torch.set_num_threads(1)
     reporter = FolderReporter(tmp_path)
-    saver = Checkpointer(reporter, *_sharded(0), Parallelism.FSDP, 1, 2, CPU)
-    saver.save(0, 1)
-    saver.wait()
+    model, opt = _sharded(0)
+    for rank in (1, 0):
+        saver = Checkpointer(reporter, model, opt, Parallelism.FSDP, rank, 2, CPU)
+        saver.track(Counter(10 + rank), "counter")
+        saver.save(0, 1)
+        saver.wait()
     index = shards.read_index(str(tmp_path / "checkpoints" / "0" / shards.file_names(1)[1]), 1, 2)
     assert sorted(k for k, _ in index["tree"]["dict"]) == ["model", "optim", "rng"]
+    entry = reporter.commits[0].model_copy(update={"world_size": 2})
+    resumed = Checkpointer(reporter, *_sharded(1, steps=0), Parallelism.FSDP, 1, 2, CPU, latest=entry)
+    resumed.restore()
+    assert resumed.track(Counter(), "counter").value == 10 and resumed.rng_state is not None
+
+
+@pytest.mark.parametrize("part, value, message", [
+    ("model", [1, 2], "checkpoint 0 holds no model and optimizer state"),
+    ("tracked", [1], "checkpoint 0: rank 0's tracked state is no dict"),
+    ("rng", [1], "checkpoint 0: a rank's generators are not the state zwdx saves"),
+])
+def test_an_fsdp_checkpoint_that_is_not_what_ranks_write_is_refused_naming_it(tmp_path, group_of_one, part, value,
+                                                                             message):
+    torch.set_num_threads(1)
+    reporter = FolderReporter(tmp_path)
+    model, opt = _sharded(0)
+    saver = Checkpointer(reporter, model, opt, Parallelism.FSDP, 0, 1, CPU)
+    saver.save(0, 1)
+    saver.wait()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    forged = {"model": model_sd, "optim": optim_sd, "rng": rng_states(CPU), part: value}
+    shards.save(forged, str(tmp_path / "checkpoints" / "0"), 0, 1)
+    with pytest.raises(ValueError) as err:
+        Checkpointer(reporter, *_sharded(1, steps=0), Parallelism.FSDP, 0, 1, CPU, latest=reporter.commits[0]).restore()
+    assert str(err.value) == message
