@@ -90,11 +90,13 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     assert job["spec"]["parallelism"] == "DILOCO"
     assert job["spec"]["strategy"] == {"type": "diloco", "inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                                      "compression": "int8", "round_timeout": None, "overlap": False, "all_reduce": True,
-                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5}
+                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5,
+                                     "verify": 0.0, "verify_tolerance": 0.0}
     job = api.submit(parallelism="DILOCO", diloco={"inner_steps": 50, "compression": "fp16", "outer_momentum": 0}).json
     assert job["spec"]["strategy"] == {"type": "diloco", "inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.0, "nesterov": False,
                                      "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True,
-                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5}
+                                     "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5,
+                                     "verify": 0.0, "verify_tolerance": 0.0}
     assert api.submit(parallelism="DDP").json["spec"]["strategy"] == {"type": "ddp", "lora": None}
 
 
@@ -112,6 +114,11 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
     ({"parallelism": "DILOCO", "diloco": {"aggregate": "median"}}, "diloco.aggregate"),
     ({"parallelism": "DILOCO", "diloco": {"trim": -1}}, "diloco.trim"),
     ({"parallelism": "DILOCO", "diloco": {"suspect_after": -2}}, "diloco.suspect_after"),
+    ({"parallelism": "DILOCO", "diloco": {"verify": -0.1}}, "diloco.verify"),
+    ({"parallelism": "DILOCO", "diloco": {"verify": 5}}, "diloco.verify"),
+    ({"parallelism": "DILOCO", "diloco": {"verify_tolerance": 2}}, "diloco.verify_tolerance"),
+    ({"parallelism": "DILOCO", "world_size": 4, "diloco": {"verify": 0.5, "ranks_per_worker": 2}}, "diloco.verify"),
+    ({"parallelism": "DILOCO", "diloco": {"verify": 0.5}}, "diloco.verify"),                    # no world_size
     ({"parallelism": "DILOCO", "diloco": {"ranks_per_worker": 2}}, "diloco"),                   # no world_size
     ({"parallelism": "DILOCO", "world_size": 3, "diloco": {"ranks_per_worker": 2}}, "diloco"),  # not a divisor
     ({"parallelism": "DILOCO", "world_size": 4, "gpus_per_client": 4, "diloco": {"ranks_per_worker": 2}}, "diloco")])

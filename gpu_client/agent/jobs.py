@@ -91,7 +91,9 @@ class JobRunning:
                    assigned_at: float, worker_port: int | None = None, streamed: bool = False) -> RankSpec:
         logs = self.workspace.job_dir(assign.job_id)
         return RankSpec(
-            job_id=assign.job_id, attempt=assign.attempt, rank=place.rank, local_rank=local_rank,
+            job_id=assign.job_id, attempt=assign.attempt, local_rank=local_rank,
+            rank=place.rank if place.shadow_of is None else place.shadow_of,  # a shadow: the worker's identity
+            shadow=None if place.shadow_of is None else place.rank,
             world_size=assign.world_size, master_addr=assign.master_addr, master_port=assign.master_port,
             job=assign.spec, peers=reach.egress_peers(assign), backend=assign.backend,
             device=self._device(place.gpu_index, place.kind), collective_timeout=assign.collective_timeout,

@@ -49,7 +49,7 @@ class Trainer:
         self.spec, self.tuning = spec, tuning
         self.startup = Startup(spec.assigned_at)
         self.startup.mark("rank_process")
-        self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.rank,
+        self.reporter = Reporter(spec.server, spec.rank_key.get_secret_value(), spec.job_id, spec.own_rank,
                                  attempt=spec.attempt, verify=spec.ca_file or True, patience=spec.outage_tolerance)
         self.joined = False
         self.system: SystemMetrics | None = None
@@ -125,7 +125,7 @@ class Trainer:
 
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
-        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
+        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.own_rank,
                                     1 if spec.parallelism == Parallelism.DILOCO else dist.get_world_size(),
                                     self.device, latest, commit_timeout=spec.collective_timeout)
         if latest is not None and spec.joining:

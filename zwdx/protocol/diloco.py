@@ -56,6 +56,16 @@ class DilocoSettings(Message):
     #: A worker whose pseudo-gradient is an outlier (``zwdx.robust.flags``) this many rounds in a
     #: row is a suspect: named in the job's record and dropped from the job. 0: never.
     suspect_after: Annotated[int, Field(ge=0, le=10_000)] = 5
+    #: Spot checks (``zwdx.verify``): shadow workers, as many as this fraction of the workers
+    #: (ceil(verify * workers); above 1, some workers get two). A shadow is one more GPU client
+    #: slot that runs a worker's rank again (its shard, its seeds); its uploads are compared with
+    #: the worker's every round and never averaged; which workers are shadowed the server draws and
+    #: tells no one. A disagreement names a suspect. Rounds then go through the server. 0: off.
+    verify: Annotated[float, Field(ge=0, le=4)] = 0.0
+    #: The relative L2 distance under which a worker's and its shadow's uploads agree (identical
+    #: bytes always do). 0: bitwise, which CPUs with the same torch and thread count give; GPUs
+    #: need a tolerance (cuDNN and atomics differ run to run), and a liar may hide that much.
+    verify_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0
     #: The submitter's start weights (``POST /api/v1/diloco/start``, a safetensors of the model's
     #: state_dict, sent by the SDK at submit): the server steps its own copy of the global weights
     #: from them with every round's aggregate and returns those (``zwdx.server.global_weights``),
@@ -74,6 +84,13 @@ class DilocoSettings(Message):
         if self.outer_momentum == 0 and "nesterov" not in self.model_fields_set:
             self.nesterov = False
         return self
+
+    @field_validator("verify")
+    @classmethod
+    def _one_rank_workers(cls, value: float, info: ValidationInfo) -> float:
+        if value and info.data.get("ranks_per_worker", 1) > 1:
+            raise ValueError("must be 0 with ranks_per_worker above 1 (a shadow runs a worker of one rank)")
+        return value
 
 
 class RoundUpload(BaseModel):

@@ -222,6 +222,9 @@ class RankPlace(Answer):
     gpu_index: int
     kind: SlotKind = SlotKind.CUDA
     key: str
+    #: DILOCO with ``verify``: this rank is a shadow that runs worker ``shadow_of``'s rank again
+    #: (``zwdx.verify``): its ``RankSpec.rank`` is that worker's, its key this rank's.
+    shadow_of: int | None = None
 
 
 class JobAssign(Answer):

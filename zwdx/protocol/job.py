@@ -109,6 +109,23 @@ class Suspect(Record):
     at: float
 
 
+class Shadow(Record):
+    """DILOCO spot checks (``verify``): one more slot of the job that runs worker ``of``'s rank
+    again; its uploads are compared with the worker's, never averaged (``zwdx.verify``)."""
+    #: The worker's rank it runs again (drawn by the server; the worker is not told).
+    of: int
+    client_id: str
+    #: The last round it uploaded (-1: none yet): the server keeps what it still needs (its
+    #: worker's uploads, the averages) from there on, up to ``shadows.MAX_LAG`` rounds back.
+    round: int = -1
+    #: The rounds in which its upload and the worker's agreed.
+    agreed: list[int] = Field(default_factory=list)
+    #: The rounds in which they did not, and why (the suspects say who was named).
+    disagreed: dict[str, str] = Field(default_factory=dict)
+    #: Why it stopped (its process failed, its GPU client was lost): the job went on without it.
+    gone: str | None = Field(default=None, exclude_if=_absent)
+
+
 class RankFailure(Record):
     traceback: str
     #: When the server heard of it (None: recorded by a zwdx that did not say).
@@ -183,6 +200,9 @@ class JobFields(Record):
     #: DILOCO: rank -> why it was named a suspect (its pseudo-gradients disagreed with the
     #: others' round after round) and dropped; kept across attempts.
     suspects: dict[str, Suspect] = Field(default_factory=dict)
+    #: DILOCO with ``verify``: shadow's rank (its slot, numbered from ``world_size`` on, whose key
+    #: it holds) -> the worker it runs again and what the comparisons found; this attempt.
+    shadows: dict[str, Shadow] = Field(default_factory=dict)
     #: A rank lost its peers: failed unless a GPU client turns out lost (then resuming).
     suspect_since: float | None = None
     suspect_reason: str | None = None
@@ -265,5 +285,5 @@ class Submitted(JobView):
     unschedulable: str | None = None
 
 
-__all__ = ["CheckpointEntry", "AutoChoice", "Suspect", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
+__all__ = ["CheckpointEntry", "AutoChoice", "Suspect", "Shadow", "JobSpec", "PlacementEntry", "Master", "RankState", "RankFailure", "TimelineEntry",
            "RankCredential", "RestartEntry", "JobFields", "Job", "FailureInfo", "failure_order", "JobView", "Submitted"]

@@ -86,6 +86,10 @@ class RankSpec(Message):
     threads: Annotated[int, Field(ge=1, le=4096)]
     #: DILOCO: this worker joins a running job (``JobAssign.joining``).
     joining: bool = False
+    #: DILOCO with ``verify``: this process is a shadow (``zwdx.verify``), and this is its own rank,
+    #: the one its key speaks for (from ``world_size`` on), while ``rank`` is the worker's it runs
+    #: again: its uploads are compared with that worker's and never averaged; None: a worker.
+    shadow: Annotated[int, Field(ge=0, le=2**21)] | None = None
     #: DILOCO with several ranks per worker: the port on 127.0.0.1 where this GPU client's ranks
     #: of the job (one worker) meet as their own process group (the agent picks it); None: one rank.
     worker_port: Annotated[int, Field(ge=1, le=65535)] | None = None
@@ -159,6 +163,12 @@ class RankSpec(Message):
         """The variables torch (and libraries built on it) read for a distributed rank."""
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+    @property
+    def own_rank(self) -> int:
+        """The rank this process's key speaks for: a shadow's own (outside the world size, so its
+        checkpoint saves are skipped), else ``rank``."""
+        return self.rank if self.shadow is None else self.shadow
 
     # The job's options by the names the rank's code reads them: views of ``job``, not copies.
     @property

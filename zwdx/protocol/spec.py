@@ -323,6 +323,9 @@ def _resolved(strategy: Any, resources: Resources) -> Resources:
         world = strategy.stages // (strategy.stages_per_rank or 1)
     if isinstance(strategy, Diloco) and strategy.ranks_per_worker > 1:
         gpus = _worker(strategy.ranks_per_worker, world, gpus)
+    if isinstance(strategy, Diloco) and strategy.verify and world is None:
+        fail(("strategy", "diloco", "verify"), "needs resources.world_size: the shadows are a share of the workers",
+             strategy.verify)
     if isinstance(strategy, Mixed) and strategy.global_batch is not None and world is not None \
             and strategy.global_batch < world:
         fail(("strategy", "mixed", "global_batch"), f"must be at least world_size ({world}): every rank takes a "

@@ -51,7 +51,8 @@ class Pipeline(_spec.Pipeline):
 
 
 class Diloco(_spec.Diloco):
-    """DILOCO: ``inner_steps``, ``outer_lr``, ``compression``, ... (``zwdx.protocol.diloco``)."""
+    """DILOCO: ``inner_steps``, ``outer_lr``, ``compression``, ``verify`` (spot checks by shadow workers), ...
+    (``zwdx.protocol.diloco``)."""
 
 
 class DDP(_spec.DDP):

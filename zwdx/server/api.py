@@ -28,7 +28,7 @@ from ..protocol.spec import nest
 from ..protocol.rest import (ArtifactView, CreateRoom, EventsPage, EventsQuery, Health, JobDetail, JobList, JobQuery,
                              JobsQuery, MetricsAnswer, MetricsQuery, PruneClients, PrunedClients, RoomCreated,
                              RoomDetail, RoomSettings, RoomView, SubmitJob)
-from . import clients, global_weights, jobs, limits, manifests, notify, series, suspects
+from . import clients, global_weights, jobs, limits, manifests, notify, series, shadows, suspects
 from .auth import Sender, issue_credential, only_rank
 from .http import OCTET, P, Auth, ctx, job_artifact, operation, save_artifact, stream
 from .jobs import Job
@@ -317,6 +317,8 @@ def post_events(job: JobRecord, sender: Sender, body: EventsBatch):
     most ``RATE_LIMIT_EVENTS`` (429 ``too_many_requests``: retry later); a batch that would take
     the room past ``ROOM_MAX_EVENTS`` or ``ROOM_MAX_ARTIFACT_BYTES`` is refused whole (429
     ``quota_exceeded``); below the server's free-space floor, 507 (``disk.py``)."""
+    if shadows.of(job, sender.rank) is not None:
+        return Stored(stored=0)  # a shadow's metrics and logs are its worker's again: not the job's
     others = sorted({ev.rank for ev in body.events if ev.rank not in (None, sender.rank)})
     if others:
         raise Forbidden(f"rank {sender.rank}'s key reports rank {sender.rank}'s events only, not rank(s) "
@@ -337,6 +339,11 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
     still report its own failure for a moment (its traceback is kept); nothing else.
     ``weights_artifact`` must name weights uploaded for this job (``PUT /jobs/<id>/weights``):
     anything else is refused (400) and nothing is recorded."""
+    if shadows.of(job, rank) is not None:  # a shadow: its failure is noted, the job goes on
+        only_rank(sender, rank, f"a report for rank {rank}", job.id)
+        if body.status == RankStatus.FAILED:
+            shadows.gone(job, [rank], f"it failed: {body.error or 'error'}")
+        return RankReportAnswer(ok=True, ignored=f"rank {rank} is a shadow: what it reports is not the job's")
     if job.world_size is None or not 0 <= rank < job.world_size:
         raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")
     only_rank(sender, rank, f"a report for rank {rank}", job.id)
@@ -359,7 +366,10 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
 def post_rank_layout(job: JobRecord, sender: Sender, rank: int, body: RankLayout):
     """Only the rank's own key reports its layout (403 otherwise), once it runs: the job's page
     draws it (``protocol.layout``). A layout that breaks a bound is refused (400) and changes
-    nothing; one from a rank not running is ``ignored``."""
+    nothing; one from a rank not running, or from a shadow, is ``ignored``."""
+    if shadows.of(job, rank) is not None:
+        only_rank(sender, rank, f"a layout for rank {rank}", job.id)
+        return RankReportAnswer(ok=False, ignored=f"rank {rank} is a shadow")
     if job.world_size is None or not 0 <= rank < job.world_size:
         raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")
     only_rank(sender, rank, f"a layout for rank {rank}", job.id)

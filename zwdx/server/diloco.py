@@ -50,7 +50,7 @@ from ..protocol.job import Job as JobRecord
 from .auth import Sender
 from .jobs import rejoined
 from .http import OCTET, Auth, ctx, operation, save_artifact, stream
-from . import global_weights, jobs, joiners, limits, notify, suspects
+from . import global_weights, jobs, joiners, limits, notify, shadows, suspects
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ def _uploads(job: JobRecord, n: int) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for artifact in sorted(ctx().store.list_artifacts(job.id, ArtifactKind.PSEUDO_GRADIENT.value),
                            key=lambda a: a["created_at"]):
-        if artifact.get("attempt") == job.attempt and artifact.get("round") == n and artifact.get("numel") is not None:
+        if artifact.get("attempt") == job.attempt and artifact.get("round") == n and artifact.get("numel") is not None \
+                and shadows.of(job, artifact["rank"]) is None:  # a shadow's is compared, never averaged
             out[artifact["rank"]] = artifact
     return out
 
@@ -156,6 +157,8 @@ def put_round(job: JobRecord, sender: Sender, n: int, query: RoundUpload):
     older than the last averaged, 409. ``last``: the worker's last round; later rounds do not
     wait for it. The upload that completes a round has it averaged before the answer."""
     _diloco(job)
+    if shadows.of(job, sender.rank) is not None:
+        return _shadow_upload(job, sender, n, query), 201
     per = job.spec.diloco.ranks_per_worker
     if sender.rank % per:
         raise Conflict(f"rank {sender.rank} uploads no rounds: rank {sender.rank - sender.rank % per} uploads for "
@@ -181,6 +184,31 @@ def put_round(job: JobRecord, sender: Sender, n: int, query: RoundUpload):
         _delete(uploads[sender.rank])  # the later upload wins
     close(job, n)
     return state(job, n)[0], 201
+
+
+def _shadow_upload(job: JobRecord, sender: Sender, n: int, query: RoundUpload) -> RoundState:
+    """A shadow's upload (``shadows``): checked as a worker's, kept for the comparison with its
+    worker's once round ``n`` is averaged; never in an average, and never late (its ``last``
+    changes nothing)."""
+    shadow = shadows.of(job, sender.rank)
+    if shadow is None or shadow.gone is not None:
+        raise Conflict(f"rank {sender.rank} of job {job.id} is a shadow that is gone", job_id=job.id)
+    held = [a for a in shadows.pseudo_gradients(job) if a.get("round") == n and a.get("attempt") == job.attempt]
+    artifact = save_artifact({"id": job.room_id}, ArtifactKind.PSEUDO_GRADIENT.value, job.id, round=n,
+                             rank=sender.rank, attempt=sender.attempt, last=query.last).model_dump()
+    try:
+        layout, norm = _check(job, artifact, [a for a in held if a["rank"] != sender.rank and a.get("numel")])
+    except BaseException:
+        _delete(artifact)
+        raise
+    ctx().store.update_artifact(artifact["id"], {"numel": layout.numel, "last": query.last, "norm": norm})
+    shadows.uploaded(job, sender.rank, n)
+    for earlier in held:
+        if earlier["rank"] == sender.rank:
+            _delete(earlier)  # the later upload wins
+    job = ctx().store.get_job(job.id) or job  # its round, as ``uploaded`` wrote it
+    shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
+    return state(job, n)[0]
 
 
 @operation(bp, "GET", "/jobs/<job_id>/diloco/rounds/<n>", "Download round n's average, once made",
@@ -326,7 +354,9 @@ def _average(job: JobRecord, n: int, round_state: RoundState, uploads: dict[int,
     joiners.serve(job, n)
     earlier = _averages(job).get(n - 1) or {}
     flagged = suspects.judge(job, n, members, combiner, earlier, record)
-    _collect(job, n)
+    shadows.compare(ctx().store.get_job(job.id) or job, n, ctx().store.get_artifact(record["id"]),
+                    shadows.pseudo_gradients(job), _delete)
+    _collect(ctx().store.get_job(job.id) or job, n)
     twice = [r for r in round_state.waiting_for if r in (earlier.get("missed") or [])]
     if twice:  # two rounds in a row: it is gone, or too slow to be waited for
         jobs.drop(ctx(), ctx().store.get_job(job.id), twice, f"missed diloco rounds {n - 1} and {n}")
@@ -355,11 +385,11 @@ def _yielding(chunks):
 
 def _collect(job: JobRecord, n: int) -> None:
     """After round ``n`` is averaged: its uploads, the averages before round ``n - 1``, and every
-    round artifact of an earlier attempt go."""
+    round artifact of an earlier attempt go; but what a shadow behind still needs (``shadows.keeps``)."""
     store = ctx().store
     for kind in (ArtifactKind.PSEUDO_GRADIENT, ArtifactKind.OUTER_GRADIENT):
         for artifact in store.list_artifacts(job.id, kind.value):
             old_attempt = artifact.get("attempt") != job.attempt
             done = artifact.get("round", n) <= n if kind is ArtifactKind.PSEUDO_GRADIENT else artifact.get("round", n) < n - 1
-            if old_attempt or done:
+            if old_attempt or (done and not shadows.keeps(job, artifact, n)):  # a shadow behind: kept for it
                 _delete(artifact)

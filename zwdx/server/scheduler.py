@@ -44,7 +44,7 @@ from . import clients as clients_of_room
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .jobs import Job, wanting
-from .placement import mixed, plan, unschedulable
+from .placement import mixed, plan, shadows, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +285,7 @@ class Scheduler:
             record = resolved
         asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
                  "world_size": record.world_size, "avoid": record.avoid}
+        asked["spec"] = shadows.asked(record, asked["spec"])  # DILOCO's spot checks: their slots too
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
         job = Job(store, record)
         if chosen is None:
@@ -297,13 +298,14 @@ class Scheduler:
                                   [c for c in clients.values() if c["id"] not in record.avoid])
             jobs.wait(self.ctx, record, reason)
             return _PASSED if never else _BLOCKED
+        chosen, of = shadows.arrange(record, chosen, clients)
         placement = [PlacementEntry(rank=rank, client_id=slot["client_id"], hostname=clients[slot["client_id"]].get(
             "hostname"), gpu_index=slot["index"], gpu_name=slot.get("name"), kind=slot.get("kind") or SlotKind.CUDA)
             for rank, slot in enumerate(chosen)]
         rank_keys = {p.rank: new_secret(RANK_KEY_PREFIX) for p in placement}
         note = mixed(p.kind.value for p in placement)  # GPU and CPU slots together: what it costs
         if not job.start(placement, [s["id"] for s in chosen], {r: hash_secret(k) for r, k in rank_keys.items()},
-                         note=note):
+                         note=note, shadows=shadows.entries(placement, of)):
             return _BLOCKED  # another scheduler got there first; look again next pass
         for rank, slot in enumerate(chosen):  # the pass's view of the room, as the store now has it
             slot["job_id"], slot["rank"] = record.id, rank

@@ -39,7 +39,7 @@ def judge(job: JobRecord, n: int, members: list[int], combiner: robust.Combiner,
     after = job.spec.diloco.suspect_after
     named = {r: rounds for r, rounds in strikes.items() if after and len(rounds) >= after and str(r) not in job.suspects}
     if named:
-        _name(job, {r: (rounds, why[r]) for r, rounds in named.items()})
+        name(job, {r: (rounds, why[r]) for r, rounds in named.items()})
     return why
 
 
@@ -67,10 +67,10 @@ def compare_weights(job: JobRecord | None) -> None:
     named = {r: ([], f"its final weights are not {whose} (fingerprint {fp[:12]}, not {reference[:12]})")
              for r, fp in held.items() if fp != reference and str(r) not in job.suspects}
     if named:
-        _name(job, named, drop=False)
+        name(job, named, drop=False)
 
 
-def _name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = True) -> None:
+def name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = True) -> None:
     store, now = ctx().store, time.time()
     clients = {p.rank: p.client_id for p in job.placement or []}
     clients.update({int(r): j.client_id for r, j in job.joins.items()})

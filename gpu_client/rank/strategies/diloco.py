@@ -78,6 +78,8 @@ class Diloco(Collective):
         self.per = self.settings.ranks_per_worker
         self.lead = spec.rank % self.per == 0
         self.worker, self.workers = spec.rank // self.per, spec.world_size // self.per
+        #: A shadow (``zwdx.verify``): its own rank, while ``spec.rank`` is the worker's it runs again.
+        self.shadow: int | None = getattr(spec, "shadow", None)
         self.base = f"{reporter.base}/diloco"
         self.url = f"{self.base}/rounds"
         self.round = 0   # the next round
@@ -124,14 +126,17 @@ class Diloco(Collective):
         self.reporter.outer_step = self.sync
         if self.spec.joining:
             self._join()
-        elif s.all_reduce and self.workers > 1 and self.lead:  # the workers' first ranks
+        elif s.all_reduce and not s.verify and self.workers > 1 and self.lead:  # the workers' first ranks
             self.peers, why = form(self.spec.master_addr, self.spec.master_port, self.worker, self.workers,
                                    self.spec.collective_timeout)
             if self.spec.rank == 0:
                 self.reporter.log("DILOCO: the workers reach each other: rounds average by all-reduce among them (gloo)"
                                   if self.peers else f"DILOCO: the workers do not all reach each other ({why}): rounds "
                                                      f"go through the server")
-        if self.spec.rank == 0:
+        if self.shadow is not None:  # its log is not the job's: the GPU client's own log says it
+            log.info("rank %d: DILOCO shadow of worker %d: its uploads are compared with the worker's, never averaged",
+                     self.shadow, self.worker)
+        elif self.spec.rank == 0:
             each = f" ({self.per} ranks each, DDP among them)" if self.per > 1 else ""
             self.reporter.log(f"DILOCO: worker {self.worker} of {self.workers}{each}, an outer step every "
                               f"{s.inner_steps} inner steps {'by all-reduce' if self.peers else 'through the server'}"
@@ -150,8 +155,8 @@ class Diloco(Collective):
 
     def uploads_weights(self) -> bool:
         """Whether this worker uploads the job's weights: the first rank not dropped (rank 0,
-        unless it was; a worker's first rank), as the server takes them."""
-        return self.spec.rank == next(r for r in range(0, self.spec.world_size, self.per) if r not in self.dropped)
+        unless it was; a worker's first rank), as the server takes them; never a shadow."""
+        return self.shadow is None and self.spec.rank == next(r for r in range(0, self.spec.world_size, self.per) if r not in self.dropped)
 
     def global_fingerprint(self, model: torch.nn.Module, state: dict | None) -> str | None:
         """sha256 of this worker's parameters alone (``parallel.fingerprint`` over them): the global

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Collection
 
-from ...protocol import ACTIVE, ClientStatus, JobStatus, Parallelism, RankStatus
+from ...protocol import ACTIVE, ClientStatus, EventKind, JobStatus, Parallelism, RankStatus
 from ...protocol.job import Job as JobRecord
 from .effects import Ctx, Effects, Release, apply, stopping
 from .model import Job
@@ -82,6 +82,26 @@ def drop(ctx: Ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
     return True
 
 
+def shadows_gone(ctx: Ctx, job: JobRecord, ranks: list[int], why: str) -> list[int]:
+    """DILOCO with ``verify``: those of ``ranks`` that are shadows (``zwdx.server.shadows``) are
+    noted gone (``why``: failed, exited, their GPU client lost, named) and the job goes on as it
+    was; the others (workers), returned."""
+    ours = {r: s for r in ranks if (s := job.shadows.get(str(r))) is not None}
+    fresh = {str(r): s.model_copy(update={"gone": why}) for r, s in ours.items()
+             if s.gone is None and job.status in ACTIVE}  # a job that ended stops its shadows: nothing to say
+    if fresh and (after := ctx.store.put_job_entries(job.id, "shadows", fresh)) is not None:
+        now = time.time()
+        texts = [f"diloco: shadow rank {r} (of rank {s.of}, gpu client {s.client_id}) is gone ({why}); the job goes "
+                 f"on without it" for r, s in sorted(fresh.items(), key=lambda kv: int(kv[0]))]
+        for text in texts:
+            log.warning("job %s: %s", job.id, text)
+        ctx.store.add_events(job.id, [{"kind": EventKind.LOG.value, "rank": None, "key": f"shadow-gone:{job.attempt}:{r}",
+                                       "step": None, "data": {"text": text}, "ts": now}
+                                      for r, text in zip(sorted(fresh, key=int), texts)])
+        apply(ctx, Effects(show=after))
+    return [r for r in ranks if r not in ours]
+
+
 def ranks_exited(ctx: Ctx, client_id: str, job_id: str, exits: dict[str, int], attempt: int = 0) -> None:
     """A GPU client says its rank processes of this job (this attempt) are gone; free its slots.
     A DILOCO worker that died without a word is dropped, and the others go on."""
@@ -92,6 +112,11 @@ def ranks_exited(ctx: Ctx, client_id: str, job_id: str, exits: dict[str, int], a
         log.info("job %s: late exits of attempt %d from gpu-client %s ignored", job_id, attempt, client_id)
         return
     record = handle.record
+    if record.shadows:  # a shadow's exit is noted; it makes the job neither suspect nor short of a worker
+        theirs = {r: c for r, c in exits.items() if str(r) in record.shadows}
+        shadows_gone(ctx, record, [int(r) for r, c in theirs.items() if int(c) != 0],
+                     f"its process exited ({', '.join(f'{r}: {c}' for r, c in theirs.items())})")
+        exits = {r: c for r, c in exits.items() if r not in theirs}
     died = [int(rank) for rank, code in exits.items() if int(code) != 0 and str(rank) not in record.failures]
     if died and drop(ctx, record, died, f"rank process(es) {', '.join(map(str, died))} on gpu client {client_id} "
                                          f"exited ({', '.join(f'{r}: {exits[r]}' for r in exits)})"):
@@ -169,6 +194,12 @@ def client_lost(ctx: Ctx, client_id: str, reason: str) -> None:
         why = f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}"
         job = ctx.store.get_job(job_id)
         ranks = [p.rank for p in (job.placement or []) if p.client_id == client_id] if job else []
+        if job is not None and job.shadows:
+            workers = shadows_gone(ctx, job, ranks, why)
+            if not workers:  # only shadows: the job goes on as it was
+                apply(ctx, Effects(release=(Release(job_id, client_id),)))
+                continue
+            ranks = workers
         if job is None or not drop(ctx, job, ranks, why):
             interrupt(ctx, job_id, why)
         apply(ctx, Effects(release=(Release(job_id, client_id),)))

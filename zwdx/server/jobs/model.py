@@ -26,7 +26,7 @@ from typing import Any, Callable, Collection
 from ...protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
 from ...protocol.layout import RankLayout
 from ...protocol.job import CheckpointEntry, DilocoJoin, Job as JobRecord, Master, PlacementEntry, RankCredential, \
-    RankFailure, RankState, RestartEntry, TimelineEntry
+    RankFailure, RankState, RestartEntry, Shadow, TimelineEntry
 from .. import meters
 from ..store import Store
 from . import rules
@@ -93,19 +93,21 @@ class Job:
         return self._took(self.store.jobs.wait(self.id, reason, self.status))
 
     def start(self, placement: list[PlacementEntry], slot_ids: list[str], key_hashes: dict[int, str],
-              note: str | None = None) -> bool:
+              note: str | None = None, shadows: dict[str, Shadow] | None = None) -> bool:
         """queued|resuming -> starting: the slots (one per rank, in rank order) are the job's,
         the new attempt starts with nothing heard from its ranks, and each rank's key (its hash,
         bound to the attempt and the rank's GPU client) replaces the last attempt's. NCCL when
         every rank is on a GPU, gloo otherwise. ``note``: what the timeline says of the
-        placement (mixed devices). False: a slot or the job was taken meanwhile (nothing changed)."""
-        now, attempt, size = self.clock(), self.record.restarts, len(placement)
+        placement (mixed devices). ``shadows``: DILOCO's spot checks, the placement's last ranks,
+        outside the world size. False: a slot or the job was taken meanwhile (nothing changed)."""
+        now, attempt, size = self.clock(), self.record.restarts, len(placement) - len(shadows or {})
         keys = {str(p.rank): RankCredential(hash=key_hashes[p.rank], client_id=p.client_id, attempt=attempt)
                 for p in placement}
         fields = {"status": JobStatus.STARTING, "placement": placement, "world_size": size, "attempt": attempt,
                   "backend": "nccl" if all(p.kind == SlotKind.CUDA for p in placement) else "gloo",
                   "rank_keys": keys, "started_at": now, "waiting_reason": None, "master": None,
-                  "ranks": {}, "exits": {}, "failures": {}, "joins": {}, "suspect_since": None, "suspect_reason": None,
+                  "ranks": {}, "exits": {}, "failures": {}, "joins": {}, "shadows": shadows or {},
+                  "suspect_since": None, "suspect_reason": None,
                   "failing_since": None, "failing_reason": None}
         if not self.store.reserve_slots(self.id, [(slot, rank) for rank, slot in enumerate(slot_ids)], fields):
             return False

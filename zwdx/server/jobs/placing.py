@@ -54,7 +54,8 @@ def assign(ctx: Ctx, job: JobRecord, rank_keys: dict[int, str], joining: bool = 
         client = clients[client_id]
         if not client.get("sid") or client.get("status") != ClientStatus.ONLINE.value:
             continue  # gone since it was placed: the reaper declares it lost and interrupts the job
-        ranks = [RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank])
+        ranks = [RankPlace(rank=p.rank, gpu_index=p.gpu_index, kind=p.kind, key=rank_keys[p.rank],
+                           shadow_of=s.of if (s := job.shadows.get(str(p.rank))) is not None else None)
                  for p in job.placement or [] if p.client_id == client_id and p.rank in rank_keys]
         if not ranks:
             continue  # joining: not this client's

@@ -53,7 +53,7 @@ SCHEMA_VERSION = 3
 SLOT_STATS = ("memory_free", "utilization", "memory_total")
 
 #: A job's per-rank maps (``put_job_entries``) and its lists (``append_job``).
-MAP_FIELDS = ("ranks", "exits", "failures", "joins", "suspects")
+MAP_FIELDS = ("ranks", "exits", "failures", "joins", "suspects", "shadows")
 LIST_FIELDS = ("timeline", "restart_history", "checkpoints")
 #: Fields no verb changes once the job is created.
 FIXED_FIELDS = ("id", "room_id", "seq")

@@ -1,0 +1,135 @@
+"""DILOCO's spot checks through the server (issue 33, ``verify``), in process over both stores:
+a shadow's uploads are compared with its worker's once the round is averaged and never in the
+average; identical bytes agree, anything else is a disagreement that names both (two workers:
+no third opinion); a shadow that fails is noted and the job goes on. The rule itself:
+test_verify.py; with real GPU-client processes: test_diloco_verify.py."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from conftest import Api
+from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
+from zwdx import codec, defaults
+from zwdx.protocol import SlotKind
+from zwdx.protocol.job import PlacementEntry, Shadow
+
+
+@pytest.fixture
+def backend_app(backend, make_app, tmp_path):
+    if backend.name == "sqlite":
+        return make_app(DATA_DIR=backend.where)
+    return make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
+
+
+def shadowed(app, verify: float = 0.5):
+    """A two-worker DILOCO job started as the scheduler starts one with ``verify``: ranks 0 and 1
+    the workers, rank 2 a shadow of worker 1, each on a GPU client of its own. The room's job, and
+    each rank's Api (its key alone)."""
+    from zwdx.server.auth import hash_secret
+    from zwdx.server.jobs import Job
+    store = app.extensions["zwdx"].store
+    room = Api(app.test_client()).create_room("verify")
+    job = room.submit(parallelism="DILOCO", world_size=2, diloco={"compression": "none", "verify": verify}).json
+    keys = {r: f"rk_{job['id']}_{r}" for r in range(3)}
+    for r in keys:
+        client = f"gpu-{job['id']}-{r}"
+        store.upsert_client({"id": client, "room_id": room.room["id"], "hostname": f"h{r}", "status": "online"},
+                            [{"id": f"{client}:0", "client_id": client, "room_id": room.room["id"], "index": 0,
+                              "kind": "cpu"}])
+    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
+    assert Job.load(store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
+                                            {r: hash_secret(k) for r, k in keys.items()},
+                                            shadows={"2": Shadow(of=1, client_id=f"gpu-{job['id']}-2")})
+    return room, job, [room.as_(None, rank_key=k) for k in keys.values()]
+
+
+def put(rank, job: dict, n: int, values):
+    data = codec.encode(np.asarray(values, np.float32), "none")
+    return rank.put(f"/jobs/{job['id']}/diloco/rounds/{n}", data=data,
+                    headers={defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
+
+
+def logs(room, job: dict) -> list[str]:
+    return [e["data"]["text"] for e in room.get(f"/jobs/{job['id']}/events").json["events"] if e["kind"] == "log"]
+
+
+def test_the_world_size_is_the_workers_and_a_shadow_is_never_averaged(backend_app):
+    room, job, (r0, r1, shadow) = shadowed(backend_app)
+    record = room.get(f"/jobs/{job['id']}").json
+    assert record["world_size"] == 2 and record["shadows"]["2"]["of"] == 1
+    a, b = np.linspace(-1, 1, 300), np.linspace(2, -2, 300)
+    first = put(shadow, job, 0, [9.0] * 300)  # first in, and far off: it must not count
+    assert first.status_code == 201 and first.json["waiting_for"] == [0, 1], first.json
+    assert put(r0, job, 0, a).status_code == 201
+    done = put(r1, job, 0, b)
+    assert done.status_code == 201 and done.json["ready"] and done.json["members"] == [0, 1], done.json
+    average = codec.decode(r0.get(f"/jobs/{job['id']}/diloco/rounds/0").data)
+    assert np.allclose(average, (a + b) / 2)  # the shadow's nines are not in it
+    assert shadow.get(f"/jobs/{job['id']}/diloco/rounds/0").status_code == 200  # it stays in step
+
+
+def test_identical_uploads_agree_and_name_nobody(backend_app):
+    room, job, (r0, r1, shadow) = shadowed(backend_app)
+    a, b = np.linspace(-1, 1, 300), np.linspace(2, -2, 300)
+    for n in range(2):
+        assert put(r0, job, n, a).status_code == 201
+        assert put(r1, job, n, b).status_code == 201  # averaged: its shadow comes later
+        assert put(shadow, job, n, b).status_code == 201
+    record = room.get(f"/jobs/{job['id']}").json
+    assert record["shadows"]["2"]["agreed"] == [0, 1] and record["shadows"]["2"]["disagreed"] == {}
+    assert record["suspects"] == {}
+    for n in range(2):
+        line = f"diloco spot check, round {n}: rank 1 and its shadow(s) agree (shadow rank 2: identical bytes)"
+        assert line in logs(room, job), logs(room, job)
+    left = {(a["round"], a["rank"]) for a in backend_app.extensions["zwdx"].store.list_artifacts(job["id"], "pseudo_gradient")}
+    assert left == set()  # compared, then deleted
+
+
+def test_a_disagreement_with_no_third_opinion_names_both_with_the_round_and_distance(backend_app):
+    room, job, (r0, r1, shadow) = shadowed(backend_app)
+    a, b = np.linspace(-1, 1, 300), np.linspace(2, -2, 300)
+    assert put(shadow, job, 0, b).status_code == 201
+    assert put(r0, job, 0, a).status_code == 201
+    assert put(r1, job, 0, b + 1e-3).status_code == 201  # the same length, other values
+    record = room.get(f"/jobs/{job['id']}").json
+    assert sorted(record["suspects"]) == ["1", "2"], record["suspects"]
+    reason = record["suspects"]["1"]["reason"]
+    assert reason.startswith("spot check, round 0: disagreed with its shadow (relative distance ") and \
+        "cannot be told" in reason
+    assert record["suspects"]["1"]["rounds"] == [0]
+    assert record["shadows"]["2"]["disagreed"].keys() == {"0"} and record["shadows"]["2"]["gone"] == "named a suspect"
+    assert record["ranks"]["1"]["status"] == "dropped" and record["status"] in ("starting", "running")
+
+
+def test_a_shadow_that_fails_is_noted_and_the_job_goes_on(backend_app):
+    room, job, (r0, r1, shadow) = shadowed(backend_app)
+    said = shadow.post(f"/jobs/{job['id']}/ranks/2", json={"status": "failed", "error": "boom", "traceback": "tb"})
+    assert said.status_code == 200 and said.json["ok"], said.json
+    record = room.get(f"/jobs/{job['id']}").json
+    assert record["shadows"]["2"]["gone"] == "it failed: boom"
+    assert record["failures"] == {} and record["failing_since"] is None and record["status"] in ("starting", "running")
+    assert any("shadow rank 2 (of rank 1" in t and "the job goes on without it" in t for t in logs(room, job))
+    assert put(shadow, job, 0, [1.0] * 300).status_code == 409  # gone: no more uploads
+    for r in (r0, r1):
+        assert r.post(f"/jobs/{job['id']}/ranks/{0 if r is r0 else 1}", json={"status": "running"}).status_code == 200
+
+
+def test_a_shadow_behind_catches_up_on_what_the_server_kept_for_it(backend_app):
+    room, job, (r0, r1, shadow) = shadowed(backend_app)
+    a, b = np.linspace(-1, 1, 300), np.linspace(2, -2, 300)
+    for n in range(4):  # the workers run four rounds before their shadow starts
+        assert put(r0, job, n, a * (n + 1)).status_code == 201
+        assert put(r1, job, n, b * (n + 1)).status_code == 201
+    for n in range(4):
+        assert put(shadow, job, n, b * (n + 1)).status_code == 201
+        assert shadow.get(f"/jobs/{job['id']}/diloco/rounds/{n}").status_code == 200  # kept for it
+    assert r0.get(f"/jobs/{job['id']}/diloco/rounds/0").status_code == 200
+    record = room.get(f"/jobs/{job['id']}").json
+    assert record["shadows"]["2"]["agreed"] == [0, 1, 2, 3] and record["shadows"]["2"]["round"] == 3
+    store = backend_app.extensions["zwdx"].store
+    assert store.list_artifacts(job["id"], "pseudo_gradient") == []
+    assert put(r0, job, 4, a).status_code == 201 and put(r1, job, 4, b).status_code == 201
+    assert sorted(x["round"] for x in store.list_artifacts(job["id"], "outer_gradient")) == [3, 4]  # caught up: swept
