@@ -29,10 +29,11 @@ class Recorder:
         if self.inside(started):
             self.lat[kind + (DURING if during(self.kill_time, started, ended) else "")].append(1000.0 * (ended - started))
 
-    def error(self, kind: str, exc) -> None:
+    def error(self, kind: str, exc, started: float | None = None) -> None:
+        """An error of a call (made at ``started``: one that overlapped the kill's span is filed apart)."""
         now = time.time()
         if self.t0 is None or now <= self.t1:
-            kind += DURING if during(self.kill_time, now, now) else ""
+            kind += DURING if during(self.kill_time, started or now, now) else ""
             self.errors[kind] += 1
             if len(self.error_samples) < 20:
                 self.error_samples.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])

@@ -93,12 +93,12 @@ class Sim:
                 return json.loads(body) if body else None
             except (Away, aiohttp.ClientConnectionError) as exc:
                 if not patient or time.time() - started > PATIENCE:
-                    self.rec.error(kind, exc)
+                    self.rec.error(kind, exc, started)
                     return None
                 await asyncio.sleep(min(5.0, 0.5 * 2 ** tries))
                 tries += 1
             except Exception as exc:
-                self.rec.error(kind, exc)
+                self.rec.error(kind, exc, started)
                 return None
 
     # -- a GPU client ---------------------------------------------------------------------
@@ -163,7 +163,7 @@ class Sim:
                 try:
                     await register()
                 except Exception as exc:
-                    self.rec.error("socket.io register (again)", exc)
+                    self.rec.error("socket.io register (again)", exc, t)
                     if ns not in sio.namespaces:  # dropped again: its next connect tries
                         return
                     await asyncio.sleep(1.0)
@@ -208,7 +208,8 @@ class Sim:
                     stats = [{"index": 0, "memory_free": 79 * 2**30 - random.randrange(2**30),
                               "utilization": random.randrange(100)}]
                     answer = await sio.call("heartbeat", {"slots": stats, "running": [
-                        {"job_id": j, "attempt": a} for j, a in running.items()]}, namespace=ns, timeout=30)
+                        {"job_id": j, "attempt": a} for j, a in running.items()]}, namespace=ns,
+                        timeout=10)  # the agent's: a beat sent as its server dies waits this out
                     self.rec.note("socket.io heartbeat", t)
                     if answer and not answer.get("ok"):  # declared lost: register again, as the agent does
                         self.rec.count("re-registrations (declared lost)")
@@ -216,7 +217,7 @@ class Sim:
                     if answer and answer.get("heartbeat_interval"):  # the server's new pace, as the agent takes it
                         interval = float(answer["heartbeat_interval"])
                 except Exception as exc:
-                    self.rec.error("socket.io heartbeat", exc)
+                    self.rec.error("socket.io heartbeat", exc, t)
                     if not sio.connected and not self.reconnect:
                         break
                 try:
@@ -276,7 +277,7 @@ class Sim:
                     self.rec.note("socket.io ranks_exited", t)
                     break
                 except Exception as exc:
-                    self.rec.error("socket.io ranks_exited", exc)
+                    self.rec.error("socket.io ranks_exited", exc, t)
         finally:
             if running.get(job) == attempt:
                 running.pop(job, None)
