@@ -56,6 +56,22 @@ def mongo_store_available() -> bool:
     return importlib.util.find_spec("zwdx.server.store.mongo") is not None
 
 
+def run_arguments(parser, timeout: float = 300) -> None:
+    """The options of a bench that runs jobs of several ways (strategies.py, auto.py): the batch and
+    PIPELINE's split, steps, repeats, threads, ``timeout`` s a job may take, where the tables go."""
+    parser.add_argument("--global-batch", type=int, default=None, help="samples a step over all ranks")
+    parser.add_argument("--microbatches", type=int, default=8, help="PIPELINE's micro-batches a step")
+    parser.add_argument("--schedule", default="1f1b", help="PIPELINE's schedule: gpipe, 1f1b")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each way, each way first in turn")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds after the standbys are ready")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds one job may take")
+    parser.add_argument("--out", default=None, help="append the table here (and raw figures to OUT.json)")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
+
+
 # -- measuring a process ------------------------------------------------------------------------
 def proc_status(pid: int) -> dict:
     """VmRSS and VmHWM (peak RSS, kept by the kernel) of a process, in bytes."""
