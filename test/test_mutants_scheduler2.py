@@ -323,14 +323,14 @@ def test_join_workers_asks_the_store_for_running_diloco_jobs_counts_every_join_a
     assert [r.getMessage() for r in caplog.records] == [f"scheduler: a worker joining job {ids[1]} failed"]
 
 
-@pytest.mark.parametrize("stop", ["no slot", "taken"])
+@pytest.mark.parametrize("stop", ["no_slot", "taken"])
 def test_a_join_that_stops_half_way_counts_the_workers_that_joined(app, api, socket_client, asked, monkeypatch, stop):
     ctx = app.extensions["zwdx"]
     register(socket_client, api, "a", slots=2)
     record = ctx.store.get_job(api.submit(world_size=1).json["id"])
     monkeypatch.setattr(scheduler_module, "wanting", lambda r: [1, 2])
     plans = [([{"id": "a:0", "client_id": "a", "index": 0}], None),
-             (None if stop == "no slot" else [{"id": "a:1", "client_id": "a", "index": 1}], "none")]
+             (None if stop == "no_slot" else [{"id": "a:1", "client_id": "a", "index": 1}], "none")]
     monkeypatch.setattr(scheduler_module, "plan", lambda *args: plans.pop(0))
     joins = [True, False]
     monkeypatch.setattr(scheduler_module.Job, "join", lambda self, entry, slot_id, key_hash: joins.pop(0))
@@ -338,3 +338,24 @@ def test_a_join_that_stops_half_way_counts_the_workers_that_joined(app, api, soc
     monkeypatch.setattr(scheduler_module.jobs, "assign", lambda ctx_, job, keys, joining: told.append(sorted(keys)))
     monkeypatch.setattr(scheduler_module.jobs, "placed", lambda ctx_, job: None)
     assert ctx.scheduler._join(record) == 1 and told == [[1]]
+
+
+def test_a_joining_worker_counts_the_ram_other_jobs_ranks_hold_on_its_host(app, api, socket_client, asked,
+                                                                           monkeypatch):
+    """A DILOCO worker joins only where the host's RAM, less what other jobs' CPU ranks hold, has
+    room for it, as a job placed afresh (the joiner used to see the free slots alone: none held)."""
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a", slots=2)  # 8 GiB of RAM
+    holding = api.submit(world_size=1, memory_required=6 * GiB).json["id"]
+    assert ctx.scheduler.schedule_once() == 1
+    monkeypatch.setattr(scheduler_module, "wanting", lambda r: [1])
+    joined = []
+    monkeypatch.setattr(scheduler_module.Job, "join", lambda self, entry, slot_id, key_hash: joined.append(
+        (self.id, slot_id)) or True)
+    monkeypatch.setattr(scheduler_module.jobs, "assign", lambda *args, **kwargs: None)
+    monkeypatch.setattr(scheduler_module.jobs, "placed", lambda *args: None)
+    big = ctx.store.get_job(api.submit(world_size=1, memory_required=4 * GiB).json["id"])
+    small = ctx.store.get_job(api.submit(world_size=1, memory_required=GiB).json["id"])
+    assert ctx.scheduler._join(big) == 0  # 8 GiB less the 6 held: no room for 4
+    assert ctx.scheduler._join(small) == 1 and joined == [(small.id, "a:1")]
+    assert holding != small.id

@@ -285,7 +285,7 @@ class Scheduler:
             record = resolved
         asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
                  "world_size": record.world_size, "avoid": record.avoid}
-        asked["spec"] = shadows.asked(record, asked["spec"])  # DILOCO's spot checks: their slots too
+        asked = shadows.asked(record, asked)  # DILOCO's spot checks: their slots too
         chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
         job = Job(store, record)
         if chosen is None:
@@ -330,8 +330,8 @@ class Scheduler:
         joined = 0
         for rank in wanting(record):
             clients = {c["id"]: c for c in self.ctx.store.list_clients(record.room_id)}
-            slots = sorted((s for c in clients.values() for s in c["slots"] if not s.get("job_id")),
-                           key=lambda s: (s["client_id"], s["index"]))
+            # every slot, held ones too: plan takes free ones, and counts the RAM the others hold
+            slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
             asked = {"spec": _sized(record.spec.model_dump(mode="json"), 1),
                      "status": JobStatus.QUEUED.value, "world_size": None, "avoid": record.avoid}
             chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))
