@@ -6,6 +6,7 @@ test_verify.py; with real GPU-client processes: test_diloco_verify.py."""
 from __future__ import annotations
 
 import hashlib
+import random
 
 import numpy as np
 import pytest
@@ -133,3 +134,21 @@ def test_a_shadow_behind_catches_up_on_what_the_server_kept_for_it(backend_app):
     assert store.list_artifacts(job["id"], "pseudo_gradient") == []
     assert put(r0, job, 4, a).status_code == 201 and put(r1, job, 4, b).status_code == 201
     assert sorted(x["round"] for x in store.list_artifacts(job["id"], "outer_gradient")) == [3, 4]  # caught up: swept
+
+
+def test_the_placement_puts_a_shadow_on_another_donor_token_than_its_worker(app):
+    from zwdx.server.placement import shadows as placing
+    room = Api(app.test_client()).create_room("verify-placement")
+    job = room.submit(parallelism="DILOCO", world_size=2, diloco={"verify": 1.0}).json
+    record = app.extensions["zwdx"].store.get_job(job["id"])
+    assert placing.extra(record) == 2
+    asked = {"spec": record.spec.model_dump(mode="json"), "status": "resuming", "world_size": 2}
+    assert placing.asked(record, asked)["spec"]["resources"]["world_size"] == 4
+    assert placing.asked(record, asked)["world_size"] == 4  # a resuming job is planned from it
+    clients = {"a": {"token_id": "t1"}, "b": {"token_id": "t2"}, "c": {"token_id": "t1"}, "d": {"token_id": "t2"}}
+    chosen = [{"client_id": c, "index": 0} for c in "abcd"]
+    for seed in range(10):  # workers on a (t1) and b (t2): each shadow on the other token
+        assert placing.arrange(record, chosen, clients, random.Random(seed)) == (chosen, {2: 1, 3: 0})
+    fewer = placing.arrange(record, chosen[:3], clients)  # resuming on three: the most workers whose shadows fit
+    assert fewer == (chosen[:3], {1: 0, 2: 0})
+    assert placing.arrange(record, chosen[:2], clients) == (chosen[:2], {1: 0})  # two: one worker, its shadow

@@ -206,8 +206,9 @@ def _shadow_upload(job: JobRecord, sender: Sender, n: int, query: RoundUpload) -
     for earlier in held:
         if earlier["rank"] == sender.rank:
             _delete(earlier)  # the later upload wins
-    job = ctx().store.get_job(job.id) or job  # its round, as ``uploaded`` wrote it
-    shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
+    with _averaging:  # as a round's averaging compares too: each pair once (one server process)
+        job = ctx().store.get_job(job.id) or job  # its round, as ``uploaded`` wrote it
+        shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
     return state(job, n)[0]
 
 

@@ -19,14 +19,17 @@ def extra(record: JobRecord) -> int:
     return verify.count(settings.verify, record.spec.resources.world_size or 0)
 
 
-def asked(record: JobRecord, spec: dict) -> dict:
-    """The spec document the placement plans from: the workers' slots and the shadows'."""
+def asked(record: JobRecord, job: dict) -> dict:
+    """The job document the placement plans from (``{"spec", "status", "world_size", ...}``): the
+    workers' slots and the shadows' (a resuming job's too: it is planned from its world size)."""
     more = extra(record)
     if not more:
-        return spec
+        return job
+    spec = job["spec"]
     res, rec = spec["resources"], spec["recovery"]
-    return {**spec, "resources": {**res, "world_size": (res.get("world_size") or 0) + more},
+    spec = {**spec, "resources": {**res, "world_size": (res.get("world_size") or 0) + more},
             "recovery": {**rec, "min_world_size": rec["min_world_size"] + more if rec.get("min_world_size") else None}}
+    return {**job, "spec": spec, "world_size": job["world_size"] + more if job.get("world_size") else None}
 
 
 def arrange(record: JobRecord, chosen: list[dict], clients: dict, rng: random.Random | None = None) \
