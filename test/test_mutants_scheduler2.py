@@ -359,3 +359,15 @@ def test_a_joining_worker_counts_the_ram_other_jobs_ranks_hold_on_its_host(app, 
     assert ctx.scheduler._join(big) == 0  # 8 GiB less the 6 held: no room for 4
     assert ctx.scheduler._join(small) == 1 and joined == [(small.id, "a:1")]
     assert holding != small.id
+
+
+def test_a_resuming_job_is_placed_on_fewer_ranks_down_to_its_min_world_size(app, api, socket_client, asked):
+    """plan reads the job's status and the ranks it ran with: a resuming job that ran with 2 and
+    may go on with 1 takes the one slot there is."""
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a")
+    job_id = api.submit(world_size=2, min_world_size=1).json["id"]
+    assert ctx.scheduler.schedule_once() == 0  # a new job needs its world_size
+    ctx.store.set_job(job_id, {"status": "resuming", "world_size": 2})
+    assert ctx.scheduler.schedule_once() == 1
+    assert [p["client_id"] for p in job_of(api, job_id)["placement"]] == ["a"]
