@@ -327,21 +327,35 @@ def room(sdk):
 
 @pytest.fixture
 def start_client(server, room, tmp_path):
-    """start_client(name) -> GpuClient process registered in the test room (with its donor token)."""
+    """start_client(name) -> GpuClient process registered in the test room (with its donor token);
+    ``start_client.together(*names)`` -> those GPU clients, started at once and then waited for
+    (a start is mostly the client's own imports and registration: several overlap)."""
     started = []
+
+    def online(clients: list[GpuClient]) -> None:
+        from zwdx import ZWDX
+        sdk = ZWDX(server.url, room_token=room["token"])
+
+        def up() -> bool:
+            ids = {c["id"] for c in sdk.get_room()["clients"] if c["status"] == "online"}
+            return all(client.client_id in ids for client in clients)
+        wait_until(up, 30 + 15 * (len(clients) - 1), what=f"gpu clients {[c.client_id for c in clients]} online\n"
+                   + "\n".join(c.output() for c in clients if not c.alive()))
 
     def start(name: str = "", wait: bool = True, **kwargs) -> GpuClient:
         name = name or f"c{len(started)}"
         client = GpuClient(server.url, room["donor_token"], str(tmp_path / name), client_id=f"client-{name}", **kwargs)
         started.append(client)
         if wait:
-            from zwdx import ZWDX
-            sdk = ZWDX(server.url, room_token=room["token"])
-            wait_until(lambda: any(c["id"] == client.client_id and c["status"] == "online"
-                                   for c in sdk.get_room()["clients"]),
-                       30, what=f"gpu client {name} online\n{client.output() if not client.alive() else ''}")
+            online([client])
         return client
 
+    def together(*names: str, **kwargs) -> list[GpuClient]:
+        clients = [start(name, wait=False, **kwargs) for name in names]
+        online(clients)
+        return clients
+
+    start.together = together  # type: ignore[attr-defined]
     yield start
     GpuClient.stop_all(started)
 

@@ -29,19 +29,27 @@ class GpuPool:
             made = self.sdk.create_room("pool")
             self.token, self.donor_token = made["token"], made["donor_token"]
             self.sdk.room_token = self.token
-            for name in clients:
-                self.start(name)
+            self.start_all(clients)
         except BaseException:
             self.stop()
             raise
 
-    def start(self, name: str, **kwargs) -> GpuClient:
+    def start(self, name: str, wait: bool = True, **kwargs) -> GpuClient:
         client = GpuClient(self.server.url, self.donor_token, os.path.join(self.base, name), client_id=f"client-{name}",
                            **kwargs)
         self.clients.append(client)
-        wait_until(lambda: self.online(client), 60,
-                   what=f"gpu client {name} online\n{client.tail() if not client.alive() else ''}")
+        if wait:
+            wait_until(lambda: self.online(client), 60,
+                       what=f"gpu client {name} online\n{client.tail() if not client.alive() else ''}")
         return client
+
+    def start_all(self, names, **kwargs) -> list[GpuClient]:
+        """``start`` each of ``names`` at once, then wait until all are online: a start is mostly
+        the client's imports and registering, so several overlap."""
+        started = [self.start(name, wait=False, **kwargs) for name in names]
+        wait_until(lambda: all(self.online(c) for c in started), 60 + 15 * len(started),
+                   what=f"gpu clients {list(names)} online")
+        return started
 
     def online(self, client: GpuClient) -> bool:
         if not client.alive():
@@ -53,8 +61,7 @@ class GpuPool:
         return all(s["job_id"] is None for c in self.sdk.get_room()["clients"] for s in c["slots"])
 
     def stop(self) -> None:
-        for client in self.clients:
-            client.stop()
+        GpuClient.stop_all(self.clients)  # told at once: their shutdowns overlap
         self.server.stop()
         if hasattr(self, "sdk"):
             self.sdk.close()

@@ -14,7 +14,7 @@ from workloads import slow_train
 
 @pytest.mark.server_args("--client-timeout", "5")
 def test_a_worker_killed_mid_job_is_dropped_and_the_job_completes_without_a_restart(sdk, room, start_client):
-    clients = {c.client_id: c for c in (start_client(f"w{i}") for i in range(3))}
+    clients = {c.client_id: c for c in start_client.together("w0", "w1", "w2")}
     sdk.room_token = room["token"]
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
@@ -71,7 +71,7 @@ def test_a_diloco_job_with_no_worker_left_resumes_from_its_checkpoint_with_the_g
 
 @pytest.mark.server_args("--client-timeout", "5")
 def test_a_gpu_client_started_mid_job_joins_in_a_killed_workers_place(sdk, room, start_client):
-    clients = {c.client_id: c for c in (start_client(f"w{i}") for i in range(2))}
+    clients = {c.client_id: c for c in start_client.together("w0", "w1")}
     sdk.room_token = room["token"]
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=slow_train,
@@ -113,8 +113,7 @@ def test_a_gpu_client_started_mid_job_joins_in_a_killed_workers_place(sdk, room,
 
 
 def test_workers_on_one_host_average_by_all_reduce_among_themselves(sdk, room, start_client):
-    for i in range(2):
-        start_client(f"w{i}")
+    start_client.together("w0", "w1")
     sdk.room_token = room["token"]
     model = mnist.Net()
     result = sdk.submit_job(model=model, data_loader_func=mnist.create_loader, train_func=mnist.train,

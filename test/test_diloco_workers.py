@@ -23,8 +23,7 @@ def held_out_loss(model, loader, rank, world_size):
 
 
 def test_two_workers_of_two_ranks_train_with_one_upload_per_worker_a_round(sdk, room, start_client):
-    for i in range(2):
-        start_client(f"w{i}", extra=["--cpu-slots", "2"])
+    start_client.together("w0", "w1", extra=["--cpu-slots", "2"])
     sdk.room_token = room["token"]
     model = mnist.Net()
     before = held_out_loss(model, None, 0, 1)["eval_loss"]

@@ -149,8 +149,7 @@ def test_the_rank_whose_code_raised_comes_first_with_its_file_and_lines(sdk, roo
         sys.path.remove(str(tmp_path))
         sys.modules.pop(name, None)
     source.unlink()  # the GPU clients have only what the bundle carries
-    start_client("a")
-    start_client("b")
+    start_client.together("a", "b")
     with pytest.raises(JobFailed) as info:
         sdk.wait(job_id, progress=False, timeout=120)
     err, text = info.value, str(info.value)

@@ -40,20 +40,25 @@ def pool(tmp_path_factory):
     sdk.room_token = made["token"]
     clients: list[GpuClient] = []
 
-    def start(name: str) -> GpuClient:
+    def online(*names: str) -> None:
+        wait_until(lambda: {f"client-{n}" for n in names} <= {c["id"] for c in sdk.get_room()["clients"]
+                                                               if c["status"] == "online"},
+                   60, what=f"gpu clients {names} online")
+
+    def start(name: str, wait: bool = True) -> GpuClient:
         client = GpuClient(server.url, made["donor_token"], str(base / name), client_id=f"client-{name}")
         clients.append(client)
-        wait_until(lambda: any(c["id"] == client.client_id and c["status"] == "online"
-                               for c in sdk.get_room()["clients"]), 60, what=f"gpu client {name} online")
+        if wait:
+            online(name)
         return client
 
     try:
-        start("a")
-        start("b")
+        start("a", wait=False)  # the two start at once (a start is mostly imports and registering)
+        start("b", wait=False)
+        online("a", "b")
         yield SimpleNamespace(sdk=sdk, clients=clients, start=start)
     finally:
-        for client in clients:
-            client.stop()
+        GpuClient.stop_all(clients)
         server.stop()
 
 

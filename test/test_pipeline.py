@@ -165,7 +165,7 @@ def test_two_stages_on_two_gpu_clients_train_as_one_process_would(cluster, pipel
 
 @pytest.mark.slow
 def test_a_pipeline_whose_gpu_client_is_lost_resumes_from_its_stages_checkpoint(sdk, room, start_client):
-    clients = [start_client(name) for name in ("a", "b", "c")]  # two stages and a spare
+    clients = start_client.together("a", "b", "c")  # two stages and a spare
     epochs, microbatches = 3, 2
     model = models.stage_lm()
     job_id = sdk.submit_job(model, models.pipe_loaders, models.pipe_train_then_wait, models.pipe_eval,

@@ -130,8 +130,7 @@ def test_too_many_ranks_are_said_at_submit_and_the_job_runs_when_a_client_joins(
 
 
 def test_cpu_slots_of_one_host_share_its_ram(server, sdk, room, start_client):
-    start_client("a")
-    start_client("b")
+    start_client.together("a", "b")
     info = sdk.get_room(room["token"])
     assert len({c["host_id"] for c in info["clients"]}) == 1  # two GPU clients, one machine
     slots = [s for c in info["clients"] for s in c["slots"]]

@@ -113,7 +113,7 @@ def checkpoint_mid_epoch(model, loader, optimizer, reporter):
 
 
 def test_a_resumed_job_goes_on_from_a_mid_epoch_checkpoint(sdk, room, start_client):
-    clients = [start_client("a"), start_client("b")]
+    clients = start_client.together("a", "b")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     job_id = sdk.submit_job(model, ten_batches, checkpoint_mid_epoch, resources=zwdx.Resources(world_size=1),
@@ -212,7 +212,7 @@ def checkpoint_then_die_uploading(model, loader, optimizer, reporter):
 
 def test_a_client_lost_while_a_checkpoint_uploads_resumes_from_the_one_before(sdk, room, start_client):
     # ranks as the GPU client's own user, so the rank can take its GPU client down with it
-    clients = [start_client(name, extra=["--isolation", "process"]) for name in ("a", "b")]
+    clients = start_client.together("a", "b", extra=["--isolation", "process"])
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(12)), torch.nn.Linear(1024, 2))
     job_id = sdk.submit_job(model, wide_batches, checkpoint_then_die_uploading, resources=zwdx.Resources(world_size=1),

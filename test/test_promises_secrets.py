@@ -71,8 +71,7 @@ print("jobs", done["job_id"], done["status"], failed["job_id"], failed["status"]
 
 @pytest.mark.slow
 def test_no_room_token_or_job_key_is_in_any_log_after_whole_jobs(server, room, start_client, tmp_path):
-    start_client("a")
-    start_client("b")
+    start_client.together("a", "b")
     run = subprocess.run([sys.executable, "-c", SUBMITTER, server.url, room["token"]], cwd=ROOT, timeout=600,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     terminal = run.stdout + run.stderr

@@ -46,14 +46,19 @@ class Room:
         self.sdk.room_token, self.donor_token = room["submitter_token"], room["donor_token"]
         self.token_file = base / "token"
         self.token_file.write_text(room["submitter_token"] + "\n")
-        self.clients = {name: self.start(name) for name in ("a", "b")}
+        self.clients = {name: self.start(name, wait=False) for name in ("a", "b")}  # their starts overlap
+        self.online(*self.clients.values())
 
-    def start(self, name: str) -> GpuClient:
+    def start(self, name: str, wait: bool = True) -> GpuClient:
         client = GpuClient(self.server.url, self.donor_token, str(self.base / name), client_id=f"client-{name}")
-        wait_until(lambda: any(c["id"] == client.client_id and c["status"] == "online"
-                               for c in self.sdk.get_room()["clients"]), 30 + SLACK,
-                   what=f"gpu client {name} online\n{client.tail()}")
+        if wait:
+            self.online(client)
         return client
+
+    def online(self, *clients: GpuClient) -> None:
+        ids = {c.client_id for c in clients}
+        wait_until(lambda: ids <= {c["id"] for c in self.sdk.get_room()["clients"] if c["status"] == "online"},
+                   30 + SLACK, what=f"gpu clients {sorted(ids)} online\n" + "\n".join(c.tail() for c in clients))
 
     def idle(self) -> None:
         wait_until(lambda: all(s["job_id"] is None for c in self.sdk.get_room()["clients"] for s in c["slots"]),

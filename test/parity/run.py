@@ -82,8 +82,7 @@ def local_pool(base: str, gpus: str | None):
             pool.clients.append(client)
             wait_until(lambda: pool.online(client), 120, what="the GPU client online")
         else:
-            for name in ("a", "b"):
-                pool.start(name, extra=["--cpu-slots", "2"], **own)
+            pool.start_all(("a", "b"), extra=["--cpu-slots", "2"], **own)
     except BaseException:
         pool.stop()
         raise

@@ -45,8 +45,7 @@ def matrix() -> list:
 def pool(tmp_path_factory):
     pool = GpuPool(str(tmp_path_factory.mktemp("parity")), clients=())
     try:
-        for name in ("a", "b"):
-            pool.start(name, extra=["--cpu-slots", "2"])
+        pool.start_all(("a", "b"), extra=["--cpu-slots", "2"])
     except BaseException:
         pool.stop()
         raise

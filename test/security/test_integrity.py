@@ -400,7 +400,7 @@ def forging_train(evil: bytes, pause: float):
 def test_a_donors_forged_dcp_checkpoint_runs_nothing_when_the_job_resumes(sdk, room, start_client, tmp_path):
     import mnist
     marker = str(tmp_path / "ran")
-    clients = [start_client(name) for name in ("a", "b")]
+    clients = start_client.together("a", "b")
     model = mnist.Net()
     job_id = sdk.submit_job(model=model, data_loader_func=mnist.create_loader,
                             train_func=forging_train(evil_pickle(marker), 0.05),
