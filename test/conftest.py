@@ -37,7 +37,27 @@ PROCESS_FIXTURES = {"server", "sdk", "room", "start_client", "cluster", "shared_
                     "mongo_server"}  # nx-27017 (store_backends.py: its params mark the mongo half)
 
 
+#: Seconds the slow lane's longest xdist groups took in CI (run_all.sh --tests: "test files by
+#: time"; the Docker files are one group). Only the order in which pytest-xdist hands groups to
+#: its workers depends on them: the longest first, so that none is left to run alone at the end
+#: while the other worker idles (a group not listed counts 8 s a test, the lane's average, up to
+#: the 57 s of the last one listed).
+GROUP_SECONDS = {"test/test_resilience.py": 267, "docker": 221, "test/test_bench.py": 235, "test/test_models.py": 172,
+                 "test/test_compile_cache.py": 151, "test/test_diloco_elastic.py": 146, "test/test_outages.py": 135,
+                 "test/parity/test_parity.py": 107, "test/test_runner.py": 105, "test/test_openapi.py": 99,
+                 "test/test_failures.py": 91, "test/test_dashboard_browser.py": 86, "test/test_scripts_e2e.py": 83,
+                 "test/test_tensor_parallel.py": 83, "test/test_sdk.py": 81, "test/test_pipeline.py": 81,
+                 "test/security/test_donors.py": 71, "test/test_promises_training.py": 70,
+                 "test/parity/test_parity_pipeline.py": 70, "test/test_placement.py": 64,
+                 "test/test_rendezvous_port.py": 63, "test/test_netns.py": 61, "test/test_promises_resilience.py": 60,
+                 "test/test_lost_peer.py": 58}
+
+
 def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        # xdist would hand out the groups with the most tests first; the order of the items is
+        # the longest groups first instead (pytest_collection_modifyitems), kept as it is
+        config.option.loadscopereorder = False
     config.addinivalue_line("markers", "app_config(**config): the config of the in-process `app` fixture "
                                        "(e.g. SCHEDULER=True)")
     config.addinivalue_line("markers", "server_args(*args): more arguments for the `server` fixture's process")
@@ -55,6 +75,16 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             group = "docker" if item.get_closest_marker("docker") else item.nodeid.split("::", 1)[0]
             item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        def group(item) -> str:
+            marker = item.get_closest_marker("xdist_group")
+            return marker.args[0] if marker.args else marker.kwargs.get("name", "")
+        tests: dict[str, int] = {}
+        for item in items:
+            if item.get_closest_marker("slow"):
+                tests[group(item)] = tests.get(group(item), 0) + 1
+        # a stable sort: each group's tests stay in their order (module-scoped fixtures start once)
+        items.sort(key=lambda item: -GROUP_SECONDS.get(group(item), min(8 * tests.get(group(item), 0), 57)))
     leave_out_gpu_tests(config, items)  # where torch sees no GPU, unless asked for
 
 
