@@ -77,7 +77,7 @@ def tracked_train(model, loader, optimizer, rank, epochs, reporter, device):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
-            reporter.log_metrics(loss=loss.item(), draw_index=counter.steps, py_draw=random.random(),
+            reporter.log_metrics(loss=loss.item(), epoch=epoch, draw_index=counter.steps, py_draw=random.random(),
                                  torch_draw=torch.rand(1).item(), resumed=resumed)
             counter.steps += 1
             time.sleep(0.04)  # paces training so that a test can act mid-job
