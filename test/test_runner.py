@@ -22,11 +22,12 @@ from zwdx.protocol import runtime_versions
 
 
 def train_then_linger(model, loader, optimizer):
-    """Done at once, but its process takes 20 s more to exit (an atexit hook, as some libraries
-    register to flush their buffers)."""
+    """Done at once, but its process takes 10 s more to exit (an atexit hook, as some libraries
+    register to flush their buffers): longer than the SDK takes to see the job completed and
+    than the scheduler takes to place the next job on a slot it wrongly thought free."""
     import atexit
     import os
-    atexit.register(time.sleep, 20)
+    atexit.register(time.sleep, 10)
     return {"pid": os.getpid()}
 
 
@@ -69,8 +70,7 @@ def test_a_job_completes_while_its_rank_process_lingers_and_its_slot_waits_for_t
 
 
 def test_a_completed_job_stays_completed_when_its_lingering_rank_dies_with_its_gpu_client(sdk, room, start_client):
-    start_client("a")
-    b = start_client("b")
+    _, b = start_client.together("a", "b")
     result = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader,
                             train_func=train_then_linger_on_rank_1, resources=zwdx.Resources(world_size=2),
                             run=zwdx.Run(room_token=room["token"], progress=False, timeout=120))
