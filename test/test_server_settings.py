@@ -57,3 +57,32 @@ def test_a_key_not_yet_declared_still_reads_from_the_environment(make, monkeypat
     monkeypatch.setenv("ZWDX_A_NEW_KNOB", "0.5")  # a module's own setting, before ServerConfig declares it
     assert make().config["A_NEW_KNOB"] == 0.5
     assert make(A_NEW_KNOB=2).config["A_NEW_KNOB"] == 2
+
+
+#: The flags ``zwdx server`` took, each declared by hand beside its setting, before they were
+#: declared with it (zwdx/server_limits.py): every one is still there.
+EARLIER_FLAGS = {"max_request_bytes", "room_max_jobs", "room_max_artifact_bytes", "rate_limit_rooms",
+                 "rate_limit_auth_failures", "artifact_retention", "sweep_interval", "start_timeout", "start_tries",
+                 "donor_max_clients", "client_max_slots", "rate_limit_registers", "room_max_events",
+                 "rate_limit_events", "max_series_points", "min_free_bytes", "client_retention",
+                 "header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address",
+                 "socket_sessions_per_address", "socket_auth_timeout", "proxy_hops"}
+#: What a flag is given on the command line and what its setting then is, by the field's type.
+GIVEN = {"Seconds": ("7.5", 7.5), "Count": ("7", 7), "Size": ("3MiB", 3 * 2**20), "Rate": ("3 per minute", "3 per minute")}
+
+
+def test_every_setting_with_a_flag_parses_from_the_command_line():
+    from zwdx import cli, server_limits, sizes
+    from zwdx.server.settings import ServerConfig
+    flagged = server_limits.flags()
+    assert set(flagged) == EARLIER_FLAGS
+    kinds = {float: "Seconds", int: "Count", sizes.argument: "Size", str: "Rate"}
+    for name, flag in flagged.items():
+        assert name in ServerConfig.model_fields
+        text, expected = GIVEN[kinds[flag.type]]
+        args = cli.build_parser().parse_args(["server", "--" + name.replace("_", "-"), text])
+        values = server_limits.flag_values(args)
+        assert values == {name.upper(): expected}, name
+        assert getattr(ServerConfig.from_sources(values), name) == expected, name
+    unset = cli.build_parser().parse_args(["server"])
+    assert server_limits.flag_values(unset) == {}  # left to ZWDX_<NAME>, else the defaults

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-from . import defaults, sizes
+from . import defaults, server_limits, sizes
 from .cli_common import byte_size, version_line
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,7 @@ def _server(args) -> int:
         config["HEARTBEAT_RATE"] = args.heartbeat_rate
     if args.ui_dir:
         config["UI_DIR"] = args.ui_dir
-    for name in ("max_request_bytes", "room_max_jobs", "room_max_artifact_bytes", "rate_limit_rooms",
-                 "rate_limit_auth_failures", "artifact_retention", "sweep_interval", "start_timeout", "start_tries",
-                 "donor_max_clients", "client_max_slots", "rate_limit_registers", "room_max_events",
-                 "rate_limit_events", "max_series_points", "min_free_bytes", "client_retention"):
-        if getattr(args, name) is not None:  # unset: the environment's ZWDX_<NAME>, else defaults.py
-            config[name.upper()] = getattr(args, name)
-    for name in ("header_timeout", "idle_timeout", "body_timeout", "max_connections_per_address",
-                 "socket_sessions_per_address", "socket_auth_timeout", "proxy_hops"):
-        if getattr(args, name) is not None:
-            config[name.upper()] = getattr(args, name)
+    config.update(server_limits.flag_values(args))  # unset: the environment's ZWDX_<NAME>, else defaults.py
     if args.metrics_token_file:
         with open(args.metrics_token_file, encoding="utf-8") as f:
             config["METRICS_TOKEN"] = f.read().strip()
@@ -121,73 +112,7 @@ def add_parser(sub) -> None:
                    help="serve HTTPS and WSS with this certificate chain (PEM; default: $ZWDX_TLS_CERT)")
     p.add_argument("--tls-key", default=os.environ.get("ZWDX_TLS_KEY"), metavar="FILE",
                    help="the private key of --tls-cert (PEM; default: $ZWDX_TLS_KEY)")
-    limits = p.add_argument_group("limits", "each also ZWDX_<NAME> in the environment (ZWDX_ROOM_MAX_JOBS=...)")
-    limits.add_argument("--max-request-bytes", type=byte_size, default=None, metavar="SIZE",
-                        help=f"largest request body but an artifact's "
-                             f"(default {sizes.human(defaults.MAX_REQUEST_BYTES)})")
-    limits.add_argument("--room-max-jobs", type=int, default=None,
-                        help=f"jobs a room may have waiting or running, 0: no limit (default {defaults.ROOM_MAX_JOBS})")
-    limits.add_argument("--room-max-artifact-bytes", type=byte_size, default=None, metavar="SIZE",
-                        help=f"bytes of artifacts a room may keep, 0: no limit "
-                             f"(default {sizes.human(defaults.ROOM_MAX_ARTIFACT_BYTES)})")
-    limits.add_argument("--room-max-events", type=int, default=None,
-                        help=f"metric and log events a room may keep (their bytes count in --room-max-artifact-bytes), "
-                             f"0: no limit (default {defaults.ROOM_MAX_EVENTS})")
-    limits.add_argument("--rate-limit-events", default=None,
-                        help=f"event posts one rank of a job may make (default '{defaults.RATE_LIMIT_EVENTS}')")
-    limits.add_argument("--max-series-points", type=int, default=None,
-                        help=f"points a job's metric series shows at most; a longer one is thinned, keeping its first "
-                             f"and last (default {defaults.MAX_SERIES_POINTS})")
-    limits.add_argument("--min-free-bytes", type=byte_size, default=None, metavar="SIZE",
-                        help=f"free bytes kept on the data dir's disk: below, uploads, events and jobs are refused "
-                             f"(507), 0: no floor (default {defaults.MIN_FREE_BYTES})")
-    limits.add_argument("--rate-limit-rooms", default=None,
-                        help=f"rooms one address may create (default '{defaults.RATE_LIMIT_ROOMS}')")
-    limits.add_argument("--rate-limit-auth-failures", default=None,
-                        help=f"wrong tokens one address may send before it is refused "
-                             f"(default '{defaults.RATE_LIMIT_AUTH_FAILURES}')")
-    limits.add_argument("--start-timeout", type=float, default=None,
-                        help=f"seconds a placed job's ranks get to report running before the job is placed again on "
-                             f"other GPU clients, 0: never (default {defaults.START_TIMEOUT:g})")
-    limits.add_argument("--start-tries", type=int, default=None,
-                        help=f"placements that did not start after which a job fails (default {defaults.START_TRIES})")
-    limits.add_argument("--donor-max-clients", type=int, default=None,
-                        help=f"GPU clients one donor token may have online at once, 0: no limit "
-                             f"(default {defaults.DONOR_MAX_CLIENTS})")
-    limits.add_argument("--client-max-slots", type=int, default=None,
-                        help=f"slots one GPU client may offer, 0: no limit (default {defaults.CLIENT_MAX_SLOTS})")
-    limits.add_argument("--rate-limit-registers", default=None,
-                        help=f"registers one donor token may make (default '{defaults.RATE_LIMIT_REGISTERS}')")
-    limits.add_argument("--client-retention", type=float, default=None,
-                        help=f"seconds a GPU client may stay offline before it is dropped from its room's list, unless "
-                             f"the room sets its own (zwdx room settings), 0: never "
-                             f"(default {defaults.CLIENT_RETENTION:g})")
-    limits.add_argument("--artifact-retention", type=float, default=None,
-                        help="seconds a finished job keeps its artifacts, 0: for ever (default 0)")
-    limits.add_argument("--sweep-interval", type=float, default=None,
-                        help=f"seconds between sweeps of unreferenced artifacts, 0: never (default {defaults.SWEEP_INTERVAL:g})")
-    edge = p.add_argument_group("connections", "each also ZWDX_<NAME> in the environment (ZWDX_HEADER_TIMEOUT=...)")
-    edge.add_argument("--header-timeout", type=float, default=None,
-                      help=f"seconds a connection has to send a request's line and headers, 0: no limit "
-                           f"(default {defaults.HEADER_TIMEOUT:g})")
-    edge.add_argument("--idle-timeout", type=float, default=None,
-                      help=f"seconds a kept-alive connection may wait for its next request, 0: no limit "
-                           f"(default {defaults.IDLE_TIMEOUT:g})")
-    edge.add_argument("--body-timeout", type=float, default=None,
-                      help=f"seconds a JSON body has to arrive once its headers are in, 0: no limit "
-                           f"(default {defaults.BODY_TIMEOUT:g})")
-    edge.add_argument("--max-connections-per-address", type=int, default=None,
-                      help=f"connections one address may hold at once, 0: no cap; not applied behind "
-                           f"ZWDX_PROXY_HOPS proxies (default {defaults.MAX_CONNECTIONS_PER_ADDRESS})")
-    edge.add_argument("--socket-sessions-per-address", type=int, default=None,
-                      help=f"Socket.IO sessions one address may have open, 0: no cap "
-                           f"(default {defaults.SOCKET_SESSIONS_PER_ADDRESS})")
-    edge.add_argument("--socket-auth-timeout", type=float, default=None,
-                      help=f"seconds a Socket.IO session has to connect with its token before it is closed, 0: no "
-                           f"limit (default {defaults.SOCKET_AUTH_TIMEOUT:g})")
-    edge.add_argument("--proxy-hops", type=int, default=None,
-                      help="reverse proxies in front (nginx, HAProxy) whose X-Forwarded-For and -Proto to believe, so "
-                           "that rate limits and /metrics see the client's address (default: $ZWDX_PROXY_HOPS, else 0)")
+    server_limits.add_arguments(p)  # --room-max-jobs, --header-timeout, ...: declared with their settings
     p.add_argument("--metrics-token-file", default=None,
                    help="GET /metrics then answers 'Authorization: Bearer <the file's token>' from anywhere "
                         "(also $ZWDX_METRICS_TOKEN); without one it answers this machine only")

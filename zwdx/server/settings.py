@@ -6,7 +6,9 @@
 Every setting has a field here (lowercase) and a key (uppercase: ``CLIENT_TIMEOUT``), which is
 also its environment variable (``ZWDX_CLIENT_TIMEOUT``), the key of ``create_app``'s mapping and
 of ``app.config`` (kept as a mirror, for Flask and extensions). A bad value fails at start with
-its name and what was expected, not at the first request that reads it.
+its name and what was expected, not at the first request that reads it. The limits and the
+connections' timeouts, which ``zwdx server`` also takes as flags, are declared with their flags
+in zwdx/server_limits.py (``Limits``, which this model extends).
 """
 from __future__ import annotations
 
@@ -16,39 +18,15 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from flask import current_app
-from limits import parse_many
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from .. import defaults, sizes
+from .. import defaults
+from ..server_limits import Limits, Rate, Seconds, Size
 
 PREFIX = "ZWDX_"
 
 
-def _none_is_zero(value: Any) -> Any:
-    return 0 if value is None or value == "" else value
-
-
-def _size(value: Any) -> Any:
-    value = _none_is_zero(value)
-    return sizes.parse(value) if isinstance(value, str) else value  # its error names what it expected
-
-
-def _rate(value: str) -> str:
-    try:
-        parse_many(value)
-    except ValueError:
-        raise ValueError("expected a rate such as '20 per minute' or '20 per second; 600 per minute'") from None
-    return value
-
-
-#: seconds (0: off, where the setting says so); a count (0: no limit); bytes (units taken: 8GiB)
-Seconds = Annotated[float, BeforeValidator(_none_is_zero), Field(ge=0)]
-Count = Annotated[int, BeforeValidator(_none_is_zero), Field(ge=0)]
-Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
-Rate = Annotated[str, AfterValidator(_rate)]
-
-
-class ServerConfig(BaseModel):
+class ServerConfig(Limits):
     """What the server reads of its settings (docs/configuration.md says what each does)."""
     model_config = ConfigDict(frozen=True, extra="ignore", str_strip_whitespace=True)
 
@@ -67,18 +45,7 @@ class ServerConfig(BaseModel):
     metrics_token: str | None = None
     ratelimit_storage_uri: str = "memory://"
     max_artifact_bytes: Size = defaults.MAX_ARTIFACT_BYTES
-    max_request_bytes: Size = defaults.MAX_REQUEST_BYTES
-    room_max_jobs: Count = defaults.ROOM_MAX_JOBS
-    room_max_artifact_bytes: Size = defaults.ROOM_MAX_ARTIFACT_BYTES
-    room_max_events: Count = defaults.ROOM_MAX_EVENTS
-    max_series_points: Count = defaults.MAX_SERIES_POINTS
-    min_free_bytes: Size = defaults.MIN_FREE_BYTES
-    rate_limit_events: Rate = defaults.RATE_LIMIT_EVENTS
-    rate_limit_rooms: Rate = defaults.RATE_LIMIT_ROOMS
-    rate_limit_auth_failures: Rate = defaults.RATE_LIMIT_AUTH_FAILURES
     rate_limit_link: Rate = defaults.RATE_LIMIT_LINK
-    #: None or empty: registers are not rate-limited
-    rate_limit_registers: Annotated[Rate | None, BeforeValidator(lambda v: v or None)] = defaults.RATE_LIMIT_REGISTERS
     link_probe_max_bytes: Size = defaults.LINK_PROBE_MAX_BYTES
     unreachable_ttl: Seconds = defaults.UNREACHABLE_TTL
     #: parallelism="AUTO" (``auto.py``): the slowest link to the server (bytes/s) for DDP across hosts,
@@ -86,27 +53,12 @@ class ServerConfig(BaseModel):
     auto_min_link: Annotated[float, Field(gt=0)] = defaults.AUTO_MIN_LINK
     auto_margin: Annotated[float, Field(ge=0, lt=1)] = defaults.AUTO_MARGIN
     auto_activation_factor: Annotated[float, Field(ge=0)] = defaults.AUTO_ACTIVATION_FACTOR
-    sweep_interval: Seconds = defaults.SWEEP_INTERVAL
     unattached_grace: Seconds = defaults.UNATTACHED_GRACE
-    artifact_retention: Seconds = defaults.ARTIFACT_RETENTION
     client_timeout: Seconds = defaults.CLIENT_TIMEOUT
-    client_retention: Seconds = defaults.CLIENT_RETENTION
     heartbeat_interval: Seconds = defaults.HEARTBEAT_INTERVAL
     heartbeat_rate: Annotated[float, Field(ge=0)] = defaults.HEARTBEAT_RATE
     collective_timeout: Seconds = defaults.COLLECTIVE_TIMEOUT
     reserve_timeout: Seconds = defaults.RESERVE_TIMEOUT
-    start_timeout: Seconds = defaults.START_TIMEOUT
-    start_tries: Count = defaults.START_TRIES
-    donor_max_clients: Count = defaults.DONOR_MAX_CLIENTS
-    client_max_slots: Count = defaults.CLIENT_MAX_SLOTS
-    header_timeout: Seconds = defaults.HEADER_TIMEOUT
-    idle_timeout: Seconds = defaults.IDLE_TIMEOUT
-    body_timeout: Seconds = defaults.BODY_TIMEOUT
-    max_connections_per_address: Count = defaults.MAX_CONNECTIONS_PER_ADDRESS
-    socket_sessions_per_address: Count = defaults.SOCKET_SESSIONS_PER_ADDRESS
-    socket_auth_timeout: Seconds = defaults.SOCKET_AUTH_TIMEOUT
-    #: reverse proxies in front whose X-Forwarded-For/-Proto to believe (docker-compose's tls profile: 1)
-    proxy_hops: Count = 0
 
     @classmethod
     def keys(cls) -> list[str]:
