@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import types
 
 import numpy as np
@@ -39,7 +40,10 @@ class Clock:
 
     def sleep(self, seconds):
         self.sleeps.append(seconds)
-        self.now += seconds
+        self.now += self.step or seconds
+
+    #: Seconds every sleep takes instead of those asked for (None: those asked for).
+    step = None
 
 
 def response(status=200, content=b"", headers=None, body=None):
@@ -124,20 +128,21 @@ class Vector(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.tensor(values, dtype=torch.float32))
 
 
-class Two(torch.nn.Module):
-    """Two parameters of different shapes and a buffer."""
+class Three(torch.nn.Module):
+    """Three parameters of different shapes and a buffer."""
 
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
         self.b = torch.nn.Parameter(torch.tensor([5.0]))
+        self.c = torch.nn.Parameter(torch.tensor([6.0, 7.0]))
         self.register_buffer("seen", torch.tensor([7.0, 8.0]))
 
 
-def make_spec(rank=0, world_size=1, joining=False, worker_port=None, collective_timeout=30.0, **settings):
+def make_spec(rank=0, world_size=1, joining=False, worker_port=None, collective_timeout=30.0, shadow=None, **settings):
     settings = {"compression": "none", "all_reduce": False, "outer_momentum": 0.0, "outer_lr": 0.5,
                 "inner_steps": 3, **settings}
-    return types.SimpleNamespace(rank=rank, world_size=world_size, joining=joining, worker_port=worker_port, shadow=None,
+    return types.SimpleNamespace(rank=rank, world_size=world_size, joining=joining, worker_port=worker_port, shadow=shadow,
                                  collective_timeout=collective_timeout, master_addr="10.0.0.9", master_port=29500,
                                  diloco=DilocoSpec(**settings))
 
@@ -265,6 +270,27 @@ def test_a_joining_worker_joins_instead_of_reaching_its_peers(clock, monkeypatch
     assert joined == [worker] and formed == []
 
 
+def test_a_shadow_says_so_in_its_own_log_alone_and_spot_checks_keep_the_rounds_on_the_server(clock, monkeypatch,
+                                                                                              caplog):
+    formed = []
+    monkeypatch.setattr(diloco_module, "form", lambda *a: formed.append(a) or (None, ""))
+    shadow = Diloco(make_spec(rank=0, world_size=2, shadow=2, verify=0.5, all_reduce=True), Reporter(None))
+    assert shadow.shadow == 2 and shadow.uploads_weights() is False
+    with caplog.at_level(logging.INFO, logger=diloco_module.__name__):
+        shadow.attach(Vector(1.0), Checkpoints())
+    shadow._hook.remove()
+    assert shadow.reporter.logs == [] and formed == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 2: DILOCO shadow of worker 0: its uploads are compared with the worker's, never averaged"]
+    checked = Diloco(make_spec(rank=0, world_size=2, verify=0.5, all_reduce=True), Reporter(None))
+    checked.attach(Vector(1.0), Checkpoints())
+    checked._hook.remove()
+    assert formed == [] and checked.shadow is None and checked.uploads_weights() is True
+    assert "through the server" in checked.reporter.logs[-1]
+    assert Diloco(types.SimpleNamespace(**{k: v for k, v in vars(make_spec()).items() if k != "shadow"}),
+                  Reporter(None)).shadow is None  # an older GPU client's spec
+
+
 def test_the_layout_says_the_workers_place(group_of_one):
     worker = Diloco(make_spec(rank=0, world_size=2), Reporter(None))
     out = worker.layout(Vector(1.0, 2.0))
@@ -285,9 +311,9 @@ def test_the_first_rank_not_dropped_uploads_the_weights(rank, per, dropped, uplo
 
 
 def test_the_global_fingerprint_covers_the_parameters_alone():
-    model, worker = Two(), Diloco(make_spec(), Reporter(None))
+    model, worker = Three(), Diloco(make_spec(), Reporter(None))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    params_only = fingerprint({"a": state["a"], "b": state["b"]})
+    params_only = fingerprint({"a": state["a"], "b": state["b"], "c": state["c"]})
     assert worker.global_fingerprint(model, state) == params_only != fingerprint(state)
     wrapped = torch.nn.Module()
     wrapped.module = model  # as DDP holds it

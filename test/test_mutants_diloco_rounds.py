@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import types
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from gpu_client.rank.strategies import diloco as diloco_module
 from gpu_client.rank.strategies.diloco import Diloco
 from gpu_client.rank.strategies.rounds import RoundTimeout
 from test_mutants_diloco import clock, make  # noqa: F401 (the fixtures)
-from test_mutants_diloco import (ROUNDS, Reporter, Two, average_response, make_spec, response,
+from test_mutants_diloco import (ROUNDS, Checkpoints, Reporter, Three, Vector, average_response, make_spec, response,
                                  train)
 from zwdx import codec, defaults
 
@@ -104,6 +105,15 @@ def test_a_fetch_waits_exactly_its_patience(make, clock):
     assert clock.now - 1000.0 > 30.02 and clock.now - clock.sleeps[-1] - 1000.0 <= 30.02 and asked == len(clock.sleeps) + 1
 
 
+def test_a_fetch_asks_once_more_at_its_deadline(make, clock):
+    worker, _, server = make(round_timeout=10.0)  # patience 50 s; every wait 10 s: asked at 0, 10, ... 60 s
+    clock.step = 10.0
+    server.queued[("get", f"{ROUNDS}/0")] = [pending(202) for _ in range(20)]
+    with pytest.raises(RoundTimeout):
+        worker._fetch(0)
+    assert len(server.calls) == 7 and clock.now == 1060.0
+
+
 def test_an_average_gone_or_damaged_or_refused_fails_the_round(make):
     worker, _, server = make()
     server.queued[("get", f"{ROUNDS}/5")] = [response(404)]
@@ -172,14 +182,15 @@ def test_the_outer_step_takes_an_average_of_the_models_size_only(make):
 
 
 def test_the_workers_weights_travel_as_one_float32_vector_in_parameter_order(make):
-    model = Two().double()
+    model = Three().double()
     worker, _, _ = make(model=model)
-    assert worker.global_.dtype == torch.float32 and torch.equal(worker.global_.detach(), torch.tensor([1.0, 2, 3, 4, 5]))
-    worker._to_local(torch.tensor([9.0, 8, 7, 6, 5]))
+    assert worker.global_.dtype == torch.float32 and torch.equal(worker.global_.detach(), torch.arange(1.0, 8.0))
+    worker._to_local(torch.tensor([9.0, 8, 7, 6, 5, 4, 3]))
     assert torch.equal(model.a, torch.tensor([[9.0, 8], [7, 6]], dtype=torch.float64)) and model.b.item() == 5
+    assert torch.equal(model.c, torch.tensor([4.0, 3.0], dtype=torch.float64))
     assert model.a.dtype == torch.float64 and worker._local().dtype == torch.float32
     worker._to_local()
-    assert torch.equal(worker._local(), torch.tensor([1.0, 2, 3, 4, 5]))
+    assert torch.equal(worker._local(), torch.arange(1.0, 8.0))
 
 
 # -- a worker of several ranks ----------------------------------------------------------------------
@@ -359,6 +370,7 @@ def test_only_rank_0_describes_the_all_reduce(make, clock):
 def test_a_worker_leaving_ends_the_all_reduce_and_the_last_tells_the_server(make, clock, last, leavers, told):
     worker, model, server = make(world_size=3, aggregate="mean")
     worker.peers = Peers(clock, torch.ones(3), leavers=leavers)
+    train(worker, model, [1.0, 1.0, 1.0])  # it told the server it leaves with nothing to add
     worker.sync(last=last)
     assert worker.peers is None
     assert server.calls == ([("put", f"{ROUNDS}/1", {"timeout": 600, "data": EMPTY, "params": {"last": "true"},
@@ -378,3 +390,59 @@ def test_a_failed_all_reduce_goes_through_the_server_from_then_on(make, clock, c
                                         "through the server from now on")
     assert server.urls() == [("put", f"{ROUNDS}/0"), ("get", f"{ROUNDS}/0")]
     assert worker.reporter.system[0]["all_reduce"] == 0.0 and torch.equal(model.w.detach(), torch.tensor([1.5, 2.5, 3.5]))
+
+
+def test_an_average_of_another_size_fails_the_round_it_came_in(make):
+    worker, model, server = make()
+    server.averages[0] = [1.0, 2.0]
+    with pytest.raises(RuntimeError) as caught:
+        worker.sync()
+    assert str(caught.value) == "DILOCO round 0: the average holds 2 values, the model 3"
+    overlapped, _, server = make(overlap=True)
+    server.averages[0] = [1.0, 2.0]
+    overlapped.sync()
+    with pytest.raises(RuntimeError) as caught:
+        overlapped.sync()
+    assert str(caught.value) == "DILOCO round 0: the average holds 2 values, the model 3"
+
+
+def test_overlapped_weights_that_diverged_name_their_round(make):
+    worker, model, server = make(overlap=True)
+    worker.sync()
+    train(worker, model, [float("inf"), 0.0, 0.0])
+    with pytest.raises(FloatingPointError) as caught:
+        worker.sync()
+    assert str(caught.value).startswith("DILOCO round 1: this worker's weights hold NaN")
+
+
+def test_a_worker_of_several_ranks_broadcasts_a_float64_head_then_the_float32_average(make, monkeypatch):
+    """What a worker's other rank receives into matches what its first rank sends (a fake broadcast
+    plays the first rank: one rank alone cannot tell a wrong dtype)."""
+    sent = []
+
+    def broadcast(tensor, src):
+        sent.append((tensor.dtype, tensor.numel(), src))
+        tensor.copy_(torch.tensor([3.0, 1.0, 10.0, 20.0] if len(sent) % 2 else [1.0, 2.0, 3.0], dtype=tensor.dtype))
+
+    first, _, _ = make(world_size=2, ranks_per_worker=2)
+    other, _, _ = make(rank=1, world_size=2, ranks_per_worker=2)
+    monkeypatch.setattr(diloco_module, "dist", types.SimpleNamespace(broadcast=broadcast))
+    first._shared((torch.tensor([4.0, 5.0, 6.0]), True, 10, 20))
+    average, counted, nsent, received = other._shared(None)
+    assert torch.equal(average, torch.tensor([1.0, 2.0, 3.0])) and (counted, nsent, received) == (True, 0, 0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the user's code may have
+    try:
+        other._shared(None)
+    finally:
+        torch.set_default_dtype(default)
+    assert sent == [(torch.float64, 4, 0), (torch.float32, 3, 0)] * 3
+
+
+def test_two_workers_try_to_reach_each_other(clock, monkeypatch):
+    formed = []
+    monkeypatch.setattr(diloco_module, "form", lambda *a: formed.append(a) or (None, "no"))
+    worker = Diloco(make_spec(rank=1, world_size=2, all_reduce=True), Reporter(None))
+    worker.attach(Vector(1.0), Checkpoints())
+    worker._hook.remove()
+    assert formed == [("10.0.0.9", 29500, 1, 2, 30.0)]
