@@ -25,7 +25,7 @@ def backend_app(backend, make_app, tmp_path):
     return make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
 
 
-def shadowed(app, verify: float = 0.5):
+def shadowed(app, verify: float = 0.5, of: dict[int, int] | None = None):
     """A two-worker DILOCO job started as the scheduler starts one with ``verify``: ranks 0 and 1
     the workers, rank 2 a shadow of worker 1, each on a GPU client of its own. The room's job, and
     each rank's Api (its key alone)."""
@@ -34,7 +34,8 @@ def shadowed(app, verify: float = 0.5):
     store = app.extensions["zwdx"].store
     room = Api(app.test_client()).create_room("verify")
     job = room.submit(parallelism="DILOCO", world_size=2, diloco={"compression": "none", "verify": verify}).json
-    keys = {r: f"rk_{job['id']}_{r}" for r in range(3)}
+    of = of or {2: 1}
+    keys = {r: f"rk_{job['id']}_{r}" for r in range(2 + len(of))}
     for r in keys:
         client = f"gpu-{job['id']}-{r}"
         store.upsert_client({"id": client, "room_id": room.room["id"], "hostname": f"h{r}", "status": "online"},
@@ -43,7 +44,8 @@ def shadowed(app, verify: float = 0.5):
     placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
     assert Job.load(store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
                                             {r: hash_secret(k) for r, k in keys.items()},
-                                            shadows={"2": Shadow(of=1, client_id=f"gpu-{job['id']}-2")})
+                                            shadows={str(s): Shadow(of=w, client_id=f"gpu-{job['id']}-{s}")
+                                                     for s, w in of.items()})
     return room, job, [room.as_(None, rank_key=k) for k in keys.values()]
 
 
@@ -152,3 +154,19 @@ def test_the_placement_puts_a_shadow_on_another_donor_token_than_its_worker(app)
     fewer = placing.arrange(record, chosen[:3], clients)  # resuming on three: the most workers whose shadows fit
     assert fewer == (chosen[:3], {1: 0, 2: 0})
     assert placing.arrange(record, chosen[:2], clients) == (chosen[:2], {1: 0})  # two: one worker, its shadow
+
+
+def test_two_shadows_are_compared_once_both_are_in_however_late_the_second(backend_app):
+    room, job, (r0, r1, early, late) = shadowed(backend_app, verify=1.0, of={2: 1, 3: 1})
+    a, b = np.linspace(-1, 1, 300), np.linspace(2, -2, 300)
+    for n in range(4):
+        assert put(r0, job, n, a).status_code == 201
+        assert put(early, job, n, b * 3 if n == 2 else b).status_code == 201  # it lies in round 2
+        assert put(r1, job, n, b).status_code == 201
+    assert room.get(f"/jobs/{job['id']}").json["shadows"]["2"]["agreed"] == []  # the other is not in yet
+    for n in range(4):
+        assert put(late, job, n, b).status_code == 201
+    record = room.get(f"/jobs/{job['id']}").json
+    assert record["shadows"]["3"]["agreed"] == [0, 1, 2, 3]
+    assert record["shadows"]["2"]["agreed"] == [0, 1] and list(record["shadows"]["2"]["disagreed"]) == ["2"]
+    assert list(record["suspects"]) == ["2"] and "another shadow confirmed" in record["suspects"]["2"]["reason"]

@@ -62,14 +62,15 @@ MAX_LAG = 50
 def keeps(job: JobRecord, artifact: dict, n: int) -> bool:
     """Whether round ``n``'s averaging leaves this artifact for a shadow still behind: a
     shadowed worker's upload of a round one of its running shadows has not uploaded yet, a
-    shadow's own of round ``n - 1`` or later, an average a running shadow has still to fetch."""
+    shadow's own of round ``n - 1`` or later or of a round another shadow of its worker has not
+    uploaded yet, an average a running shadow has still to fetch."""
     rank, r = artifact.get("rank"), artifact.get("round", n)
     if artifact.get("attempt") != job.attempt or r < n - MAX_LAG:
         return False
     if artifact.get("kind") == ArtifactKind.OUTER_GRADIENT.value:
         return any(s.gone is None and r >= s.round for s in job.shadows.values())
-    if of(job, rank) is not None:
-        return r >= n - 1
+    if (mine := of(job, rank)) is not None:  # until its worker's other shadows are in too
+        return r >= n - 1 or any(s.of == mine.of and s.gone is None and r > s.round for s in job.shadows.values())
     return any(s.of == rank and s.gone is None and r > s.round for s in job.shadows.values())
 
 
