@@ -1,13 +1,13 @@
 """gpu_client/rank/strategies/diloco.py called in this process (issue 31 item 3: its mutation
 score): the Diloco worker driven through its methods against a fake reporter whose ``session``
 answers as the server would (or as told), on a clock the test owns (``diloco.time`` replaced),
-so every wait, deadline and duration is exact. This file: the strategy's surface, the tracked
-state, the step counting and the blocking rounds; test_mutants_diloco_rounds.py: the server's
-answers (upload, fetch, retries), the overlapped rounds and the all-reduce among workers."""
+so every wait, deadline and duration is exact (the fakes: diloco_fakes.py). This file: the
+strategy's surface, the tracked state, the step counting, the blocking and the overlapped rounds;
+test_mutants_diloco_rounds.py: the server's answers (upload, fetch, retries) and the all-reduce
+among workers."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import types
 
@@ -17,167 +17,15 @@ import requests
 import torch
 import torch.distributed as dist
 
+from diloco_fakes import (BASE, EMPTY, ROUNDS, Checkpoints, Reporter, Server, Three, Vector, average_response, make_spec,
+                          response, train)
+from diloco_fakes import clock, make  # noqa: F401 (the fixtures)
 from gpu_client.rank.strategies import diloco as diloco_module
 from gpu_client.rank.strategies.diloco import Diloco
 from gpu_client.rank.strategies.parallel import fingerprint
 from zwdx import codec, defaults
-from zwdx.protocol.spec import Diloco as DilocoSpec
 
 torch.set_num_threads(1)
-BASE = "http://srv/api/v1/jobs/j1"
-ROUNDS = f"{BASE}/diloco/rounds"
-
-
-# -- the fakes -------------------------------------------------------------------------------------
-class Clock:
-    """``diloco.time`` in the tests: time moves only when the worker sleeps or a request takes long."""
-
-    def __init__(self):
-        self.now, self.sleeps = 1000.0, []
-
-    def time(self):
-        return self.now
-
-    def sleep(self, seconds):
-        self.sleeps.append(seconds)
-        self.now += self.step or seconds
-
-    #: Seconds every sleep takes instead of those asked for (None: those asked for).
-    step = None
-
-
-def response(status=200, content=b"", headers=None, body=None):
-    resp = requests.Response()
-    resp.status_code, resp.url, resp.encoding = status, ROUNDS, "utf-8"
-    resp._content = json.dumps(body).encode() if body is not None else content
-    resp.headers.update(headers or {})
-    return resp
-
-
-def average_response(values, compression="none"):
-    data = codec.encode(np.asarray(values, np.float32), compression)
-    return response(200, data, {defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
-
-
-class Server:
-    """The reporter's session: a server of one worker (a round's average is its own upload) unless
-    told the average (``averages``) or an answer (``queued``: (method, url) -> responses, served first).
-    Every call is kept in ``calls``; each takes ``latency`` seconds of the clock."""
-
-    def __init__(self, clock, latency=0.0):
-        self.clock, self.latency = clock, latency
-        self.calls, self.uploads, self.averages, self.queued = [], {}, {}, {}
-        self.answer = {"dropped": []}
-        self.during = None  # called inside every request (the training thread, say)
-
-    def _call(self, method, url, kwargs):
-        self.calls.append((method, url, kwargs))
-        self.clock.now += self.latency
-        if self.during:
-            self.during()
-        queue = self.queued.get((method, url))
-        if queue:
-            out = queue.pop(0)
-            if isinstance(out, Exception):
-                raise out
-            return out
-        n = int(url.rsplit("/", 1)[1]) if url.startswith(ROUNDS) else None
-        if method == "put" and n is not None:
-            self.uploads[n] = kwargs["data"]
-            return response(200, body=self.answer)
-        if method == "get" and n is not None:
-            if n in self.averages:
-                return average_response(self.averages[n])
-            data = self.uploads[n]
-            return response(200, data, {defaults.SHA256_HEADER: hashlib.sha256(data).hexdigest()})
-        return response(200, body={})
-
-    def put(self, url, **kwargs):
-        return self._call("put", url, kwargs)
-
-    def get(self, url, **kwargs):
-        return self._call("get", url, kwargs)
-
-    def urls(self):
-        return [(m, u) for m, u, _ in self.calls]
-
-
-class Reporter:
-    def __init__(self, session, patience=5.0):
-        self.session, self.base, self.patience = session, BASE, patience
-        self.logs, self.system, self.outer_step = [], [], None
-
-    def log(self, text):
-        self.logs.append(text)
-
-    def log_system(self, **values):
-        self.system.append(values)
-
-
-class Checkpoints:
-    def __init__(self):
-        self.tracked = []
-
-    def track(self, obj, name):
-        self.tracked.append((obj, name))
-
-
-class Vector(torch.nn.Module):
-    def __init__(self, *values):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(values, dtype=torch.float32))
-
-
-class Three(torch.nn.Module):
-    """Three parameters of different shapes and a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-        self.b = torch.nn.Parameter(torch.tensor([5.0]))
-        self.c = torch.nn.Parameter(torch.tensor([6.0, 7.0]))
-        self.register_buffer("seen", torch.tensor([7.0, 8.0]))
-
-
-def make_spec(rank=0, world_size=1, joining=False, worker_port=None, collective_timeout=30.0, shadow=None, **settings):
-    settings = {"compression": "none", "all_reduce": False, "outer_momentum": 0.0, "outer_lr": 0.5,
-                "inner_steps": 3, **settings}
-    return types.SimpleNamespace(rank=rank, world_size=world_size, joining=joining, worker_port=worker_port, shadow=shadow,
-                                 collective_timeout=collective_timeout, master_addr="10.0.0.9", master_port=29500,
-                                 diloco=DilocoSpec(**settings))
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(diloco_module, "time", clock)
-    return clock
-
-
-@pytest.fixture
-def make(clock):
-    """A worker attached to a model, against a Server on the test's clock; its step hook removed at the end."""
-    made = []
-
-    def make_worker(model=None, latency=0.0, patience=5.0, **spec):
-        server = Server(clock, latency)
-        worker = Diloco(make_spec(**spec), Reporter(server, patience))
-        model = model if model is not None else Vector(1.0, 2.0, 3.0)
-        worker.attach(model, Checkpoints())
-        made.append(worker)
-        return worker, model, server
-
-    yield make_worker
-    for worker in made:
-        if worker._hook is not None:
-            worker._hook.remove()
-
-
-def train(worker, model, by):
-    """In place of ``inner_steps`` steps: the worker's weights move by ``by``."""
-    with torch.no_grad():
-        model.w += torch.tensor(by)
-    worker.steps = worker.settings.inner_steps
 
 
 # -- the strategy's surface ------------------------------------------------------------------------
@@ -466,3 +314,75 @@ def test_weights_that_diverged_stop_the_round_before_anything_travels(make):
                                      "(its training diverged)")
     assert server.calls == []
     worker._finite(0, torch.tensor([1.0, -2.0]))
+
+
+# -- overlapped rounds -----------------------------------------------------------------------------
+def test_an_overlapped_round_applies_the_previous_average_on_top_of_the_workers_progress(make):
+    worker, model, server = make(overlap=True)
+    w0, d0, d1 = torch.tensor([1.0, 2.0, 3.0]), [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]
+    server.averages[0], server.averages[1] = [2.0, 2.0, 2.0], [-2.0, 0.0, 2.0]
+    train(worker, model, d0)
+    worker.sync()  # round 0 travels; nothing applied yet
+    assert worker.round == 1 and worker.steps == 0 and worker.pending is not None and worker.pending.round == 0
+    assert torch.equal(model.w.detach(), w0 + torch.tensor(d0)) and torch.equal(worker.global_.detach(), w0)
+    assert torch.equal(worker.anchor, w0 + torch.tensor(d0))
+    train(worker, model, d1)
+    worker.sync()  # round 0's average: global = w0 - 0.5 * 2; the worker goes on from there plus d1
+    assert torch.equal(worker.global_.detach(), torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(model.w.detach(), torch.tensor([0.0, 2.0, 2.0])) and torch.equal(worker.anchor, model.w.detach())
+    assert worker.round == 2 and not worker.left
+    worker.trained()  # round 1's average, then the last round (nothing to add) waited for
+    assert torch.equal(worker.global_.detach(), torch.tensor([1.0, 1.0, 1.0])) and torch.equal(model.w.detach(), worker.global_.detach())
+    assert worker.left is True and worker.pending is None and worker.round == 3
+    assert server.uploads[0] == codec.encode(np.array([-1.0, 0.0, 0.0], np.float32), "none")
+    assert server.uploads[1] == codec.encode(np.array([0.0, -1.0, 0.0], np.float32), "none") and server.uploads[2] == EMPTY
+    assert [c[2]["params"]["last"] for c in server.calls if c[0] == "put"] == ["false", "false", "true"]
+    system = worker.reporter.system
+    assert [s for s in system if "outer_round" not in s] == [{"sync_seconds": 0.0}] * 3
+    settled = [s for s in system if "outer_round" in s]
+    assert [s["outer_round"] for s in settled] == [0, 1, 2] and all(type(s["transfer_seconds"]) is float for s in settled)
+    assert settled[0]["sent_bytes"] == len(server.uploads[0]) and settled[0]["received_bytes"] == len(average_response([0.0] * 3).content)
+    assert settled[2]["received_bytes"] == len(EMPTY) and all(s["all_reduce"] == 0.0 for s in settled)
+    assert set(settled[0]) == {"outer_round", "sent_bytes", "received_bytes", "transfer_seconds", "all_reduce"}
+
+
+def test_an_overlapped_worker_that_has_not_stepped_adds_nothing_and_starts_from_the_global_weights(make):
+    worker, model, server = make(overlap=True)
+    server.averages[0] = [2.0, 2.0, 2.0]
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.sync()
+    with torch.no_grad():
+        model.w += 5.0  # moved, but not by its optimizer's steps
+    worker.sync()
+    worker.pending.result()
+    assert server.uploads[1] == EMPTY and torch.equal(model.w.detach(), torch.tensor([0.0, 1.0, 2.0]))
+
+
+def test_an_overlapped_last_round_averaged_without_it_says_it_leaves_in_the_next(make):
+    worker, model, server = make(overlap=True)
+    server.queued[("put", f"{ROUNDS}/0")] = [response(409, b"averaged without it")]
+    server.averages[0] = [2.0, 2.0, 2.0]
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.trained()
+    assert [u for _, u in server.urls()] == [f"{ROUNDS}/0", f"{ROUNDS}/0", f"{ROUNDS}/1", f"{ROUNDS}/1"]
+    assert server.uploads[1] == EMPTY and server.calls[2][2]["params"] == {"last": "true"}
+    assert worker.left is True and worker.round == 2 and torch.equal(model.w.detach(), torch.tensor([0.0, 1.0, 2.0]))
+
+
+def test_an_overlapped_round_sends_the_state_after_its_average_is_applied(make):
+    worker, model, server = make(overlap=True)
+    server.answer = {"dropped": [], "state_from": 0}
+    train(worker, model, [1.0, 1.0, 1.0])
+    worker.sync()
+    worker.pending.result()
+    assert ("put", f"{BASE}/diloco/state/1") not in server.urls() and worker.state_for == {0}
+    worker.sync()
+    assert ("put", f"{BASE}/diloco/state/1") in server.urls() and 0 not in worker.state_for
+
+
+def test_overlapped_weights_that_diverged_stop_the_round(make):
+    worker, model, server = make(overlap=True)
+    train(worker, model, [float("nan"), 0.0, 0.0])
+    with pytest.raises(FloatingPointError):
+        worker.sync()
+    assert server.calls == [] and worker.pending is None

@@ -1,7 +1,7 @@
 """gpu_client/rank/strategies/diloco.py called in this process (issue 31 item 3), continued from
-test_mutants_diloco.py (its fakes): what the worker does with the server's answers (an upload too
-late, an average not made yet, gone or damaged, a server away), the overlapped rounds, the
-all-reduce among workers, a worker of several ranks and the outer step itself."""
+test_mutants_diloco.py (the fakes: diloco_fakes.py): what the worker does with the server's answers
+(an upload too late, an average not made yet, gone or damaged, a server away), the all-reduce
+among workers, a worker of several ranks and the outer step itself."""
 from __future__ import annotations
 
 import hashlib
@@ -16,13 +16,12 @@ import torch
 from gpu_client.rank.strategies import diloco as diloco_module
 from gpu_client.rank.strategies.diloco import Diloco
 from gpu_client.rank.strategies.rounds import RoundTimeout
-from test_mutants_diloco import clock, make  # noqa: F401 (the fixtures)
-from test_mutants_diloco import (ROUNDS, Checkpoints, Reporter, Three, Vector, average_response, make_spec, response,
+from diloco_fakes import clock, make  # noqa: F401 (the fixtures)
+from diloco_fakes import (EMPTY, ROUNDS, Checkpoints, Reporter, Three, Vector, average_response, make_spec, response,
                                  train)
 from zwdx import codec, defaults
 
 torch.set_num_threads(1)
-EMPTY = codec.encode(np.zeros(0, np.float32), "none")
 
 
 def pending(status, body=None):
@@ -223,79 +222,6 @@ def test_a_worker_of_one_rank_shares_nothing(clock):
     worker = Diloco(make_spec(), Reporter(None))
     out = (torch.ones(1), True, 1, 2)
     assert worker._shared(out) is out
-
-
-# -- overlapped rounds -----------------------------------------------------------------------------
-def test_an_overlapped_round_applies_the_previous_average_on_top_of_the_workers_progress(make):
-    worker, model, server = make(overlap=True)
-    w0, d0, d1 = torch.tensor([1.0, 2.0, 3.0]), [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]
-    server.averages[0], server.averages[1] = [2.0, 2.0, 2.0], [-2.0, 0.0, 2.0]
-    train(worker, model, d0)
-    worker.sync()  # round 0 travels; nothing applied yet
-    assert worker.round == 1 and worker.steps == 0 and worker.pending is not None and worker.pending.round == 0
-    assert torch.equal(model.w.detach(), w0 + torch.tensor(d0)) and torch.equal(worker.global_.detach(), w0)
-    assert torch.equal(worker.anchor, w0 + torch.tensor(d0))
-    train(worker, model, d1)
-    worker.sync()  # round 0's average: global = w0 - 0.5 * 2; the worker goes on from there plus d1
-    assert torch.equal(worker.global_.detach(), torch.tensor([0.0, 1.0, 2.0]))
-    assert torch.equal(model.w.detach(), torch.tensor([0.0, 2.0, 2.0])) and torch.equal(worker.anchor, model.w.detach())
-    assert worker.round == 2 and not worker.left
-    worker.trained()  # round 1's average, then the last round (nothing to add) waited for
-    assert torch.equal(worker.global_.detach(), torch.tensor([1.0, 1.0, 1.0])) and torch.equal(model.w.detach(), worker.global_.detach())
-    assert worker.left is True and worker.pending is None and worker.round == 3
-    assert server.uploads[0] == codec.encode(np.array([-1.0, 0.0, 0.0], np.float32), "none")
-    assert server.uploads[1] == codec.encode(np.array([0.0, -1.0, 0.0], np.float32), "none") and server.uploads[2] == EMPTY
-    assert [c[2]["params"]["last"] for c in server.calls if c[0] == "put"] == ["false", "false", "true"]
-    system = worker.reporter.system
-    assert [s for s in system if "outer_round" not in s] == [{"sync_seconds": 0.0}] * 3
-    settled = [s for s in system if "outer_round" in s]
-    assert [s["outer_round"] for s in settled] == [0, 1, 2] and all(type(s["transfer_seconds"]) is float for s in settled)
-    assert settled[0]["sent_bytes"] == len(server.uploads[0]) and settled[0]["received_bytes"] == len(average_response([0.0] * 3).content)
-    assert settled[2]["received_bytes"] == len(EMPTY) and all(s["all_reduce"] == 0.0 for s in settled)
-    assert set(settled[0]) == {"outer_round", "sent_bytes", "received_bytes", "transfer_seconds", "all_reduce"}
-
-
-def test_an_overlapped_worker_that_has_not_stepped_adds_nothing_and_starts_from_the_global_weights(make):
-    worker, model, server = make(overlap=True)
-    server.averages[0] = [2.0, 2.0, 2.0]
-    train(worker, model, [1.0, 1.0, 1.0])
-    worker.sync()
-    with torch.no_grad():
-        model.w += 5.0  # moved, but not by its optimizer's steps
-    worker.sync()
-    worker.pending.result()
-    assert server.uploads[1] == EMPTY and torch.equal(model.w.detach(), torch.tensor([0.0, 1.0, 2.0]))
-
-
-def test_an_overlapped_last_round_averaged_without_it_says_it_leaves_in_the_next(make):
-    worker, model, server = make(overlap=True)
-    server.queued[("put", f"{ROUNDS}/0")] = [response(409, b"averaged without it")]
-    server.averages[0] = [2.0, 2.0, 2.0]
-    train(worker, model, [1.0, 1.0, 1.0])
-    worker.trained()
-    assert [u for _, u in server.urls()] == [f"{ROUNDS}/0", f"{ROUNDS}/0", f"{ROUNDS}/1", f"{ROUNDS}/1"]
-    assert server.uploads[1] == EMPTY and server.calls[2][2]["params"] == {"last": "true"}
-    assert worker.left is True and worker.round == 2 and torch.equal(model.w.detach(), torch.tensor([0.0, 1.0, 2.0]))
-
-
-def test_an_overlapped_round_sends_the_state_after_its_average_is_applied(make):
-    from test_mutants_diloco import BASE
-    worker, model, server = make(overlap=True)
-    server.answer = {"dropped": [], "state_from": 0}
-    train(worker, model, [1.0, 1.0, 1.0])
-    worker.sync()
-    worker.pending.result()
-    assert ("put", f"{BASE}/diloco/state/1") not in server.urls() and worker.state_for == {0}
-    worker.sync()
-    assert ("put", f"{BASE}/diloco/state/1") in server.urls() and 0 not in worker.state_for
-
-
-def test_overlapped_weights_that_diverged_stop_the_round(make):
-    worker, model, server = make(overlap=True)
-    train(worker, model, [float("nan"), 0.0, 0.0])
-    with pytest.raises(FloatingPointError):
-        worker.sync()
-    assert server.calls == [] and worker.pending is None
 
 
 # -- the all-reduce among workers ------------------------------------------------------------------
