@@ -290,3 +290,17 @@ def test_a_stale_handle_out_of_restarts_says_none(store, clock):
     job = running(store, clock, 2, max_restarts=0)
     assert stale(job).interrupt("lost") is None
     assert store.get_job("j1").status == JobStatus.CANCELLED
+
+
+def test_a_placement_with_a_shadow_counts_only_the_workers_in_its_world_size(store, clock):
+    from zwdx.protocol.job import Shadow
+    store.upsert_client({"id": "c3", "room_id": "r1", "hostname": "host-c3", "status": "online"},
+                        [{"id": "c3:0", "client_id": "c3", "room_id": "r1", "index": 0, "kind": "cpu"}])
+    job = submit(store, clock, parallelism="DILOCO")
+    placement = [PlacementEntry(rank=r, client_id=c, hostname=f"host-{c}", gpu_index=0, kind="cpu")
+                 for r, c in enumerate(("c1", "c2", "c3"))]
+    shadows = {"2": Shadow(of=0, client_id="c3")}
+    assert job.start(placement, ["c1:0", "c2:0", "c3:0"], {0: "h0", 1: "h1", 2: "h2"}, shadows=shadows)
+    r = store.get_job("j1")
+    assert (r.world_size, r.shadows, sorted(r.rank_keys)) == (2, shadows, ["0", "1", "2"])
+    assert r.timeline[-1].world_size == 2
