@@ -371,3 +371,24 @@ def test_a_resuming_job_is_placed_on_fewer_ranks_down_to_its_min_world_size(app,
     ctx.store.set_job(job_id, {"status": "resuming", "world_size": 2})
     assert ctx.scheduler.schedule_once() == 1
     assert [p["client_id"] for p in job_of(api, job_id)["placement"]] == ["a"]
+
+
+def test_a_port_request_is_due_at_its_deadline_exactly(app, api, socket_client, asked, monkeypatch):
+    ctx, sock, job_id = placed_one(app, api, socket_client, asked)
+    request = ctx.scheduler._asked[job_id]
+    monkeypatch.setattr(scheduler_module, "time", Clock(request.deadline - 0.5))
+    assert ctx.scheduler.finish_placements() == 0 and job_id in ctx.scheduler._asked  # not yet
+    monkeypatch.setattr(scheduler_module, "time", Clock(request.deadline))
+    assert ctx.scheduler.finish_placements() == 0 and job_id not in ctx.scheduler._asked  # due: placed again
+    assert job_of(api, job_id)["status"] == "queued"
+
+
+def test_placing_a_room_yields_to_the_waiting_connections_without_sleeping(app, api, socket_client, asked,
+                                                                           monkeypatch):
+    ctx = app.extensions["zwdx"]
+    register(socket_client, api, "a")
+    api.submit(world_size=1)
+    clock, slept = Clock(), []
+    clock.sleep = slept.append
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    assert ctx.scheduler.schedule_once() == 1 and slept == [0]
