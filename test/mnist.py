@@ -125,18 +125,18 @@ def main() -> None:
     if not args.room_token:
         parser.error("--room-token (or ZWDX_ROOM_TOKEN) is required")
 
-    zwdx = ZWDX(server_url=args.server)
+    client = ZWDX(server_url=args.server)
     model = Net()
-    result = zwdx.submit_job(model=model, data_loader_func=create_loader, train_func=train, eval_func=test,
-                             optimizer=torch.optim.AdamW(Net().parameters(), lr=3e-3),
-                             parallelism=args.parallelism, memory_required=0,
-                             resources=zwdx.Resources(world_size=args.world_size),
-                             training=zwdx.Training(epochs=args.epochs), run=zwdx.Run(room_token=args.room_token))
+    result = client.submit_job(model=model, data_loader_func=create_loader, train_func=train, eval_func=test,
+                               optimizer=torch.optim.AdamW(Net().parameters(), lr=3e-3),
+                               parallelism=args.parallelism,
+                               resources=zwdx.Resources(world_size=args.world_size, memory_required=0),
+                               training=zwdx.Training(epochs=args.epochs), run=zwdx.Run(room_token=args.room_token))
     print(f"job {result['job_id']}: {result['status']} on {result['world_size']} rank(s), "
           f"final loss {result['results'].get('final_loss'):.4f}, results {result['results']}")
-    trained = zwdx.get_trained_model(result["job_id"], Net())
+    trained = client.get_trained_model(result["job_id"], Net())
     print(f"held-out accuracy of the trained model: {held_out_accuracy(trained):.3f}")
-    series = zwdx.get_job_metrics(result["job_id"])
+    series = client.get_job_metrics(result["job_id"])
     print("metric series:", ", ".join(f"{k} ({len(v)} points)" for k, v in series.items()))
 
 
