@@ -202,13 +202,13 @@ def _shadow_upload(job: JobRecord, sender: Sender, n: int, query: RoundUpload) -
         _delete(artifact)
         raise
     ctx().store.update_artifact(artifact["id"], {"numel": layout.numel, "last": query.last, "norm": norm})
-    shadows.uploaded(job, sender.rank, n)
     for earlier in held:
         if earlier["rank"] == sender.rank:
             _delete(earlier)  # the later upload wins
     with _averaging:  # as a round's averaging compares too: each pair once (one server process)
-        job = ctx().store.get_job(job.id) or job  # its round, as ``uploaded`` wrote it
+        job = ctx().store.get_job(job.id) or job
         shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
+        shadows.uploaded(ctx().store.get_job(job.id) or job, sender.rank, n)  # after: its worker's kept till then
     return state(job, n)[0]
 
 
