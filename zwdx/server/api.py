@@ -189,8 +189,9 @@ def create_job(room: dict, body: SubmitJob):
                                             "bundle_sha256": bundle["sha256"], "bundle_size": bundle["size"]}})
     job = JobRecord(id=uuid.uuid4().hex[:12], room_id=room["id"], status=JobStatus.QUEUED, name=body.name,
                     created_at=now, spec=spec, timeline=[TimelineEntry(status=JobStatus.QUEUED, at=now)])
-    reason = unschedulable(spec.model_dump(mode="json"),
-                           ctx().recent_clients.of(room["id"], fresh=body.fail_if_unschedulable))
+    recent = ctx().recent_clients
+    reason = unschedulable(spec.model_dump(mode="json"), recent.of(room["id"], fresh=body.fail_if_unschedulable),
+                           recent.kept)
     if reason and body.fail_if_unschedulable:  # nothing stored: not the job, not its bundle (_release_bundle)
         log.info("job refused in room %s: %s", room["id"], reason)
         raise Unschedulable(f"the room cannot run this job as it is now: {reason}", reason=reason)

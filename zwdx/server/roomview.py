@@ -13,6 +13,7 @@ in any case (a write that escapes the verbs: a restore).
 
     RoomViews(store, redis_url)   .of(room_id) -> {client id: client with slots}
     .changed(client_ids, room_id=None, job_id=None)   .rebuild()   .start(stopping)
+    .kept  # placement's records of the views' documents, built once each (placement.records.Kept)
     observe(store, views)  # the store's client and slot verbs tell the views what they changed
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ import logging
 import threading
 import time
 import uuid
+
+from .placement.records import Kept
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class RoomViews:
             self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0)
         #: rooms read whole and clients read one by one since the start (tests, /metrics)
         self.rebuilds = self.rereads = 0
+        #: placement's records of the documents held here: what a view drops or replaces goes too
+        self.kept = Kept()
 
     # -- what changed ------------------------------------------------------------------------
     def changed(self, client_ids=(), room_id: str | None = None, job_id: str | None = None,
@@ -100,6 +105,8 @@ class RoomViews:
                 self._rooms[room_id], self._built[room_id] = clients, now
                 for cid in clients:
                     self._room_of[cid] = room_id
+                held = [c for view in self._rooms.values() for c in view.values()]
+            self.kept.retain(held)
             self.rebuilds += 1
             return dict(clients)
         fresh = {}
@@ -110,6 +117,7 @@ class RoomViews:
             fresh[cid] = client
         with self._lock:
             for cid, client in fresh.items():
+                self.kept.forget([view.get(cid)])
                 if client is None or client.get("room_id") != room_id:
                     view.pop(cid, None)
                 else:

@@ -286,7 +286,8 @@ class Scheduler:
         asked = {"spec": record.spec.model_dump(mode="json"), "status": record.status.value,
                  "world_size": record.world_size, "avoid": record.avoid}
         asked = shadows.asked(record, asked)  # DILOCO's spot checks: their slots too
-        chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots))
+        kept = getattr(self.ctx.views, "kept", None)  # the records of the view's documents (``clients``)
+        chosen, reason = plan(asked, slots, clients, self._held_memory(record, slots), kept=kept)
         job = Job(store, record)
         if chosen is None:
             _guarded(f"asking gpu clients to look again for job {record.id}'s packages", clients_of_room.ask_refresh,
@@ -295,7 +296,7 @@ class Scheduler:
             # never run holds back none of the jobs behind it; nor one only the GPU clients it passes
             # over could run (a fake client must not stop the room's queue through the job it held).
             never = unschedulable(_least(record, asked["spec"]),
-                                  [c for c in clients.values() if c["id"] not in record.avoid])
+                                  [c for c in clients.values() if c["id"] not in record.avoid], kept)
             jobs.wait(self.ctx, record, reason)
             return _PASSED if never else _BLOCKED
         chosen, of = shadows.arrange(record, chosen, clients)

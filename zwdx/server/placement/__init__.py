@@ -37,6 +37,8 @@ def missing_modules(spec: dict, client: dict) -> list[str]:
 def apart_from(client: dict, now: float) -> list[str]:
     """The GPU clients this one (a store document) is known not to reach, or not to be reached by,
     at ``now`` (its record's ``unreachable``, written by ``reach.py``)."""
+    if not client.get("unreachable"):
+        return []  # most clients: no record built for nothing (the dashboard asks for each, at every push)
     return Client.of(client, with_slots=False).apart_from(now)
 
 

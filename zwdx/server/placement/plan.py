@@ -12,7 +12,7 @@ from ...protocol import SlotKind
 from . import reasons
 from .filters import Eligible, eligible
 from .groups import apart, by_kind, hosts_ram, reachable, spread, tp_groups, whole_groups, within_host_ram
-from .records import Client, Need, Slot
+from .records import Client, Kept, Need, Slot
 
 CUDA, CPU = SlotKind.CUDA, SlotKind.CPU
 
@@ -87,8 +87,11 @@ def choose(need: Need, ok: list[Slot], room: Room) -> Choice:
     return out
 
 
-def _records(slots: list[dict], clients: dict) -> tuple[dict[str, Client], list[Slot]]:
-    """The scheduler's documents as records (its slots are ``slots``: a client's own are not read)."""
+def _records(slots: list[dict], clients: dict, kept: Kept | None = None) -> tuple[dict[str, Client], list[Slot]]:
+    """The scheduler's documents as records (its slots are ``slots``: a client's own are not read);
+    those of the room view's documents from ``kept``."""
+    if kept is not None:
+        return {cid: kept.client(c, with_slots=False) for cid, c in clients.items()}, [kept.slot(s) for s in slots]
     return {cid: Client.of(c, with_slots=False) for cid, c in clients.items()}, [Slot.of(s) for s in slots]
 
 
@@ -100,12 +103,12 @@ def free_slots(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict],
 
 
 def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
-         now: float | None = None) -> tuple[list[dict] | None, str]:
+         now: float | None = None, kept: Kept | None = None) -> tuple[list[dict] | None, str]:
     """Choose the slots for a job, rank order grouped by GPU client; or None and the reason.
     ``held``: bytes per rank of the jobs holding slots (those on CPU slots count against their
-    host's RAM)."""
+    host's RAM). ``kept``: the records of the room view's documents (``RoomViews.kept``)."""
     need = Need.of(job["spec"], job)
-    records, mine = _records(slots, clients)
+    records, mine = _records(slots, clients, kept)
     if not any(c.online for c in records.values()):
         return None, reasons.no_clients(clients.values())
     found = eligible(need, records.values(), mine)
@@ -117,12 +120,12 @@ def plan(job: dict, slots: list[dict], clients: dict, held: dict | None = None,
     return None, reasons.waiting(need, choice, reasons.now(found, need), records)
 
 
-def unschedulable(spec: dict, clients: list[dict]) -> str | None:
+def unschedulable(spec: dict, clients: list[dict], kept: Kept | None = None) -> str | None:
     """Why the room as it is now could never run the job, even with every slot idle (more ranks
     than its eligible slots, more memory than any slot has, no GPU client at all, none on the
     submitter's Python, a package missing on every one, an image no slot runs); None when it
-    could. Jobs wait anyway: GPU clients may join."""
-    records = {c["id"]: Client.of(c) for c in clients}
+    could. Jobs wait anyway: GPU clients may join. ``kept``: as ``plan``'s."""
+    records = {c["id"]: kept.client(c) if kept is not None else Client.of(c) for c in clients}
     if not any(c.online for c in records.values()):
         return reasons.no_clients(clients)
     need = Need.of(spec)

@@ -33,6 +33,11 @@ class RecentClients:
                 self._held[room_id] = held
         return held[1]
 
+    @property
+    def kept(self):
+        """The records of the documents ``of`` returns, when they are the room view's (else None)."""
+        return getattr(self.views, "kept", None)
+
     def forget(self, room_id: str) -> None:
         """A client of the room registered or left through this process: the next hint reads anew."""
         with self._lock:

@@ -112,7 +112,49 @@ class Client(NamedTuple):
 
     def apart_from(self, now: float) -> list[str]:
         """The GPU clients this one is known not to reach, or not to be reached by, at ``now``."""
-        return sorted({peer for peer, until in self.unreachable if until > now})
+        return sorted({peer for peer, until in self.unreachable if until > now}) if self.unreachable else []
+
+
+class Kept:
+    """Records of documents that stay in memory from one plan to the next (the room view's,
+    roomview.py), by the document's identity: built once, not at every plan (a pass and a submit
+    each read the whole room). The store's changes reach the view as new documents, which get
+    records of their own; what the view drops, it forgets here. The one field written in place
+    is a slot's ``job_id`` (the scheduler marks the slots it reserved in the pass's view): a slot
+    whose record says another is built again."""
+
+    def __init__(self) -> None:
+        self._clients: dict[int, Client] = {}
+        self._slots: dict[int, Slot] = {}
+
+    def client(self, doc: dict, with_slots: bool = True) -> Client:
+        record = self._clients.get(id(doc))
+        if record is None or record.doc is not doc:
+            record = self._clients[id(doc)] = Client.of(doc, with_slots=False)
+        return record._replace(slots=tuple(self.slot(s) for s in doc.get("slots") or ())) if with_slots else record
+
+    def slot(self, doc: dict) -> Slot:
+        record = self._slots.get(id(doc))
+        if record is None or record.doc is not doc or record.job_id != (doc.get("job_id") or None):
+            record = self._slots[id(doc)] = Slot.of(doc)
+        return record
+
+    def forget(self, docs) -> None:
+        """Drop the records of these client documents and of their slots."""
+        for doc in docs:
+            if doc is not None:
+                self._clients.pop(id(doc), None)
+                for slot in doc.get("slots") or ():
+                    self._slots.pop(id(slot), None)
+
+    def retain(self, docs) -> None:
+        """Keep only the records of these client documents and their slots (a pass may have
+        asked for a document the view replaced meanwhile)."""
+        docs = list(docs)
+        clients = {id(d) for d in docs}
+        slots = {id(s) for d in docs for s in d.get("slots") or ()}
+        self._clients = {k: r for k, r in self._clients.items() if k in clients}
+        self._slots = {k: r for k, r in self._slots.items() if k in slots}
 
 
 def tree(spec: dict) -> dict:
