@@ -54,7 +54,7 @@ NOT_GATED = ("socket.io connect", "socket.io register", "job submit->completed",
 def gated(kind: str) -> bool:
     """Whether a call's p99 (or an error of it) decides a level: not one of NOT_GATED, nor made
     during a kill's span (--kill-one: reported apart)."""
-    return kind not in NOT_GATED and not kind.endswith(kill_one.DURING)
+    return kind not in NOT_GATED and not kind.endswith((kill_one.DURING, kill_one.AFTER))
 
 
 def level_database(uri: str, level_dir: str) -> str:
@@ -342,7 +342,7 @@ def passed(r: dict, limit: float) -> tuple[bool, str]:
         why.append(f"p99 {worst[1]:,.0f} ms ({worst[0]})")
     if r["held"] < r["clients"]:
         why.append(f"held {r['held']}/{r['clients']}")
-    errs = sum(n for k, n in r["errors"].items() if not k.endswith(kill_one.DURING))
+    errs = sum(n for k, n in r["errors"].items() if not k.endswith((kill_one.DURING, kill_one.AFTER)))
     if errs:
         why.append(f"{errs} errors")
     return not why, "; ".join(why) or f"worst p99 {worst[1]:,.0f} ms ({worst[0]})"

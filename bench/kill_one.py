@@ -15,6 +15,8 @@ from __future__ import annotations
 BACK_WITHIN = 10.0
 #: What simulate.py appends to the name of a call or error that overlapped the kill's span.
 DURING = " (during the kill)"
+#: ... and to the name of an error seen after the window, while the jobs are followed to their end.
+AFTER = " (after the window)"
 #: A job's last status that ends it.
 FINAL = ("completed", "failed", "cancelled")
 

@@ -1,14 +1,15 @@
 """What one load generator (simulate.py) keeps of a control_plane.py level: the latencies of the
 calls that started inside the measurement window, their errors and counts, and with a kill
 planned (``--kill-one``) its clients' drops; calls and errors that overlapped the kill's span
-are filed under their name with ``kill_one.DURING`` appended (reported, not gated).
+are filed under their name with ``kill_one.DURING`` appended, and the errors seen after the window
+(while the SDK users follow their jobs to the end) with ``kill_one.AFTER`` (reported, not gated).
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 
-from kill_one import DURING, during
+from kill_one import AFTER, DURING, during
 
 
 class Recorder:
@@ -32,11 +33,15 @@ class Recorder:
     def error(self, kind: str, exc, started: float | None = None) -> None:
         """An error of a call (made at ``started``: one that overlapped the kill's span is filed apart)."""
         now = time.time()
-        if self.t0 is None or now <= self.t1:
-            kind += DURING if during(self.kill_time, started or now, now) else ""
-            self.errors[kind] += 1
-            if len(self.error_samples) < 20:
-                self.error_samples.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])
+        if self.t1 is not None and now > self.t1:
+            if self.kill_time is None:
+                return
+            kind += AFTER  # following the jobs to their end after a kill: shown, not gated
+        elif during(self.kill_time, started or now, now):
+            kind += DURING
+        self.errors[kind] += 1
+        if len(self.error_samples) < 20:
+            self.error_samples.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])
 
     def count(self, kind: str, n: int = 1, at: float | None = None) -> None:
         if self.inside(at or time.time()):

@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import kill_one  # noqa: E402
 from control_plane import passed  # noqa: E402
+from recorder import Recorder  # noqa: E402
 
 KILL = 1000.0
 
@@ -52,3 +53,18 @@ def test_calls_and_errors_during_the_kill_are_reported_not_gated():
 
 def test_a_kill_that_dropped_no_client_does_not_pass():
     assert not passed(level([], {"j": "completed"}), 200)[0]
+
+
+def test_a_load_generator_files_errors_by_when_their_call_ran(monkeypatch):
+    rec = Recorder()
+    rec.t0, rec.t1, rec.kill_time = KILL - 5, KILL + 20, KILL
+    for now, started in ((KILL - 2, KILL - 3), (KILL + 3, KILL - 0.5), (KILL + 15, KILL + 11), (KILL + 40, KILL + 39)):
+        monkeypatch.setattr("recorder.time.time", lambda now=now: now)
+        rec.error("POST /jobs", RuntimeError("HTTP 502"), started)
+    assert rec.errors == {"POST /jobs": 2, "POST /jobs" + kill_one.DURING: 1, "POST /jobs" + kill_one.AFTER: 1}
+    assert not passed(level([["a", KILL, KILL + 2]], {"j": "completed"}, errors=rec.errors), 200)[0]
+    del rec.errors["POST /jobs"]  # what is left (the kill's span, after the window) is shown, not gated
+    assert passed(level([["a", KILL, KILL + 2]], {"j": "completed"}, errors=rec.errors), 200)[0]
+    rec.kill_time = None  # without a kill, what comes after the window is not kept
+    rec.error("POST /jobs", RuntimeError("HTTP 502"), KILL + 39)
+    assert "POST /jobs" not in rec.errors
