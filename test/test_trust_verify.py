@@ -103,6 +103,8 @@ def test_a_disagreement_with_no_third_opinion_names_both_with_the_round_and_dist
     assert reason.startswith("spot check, round 0: disagreed with its shadow (relative distance ") and \
         "cannot be told" in reason
     assert record["suspects"]["1"]["rounds"] == [0]
+    assert any("rank 1 (gpu client" in t and "is a suspect: spot check, round 0" in t and "cannot be told, in round 0;"
+               in t for t in logs(room, job)), logs(room, job)
     assert record["shadows"]["2"]["disagreed"].keys() == {"0"} and record["shadows"]["2"]["gone"] == "named a suspect"
     assert record["ranks"]["1"]["status"] == "dropped" and record["status"] in ("starting", "running")
 

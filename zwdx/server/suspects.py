@@ -84,7 +84,8 @@ def name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = T
     texts = []
     for r, (rounds, reason) in sorted(named.items()):
         revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
-        when = f", in rounds {', '.join(map(str, rounds))} in a row" if rounds else ""
+        when = f", in rounds {', '.join(map(str, rounds))} in a row" if len(rounds) > 1 else \
+            f", in round {rounds[0]}" if rounds else ""
         texts.append(f"diloco: rank {r} (gpu client {clients.get(r)}) is a suspect: {reason}{when}; "
                      f"{'it is dropped and ' if drop else ''}its client is not given this job again{revoke}")
         log.warning("job %s: %s", job.id, texts[-1])
