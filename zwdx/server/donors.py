@@ -18,8 +18,6 @@ registers of new ids racing may both pass it (the bound is one over, never unbou
 """
 from __future__ import annotations
 
-from limits import parse as parse_rate
-
 from ..protocol import ClientStatus
 from ..protocol.gpu import Register
 
@@ -34,7 +32,7 @@ def refusal(ctx, room_id: str, token_id: str | None, hello: Register, existing: 
     if token_id is None:
         return None
     rate = config.rate_limit_registers
-    if rate and not ctx.limiter.window.hit(parse_rate(rate), "registers", token_id):
+    if rate and not ctx.limiter.hit_rate(rate, "registers", token_id):
         return (f"register: this donor token registered more than {rate} already; wait and retry "
                 f"(the server's --rate-limit-registers)")
     most_clients = config.donor_max_clients

@@ -13,7 +13,8 @@
     wrong room token or rank key (answered 401 or 403), every request it makes to a route that
     authenticates is refused (429) until the window passes; Socket.IO connections with a wrong
     token count alike (``socket_auth``).
-  A refused request is answered 429 (``too_many_requests``) and changes nothing.
+  A refused request is answered 429 (``too_many_requests``) and changes nothing. A rate of
+  several windows (``20 per second; 600 per minute``) holds in each.
   - ``POST /api/v1/jobs/<id>/events``: ``RATE_LIMIT_EVENTS`` per rank of the job (its key), not
     per address (``check_event_rate``).
   In memory, expired windows are dropped every ``PURGE_INTERVAL`` seconds (``PurgedMemoryStorage``),
@@ -32,7 +33,7 @@ import threading
 import time
 
 from flask import Flask, current_app, request
-from limits import parse as parse_rate
+from limits import parse_many
 from limits.storage import MemoryStorage, storage_from_string
 from limits.strategies import MovingWindowRateLimiter
 
@@ -83,12 +84,22 @@ class RateLimits:
         self.window = MovingWindowRateLimiter(_storage(uri))
 
     def allowed(self, setting: str, scope: str) -> bool:
-        """Whether the caller's address is still under ``setting``'s rate in ``scope`` (not counted)."""
-        return self.window.test(parse_rate(getattr(settings(), setting.lower())), scope, _address())
+        """Whether the caller's address is still under ``setting``'s rates in ``scope`` (not counted)."""
+        return all(self.window.test(rate, scope, _address()) for rate in _rates(getattr(settings(), setting.lower())))
 
     def hit(self, setting: str, scope: str, key: str | None = None) -> bool:
         """Count one for ``key`` (the caller's address by default); False when that took it over the rate."""
-        return self.window.hit(parse_rate(getattr(settings(), setting.lower())), scope, key or _address())
+        return self.hit_rate(getattr(settings(), setting.lower()), scope, key or _address())
+
+    def hit_rate(self, rate: str, scope: str, key: str) -> bool:
+        """Count one for ``key`` in each of ``rate``'s windows ("20 per second; 600 per minute": both),
+        in order; False at the first that was full (the later ones are not counted)."""
+        return all(self.window.hit(item, scope, key) for item in _rates(rate))
+
+
+@functools.lru_cache(maxsize=64)
+def _rates(rate: str) -> tuple:
+    return tuple(parse_many(rate))
 
 
 def _address() -> str:
