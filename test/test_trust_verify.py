@@ -6,6 +6,7 @@ test_verify.py; with real GPU-client processes: test_diloco_verify.py."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 
 import numpy as np
@@ -172,3 +173,23 @@ def test_two_shadows_are_compared_once_both_are_in_however_late_the_second(backe
     assert record["shadows"]["3"]["agreed"] == [0, 1, 2, 3]
     assert record["shadows"]["2"]["agreed"] == [0, 1] and list(record["shadows"]["2"]["disagreed"]) == ["2"]
     assert list(record["suspects"]) == ["2"] and "another shadow confirmed" in record["suspects"]["2"]["reason"]
+
+
+def test_among_server_processes_a_shadows_comparison_takes_the_rounds_lease(app, monkeypatch, caplog):
+    from zwdx.server import diloco
+    room, job, (r0, r1, shadow) = shadowed(app)
+    ctx = app.extensions["zwdx"]
+    monkeypatch.setattr(ctx.lease, "shared", True)
+    a, b = np.linspace(-1, 1, 300), np.linspace(2, -2, 300)
+    assert put(r0, job, 0, a).status_code == 201 and put(r1, job, 0, b).status_code == 201
+    assert put(shadow, job, 0, b).status_code == 201
+    assert ctx.store.lease_holder(f"diloco:{job['id']}:0") is None  # taken and given back
+    assert room.get(f"/jobs/{job['id']}").json["shadows"]["2"]["agreed"] == [0]
+    assert put(r0, job, 1, a).status_code == 201 and put(r1, job, 1, b).status_code == 201
+    assert ctx.store.take_lease(f"diloco:{job['id']}:1", "another-server", 60)
+    clock = itertools.count(0, 5)  # each look at the clock 5 s on: the 10 s wait is over at once
+    monkeypatch.setattr(diloco.time, "time", lambda: float(next(clock)))
+    monkeypatch.setattr(diloco.time, "sleep", lambda s: None)
+    assert put(shadow, job, 1, b).status_code == 201  # another process holds the round: not compared, no error
+    assert room.get(f"/jobs/{job['id']}").json["shadows"]["2"]["agreed"] == [0]
+    assert "round 1's spot check of shadow rank 2 skipped (its lease is held)" in caplog.text

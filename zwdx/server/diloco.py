@@ -205,10 +205,22 @@ def _shadow_upload(job: JobRecord, sender: Sender, n: int, query: RoundUpload) -
     for earlier in held:
         if earlier["rank"] == sender.rank:
             _delete(earlier)  # the later upload wins
-    with _averaging:  # as a round's averaging compares too: each pair once (one server process)
-        job = ctx().store.get_job(job.id) or job
-        shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
-        shadows.uploaded(ctx().store.get_job(job.id) or job, sender.rank, n)  # after: its worker's kept till then
+    with _averaging:  # as a round's averaging compares too: each pair once (and among server processes,
+        lease, name = ctx().lease, f"diloco:{job.id}:{n}"  # under the round's lease)
+        deadline = time.time() + 10
+        while lease.shared and ctx().store.take_lease(name, lease.holder, AVERAGING_LEASE_S) is None:
+            if time.time() > deadline:  # another process holds the round: this pair goes unchecked
+                log.warning("job %s: round %d's spot check of shadow rank %d skipped (its lease is held)",
+                            job.id, n, sender.rank)
+                return state(job, n)[0]
+            time.sleep(0.05)
+        try:
+            job = ctx().store.get_job(job.id) or job
+            shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
+            shadows.uploaded(ctx().store.get_job(job.id) or job, sender.rank, n)  # after: its worker's kept till then
+        finally:
+            if lease.shared:
+                ctx().store.release_lease(name, lease.holder)
     return state(job, n)[0]
 
 
