@@ -44,3 +44,8 @@ def test_a_late_sweep_changes_no_answer_and_an_interval_drops_the_expired(monkey
     assert window.hit(rate, "events", "j1:0")  # arms a sweep, which drops the two expired entries
     time.sleep(0.3 + 0.2)
     assert [len(entries) for entries in storage.events.values()] == [1]
+    assert window.hit(rate, "events", "j2:0")  # another key
+    time.sleep(1.05 + 0.3)
+    assert window.hit(rate, "events", "j3:0")  # arms a sweep: the keys whose windows passed go
+    time.sleep(0.3 + 0.2)
+    assert list(storage.events) == ["LIMITER/events/j3:0/2/1/second"]

@@ -61,13 +61,29 @@ class PurgedMemoryStorage(MemoryStorage):
     seconds instead of 10 ms after each hit: a sweep walks every key (each rank of each job posting
     events has one), and one every 10 ms cost a busy server several % of a core. A moving window
     reads its entries' times, so a late sweep changes no answer, only how long the expired ones stay
-    in memory (a window's list holds at most its limit's entries per window)."""
+    in memory (a window's list holds at most its limit's entries per window). A key whose
+    windows all passed goes too (the library keeps its empty list: one per rank of every job
+    ever, each walked at every sweep)."""
 
     def _MemoryStorage__schedule_expiry(self) -> None:  # the library's private hook, called on each hit
         if not self.timer.is_alive():
-            self.timer = threading.Timer(PURGE_INTERVAL, self._MemoryStorage__expire_events)
+            self.timer = threading.Timer(PURGE_INTERVAL, self._sweep)
             self.timer.daemon = True
             self.timer.start()
+
+    def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        try:
+            return super().acquire_entry(key, limit, expiry, amount)
+        except KeyError:  # a sweep dropped the key between its setdefault and its insert: nothing counted yet
+            return super().acquire_entry(key, limit, expiry, amount)
+
+    def _sweep(self) -> None:
+        self._MemoryStorage__expire_events()
+        for key in [key for key, entries in list(self.events.items()) if not entries]:
+            with self.locks[key]:  # the lock a hit on it holds between its setdefault and its insert
+                if not self.events.get(key, True):
+                    del self.events[key]
+            self.locks.pop(key, None)
 
 
 def _storage(uri: str):
