@@ -6,6 +6,9 @@ on the embedded store (SQLite) in this process: figures independent of a load ge
   for those whose figures moved enough: ``Presence.step``, counted in);
 - a placement pass's read of a room of N clients: the whole room (``list_clients``, as every
   pass was) against the view after K of its clients changed (``RoomViews.of``);
+- a plan over that view (``placement.plan``, what a pass does per waiting job, and a submit's
+  ``unschedulable`` alike): the records built from the room's documents at each plan, as before,
+  against those the view keeps (``RoomViews.kept``);
 - ranks' event posts from W ranks at once: a transaction each (``add_events``) against the
   group commit (``EventWriter``), wall time for all of them (threads; the store's lock and
   fsync are what is shared).
@@ -25,6 +28,7 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from zwdx.server.batches import EventWriter  # noqa: E402
+from zwdx.server.placement import plan  # noqa: E402
 from zwdx.server.presence import Presence  # noqa: E402
 from zwdx.server.roomview import RoomViews, observe  # noqa: E402
 from zwdx.server.store import open_store  # noqa: E402
@@ -82,6 +86,21 @@ def placement_reads(store, changed: int, times: int = 5) -> tuple[float, float]:
     return before, took / times
 
 
+def plans(store, times: int = 5) -> tuple[float, float]:
+    views = RoomViews(store)
+    clients = views.of("r1")
+    slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
+    job = {"spec": {"parallelism": "DDP", "kind": "function", "world_size": 2}, "status": "queued"}
+    took = []
+    for kept in (None, views.kept):
+        plan(job, slots, clients, kept=kept)  # the view's records built once
+        began = time.perf_counter()
+        for _ in range(times):
+            plan(job, slots, clients, kept=kept)
+        took.append((time.perf_counter() - began) / times)
+    return took[0], took[1]
+
+
 def events(store, ranks: int, rounds: int = 5) -> tuple[float, float]:
     def post_all(add) -> float:
         start = threading.Barrier(ranks)
@@ -111,18 +130,19 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=64, help="ranks posting events at once")
     args = parser.parse_args()
     print("| clients | heartbeat: store write | heartbeat: memory (+ its share of the step) | placement read: room "
-          "| placement read: view, {} changed | events post: a transaction each | events post: group commit |"
-          .format(args.changed))
-    print("|---|---|---|---|---|---|---|")
+          "| placement read: view, {} changed | plan: records built | plan: records kept "
+          "| events post: a transaction each | events post: group commit |".format(args.changed))
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.clients.split(",")):
         with tempfile.TemporaryDirectory() as data:
             store = open_store(data, None)
             populate(store, n)
             hb = heartbeats(store, n)
             pl = placement_reads(store, args.changed)
+            pn = plans(store)
             ev = events(store, args.ranks)
             store.close()
-        print(f"| {n:,} | {ms(hb[0])} | {ms(hb[1])} | {ms(pl[0])} | {ms(pl[1])} | {ms(ev[0])} | {ms(ev[1])} |")
+        print(f"| {n:,} | {ms(hb[0])} | {ms(hb[1])} | {ms(pl[0])} | {ms(pl[1])} | {ms(pn[0])} | {ms(pn[1])} | {ms(ev[0])} | {ms(ev[1])} |")
 
 
 if __name__ == "__main__":
