@@ -65,17 +65,6 @@ def test_rank_process_that_dies_fails_the_job_quickly(cluster):
                10, what="the other rank stopped and every slot freed")
 
 
-def test_cancel_stops_the_ranks_and_frees_the_slots(cluster):
-    sdk, room = cluster.sdk, cluster.room
-    job_id = sdk.submit_job(model=mnist.Net(), data_loader_func=mnist.create_loader, train_func=train_that_crashes,
-                            resources=zwdx.Resources(world_size=1), run=zwdx.Run(room_token=room["token"]), wait=False)
-    wait_until(lambda: sdk.get_job(job_id)["status"] == "running", 60, what="job running")
-    assert sdk.cancel_job(job_id)["status"] == "cancelled"
-    wait_until(lambda: all(s["job_id"] is None for c in sdk.get_room(room["token"])["clients"] for s in c["slots"]),
-               10, what="slots freed after cancel")
-    assert sdk.get_job(job_id)["status"] == "cancelled"
-
-
 def quick_train(model, loader):
     return {"loss": 0.0, "pid": os.getpid()}
 

@@ -113,7 +113,7 @@ def test_cancel_mid_job_stops_every_rank_within_the_kill_grace(cluster):
                what="ranks running")
     pids = rank_pids(a) + rank_pids(b)
     t0 = time.time()
-    sdk.cancel_job(job_id)
+    assert sdk.cancel_job(job_id)["status"] == "cancelled"  # the answer says so at once
     wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                for p in pids), KILL_GRACE + SLACK, what="every rank process gone")
     print(f"\ncancel -> every rank gone in {time.time() - t0:.2f} s")
