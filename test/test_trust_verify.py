@@ -193,3 +193,15 @@ def test_among_server_processes_a_shadows_comparison_takes_the_rounds_lease(app,
     assert put(shadow, job, 1, b).status_code == 201  # another process holds the round: not compared, no error
     assert room.get(f"/jobs/{job['id']}").json["shadows"]["2"]["agreed"] == [0]
     assert "round 1's spot check of shadow rank 2 skipped (its lease is held)" in caplog.text
+
+
+def test_zwdx_jobs_show_says_what_each_shadow_found():
+    from zwdx.job_text import shadow_lines
+    job = {"shadows": {"3": {"of": 1, "client_id": "c", "agreed": [0, 1], "disagreed": {}},
+                       "2": {"of": 0, "client_id": "b", "agreed": [0], "disagreed": {"1": "relative distance 0.5"},
+                             "gone": "named a suspect"}}}
+    assert shadow_lines(job) == [
+        "SHADOW: rank 2 runs rank 0 again (gpu client b): agreed in 1 round(s), disagreed in round(s) 1; gone: named a "
+        "suspect",
+        "SHADOW: rank 3 runs rank 1 again (gpu client c): agreed in 2 round(s)"]
+    assert shadow_lines({}) == []

@@ -86,6 +86,19 @@ def suspect_lines(job: dict) -> list[str]:
     return lines
 
 
+def shadow_lines(job: dict) -> list[str]:
+    """DILOCO's spot checks: each shadow, the worker it runs again and what the comparisons found."""
+    lines = []
+    for rank, shadow in sorted((job.get("shadows") or {}).items(), key=lambda kv: int(kv[0])):
+        agreed, disagreed = shadow.get("agreed") or [], sorted(shadow.get("disagreed") or {}, key=int)
+        found = f"agreed in {len(agreed)} round(s)" + (f", disagreed in round(s) {', '.join(disagreed)}"
+                                                       if disagreed else "")
+        gone = f"; gone: {shadow['gone']}" if shadow.get("gone") else ""
+        lines.append(f"SHADOW: rank {rank} runs rank {shadow.get('of')} again (gpu client "
+                     f"{shadow.get('client_id') or '?'}): {found}{gone}")
+    return lines
+
+
 def plan_lines(job: dict) -> list[str]:
     """The job's plan as text (what the job page draws): each rank's layout, as it reported it
     once its model was wrapped, and for a pipeline the stage order and its schedule."""

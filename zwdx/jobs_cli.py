@@ -29,7 +29,7 @@ from .protocol import FINISHED, JobStatus
 from .protocol.base import escape_controls
 from .protocol.spec import nest
 from .job_text import (ago, facts, gib, notes, number, placement_rows, plan_lines,
-                       suspect_lines, terms_line)
+                       shadow_lines, suspect_lines, terms_line)
 
 
 def _show(text: str, keep: str = "\n") -> None:
@@ -88,7 +88,7 @@ def jobs_show(sdk, args) -> int:
     if job.get("placement"):
         print()
         _show_placement(job, _batches(sdk, job["id"]) if mixed else None)
-    for line in suspect_lines(job) + plan_lines(job):
+    for line in suspect_lines(job) + shadow_lines(job) + plan_lines(job):
         _show(line)
     for rank in job.get("failure_order") or []:
         _show(f"\nrank {rank} failed:\n{(job.get('failures') or {}).get(rank, '')}", keep="\n\t")
