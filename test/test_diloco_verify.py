@@ -15,6 +15,7 @@ import zwdx
 import mnist
 from digests import state_digest
 from procs import wait_until
+from store_backends import mongo_server, mongo_uri  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow  # a server and three or four GPU-client processes
 
@@ -98,7 +99,28 @@ def lying_train(model, loader, optimizer, rank, epochs, reporter, device):
     return loss.item()
 
 
+@pytest.fixture
+def server(request, tmp_path):
+    """conftest's server process; on MongoDB for a test that asks for ``mongo_uri``."""
+    from procs import Server
+    marker = request.node.get_closest_marker("server_args")
+    extra = list(marker.args) if marker else []
+    if "mongo_uri" in request.fixturenames:
+        extra += ["--mongo-uri", request.getfixturevalue("mongo_uri")]
+    srv = Server(str(tmp_path / "server"), extra=extra or None)
+    yield srv
+    srv.stop()
+
+
 def test_a_lying_worker_is_named_by_its_two_shadows_in_round_0_and_only_it(sdk, room, start_client):
+    named_in_round_0(sdk, room, start_client)
+
+
+def test_a_lying_worker_is_named_in_round_0_on_mongodb(sdk, room, start_client, mongo_uri):
+    named_in_round_0(sdk, room, start_client)
+
+
+def named_in_round_0(sdk, room, start_client):
     for name in ("a-liar", "b", "c"):  # the placement takes GPU clients in id order: the liar is the worker
         start_client(name, extra=["--threads", "2" if name == "a-liar" else "1"])
     sdk.room_token = room["token"]
