@@ -9,6 +9,9 @@ on the embedded store (SQLite) in this process: figures independent of a load ge
 - a plan over that view (``placement.plan``, what a pass does per waiting job, and a submit's
   ``unschedulable`` alike): the records built from the room's documents at each plan, as before,
   against those the view keeps (``RoomViews.kept``);
+- a rate-limit hit (``RATE_LIMIT_EVENTS``' per-second window), one a second for each of N rank
+  keys spread over 3 s: the ``limits`` library's memory storage (a sweep of every key 10 ms after
+  each hit) against zwdx's (``PurgedMemoryStorage``: once a second), process CPU per hit;
 - ranks' event posts from W ranks at once: a transaction each (``add_events``) against the
   group commit (``EventWriter``), wall time for all of them (threads; the store's lock and
   fsync are what is shared).
@@ -27,7 +30,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from limits import parse as parse_rate  # noqa: E402
+from limits.storage import MemoryStorage  # noqa: E402
+from limits.strategies import MovingWindowRateLimiter  # noqa: E402
+
 from zwdx.server.batches import EventWriter  # noqa: E402
+from zwdx.server.limits import PurgedMemoryStorage  # noqa: E402
 from zwdx.server.placement import plan  # noqa: E402
 from zwdx.server.presence import Presence  # noqa: E402
 from zwdx.server.roomview import RoomViews, observe  # noqa: E402
@@ -101,6 +109,20 @@ def plans(store, times: int = 5) -> tuple[float, float]:
     return took[0], took[1]
 
 
+def rate_hits(keys: int, seconds: float = 3.0) -> tuple[float, float]:
+    rate, took = parse_rate("20 per second"), []
+    for storage in (MemoryStorage(), PurgedMemoryStorage()):
+        window, n = MovingWindowRateLimiter(storage), 0
+        began, cpu = time.monotonic(), time.process_time()
+        while time.monotonic() - began < seconds:
+            window.hit(rate, "events", f"j{n % keys}:0")
+            n += 1
+            time.sleep(max(0.0, began + n / keys - time.monotonic()))  # each key once a second
+        took.append((time.process_time() - cpu) / n)
+        storage.timer.cancel()
+    return took[0], took[1]
+
+
 def events(store, ranks: int, rounds: int = 5) -> tuple[float, float]:
     def post_all(add) -> float:
         start = threading.Barrier(ranks)
@@ -131,8 +153,9 @@ def main() -> None:
     args = parser.parse_args()
     print("| clients | heartbeat: store write | heartbeat: memory (+ its share of the step) | placement read: room "
           "| placement read: view, {} changed | plan: records built | plan: records kept "
+          "| rate-limit hit: library's sweep | rate-limit hit: once a second "
           "| events post: a transaction each | events post: group commit |".format(args.changed))
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.clients.split(",")):
         with tempfile.TemporaryDirectory() as data:
             store = open_store(data, None)
@@ -140,9 +163,10 @@ def main() -> None:
             hb = heartbeats(store, n)
             pl = placement_reads(store, args.changed)
             pn = plans(store)
+            rl = rate_hits(n)
             ev = events(store, args.ranks)
             store.close()
-        print(f"| {n:,} | {ms(hb[0])} | {ms(hb[1])} | {ms(pl[0])} | {ms(pl[1])} | {ms(pn[0])} | {ms(pn[1])} | {ms(ev[0])} | {ms(ev[1])} |")
+        print(f"| {n:,} | {ms(hb[0])} | {ms(hb[1])} | {ms(pl[0])} | {ms(pl[1])} | {ms(pn[0])} | {ms(pn[1])} | {ms(rl[0])} | {ms(rl[1])} | {ms(ev[0])} | {ms(ev[1])} |")
 
 
 if __name__ == "__main__":
