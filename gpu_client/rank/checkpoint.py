@@ -50,8 +50,11 @@ EXTRA = files_of.EXTRA
 
 class Checkpointer:
     def __init__(self, reporter, model, optimizer, parallelism: Parallelism, rank: int, world: int, device,
-                 latest: CheckpointEntry | None = None, commit_timeout: float = 600.0):
+                 latest: CheckpointEntry | None = None, commit_timeout: float = 600.0, writes: bool = True):
         self.reporter, self.model, self.optimizer = reporter, model, optimizer
+        #: False for a DILOCO shadow (``zwdx.verify``): it restores as the worker it runs again
+        #: (``rank`` is the worker's: the same generators, the same state) and writes nothing.
+        self.writes = writes
         self.parallelism, self.rank, self.world, self.device = parallelism, rank, world, device
         self.latest = latest  # the checkpoint this attempt goes on from
         self.next_n = (latest.n + 1) if latest else 0
@@ -122,10 +125,11 @@ class Checkpointer:
         rank's are up) committed in the background. A failure there fails the rank at its next
         ``save`` or ``wait``; a rank lost before the commit leaves the previous checkpoint the
         latest. A rank outside the checkpoint's world (a DILOCO worker but rank 0: the job's
-        checkpoints are rank 0's alone, a world of one) skips it."""
+        checkpoints are rank 0's alone, a world of one), or one that does not write (a shadow),
+        skips it."""
         n = self.next_n
         self.next_n += 1
-        if self.rank >= self.world:
+        if self.rank >= self.world or not self.writes:
             return n
         self.wait()
         started = time.monotonic()

@@ -125,9 +125,13 @@ class Trainer:
 
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
-        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.own_rank,
+        # A DILOCO shadow restores as the worker it runs again (``spec.rank``: the worker's
+        # generators too, or its rounds after a resume would differ from the worker's and name
+        # an honest worker), and writes no checkpoint.
+        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
                                     1 if spec.parallelism == Parallelism.DILOCO else dist.get_world_size(),
-                                    self.device, latest, commit_timeout=spec.collective_timeout)
+                                    self.device, latest, commit_timeout=spec.collective_timeout,
+                                    writes=spec.shadow is None)
         if latest is not None and spec.joining:
             pass  # a DILOCO worker joining: the epoch to go on from, but its weights come from a worker
         elif latest is not None:

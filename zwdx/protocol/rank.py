@@ -166,8 +166,8 @@ class RankSpec(Message):
 
     @property
     def own_rank(self) -> int:
-        """The rank this process's key speaks for: a shadow's own (outside the world size, so its
-        checkpoint saves are skipped), else ``rank``."""
+        """The rank this process's key speaks for: a shadow's own (outside the world size), else
+        ``rank``. A shadow's checkpointer restores as ``rank`` and writes nothing."""
         return self.rank if self.shadow is None else self.shadow
 
     # The job's options by the names the rank's code reads them: views of ``job``, not copies.
