@@ -48,3 +48,24 @@ def test_a_push_carries_only_the_clients_that_changed_and_the_ids_of_those_gone(
     delta = _pushes(ui)[-1]
     assert delta["full"] is False and delta["removed"] == ["c1"]
     assert [c["id"] for c in delta["clients"]] == ["c3"]
+
+
+def test_a_client_whose_only_news_is_its_heartbeat_is_sent_again_once_its_last_seen_is_a_step_old(app, api,
+                                                                                                     socket_client):
+    """Its last_seen is measured from the view the dashboards hold, not from the last push: in
+    a room where another client changes at every push, an idle client beating every few seconds
+    must not show 'last seen' growing for ever."""
+    ctx, room_id = app.extensions["zwdx"], api.room["id"]
+    _register(socket_client, api, "c1")
+    _register(socket_client, api, "busy")
+    ui = socket_client("/ui", api.token)
+    assert notify.push_clients(ctx, room_id)  # whole
+    _pushes(ui)
+    start = time.time()
+    sent_again = []
+    for beat in range(1, 21):  # a heartbeat every 2 s of its clock, a push after each
+        ctx.store.update_client("c1", {"last_seen": start + 2 * beat})
+        ctx.store.update_client("busy", {"hostname": f"h{beat}"})  # news at every push
+        assert notify.push_clients(ctx, room_id)
+        sent_again += [beat for c in _pushes(ui)[-1]["clients"] if c["id"] == "c1"]
+    assert sent_again == [15], sent_again  # 30 s after the view the dashboards hold, not never

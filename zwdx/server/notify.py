@@ -10,7 +10,8 @@ at. A dashboard that connects gets the whole list; after that a room is sent onl
 since its last push (``full: false``: the clients whose view changed, the ids ``removed``), so
 a room of 10,000 GPU clients where ten moved sends ten, not 10,000. A view counts as changed
 when anything but ``last_seen`` moved, or ``last_seen`` by ``LAST_SEEN_STEP`` (each heartbeat
-moves it). In a busy room this is about one push per heartbeat interval, whatever the number
+moves it) since the view the dashboards were last sent: an idle client's "last seen" is at
+most that old on a dashboard. In a busy room this is about one push per heartbeat interval, whatever the number
 of GPU clients and jobs. Making one reads the room's clients, so a room's pushes are also paced
 by what they cost:
 one that took t to make and send is followed by the next no sooner than t x
@@ -163,12 +164,17 @@ def push_clients(ctx, room_id: str) -> bool:
     totals = room_totals(clients)
     if sent is None:
         payload = {"clients": views, "totals": totals}
+        ctx.pushes.sent[room_id] = {v["id"]: v for v in views}
     else:
         changed, removed = clients_delta(sent, views)
         if not changed and not removed and totals == ctx.pushes.sent_totals.get(room_id):
             return False
         payload = {"clients": changed, "removed": removed, "totals": totals, "full": False}
-    ctx.pushes.sent[room_id] = {v["id"]: v for v in views}
+        # What the dashboards hold: a view not sent keeps the one they have, so its last_seen
+        # (and any slow drift) is measured from what they were last sent, not from the last push
+        for gone in removed:
+            sent.pop(gone, None)
+        sent.update((v["id"], v) for v in changed)
     ctx.pushes.sent_totals[room_id] = totals
     socketio.emit(EV_CLIENTS_UPDATE, wire(ClientsUpdate.model_validate(payload)), to=ui_room(room_id),
                   namespace=UI_NAMESPACE)
