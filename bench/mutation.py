@@ -44,7 +44,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                          + FAST),
     "scheduler": ("zwdx/server/scheduler.py",
                   ["test/test_scheduler.py", "test/test_placement.py", "test/test_job.py", "test/test_auto.py",
-                   "test/test_diloco_join.py", "test/test_mutants_scheduler.py", "test/test_mutants_scheduler2.py"]
+                   "test/test_diloco_join.py", "test/test_mutants_scheduler.py", "test/test_mutants_scheduler2.py",
+                   "test/test_mutants_scheduler3.py"]
                   + FAST),
     "limits": ("zwdx/server/limits.py",
                ["test/test_api.py", "test/test_mutants_limits.py"] + FAST),
