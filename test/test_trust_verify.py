@@ -26,17 +26,17 @@ def backend_app(backend, make_app, tmp_path):
     return make_app(DATA_DIR=str(tmp_path / "mongo-app"), MONGO_URI=backend.where)
 
 
-def shadowed(app, verify: float = 0.5, of: dict[int, int] | None = None):
-    """A two-worker DILOCO job started as the scheduler starts one with ``verify``: ranks 0 and 1
-    the workers, rank 2 a shadow of worker 1, each on a GPU client of its own. The room's job, and
-    each rank's Api (its key alone)."""
+def shadowed(app, verify: float = 0.5, of: dict[int, int] | None = None, workers: int = 2):
+    """A DILOCO job of two ``workers`` started as the scheduler starts one with ``verify``: ranks 0
+    and 1 the workers, rank 2 a shadow of worker 1, each on a GPU client of its own. The room's job,
+    and each rank's Api (its key alone)."""
     from zwdx.server.auth import hash_secret
     from zwdx.server.jobs import Job
     store = app.extensions["zwdx"].store
     room = Api(app.test_client()).create_room("verify")
-    job = room.submit(parallelism="DILOCO", world_size=2, diloco={"compression": "none", "verify": verify}).json
-    of = of or {2: 1}
-    keys = {r: f"rk_{job['id']}_{r}" for r in range(2 + len(of))}
+    job = room.submit(parallelism="DILOCO", world_size=workers, diloco={"compression": "none", "verify": verify}).json
+    of = of or {workers: 1}
+    keys = {r: f"rk_{job['id']}_{r}" for r in range(workers + len(of))}
     for r in keys:
         client = f"gpu-{job['id']}-{r}"
         store.upsert_client({"id": client, "room_id": room.room["id"], "hostname": f"h{r}", "status": "online"},
@@ -108,6 +108,23 @@ def test_a_disagreement_with_no_third_opinion_names_both_with_the_round_and_dist
                in t for t in logs(room, job)), logs(room, job)
     assert record["shadows"]["2"]["disagreed"].keys() == {"0"} and record["shadows"]["2"]["gone"] == "named a suspect"
     assert record["ranks"]["1"]["status"] == "dropped" and record["status"] in ("starting", "running")
+
+
+def test_a_worker_the_rounds_robust_rule_flags_is_named_alone_by_its_one_disagreeing_shadow(backend_app):
+    # rule 4 of zwdx.verify.decide with the flag the round's robust rule itself raised (zwdx.robust)
+    room, job, (r0, r1, r2, shadow) = shadowed(backend_app, verify=0.34, workers=3)
+    a = np.linspace(-1, 1, 300)
+    noise = np.random.default_rng(0).normal(0, 5, 300)  # about 40 times an honest norm
+    assert put(shadow, job, 0, a * 0.9).status_code == 201  # the honest one
+    assert put(r0, job, 0, a).status_code == 201
+    assert put(r2, job, 0, a * 1.1).status_code == 201
+    assert put(r1, job, 0, a * 0.9 + noise).status_code == 201
+    record = room.get(f"/jobs/{job['id']}").json
+    assert list(record["suspects"]) == ["1"], record["suspects"]
+    reason = record["suspects"]["1"]["reason"]
+    assert reason.startswith("spot check, round 0: disagreed with its shadow") and "robust rule" in reason, reason
+    assert list(record["shadows"]["3"]["disagreed"]) == ["0"] and record["shadows"]["3"].get("gone") is None
+    assert record["ranks"]["1"]["status"] == "dropped"
 
 
 def test_a_shadow_that_fails_is_noted_and_the_job_goes_on(backend_app):
