@@ -50,8 +50,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "limits": ("zwdx/server/limits.py",
                ["test/test_api.py", "test/test_mutants_limits.py"] + FAST),
     "codec": ("zwdx/codec.py", ["test/test_diloco.py", "test/test_diloco_join.py", "test/test_mutants_codec.py"] + FAST),
-    "checkpoint": ("gpu_client/rank/checkpoint.py", ["test/test_checkpointer.py", "test/test_mutants_checkpoint.py"]
-                   + FAST),
+    "checkpoint": ("gpu_client/rank/checkpoint.py", ["test/test_checkpointer.py", "test/test_mutants_checkpoint.py",
+                                                     "test/test_checkpoint_shadow.py"] + FAST),
     "parallel": ("gpu_client/rank/strategies/parallel.py", ["test/test_layout.py", "test/test_digests.py",
                                                             "test/test_mutants_parallel.py"] + FAST),
     "diloco": ("gpu_client/rank/strategies/diloco.py", ["test/test_mutants_diloco.py", "test/test_mutants_diloco_rounds.py"]
