@@ -49,7 +49,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
                   + FAST),
     "limits": ("zwdx/server/limits.py",
                ["test/test_api.py", "test/test_mutants_limits.py", "test/test_limits_purge.py",
-                "test/test_limits_rates.py"] + FAST),
+                "test/test_limits_rates.py", "test/test_mutants_limits2.py"] + FAST),
     "codec": ("zwdx/codec.py", ["test/test_diloco.py", "test/test_diloco_join.py", "test/test_mutants_codec.py"] + FAST),
     "checkpoint": ("gpu_client/rank/checkpoint.py", ["test/test_checkpointer.py", "test/test_mutants_checkpoint.py",
                                                      "test/test_checkpoint_shadow.py"] + FAST),
