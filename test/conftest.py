@@ -41,16 +41,16 @@ PROCESS_FIXTURES = {"server", "sdk", "room", "start_client", "cluster", "shared_
 #: time"; the Docker files are one group). Only the order in which pytest-xdist hands groups to
 #: its workers depends on them: the longest first, so that none is left to run alone at the end
 #: while the other worker idles (a group not listed counts 8 s a test, the lane's average, up to
-#: the 57 s of the last one listed).
-GROUP_SECONDS = {"test/test_resilience.py": 267, "docker": 221, "test/test_bench.py": 235, "test/test_models.py": 172,
-                 "test/test_compile_cache.py": 151, "test/test_diloco_elastic.py": 146, "test/test_outages.py": 135,
-                 "test/parity/test_parity.py": 107, "test/test_runner.py": 105, "test/test_openapi.py": 99,
-                 "test/test_failures.py": 91, "test/test_dashboard_browser.py": 86, "test/test_scripts_e2e.py": 83,
-                 "test/test_tensor_parallel.py": 83, "test/test_sdk.py": 81, "test/test_pipeline.py": 81,
-                 "test/security/test_donors.py": 71, "test/test_promises_training.py": 70,
-                 "test/parity/test_parity_pipeline.py": 70, "test/test_placement.py": 64,
-                 "test/test_rendezvous_port.py": 63, "test/test_netns.py": 61, "test/test_promises_resilience.py": 60,
-                 "test/test_lost_peer.py": 58}
+#: about the last one listed).
+GROUP_SECONDS = {"test/test_diloco_verify.py": 274, "docker": 270, "test/test_openapi.py": 203,
+                 "test/test_resilience.py": 197, "test/test_bench.py": 194, "test/test_models.py": 158,
+                 "test/test_outages.py": 136, "test/test_diloco_elastic.py": 123, "test/test_compile_cache.py": 122,
+                 "test/test_runner.py": 108, "test/test_rendezvous_port.py": 105, "test/test_failures.py": 99,
+                 "test/test_promises_training.py": 96, "test/test_pipeline.py": 88, "test/parity/test_parity.py": 87,
+                 "test/test_sdk.py": 87, "test/test_scripts_e2e.py": 84, "test/parity/test_parity_pipeline.py": 72,
+                 "test/test_netns.py": 70, "test/test_lost_peer.py": 68, "test/test_e2e.py": 66,
+                 "test/test_promises_resilience.py": 65, "test/test_dashboard_browser.py": 63,
+                 "test/test_diloco_netns.py": 58}
 
 
 def pytest_configure(config):
