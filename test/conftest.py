@@ -337,9 +337,13 @@ def socket_client(app):
 @pytest.fixture
 def server(request, tmp_path):
     """A server process on a free port, its data dir under tmp_path; ``@pytest.mark.server_args(...)``
-    adds command-line arguments (a shorter ``--client-timeout``)."""
+    adds command-line arguments (a shorter ``--client-timeout``); a test that also asks for
+    ``mongo_uri`` (store_backends.py) gets it on that MongoDB database."""
     marker = request.node.get_closest_marker("server_args")
-    srv = Server(str(tmp_path / "server"), extra=list(marker.args) if marker else None)
+    extra = list(marker.args) if marker else []
+    if "mongo_uri" in request.fixturenames:
+        extra += ["--mongo-uri", request.getfixturevalue("mongo_uri")]
+    srv = Server(str(tmp_path / "server"), extra=extra or None)
     yield srv
     srv.stop()
 

@@ -31,10 +31,11 @@ def job(sdk, train=mnist.train, verify: float = 0.0, world_size: int = 2, wait: 
                           **({"run": zwdx.Run(progress=False, timeout=300)} if wait else {}))
 
 
-def paced_train(model, loader, optimizer, rank, epochs, reporter, device):
+def _train(model, loader, optimizer, epochs, reporter, device, noise: bool):
     """mnist's training, a step every 0.3 s at least: long enough for a shadow that started later
     than its worker (no standby process ready yet on its GPU client) to reach its rounds before the
-    job ends (a job does not wait for its shadows)."""
+    job ends (a job does not wait for its shadows); with ``noise``, noise added to the weights
+    after every step."""
     model.train()
     loss = torch.tensor(0.0)
     for epoch in range(reporter.start_epoch, epochs):
@@ -44,8 +45,17 @@ def paced_train(model, loader, optimizer, rank, epochs, reporter, device):
             loss = F.cross_entropy(model(x.to(device)), y.to(device))
             loss.backward()
             optimizer.step()
+            if noise:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn_like(p) * 0.3)
             time.sleep(0.3)
     return loss.item()
+
+
+def paced_train(model, loader, optimizer, rank, epochs, reporter, device):
+    """An honest worker's training, paced (``_train``)."""
+    return _train(model, loader, optimizer, epochs, reporter, device, noise=False)
 
 
 def weights(sdk, job_id: str) -> str:
@@ -78,38 +88,10 @@ def test_an_honest_job_with_every_worker_shadowed_agrees_and_is_the_job_without_
 
 
 def lying_train(model, loader, optimizer, rank, epochs, reporter, device):
-    """mnist's training, but the process on the GPU client started with two torch threads (the
-    liar's) adds noise to its weights after every step: the donor lies, whichever rank it runs,
-    and its shadows run the same rank honestly."""
-    liar = torch.get_num_threads() == 2
-    model.train()
-    loss = torch.tensor(0.0)
-    for epoch in range(reporter.start_epoch, epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            loss.backward()
-            optimizer.step()
-            if liar:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(torch.randn_like(p) * 0.3)
-            time.sleep(0.3)  # as paced_train: its shadows reach round 0 before the job ends
-    return loss.item()
-
-
-@pytest.fixture
-def server(request, tmp_path):
-    """conftest's server process; on MongoDB for a test that asks for ``mongo_uri``."""
-    from procs import Server
-    marker = request.node.get_closest_marker("server_args")
-    extra = list(marker.args) if marker else []
-    if "mongo_uri" in request.fixturenames:
-        extra += ["--mongo-uri", request.getfixturevalue("mongo_uri")]
-    srv = Server(str(tmp_path / "server"), extra=extra or None)
-    yield srv
-    srv.stop()
+    """``_train``, but the process on the GPU client started with two torch threads (the liar's)
+    adds noise to its weights after every step: the donor lies, whichever rank it runs, and its
+    shadows run the same rank honestly."""
+    return _train(model, loader, optimizer, epochs, reporter, device, noise=torch.get_num_threads() == 2)
 
 
 def test_a_lying_worker_is_named_by_its_two_shadows_in_round_0_and_only_it(sdk, room, start_client):
