@@ -318,14 +318,21 @@ def test_an_fsdp_checkpoint_holds_the_values_of_its_save_not_those_training_wrot
     assert _same(_full(model2), at_save)
 
 
-def test_fsdp_without_tracked_objects_or_an_optimizer_restores_and_refuses_an_untrackable_state(tmp_path,
-                                                                                              group_of_one):
+def _fsdp_checkpoint_0(tmp_path):
+    """A one-rank FSDP model's checkpoint 0, committed: the reporter holding it, the model, its
+    optimizer and the Checkpointer that saved it."""
     torch.set_num_threads(1)
     reporter = FolderReporter(tmp_path)
     model, opt = _sharded(0)
     saver = Checkpointer(reporter, model, opt, Parallelism.FSDP, 0, 1, CPU)
     saver.save(0, 1)
     saver.wait()
+    return reporter, model, opt, saver
+
+
+def test_fsdp_without_tracked_objects_or_an_optimizer_restores_and_refuses_an_untrackable_state(tmp_path,
+                                                                                              group_of_one):
+    reporter, model, opt, saver = _fsdp_checkpoint_0(tmp_path)
     model2, _ = _sharded(1, steps=0)
     resumed = Checkpointer(reporter, model2, None, Parallelism.FSDP, 0, 1, CPU, latest=reporter.commits[0])
     resumed.restore()
@@ -367,12 +374,7 @@ def test_fsdp_rank_1_writes_no_tracked_state_and_reads_rank_0s(tmp_path, group_o
 ])
 def test_an_fsdp_checkpoint_that_is_not_what_ranks_write_is_refused_naming_it(tmp_path, group_of_one, part, value,
                                                                              message):
-    torch.set_num_threads(1)
-    reporter = FolderReporter(tmp_path)
-    model, opt = _sharded(0)
-    saver = Checkpointer(reporter, model, opt, Parallelism.FSDP, 0, 1, CPU)
-    saver.save(0, 1)
-    saver.wait()
+    reporter, model, opt, saver = _fsdp_checkpoint_0(tmp_path)
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_sd, optim_sd = get_state_dict(model, opt)
     forged = {"model": model_sd, "optim": optim_sd, "rng": rng_states(CPU), part: value}
