@@ -33,6 +33,7 @@ finished job leaves, the sweeper takes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -205,23 +206,36 @@ def _shadow_upload(job: JobRecord, sender: Sender, n: int, query: RoundUpload) -
     for earlier in held:
         if earlier["rank"] == sender.rank:
             _delete(earlier)  # the later upload wins
-    with _averaging:  # as a round's averaging compares too: each pair once (and among server processes,
-        lease, name = ctx().lease, f"diloco:{job.id}:{n}"  # under the round's lease)
-        deadline = time.time() + 10
-        while lease.shared and ctx().store.take_lease(name, lease.holder, AVERAGING_LEASE_S) is None:
-            if time.time() > deadline:  # another process holds the round: this pair goes unchecked
-                log.warning("job %s: round %d's spot check of shadow rank %d skipped (its lease is held)",
-                            job.id, n, sender.rank)
-                return state(job, n)[0]
-            time.sleep(0.05)
-        try:
-            job = ctx().store.get_job(job.id) or job
-            shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
-            shadows.uploaded(ctx().store.get_job(job.id) or job, sender.rank, n)  # after: its worker's kept till then
-        finally:
-            if lease.shared:
-                ctx().store.release_lease(name, lease.holder)
+    # as a round's averaging compares too: each pair once (and among server processes, under the round's lease)
+    with _averaging, _round_lease(job, n, wait=10.0) as held:
+        if not held:  # another process holds the round: this pair goes unchecked
+            log.warning("job %s: round %d's spot check of shadow rank %d skipped (its lease is held)",
+                        job.id, n, sender.rank)
+            return state(job, n)[0]
+        job = ctx().store.get_job(job.id) or job
+        shadows.compare(job, n, _averages(job).get(n), shadows.pseudo_gradients(job), _delete)
+        shadows.uploaded(ctx().store.get_job(job.id) or job, sender.rank, n)  # after: its worker's kept till then
     return state(job, n)[0]
+
+
+@contextlib.contextmanager
+def _round_lease(job: JobRecord, n: int, wait: float = 0.0):
+    """Round ``n``'s lease among several server processes (with one, always held): whether this
+    process holds it, asked again for up to ``wait`` seconds; given back after the block."""
+    lease, name = ctx().lease, f"diloco:{job.id}:{n}"
+    if not lease.shared:
+        yield True
+        return
+    deadline = time.time() + wait
+    while ctx().store.take_lease(name, lease.holder, AVERAGING_LEASE_S) is None:
+        if time.time() >= deadline:
+            yield False
+            return
+        time.sleep(0.05)
+    try:
+        yield True
+    finally:
+        ctx().store.release_lease(name, lease.holder)
 
 
 @operation(bp, "GET", "/jobs/<job_id>/diloco/rounds/<n>", "Download round n's average, once made",
@@ -321,17 +335,13 @@ def close(job: JobRecord, n: int) -> dict | None:
         round_state, average, uploads = state(job, n)  # made meanwhile?
         if average is not None or not _due(job, round_state, uploads):
             return average
-        lease, name = ctx().lease, f"diloco:{job.id}:{n}"
-        if lease.shared and ctx().store.take_lease(name, lease.holder, AVERAGING_LEASE_S) is None:
-            return None  # another server process averages it now
-        try:
+        with _round_lease(job, n) as held:
+            if not held:
+                return None  # another server process averages it now
             round_state, average, uploads = state(job, n)  # made by another process meanwhile?
             if average is not None or not _due(job, round_state, uploads):
                 return average
             return _average(job, n, round_state, uploads)
-        finally:
-            if lease.shared:
-                ctx().store.release_lease(name, lease.holder)
 
 
 def _due(job: JobRecord, round_state: RoundState, uploads: dict[int, dict]) -> bool:
