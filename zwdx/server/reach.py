@@ -28,7 +28,7 @@ import time
 from ..protocol import ACTIVE, JobStatus
 from ..protocol.gpu import Ack, Unreachable
 from . import jobs, notify
-from .placement import meets_over_tcp, plan
+from .placement import meets_over_tcp, plan, room_slots
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,7 @@ def _placeable_apart(ctx, job) -> bool:
     if any("cannot reach each other" in entry.reason for entry in job.restart_history):
         return False
     clients = {c["id"]: c for c in ctx.store.list_clients(job.room_id)}
-    slots = sorted(({**s, "job_id": None} if s.get("job_id") == job.id else s
-                    for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
+    slots = [{**s, "job_id": None} if s.get("job_id") == job.id else s for s in room_slots(clients)]
     asked = {"spec": job.spec.model_dump(mode="json"), "status": JobStatus.QUEUED.value, "world_size": None}
     if job.restarts:  # a job that resumed before goes on at the size it ran at
         asked = {**asked, "status": JobStatus.RESUMING.value, "world_size": job.world_size}

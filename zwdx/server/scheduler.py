@@ -44,7 +44,7 @@ from . import clients as clients_of_room
 from .extensions import socketio
 from .auth import hash_secret, new_secret
 from .jobs import Job, wanting
-from .placement import mixed, plan, shadows, unschedulable
+from .placement import mixed, plan, room_slots, shadows, unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class Scheduler:
         waits for what the room could never give it now, and holds back no one). ``clients``: the
         room's, by id, each with its slots (the reservation itself is checked in the store)."""
         store = self.ctx.store
-        slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
+        slots = room_slots(clients)
         if any(s.get("job_id") == record.id for s in slots):
             return _BLOCKED  # ranks of its last attempt are still stopping
         if isinstance(record.spec.strategy, Auto):  # its mode chosen now, from the room as it is (auto.py)
@@ -332,7 +332,7 @@ class Scheduler:
         for rank in wanting(record):
             clients = {c["id"]: c for c in self.ctx.store.list_clients(record.room_id)}
             # every slot, held ones too: plan takes free ones, and counts the RAM the others hold
-            slots = sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
+            slots = room_slots(clients)
             asked = {"spec": _sized(record.spec.model_dump(mode="json"), 1),
                      "status": JobStatus.QUEUED.value, "world_size": None, "avoid": record.avoid}
             chosen, _ = plan(asked, slots, clients, self._held_memory(record, slots))

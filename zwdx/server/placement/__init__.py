@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .filters import FILTERS, STANDING, Eligible, Filter, eligible
 from .groups import tp_groups, whole_groups
-from .plan import choose, free_slots, plan, unschedulable
+from .plan import choose, free_slots, plan, room_slots, unschedulable
 from .reasons import MIXED_COST, NAMED, mixed, no_clients
 from .recent import RecentClients, room_totals
 from .records import GiB, TP_MODES, Client, Need, Slot, gib, host_of, memory, online, python_of, tree
@@ -69,7 +69,7 @@ def tp_size(spec, placement) -> int | None:
     return sum(1 for p in placement if p.client_id == first)
 
 
-__all__ = ["plan", "unschedulable", "eligible", "choose", "free_slots", "Eligible", "Filter", "FILTERS", "STANDING",
+__all__ = ["plan", "unschedulable", "eligible", "choose", "free_slots", "room_slots", "Eligible", "Filter", "FILTERS", "STANDING",
            "Client", "Slot", "Need", "RecentClients", "room_totals", "missing_modules", "apart", "apart_from",
            "meets_over_tcp", "needs_python", "tp_size", "tp_groups", "whole_groups", "mixed", "MIXED_COST",
            "no_clients", "NAMED", "GiB", "gib", "host_of", "memory", "online", "python_of", "tree", "TP_MODES"]

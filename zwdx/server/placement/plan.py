@@ -95,6 +95,12 @@ def _records(slots: list[dict], clients: dict, kept: Kept | None = None) -> tupl
     return {cid: Client.of(c, with_slots=False) for cid, c in clients.items()}, [Slot.of(s) for s in slots]
 
 
+def room_slots(clients: dict) -> list[dict]:
+    """Every slot of the room's clients (``clients``: by id, each with its slots), held ones too,
+    in placement's order: by GPU client, then index."""
+    return sorted((s for c in clients.values() for s in c["slots"]), key=lambda s: (s["client_id"], s["index"]))
+
+
 def free_slots(job: dict, slots: list[dict], clients: dict) -> tuple[list[dict], list[str]]:
     """Free slots that can run the job, and what keeps the others from it (``plan``'s first step)."""
     need, (records, mine) = Need.of(job["spec"], job), _records(slots, clients)
