@@ -133,6 +133,24 @@ class Stored(Answer):
     stored: int
 
 
+class StepCheck(Tolerant):
+    """DDP with ``verify``: a step check that disagreed, as the reporting rank saw it. Every
+    rank of the job (workers and shadows) holds every rank's gradients of the step, so each
+    reports the same account; the server believes the one a strict majority of them gave."""
+    #: The backward pass of this attempt (counted from 0) and the gradient bucket.
+    step: Count
+    bucket: Count
+    #: The workers whose shadows disagreed with them: worker rank -> {shadow rank: relative L2
+    #: distance} (a shadow's rank is its own, from ``world_size`` on; -1: sizes differ).
+    distances: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,7}$")],
+                              Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,7}$")],
+                                             Annotated[float, Field(ge=-1)]], Field(max_length=64)]],
+                         Field(min_length=1, max_length=4096)]
+    #: Who ``zwdx.verify.decide`` names (rank -> why), workers and shadows alike.
+    named: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,7}$")],
+                          Annotated[str, clipped(500)]], Field(max_length=8192)]
+
+
 class RankReport(Tolerant):
     """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""
     status: Annotated[RankStatus, ByValue]
@@ -155,11 +173,15 @@ class RankReport(Tolerant):
     #: zwdx cannot tell the script's own error from a lost peer, so the job waits, as for a lost
     #: peer, to see whether a GPU client was lost (it resumes then) before failing.
     exit_code: Annotated[int, Field(ge=-255, le=255)] | None = None
+    #: DDP with ``verify``: the step check whose disagreement stopped this rank (``failed`` only).
+    check: StepCheck | None = None
 
     @model_validator(mode="after")
     def _reported(self) -> RankReport:
         if self.status is RankStatus.DROPPED:
             raise ValueError("a rank reports running, completed or failed; the server drops a lost DILOCO worker")
+        if self.check is not None and self.status is not RankStatus.FAILED:
+            raise ValueError("check: only a failed rank reports the step check that stopped it")
         return self
 
 
@@ -178,5 +200,5 @@ class CheckpointCommit(Tolerant):
     epoch_complete: bool = True
 
 
-__all__ = ["NON_FINITE", "from_wire", "to_wire", "Key", "Reported", "clipped", "Measured", "FileName", "EventIn", "EventsBatch", "Stored", "RankReport",
+__all__ = ["NON_FINITE", "from_wire", "to_wire", "Key", "Reported", "clipped", "Measured", "FileName", "EventIn", "EventsBatch", "Stored", "StepCheck", "RankReport",
            "RankReportAnswer", "CheckpointCommit"]

@@ -103,6 +103,18 @@ class DDP(Part):
     """DDP: every rank a replica of the model, gradients averaged each step."""
     type: Literal["ddp"] = "ddp"
     lora: Lora = None
+    #: Step checks (``zwdx.verify``, ``gpu_client/rank/strategies/step_check.py``): shadow ranks,
+    #: as many as this fraction of the ranks (ceil(verify * ranks); above 1, some get two). A
+    #: shadow is one more GPU client slot that runs a rank again (its shard, its seeds) in step
+    #: with the job; every step's gradients are exchanged whole (all-gathered, not all-reduced),
+    #: so each shadow's are compared with its rank's before they are applied, and a
+    #: disagreement stops the attempt, names the suspects and places the job again without
+    #: them. Which ranks are shadowed the server draws and tells no rank. 0: off.
+    verify: Annotated[float, Field(ge=0, le=4)] = 0.0
+    #: The relative L2 distance under which a rank's and its shadow's gradients agree
+    #: (identical bytes always do). 0: bitwise, which CPUs with the same torch and thread count
+    #: give; GPUs need a tolerance, and a liar may hide that much.
+    verify_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0
 
     @property
     def parallelism(self) -> Parallelism:
@@ -325,6 +337,9 @@ def _resolved(strategy: Any, resources: Resources) -> Resources:
         gpus = _worker(strategy.ranks_per_worker, world, gpus)
     if isinstance(strategy, Diloco) and strategy.verify and world is None:
         fail(("strategy", "diloco", "verify"), "needs resources.world_size: the shadows are a share of the workers",
+             strategy.verify)
+    if isinstance(strategy, DDP) and strategy.verify and world is None:
+        fail(("strategy", "ddp", "verify"), "needs resources.world_size: the shadows are a share of the ranks",
              strategy.verify)
     if isinstance(strategy, Mixed) and strategy.global_batch is not None and world is not None \
             and strategy.global_batch < world:
