@@ -126,21 +126,28 @@ class Collective:
         """The model ``eval_func`` gets on this rank, and its device (None: not called here)."""
         return model, device
 
+    def failed_check(self):
+        """The step check that stopped this rank (``step_check.Checked``); None in the other modes."""
+        return None
+
     def full_state(self, model: nn.Module) -> dict | None:
         """The whole model's weights on CPU (``full_state_dict``)."""
         return full_state_dict(model, self.wrap_as, self.spec.rank)
 
 
 def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None,
-         init_sync: bool = True) -> nn.Module:
+         init_sync: bool = True, hook=None) -> nn.Module:
     """DDP or FSDP2 around ``model``, which is on ``device`` already. ``units``: the submitter's
     ``fsdp_units`` (None: the automatic rule). ``report(line)``: rank 0 says what was sharded.
-    ``init_sync`` (DDP): check the ranks' parameter shapes and broadcast rank 0's weights first."""
+    ``init_sync`` (DDP): check the ranks' parameter shapes and broadcast rank 0's weights first.
+    ``hook(ddp)`` (DDP): registers its own comm hook (``step_check.py``) instead of zwdx's all-reduce."""
     if parallelism == "DDP":
         from torch.nn.parallel import DistributedDataParallel
         ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=ids, init_sync=init_sync)
-        if device.type == "cpu":  # so that a lost peer in backward() is told from the user's own error
+        if hook is not None:
+            hook(model)
+        elif device.type == "cpu":  # so that a lost peer in backward() is told from the user's own error
             watch_gradients(model)
         return model
     if parallelism == "FSDP":

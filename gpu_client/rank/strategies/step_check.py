@@ -1,0 +1,201 @@
+"""DDP with ``verify``: step checks by shadow ranks (``zwdx.verify``'s rule, every step, before a
+gradient is applied). The design: docs of issue 33, in short:
+
+- Workers 0..W-1 are the job's DDP ranks (the default group, unchanged for user code); shadows
+  W..W+S-1 (S = ``zwdx.verify.count(verify, W)``) each run one worker's rank again (its shard, its
+  seeds) over a default group of their own (a world of one), so their user code's collectives are
+  no-ops. Who shadows whom only the shadow knows (``RankSpec.rank``; its own is ``RankSpec.shadow``).
+- The *check group*: all W+S parties, a gloo group made directly on rank 0's rendezvous store
+  (``zwdx-check/<attempt>``), group rank = own rank.
+- Every party's DDP model has one comm hook (``StepChecker.hook``) instead of the all-reduce. Per
+  bucket: (1) all-gather the party's own local gradient (undivided); (2) each shadow compares its
+  own with its worker's (``zwdx.verify.agree``), then one int per party is all-gathered: -1, or the
+  worker a shadow disagrees with; (3) all -1: the bucket becomes the workers' contributions summed
+  in rank order, divided by W: the same bytes on every party, so shadows stay in step; (4) else
+  every shadow's worker is all-gathered (the attempt ends, the secret no longer matters), every
+  party applies ``zwdx.verify.decide`` to the contributions it holds (all get the same account),
+  and the hook fails with ``StepCheckFailed``: the optimizer step never runs.
+
+Buckets go over gloo on the CPU (a CUDA bucket is copied there and back). Hooks run one bucket at
+a time in the autograd thread (no overlap of communication with the backward pass). A shadow's
+DDP rebuilds its buckets in its own gradient-ready order, workers in rank 0's: the same model on
+the same kind of device gives the same order; buckets of other sizes would make the all-gather fail.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zwdx import verify
+from zwdx.protocol.report import StepCheck
+
+from gpu_client.rank.failures import collectives
+from gpu_client.rank.rendezvous import listening
+
+from .parallel import Collective, wrap
+
+log = logging.getLogger(__name__)
+
+
+class StepCheckFailed(RuntimeError):
+    """A step check disagreed: ``check`` is the account every party of the attempt holds."""
+
+    def __init__(self, check: StepCheck):
+        named = ", ".join(f"rank {who}" for who in sorted(check.named, key=int)) or "nobody"
+        super().__init__(f"DDP step check: step {check.step}, bucket {check.bucket} disagreed; named: {named}")
+        self.check = check
+
+
+def check_group(store, attempt: int, rank: int, parties: int, timeout: float):
+    """The check group of all ``parties`` (workers, then shadows) over ``store`` (rank 0's)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"zwdx-check/{attempt}", store), rank, parties,
+                                 datetime.timedelta(seconds=timeout))
+
+
+def rank0_store(host: str, port: int, timeout: float):
+    """A client of rank 0's rendezvous store (a shadow may start before rank 0 listens)."""
+    listening(host, port, time.monotonic() + timeout)
+    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _opinion(who: int, tensor: torch.Tensor) -> verify.Opinion:
+    raw = tensor.detach().contiguous()
+    digest = hashlib.sha256(raw.view(-1).view(torch.uint8).numpy()).hexdigest()
+    return verify.Opinion(who, digest, raw.to(torch.float32).view(-1).numpy())
+
+
+class StepChecker:
+    """One party's side of the step checks (``hook`` is DDP's comm hook, ``self`` its state).
+    ``rank``: its group rank (a shadow's own); ``worker_of``: the worker it shadows (None: a worker)."""
+
+    def __init__(self, group, workers: int, rank: int, worker_of: int | None = None, tolerance: float = 0.0):
+        self.group, self.workers, self.rank, self.worker_of = group, workers, rank, worker_of
+        self.parties, self.tolerance = group.size(), tolerance
+        #: Backward passes of this attempt with a synchronised gradient (DDP's ``no_sync`` ones not counted).
+        self.step = 0
+        #: The disagreement that stopped this party (None while every check agreed).
+        self.check: StepCheck | None = None
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """``model`` (DDP) with this party's hook instead of the all-reduce."""
+        model.register_comm_hook(self, StepChecker.hook)
+        return model
+
+    def hook(self, bucket):  # no annotations: DDP checks them, and this module's are strings
+        """DDP's comm hook: a Future of the bucket's checked mean (see the module's docstring). It
+        raises rather than failing its future: the exception then reaches ``backward()`` as it is."""
+        try:
+            if self.check is not None:  # every party stopped at the same bucket: no more collectives
+                raise StepCheckFailed(self.check)
+            buffer = bucket.buffer()
+            buffer.copy_(self._bucket(bucket.index(), buffer.detach().cpu()))
+        except StepCheckFailed:
+            raise
+        except Exception as exc:  # a lost party: as a lost peer of DDP's own all-reduce
+            collectives.record(exc)
+            raise
+        finally:
+            if bucket.is_last():
+                self.step += 1
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.parties)]
+        self.group.allgather([out], [tensor]).wait()
+        return out
+
+    def _ints(self, value: int) -> list[int]:
+        return [int(t.item()) for t in self._gather(torch.tensor([value], dtype=torch.int64))]
+
+    def _bucket(self, index: int, own: torch.Tensor) -> torch.Tensor:
+        held = self._gather(own.contiguous())
+        verdict = -1
+        if self.worker_of is not None and not verify.agree(_opinion(self.worker_of, held[self.worker_of]),
+                                                           _opinion(self.rank, own), self.tolerance)[0]:
+            verdict = self.worker_of
+        verdicts = self._ints(verdict)
+        if any(v != -1 for v in verdicts):
+            self.check = self._account(index, held, verdicts, self._ints(-1 if self.worker_of is None
+                                                                          else self.worker_of))
+            log.warning("party %d: %s", self.rank, StepCheckFailed(self.check))
+            raise StepCheckFailed(self.check)
+        total = held[0].clone()
+        for contribution in held[1:self.workers]:  # rank order: the same bytes on every party
+            total.add_(contribution)
+        return total.div_(self.workers)
+
+    def _account(self, index: int, held: list[torch.Tensor], verdicts: list[int], worker_of: list[int]) -> StepCheck:
+        """``zwdx.verify.decide`` for each worker a shadow disagreed with, from the contributions
+        every party holds; a party whose claim those contributions do not bear out is named too."""
+        opinions = [_opinion(who, tensor) for who, tensor in enumerate(held)]
+        distances: dict[str, dict[str, float]] = {}
+        named: dict[str, str] = {}
+        for w in sorted({v for p, v in enumerate(verdicts) if v != -1 and 0 <= v < self.workers}):
+            shadows = [opinions[p] for p in range(self.workers, self.parties) if worker_of[p] == w]
+            measured, who = verify.decide(opinions[w], shadows, tolerance=self.tolerance)
+            distances[str(w)] = {str(s): (-1.0 if math.isinf(d) else d) for s, d in measured.items()}
+            named.update({str(k): why for k, why in who.items()})
+        for p, v in enumerate(verdicts):  # a claim the gradients every party holds do not bear out
+            if v == -1:
+                continue
+            real = p >= self.workers and v == worker_of[p] and 0 <= v < self.workers
+            if real and not verify.agree(opinions[v], opinions[p], self.tolerance)[0]:
+                continue
+            if real:
+                distances.setdefault(str(v), {})[str(p)] = 0.0 if opinions[v].sha256 == opinions[p].sha256 \
+                    else verify.distance(opinions[v].values, opinions[p].values)
+            else:
+                distances.setdefault(str(p), {})
+            named.setdefault(str(p), f"claimed a disagreement with rank {v} that the step's gradients do not show")
+        return StepCheck(step=self.step, bucket=index, distances=distances, named=named)
+
+
+class Checked(Collective):
+    """A DDP job with ``verify``: a worker, or a shadow (``spec.shadow``) of ``spec.rank``."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        settings = spec.job.strategy
+        self.shadow: int | None = spec.shadow
+        self.parties = spec.world_size + verify.count(settings.verify, spec.world_size)
+        self.tolerance = settings.verify_tolerance
+        self.checker: StepChecker | None = None
+
+    def rendezvous(self) -> dict:
+        """A worker meets the others at rank 0's port; a shadow's default group is itself alone."""
+        if self.shadow is None:
+            return super().rendezvous()
+        return {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+
+    def wrap(self, model: nn.Module, device: torch.device, bundle: dict, report, example=None) -> nn.Module:
+        spec = self.spec
+        store = rank0_store(spec.master_addr, spec.master_port, spec.collective_timeout)
+        group = check_group(store, spec.attempt, spec.own_rank, self.parties, spec.collective_timeout)
+        self.checker = StepChecker(group, spec.world_size, spec.own_rank,
+                                   None if self.shadow is None else spec.rank, self.tolerance)
+        self._store = store  # the group's connections are made; the client stays with it
+        return wrap(model.to(device), "DDP", device, report=report, init_sync=self.tuning.ddp_init_sync,
+                    hook=self.checker.attach)
+
+    def layout(self, model: nn.Module) -> dict:
+        from .layout import line
+        out = super().layout(model)
+        if self.shadow is None:
+            return out
+        return {**out, "text": line(f"a shadow of rank {self.spec.rank}: the whole model, its gradients compared "
+                                    f"with that rank's at every step")}
+
+    def uploads_weights(self) -> bool:
+        return self.shadow is None and super().uploads_weights()
+
+    def failed_check(self) -> StepCheck | None:
+        return None if self.checker is None else self.checker.check
