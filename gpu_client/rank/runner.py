@@ -125,11 +125,13 @@ class Trainer:
 
         from .checkpoint import Checkpointer
         spec, latest = self.spec, self.spec.checkpoint
-        # A DILOCO shadow restores as the worker it runs again (``spec.rank``: the worker's
-        # generators too, or its rounds after a resume would differ from the worker's and name
-        # an honest worker), and writes no checkpoint.
-        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank,
-                                    1 if spec.parallelism == Parallelism.DILOCO else dist.get_world_size(),
+        # A shadow restores as the worker it runs again (``spec.rank``: the worker's generators
+        # too, or its steps after a resume would differ from the worker's and name an honest
+        # worker), in the workers' world (a DDP shadow's own group is a world of one), and writes
+        # no checkpoint.
+        world = 1 if spec.parallelism == Parallelism.DILOCO else \
+            spec.world_size if spec.shadow is not None else dist.get_world_size()
+        checkpointer = Checkpointer(self.reporter, self.model, self.optimizer, self.strategy.wrap_as, spec.rank, world,
                                     self.device, latest, commit_timeout=spec.collective_timeout,
                                     writes=spec.shadow is None)
         if latest is not None and spec.joining:
@@ -221,14 +223,17 @@ class Trainer:
                              global_fingerprint=self.strategy.global_fingerprint(self.model, state))
 
     def fail(self, exc: BaseException) -> None:
-        """Report the failure: the traceback, and whether the rank lost its peers."""
+        """Report the failure: the traceback, and whether the rank lost its peers (or, a step
+        check's disagreement, the ``StepCheck``: not a lost peer)."""
         tb = "".join(traceback.format_exception(exc))
         sys.__stderr__.write(tb)
         if isinstance(exc, ImportError) and not isinstance(exc, MissingPackage):
             exc = missing_package(exc, self.spec.where)  # the job's code imported it as it ran
+        check = self.strategy.failed_check()  # DDP with verify: what stopped it, whatever DDP made of the error
+        how = {"collective": False, "check": check.model_dump(mode="json")} if check is not None else \
+            {"collective": self.joined and is_collective_error(exc)}
         try:
-            self.reporter.status(RankStatus.FAILED.value, error=f"{type(exc).__name__}: {exc}", traceback=tb,
-                                 collective=self.joined and is_collective_error(exc))
+            self.reporter.status(RankStatus.FAILED.value, error=f"{type(exc).__name__}: {exc}", traceback=tb, **how)
         except Exception:
             log.exception("could not report the failure")
 

@@ -1,0 +1,66 @@
+"""DDP step checks wired into a rank (issue 33), in process: the registry gives a DDP job with
+``verify`` the ``Checked`` strategy (a shadow meets no one, uploads no weights), the runner's
+checkpointer gives a shadow the workers' world, and a rank stopped by a step check reports the
+``StepCheck`` (read from the strategy: DDP may wrap the hook's exception), not a lost peer."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from gpu_client.rank.runner import Trainer
+from gpu_client.rank.strategies.registry import STRATEGIES, strategy, strategy_type
+from zwdx.protocol.report import StepCheck
+from zwdx.protocol.spec import DDP
+from zwdx.protocol.vocab import Parallelism
+
+CHECK = StepCheck(step=4, bucket=1, distances={"1": {"3": 0.25}}, named={"1": "disagreed", "3": "disagreed"})
+
+
+def _spec(verify: float, rank: int = 0, shadow: int | None = None, world: int = 2):
+    return SimpleNamespace(job=SimpleNamespace(strategy=DDP(verify=verify)), parallelism=Parallelism.DDP, rank=rank,
+                           shadow=shadow, own_rank=rank if shadow is None else shadow, world_size=world,
+                           master_addr="127.0.0.1", master_port=29500, attempt=0, collective_timeout=30.0)
+
+
+def test_ddp_with_verify_gets_the_checked_strategy_and_without_it_the_plain_one():
+    assert strategy_type(_spec(1.0).job) == "ddp+verify" and strategy_type(_spec(0.0).job) == "ddp"
+    assert STRATEGIES["ddp+verify"][1] == "Checked"
+    assert type(strategy(_spec(0.0), None)).__name__ == "Collective"
+    checked = strategy(_spec(1.5, world=4), None)
+    assert type(checked).__name__ == "Checked" and checked.parties == 4 + 6  # ceil(1.5 * 4) shadows
+    assert checked.failed_check() is None
+
+
+def test_a_shadow_meets_no_one_and_uploads_no_weights():
+    worker, shadow = strategy(_spec(1.0, rank=0), None), strategy(_spec(1.0, rank=0, shadow=3), None)
+    assert worker.rendezvous()["init_method"] == "tcp://127.0.0.1:29500" and worker.uploads_weights()
+    assert shadow.rendezvous()["world_size"] == 1 and not shadow.uploads_weights()
+    assert strategy(_spec(1.0, rank=0, shadow=2), None).loader_arguments() == {"rank": 0, "world_size": 2}
+
+
+def test_a_ddp_shadows_checkpointer_restores_in_the_workers_world():
+    """No process group here: a shadow's world is the spec's W, not its own group's (of one)."""
+    spec = SimpleNamespace(**vars(_spec(1.0, rank=1, shadow=3, world=2)), checkpoint=None, joining=False)
+    me = SimpleNamespace(spec=spec, reporter=None, model=None, optimizer=None, device="cpu",
+                         strategy=SimpleNamespace(wrap_as=Parallelism.DDP), startup=SimpleNamespace(mark=lambda _: None))
+    restored = Trainer._restore(me)
+    assert (restored.rank, restored.world, restored.writes) == (1, 2, False)
+
+
+class _Reporter:
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    def status(self, status, **fields):
+        self.sent.append({"status": status, **fields})
+
+
+@pytest.mark.parametrize("check", [CHECK, None], ids=["step-check", "other"])
+def test_a_failed_rank_reports_the_step_check_that_stopped_it(check):
+    me = SimpleNamespace(spec=SimpleNamespace(where="here"), reporter=_Reporter(), joined=True,
+                         strategy=SimpleNamespace(failed_check=lambda: check))
+    Trainer.fail(me, RuntimeError("Unable to cast the hook's exception"))  # DDP's words, not the check's
+    [sent] = me.reporter.sent
+    assert sent["status"] == "failed" and sent["collective"] is False
+    assert sent.get("check") == (None if check is None else CHECK.model_dump(mode="json"))
