@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Answer
 from .layout import RankLayout
-from .report import Measured, Reported
+from .report import Measured, Reported, StepCheck
 from .spec import JobSpec
 from .vocab import CheckpointFormat, FailureKind, JobStatus, Parallelism, RankStatus, SlotKind
 
@@ -131,6 +131,9 @@ class RankFailure(Record):
     #: When the server heard of it (None: recorded by a zwdx that did not say).
     at: float | None = None
     kind: FailureKind | None = None
+    #: DDP with ``verify``: the step check that stopped the rank, as it reported it; kept until
+    #: the attempt settles, when the one a strict majority of the ranks gave is believed.
+    check: StepCheck | None = Field(default=None, exclude_if=_absent)
 
 
 class TimelineEntry(Record):
