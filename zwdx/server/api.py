@@ -338,16 +338,24 @@ def post_events(job: JobRecord, sender: Sender, body: EventsBatch):
 def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport):
     """Only the rank's own key reports for it (403 otherwise). Once the job failed, a rank may
     still report its own failure for a moment (its traceback is kept); nothing else.
-    ``weights_artifact`` must name weights uploaded for this job (``PUT /jobs/<id>/weights``):
-    anything else is refused (400) and nothing is recorded."""
-    if shadows.of(job, rank) is not None:  # a shadow: its failure is noted, the job goes on
+    ``weights_artifact`` must name weights uploaded for this job (``PUT /jobs/<id>/weights``), and
+    a DDP step ``check`` only ranks of the attempt's placement: anything else is refused (400) and
+    nothing is recorded. A shadow's reports are not the job's, but a DDP shadow's failure.
+    """
+    # a DDP shadow fails as any rank (``jobs.in_step``); a DILOCO one's failure is noted, the job goes on
+    if shadows.of(job, rank) is not None and not (jobs.in_step(job) and body.status == RankStatus.FAILED):
         only_rank(sender, rank, f"a report for rank {rank}", job.id)
         if body.status == RankStatus.FAILED:
             shadows.gone(job, [rank], f"it failed: {body.error or 'error'}")
         return RankReportAnswer(ok=True, ignored=f"rank {rank} is a shadow: what it reports is not the job's")
-    if job.world_size is None or not 0 <= rank < job.world_size:
+    if shadows.of(job, rank) is None and (job.world_size is None or not 0 <= rank < job.world_size):
         raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")
     only_rank(sender, rank, f"a report for rank {rank}", job.id)
+    check = body.check
+    said = {*check.named, *check.distances, *(s for d in check.distances.values() for s in d)} if check else set()
+    if strangers := sorted({int(r) for r in said} - {p.rank for p in job.placement or []}):  # never named
+        raise BadRequest(f"field 'check': rank(s) {', '.join(map(str, strangers))} are not of job {job.id}'s "
+                         f"attempt {job.attempt}", field="check")
     if not sender.live and body.status != RankStatus.FAILED:
         raise Forbidden(f"job {job.id} is {job.status.value}: its ranks may only report their failure now",
                         job_id=job.id, status=job.status.value)

@@ -13,14 +13,13 @@ server restart and is shared among server processes.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 
 from .. import robust
-from ..protocol import EventKind, JobStatus, Parallelism, RankStatus
-from ..protocol.job import Job as JobRecord, Suspect
+from ..protocol import JobStatus, Parallelism, RankStatus
+from ..protocol.job import Job as JobRecord
 from .http import ctx
-from . import jobs, notify
+from . import jobs
 
 log = logging.getLogger(__name__)
 
@@ -71,29 +70,6 @@ def compare_weights(job: JobRecord | None) -> None:
 
 
 def name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = True) -> None:
-    store, now = ctx().store, time.time()
-    clients = {p.rank: p.client_id for p in job.placement or []}
-    clients.update({int(r): j.client_id for r, j in job.joins.items()})
-    tokens = {r: (store.get_client(clients[r]) or {}).get("token_id") if clients.get(r) else None for r in named}
-    entries = {str(r): Suspect(client_id=clients.get(r), token_id=tokens[r], rounds=rounds, reason=reason, at=now)
-               for r, (rounds, reason) in named.items()}
-    if store.put_job_entries(job.id, "suspects", entries) is None:
-        return
-    avoid = sorted(set(job.avoid) | {e.client_id for e in entries.values() if e.client_id})
-    store.set_job(job.id, {"avoid": avoid})
-    texts = []
-    for r, (rounds, reason) in sorted(named.items()):
-        revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
-        when = f", in rounds {', '.join(map(str, rounds))} in a row" if len(rounds) > 1 else \
-            f", in round {rounds[0]}" if rounds else ""
-        texts.append(f"diloco: rank {r} (gpu client {clients.get(r)}) is a suspect: {reason}{when}; "
-                     f"{'it is dropped and ' if drop else ''}its client is not given this job again{revoke}")
-        log.warning("job %s: %s", job.id, texts[-1])
-    notify.events_added(job, store.add_events(job.id, [{
-        "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-suspect:{job.attempt}:{r}", "step": None,
-        "data": {"text": text}, "ts": now} for r, text in zip(sorted(named), texts)]))
-    fresh = store.get_job(job.id)
-    if drop and not jobs.drop(ctx(), fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
-        log.warning("job %s: the suspect(s) %s could not be dropped (no other worker left)", job.id, sorted(named))
-    notify.job_changed(store.get_job(job.id))
-
+    """These ranks are suspects (rank -> rounds, why), their clients avoided; ``drop``: DILOCO
+    workers dropped (``jobs.name_suspects``, which a DDP job's step checks use too)."""
+    jobs.name_suspects(ctx(), job, named, dropped=drop)

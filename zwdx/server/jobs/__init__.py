@@ -12,16 +12,17 @@ The HTTP and Socket.IO handlers parse and authorize, then call one function of t
 from __future__ import annotations
 
 from .effects import Effects, Release, apply, tell_clients
-from .lifecycle import cancel, client_lost, drop, fail, interrupt, not_started, ranks_exited, settle_suspects, \
-    shadows_gone
+from .lifecycle import cancel, client_lost, drop, fail, interrupt, name_suspects, not_started, ranks_exited, \
+    settle_suspects, shadows_gone, step_checked
 from .model import Job
 from .placing import assign, let_go, placed, said, wait
 from .reports import checkpoint_committed, forget_ranks_gone, not_wanted, outputs_uploaded, rank_completed, rank_failed, \
     rank_layout, rank_started, report
-from .rules import FAILURE_GRACE, NO_RENDEZVOUS, rejoined, wanting
+from .rules import FAILURE_GRACE, NO_RENDEZVOUS, in_step, rejoined, wanting
 
 __all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "assign", "cancel",
-           "checkpoint_committed", "client_lost", "drop", "fail", "forget_ranks_gone", "interrupt", "let_go", "not_started",
+           "checkpoint_committed", "client_lost", "drop", "fail", "forget_ranks_gone", "in_step", "interrupt", "let_go", "name_suspects",
+           "not_started",
            "not_wanted", "outputs_uploaded", "placed",
            "rank_completed", "rank_failed", "rank_layout", "rank_started", "ranks_exited", "rejoined", "report", "said",
-           "settle_suspects", "shadows_gone", "tell_clients", "wait", "wanting"]
+           "settle_suspects", "shadows_gone", "step_checked", "tell_clients", "wait", "wanting"]

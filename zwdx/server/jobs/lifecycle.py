@@ -14,10 +14,12 @@ import time
 from typing import Collection
 
 from ...protocol import ACTIVE, ClientStatus, EventKind, JobStatus, Parallelism, RankStatus
-from ...protocol.job import Job as JobRecord
+from ...protocol.job import Job as JobRecord, Suspect
+from ...protocol.report import StepCheck
+from .. import notify
 from .effects import Ctx, Effects, Release, apply, stopping
 from .model import Job
-from .rules import NO_RENDEZVOUS
+from .rules import NO_RENDEZVOUS, in_step, step_verdict
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,10 @@ def drop(ctx: Ctx, job: JobRecord, ranks: list[int], reason: str) -> bool:
 def shadows_gone(ctx: Ctx, job: JobRecord, ranks: list[int], why: str) -> list[int]:
     """DILOCO with ``verify``: those of ``ranks`` that are shadows (``zwdx.server.shadows``) are
     noted gone (``why``: failed, exited, their GPU client lost, named) and the job goes on as it
-    was; the others (workers), returned."""
+    was; the others (workers), returned. A DDP job's shadows run in step with it
+    (``rules.in_step``): all of ``ranks`` are returned, each to be dealt with as any rank."""
+    if in_step(job):
+        return ranks
     ours = {r: s for r in ranks if (s := job.shadows.get(str(r))) is not None}
     fresh = {str(r): s.model_copy(update={"gone": why}) for r, s in ours.items()
              if s.gone is None and job.status in ACTIVE}  # a job that ended stops its shadows: nothing to say
@@ -112,7 +117,8 @@ def ranks_exited(ctx: Ctx, client_id: str, job_id: str, exits: dict[str, int], a
         log.info("job %s: late exits of attempt %d from gpu-client %s ignored", job_id, attempt, client_id)
         return
     record = handle.record
-    if record.shadows:  # a shadow's exit is noted; it makes the job neither suspect nor short of a worker
+    if record.shadows and not in_step(record):  # a DILOCO shadow's exit is noted; it makes the job neither
+        # suspect nor short of a worker
         theirs = {r: c for r, c in exits.items() if str(r) in record.shadows}
         shadows_gone(ctx, record, [int(r) for r, c in theirs.items() if int(c) != 0],
                      f"its process exited ({', '.join(f'{r}: {c}' for r, c in theirs.items())})")
@@ -173,13 +179,66 @@ def settle_suspects(ctx: Ctx, room_id: str | None = None) -> None:
             offline = {p.client_id for p in record.placement or []
                        if (ctx.store.get_client(p.client_id) or {}).get("status") != ClientStatus.ONLINE.value}
         reason = handle.overdue(offline, ctx.settings.client_timeout, assign_timeout)
-        if reason == NO_RENDEZVOUS and handle.unplace(f"placed again: {reason}"):
+        if reason is not None and reason != NO_RENDEZVOUS and (verdict := step_verdict(record)) is not None:
+            step_checked(ctx, record, *verdict)
+        elif reason == NO_RENDEZVOUS and handle.unplace(f"placed again: {reason}"):
             log.warning("job %s: %s; placing it again", record.id, reason)
             apply(ctx, Effects(release=(Release(record.id),),  # no GPU client was told of it
                                show=handle.record, room=record.room_id, kick=True))
         elif reason is not None and fail(ctx, record.id, reason) and record.master is None:
             apply(ctx, Effects(release=(Release(record.id),)))  # no GPU client was told: none will say it exited
     _start_overdue(ctx, room_id)
+
+
+def step_checked(ctx: Ctx, record: JobRecord, check: StepCheck | None, said: str) -> None:
+    """A DDP job's attempt settled with step checks reported (``rules.step_verdict``): the ranks
+    the believed one names (this attempt's, never another's) are suspects, their GPU clients not
+    given the job again, and the job is placed again from its latest checkpoint (``interrupt``);
+    none believed (``said`` why): it fails, nobody named."""
+    if check is None:
+        fail(ctx, record.id, said)
+        return
+    ranks = {p.rank for p in record.placement or []}
+    named: dict[int, tuple[list[int], str]] = {
+        int(r): ([], f"step check, step {check.step}, bucket {check.bucket}: {why}") for r, why in check.named.items()
+        if int(r) in ranks}
+    if named:
+        name_suspects(ctx, record, named, dropped=False)
+    who = f"rank(s) {', '.join(map(str, sorted(named)))} named" if named else "nobody named"
+    interrupt(ctx, record.id, f"ddp step check, step {check.step}, bucket {check.bucket}: the gradients disagreed, "
+                              f"{who} ({said})")
+
+
+def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], str]], dropped: bool = True) -> None:
+    """These ranks are suspects (rank -> the rounds they were flagged in, why): kept in the job's
+    ``suspects`` with their GPU client and its donor token, their clients not given the job
+    again (``avoid``), said in the job's log; DILOCO workers ``dropped`` (``zwdx.server.suspects``)."""
+    store, now = ctx.store, time.time()
+    clients = {p.rank: p.client_id for p in job.placement or []}
+    clients.update({int(r): j.client_id for r, j in job.joins.items()})
+    tokens = {r: (store.get_client(clients[r]) or {}).get("token_id") if clients.get(r) else None for r in named}
+    entries = {str(r): Suspect(client_id=clients.get(r), token_id=tokens[r], rounds=rounds, reason=reason, at=now)
+               for r, (rounds, reason) in named.items()}
+    if store.put_job_entries(job.id, "suspects", entries) is None:
+        return
+    avoid = sorted(set(job.avoid) | {e.client_id for e in entries.values() if e.client_id})
+    store.set_job(job.id, {"avoid": avoid})
+    what = "ddp step check" if job.spec.parallelism == Parallelism.DDP else "diloco"
+    texts = []
+    for r, (rounds, reason) in sorted(named.items()):
+        revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
+        when = f", in rounds {', '.join(map(str, rounds))} in a row" if len(rounds) > 1 else \
+            f", in round {rounds[0]}" if rounds else ""
+        texts.append(f"{what}: rank {r} (gpu client {clients.get(r)}) is a suspect: {reason}{when}; "
+                     f"{'it is dropped and ' if dropped else ''}its client is not given this job again{revoke}")
+        log.warning("job %s: %s", job.id, texts[-1])
+    notify.events_added(job, store.add_events(job.id, [{
+        "kind": EventKind.LOG.value, "rank": None, "key": f"{what.replace(' ', '-')}-suspect:{job.attempt}:{r}",
+        "step": None, "data": {"text": text}, "ts": now} for r, text in zip(sorted(named), texts)]))
+    fresh = store.get_job(job.id)
+    if dropped and not drop(ctx, fresh, sorted(named), f"named a suspect ({'; '.join(r for _, r in named.values())})"):
+        log.warning("job %s: the suspect(s) %s could not be dropped (no other worker left)", job.id, sorted(named))
+    notify.job_changed(store.get_job(job.id))
 
 
 def client_lost(ctx: Ctx, client_id: str, reason: str) -> None:
@@ -194,7 +253,7 @@ def client_lost(ctx: Ctx, client_id: str, reason: str) -> None:
         why = f"gpu client {client_id} ({client.get('hostname')}) lost: {reason}"
         job = ctx.store.get_job(job_id)
         ranks = [p.rank for p in (job.placement or []) if p.client_id == client_id] if job else []
-        if job is not None and job.shadows:
+        if job is not None and job.shadows and not in_step(job):
             workers = shadows_gone(ctx, job, ranks, why)
             if not workers:  # only shadows: the job goes on as it was
                 apply(ctx, Effects(release=(Release(job_id, client_id),)))

@@ -25,6 +25,7 @@ from typing import Any, Callable, Collection
 
 from ...protocol import ACTIVE, WAITING, FailureKind, JobStatus, RankStatus, SlotKind
 from ...protocol.layout import RankLayout
+from ...protocol.report import StepCheck
 from ...protocol.job import CheckpointEntry, DilocoJoin, Job as JobRecord, Master, PlacementEntry, RankCredential, \
     RankFailure, RankState, RestartEntry, Shadow, TimelineEntry
 from .. import meters
@@ -252,17 +253,19 @@ class Job:
         self.complete()  # the others may all be done already
         return True
 
-    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool, exit_code: int | None = None) -> bool:
+    def rank_failed(self, rank: int, error: str, traceback: str, collective: bool, exit_code: int | None = None,
+                    check: StepCheck | None = None) -> bool:
         """A rank reported an exception. Its own (``collective`` False): the job is failing.
         From torch.distributed (a peer probably gone): the job is suspect. A script that
         exited badly (``exit_code``; its own error or a lost peer, zwdx cannot tell) makes it
         suspect too, with that as the reason it fails for if no GPU client turns out lost. On a
-        job that failed already, the traceback is kept too. False: the job was not in a state
-        to record it."""
+        job that failed already, the traceback is kept too. ``check``: the DDP step check that
+        stopped it, kept with its failure until the attempt settles (``rules.step_verdict``).
+        False: the job was not in a state to record it."""
         now = self.clock()
         kind = FailureKind.EXITED if exit_code is not None else \
             FailureKind.COLLECTIVE if collective else FailureKind.RAISED
-        failure = RankFailure(traceback=traceback, at=now, kind=kind)
+        failure = RankFailure(traceback=traceback, at=now, kind=kind, check=check)
         if self.status == JobStatus.FAILED:
             return self._took(self.store.jobs.rank_failures(self.id, {rank: failure}, when=[JobStatus.FAILED]))
         if not self._took(self.store.jobs.rank_failures(self.id, {rank: failure})):

@@ -15,12 +15,12 @@ from ...protocol import ACTIVE, EventKind, JobStatus, RankStatus
 from ...protocol.gpu import JobCancel
 from ...protocol.job import CheckpointEntry, Job as JobRecord
 from ...protocol.layout import RankLayout
-from ...protocol.report import RankReport, RankReportAnswer
+from ...protocol.report import RankReport, RankReportAnswer, StepCheck
 from .. import notify
 from .effects import Ctx, Effects, apply
 from .lifecycle import ranks_exited
 from .model import Job
-from .rules import rejoined
+from .rules import in_step, rejoined
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def report(ctx: Ctx, job: JobRecord, rank: int, body: RankReport, weights: Calla
     if body.status == RankStatus.FAILED and (job.status == JobStatus.FAILED or job.status in ACTIVE):
         # on a failed job too: every failing rank's traceback is kept
         rank_failed(ctx, job, rank, body.error or "error", body.traceback or "(no traceback)", body.collective,
-                    body.exit_code)
+                    body.exit_code, body.check)
         return RankReportAnswer(ok=True)
     if job.status not in ACTIVE:
         return RankReportAnswer(ok=False, ignored=f"job is {job.status.value}")
@@ -114,12 +114,18 @@ def _compare_fingerprints(ctx: Ctx, job: JobRecord) -> None:
 
 
 def rank_failed(ctx: Ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,
-                exit_code: int | None = None) -> None:
+                exit_code: int | None = None, check: StepCheck | None = None) -> None:
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
     probably gone), so wait to see whether a GPU client was lost before failing the job; so
-    too for a script that exited badly (``exit_code``)."""
+    too for a script that exited badly (``exit_code``). ``check``: the DDP step check that
+    stopped it, kept for the attempt's settling (``lifecycle.step_checked``); ignored from a
+    job whose steps are not checked."""
+    if check is not None and not in_step(job):
+        log.warning("job %s: rank %d reported a step check, but the job's steps are not checked: ignored", job.id,
+                    rank)
+        check = None
     handle = Job(ctx.store, job)
-    if not handle.rank_failed(rank, error, tb, collective, exit_code) or job.status not in ACTIVE:
+    if not handle.rank_failed(rank, error, tb, collective, exit_code, check) or job.status not in ACTIVE:
         return
     if collective or exit_code is not None:
         log.warning("job %s: rank %d lost its peers (%s); checking the GPU clients", job.id, rank, error)

@@ -7,6 +7,7 @@ from typing import Collection, Mapping
 
 from ...protocol import ACTIVE, JobStatus, Parallelism, RankStatus
 from ...protocol.job import Job as JobRecord
+from ...protocol.report import StepCheck
 
 #: Seconds the other ranks of a failing job get to report their own failure after the first one.
 FAILURE_GRACE = 2.0
@@ -55,8 +56,42 @@ def start_overdue(r: JobRecord, now: float, start_timeout: float) -> str | None:
 
 
 def all_heard(r: JobRecord, failures: Mapping[str, object]) -> bool:
-    """Every rank of the attempt exited, or is in ``failures``."""
-    return all(str(i) in failures or str(i) in r.exits for i in range(r.world_size or 0))
+    """Every rank of the attempt exited, or is in ``failures`` (a DDP job's shadows too: they run
+    in step with it)."""
+    ranks = (r.world_size or 0) + (len(r.shadows) if in_step(r) else 0)
+    return all(str(i) in failures or str(i) in r.exits for i in range(ranks))
+
+
+def in_step(r: JobRecord) -> bool:
+    """Whether the job's shadows run in step with its workers (DDP's step checks): a shadow lost,
+    exited or failed is then like any rank's. DILOCO's run apart: the job goes on without one."""
+    return bool(r.shadows) and r.spec.parallelism == Parallelism.DDP
+
+
+def step_verdict(r: JobRecord) -> tuple[StepCheck | None, str] | None:
+    """DDP with ``verify``, once the attempt settles: None if no rank reported a step check; else
+    the check held by a strict majority of the attempt's ranks (workers and shadows; so a strict
+    majority of those that reported one too: a lone rank's account never names anyone while the
+    others still train), with what was said; or None and why none is believed (the accounts
+    differ). Identical accounts: the same step, bucket and ``named``."""
+    held: dict[tuple[int, int, tuple[tuple[str, str], ...]], list[int]] = {}
+    accounts: dict[tuple[int, int, tuple[tuple[str, str], ...]], StepCheck] = {}
+    for rank, failure in r.failures.items():
+        if failure.check is not None:
+            key = (failure.check.step, failure.check.bucket, tuple(sorted(failure.check.named.items())))
+            held.setdefault(key, []).append(int(rank))
+            accounts[key] = failure.check
+    if not held:
+        return None
+    ranks = (r.world_size or 0) + len(r.shadows)
+    said = "; ".join(f"rank(s) {', '.join(map(str, sorted(who)))}: step {accounts[key].step}, bucket "
+                     f"{accounts[key].bucket}, naming {', '.join(sorted(accounts[key].named, key=int)) or 'nobody'}"
+                     for key, who in sorted(held.items(), key=lambda kv: (-len(kv[1]), sorted(kv[1]))))
+    key, who = max(held.items(), key=lambda kv: len(kv[1]))
+    if 2 * len(who) > ranks:
+        return accounts[key], said
+    return None, f"the ranks' accounts of the step check differ, and none is a strict majority's of the " \
+                 f"{ranks} ranks ({said}); nobody is named"
 
 
 def wanting(record: JobRecord) -> list[int]:

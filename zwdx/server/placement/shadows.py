@@ -1,7 +1,10 @@
-"""DILOCO with ``verify``: the shadows' slots as the job is placed (``zwdx.server.shadows`` says
-what a shadow is; ``zwdx.verify``, the rule). The scheduler plans the workers' slots and the
+"""DILOCO or DDP with ``verify``: the shadows' slots as the job is placed (``zwdx.server.shadows``
+says what a DILOCO shadow is, ``gpu_client/rank/strategies/step_check.py`` a DDP one, which runs in
+step with the job; ``zwdx.verify``, the rule). The scheduler plans the workers' slots and the
 shadows' together (``asked``), then ``arrange`` says which slots are shadows, which worker each
-runs again (drawn with the server's own randomness), and ``entries`` the job record's ``shadows``."""
+runs again (drawn with the server's own randomness), and ``entries`` the job record's ``shadows``.
+A DDP job gets exactly ``verify.count(verify, W)`` shadows for its W workers: every rank counts
+them so to build the group its steps are checked over."""
 from __future__ import annotations
 
 import random
@@ -9,14 +12,18 @@ import random
 from ... import verify
 from ...protocol import Parallelism
 from ...protocol.job import Job as JobRecord, Shadow
+from ...protocol.spec import DDP, Diloco
+
+
+def _verify(record: JobRecord) -> float:
+    """The job's ``verify`` (DILOCO's spot checks, DDP's step checks); 0 for any other mode."""
+    strategy = record.spec.strategy
+    return strategy.verify if isinstance(strategy, (Diloco, DDP)) else 0.0
 
 
 def extra(record: JobRecord) -> int:
-    """How many shadows the job asks for (0: no spot checks)."""
-    settings = record.spec.diloco
-    if record.spec.parallelism != Parallelism.DILOCO or settings is None or not settings.verify:
-        return 0
-    return verify.count(settings.verify, record.spec.resources.world_size or 0)
+    """How many shadows the job asks for (0: no checks)."""
+    return verify.count(_verify(record), record.spec.resources.world_size or 0)
 
 
 def asked(record: JobRecord, job: dict) -> dict:
@@ -35,13 +42,16 @@ def asked(record: JobRecord, job: dict) -> dict:
 def arrange(record: JobRecord, chosen: list[dict], clients: dict, rng: random.Random | None = None) \
         -> tuple[list[dict], dict[int, int]]:
     """The slots in rank order (the workers' first, then the shadows') and the worker each
-    shadow runs again (shadow's rank -> worker): the most workers whose shadows fit, the
-    shadowed ones drawn, each shadow on another donor token than its worker where it can be
-    (else another GPU client)."""
-    settings, n = record.spec.diloco, len(chosen)
-    if not extra(record) or settings is None:
+    shadow runs again (shadow's rank -> worker): the most workers whose shadows fit (DDP: the
+    slots past their ``count`` let go), the shadowed ones drawn, each shadow on another donor
+    token than its worker where it can be (else another GPU client)."""
+    share, n = _verify(record), len(chosen)
+    if not extra(record):
         return chosen, {}
-    workers = max((w for w in range(1, n + 1) if w + verify.count(settings.verify, w) <= n), default=n)
+    workers = max((w for w in range(1, n + 1) if w + verify.count(share, w) <= n), default=n)
+    if record.spec.parallelism == Parallelism.DDP:  # its ranks count the shadows: no more than that
+        chosen = chosen[:workers + verify.count(share, workers)]
+        n = len(chosen)
     ours, theirs = chosen[:workers], chosen[workers:]
     drawn = verify.draw(workers, n - workers, rng)
 
