@@ -254,3 +254,10 @@ def test_the_job_completes_when_its_workers_do_and_a_shadows_reports_are_not_its
         assert ranks[r].post(f"/jobs/{job['id']}/ranks/{r}", json={"status": "completed", "final_loss": 0.5}).json["ok"]
     record = room_api.get(f"/jobs/{job['id']}").json
     assert record["status"] == "completed" and record["final_loss"] == 0.5 and "2" not in record["ranks"], record
+
+
+def test_zwdx_jobs_show_says_a_ddp_shadow_is_checked_at_every_step():
+    from zwdx.job_text import shadow_lines
+    job = {"spec": {"strategy": {"type": "ddp", "verify": 0.5}}, "shadows": {"2": {"of": 1, "client_id": "c"}}}
+    assert shadow_lines(job) == ["SHADOW: rank 2 runs rank 1 again (gpu client c): its gradients checked against "
+                                 "the worker's at every step"]

@@ -87,12 +87,15 @@ def suspect_lines(job: dict) -> list[str]:
 
 
 def shadow_lines(job: dict) -> list[str]:
-    """DILOCO's spot checks: each shadow, the worker it runs again and what the comparisons found."""
+    """DILOCO's spot checks: each shadow, the worker it runs again and what the comparisons found.
+    DDP's step checks: each shadow and its worker (a disagreement stops the attempt: the suspects
+    and the restarts say what was found)."""
     lines = []
+    ddp = ((job.get("spec") or {}).get("strategy") or {}).get("type") == "ddp"
     for rank, shadow in sorted((job.get("shadows") or {}).items(), key=lambda kv: int(kv[0])):
         agreed, disagreed = shadow.get("agreed") or [], sorted(shadow.get("disagreed") or {}, key=int)
-        found = f"agreed in {len(agreed)} round(s)" + (f", disagreed in round(s) {', '.join(disagreed)}"
-                                                       if disagreed else "")
+        found = "its gradients checked against the worker's at every step" if ddp else \
+            f"agreed in {len(agreed)} round(s)" + (f", disagreed in round(s) {', '.join(disagreed)}" if disagreed else "")
         gone = f"; gone: {shadow['gone']}" if shadow.get("gone") else ""
         lines.append(f"SHADOW: rank {rank} runs rank {shadow.get('of')} again (gpu client "
                      f"{shadow.get('client_id') or '?'}): {found}{gone}")
