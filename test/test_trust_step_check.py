@@ -161,13 +161,21 @@ def test_accounts_that_differ_fail_the_job_and_name_nobody(backend_app):
         record["reason"], record["reason"]
 
 
-def test_a_lone_account_while_the_others_train_names_nobody(backend_app, monkeypatch):
-    from zwdx.server.jobs import rules
+def earlier(app, job: dict, seconds: float) -> None:
+    """The job's first failure came ``seconds`` earlier than it did."""
+    store = app.extensions["zwdx"].store
+    assert store.set_job(job["id"], {"failing_since": store.get_job(job["id"]).failing_since - seconds})
+
+
+def test_a_lone_account_while_the_others_train_names_nobody(backend_app):
+    from zwdx import defaults
+    from zwdx.server.jobs import FAILURE_GRACE
     room_api, job, ranks = checked(backend_app, {2: 0, 3: 1})
     assert fail(ranks[3], job, 3, check(5, {0: "it lies"})).json["ok"]  # the others never stopped
-    settle(backend_app)
-    assert room_api.get(f"/jobs/{job['id']}").json["status"] in ("starting", "running")  # within the grace
-    monkeypatch.setattr(rules, "FAILURE_GRACE", -1.0)  # the grace is over
+    earlier(backend_app, job, FAILURE_GRACE + 1)
+    settle(backend_app)  # a step check's accounts are waited for longer than another failure's
+    assert room_api.get(f"/jobs/{job['id']}").json["status"] in ("starting", "running")
+    earlier(backend_app, job, defaults.CLIENT_TIMEOUT)  # CLIENT_TIMEOUT is over
     settle(backend_app)
     record = room_api.get(f"/jobs/{job['id']}").json
     assert record["status"] == "failed" and record["suspects"] == {} and record["avoid"] == [], record

@@ -11,7 +11,7 @@ outside the job avoided. The honest path and each rule: test_trust_step_check.py
 from __future__ import annotations
 
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
-from test_trust_step_check import LIAR, check, checked, fail, settle
+from test_trust_step_check import LIAR, check, checked, earlier, fail, settle
 from test_trust_verify import backend_app, shadowed  # noqa: F401  (backend_app: a fixture)
 
 
@@ -30,13 +30,13 @@ def test_a_check_naming_a_gpu_client_outside_the_job_is_refused(backend_app):
     assert record["failures"] == {} and record["avoid"] == []
 
 
-def test_colluders_agreeing_on_a_forged_check_name_nobody(backend_app, monkeypatch):
-    from zwdx.server.jobs import rules
+def test_colluders_agreeing_on_a_forged_check_name_nobody(backend_app):
+    from zwdx import defaults
     room_api, job, ranks = checked(backend_app, {3: 0, 4: 2}, workers=3, verify=0.5)
     forged = {0: "disagreed with its shadow", 3: "disagreed with the worker it shadows"}
     for r in (1, 4):  # two of five: all that reported, but no majority of the attempt's ranks
         assert fail(ranks[r], job, r, check(7, forged)).json["ok"]
-    monkeypatch.setattr(rules, "FAILURE_GRACE", -1.0)  # the others never stopped; the grace is over
+    earlier(backend_app, job, defaults.CLIENT_TIMEOUT + 1)  # the others never stopped; the wait is over
     settle(backend_app)
     record = room_api.get(f"/jobs/{job['id']}").json
     assert record["status"] == "failed" and record["suspects"] == {} and record["avoid"] == [], record

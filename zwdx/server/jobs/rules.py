@@ -20,7 +20,8 @@ NO_RENDEZVOUS = "no rendezvous address came from rank 0's gpu client (the server
 def overdue(r: JobRecord, now: float, offline: Collection[str], client_timeout: float,
             assign_timeout: float) -> str | None:
     """Why this active job should fail now, or None:
-    - a rank raised, and every rank reported (or exited), or ``FAILURE_GRACE`` is over;
+    - a rank raised, and every rank reported (or exited), or ``FAILURE_GRACE`` is over
+      (``client_timeout`` once a rank reported a DDP step check: every rank's account counts);
     - a rank lost its peers, none of the job's GPU clients is ``offline`` (else it waits
       for them to be declared lost, and is interrupted), and ``client_timeout`` passed or
       every rank exited;
@@ -29,7 +30,9 @@ def overdue(r: JobRecord, now: float, offline: Collection[str], client_timeout: 
     if r.status not in ACTIVE:
         return None
     if r.failing_since is not None:
-        if all_heard(r, r.failures) or r.failing_since < now - FAILURE_GRACE:
+        # a DDP step check stops every rank at once, and each one's account counts: they get longer
+        grace = client_timeout if in_step(r) and any(f.check for f in r.failures.values()) else FAILURE_GRACE
+        if all_heard(r, r.failures) or r.failing_since < now - grace:
             return r.failing_reason or "a rank failed"
         return None
     if r.suspect_since is not None:
