@@ -97,7 +97,8 @@ def test_a_diloco_job_takes_the_papers_defaults_unless_told_otherwise(api):
                                      "compression": "fp16", "round_timeout": None, "overlap": False, "all_reduce": True,
                                      "ranks_per_worker": 1, "aggregate": "robust", "trim": None, "suspect_after": 5,
                                      "verify": 0.0, "verify_tolerance": 0.0}
-    assert api.submit(parallelism="DDP").json["spec"]["strategy"] == {"type": "ddp", "lora": None}
+    assert api.submit(parallelism="DDP").json["spec"]["strategy"] == {"type": "ddp", "lora": None, "verify": 0.0,
+                                                                    "verify_tolerance": 0.0}
 
 
 @pytest.mark.parametrize("fields, field", [
