@@ -42,6 +42,14 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "placement-groups": ("zwdx/server/placement/groups.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
                                                              "test/test_tensor_parallel.py", "test/test_mutants_placement2.py"]
                          + FAST),
+    "placement-plan": ("zwdx/server/placement/plan.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
+                                                         "test/test_mutants_placement.py", "test/test_mutants_placement2.py",
+                                                         "test/test_mutants_placement3.py"]
+                       + FAST),
+    "placement-records": ("zwdx/server/placement/records.py", ["test/test_placement_filters.py", "test/test_scheduler.py",
+                                                               "test/test_mutants_placement.py",
+                                                               "test/test_mutants_placement2.py",
+                                                               "test/test_mutants_placement3.py"] + FAST),
     "scheduler": ("zwdx/server/scheduler.py",
                   ["test/test_scheduler.py", "test/test_placement.py", "test/test_job.py", "test/test_auto.py",
                    "test/test_diloco_join.py", "test/test_mutants_scheduler.py", "test/test_mutants_scheduler2.py",
