@@ -17,6 +17,7 @@ import io
 import multiprocessing
 import queue
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from gpu_client.rank.strategies.step_check import StepChecker, StepCheckFailed, check_group
+from gpu_client.rank.strategies.step_check import Checked, StepChecker, StepCheckFailed, check_group
+from zwdx.protocol.spec import DDP
+from zwdx.protocol.vocab import Parallelism
 
 WORKERS, STEPS, TIMEOUT = 2, 3, 60.0
 #: Bytes of gradient per DDP bucket (MB): the model's 420 parameters make several buckets.
@@ -60,31 +63,43 @@ def _weights(model: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
-def _party(port: int, tag: str, rank: int, shadows_of: list[int], forger: int | None, plain: bool, out) -> None:
-    """One party: a worker (``rank`` < WORKERS) or a shadow of ``shadows_of[rank - WORKERS]``."""
+def _party(port: int, tag: str, rank: int, shadows_of: list[int], forger: int | None, plain: bool, out,
+           strategy: bool = False) -> None:
+    """One party: a worker (``rank`` < WORKERS) or a shadow of ``shadows_of[rank - WORKERS]``;
+    ``strategy``: made as a rank makes it (``Checked``: its rendezvous, its wrap), else by hand
+    with buckets small enough to be several."""
     torch.set_num_threads(1)
     wait = datetime.timedelta(seconds=TIMEOUT)
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=wait)
     worker = rank < WORKERS
     identity = rank if worker else shadows_of[rank - WORKERS]
-    if worker:
+    checked = Checked(SimpleNamespace(
+        job=SimpleNamespace(strategy=DDP(verify=len(shadows_of) / WORKERS)), parallelism=Parallelism.DDP,
+        rank=identity, shadow=None if worker else rank, own_rank=rank, world_size=WORKERS, master_addr="127.0.0.1",
+        master_port=port, attempt=0, collective_timeout=TIMEOUT))
+    if worker:  # the test's store stands for rank 0's
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{tag}/default", store), rank=rank,
                                 world_size=WORKERS, timeout=wait)
     else:  # a world of its own: its user code's collectives are no-ops
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", **checked.rendezvous())
     result: dict = {}
     if plain and worker:
         model = DistributedDataParallel(_model())
         _train(model, identity, forge=False)
         result["plain"] = _weights(model)
-    group = check_group(dist.PrefixStore(tag, store), 0, rank, WORKERS + len(shadows_of), TIMEOUT)
-    checker = StepChecker(group, WORKERS, rank, None if worker else identity)
-    model = checker.attach(DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_MB))
+    if strategy:
+        model = checked.wrap(_model(), torch.device("cpu"), {}, None)
+        checker = checked.checker
+    else:
+        group = check_group(dist.PrefixStore(tag, store), 0, rank, WORKERS + len(shadows_of), TIMEOUT)
+        checker = StepChecker(group, WORKERS, rank, None if worker else identity)
+        model = checker.attach(DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_MB))
     result["start"] = _weights(model)
     try:
         _train(model, identity, forge=rank == forger)
     except StepCheckFailed as exc:
         result["check"] = exc.check.model_dump()
+        assert checker.check == exc.check and (not strategy or checked.failed_check() == exc.check)
     result["weights"], result["steps"] = _weights(model), checker.step
     dist.destroy_process_group()
     buffer = io.BytesIO()  # bytes, not tensors: a tensor is sent as a handle this process would have to outlive
@@ -92,13 +107,14 @@ def _party(port: int, tag: str, rank: int, shadows_of: list[int], forger: int | 
     out.put((rank, buffer.getvalue()))
 
 
-def _run(tag: str, shadows_of: list[int], forger: int | None = None, plain: bool = False) -> dict[int, dict]:
+def _run(tag: str, shadows_of: list[int], forger: int | None = None, plain: bool = False,
+         strategy: bool = False) -> dict[int, dict]:
     """Every party's result, each in its own process (torch loaded once, in the forkserver)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.step_check"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.step_check", __name__])
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the store binds its own port
     out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, forger, plain, out))
+    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, forger, plain, out, strategy))
              for rank in range(WORKERS + len(shadows_of))]
     for proc in procs:
         proc.start()
@@ -141,7 +157,9 @@ def test_honest_parties_end_with_the_same_weights_as_plain_ddp():
     ([0, 0, 1, 1], 5, {"5"}),         # rule 2: the other shadow backs the worker
 ], ids=["worker-one-shadow", "worker-two-shadows", "lying-shadow"])
 def test_a_forged_gradient_stops_every_party_at_its_first_step(shadows_of, forger, named):
-    results = _run(f"forged-{forger}-{len(shadows_of)}", shadows_of, forger)
+    """The parties made as a rank makes them (``Checked``: a shadow's world of one, the check
+    group on rank 0's store, ``failed_check``), one bucket."""
+    results = _run(f"forged-{forger}-{len(shadows_of)}", shadows_of, forger, strategy=True)
     checks = [r.get("check") for r in results.values()]
     assert checks[0] is not None and all(c == checks[0] for c in checks)  # every party, the same account
     assert checks[0]["step"] == 0 and set(checks[0]["named"]) == named

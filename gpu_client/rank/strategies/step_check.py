@@ -119,9 +119,9 @@ class StepChecker:
     def _bucket(self, index: int, own: torch.Tensor) -> torch.Tensor:
         held = self._gather(own.contiguous())
         verdict = -1
-        if self.worker_of is not None and not verify.agree(_opinion(self.worker_of, held[self.worker_of]),
-                                                           _opinion(self.rank, own), self.tolerance)[0]:
-            verdict = self.worker_of
+        if self.worker_of is not None and not torch.equal(own, held[self.worker_of]) and not verify.agree(
+                _opinion(self.worker_of, held[self.worker_of]), _opinion(self.rank, own), self.tolerance)[0]:
+            verdict = self.worker_of  # (equal tensors are identical bytes, which always agree: no hashing)
         verdicts = self._ints(verdict)
         if any(v != -1 for v in verdicts):
             self.check = self._account(index, held, verdicts, self._ints(-1 if self.worker_of is None
@@ -169,6 +169,7 @@ class Checked(Collective):
         self.parties = spec.world_size + verify.count(settings.verify, spec.world_size)
         self.tolerance = settings.verify_tolerance
         self.checker: StepChecker | None = None
+        self._store = None  # rank 0's store, whose client the check group was made over
 
     def rendezvous(self) -> dict:
         """A worker meets the others at rank 0's port; a shadow's default group is itself alone."""
@@ -182,7 +183,7 @@ class Checked(Collective):
         group = check_group(store, spec.attempt, spec.own_rank, self.parties, spec.collective_timeout)
         self.checker = StepChecker(group, spec.world_size, spec.own_rank,
                                    None if self.shadow is None else spec.rank, self.tolerance)
-        self._store = store  # the group's connections are made; the client stays with it
+        self._store = store
         return wrap(model.to(device), "DDP", device, report=report, init_sync=self.tuning.ddp_init_sync,
                     hook=self.checker.attach)
 
