@@ -64,3 +64,27 @@ def test_a_failed_rank_reports_the_step_check_that_stopped_it(check):
     [sent] = me.reporter.sent
     assert sent["status"] == "failed" and sent["collective"] is False
     assert sent.get("check") == (None if check is None else CHECK.model_dump(mode="json"))
+
+
+class _Group:
+    def size(self) -> int:
+        return 4
+
+
+def test_the_account_of_a_disagreement_is_decided_from_the_gradients_every_party_holds():
+    """Two workers, shadows 2 (of 0) and 3 (of 1): what a party's verdicts claim is checked
+    against the contributions it holds; ``zwdx.verify.decide`` names who disagreed."""
+    import torch
+
+    from gpu_client.rank.strategies.step_check import StepChecker
+    checker = StepChecker(_Group(), 2, rank=0)
+    same = [torch.ones(5) for _ in range(4)]
+    forged = same[:1] + [torch.full((5,), 3.0)] + same[2:]
+    real = checker._account(2, forged, [-1, -1, -1, 1], [-1, -1, 0, 1])  # shadow 3 disagrees with worker 1
+    assert (real.step, real.bucket, set(real.named)) == (0, 2, {"1", "3"})  # rule 5
+    assert real.distances == {"1": {"3": pytest.approx(2 / 3)}}
+    lying = checker._account(0, same, [-1, -1, 0, -1], [-1, -1, 0, 1])  # shadow 2 claims what its bytes deny
+    assert lying.named == {"2": "claimed a disagreement with rank 0 that the step's gradients do not show"}
+    assert lying.distances == {"0": {"2": 0.0}}
+    stranger = checker._account(0, same, [1, -1, -1, -1], [-1, -1, 0, 1])  # a worker has no shadow's word
+    assert set(stranger.named) == {"0"} and stranger.distances == {"0": {}}

@@ -139,7 +139,9 @@ class StepChecker:
         opinions = [_opinion(who, tensor) for who, tensor in enumerate(held)]
         distances: dict[str, dict[str, float]] = {}
         named: dict[str, str] = {}
-        for w in sorted({v for p, v in enumerate(verdicts) if v != -1 and 0 <= v < self.workers}):
+        claims = {p: v for p, v in enumerate(verdicts)
+                  if v != -1 and p >= self.workers and v == worker_of[p] and 0 <= v < self.workers}  # a shadow's, of its worker
+        for w in sorted(set(claims.values())):
             shadows = [opinions[p] for p in range(self.workers, self.parties) if worker_of[p] == w]
             measured, who = verify.decide(opinions[w], shadows, tolerance=self.tolerance)
             distances[str(w)] = {str(s): (-1.0 if math.isinf(d) else d) for s, d in measured.items()}
@@ -147,12 +149,11 @@ class StepChecker:
         for p, v in enumerate(verdicts):  # a claim the gradients every party holds do not bear out
             if v == -1:
                 continue
-            real = p >= self.workers and v == worker_of[p] and 0 <= v < self.workers
-            if real and not verify.agree(opinions[v], opinions[p], self.tolerance)[0]:
-                continue
-            if real:
-                distances.setdefault(str(v), {})[str(p)] = 0.0 if opinions[v].sha256 == opinions[p].sha256 \
-                    else verify.distance(opinions[v].values, opinions[p].values)
+            if p in claims:
+                agreed, d = verify.agree(opinions[v], opinions[p], self.tolerance)
+                if not agreed:
+                    continue  # decided above
+                distances.setdefault(str(v), {})[str(p)] = d
             else:
                 distances.setdefault(str(p), {})
             named.setdefault(str(p), f"claimed a disagreement with rank {v} that the step's gradients do not show")
