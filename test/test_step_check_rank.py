@@ -57,7 +57,9 @@ class _Reporter:
 
 
 @pytest.mark.parametrize("check", [CHECK, None], ids=["step-check", "other"])
-def test_a_failed_rank_reports_the_step_check_that_stopped_it(check):
+def test_a_failed_rank_reports_the_step_check_that_stopped_it(check, monkeypatch):
+    from gpu_client.rank import failures
+    monkeypatch.setattr(failures, "collectives", failures.CollectiveWatch())  # no lost peer noted by another test
     me = SimpleNamespace(spec=SimpleNamespace(where="here"), reporter=_Reporter(), joined=True,
                          strategy=SimpleNamespace(failed_check=lambda: check))
     Trainer.fail(me, RuntimeError("Unable to cast the hook's exception"))  # DDP's words, not the check's
