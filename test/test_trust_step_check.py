@@ -95,6 +95,31 @@ def test_a_ddp_job_with_verify_gets_a_shadow_per_worker_and_each_shadow_is_told_
     assert [(r["rank"], r["shadow_of"]) for r in to_b["ranks"]] == [(2, 0), (3, 1)]
 
 
+def test_the_named_ranks_gpu_clients_are_left_out_when_the_job_is_placed_again(app, api, socket_client, asked):
+    from zwdx.server import jobs
+    ctx = app.extensions["zwdx"]
+    for cid in "abcd":
+        register(socket_client, api, cid)
+    job_id = submit_ddp(api, 1, 1.0).json["id"]
+    assert ctx.scheduler.schedule_once() == 1
+    request = ctx.scheduler._asked[job_id]
+    first = {p["rank"]: p["client_id"] for p in job_of(api, job_id)["placement"]}
+    asked[0][3]({"addr": "10.1.2.3", "port": 29555})
+    assert ctx.scheduler.finish_placements() == 1
+    both = check(0, {0: "disagreed with its shadow", 1: "disagreed with the worker it shadows (rank 0)"})
+    for rank, key in request.rank_keys.items():
+        assert fail(api.as_(None, rank_key=key), {"id": job_id}, rank, both).json["ok"]
+    settle(app)
+    for rank, client in first.items():  # their GPU clients say the ranks exited
+        with app.app_context():
+            jobs.ranks_exited(ctx, client, job_id, {str(rank): 1}, 0)
+    assert ctx.scheduler.schedule_once() == 1
+    job = job_of(api, job_id)
+    assert job["status"] == "starting" and job["attempt"] == 1 and job["world_size"] == 1, job
+    assert sorted(job["avoid"]) == sorted(first.values())
+    assert {p["client_id"] for p in job["placement"]}.isdisjoint(first.values()) and len(job["shadows"]) == 1
+
+
 def test_a_ddp_job_gets_exactly_its_count_of_shadows_however_many_slots_came(app):
     from zwdx.server.placement import shadows as placing
     api = Api(app.test_client()).create_room("step-check-placement")
