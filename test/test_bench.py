@@ -84,3 +84,8 @@ def test_pinning_says_it_needs_a_gpu_where_there_is_none():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pinning.py")], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no CUDA device here" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_step_check_runs_plain_and_checked_ddp():
+    out = bench("step_check.py", "--steps", "2", "--repeats", "1", "--models", "test")
+    assert out.count("| test |") == 3, out
