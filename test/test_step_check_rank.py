@@ -90,3 +90,40 @@ def test_the_account_of_a_disagreement_is_decided_from_the_gradients_every_party
     assert lying.distances == {"0": {"2": 0.0}}
     stranger = checker._account(0, same, [1, -1, -1, -1], [-1, -1, 0, 1])  # a worker has no shadow's word
     assert set(stranger.named) == {"0"} and stranger.distances == {"0": {}}
+
+
+class _Gathers:
+    """A check group of 4 whose all-gathers answer what the test gives, this party's own input at
+    its rank (3: the shadow of worker 1)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    def size(self) -> int:
+        return 4
+
+    def allgather(self, outs, ins):
+        given = self.answers.pop(0)
+        for rank, out in enumerate(outs[0]):
+            out.copy_(ins[0] if rank == 3 else given[rank])
+        return SimpleNamespace(wait=lambda: None)
+
+
+@pytest.mark.parametrize("tolerance", [0.05, 0.0])
+def test_a_shadow_within_the_tolerance_agrees_and_beyond_it_stops_the_step(tolerance):
+    import torch
+
+    from gpu_client.rank.strategies.step_check import Checked, StepChecker, StepCheckFailed
+    assert Checked(SimpleNamespace(**{**vars(_spec(1.0)), "job": SimpleNamespace(
+        strategy=DDP(verify=1.0, verify_tolerance=tolerance))})).tolerance == tolerance
+    ones = torch.ones(6)
+    contributions = [ones, 2 * ones, ones, None]
+    own = 2 * ones * 1.01  # 1 % off worker 1's
+    none, shadows = [torch.tensor([-1])] * 4, [torch.tensor([w]) for w in (-1, -1, 0, 1)]
+    checker = StepChecker(_Gathers(contributions, none, shadows), 2, rank=3, worker_of=1, tolerance=tolerance)
+    if tolerance:
+        assert torch.equal(checker._bucket(0, own), 1.5 * ones) and checker.check is None  # the workers' mean
+    else:
+        with pytest.raises(StepCheckFailed) as failed:
+            checker._bucket(0, own)
+        assert set(failed.value.check.named) == {"1", "3"} and checker.check == failed.value.check
