@@ -88,7 +88,8 @@ def _party(port: int, tag: str, rank: int, shadows_of: list[int], forger: int | 
         _train(model, identity, forge=False)
         result["plain"] = _weights(model)
     if strategy:
-        model = checked.wrap(_model(), torch.device("cpu"), {}, None)
+        result["said"] = []  # the job's log
+        model = checked.wrap(_model(), torch.device("cpu"), {}, result["said"].append)
         checker = checked.checker
     else:
         group = check_group(dist.PrefixStore(tag, store), 0, rank, WORKERS + len(shadows_of), TIMEOUT)
@@ -166,3 +167,5 @@ def test_a_forged_gradient_stops_every_party_at_its_first_step(shadows_of, forge
     worker = min(shadows_of[int(n) - WORKERS] if int(n) >= WORKERS else int(n) for n in named)
     assert set(checks[0]["distances"]) == {str(worker)}
     assert all(_equal(r["weights"], r["start"]) for r in results.values())  # the step was never taken
+    assert [len(r["said"]) for _, r in sorted(results.items())] == [1] + [0] * (len(results) - 1)  # rank 0 alone
+    assert f"2 ranks and {len(shadows_of)} shadow rank(s)" in results[0]["said"][0]

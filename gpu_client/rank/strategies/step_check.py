@@ -185,6 +185,13 @@ class Checked(Collective):
         self.checker = StepChecker(group, spec.world_size, spec.own_rank,
                                    None if self.shadow is None else spec.rank, self.tolerance)
         self._store = store
+        if self.shadow is not None:  # its log is not the job's: the GPU client's own log says it
+            log.info("rank %d: DDP shadow of rank %d: its gradients are compared with that rank's at every step",
+                     self.shadow, spec.rank)
+        elif spec.rank == 0 and report is not None:
+            report(f"DDP step checks: {spec.world_size} ranks and {self.parties - spec.world_size} shadow rank(s); "
+                   f"every step's gradients are all-gathered (gloo, on the CPU) and each shadow's compared with its "
+                   f"rank's (tolerance {self.tolerance:g}) before they are applied")
         return wrap(model.to(device), "DDP", device, report=report, init_sync=self.tuning.ddp_init_sync,
                     hook=self.checker.attach)
 
