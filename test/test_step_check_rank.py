@@ -97,12 +97,13 @@ class _Gathers:
     its rank (3: the shadow of worker 1)."""
 
     def __init__(self, *answers):
-        self.answers = list(answers)
+        self.answers, self.sent = list(answers), []
 
     def size(self) -> int:
         return 4
 
     def allgather(self, outs, ins):
+        self.sent.append(ins[0].clone())
         given = self.answers.pop(0)
         for rank, out in enumerate(outs[0]):
             out.copy_(ins[0] if rank == 3 else given[rank])
@@ -120,10 +121,19 @@ def test_a_shadow_within_the_tolerance_agrees_and_beyond_it_stops_the_step(toler
     contributions = [ones, 2 * ones, ones, None]
     own = 2 * ones * 1.01  # 1 % off worker 1's
     none, shadows = [torch.tensor([-1])] * 4, [torch.tensor([w]) for w in (-1, -1, 0, 1)]
-    checker = StepChecker(_Gathers(contributions, none, shadows), 2, rank=3, worker_of=1, tolerance=tolerance)
+    # Once a check disagreed the shadows show their gradients; worker 1 sends another one then (as a
+    # liar could, now that it knows it is watched): the account keeps what it sent first.
+    shown = [0 * ones, own, ones, None]
+    group = _Gathers(contributions, none, shadows, shown)
+    checker = StepChecker(group, 2, rank=3, worker_of=1, tolerance=tolerance)
     if tolerance:
         assert torch.equal(checker._bucket(0, own), 1.5 * ones) and checker.check is None  # the workers' mean
     else:
         with pytest.raises(StepCheckFailed) as failed:
             checker._bucket(0, own)
         assert set(failed.value.check.named) == {"1", "3"} and checker.check == failed.value.check
+        assert failed.value.check.distances["1"]["3"] == pytest.approx(0.01 / 1.01)
+        assert torch.equal(group.sent[3], own)  # shown only now
+    # A shadow never sends its gradients while every check agrees: they would tell the workers
+    # whom it shadows.
+    assert torch.equal(group.sent[0], torch.zeros(6))

@@ -8,13 +8,15 @@ gradient is applied). The design: docs of issue 33, in short:
 - The *check group*: all W+S parties, a gloo group made directly on rank 0's rendezvous store
   (``zwdx-check/<attempt>``), group rank = own rank.
 - Every party's DDP model has one comm hook (``StepChecker.hook``) instead of the all-reduce. Per
-  bucket: (1) all-gather the party's own local gradient (undivided); (2) each shadow compares its
-  own with its worker's (``zwdx.verify.agree``), then one int per party is all-gathered: -1, or the
-  worker a shadow disagrees with; (3) all -1: the bucket becomes the workers' contributions summed
-  in rank order, divided by W: the same bytes on every party, so shadows stay in step; (4) else
-  every shadow's worker is all-gathered (the attempt ends, the secret no longer matters), every
-  party applies ``zwdx.verify.decide`` to the contributions it holds (all get the same account),
-  and the hook fails with ``StepCheckFailed``: the optimizer step never runs.
+  bucket: (1) all-gather every worker's own local gradient (undivided; a shadow sends zeros, or its
+  gradients would tell the workers whom it shadows); (2) each shadow compares its own with its
+  worker's (``zwdx.verify.agree``), then one int per party is all-gathered: -1, or the worker a
+  shadow disagrees with; (3) all -1: the bucket becomes the workers' contributions summed in rank
+  order, divided by W: the same bytes on every party, so shadows stay in step; (4) else every
+  shadow's worker and then its own gradient are all-gathered (the attempt ends, the secret no
+  longer matters; the workers' are those of (1), sent before any verdict), every party applies
+  ``zwdx.verify.decide`` to the contributions it holds (all get the same account), and the hook
+  fails with ``StepCheckFailed``: the optimizer step never runs.
 
 Buckets go over gloo on the CPU (a CUDA bucket is copied there and back). Hooks run one bucket at
 a time in the autograd thread (no overlap of communication with the backward pass). A shadow's
@@ -117,15 +119,20 @@ class StepChecker:
         return [int(t.item()) for t in self._gather(torch.tensor([value], dtype=torch.int64))]
 
     def _bucket(self, index: int, own: torch.Tensor) -> torch.Tensor:
-        held = self._gather(own.contiguous())
+        # A shadow sends zeros: its gradients would tell every worker whom it shadows, and a liar
+        # would then lie only where no shadow looks. It shows them once a check disagreed (the
+        # attempt ends), beside the workers' gradients every party holds from this first gather.
+        own = own.contiguous()
+        held = self._gather(own if self.worker_of is None else torch.zeros_like(own))
         verdict = -1
         if self.worker_of is not None and not torch.equal(own, held[self.worker_of]) and not verify.agree(
                 _opinion(self.worker_of, held[self.worker_of]), _opinion(self.rank, own), self.tolerance)[0]:
             verdict = self.worker_of  # (equal tensors are identical bytes, which always agree: no hashing)
         verdicts = self._ints(verdict)
         if any(v != -1 for v in verdicts):
-            self.check = self._account(index, held, verdicts, self._ints(-1 if self.worker_of is None
-                                                                          else self.worker_of))
+            worker_of = self._ints(-1 if self.worker_of is None else self.worker_of)
+            shown = self._gather(own if self.worker_of is not None else torch.zeros_like(own))
+            self.check = self._account(index, held[:self.workers] + shown[self.workers:], verdicts, worker_of)
             log.warning("party %d: %s", self.rank, StepCheckFailed(self.check))
             raise StepCheckFailed(self.check)
         total = held[0].clone()
