@@ -274,6 +274,38 @@ def test_a_full_disk_is_507_and_leaves_nothing_half_stored(make_app, small_disk)
     assert client.post(f"{defaults.API_PREFIX}/artifacts", headers=headers, data=b"y").status_code == 201
 
 
+class _Events:
+    """A store of ``n`` metric events that logs its reads into ``calls`` (beside the sleeps)."""
+
+    def __init__(self, n: int, calls: list):
+        self.n, self.calls = n, calls
+
+    def get_events(self, job_id, after=0, kind=None, limit=100):
+        self.calls.append("read")
+        return [{"seq": s, "kind": "metric", "rank": 0, "step": s, "ts": 1.0, "data": {"m": float(s)}}
+                for s in range(after + 1, min(self.n, after + limit) + 1)]
+
+
+@pytest.mark.parametrize("read", ["events_page", "every_event", "metrics_page"])
+def test_a_long_read_gives_the_hub_up_between_two_reads_of_the_store(read, monkeypatch):
+    """No read holds the hub (gevent's: one thread serves every request) for more than one
+    store read: ``time.sleep(0)`` between any two. The real server's answer times under a big read:
+    the test below, which a busy machine's noise can only bound loosely."""
+    from zwdx.server import series
+    calls: list[str] = []
+    monkeypatch.setattr(series.time, "sleep", lambda seconds: calls.append(f"sleep {seconds}"))
+    store = _Events(5 * series.CHUNK + 7, calls)
+    if read == "events_page":
+        series.events_page(store, "j", 0, 10 * series.CHUNK)
+    elif read == "every_event":
+        assert sum(1 for _ in series.every_event(store, "j")) == store.n
+    else:
+        series.metrics_page(store, "j", 0, 1)
+    reads = calls.count("read")
+    assert reads >= 3 and all(a != b for a, b in zip(calls, calls[1:])), calls  # read, sleep 0, read, ...
+    assert set(calls) == {"read", "sleep 0"}
+
+
 # -- H2: a big read, with a real server -----------------------------------------------------------------
 #: The server's cap of a series' points (``defaults.MAX_SERIES_POINTS``).
 CAP = 10_000
@@ -315,7 +347,12 @@ def test_health_answers_while_a_big_metrics_read_goes_on_and_the_sdk_gets_every_
         assert reader.returncode == 0
         got = json.loads(out.read_text())
         assert len(worst) > 5, "the read ended before /health was asked often"
-        assert max(worst) < 0.1, f"/health took {max(worst) * 1000:.0f} ms during the read ({len(worst)} asked; the slowest: {sorted(worst)[-5:]})"
+        # A read that held the hub would hold most of these (every page takes it in turn): nine in
+        # ten answer within 100 ms and none waits a second; a busy machine's odd slow answer passes
+        # (a loaded 2-core run saw 5 of 359 at 180-410 ms).
+        worst.sort()
+        said = f"/health during the read ({len(worst)} asked; the slowest: {[round(w, 3) for w in worst[-5:]]})"
+        assert worst[int(0.9 * len(worst))] < 0.1 and worst[-1] < 1.0, said
         assert len(got) == 12  # its 10 series and the platform's 2
         # as many events as the cap: every point (100,000 in all, 50 pages)
         assert all(got[f"m{j}"] == list(range(CAP)) for j in range(10))
