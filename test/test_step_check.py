@@ -31,6 +31,8 @@ from gpu_client.rank.strategies.step_check import Checked, StepChecker, StepChec
 from zwdx.protocol.spec import DDP
 from zwdx.protocol.vocab import Parallelism
 
+pytestmark = pytest.mark.slow  # workers and shadows as processes: 30-120 s on two cores
+
 WORKERS, STEPS, TIMEOUT = 2, 3, 60.0
 #: Bytes of gradient per DDP bucket (MB): the model's 420 parameters make several buckets.
 BUCKET_MB = 0.0005
