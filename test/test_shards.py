@@ -81,6 +81,10 @@ def _worker(rank: int, world: int, port: int, folder: str, mode: str, out: str) 
             finally:
                 reader.close()
         torch.save(result, f"{out}-{rank}.pt")
+        # Every rank done with the group before rank 0, which serves its store, tears it down (as a
+        # rank's finish does): once, rank 0 aborted in teardown ("terminate called without an active
+        # exception") while a peer still read or wrote.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
