@@ -15,8 +15,9 @@ from conftest import Api
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from test_mutants_scheduler import asked, assignments, job_of, register  # noqa: F401  (asked: a fixture)
 from test_trust_verify import backend_app, logs  # noqa: F401  (backend_app: a fixture)
+from workloads import start_placed
 from zwdx.protocol import ACTIVE, SlotKind
-from zwdx.protocol.job import PlacementEntry, Shadow
+from zwdx.protocol.job import PlacementEntry
 
 
 def submit_ddp(api: Api, workers: int, verify: float, **resources):
@@ -29,26 +30,11 @@ def checked(app, of: dict[int, int], workers: int = 2, verify: float = 1.0):
     """A DDP job of ``workers`` workers started as the scheduler starts one with ``verify``: the
     workers' ranks first, then the shadows' (``of``: shadow -> worker), each on a GPU client of
     its own. The room's Api, the job, each rank's Api (its key alone)."""
-    from zwdx.server.auth import hash_secret
-    from zwdx.server.jobs import Job
-    store = app.extensions["zwdx"].store
     room_api = Api(app.test_client()).create_room("step-check")
     resp = submit_ddp(room_api, workers, verify)
     assert resp.status_code == 201, resp.json
     job = resp.json
-    keys = {r: f"rk_{job['id']}_{r}" for r in range(workers + len(of))}
-    for r in keys:
-        client = f"gpu-{job['id']}-{r}"
-        store.upsert_client({"id": client, "room_id": room_api.room["id"], "hostname": f"h{r}", "status": "online",
-                             "token_id": f"tok-{r}"},
-                            [{"id": f"{client}:0", "client_id": client, "room_id": room_api.room["id"], "index": 0,
-                              "kind": "cpu"}])
-    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
-    assert Job.load(store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
-                                            {r: hash_secret(k) for r, k in keys.items()},
-                                            shadows={str(s): Shadow(of=w, client_id=f"gpu-{job['id']}-{s}")
-                                                     for s, w in of.items()})
-    return room_api, job, [room_api.as_(None, rank_key=k) for k in keys.values()]
+    return room_api, job, start_placed(app, room_api, job, workers + len(of), shadows=of, tokens=True)
 
 
 def check(step: int, named: dict[int, str], bucket: int = 0, distances: dict | None = None) -> dict:

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import Api
+from workloads import start_placed
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from zwdx import codec, defaults
-from zwdx.protocol import SlotKind
-from zwdx.protocol.job import PlacementEntry, Shadow
 
 
 @pytest.fixture
@@ -30,24 +29,10 @@ def shadowed(app, verify: float = 0.5, of: dict[int, int] | None = None, workers
     """A DILOCO job of two ``workers`` started as the scheduler starts one with ``verify``: ranks 0
     and 1 the workers, rank 2 a shadow of worker 1, each on a GPU client of its own. The room's job,
     and each rank's Api (its key alone)."""
-    from zwdx.server.auth import hash_secret
-    from zwdx.server.jobs import Job
-    store = app.extensions["zwdx"].store
     room = Api(app.test_client()).create_room("verify")
     job = room.submit(parallelism="DILOCO", world_size=workers, diloco={"compression": "none", "verify": verify}).json
     of = of or {workers: 1}
-    keys = {r: f"rk_{job['id']}_{r}" for r in range(workers + len(of))}
-    for r in keys:
-        client = f"gpu-{job['id']}-{r}"
-        store.upsert_client({"id": client, "room_id": room.room["id"], "hostname": f"h{r}", "status": "online"},
-                            [{"id": f"{client}:0", "client_id": client, "room_id": room.room["id"], "index": 0,
-                              "kind": "cpu"}])
-    placement = [PlacementEntry(rank=r, client_id=f"gpu-{job['id']}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
-    assert Job.load(store, job["id"]).start(placement, [f"gpu-{job['id']}-{r}:0" for r in keys],
-                                            {r: hash_secret(k) for r, k in keys.items()},
-                                            shadows={str(s): Shadow(of=w, client_id=f"gpu-{job['id']}-{s}")
-                                                     for s, w in of.items()})
-    return room, job, [room.as_(None, rank_key=k) for k in keys.values()]
+    return room, job, start_placed(app, room, job, workers + len(of), shadows=of)
 
 
 def put(rank, job: dict, n: int, values):

@@ -97,21 +97,27 @@ def logged_steps(model, loader, optimizer, reporter):
     return {"final_loss": loss.item()}
 
 
-def start_placed(app, room, job: dict, world_size: int) -> list:
+def start_placed(app, room, job: dict, world_size: int, shadows: dict[int, int] | None = None,
+                 tokens: bool = False) -> list:
     """``job`` (submitted to ``room``, a ``conftest.Api`` of the in-process ``app``) started as the
     scheduler starts it: ``world_size`` GPU clients of one CPU slot each, rank r on the r-th, under
-    a rank key the test holds. Each rank's Api (its key alone), in rank order."""
+    a rank key the test holds. ``shadows`` (shadow's rank -> the worker it runs again): the
+    placement's last ranks are the job's shadows (``verify``); ``tokens``: GPU client r registered
+    with donor token ``tok-r``. Each rank's Api (its key alone), in rank order."""
     from zwdx.protocol import SlotKind
-    from zwdx.protocol.job import PlacementEntry
+    from zwdx.protocol.job import PlacementEntry, Shadow
     from zwdx.server.auth import hash_secret
     from zwdx.server.jobs import Job
     store, job_id, room_id = app.extensions["zwdx"].store, job["id"], room.room["id"]
     keys = {r: f"rk_{job_id}_{r}" for r in range(world_size)}
     for r in keys:
         client = f"gpu-{job_id}-{r}"
-        store.upsert_client({"id": client, "room_id": room_id, "hostname": f"h{r}", "status": "online"},
+        store.upsert_client({"id": client, "room_id": room_id, "hostname": f"h{r}", "status": "online",
+                             **({"token_id": f"tok-{r}"} if tokens else {})},
                             [{"id": f"{client}:0", "client_id": client, "room_id": room_id, "index": 0, "kind": "cpu"}])
     placement = [PlacementEntry(rank=r, client_id=f"gpu-{job_id}-{r}", gpu_index=0, kind=SlotKind.CPU) for r in keys]
+    shadowed = {"shadows": {str(s): Shadow(of=w, client_id=f"gpu-{job_id}-{s}") for s, w in shadows.items()}} \
+        if shadows else {}
     assert Job.load(store, job_id).start(placement, [f"gpu-{job_id}-{r}:0" for r in keys],
-                                         {r: hash_secret(k) for r, k in keys.items()})
+                                         {r: hash_secret(k) for r, k in keys.items()}, **shadowed)
     return [room.as_(None, rank_key=k) for k in keys.values()]
