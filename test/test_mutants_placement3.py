@@ -10,9 +10,10 @@ import time
 
 import pytest
 
+from test_placement_kept import built  # noqa: F401  (a fixture: the Client and Slot records a plan builds)
 from zwdx import defaults
 from zwdx.protocol import SlotKind
-from zwdx.server.placement import Client, Need, Slot, online, plan, records, room_slots, tree, unschedulable
+from zwdx.server.placement import Client, Need, Slot, online, plan, room_slots, tree, unschedulable
 from zwdx.server.placement.records import Kept
 
 GiB = 1 << 30
@@ -169,20 +170,6 @@ def test_clients_a_job_avoids_are_passed_over():
 
 
 # -- the records a plan builds --------------------------------------------------------------------
-@pytest.fixture
-def built(monkeypatch):
-    """How many Client and Slot records were built."""
-    counts = {"client": 0, "slot": 0}
-    for name, cls in (("client", records.Client), ("slot", records.Slot)):
-        made = cls.of.__func__
-
-        def counted(c, *args, _made=made, _name=name, **kwargs):
-            counts[_name] += 1
-            return _made(c, *args, **kwargs)
-        monkeypatch.setattr(cls, "of", classmethod(counted))
-    return counts
-
-
 def test_a_plan_reads_the_slots_it_is_given_not_the_clients_own(built):
     clients = by_id(client("a", 2), client("b", 2))
     given = [dict(s) for s in room_slots(clients)]  # the pass's copies
