@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import zwdx
 import mnist
 from digests import state_digest
+from test_diloco_verify import _train as paced_train  # a step every ``pace`` seconds at least
 
 pytestmark = pytest.mark.slow  # a server and four GPU-client processes
 
@@ -29,24 +29,11 @@ def job(sdk, train, verify: float = 0.0, world_size: int = 1):
 
 
 def _train(model, loader, optimizer, epochs, reporter, device, noise: bool):
-    """mnist's training on one torch thread, whatever the GPU client gave the rank (the same
-    arithmetic as every other rank: bitwise checks hold); with ``noise``, noise added to the
-    weights after every step."""
+    """test_diloco_verify's training (with ``noise``, noise added to the weights after every step),
+    unpaced (the shadows run in step), on one torch thread whatever the GPU client gave the rank (the
+    same arithmetic as every other rank: bitwise checks hold)."""
     torch.set_num_threads(1)
-    model.train()
-    loss = torch.tensor(0.0)
-    for epoch in range(reporter.start_epoch, epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            loss.backward()
-            optimizer.step()
-            if noise:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(torch.randn_like(p) * 0.3)
-    return loss.item()
+    return paced_train(model, loader, optimizer, epochs, reporter, device, noise, pace=0)
 
 
 def honest_train(model, loader, optimizer, epochs, reporter, device):

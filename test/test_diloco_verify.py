@@ -31,11 +31,11 @@ def job(sdk, train=mnist.train, verify: float = 0.0, world_size: int = 2, wait: 
                           **({"run": zwdx.Run(progress=False, timeout=300)} if wait else {}))
 
 
-def _train(model, loader, optimizer, epochs, reporter, device, noise: bool):
-    """mnist's training, a step every 0.3 s at least: long enough for a shadow that started later
-    than its worker (no standby process ready yet on its GPU client) to reach its rounds before the
-    job ends (a job does not wait for its shadows); with ``noise``, noise added to the weights
-    after every step."""
+def _train(model, loader, optimizer, epochs, reporter, device, noise: bool, pace: float = 0.3):
+    """mnist's training, a step every ``pace`` seconds at least (0.3: long enough for a shadow that
+    started later than its worker, with no standby process ready yet on its GPU client, to reach
+    its rounds before the job ends; a job does not wait for its shadows); with ``noise``, noise
+    added to the weights after every step (test_ddp_verify's liar too)."""
     model.train()
     loss = torch.tensor(0.0)
     for epoch in range(reporter.start_epoch, epochs):
@@ -49,7 +49,8 @@ def _train(model, loader, optimizer, epochs, reporter, device, noise: bool):
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn_like(p) * 0.3)
-            time.sleep(0.3)
+            if pace:
+                time.sleep(pace)
     return loss.item()
 
 
