@@ -1,8 +1,8 @@
 """Issue 29, H1, L5 and M4, against a real server process (gevent, as ``zwdx server`` runs):
 
 - H1: while bodies of 8 MiB of ``[`` arrive in a loop (no token needed), ``/health`` and another
-  room's GPU client's heartbeat still answer within 100 ms (p99 over the attack; on a machine that
-  answers slower unattacked, within 3 x its own p99 then), and a body
+  room's GPU client's heartbeat still answer within 100 ms (p99 over the attack's windows; on a
+  machine that answers slower in the calm windows between them, within 6 x their p99), and a body
   nested too deep is a 400 that says so;
 - M4: a client that trickles a request's headers, one byte at a time, is cut off after the
   header timeout; a connection over the per-address cap is refused (429); ``/health`` answers;
@@ -63,10 +63,12 @@ def test_deep_json_in_a_loop_leaves_health_and_heartbeats_within_100_ms(server):
     donor = Donor(server.url, room["donor_token"], "bystander")
     beat = Heartbeat(slots=[SlotStats(index=0, memory_free=1 << 30)], running=[]).model_dump(mode="json")
     body = b"[" * (8 * 1024 * 1024)
-    stop, answers = threading.Event(), []
+    stop, attacking, answers = threading.Event(), threading.Event(), []
 
     def attack():
         while not stop.is_set():
+            if not attacking.wait(0.1):
+                continue
             conn = _from_attacker(server, timeout=30)
             try:
                 conn.request("POST", "/api/v1/rooms", body=body, headers={"Content-Type": "application/json"})
@@ -78,37 +80,43 @@ def test_deep_json_in_a_loop_leaves_health_and_heartbeats_within_100_ms(server):
                 conn.close()
 
     session = requests.Session()
+    health, beats, calm = [], [], []
 
-    def probe(seconds: float) -> tuple[list, list]:
-        health, beats = [], []
+    def probe(seconds: float, into: list, beats_into: list) -> None:
         until = time.monotonic() + seconds
         while time.monotonic() < until:
             t0 = time.perf_counter()
             assert session.get(f"{server.url}/health", timeout=10).status_code == 200
-            health.append(time.perf_counter() - t0)
+            into.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             assert donor.call(EV_HEARTBEAT, beat, namespace=GPU_NAMESPACE, timeout=10).get("ok", True)
-            beats.append(time.perf_counter() - t0)
-        return health, beats
+            beats_into.append(time.perf_counter() - t0)
 
-    # the same probes before the attack: on a loaded machine (CI's two cores beside other tests)
-    # the bound grows with what this machine answers in when nobody attacks
-    calm = max(_p99(series) for series in probe(1.5))
-    limit = max(0.1, 3 * calm)
+    # Calm windows between the attack's: on a loaded machine (CI's two cores beside another test)
+    # the neighbour's load falls on both alike, and the bound grows with what this machine answers
+    # in when nobody attacks. Even unloaded, the attack's own traffic (two senders of 8 MiB in this
+    # process, a 400 and a close a body on the server) makes a probe a few times slower: a stall,
+    # the failure this guards against, is seconds.
     attackers = [threading.Thread(target=attack, daemon=True) for _ in range(2)]
     for thread in attackers:
         thread.start()
     try:
-        wait_until(lambda: answers, 30, what="the first attack answered")
-        health, beats = probe(4.0)
+        for _ in range(4):
+            probe(0.75, calm, calm)
+            answered = len(answers)
+            attacking.set()
+            wait_until(lambda: len(answers) > answered, 30, what="the attack answered")
+            probe(1.0, health, beats)
+            attacking.clear()
     finally:
         stop.set()
         for thread in attackers:
             thread.join(30)
         donor.disconnect()
+    limit = max(0.1, 6 * _p99(calm))
     print(f"\nH1: {len(answers)} bodies of 8 MiB of '[' in {len(health) + len(beats)} probes; p99 /health "
           f"{_p99(health) * 1000:.1f} ms, heartbeat {_p99(beats) * 1000:.1f} ms (worst {max(health) * 1000:.1f}, "
-          f"{max(beats) * 1000:.1f} ms; p99 before the attack {calm * 1000:.1f} ms, bound {limit * 1000:.0f} ms)")
+          f"{max(beats) * 1000:.1f} ms; p99 between the attacks {_p99(calm) * 1000:.1f} ms, bound {limit * 1000:.0f} ms)")
     assert len(answers) >= 10, answers[:3]
     # Each was refused at its first chunk: answered 400, or cut off (the server closes rather than
     # read the rest of a body it refused, and the client, still sending, may see a reset first).
