@@ -37,6 +37,8 @@ def test_example_job_trains_on_two_gpu_clients(cluster, parallelism):
 
     assert result["status"] == "completed"
     assert result["world_size"] == 2
+    # the server found the weights that came back to be what every rank reported (``compare_upload``)
+    assert result["warnings"] == [] and result["suspects"] == [], result
     assert sorted(p["client_id"] for p in result["placement"]) == ["client-a", "client-b"]
     assert result["results"]["accuracy"] > 0.8  # what the platform's call of eval_func returned
     logs = [line["text"] for line in sdk.get_job_logs(result["job_id"])]

@@ -366,7 +366,7 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
     answer = jobs.report(ctx(), job, rank, body,
                          weights=lambda: global_weights.weights(job, rank, body.weights_artifact))
     if answer.ok and body.status == RankStatus.COMPLETED:
-        suspects.compare_weights(ctx().store.get_job(job.id))  # DILOCO: its workers' final weights, once done
+        suspects.compare_weights(ctx().store.get_job(job.id))  # once done: the final weights against the ranks' word
     return answer
 
 

@@ -9,17 +9,21 @@ the weights; naming it stops it from costing the job a worker's share for good.
 What a round found lives in its average's record (``scores``: rank -> norm, norm ratio,
 agreement; ``strikes``: rank -> the rounds in a row it was flagged), so the count survives a
 server restart and is shared among server processes.
+
+Any other job's weights come back from rank 0's upload: ``compare_upload`` holds them against
+the fingerprints the ranks reported, so the weights are not rank 0's word alone.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 from .. import robust
-from ..protocol import JobStatus, Parallelism, RankStatus
+from ..protocol import EventKind, JobStatus, Parallelism, RankStatus
 from ..protocol.job import Job as JobRecord
 from .http import ctx
-from . import jobs
+from . import global_weights, jobs, notify
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +53,10 @@ def compare_weights(job: JobRecord | None) -> None:
     fingerprint a strict majority of the ranks reported. A worker that disagrees is a suspect
     (its client not given the job again); with no strict majority nobody can be told apart, and
     the fingerprints' warning (``jobs.reports._compare_fingerprints``) is all there is."""
-    if job is None or job.spec.parallelism != Parallelism.DILOCO or job.status != JobStatus.COMPLETED:
+    if job is None or job.status != JobStatus.COMPLETED:
         return
+    if job.spec.parallelism != Parallelism.DILOCO:
+        return compare_upload(job)
     held = {int(r): s.global_fingerprint for r, s in job.ranks.items()
             if s.status == RankStatus.COMPLETED and s.global_fingerprint}
     if not held:
@@ -67,6 +73,63 @@ def compare_weights(job: JobRecord | None) -> None:
              for r, fp in held.items() if fp != reference and str(r) not in job.suspects}
     if named:
         name(job, named, drop=False)
+
+
+def compare_upload(job: JobRecord) -> None:
+    """A job other than DILOCO just completed: the weights that came back (rank 0's upload, the
+    one ``PUT /jobs/<id>/weights`` takes) against the fingerprints its ranks reported of their
+    final weights (``RankState.fingerprint``; ranks that hold no whole model report none).
+
+    - rank 0's upload is not the weights rank 0 reported: it is a suspect (its word about its own
+      weights is not borne out by the bytes it sent);
+    - a strict majority of the reporting ranks holds other weights than the upload: the job
+      carries a warning saying the weights that came back are not the majority's (the ranks'
+      own disagreement is ``jobs.reports._compare_fingerprints``' warning), and every rank not of
+      that majority is a suspect.
+    Nothing is dropped (the job is over); the suspects' clients are not given the job again."""
+    held = {int(r): s.fingerprint for r, s in job.ranks.items()
+            if s.status == RankStatus.COMPLETED and s.fingerprint}
+    if not held or not job.weights_artifact:
+        return
+    uploaded = _upload_fingerprint(job.weights_artifact)
+    shown = "unreadable (not safetensors)" if uploaded is None else uploaded[:12]
+    named: dict[int, tuple[list[int], str]] = {}
+    if 0 in held and held[0] != uploaded:
+        named[0] = ([], f"the weights it uploaded (fingerprint {shown}) are not the weights it reported "
+                        f"({held[0][:12]})")
+    reference, votes = Counter(held.values()).most_common(1)[0]
+    if 2 * votes > len(held):
+        majority = f"rank(s) {', '.join(str(r) for r in sorted(held) if held[r] == reference)}" + \
+            (" (the majority)" if len(held) > 1 else "")
+        for r, fp in held.items():
+            if fp != reference:
+                named.setdefault(r, ([], f"its final weights are not those of {majority} (fingerprint {fp[:12]}, "
+                                         f"not {reference[:12]})"))
+        if uploaded != reference:
+            _warn(job, f"the weights that came back (rank 0's upload, fingerprint {shown}) are not the weights "
+                       f"{majority} reported ({reference[:12]}): do not trust them")
+    named = {r: why for r, why in named.items() if str(r) not in job.suspects}
+    if named:
+        jobs.name_suspects(ctx(), job, named, dropped=False, what="weights check")
+
+
+def _upload_fingerprint(artifact_id: str) -> str | None:
+    """``global_weights.fingerprint`` of an uploaded safetensors file's tensors (what a rank's
+    ``fingerprint`` hashes: each tensor's bytes as stored, in name order); None if it is not one."""
+    try:
+        header, _, body = global_weights.read(b"".join(ctx().artifacts.open(artifact_id)))
+        return global_weights.fingerprint({k: bytes(body[slice(*t["data_offsets"])]) for k, t in header.items()})
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _warn(job: JobRecord, text: str) -> None:
+    log.warning("job %s: %s", job.id, text)
+    fresh = ctx().store.get_job(job.id) or job
+    ctx().store.jobs.warnings(job.id, [*fresh.warnings, text])
+    notify.events_added(job, ctx().store.add_events(job.id, [{
+        "kind": EventKind.LOG.value, "rank": None, "key": f"weights-check:{job.attempt}", "step": None,
+        "data": {"text": f"WARNING: {text}"}, "ts": time.time()}]))
 
 
 def name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = True) -> None:

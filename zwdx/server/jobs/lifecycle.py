@@ -209,10 +209,12 @@ def step_checked(ctx: Ctx, record: JobRecord, check: StepCheck | None, said: str
                               f"{who} ({said})")
 
 
-def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], str]], dropped: bool = True) -> None:
+def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], str]], dropped: bool = True,
+                  what: str | None = None) -> None:
     """These ranks are suspects (rank -> the rounds they were flagged in, why): kept in the job's
     ``suspects`` with their GPU client and its donor token, their clients not given the job
-    again (``avoid``), said in the job's log; DILOCO workers ``dropped`` (``zwdx.server.suspects``)."""
+    again (``avoid``), said in the job's log (``what`` found them: by default the mode's check);
+    DILOCO workers ``dropped`` (``zwdx.server.suspects``)."""
     store, now = ctx.store, time.time()
     clients = {p.rank: p.client_id for p in job.placement or []}
     clients.update({int(r): j.client_id for r, j in job.joins.items()})
@@ -223,7 +225,7 @@ def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], st
         return
     avoid = sorted(set(job.avoid) | {e.client_id for e in entries.values() if e.client_id})
     store.set_job(job.id, {"avoid": avoid})
-    what = "ddp step check" if job.spec.parallelism == Parallelism.DDP else "diloco"
+    what = what or ("ddp step check" if job.spec.parallelism == Parallelism.DDP else "diloco")
     texts = []
     for r, (rounds, reason) in sorted(named.items()):
         revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
