@@ -1,5 +1,6 @@
 """DDP with ``verify``: step checks by shadow ranks (``zwdx.verify``'s rule, every step, before a
-gradient is applied). The design: docs of issue 33, in short:
+gradient is applied; FSDP's through its reduce-scatter: ``fsdp_check.py``, on ``StepChecker.checked_sum``).
+The design: docs of issue 33, in short:
 
 - Workers 0..W-1 are the job's DDP ranks (the default group, unchanged for user code); shadows
   W..W+S-1 (S = ``zwdx.verify.count(verify, W)``) each run one worker's rank again (its shard, its
@@ -51,7 +52,7 @@ class StepCheckFailed(RuntimeError):
 
     def __init__(self, check: StepCheck):
         named = ", ".join(f"rank {who}" for who in sorted(check.named, key=int)) or "nobody"
-        super().__init__(f"DDP step check: step {check.step}, bucket {check.bucket} disagreed; named: {named}")
+        super().__init__(f"step check: step {check.step}, bucket {check.bucket} disagreed; named: {named}")
         self.check = check
 
 
@@ -94,8 +95,6 @@ class StepChecker:
         """DDP's comm hook: a Future of the bucket's checked mean (see the module's docstring). It
         raises rather than failing its future: the exception then reaches ``backward()`` as it is."""
         try:
-            if self.check is not None:  # every party stopped at the same bucket: no more collectives
-                raise StepCheckFailed(self.check)
             buffer = bucket.buffer()
             buffer.copy_(self._bucket(bucket.index(), buffer.detach().cpu()))
         except StepCheckFailed:
@@ -119,6 +118,14 @@ class StepChecker:
         return [int(t.item()) for t in self._gather(torch.tensor([value], dtype=torch.int64))]
 
     def _bucket(self, index: int, own: torch.Tensor) -> torch.Tensor:
+        return self.checked_sum(index, own).div_(self.workers)
+
+    def checked_sum(self, index: int, own: torch.Tensor) -> torch.Tensor:
+        """Steps (1)-(4) of the module's docstring for one bucket of this party's gradient ``own``
+        (a CPU tensor): the workers' contributions summed in rank order, undivided, once checked
+        (FSDP's reduce-scatter divides as FSDP asked, ``fsdp_check.py``); else ``StepCheckFailed``."""
+        if self.check is not None:  # every party stopped at the same bucket: no more collectives
+            raise StepCheckFailed(self.check)
         # A shadow sends zeros: its gradients would tell every worker whom it shadows, and a liar
         # would then lie only where no shadow looks. It shows them once a check disagreed (the
         # attempt ends), beside the workers' gradients every party holds from this first gather.
@@ -138,7 +145,7 @@ class StepChecker:
         total = held[0].clone()
         for contribution in held[1:self.workers]:  # rank order: the same bytes on every party
             total.add_(contribution)
-        return total.div_(self.workers)
+        return total
 
     def _account(self, index: int, held: list[torch.Tensor], verdicts: list[int], worker_of: list[int]) -> StepCheck:
         """``zwdx.verify.decide`` for each worker a shadow disagreed with, from the contributions
@@ -186,21 +193,27 @@ class Checked(Collective):
         return {"store": dist.HashStore(), "rank": 0, "world_size": 1}
 
     def wrap(self, model: nn.Module, device: torch.device, bundle: dict, report, example=None) -> nn.Module:
-        spec = self.spec
+        checker = self._start(report)
+        return wrap(model.to(device), "DDP", device, report=report, init_sync=self.tuning.ddp_init_sync,
+                    hook=checker.attach)
+
+    def _start(self, report) -> StepChecker:
+        """This party's ``StepChecker`` over the check group (on rank 0's store); rank 0 tells the
+        job's log what the checks cost, a shadow only its GPU client's own log."""
+        spec, mode = self.spec, self.wrap_as
         store = rank0_store(spec.master_addr, spec.master_port, spec.collective_timeout)
         group = check_group(store, spec.attempt, spec.own_rank, self.parties, spec.collective_timeout)
         self.checker = StepChecker(group, spec.world_size, spec.own_rank,
                                    None if self.shadow is None else spec.rank, self.tolerance)
         self._store = store
-        if self.shadow is not None:  # its log is not the job's: the GPU client's own log says it
-            log.info("rank %d: DDP shadow of rank %d: its gradients are compared with that rank's at every step",
-                     self.shadow, spec.rank)
+        if self.shadow is not None:
+            log.info("rank %d: %s shadow of rank %d: its gradients are compared with that rank's at every step",
+                     self.shadow, mode, spec.rank)
         elif spec.rank == 0 and report is not None:
-            report(f"DDP step checks: {spec.world_size} ranks and {self.parties - spec.world_size} shadow rank(s); "
+            report(f"{mode} step checks: {spec.world_size} ranks and {self.parties - spec.world_size} shadow rank(s); "
                    f"every step's gradients are all-gathered (gloo, on the CPU) and each shadow's compared with its "
                    f"rank's (tolerance {self.tolerance:g}) before they are applied")
-        return wrap(model.to(device), "DDP", device, report=report, init_sync=self.tuning.ddp_init_sync,
-                    hook=self.checker.attach)
+        return self.checker
 
     def layout(self, model: nn.Module) -> dict:
         from .layout import line
