@@ -106,6 +106,46 @@ def test_the_named_ranks_gpu_clients_are_left_out_when_the_job_is_placed_again(a
     assert {p["client_id"] for p in job["placement"]}.isdisjoint(first.values()) and len(job["shadows"]) == 1
 
 
+def test_ranks_named_again_in_a_later_attempt_keep_the_earlier_suspects(app, api, socket_client, asked):
+    """Rank 0 and its shadow named in attempt 0, and the GPU clients of attempt 1 at the same ranks
+    named too: four suspects, none overwritten, each with its rank and attempt, in the SDK's
+    result, ``zwdx jobs show`` and ``zwdx room clients``."""
+    from zwdx.job_text import suspect_lines
+    from zwdx.sdk.results import result_of
+    from zwdx.server import jobs
+    ctx = app.extensions["zwdx"]
+    for cid in "abcd":
+        register(socket_client, api, cid)
+    job_id = submit_ddp(api, 1, 1.0).json["id"]
+    both = check(0, {0: "disagreed with its shadow", 1: "disagreed with the worker it shadows (rank 0)"})
+    clients = []
+    for attempt in (0, 1):
+        assert ctx.scheduler.schedule_once() == 1
+        request = ctx.scheduler._asked[job_id]
+        placed = {p["rank"]: p["client_id"] for p in job_of(api, job_id)["placement"]}
+        clients.append(placed)
+        asked[attempt][3]({"addr": "10.1.2.3", "port": 29555})
+        assert ctx.scheduler.finish_placements() == 1
+        for rank, key in request.rank_keys.items():
+            assert fail(api.as_(None, rank_key=key), {"id": job_id}, rank, both).json["ok"]
+        settle(app)
+        for rank, client in placed.items():
+            with app.app_context():
+                jobs.ranks_exited(ctx, client, job_id, {str(rank): 1}, attempt)
+    job = job_of(api, job_id)
+    assert {k: (s["rank"], s["attempt"], s["client_id"]) for k, s in job["suspects"].items()} == {
+        "0": (0, 0, clients[0][0]), "1": (1, 0, clients[0][1]), "0@1": (0, 1, clients[1][0]),
+        "1@1": (1, 1, clients[1][1])}
+    assert len({s["client_id"] for s in job["suspects"].values()}) == 4
+    result = result_of(job, raise_on_failure=False)
+    assert [(s["attempt"], s["rank"], s["client_id"]) for s in result["suspects"]] == [
+        (0, 0, clients[0][0]), (0, 1, clients[0][1]), (1, 0, clients[1][0]), (1, 1, clients[1][1])]
+    lines = suspect_lines(job)
+    assert len(lines) == 4 and lines[2].startswith(f"SUSPECT: rank 0 (gpu client {clients[1][0]}), at the end, attempt 1")
+    listed = {c["id"]: c["suspected_in"] for c in api.get("/room").json["clients"]}
+    assert all(listed[c] == [job_id] for c in "abcd"), listed
+
+
 def test_a_ddp_job_gets_exactly_its_count_of_shadows_however_many_slots_came(app):
     from zwdx.server.placement import shadows as placing
     api = Api(app.test_client()).create_room("step-check-placement")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from . import sizes
+from .protocol.job import suspect_rank
 from .protocol.spec import nest
 
 
@@ -78,9 +79,12 @@ def notes(job: dict) -> list[tuple[str, object]]:
 def suspect_lines(job: dict) -> list[str]:
     """Each suspect rank, when and why it was named."""
     lines = []
-    for rank, suspect in sorted((job.get("suspects") or {}).items(), key=lambda kv: int(kv[0])):
+    named = sorted(((suspect.get("attempt", 0), suspect_rank(key, suspect), suspect)
+                    for key, suspect in (job.get("suspects") or {}).items()), key=lambda t: t[:2])
+    for attempt, rank, suspect in named:
         rounds = suspect.get("rounds") or []  # none: named at the end, by its final weights
         when = f"rounds {', '.join(map(str, rounds))}" if rounds else "at the end"
+        when += f", attempt {attempt}" if attempt else ""
         lines.append(f"SUSPECT: rank {rank} (gpu client {suspect.get('client_id') or '?'}), {when}: "
                      f"{suspect.get('reason')}{'; dropped from the job' if rounds else ''}")
     return lines

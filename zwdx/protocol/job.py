@@ -98,8 +98,14 @@ class DilocoJoin(Record):
 
 
 class Suspect(Record):
-    """DILOCO: a worker whose pseudo-gradients were outliers round after round
-    (``zwdx.robust.flags``): named and dropped from the job."""
+    """A rank named dishonest: a DILOCO worker whose pseudo-gradients were outliers round after
+    round (``zwdx.robust.flags``, then dropped), one a spot or step check named, or one whose
+    final weights were not its peers'. Kept across attempts: its key in ``Job.suspects`` is its
+    rank, or ``<rank>@<attempt>`` where that rank was named in an earlier attempt already."""
+    #: The rank it held when named (None in records written before: the key says it) and the
+    #: attempt it was named in.
+    rank: int | None = Field(default=None, exclude_if=_absent)
+    attempt: int = 0
     client_id: str | None = None
     #: The donor token its GPU client registered with (its id): revoke it to keep the donor out.
     token_id: str | None = None
@@ -200,8 +206,8 @@ class JobFields(Record):
     exits: dict[str, int] = Field(default_factory=dict)
     #: DILOCO: rank -> the worker that joined in its place while the job ran (this attempt)
     joins: dict[str, DilocoJoin] = Field(default_factory=dict)
-    #: DILOCO: rank -> why it was named a suspect (its pseudo-gradients disagreed with the
-    #: others' round after round) and dropped; kept across attempts.
+    #: rank (``<rank>@<attempt>`` when that rank was named in an earlier attempt) -> why it was
+    #: named a suspect; kept across attempts (``suspect_key``, ``suspected``).
     suspects: dict[str, Suspect] = Field(default_factory=dict)
     #: DILOCO with ``verify``: shadow's rank (its slot, numbered from ``world_size`` on, whose key
     #: it holds) -> the worker it runs again and what the comparisons found; this attempt.
@@ -237,10 +243,26 @@ class JobFields(Record):
 
 class Job(JobFields):
     """The record the store keeps."""
+
+    def suspected(self) -> set[int]:
+        """The ranks named suspects in this attempt (a rank named in an earlier one may be
+        another GPU client now)."""
+        return {suspect_rank(k, s) for k, s in self.suspects.items() if s.attempt == self.attempt}
+
+    def suspect_key(self, rank: int) -> str:
+        """Where a suspect named now at ``rank`` goes in ``suspects``, keeping earlier ones."""
+        return str(rank) if str(rank) not in self.suspects else f"{rank}@{self.attempt}"
+
     #: rank -> its failure, this attempt
     failures: dict[str, RankFailure] = Field(default_factory=dict)
     #: rank -> the key its rank process holds, this attempt (never shown; replaced at each start).
     rank_keys: dict[str, RankCredential] = Field(default_factory=dict)
+
+
+def suspect_rank(key: str, suspect: Suspect | dict) -> int:
+    """The rank a ``suspects`` entry was named at: its ``rank``, or its key's (older records)."""
+    rank = suspect.rank if isinstance(suspect, Suspect) else suspect.get("rank")
+    return int(rank) if rank is not None else int(key.split("@")[0])
 
 
 class FailureInfo(Answer):

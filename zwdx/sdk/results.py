@@ -14,6 +14,7 @@ from .. import defaults, lora as _lora, trackers as _trackers
 from ..errors import BadRequest, JobFailed, ZwdxError
 from ..protocol import JobStatus
 from ..protocol.flat import nest
+from ..protocol.job import suspect_rank
 from ..protocol.report import from_wire
 
 
@@ -116,7 +117,8 @@ def result_of(job: dict, raise_on_failure: bool) -> Result:
     """The ``Result`` of a job that ended (``JobFailed`` for a failed one, unless not asked)."""
     job = numbers(job)
     status = ResultStatus(job["status"])
-    suspects = [{"rank": int(r), **v} for r, v in sorted((job.get("suspects") or {}).items(), key=lambda kv: int(kv[0]))]
+    suspects = sorted(({**v, "rank": suspect_rank(k, v), "attempt": v.get("attempt", 0)}
+                       for k, v in (job.get("suspects") or {}).items()), key=lambda s: (s["attempt"], s["rank"]))
     result = Result({"job_id": job["id"], "status": status, "complete": status == JobStatus.COMPLETED.value,
                      "results": job.get("results") or {}, "final_loss": job.get("final_loss"),
                      "world_size": job.get("world_size"), "placement": job.get("placement"),

@@ -95,7 +95,7 @@ def compare(job: JobRecord, n: int, average: dict | None, uploads: list[dict], d
                if a.get("round") == n and a.get("attempt") == job.attempt and a.get("numel") is not None}
     flagged = {int(r) for r, rounds in (average.get("strikes") or {}).items() if n in rounds}
     tolerance = job.spec.diloco.verify_tolerance if job.spec.diloco else verify.BITWISE
-    for worker in sorted({s.of for s in job.shadows.values()} - {int(r) for r in job.suspects}):  # named: done
+    for worker in sorted({s.of for s in job.shadows.values()} - job.suspected()):  # named: done
         mine = {int(r): s for r, s in job.shadows.items() if s.of == worker}
         running = [r for r, s in mine.items() if s.gone is None and n not in s.agreed and str(n) not in s.disagreed]
         if worker not in by_rank or not running or any(r not in by_rank for r in running):

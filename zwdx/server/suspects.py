@@ -40,7 +40,7 @@ def judge(job: JobRecord, n: int, members: list[int], combiner: robust.Combiner,
         "scores": {str(r): s.as_dict() for r, s in zip(members, scores)},
         "strikes": {str(r): rounds for r, rounds in strikes.items()}})
     after = job.spec.diloco.suspect_after
-    named = {r: rounds for r, rounds in strikes.items() if after and len(rounds) >= after and str(r) not in job.suspects}
+    named = {r: rounds for r, rounds in strikes.items() if after and len(rounds) >= after and r not in job.suspected()}
     if named:
         name(job, {r: (rounds, why[r]) for r, rounds in named.items()})
     return why
@@ -70,7 +70,7 @@ def compare_weights(job: JobRecord | None) -> None:
         agree = sorted(r for r, fp in held.items() if fp == reference)
         whose = f"those of rank(s) {', '.join(map(str, agree))} (the majority)"
     named = {r: ([], f"its final weights are not {whose} (fingerprint {fp[:12]}, not {reference[:12]})")
-             for r, fp in held.items() if fp != reference and str(r) not in job.suspects}
+             for r, fp in held.items() if fp != reference and r not in job.suspected()}
     if named:
         name(job, named, drop=False)
 
@@ -108,7 +108,7 @@ def compare_upload(job: JobRecord) -> None:
         if uploaded != reference:
             _warn(job, f"the weights that came back (rank 0's upload, fingerprint {shown}) are not the weights "
                        f"{majority} reported ({reference[:12]}): do not trust them")
-    named = {r: why for r, why in named.items() if str(r) not in job.suspects}
+    named = {r: why for r, why in named.items() if r not in job.suspected()}
     if named:
         jobs.name_suspects(ctx(), job, named, dropped=False, what="weights check")
 

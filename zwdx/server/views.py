@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from ..protocol import Parallelism
 from ..protocol.job import Job as JobRecord, JobView, Submitted
 from ..protocol.rest import RoomView
 from .placement import apart_from
@@ -36,10 +35,11 @@ def room_view(room: dict) -> RoomView:
 
 
 def named_clients(store, room_id: str) -> dict[str, list[str]]:
-    """GPU client id -> the room's DILOCO jobs that named it a suspect (``suspects.py``)."""
+    """GPU client id -> the room's jobs that named it a suspect (``suspects.py``: DILOCO's rounds,
+    the spot and step checks, the weights check), each job once."""
     out: dict[str, list[str]] = {}
-    for job in store.list_jobs(room_id, parallelism=Parallelism.DILOCO.value):
+    for job in store.list_jobs(room_id):
         for suspect in job.suspects.values():
-            if suspect.client_id:
-                out.setdefault(suspect.client_id, []).append(job.id)
+            if suspect.client_id and job.id not in out.setdefault(suspect.client_id, []):
+                out[suspect.client_id].append(job.id)
     return out

@@ -97,10 +97,13 @@ function Failure({ job }) {
   );
 }
 
-// What to know about the result: warnings (the ranks' final weights differ) and the DILOCO
-// workers the server named dishonest (zwdx/server/suspects.py) and dropped from the job.
+// What to know about the result: warnings (the ranks' final weights differ, the weights that came
+// back are not theirs) and the ranks the server named dishonest (zwdx/server/suspects.py), in
+// every attempt: an entry's key is its rank, or "<rank>@<attempt>" after the first naming there.
 function Suspects({ job }) {
-  const suspects = Object.entries(job.suspects || {}).sort(([a], [b]) => Number(a) - Number(b));
+  const suspects = Object.entries(job.suspects || {})
+    .map(([key, s]) => [key, { ...s, rank: s.rank ?? Number(key.split("@")[0]), attempt: s.attempt ?? 0 }])
+    .sort(([, a], [, b]) => a.attempt - b.attempt || a.rank - b.rank);
   const warnings = job.warnings || [];
   if (!suspects.length && !warnings.length) return null;
   return (
@@ -108,10 +111,11 @@ function Suspects({ job }) {
       <h2>Trust</h2>
       {warnings.map((w) => <p key={w} className="failure-reason">{w}</p>)}
       <ul>
-        {suspects.map(([rank, s]) => (
-          <li key={rank}>
-            rank {rank} (GPU client {s.client_id || "?"}),{" "}
-            {s.rounds?.length ? `rounds ${s.rounds.join(", ")}` : "at the end"}: {s.reason}
+        {suspects.map(([key, s]) => (
+          <li key={key}>
+            rank {s.rank} (GPU client {s.client_id || "?"}),{" "}
+            {s.rounds?.length ? `rounds ${s.rounds.join(", ")}` : "at the end"}
+            {s.attempt ? `, attempt ${s.attempt}` : ""}: {s.reason}
             {s.rounds?.length ? "; dropped" : ""}
           </li>
         ))}

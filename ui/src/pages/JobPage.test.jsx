@@ -191,6 +191,18 @@ describe("the job page", () => {
     expect(end).toHaveTextContent("rank 1 (GPU client gpu-b), at the end: its final weights are not the server's global weights");
     expect(end).not.toHaveTextContent("dropped");
     cleanup();
+    // Rank 1 named in attempt 0 and again, another GPU client, in attempt 1: both kept, in order.
+    const twice = { ...named, suspects: {
+      "1@1": { rank: 1, attempt: 1, client_id: "gpu-d", rounds: [], reason: "step check, step 1, bucket 0: far", at: 1700000007 },
+      1: { rank: 1, attempt: 0, client_id: "gpu-b", rounds: [], reason: "step check, step 4, bucket 0: far", at: 1700000006 } } };
+    mockFetch(routes(twice));
+    renderApp("/jobs/j1");
+    const both = await screen.findByTestId("suspects");
+    const items = within(both).getAllByRole("listitem").map((li) => li.textContent);
+    expect(items).toEqual([
+      "rank 1 (GPU client gpu-b), at the end: step check, step 4, bucket 0: far",
+      "rank 1 (GPU client gpu-d), at the end, attempt 1: step check, step 1, bucket 0: far"]);
+    cleanup();
     mockFetch(routes(running));
     renderApp("/jobs/j1");
     await screen.findByTestId("job-page");

@@ -216,10 +216,12 @@ def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], st
     again (``avoid``), said in the job's log (``what`` found them: by default the mode's check);
     DILOCO workers ``dropped`` (``zwdx.server.suspects``)."""
     store, now = ctx.store, time.time()
+    job = store.get_job(job.id) or job  # the suspects named so far, whose entries stay
     clients = {p.rank: p.client_id for p in job.placement or []}
     clients.update({int(r): j.client_id for r, j in job.joins.items()})
     tokens = {r: (store.get_client(clients[r]) or {}).get("token_id") if clients.get(r) else None for r in named}
-    entries = {str(r): Suspect(client_id=clients.get(r), token_id=tokens[r], rounds=rounds, reason=reason, at=now)
+    entries = {job.suspect_key(r): Suspect(rank=r, attempt=job.attempt, client_id=clients.get(r), token_id=tokens[r],
+                                           rounds=rounds, reason=reason, at=now)
                for r, (rounds, reason) in named.items()}
     if store.put_job_entries(job.id, "suspects", entries) is None:
         return
