@@ -259,7 +259,7 @@ class Job(JobFields):
     rank_keys: dict[str, RankCredential] = Field(default_factory=dict)
 
 
-def suspect_rank(key: str, suspect: Suspect | dict) -> int:
+def suspect_rank(key: str, suspect: Suspect | dict[str, Any]) -> int:
     """The rank a ``suspects`` entry was named at: its ``rank``, or its key's (older records)."""
     rank = suspect.rank if isinstance(suspect, Suspect) else suspect.get("rank")
     return int(rank) if rank is not None else int(key.split("@")[0])
