@@ -70,7 +70,8 @@ def test_the_earlier_keywords_and_the_settings_send_one_spec(monkeypatch):
                           training=zwdx.Training(epochs=3),
                           run=zwdx.Run(name="j", progress=False, recovery=zwdx.Recovery(max_restarts=1)))
     assert earlier == settings
-    assert settings["spec"]["strategy"] == {"type": "fsdp", "lora": None, "tp": {"plan": PLAN, "size": 2}}
+    assert settings["spec"]["strategy"] == {"type": "fsdp", "lora": None, "tp": {"plan": PLAN, "size": 2},
+                                           "verify": 0.0, "verify_tolerance": 0.0}
     assert settings["spec"]["resources"]["gpus_per_client"] == 2 and settings["spec"]["code"]["bundle_artifact"] == "art1"
 
 

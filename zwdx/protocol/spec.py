@@ -135,6 +135,13 @@ class FSDP(Part):
     type: Literal["fsdp"] = "fsdp"
     lora: Lora = None
     tp: TensorParallel | None = None
+    #: Step checks by shadow ranks, as DDP's ``verify`` (``gpu_client/rank/strategies/fsdp_check.py``):
+    #: each unit's gradients are all-gathered whole instead of reduce-scattered, and each
+    #: shadow's (the whole model under FSDP in a world of one) compared with its rank's before
+    #: they are applied. Not with ``tp``. 0: off.
+    verify: Annotated[float, Field(ge=0, le=4)] = 0.0
+    #: As DDP's ``verify_tolerance``.
+    verify_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0
 
     @model_validator(mode="after")
     def _lora_without_tp(self) -> FSDP:
@@ -338,8 +345,11 @@ def _resolved(strategy: Any, resources: Resources) -> Resources:
     if isinstance(strategy, Diloco) and strategy.verify and world is None:
         fail(("strategy", "diloco", "verify"), "needs resources.world_size: the shadows are a share of the workers",
              strategy.verify)
-    if isinstance(strategy, DDP) and strategy.verify and world is None:
-        fail(("strategy", "ddp", "verify"), "needs resources.world_size: the shadows are a share of the ranks",
+    if isinstance(strategy, FSDP) and strategy.verify and strategy.tp is not None:
+        fail(("strategy", "fsdp", "verify"), "step checks run with FSDP alone, not FSDP+TP (leave tp out, or "
+                                             "verify at 0)", strategy.verify)
+    if isinstance(strategy, (DDP, FSDP)) and strategy.verify and world is None:
+        fail(("strategy", strategy.type, "verify"), "needs resources.world_size: the shadows are a share of the ranks",
              strategy.verify)
     if isinstance(strategy, Mixed) and strategy.global_batch is not None and world is not None \
             and strategy.global_batch < world:

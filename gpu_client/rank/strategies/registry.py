@@ -13,6 +13,7 @@ STRATEGIES: dict[str, tuple[str, str, bool]] = {
     "ddp": ("parallel", "Collective", False),
     "ddp+verify": ("step_check", "Checked", False),
     "fsdp": ("parallel", "Collective", False),
+    "fsdp+verify": ("fsdp_check", "FsdpChecked", False),
     "tp": ("tensor_parallel", "TensorParallel", False),
     "fsdp+tp": ("tensor_parallel", "TensorParallel", False),
     "pipeline": ("pipeline", "Pipeline", False),
@@ -23,17 +24,17 @@ STRATEGIES: dict[str, tuple[str, str, bool]] = {
 
 def strategy_type(job) -> str:
     """The key of ``STRATEGIES`` for a job's spec (``JobSpec``): its strategy's type (DDP with
-    ``verify`` is ``ddp+verify``: step checks by shadow ranks)."""
+    ``verify`` is ``ddp+verify``, FSDP's ``fsdp+verify``: step checks by shadow ranks)."""
     kind = job.strategy.type
-    if kind == "ddp" and job.strategy.verify > 0:
-        return "ddp+verify"
+    if kind in ("ddp", "fsdp") and job.strategy.verify > 0:
+        return f"{kind}+verify"  # (FSDP+TP with verify is refused at submit)
     return "fsdp+tp" if kind == "fsdp" and job.strategy.tp is not None else kind
 
 
 def strategy(spec, reporter, tuning: Tuning | None = None):
     """The rank's strategy: ``Diloco`` for a DILOCO job, ``Pipeline`` for PIPELINE,
     ``TensorParallel`` for TP and FSDP+TP, ``Mixed`` for a job over mixed devices,
-    ``Checked`` for DDP with ``verify``, ``Collective`` for DDP and FSDP; with the GPU client's ``tuning``."""
+    ``Checked`` for DDP with ``verify``, ``FsdpChecked`` for FSDP with it, ``Collective`` for DDP and FSDP; with the GPU client's ``tuning``."""
     module, name, takes_reporter = STRATEGIES[strategy_type(spec.job)]
     cls = getattr(import_module(f"{__package__}.{module}"), name)
     chosen = cls(spec, reporter) if takes_reporter else cls(spec)

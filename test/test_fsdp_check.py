@@ -1,0 +1,238 @@
+"""FSDP step checks, the rank side (``gpu_client/rank/strategies/fsdp_check.py``, issue 33): two
+workers and their shadows as real processes over gloo on the CPU, made as a rank makes them
+(``FsdpChecked``: a shadow's world of one, the check group on rank 0's store), over a TCPStore this
+test hosts; a small model of three FSDP units whose dim-0 sizes are odd (FSDP pads every shard).
+
+- honest: every party (workers and shadows) ends with plain FSDP's weights, bit for bit;
+- a worker that lies from its second step on (its loss scaled, in its process only): every party
+  stops at step 1 with the same ``StepCheck`` naming it alone (its two shadows agree, rule 3);
+- a lying shadow, with another on the same worker: that shadow alone (rule 2).
+In process: the layout arithmetic (canonical form, shards) against torch's own copy-in, and the
+checked sum over a stand-in group of three workers (where the order of the sum shows).
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing
+import queue
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpu_client.rank.strategies.fsdp_check import FsdpChecked, canonical, shard_of
+from gpu_client.rank.strategies.parallel import full_state_dict, wrap
+from gpu_client.rank.strategies.step_check import StepChecker, StepCheckFailed
+from zwdx.protocol.spec import FSDP
+from zwdx.protocol.vocab import Parallelism
+
+slow = pytest.mark.slow  # workers and shadows as processes: about 7 s a test on two cores
+
+WORKERS, STEPS, TIMEOUT = 2, 3, 60.0
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(7, 7)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    """Units blocks.0 and blocks.1, then the root (inp, head): dim-0 sizes 7 and 3, padded at W=2."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blocks, self.head = nn.Linear(8, 7), nn.ModuleList([Block(), Block()]), nn.Linear(7, 3)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.drop(x))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # the same start on every party
+    return Net()
+
+
+def _train(model: nn.Module, identity: int, lie: bool) -> None:
+    """``STEPS`` steps of SGD on rank ``identity``'s batches, its own dropout draws; ``lie``: from
+    step 1 on, this process's gradients are not what its rank identity computes."""
+    data = torch.Generator().manual_seed(7 + identity)
+    torch.manual_seed(100 + identity)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = torch.randn(8, 8, generator=data), torch.randint(0, 3, (8,), generator=data)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        (loss * 1.001 if lie and step >= 1 else loss).backward()
+        optimizer.step()
+
+
+def _weights(model: nn.Module) -> dict:
+    return full_state_dict(model, "FSDP", dist.get_rank())
+
+
+def _party(port: int, tag: str, rank: int, shadows_of: list[int], liar: int | None, plain: bool, out) -> None:
+    """One party: a worker (``rank`` < WORKERS) or a shadow of ``shadows_of[rank - WORKERS]``."""
+    torch.set_num_threads(1)
+    wait = datetime.timedelta(seconds=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=wait)
+    worker = rank < WORKERS
+    identity = rank if worker else shadows_of[rank - WORKERS]
+    checked = FsdpChecked(SimpleNamespace(
+        job=SimpleNamespace(strategy=FSDP(verify=len(shadows_of) / WORKERS)), parallelism=Parallelism.FSDP,
+        rank=identity, shadow=None if worker else rank, own_rank=rank, world_size=WORKERS, master_addr="127.0.0.1",
+        master_port=port, attempt=0, collective_timeout=TIMEOUT))
+    if worker:  # the test's store stands for rank 0's
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{tag}/default", store), rank=rank,
+                                world_size=WORKERS, timeout=wait)
+    else:  # a world of its own: its user code's collectives are no-ops
+        dist.init_process_group("gloo", **checked.rendezvous())
+    result: dict = {"said": []}
+    if plain and worker:
+        model = wrap(_model(), "FSDP", torch.device("cpu"))
+        _train(model, identity, lie=False)
+        result["plain"] = _weights(model)
+    model = checked.wrap(_model(), torch.device("cpu"), {}, result["said"].append)
+    result["start"] = _weights(model)
+    try:
+        _train(model, identity, lie=rank == liar)
+    except StepCheckFailed as exc:
+        result["check"] = exc.check.model_dump()
+        assert checked.failed_check() == exc.check
+    result["weights"], result["steps"] = _weights(model), checked.steps.steps
+    dist.destroy_process_group()
+    buffer = io.BytesIO()  # bytes, not tensors: a tensor is sent as a handle this process would have to outlive
+    torch.save(result, buffer)
+    out.put((rank, buffer.getvalue()))
+
+
+def _run(tag: str, shadows_of: list[int], liar: int | None = None, plain: bool = False) -> dict[int, dict]:
+    """Every party's result, each in its own process (torch loaded once, in the forkserver)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.fsdp_check", __name__])
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the store binds its own port
+    out = context.Queue()
+    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, liar, plain, out))
+             for rank in range(WORKERS + len(shadows_of))]
+    for proc in procs:
+        proc.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + 2 * TIMEOUT
+    try:
+        while len(results) < len(procs):
+            try:
+                rank, result = out.get(timeout=1.0)
+                results[rank] = torch.load(io.BytesIO(result))
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not failed and time.monotonic() < deadline, f"parties failed ({failed}) or hung"
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return results
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_canonical_form_undoes_fsdps_padded_rank_major_layout():
+    sizes = [torch.Size([7, 3]), torch.Size([5]), torch.Size([2, 2])]
+    grads = [torch.randn(s) for s in sizes]
+    whole = torch.cat([g.reshape(-1) for g in grads])
+    for world in (1, 2, 3, 4):
+        padded = sum(-(-s[0] // world) * s.numel() // s[0] for s in sizes) * world
+        flat = torch.full((padded,), float("nan"))
+        torch.ops.fsdp.chunk_cat(grads, dim=0, num_chunks=world, out=flat.view(world, -1))  # FSDP's copy-in
+        assert torch.equal(canonical(flat, sizes, world), whole)
+        shards = [shard_of(whole, sizes, world, r) for r in range(world)]
+        assert torch.equal(torch.cat(shards).nan_to_num(), flat.view(world, -1).reshape(-1).nan_to_num())
+
+
+@slow
+def test_honest_parties_end_with_plain_fsdps_weights_bit_for_bit():
+    results = _run("honest", shadows_of=[0, 1], plain=True)
+    plain = results[0]["plain"]
+    assert _equal(results[1]["plain"], plain) and not _equal(plain, results[0]["start"])  # it trained
+    assert all("check" not in r and r["steps"] == STEPS for r in results.values())
+    assert all(_equal(r["weights"], plain) for r in results.values())  # workers and shadows
+    assert [len(r["said"]) for _, r in sorted(results.items())] == [2, 0, 0, 0]  # rank 0 alone, the job's log
+    assert "FSDP step checks: 2 ranks and 2 shadow rank(s)" in results[0]["said"][0]
+
+
+@slow
+@pytest.mark.parametrize("shadows_of, liar, named", [
+    ([1, 1], 1, {"1"}),         # rule 3: its two shadows agree with each other
+    ([0, 0], 3, {"3"}),         # rule 2: the other shadow backs the worker
+], ids=["worker-two-shadows", "lying-shadow"])
+def test_a_lie_stops_every_party_at_its_first_lying_step_and_names_the_liar_alone(shadows_of, liar, named):
+    results = _run(f"lie-{liar}", shadows_of, liar)
+    checks = [r.get("check") for r in results.values()]
+    assert checks[0] is not None and all(c == checks[0] for c in checks)  # every party, the same account
+    assert (checks[0]["step"], checks[0]["bucket"]) == (1, 0) and set(checks[0]["named"]) == named
+    # Step 0 was taken, step 1 never: every party holds the same weights, not the start's.
+    assert all(_equal(r["weights"], results[0]["weights"]) for r in results.values())
+    assert not _equal(results[0]["weights"], results[0]["start"])
+
+
+class _Group:
+    """A check group of three workers and one shadow (of worker 1) whose all-gathers answer
+    ``given`` (every party's first contribution) with this party's own at ``rank``."""
+
+    def __init__(self, rank: int, given: list[torch.Tensor]):
+        self.rank, self.given, self.sent = rank, given, []
+
+    def size(self) -> int:
+        return 4
+
+    def allgather(self, outs, ins):
+        self.sent.append(ins[0].clone())
+        for who, out in enumerate(outs[0]):
+            out.copy_(ins[0] if who == self.rank else self.given[who] if ins[0].dtype == torch.float32
+                      else torch.full_like(ins[0], -1))  # the verdicts: every other party agrees
+        return SimpleNamespace(wait=lambda: None)
+
+
+def test_every_party_sums_the_workers_gradients_in_rank_order_and_a_shadow_sends_zeros():
+    # float32 sums that depend on their order: (1e8 + 1) - 1e8 is 0, (1e8 - 1e8) + 1 is 1
+    workers = [torch.tensor([1e8, 1.0]), torch.tensor([1.0, 1e8]), torch.tensor([-1e8, -1e8])]
+    given = workers + [torch.zeros(2)]
+    totals = []
+    for rank in range(4):
+        group = _Group(rank, given)
+        checker = StepChecker(group, 3, rank, worker_of=1 if rank == 3 else None)
+        own = workers[1] if rank == 3 else workers[rank]
+        totals.append(checker.checked_sum(0, own.clone()))
+        assert torch.equal(group.sent[0], torch.zeros(2) if rank == 3 else own)  # whom it shadows stays secret
+    assert all(torch.equal(t, torch.tensor([0.0, 0.0])) for t in totals), totals
+
+
+def _spec(verify: float, rank: int = 0, shadow: int | None = None, tp=None):
+    return SimpleNamespace(job=SimpleNamespace(strategy=FSDP(verify=verify, tp=tp)), parallelism=Parallelism.FSDP,
+                           rank=rank, shadow=shadow, own_rank=rank if shadow is None else shadow, world_size=2,
+                           master_addr="127.0.0.1", master_port=29500, attempt=0, collective_timeout=30.0)
+
+
+def test_fsdp_with_verify_gets_the_checked_strategy_whose_shadow_meets_no_one_and_uploads_no_weights():
+    from gpu_client.rank.strategies.registry import strategy, strategy_type
+    assert strategy_type(_spec(1.0).job) == "fsdp+verify" and strategy_type(_spec(0.0).job) == "fsdp"
+    assert strategy_type(_spec(0.0, tp={"size": 2}).job) == "fsdp+tp"
+    assert type(strategy(_spec(0.0), None)).__name__ == "Collective"
+    worker, shadow = strategy(_spec(1.0), None), strategy(_spec(1.0, shadow=3), None)
+    assert type(worker).__name__ == type(shadow).__name__ == "FsdpChecked" and worker.parties == 4
+    assert worker.wrap_as == "FSDP" and worker.uploads_weights() and worker.failed_check() is None
+    assert shadow.rendezvous()["world_size"] == 1 and not shadow.uploads_weights()
+    assert shadow.loader_arguments() == {"rank": 0, "world_size": 2}  # the worker's shard
