@@ -311,9 +311,10 @@ class ZWDX(Compat, Reads):
         The result: ``{"job_id", "status", "complete", "results", "final_loss", "world_size",
         "placement", "failures", "reason", "warnings", "suspects", "job"}``; ``status`` is a
         ``ResultStatus``; ``warnings``: what to know about the result (the ranks' final weights
-        differ);
-        ``suspects``: the DILOCO workers named dishonest and dropped (``[{rank, client_id, rounds,
-        reason, at}]``). ``trackers``
+        differ, the weights that came back are not theirs);
+        ``suspects``: the ranks named dishonest in any attempt (DILOCO's rounds, the spot and step
+        checks, the weights check: ``[{rank, attempt, client_id, token_id, rounds, reason, at}]``,
+        in attempt then rank order). ``trackers``
         as in ``submit_job`` (from the job's first metric, whenever this is called)."""
         token = self._token(room_token, job_id)
         try:

@@ -98,7 +98,7 @@ class Result(dict):
 
     @property
     def suspects(self) -> list[dict]:
-        """DILOCO: the workers named dishonest and dropped."""
+        """The ranks named dishonest, every attempt's (``{rank, attempt, client_id, rounds, reason, ...}``)."""
         return self["suspects"]
 
     @property
