@@ -8,6 +8,7 @@ from typing import Collection, Mapping
 from ...protocol import ACTIVE, JobStatus, Parallelism, RankStatus
 from ...protocol.job import Job as JobRecord
 from ...protocol.report import StepCheck
+from ..placement.shadows import IN_STEP
 
 #: Seconds the other ranks of a failing job get to report their own failure after the first one.
 FAILURE_GRACE = 2.0
@@ -66,9 +67,9 @@ def all_heard(r: JobRecord, failures: Mapping[str, object]) -> bool:
 
 
 def in_step(r: JobRecord) -> bool:
-    """Whether the job's shadows run in step with its workers (DDP's step checks): a shadow lost,
-    exited or failed is then like any rank's. DILOCO's run apart: the job goes on without one."""
-    return bool(r.shadows) and r.spec.parallelism == Parallelism.DDP
+    """Whether the job's shadows run in step with its workers (DDP's and FSDP's step checks): a
+    shadow lost, exited or failed is then like any rank's. DILOCO's run apart: the job goes on without one."""
+    return bool(r.shadows) and r.spec.parallelism in IN_STEP
 
 
 def step_verdict(r: JobRecord) -> tuple[StepCheck | None, str] | None:

@@ -1,10 +1,10 @@
-"""DILOCO or DDP with ``verify``: the shadows' slots as the job is placed (``zwdx.server.shadows``
+"""DILOCO, DDP or FSDP with ``verify``: the shadows' slots as the job is placed (``zwdx.server.shadows``
 says what a DILOCO shadow is, ``gpu_client/rank/strategies/step_check.py`` a DDP one, which runs in
-step with the job; ``zwdx.verify``, the rule). The scheduler plans the workers' slots and the
+step with the job, ``fsdp_check.py`` beside it an FSDP one; ``zwdx.verify``, the rule). The scheduler plans the workers' slots and the
 shadows' together (``asked``), then ``arrange`` says which slots are shadows, which worker each
 runs again (drawn with the server's own randomness), and ``entries`` the job record's ``shadows``.
-A DDP job gets exactly ``verify.count(verify, W)`` shadows for its W workers: every rank counts
-them so to build the group its steps are checked over."""
+A DDP or FSDP job (``IN_STEP``) gets exactly ``verify.count(verify, W)`` shadows for its W workers:
+every rank counts them so to build the group its steps are checked over."""
 from __future__ import annotations
 
 import random
@@ -12,13 +12,16 @@ import random
 from ... import verify
 from ...protocol import Parallelism
 from ...protocol.job import Job as JobRecord, Shadow
-from ...protocol.spec import DDP, Diloco
+from ...protocol.spec import DDP, FSDP, Diloco
+
+#: The modes whose shadows run in step with the workers (step checks); DILOCO's run apart.
+IN_STEP = (Parallelism.DDP, Parallelism.FSDP)
 
 
 def _verify(record: JobRecord) -> float:
-    """The job's ``verify`` (DILOCO's spot checks, DDP's step checks); 0 for any other mode."""
+    """The job's ``verify`` (DILOCO's spot checks, DDP's and FSDP's step checks); 0 for any other mode."""
     strategy = record.spec.strategy
-    return strategy.verify if isinstance(strategy, (Diloco, DDP)) else 0.0
+    return strategy.verify if isinstance(strategy, (Diloco, DDP, FSDP)) else 0.0
 
 
 def extra(record: JobRecord) -> int:
@@ -42,14 +45,14 @@ def asked(record: JobRecord, job: dict) -> dict:
 def arrange(record: JobRecord, chosen: list[dict], clients: dict, rng: random.Random | None = None) \
         -> tuple[list[dict], dict[int, int]]:
     """The slots in rank order (the workers' first, then the shadows') and the worker each
-    shadow runs again (shadow's rank -> worker): the most workers whose shadows fit (DDP: the
+    shadow runs again (shadow's rank -> worker): the most workers whose shadows fit (DDP, FSDP: the
     slots past their ``count`` let go), the shadowed ones drawn, each shadow on another donor
     token than its worker where it can be (else another GPU client)."""
     share, n = _verify(record), len(chosen)
     if not extra(record):
         return chosen, {}
     workers = max((w for w in range(1, n + 1) if w + verify.count(share, w) <= n), default=n)
-    if record.spec.parallelism == Parallelism.DDP:  # its ranks count the shadows: no more than that
+    if record.spec.parallelism in IN_STEP:  # its ranks count the shadows: no more than that
         chosen = chosen[:workers + verify.count(share, workers)]
         n = len(chosen)
     ours, theirs = chosen[:workers], chosen[workers:]
@@ -73,4 +76,4 @@ def entries(placement: list, of: dict[int, int]) -> dict[str, Shadow]:
     clients = {p.rank: p.client_id for p in placement}
     return {str(s): Shadow(of=w, client_id=clients[s]) for s, w in of.items()}
 
-__all__ = ["extra", "asked", "arrange", "entries"]
+__all__ = ["IN_STEP", "extra", "asked", "arrange", "entries"]
