@@ -8,31 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import zwdx
 import mnist
+from test_diloco_verify import _train
 
 pytestmark = pytest.mark.slow  # a server and three GPU-client processes
 
 
 def noisy_train(model, loader, optimizer, rank, epochs, reporter, device):
-    """mnist's training, but rank 2 adds noise to its weights after every step."""
+    """mnist's training, but rank 2 adds noise to its weights after every step (test_diloco_verify's
+    loop, unpaced)."""
     torch.set_num_threads(1)
-    model.train()
-    for epoch in range(reporter.start_epoch, epochs):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            loss.backward()
-            optimizer.step()
-            if rank == 2:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(torch.randn_like(p) * 0.3)
-        reporter.log_metrics(loss=loss.item(), epoch=epoch)
-    return loss.item()
+    return _train(model, loader, optimizer, epochs, reporter, device, noise=rank == 2, pace=0)
 
 
 def test_a_worker_adding_noise_is_named_a_suspect_and_the_job_still_learns(sdk, room, start_client):
