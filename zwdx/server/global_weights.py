@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 
@@ -55,17 +56,31 @@ def read(data: bytes) -> tuple[dict, dict, memoryview]:
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
     if not 0 < length <= min(len(data) - 8, 1 << 26):
         raise ValueError("not safetensors (its header's length)")
-    header = json.loads(bytes(data[8:8 + length]))
+    try:  # the bytes are a donor's or a submitter's: anything wrong in them is a ValueError
+        header = json.loads(bytes(data[8:8 + length]))
+    except (ValueError, RecursionError):
+        raise ValueError("not safetensors (its header is not JSON, or nests too deep)") from None
     if not isinstance(header, dict):
         raise ValueError("not safetensors (its header)")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise ValueError("not safetensors (its metadata)")
     body = memoryview(data)[8 + length:]
     for name, t in header.items():
+        if not _entry(t):
+            raise ValueError(f"tensor {name!r}: not a safetensors entry (dtype, shape, data_offsets)")
         start, stop = t["data_offsets"]
         width = 2 if t["dtype"] in ("F16", "BF16") else 8 if t["dtype"] == "F64" else 4 if t["dtype"] == "F32" else None
-        if not 0 <= start <= stop <= len(body) or (width and stop - start != width * int(np.prod(t["shape"]))):
+        if not 0 <= start <= stop <= len(body) or (width and stop - start != width * math.prod(t["shape"])):
             raise ValueError(f"tensor {name!r}: its offsets are not its size")
     return header, meta, body
+
+
+def _entry(t) -> bool:
+    """A header entry as safetensors writes one: a dtype name, a shape of sizes, two offsets."""
+    return (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+            and all(type(d) is int and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
+            and len(t["data_offsets"]) == 2 and all(type(o) is int for o in t["data_offsets"]))
 
 
 def write(tensors: dict[str, tuple[str, list[int], bytes]], meta: dict | None = None) -> bytes:
