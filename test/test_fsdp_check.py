@@ -236,3 +236,11 @@ def test_fsdp_with_verify_gets_the_checked_strategy_whose_shadow_meets_no_one_an
     assert worker.wrap_as == "FSDP" and worker.uploads_weights() and worker.failed_check() is None
     assert shadow.rendezvous()["world_size"] == 1 and not shadow.uploads_weights()
     assert shadow.loader_arguments() == {"rank": 0, "world_size": 2}  # the worker's shard
+
+
+@slow
+def test_the_bench_runs_plain_and_checked_fsdp():
+    """bench/fsdp_check.py at its smallest (test_bench.py's habit: a bench that still runs)."""
+    from test_bench import bench
+    out = bench("fsdp_check.py", "--steps", "2", "--repeats", "1", "--models", "test")
+    assert out.count("| test |") == 3, out
