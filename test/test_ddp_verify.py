@@ -68,6 +68,11 @@ def test_a_lying_rank_is_caught_before_its_step_is_applied_and_the_job_trains_ag
     assert all(s["reason"].startswith("step check, step 1, bucket 0: ") for s in named.values()), named
     assert sorted(p["client_id"] for p in record["placement"]) == ["client-c", "client-d"]
     assert {"client-a-liar", "client-b"} <= set(record["avoid"])
+    # The shadow reported its final weights before rank 0 did (``Checked.report_end``): the same,
+    # and the weights that came back are theirs (no warning: ``suspects.compare_upload``).
+    [shadow] = record["shadows"].values()
+    assert shadow["fingerprint"] == record["ranks"]["0"]["fingerprint"], record["shadows"]
+    assert result["warnings"] == [], result["warnings"]
     # The lie was stopped before it was applied, and the attempt after it agreed at every step:
     # the weights are those of the same job, trained honestly, without shadows.
     plain = job(sdk, honest_train)

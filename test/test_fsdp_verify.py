@@ -42,6 +42,11 @@ def test_a_lying_fsdp_rank_is_caught_before_its_step_is_applied_and_the_job_trai
     assert all(s["reason"].startswith("step check, step 1, bucket 0: ") for s in named.values()), named
     assert sorted(p["client_id"] for p in record["placement"]) == ["client-c", "client-d"]
     assert {"client-a-liar", "client-b"} <= set(record["avoid"])
+    # The shadow (FSDP in a world of one: the whole model) reported its final weights before rank 0
+    # did: the same as rank 0's gathered ones, and the weights that came back are theirs.
+    [shadow] = record["shadows"].values()
+    assert shadow["fingerprint"] == record["ranks"]["0"]["fingerprint"], record["shadows"]
+    assert result["warnings"] == [], result["warnings"]
     plain = job(sdk, honest_train)
     assert plain["status"] == "completed", plain["reason"]
     assert weights(sdk, result["job_id"]) == weights(sdk, plain["job_id"])

@@ -137,3 +137,36 @@ def test_a_shadow_within_the_tolerance_agrees_and_beyond_it_stops_the_step(toler
     # A shadow never sends its gradients while every check agrees: they would tell the workers
     # whom it shadows.
     assert torch.equal(group.sent[0], torch.zeros(6))
+
+
+def test_a_shadow_reports_its_end_before_any_worker_reports_its_own():
+    """``Checked.report_end`` over a real gloo check group of 2 workers and 1 shadow (threads):
+    however slow the shadow's report, the workers report after it, so the server holds its
+    fingerprint with theirs against the weights that came back (``suspects.compare_upload``)."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    store, said, lock = dist.HashStore(), [], threading.Lock()
+    parties = [strategy(_spec(1.0, rank=0), None), strategy(_spec(1.0, rank=1), None),
+               strategy(_spec(1.0, rank=0, shadow=2), None)]
+
+    def party(own: int) -> None:
+        group = dist.ProcessGroupGloo(store, own, 3, datetime.timedelta(seconds=30))
+        parties[own].checker = SimpleNamespace(group=group)
+
+        def report():
+            if own == 2:
+                time.sleep(0.5)  # a slow shadow
+            with lock:
+                said.append(own)
+        parties[own].report_end(report)
+
+    threads = [threading.Thread(target=party, args=(own,)) for own in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert said[0] == 2 and sorted(said) == [0, 1, 2], said

@@ -315,6 +315,34 @@ def test_the_job_completes_when_its_workers_do_and_a_shadows_reports_are_not_its
     assert record["status"] == "completed" and record["final_loss"] == 0.5 and "2" not in record["ranks"], record
 
 
+def test_the_shadows_fingerprints_make_the_majority_that_names_a_rank_whose_weights_are_not_theirs(backend_app):
+    """Two ranks that disagree on their final weights leave no majority alone; their shadows,
+    which report theirs first (``Checked.report_end``), make one: the odd rank is a suspect and
+    the weights that came back (rank 0's, the majority's) bring no warning. A shadow's report
+    after the job is over is refused and changes nothing."""
+    from safetensors.torch import save
+
+    from test_fingerprints import STATES, digest
+    room_api, job, ranks = checked(backend_app, {2: 0, 3: 1})
+    for r in range(4):
+        assert ranks[r].post(f"/jobs/{job['id']}/ranks/{r}", json={"status": "running"}).status_code == 200
+    for r in (2, 3):
+        said = ranks[r].post(f"/jobs/{job['id']}/ranks/{r}", json={"status": "completed", "fingerprint": digest("a")})
+        assert "its fingerprint is kept for the weights check" in said.json["ignored"], said.json
+    weights = ranks[0].put(f"/jobs/{job['id']}/weights", data=save(STATES["a"])).json["id"]
+    assert ranks[1].post(f"/jobs/{job['id']}/ranks/1", json={"status": "completed", "fingerprint": digest("b")}).json["ok"]
+    assert ranks[0].post(f"/jobs/{job['id']}/ranks/0", json={"status": "completed", "fingerprint": digest("a"),
+                                                             "weights_artifact": weights}).json["ok"]
+    record = room_api.get(f"/jobs/{job['id']}").json
+    assert record["status"] == "completed" and record["shadows"]["3"]["fingerprint"] == digest("a")
+    assert set(record["suspects"]) == {"1"}, record["suspects"]
+    assert "not those of rank(s) 0, 2, 3 (the majority)" in record["suspects"]["1"]["reason"]
+    assert len(record["warnings"]) == 1 and "do not trust" not in record["warnings"][0]  # the ranks differ; no more
+    late = ranks[2].post(f"/jobs/{job['id']}/ranks/2", json={"status": "completed", "fingerprint": digest("c")})
+    assert late.status_code == 403, late.json  # the job is over: its keys say nothing more
+    assert room_api.get(f"/jobs/{job['id']}").json["shadows"]["2"]["fingerprint"] == digest("a")
+
+
 def test_zwdx_jobs_show_says_a_ddp_shadow_is_checked_at_every_step():
     from zwdx.job_text import shadow_lines
     job = {"spec": {"strategy": {"type": "ddp", "verify": 0.5}}, "shadows": {"2": {"of": 1, "client_id": "c"}}}

@@ -218,9 +218,9 @@ class Trainer:
         weights = _upload_weights(self.reporter, state) if self.strategy.uploads_weights() else None
         self.checkpointer.wait()  # the last checkpoint's upload, if still going
         dist.barrier()
-        self.reporter.status(RankStatus.COMPLETED.value, results=results, final_loss=final_loss,
-                             fingerprint=fingerprint(state), weights_artifact=weights,
-                             global_fingerprint=self.strategy.global_fingerprint(self.model, state))
+        self.strategy.report_end(lambda: self.reporter.status(
+            RankStatus.COMPLETED.value, results=results, final_loss=final_loss, fingerprint=fingerprint(state),
+            weights_artifact=weights, global_fingerprint=self.strategy.global_fingerprint(self.model, state)))
 
     def fail(self, exc: BaseException) -> None:
         """Report the failure: the traceback, and whether the rank lost its peers (or, a step

@@ -130,6 +130,10 @@ class Shadow(Record):
     disagreed: dict[str, str] = Field(default_factory=dict)
     #: Why it stopped (its process failed, its GPU client was lost): the job went on without it.
     gone: str | None = Field(default=None, exclude_if=_absent)
+    #: DDP/FSDP step checks: the sha256 of its final weights, as it reported at its end (before the
+    #: ranks report theirs); held with the ranks' against the weights that came back
+    #: (``zwdx.server.suspects.compare_upload``).
+    fingerprint: str | None = Field(default=None, exclude_if=_absent)
 
 
 class RankFailure(Record):

@@ -347,6 +347,9 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
         only_rank(sender, rank, f"a report for rank {rank}", job.id)
         if body.status == RankStatus.FAILED:
             shadows.gone(job, [rank], f"it failed: {body.error or 'error'}")
+        elif body.status == RankStatus.COMPLETED and shadows.finished(job, rank, body.fingerprint):
+            return RankReportAnswer(ok=True, ignored=f"rank {rank} is a shadow: its fingerprint is kept for the "
+                                                     f"weights check, the rest is not the job's")
         return RankReportAnswer(ok=True, ignored=f"rank {rank} is a shadow: what it reports is not the job's")
     if shadows.of(job, rank) is None and (job.world_size is None or not 0 <= rank < job.world_size):
         raise BadRequest(f"rank {rank} is not part of job {job.id}", field="rank")

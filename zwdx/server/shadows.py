@@ -28,7 +28,7 @@ import logging
 import time
 
 from .. import codec, verify
-from ..protocol import ArtifactKind, EventKind
+from ..protocol import ACTIVE, ArtifactKind, EventKind
 from ..protocol.job import Job as JobRecord, Shadow
 from .http import ctx
 from . import jobs, notify
@@ -46,6 +46,16 @@ def gone(job: JobRecord, ranks: list[int], why: str) -> list[int]:
     """Those of ``ranks`` that are shadows are noted gone (``why``) and the job goes on; the
     others (the workers), returned (``jobs.shadows_gone``)."""
     return jobs.shadows_gone(ctx(), job, ranks, why)
+
+
+def finished(job: JobRecord, rank: int, fingerprint: str | None) -> bool:
+    """A DDP/FSDP shadow (in step with the job) reported its end: its final weights' fingerprint
+    is kept for the weights check. False where there is nothing to keep, or the job is over."""
+    shadow = of(job, rank)
+    if shadow is None or not fingerprint or not jobs.in_step(job):
+        return False
+    return ctx().store.put_job_entries(job.id, "shadows", {str(rank): shadow.model_copy(
+        update={"fingerprint": fingerprint})}, when=[s.value for s in ACTIVE]) is not None
 
 
 def _log(job: JobRecord, texts: list[str], key: str) -> None:

@@ -78,7 +78,9 @@ def compare_weights(job: JobRecord | None) -> None:
 def compare_upload(job: JobRecord) -> None:
     """A job other than DILOCO just completed: the weights that came back (rank 0's upload, the
     one ``PUT /jobs/<id>/weights`` takes) against the fingerprints its ranks reported of their
-    final weights (``RankState.fingerprint``; ranks that hold no whole model report none).
+    final weights (``RankState.fingerprint``; ranks that hold no whole model report none), and
+    its step checks' shadows (``Shadow.fingerprint``: they hold the whole model, and report
+    before the ranks do).
 
     - rank 0's upload is not the weights rank 0 reported: it is a suspect (its word about its own
       weights is not borne out by the bytes it sent);
@@ -89,6 +91,7 @@ def compare_upload(job: JobRecord) -> None:
     Nothing is dropped (the job is over); the suspects' clients are not given the job again."""
     held = {int(r): s.fingerprint for r, s in job.ranks.items()
             if s.status == RankStatus.COMPLETED and s.fingerprint}
+    held.update({int(r): s.fingerprint for r, s in job.shadows.items() if s.fingerprint})  # step checks' shadows
     if not held or not job.weights_artifact:
         return
     uploaded = _upload_fingerprint(job.weights_artifact)

@@ -134,6 +134,10 @@ class Collective:
         """The whole model's weights on CPU (``full_state_dict``)."""
         return full_state_dict(model, self.wrap_as, self.spec.rank)
 
+    def report_end(self, report) -> None:
+        """Report the rank's end (``report()``); the step checks order it with their shadows'."""
+        report()
+
 
 def wrap(model: nn.Module, parallelism: str, device: torch.device, units=None, report=None,
          init_sync: bool = True, hook=None) -> nn.Module:

@@ -228,3 +228,22 @@ class Checked(Collective):
 
     def failed_check(self) -> StepCheck | None:
         return None if self.checker is None else self.checker.check
+
+    def report_end(self, report) -> None:
+        """A shadow reports its end (its final weights' fingerprint) before any rank reports its
+        own: shadows report, then meet the ranks at a barrier of the check group, which the ranks
+        pass before they report. The server then holds the shadows' fingerprints with the ranks'
+        against the weights that came back. A party that never comes delays the ranks' reports by
+        the collective timeout at most; they report anyway."""
+        if self.shadow is not None:
+            report()
+        if self.checker is not None:
+            try:
+                opts = dist.BarrierOptions()
+                opts.timeout = datetime.timedelta(seconds=self.spec.collective_timeout)
+                self.checker.group.barrier(opts).wait()
+            except Exception as exc:  # a party gone at the end: the ranks' reports go on without its word
+                log.warning("rank %d: the check group's last barrier failed (%s): reporting anyway",
+                            self.spec.own_rank, exc)
+        if self.shadow is None:
+            report()
