@@ -15,7 +15,7 @@ from conftest import Api
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from test_mutants_scheduler import asked, assignments, job_of, register  # noqa: F401  (asked: a fixture)
 from test_trust_step_check import LIAR, check, fail, settle
-from test_trust_verify import backend_app  # noqa: F401  (backend_app: a fixture)
+from test_trust_verify import backend_app, logs  # noqa: F401  (backend_app: a fixture)
 from workloads import start_placed
 
 
@@ -88,6 +88,10 @@ def test_the_majoritys_check_names_its_ranks_and_the_fsdp_job_is_placed_again(ba
     assert sorted(record["suspects"]) == ["1", "3"], record["suspects"]
     assert record["suspects"]["3"]["reason"] == f"step check, step 5, bucket 0: {LIAR[3]}"
     assert record["avoid"] == sorted([f"gpu-{job['id']}-1", f"gpu-{job['id']}-3"])
+    # the job's log and its waiting reason say which mode's checks named them
+    texts = logs(room_api, job)
+    assert any(t.startswith(f"fsdp step check: rank 1 (gpu client gpu-{job['id']}-1) is a suspect") for t in texts), texts
+    assert record["waiting_reason"].startswith("fsdp step check, step 5, bucket 0"), record["waiting_reason"]
 
 
 def test_an_fsdp_shadows_lost_gpu_client_interrupts_the_job(backend_app):

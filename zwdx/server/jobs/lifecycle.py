@@ -205,8 +205,13 @@ def step_checked(ctx: Ctx, record: JobRecord, check: StepCheck | None, said: str
     if named:
         name_suspects(ctx, record, named, dropped=False)
     who = f"rank(s) {', '.join(map(str, sorted(named)))} named" if named else "nobody named"
-    interrupt(ctx, record.id, f"ddp step check, step {check.step}, bucket {check.bucket}: the gradients disagreed, "
+    interrupt(ctx, record.id, f"{_checks(record)}, step {check.step}, bucket {check.bucket}: the gradients disagreed, "
                               f"{who} ({said})")
+
+
+def _checks(job: JobRecord) -> str:
+    """What names a DDP or FSDP job's suspects in its log: "ddp step check", "fsdp step check"."""
+    return f"{job.spec.parallelism.value.lower()} step check"
 
 
 def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], str]], dropped: bool = True,
@@ -227,7 +232,7 @@ def name_suspects(ctx: Ctx, job: JobRecord, named: dict[int, tuple[list[int], st
         return
     avoid = sorted(set(job.avoid) | {e.client_id for e in entries.values() if e.client_id})
     store.set_job(job.id, {"avoid": avoid})
-    what = what or ("ddp step check" if job.spec.parallelism == Parallelism.DDP else "diloco")
+    what = what or (_checks(job) if in_step(job) else "diloco")
     texts = []
     for r, (rounds, reason) in sorted(named.items()):
         revoke = f"; `zwdx room tokens revoke {tokens[r]}` keeps its donor out of the room" if tokens[r] else ""
