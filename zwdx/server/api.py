@@ -339,10 +339,11 @@ def post_rank_status(job: JobRecord, sender: Sender, rank: int, body: RankReport
     """Only the rank's own key reports for it (403 otherwise). Once the job failed, a rank may
     still report its own failure for a moment (its traceback is kept); nothing else.
     ``weights_artifact`` must name weights uploaded for this job (``PUT /jobs/<id>/weights``), and
-    a DDP step ``check`` only ranks of the attempt's placement: anything else is refused (400) and
-    nothing is recorded. A shadow's reports are not the job's, but a DDP shadow's failure.
+    a DDP/FSDP step ``check`` only ranks of the attempt's placement: anything else is refused (400)
+    and nothing is recorded. A shadow's reports are not the job's, but a DDP/FSDP shadow's failure
+    (and its final weights' fingerprint, for the weights check).
     """
-    # a DDP shadow fails as any rank (``jobs.in_step``); a DILOCO one's failure is noted, the job goes on
+    # a DDP/FSDP shadow fails as any rank (``jobs.in_step``); a DILOCO one's failure is noted, the job goes on
     if shadows.of(job, rank) is not None and not (jobs.in_step(job) and body.status == RankStatus.FAILED):
         only_rank(sender, rank, f"a report for rank {rank}", job.id)
         if body.status == RankStatus.FAILED:

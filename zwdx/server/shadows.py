@@ -18,8 +18,8 @@ A shadow that fails, whose process dies or whose GPU client is lost, is noted (`
 job goes on: its reports are ignored, none of its exits makes the job suspect, and its lost GPU
 client drops no worker and interrupts nothing.
 
-A DDP job's shadows (``verify`` for DDP: step checks) are placed alike but run in step with the
-job (``jobs.in_step``): one lost, exited or failed is any rank's, and what their checks found is
+A DDP or FSDP job's shadows (``verify`` there: step checks) are placed alike but run in step with
+the job (``jobs.in_step``): one lost, exited or failed is any rank's, and what their checks found is
 settled with the attempt (``jobs.step_checked``).
 """
 from __future__ import annotations

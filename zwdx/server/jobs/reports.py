@@ -117,7 +117,7 @@ def rank_failed(ctx: Ctx, job: JobRecord, rank: int, error: str, tb: str, collec
                 exit_code: int | None = None, check: StepCheck | None = None) -> None:
     """A rank reported an exception. ``collective``: it came from torch.distributed (a peer is
     probably gone), so wait to see whether a GPU client was lost before failing the job; so
-    too for a script that exited badly (``exit_code``). ``check``: the DDP step check that
+    too for a script that exited badly (``exit_code``). ``check``: the DDP/FSDP step check that
     stopped it, kept for the attempt's settling (``lifecycle.step_checked``); ignored from a
     job whose steps are not checked."""
     if check is not None and not in_step(job):

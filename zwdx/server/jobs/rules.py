@@ -22,7 +22,7 @@ def overdue(r: JobRecord, now: float, offline: Collection[str], client_timeout: 
             assign_timeout: float) -> str | None:
     """Why this active job should fail now, or None:
     - a rank raised, and every rank reported (or exited), or ``FAILURE_GRACE`` is over
-      (``client_timeout`` once a rank reported a DDP step check: every rank's account counts);
+      (``client_timeout`` once a rank reported a DDP/FSDP step check: every rank's account counts);
     - a rank lost its peers, none of the job's GPU clients is ``offline`` (else it waits
       for them to be declared lost, and is interrupted), and ``client_timeout`` passed or
       every rank exited;
@@ -31,7 +31,7 @@ def overdue(r: JobRecord, now: float, offline: Collection[str], client_timeout: 
     if r.status not in ACTIVE:
         return None
     if r.failing_since is not None:
-        # a DDP step check stops every rank at once, and each one's account counts: they get longer
+        # a step check stops every rank at once, and each one's account counts: they get longer
         grace = client_timeout if in_step(r) and any(f.check for f in r.failures.values()) else FAILURE_GRACE
         if all_heard(r, r.failures) or r.failing_since < now - grace:
             return r.failing_reason or "a rank failed"
@@ -60,7 +60,7 @@ def start_overdue(r: JobRecord, now: float, start_timeout: float) -> str | None:
 
 
 def all_heard(r: JobRecord, failures: Mapping[str, object]) -> bool:
-    """Every rank of the attempt exited, or is in ``failures`` (a DDP job's shadows too: they run
+    """Every rank of the attempt exited, or is in ``failures`` (a DDP/FSDP job's shadows too: they run
     in step with it)."""
     ranks = (r.world_size or 0) + (len(r.shadows) if in_step(r) else 0)
     return all(str(i) in failures or str(i) in r.exits for i in range(ranks))
@@ -73,7 +73,7 @@ def in_step(r: JobRecord) -> bool:
 
 
 def step_verdict(r: JobRecord) -> tuple[StepCheck | None, str] | None:
-    """DDP with ``verify``, once the attempt settles: None if no rank reported a step check; else
+    """DDP or FSDP with ``verify``, once the attempt settles: None if no rank reported a step check; else
     the check held by a strict majority of the attempt's ranks (workers and shadows; so a strict
     majority of those that reported one too: a lone rank's account never names anyone while the
     others still train), with what was said; or None and why none is believed (the accounts
