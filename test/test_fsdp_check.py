@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpu_client.rank.strategies.fsdp_check import FsdpChecked, canonical, shard_of
+from gpu_client.rank.strategies.fsdp_check import FsdpChecked, canonical, padded_shard, shard_of
 from gpu_client.rank.strategies.parallel import full_state_dict, wrap
 from gpu_client.rank.strategies.step_check import StepChecker, StepCheckFailed
 from zwdx.protocol.spec import FSDP
@@ -64,9 +64,11 @@ def _model() -> nn.Module:
     return Net()
 
 
-def _train(model: nn.Module, identity: int, lie: bool) -> None:
-    """``STEPS`` steps of SGD on rank ``identity``'s batches, its own dropout draws; ``lie``: from
-    step 1 on, this process's gradients are not what its rank identity computes."""
+def _train(model: nn.Module, identity: int, lie: str | None) -> None:
+    """``STEPS`` steps of SGD on rank ``identity``'s batches, its own dropout draws, each step
+    followed by an evaluation (``eval()``, ``no_grad``); ``lie``: from step 1 on, this process's
+    gradients are not what its rank identity computes ("loss": its loss scaled; "weights": noise
+    added to its stored weight shards after step 0)."""
     data = torch.Generator().manual_seed(7 + identity)
     torch.manual_seed(100 + identity)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -74,15 +76,24 @@ def _train(model: nn.Module, identity: int, lie: bool) -> None:
         x, y = torch.randn(8, 8, generator=data), torch.randint(0, 3, (8,), generator=data)
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
-        (loss * 1.001 if lie and step >= 1 else loss).backward()
+        (loss * 1.001 if lie == "loss" and step >= 1 else loss).backward()
         optimizer.step()
+        if lie == "weights" and step == 0:  # every unit is sharded here: its parameters are its shards
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().add_(1e-3)
+        model.eval()
+        with torch.no_grad():  # no weights check here: every party would have to meet in it
+            model(x)
+        model.train()
 
 
 def _weights(model: nn.Module) -> dict:
     return full_state_dict(model, "FSDP", dist.get_rank())
 
 
-def _party(port: int, tag: str, rank: int, shadows_of: list[int], liar: int | None, plain: bool, out) -> None:
+def _party(port: int, tag: str, rank: int, shadows_of: list[int], liar: int | None, lie: str, plain: bool,
+           out) -> None:
     """One party: a worker (``rank`` < WORKERS) or a shadow of ``shadows_of[rank - WORKERS]``."""
     torch.set_num_threads(1)
     wait = datetime.timedelta(seconds=TIMEOUT)
@@ -101,12 +112,12 @@ def _party(port: int, tag: str, rank: int, shadows_of: list[int], liar: int | No
     result: dict = {"said": []}
     if plain and worker:
         model = wrap(_model(), "FSDP", torch.device("cpu"))
-        _train(model, identity, lie=False)
+        _train(model, identity, lie=None)
         result["plain"] = _weights(model)
     model = checked.wrap(_model(), torch.device("cpu"), {}, result["said"].append)
     result["start"] = _weights(model)
     try:
-        _train(model, identity, lie=rank == liar)
+        _train(model, identity, lie=lie if rank == liar else None)
     except StepCheckFailed as exc:
         result["check"] = exc.check.model_dump()
         assert checked.failed_check() == exc.check
@@ -117,13 +128,14 @@ def _party(port: int, tag: str, rank: int, shadows_of: list[int], liar: int | No
     out.put((rank, buffer.getvalue()))
 
 
-def _run(tag: str, shadows_of: list[int], liar: int | None = None, plain: bool = False) -> dict[int, dict]:
+def _run(tag: str, shadows_of: list[int], liar: int | None = None, lie: str = "loss",
+         plain: bool = False) -> dict[int, dict]:
     """Every party's result, each in its own process (torch loaded once, in the forkserver)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.fsdp_check", __name__])
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the store binds its own port
     out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, liar, plain, out))
+    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, liar, lie, plain, out))
              for rank in range(WORKERS + len(shadows_of))]
     for proc in procs:
         proc.start()
@@ -162,6 +174,19 @@ def test_the_canonical_form_undoes_fsdps_padded_rank_major_layout():
         assert torch.equal(torch.cat(shards).nan_to_num(), flat.view(world, -1).reshape(-1).nan_to_num())
 
 
+def test_a_shadow_cuts_its_workers_weight_shard_as_fsdp_shards_and_pads_it():
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+    for size in (torch.Size([7, 3]), torch.Size([5]), torch.Size([1, 2]), torch.Size([3, 2, 2])):
+        whole = torch.randn(size)
+        for world in (1, 2, 3, 4):
+            chunks = _chunk_with_empty(whole, world, dim=0)  # FSDP2's sharding; chunk 0 is the padded size
+            for rank, chunk in enumerate(chunks):
+                padded = torch.zeros(chunks[0].numel())
+                padded[:chunk.numel()] = chunk.reshape(-1)
+                assert torch.equal(padded_shard(whole, size, world, rank), padded)  # a shadow's
+                assert torch.equal(padded_shard(chunk, size, world), padded)  # the worker's own
+
+
 @slow
 def test_honest_parties_end_with_plain_fsdps_weights_bit_for_bit():
     results = _run("honest", shadows_of=[0, 1], plain=True)
@@ -182,10 +207,27 @@ def test_a_lie_stops_every_party_at_its_first_lying_step_and_names_the_liar_alon
     results = _run(f"lie-{liar}", shadows_of, liar)
     checks = [r.get("check") for r in results.values()]
     assert checks[0] is not None and all(c == checks[0] for c in checks)  # every party, the same account
-    assert (checks[0]["step"], checks[0]["bucket"]) == (1, 0) and set(checks[0]["named"]) == named
+    assert (checks[0]["step"], checks[0]["bucket"], checks[0]["what"]) == (1, 0, "gradients")
+    assert set(checks[0]["named"]) == named
     # Step 0 was taken, step 1 never: every party holds the same weights, not the start's.
     assert all(_equal(r["weights"], results[0]["weights"]) for r in results.values())
     assert not _equal(results[0]["weights"], results[0]["start"])
+
+
+@slow
+def test_a_rank_that_alters_its_stored_weight_shard_is_named_alone_and_no_honest_rank_is():
+    # Rank 1's shard reaches rank 0's forward through FSDP's all-gather: unchecked, rank 0's
+    # gradients would disagree with its shadow's and rank 0 would be named (rule 5) beside rank 1.
+    results = _run("lie-weights", shadows_of=[0, 1, 1], liar=1, lie="weights")
+    checks = [r.get("check") for r in results.values()]
+    assert checks[0] is not None and all(c == checks[0] for c in checks)  # every party, the same account
+    assert set(checks[0]["named"]) == {"1"} and (checks[0]["step"], checks[0]["what"]) == (1, "weights")
+    assert set(checks[0]["distances"]) == {"1"}  # its shadows' account, rule 3
+    # Stopped before step 1's forward: the shadows hold step 0's weights; the workers, whose weights
+    # are gathered from both, the liar's noise too.
+    shadows = [results[rank]["weights"] for rank in (2, 3, 4)]
+    assert all(_equal(w, shadows[0]) for w in shadows) and not _equal(shadows[0], results[0]["start"])
+    assert _equal(results[0]["weights"], results[1]["weights"]) and not _equal(results[0]["weights"], shadows[0])
 
 
 class _Group:

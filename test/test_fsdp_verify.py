@@ -38,8 +38,9 @@ def test_a_lying_fsdp_rank_is_caught_before_its_step_is_applied_and_the_job_trai
     named = {s["rank"]: s for s in result["suspects"]}
     assert sorted(named) == [0, 1], result["suspects"]  # one shadow: which of the two lies cannot be told
     assert named[0]["client_id"] == "client-a-liar" and named[1]["client_id"] == "client-b", named
-    # Step 0's gradients were honest (the noise comes after the optimizer's step): caught at step 1.
-    assert all(s["reason"].startswith("step check, step 1, bucket 0: ") for s in named.values()), named
+    # Step 0 was honest (the noise comes after the optimizer's step): caught at step 1, in the weights
+    # rank 0 holds as the step's forward begins (fsdp_check.Weights), before any gradient.
+    assert all(s["reason"].startswith("step check, step 1, the weights: ") for s in named.values()), named
     assert sorted(p["client_id"] for p in record["placement"]) == ["client-c", "client-d"]
     assert {"client-a-liar", "client-b"} <= set(record["avoid"])
     # The shadow (FSDP in a world of one: the whole model) reported its final weights before rank 0

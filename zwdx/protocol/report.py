@@ -11,7 +11,7 @@ has no such numbers; ``Reported``), in both directions, to the store and back.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, StringConstraints, WithJsonSchema, \
     model_validator
@@ -134,12 +134,16 @@ class Stored(Answer):
 
 
 class StepCheck(Tolerant):
-    """DDP with ``verify``: a step check that disagreed, as the reporting rank saw it. Every
-    rank of the job (workers and shadows) holds every rank's gradients of the step, so each
-    reports the same account; the server believes the one a strict majority of them gave."""
-    #: The backward pass of this attempt (counted from 0) and the gradient bucket.
+    """DDP or FSDP with ``verify``: a step check that disagreed, as the reporting rank saw it.
+    Every rank of the job (workers and shadows) holds every rank's gradients of the step (FSDP:
+    and weight shards), so each reports the same account; the server believes the one a strict
+    majority of them gave."""
+    #: The backward pass of this attempt (counted from 0) and the gradient bucket (FSDP: unit).
     step: Count
     bucket: Count
+    #: What disagreed: a bucket of the step's ``gradients``; or (FSDP) the ``weights``, each rank's
+    #: stored shard as the step's forward pass began, before FSDP all-gathered it (``bucket`` 0).
+    what: Literal["gradients", "weights"] = "gradients"
     #: The workers whose shadows disagreed with them: worker rank -> {shadow rank: relative L2
     #: distance} (a shadow's rank is its own, from ``world_size`` on; -1: sizes differ).
     distances: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,7}$")],

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import math
 import time
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -46,13 +47,17 @@ from .parallel import Collective, wrap
 
 log = logging.getLogger(__name__)
 
+#: What a check compares (``StepCheck.what``).
+What = Literal["gradients", "weights"]
+
 
 class StepCheckFailed(RuntimeError):
     """A step check disagreed: ``check`` is the account every party of the attempt holds."""
 
     def __init__(self, check: StepCheck):
         named = ", ".join(f"rank {who}" for who in sorted(check.named, key=int)) or "nobody"
-        super().__init__(f"step check: step {check.step}, bucket {check.bucket} disagreed; named: {named}")
+        where = "the weights" if check.what == "weights" else f"bucket {check.bucket}"
+        super().__init__(f"step check: step {check.step}, {where} disagreed; named: {named}")
         self.check = check
 
 
@@ -120,10 +125,11 @@ class StepChecker:
     def _bucket(self, index: int, own: torch.Tensor) -> torch.Tensor:
         return self.checked_sum(index, own).div_(self.workers)
 
-    def checked_sum(self, index: int, own: torch.Tensor) -> torch.Tensor:
+    def checked_sum(self, index: int, own: torch.Tensor, what: What = "gradients") -> torch.Tensor:
         """Steps (1)-(4) of the module's docstring for one bucket of this party's gradient ``own``
         (a CPU tensor): the workers' contributions summed in rank order, undivided, once checked
-        (FSDP's reduce-scatter divides as FSDP asked, ``fsdp_check.py``); else ``StepCheckFailed``."""
+        (FSDP's reduce-scatter divides as FSDP asked, ``fsdp_check.py``); else ``StepCheckFailed``.
+        ``what``: the account's (FSDP checks each rank's weight shard so too, ``"weights"``)."""
         if self.check is not None:  # every party stopped at the same bucket: no more collectives
             raise StepCheckFailed(self.check)
         # A shadow sends zeros: its gradients would tell every worker whom it shadows, and a liar
@@ -139,7 +145,7 @@ class StepChecker:
         if any(v != -1 for v in verdicts):
             worker_of = self._ints(-1 if self.worker_of is None else self.worker_of)
             shown = self._gather(own if self.worker_of is not None else torch.zeros_like(own))
-            self.check = self._account(index, held[:self.workers] + shown[self.workers:], verdicts, worker_of)
+            self.check = self._account(index, held[:self.workers] + shown[self.workers:], verdicts, worker_of, what)
             log.warning("party %d: %s", self.rank, StepCheckFailed(self.check))
             raise StepCheckFailed(self.check)
         total = held[0].clone()
@@ -147,7 +153,8 @@ class StepChecker:
             total.add_(contribution)
         return total
 
-    def _account(self, index: int, held: list[torch.Tensor], verdicts: list[int], worker_of: list[int]) -> StepCheck:
+    def _account(self, index: int, held: list[torch.Tensor], verdicts: list[int], worker_of: list[int],
+                 what: What = "gradients") -> StepCheck:
         """``zwdx.verify.decide`` for each worker a shadow disagreed with, from the contributions
         every party holds; a party whose claim those contributions do not bear out is named too."""
         opinions = [_opinion(who, tensor) for who, tensor in enumerate(held)]
@@ -170,8 +177,8 @@ class StepChecker:
                 distances.setdefault(str(v), {})[str(p)] = d
             else:
                 distances.setdefault(str(p), {})
-            named.setdefault(str(p), f"claimed a disagreement with rank {v} that the step's gradients do not show")
-        return StepCheck(step=self.step, bucket=index, distances=distances, named=named)
+            named.setdefault(str(p), f"claimed a disagreement with rank {v} that the step's {what} do not show")
+        return StepCheck(step=self.step, bucket=index, what=what, distances=distances, named=named)
 
 
 class Checked(Collective):

@@ -199,14 +199,14 @@ def step_checked(ctx: Ctx, record: JobRecord, check: StepCheck | None, said: str
         fail(ctx, record.id, said)
         return
     ranks = {p.rank for p in record.placement or []}
+    # FSDP checks each rank's weight shard too (``StepCheck.what``): not a bucket of gradients
+    where = f"step {check.step}, " + ("the weights" if check.what == "weights" else f"bucket {check.bucket}")
     named: dict[int, tuple[list[int], str]] = {
-        int(r): ([], f"step check, step {check.step}, bucket {check.bucket}: {why}") for r, why in check.named.items()
-        if int(r) in ranks}
+        int(r): ([], f"step check, {where}: {why}") for r, why in check.named.items() if int(r) in ranks}
     if named:
         name_suspects(ctx, record, named, dropped=False)
     who = f"rank(s) {', '.join(map(str, sorted(named)))} named" if named else "nobody named"
-    interrupt(ctx, record.id, f"{_checks(record)}, step {check.step}, bucket {check.bucket}: the gradients disagreed, "
-                              f"{who} ({said})")
+    interrupt(ctx, record.id, f"{_checks(record)}, {where}: the {check.what} disagreed, {who} ({said})")
 
 
 def _checks(job: JobRecord) -> str:
