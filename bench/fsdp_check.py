@@ -4,9 +4,11 @@ a zwdx rank wraps it (``parallel.wrap``, then ``fsdp_check.attach`` for the chec
 
     .venv/bin/python bench/fsdp_check.py [--steps 40] [--repeats 3] [--workers 2]
 
-Rows as ``step_check.py``'s for DDP (its models): plain FSDP of W ranks; W workers + W shadows
-(verify=1; a shadow runs FSDP in a world of one); plain FSDP of 2W ranks (as many processes as the
-checked run). One FSDP unit per model (its root). Median of ``--repeats`` runs, lowest and highest.
+Runs as ``step_check.py``'s for DDP (its models), side by side: plain FSDP of W ranks; W workers
++ W shadows (verify=1; a shadow runs FSDP in a world of one) with the gradients checked alone, then
+with the weights check too (``fsdp_check.Weights``: every rank's weight shard before each forward);
+plain FSDP of 2W ranks (as many processes as the checked runs). One FSDP unit per model (its root).
+Median of ``--repeats`` runs, lowest and highest.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from torch import nn
 from step_check import MODELS, TIMEOUT, WARMUP
 
 
-def _party(port: int, tag: str, rank: int, workers: int, shadows: int, model_name: str, steps: int, out) -> None:
+def _party(port: int, tag: str, rank: int, workers: int, shadows: int, weights: bool, model_name: str, steps: int,
+           out) -> None:
     from gpu_client.rank.strategies.fsdp_check import Steps, attach
     from gpu_client.rank.strategies.parallel import wrap
     from gpu_client.rank.strategies.step_check import StepChecker, check_group
@@ -41,7 +44,8 @@ def _party(port: int, tag: str, rank: int, workers: int, shadows: int, model_nam
     model = wrap(make(), "FSDP", torch.device("cpu"))
     if shadows:
         group = check_group(dist.PrefixStore(tag, store), 0, rank, workers + shadows, TIMEOUT)
-        attach(model, Steps(StepChecker(group, workers, rank, None if worker else rank - workers)), workers)
+        attach(model, Steps(StepChecker(group, workers, rank, None if worker else rank - workers)), workers,
+               weights=weights)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     torch.manual_seed(100 + (rank if worker else rank - workers))
     x, y = torch.randn(batch, features), torch.randn(batch, model[-1].out_features)
@@ -56,13 +60,14 @@ def _party(port: int, tag: str, rank: int, workers: int, shadows: int, model_nam
     out.put((rank, steps / seconds))
 
 
-def run(tag: str, workers: int, shadows: int, model_name: str, steps: int) -> float:
+def run(tag: str, workers: int, shadows: int, weights: bool, model_name: str, steps: int) -> float:
     """Rank 0's steps per second in one run."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.fsdp_check"])
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # binds its own port
     out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, workers, shadows, model_name, steps, out))
+    procs = [context.Process(target=_party, args=(store.port, tag, rank, workers, shadows, weights, model_name, steps,
+                                                     out))
              for rank in range(workers + shadows)]
     for proc in procs:
         proc.start()
@@ -84,17 +89,19 @@ def main() -> None:
     parser.add_argument("--models", default="test,mlp")
     args = parser.parse_args()
     w = args.workers
-    rows = [(f"plain FSDP, {w} ranks", w, 0), (f"step checks, {w} workers + {w} shadows", w, w),
-            (f"plain FSDP, {2 * w} ranks (same processes)", 2 * w, 0)]
-    print("| model | run | steps/s (median) | lowest-highest | ms/step |")
-    print("|---|---|---|---|---|")
+    runs = [(f"plain FSDP, {w} ranks", w, 0, False), (f"{w} workers + {w} shadows, gradients", w, w, False),
+            (f"{w} workers + {w} shadows, gradients + weights", w, w, True),
+            (f"plain FSDP, {2 * w} ranks (same processes)", 2 * w, 0, False)]
+    print(f"steps/s of rank 0, median (lowest-highest) of {args.repeats} runs of {args.steps} steps")
+    print("| model | " + " | ".join(label for label, *_ in runs) + " |")
+    print("|---" * (len(runs) + 1) + "|")
     for model_name in args.models.split(","):
-        for label, workers, shadows in rows:
-            rates = [run(f"{model_name}-{workers}-{shadows}-{i}", workers, shadows, model_name, args.steps)
-                     for i in range(args.repeats)]
-            median = statistics.median(rates)
-            print(f"| {model_name} | {label} | {median:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
-                  f"{1000 / median:.2f} |", flush=True)
+        cells = []
+        for _, workers, shadows, weights in runs:
+            rates = [run(f"{model_name}-{workers}-{shadows}-{weights}-{i}", workers, shadows, weights, model_name,
+                         args.steps) for i in range(args.repeats)]
+            cells.append(f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})")
+        print(f"| {model_name} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
