@@ -51,7 +51,7 @@ GROUP_SECONDS = {"test/test_diloco_verify.py": 274, "docker": 270, "test/test_op
                  "test/test_netns.py": 70, "test/test_lost_peer.py": 68, "test/test_e2e.py": 66,
                  "test/test_promises_resilience.py": 65, "test/test_dashboard_browser.py": 63,
                  "test/test_diloco_netns.py": 58, "test/test_ddp_verify.py": 90, "test/test_step_check.py": 70,
-                 "test/test_fsdp_verify.py": 75, "test/test_fsdp_check.py": 40}
+                 "test/test_fsdp_verify.py": 75, "test/test_fsdp_check.py": 55}
 
 
 def pytest_configure(config):

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpu_client.rank.strategies.fsdp_check import FsdpChecked, canonical, padded_shard, shard_of
+from gpu_client.rank.strategies.fsdp_check import FsdpChecked, canonical, shard_of
+from gpu_client.rank.strategies.fsdp_weights import padded_shard
 from gpu_client.rank.strategies.parallel import full_state_dict, wrap
 from gpu_client.rank.strategies.step_check import StepChecker, StepCheckFailed
 from zwdx.protocol.spec import FSDP
@@ -215,17 +216,22 @@ def test_a_lie_stops_every_party_at_its_first_lying_step_and_names_the_liar_alon
 
 
 @slow
-def test_a_rank_that_alters_its_stored_weight_shard_is_named_alone_and_no_honest_rank_is():
-    # Rank 1's shard reaches rank 0's forward through FSDP's all-gather: unchecked, rank 0's
-    # gradients would disagree with its shadow's and rank 0 would be named (rule 5) beside rank 1.
-    results = _run("lie-weights", shadows_of=[0, 1, 1], liar=1, lie="weights")
+@pytest.mark.parametrize("shadows_of, liar", [
+    ([0, 1, 1], 1),  # its own two shadows agree (rule 3); rank 0's shadow backs rank 0
+    ([1, 1], 0),     # nobody shadows it: rank 1's two shadows check its shard too
+], ids=["shadowed", "unshadowed"])
+def test_a_rank_that_alters_its_stored_weight_shard_is_named_alone_and_no_honest_rank_is(shadows_of, liar):
+    # The liar's shard reaches the honest rank's forward through FSDP's all-gather: unchecked, the
+    # honest rank's gradients would disagree with its shadows' and it would be named.
+    results = _run(f"lie-weights-{liar}", shadows_of, liar=liar, lie="weights")
     checks = [r.get("check") for r in results.values()]
     assert checks[0] is not None and all(c == checks[0] for c in checks)  # every party, the same account
-    assert set(checks[0]["named"]) == {"1"} and (checks[0]["step"], checks[0]["what"]) == (1, "weights")
-    assert set(checks[0]["distances"]) == {"1"}  # its shadows' account, rule 3
+    assert set(checks[0]["named"]) == {str(liar)} and (checks[0]["step"], checks[0]["what"]) == (1, "weights")
+    assert set(checks[0]["distances"]) == {str(liar)}  # every shadow's account of it
+    assert len(checks[0]["distances"][str(liar)]) == len(shadows_of)
     # Stopped before step 1's forward: the shadows hold step 0's weights; the workers, whose weights
     # are gathered from both, the liar's noise too.
-    shadows = [results[rank]["weights"] for rank in (2, 3, 4)]
+    shadows = [r["weights"] for rank, r in results.items() if rank >= WORKERS]
     assert all(_equal(w, shadows[0]) for w in shadows) and not _equal(shadows[0], results[0]["start"])
     assert _equal(results[0]["weights"], results[1]["weights"]) and not _equal(results[0]["weights"], shadows[0])
 
@@ -260,6 +266,47 @@ def test_every_party_sums_the_workers_gradients_in_rank_order_and_a_shadow_sends
         totals.append(checker.checked_sum(0, own.clone()))
         assert torch.equal(group.sent[0], torch.zeros(2) if rank == 3 else own)  # whom it shadows stays secret
     assert all(torch.equal(t, torch.tensor([0.0, 0.0])) for t in totals), totals
+
+
+class _Scripted:
+    """A check group of 2 workers and 2 shadows whose all-gathers answer from ``script`` (each
+    call's every party's tensor), this party's own at ``rank``."""
+
+    def __init__(self, rank: int, script: list[list[torch.Tensor]]):
+        self.rank, self.script = rank, list(script)
+
+    def size(self) -> int:
+        return 4
+
+    def allgather(self, outs, ins):
+        for who, (out, given) in enumerate(zip(outs[0], self.script.pop(0))):
+            out.copy_(ins[0] if who == self.rank else given)
+        return SimpleNamespace(wait=lambda: None)
+
+
+@pytest.mark.parametrize("shown, why", [
+    (1.0, "disagreed with the worker (rank 1), which another shadow confirmed"),  # its expectation is wrong
+    (0.0, "claimed rank 1's weight shard was not what it should be"),  # it shows the truth, flags anyway
+], ids=["wrong-expectation", "unfounded-flag"])
+def test_a_shadow_that_flags_an_honest_workers_weight_shard_is_named_alone(shown, why):
+    from gpu_client.rank.strategies.fsdp_check import Steps
+    from gpu_client.rank.strategies.fsdp_weights import Weights
+    truth = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0])]  # each worker's padded shards
+    flags = [torch.zeros(2, dtype=torch.uint8)] * 4
+    script = [truth + [torch.zeros(2)] * 2,  # (1) the workers' vectors; shadows send zeros
+              flags[:2] + [torch.tensor([0, 1], dtype=torch.uint8), flags[3]],  # shadow 2 flags rank 1
+              [torch.zeros(2, 2)] * 2 + [torch.stack([truth[0], truth[1] + shown]), torch.stack(truth)]]
+    accounts = []
+    for rank in (0, 1, 3):  # the honest parties, each with the liar's word (2) from the script
+        checker = StepChecker(_Scripted(rank, script), 2, rank, worker_of=1 if rank >= 2 else None)
+        weights = Weights.__new__(Weights)  # no model: every party's shards are the truth
+        weights.steps, weights.checker, weights.workers, weights.shadow = Steps(checker), checker, 2, rank >= 2
+        weights.shards = truth.__getitem__
+        with pytest.raises(StepCheckFailed) as caught:
+            weights.check()
+        accounts.append(caught.value.check)
+    assert all(a == accounts[0] for a in accounts) and accounts[0].what == "weights"
+    assert set(accounts[0].named) == {"2"} and accounts[0].named["2"].startswith(why), accounts[0]
 
 
 def _spec(verify: float, rank: int = 0, shadow: int | None = None, tp=None):

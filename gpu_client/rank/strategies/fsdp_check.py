@@ -13,12 +13,8 @@ FSDP2's reduce-scatter, one check per FSDP unit's gradients instead of per DDP b
   worker's own padded shard, divided as FSDP's op asked (AVG: by W, as gloo's reduce-scatter does);
   the whole for a world of one, divided by W.
 
-Weights too: a rank's weight shard reaches every rank's forward and backward through FSDP's
-all-gather, so a rank that alters its stored shard would make every shadowed rank's gradients
-disagree with its shadows' and honest ranks would be named. ``Weights``, a forward pre-hook on the
-root that runs before FSDP's own (registered later, with ``prepend``), checks each party's stored
-shards as a bucket is checked before every training forward (``what="weights"``): a worker sends
-its own, a shadow the ones its worker should hold.
+Weights too (``fsdp_weights.py``): before every training forward, every shadow checks every
+worker's stored weight shards, which reach every rank through FSDP's all-gather.
 
 Why two hooks: FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) calls the custom
 reduce-scatter only when the group has more than one rank; with one it copies the input to the
@@ -39,8 +35,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gpu_client.rank.failures import collectives
 
+from . import fsdp_weights
 from .parallel import wrap
-from .step_check import Checked, StepChecker, StepCheckFailed, What
+from .step_check import Checked, StepChecker, StepCheckFailed
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +64,8 @@ class Steps:
     def check(self, canonical: torch.Tensor) -> torch.Tensor:
         """The workers' checked sum of one unit's canonical gradients (``StepChecker.checked_sum``)."""
         index, self.bucket = self.bucket, self.bucket + 1
-        return self._checked(index, canonical, "gradients")
-
-    def weights(self, shards: torch.Tensor) -> None:
-        """The step's weight shards checked as a bucket is (the sum, meaningless, is dropped)."""
-        self.forward()  # the step begins here (FSDP's pre-forward and ``forward`` come after)
-        self._checked(0, shards, "weights")
-
-    def _checked(self, index: int, own: torch.Tensor, what: What) -> torch.Tensor:
         try:
-            return self.checker.checked_sum(index, own.detach().cpu(), what)
+            return self.checker.checked_sum(index, canonical.detach().cpu())
         except StepCheckFailed:
             raise
         except Exception as exc:  # a lost party: as a lost peer of FSDP's own reduce-scatter
@@ -154,51 +143,6 @@ class _Whole:
         output.copy_(self.steps.check(output.view(-1)).div_(self.workers))
 
 
-def padded_shard(tensor: torch.Tensor, size: torch.Size, workers: int, rank: int | None = None) -> torch.Tensor:
-    """One parameter's shard as FSDP's all-gather sends it: ``tensor``, flat, zero-padded to the
-    padded shard of ``workers`` ranks (the first ``torch.chunk`` of dim 0 of ``size``: every
-    rank's). ``rank``: ``tensor`` is the whole parameter, and rank ``rank``'s chunk of it is cut
-    first (none past the last chunk, as ``_chunk_with_empty``)."""
-    if rank is not None:
-        chunks = torch.chunk(tensor, workers, dim=0)
-        tensor = chunks[rank] if rank < len(chunks) else tensor[:0]
-    padded = tensor.new_zeros(math.ceil(size[0] / workers) * math.prod(size[1:]))
-    padded[:tensor.numel()] = tensor.reshape(-1)
-    return padded
-
-
-class Weights:
-    """The root's forward pre-hook, before FSDP's: every party's weight shards checked (module
-    docstring), in training forwards only (``training`` and grad enabled): every party runs the
-    same user code, so all meet here as often, and an ``eval()`` or ``no_grad`` pass meets no one.
-
-    A party's vector: each FSDP parameter's shard of the worker ``rank``, padded with zeros to
-    FSDP's padded shard (the first ``torch.chunk`` of dim 0, as ``_chunk_with_empty`` cuts: the
-    same size on every rank), in the units' order. A worker of W ranks holds its shard
-    (``sharded_param``, a view of the padded data the all-gather sends); a party alone (a shadow,
-    or a one-rank job's worker) holds the whole parameter and cuts the shard from it."""
-
-    def __init__(self, steps: Steps, model: FSDPModule, workers: int):
-        checker = steps.checker
-        self.steps, self.workers = steps, workers
-        self.rank = checker.rank if checker.worker_of is None else checker.worker_of
-        self.alone = dist.get_world_size() == 1
-        self.state = model._get_fsdp_state()
-        self.params = [p for module in model.modules() if isinstance(module, FSDPModule)
-                       if (group := module._get_fsdp_state()._fsdp_param_group) is not None
-                       for p in group.fsdp_params]
-
-    def shards(self) -> torch.Tensor:
-        return torch.cat([padded_shard(p.sharded_param.to_local().detach(), p._orig_size, self.workers,
-                                       self.rank if self.alone else None) for p in self.params])
-
-    def __call__(self, module: nn.Module, args) -> None:
-        if module.training and torch.is_grad_enabled():
-            # FSDP's next hook would: a parameter replaced since ``fully_shard`` is its shard from here on
-            self.state._lazy_init()
-            self.steps.weights(self.shards())
-
-
 def units(model: nn.Module) -> list[tuple[FSDPModule, list[torch.Size]]]:
     """Every FSDP unit with parameters, and the sizes of its trainable ones in its reduce order."""
     found = []
@@ -233,8 +177,8 @@ def attach(model: nn.Module, steps: Steps, workers: int, weights: bool = True) -
     assert isinstance(model, FSDPModule)
     model.set_reduce_scatter_unused_params(True)
     model.register_forward_pre_hook(steps.forward)
-    if weights:  # prepend: before FSDP's pre-forward, registered by fully_shard with prepend too
-        model.register_forward_pre_hook(Weights(steps, model, workers), prepend=True)
+    if weights:
+        fsdp_weights.attach(model, steps, workers)
     alone = dist.get_world_size() == 1
     for module, sizes in units(model):
         if alone:

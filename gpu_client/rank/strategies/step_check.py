@@ -31,7 +31,6 @@ import hashlib
 import logging
 import math
 import time
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -46,9 +45,6 @@ from gpu_client.rank.rendezvous import listening
 from .parallel import Collective, wrap
 
 log = logging.getLogger(__name__)
-
-#: What a check compares (``StepCheck.what``).
-What = Literal["gradients", "weights"]
 
 
 class StepCheckFailed(RuntimeError):
@@ -125,11 +121,10 @@ class StepChecker:
     def _bucket(self, index: int, own: torch.Tensor) -> torch.Tensor:
         return self.checked_sum(index, own).div_(self.workers)
 
-    def checked_sum(self, index: int, own: torch.Tensor, what: What = "gradients") -> torch.Tensor:
+    def checked_sum(self, index: int, own: torch.Tensor) -> torch.Tensor:
         """Steps (1)-(4) of the module's docstring for one bucket of this party's gradient ``own``
         (a CPU tensor): the workers' contributions summed in rank order, undivided, once checked
-        (FSDP's reduce-scatter divides as FSDP asked, ``fsdp_check.py``); else ``StepCheckFailed``.
-        ``what``: the account's (FSDP checks each rank's weight shard so too, ``"weights"``)."""
+        (FSDP's reduce-scatter divides as FSDP asked, ``fsdp_check.py``); else ``StepCheckFailed``."""
         if self.check is not None:  # every party stopped at the same bucket: no more collectives
             raise StepCheckFailed(self.check)
         # A shadow sends zeros: its gradients would tell every worker whom it shadows, and a liar
@@ -145,7 +140,7 @@ class StepChecker:
         if any(v != -1 for v in verdicts):
             worker_of = self._ints(-1 if self.worker_of is None else self.worker_of)
             shown = self._gather(own if self.worker_of is not None else torch.zeros_like(own))
-            self.check = self._account(index, held[:self.workers] + shown[self.workers:], verdicts, worker_of, what)
+            self.check = self._account(index, held[:self.workers] + shown[self.workers:], verdicts, worker_of)
             log.warning("party %d: %s", self.rank, StepCheckFailed(self.check))
             raise StepCheckFailed(self.check)
         total = held[0].clone()
@@ -153,8 +148,7 @@ class StepChecker:
             total.add_(contribution)
         return total
 
-    def _account(self, index: int, held: list[torch.Tensor], verdicts: list[int], worker_of: list[int],
-                 what: What = "gradients") -> StepCheck:
+    def _account(self, index: int, held: list[torch.Tensor], verdicts: list[int], worker_of: list[int]) -> StepCheck:
         """``zwdx.verify.decide`` for each worker a shadow disagreed with, from the contributions
         every party holds; a party whose claim those contributions do not bear out is named too."""
         opinions = [_opinion(who, tensor) for who, tensor in enumerate(held)]
@@ -177,8 +171,8 @@ class StepChecker:
                 distances.setdefault(str(v), {})[str(p)] = d
             else:
                 distances.setdefault(str(p), {})
-            named.setdefault(str(p), f"claimed a disagreement with rank {v} that the step's {what} do not show")
-        return StepCheck(step=self.step, bucket=index, what=what, distances=distances, named=named)
+            named.setdefault(str(p), f"claimed a disagreement with rank {v} that the step's gradients do not show")
+        return StepCheck(step=self.step, bucket=index, distances=distances, named=named)
 
 
 class Checked(Collective):
