@@ -289,7 +289,6 @@ class _Scripted:
     (0.0, "claimed rank 1's weight shard was not what it should be"),  # it shows the truth, flags anyway
 ], ids=["wrong-expectation", "unfounded-flag"])
 def test_a_shadow_that_flags_an_honest_workers_weight_shard_is_named_alone(shown, why):
-    from gpu_client.rank.strategies.fsdp_check import Steps
     from gpu_client.rank.strategies.fsdp_weights import Weights
     truth = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0])]  # each worker's padded shards
     flags = [torch.zeros(2, dtype=torch.uint8)] * 4
@@ -300,7 +299,7 @@ def test_a_shadow_that_flags_an_honest_workers_weight_shard_is_named_alone(shown
     for rank in (0, 1, 3):  # the honest parties, each with the liar's word (2) from the script
         checker = StepChecker(_Scripted(rank, script), 2, rank, worker_of=1 if rank >= 2 else None)
         weights = Weights.__new__(Weights)  # no model: every party's shards are the truth
-        weights.steps, weights.checker, weights.workers, weights.shadow = Steps(checker), checker, 2, rank >= 2
+        weights.checker, weights.workers, weights.shadow = checker, 2, rank >= 2
         weights.shards = truth.__getitem__
         with pytest.raises(StepCheckFailed) as caught:
             weights.check()

@@ -178,7 +178,7 @@ def attach(model: nn.Module, steps: Steps, workers: int, weights: bool = True) -
     model.set_reduce_scatter_unused_params(True)
     model.register_forward_pre_hook(steps.forward)
     if weights:
-        fsdp_weights.attach(model, steps, workers)
+        fsdp_weights.attach(model, steps.checker, steps.forward, workers)
     alone = dist.get_world_size() == 1
     for module, sizes in units(model):
         if alone:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,7 @@ from zwdx.protocol.report import StepCheck
 
 from gpu_client.rank.failures import collectives
 
-from .step_check import StepCheckFailed, _opinion
-
-if TYPE_CHECKING:
-    from .fsdp_check import Steps
+from .step_check import StepChecker, StepCheckFailed, _opinion
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +64,10 @@ class Weights:
     """The root's forward pre-hook, before FSDP's (registered after ``fully_shard``'s, with
     ``prepend``): the module docstring's check, in training forwards only (``training`` and grad
     enabled): every party runs the same user code, so all meet here as often, and an ``eval()`` or
-    ``no_grad`` pass meets no one. ``steps``: ``fsdp_check.Steps`` (its checker, the step count)."""
+    ``no_grad`` pass meets no one. ``begin``: what starts a step (``fsdp_check.Steps.forward``)."""
 
-    def __init__(self, steps: Steps, model: FSDPModule, workers: int):
-        self.steps, self.checker, self.workers = steps, steps.checker, workers
+    def __init__(self, checker: StepChecker, begin: Callable[[], None], model: FSDPModule, workers: int):
+        self.checker, self.begin, self.workers = checker, begin, workers
         self.shadow = self.checker.worker_of is not None
         self.alone = dist.get_world_size() == 1  # the whole model here: a shadow, or a one-rank job
         self.state = model._get_fsdp_state()
@@ -88,7 +85,7 @@ class Weights:
         if not (module.training and torch.is_grad_enabled()):
             return
         self.state._lazy_init()  # FSDP's next hook would: a parameter replaced since fully_shard counts from here
-        self.steps.forward()  # the step begins here (FSDP's pre-forward comes after)
+        self.begin()  # the step begins here (FSDP's pre-forward comes after)
         try:
             self.check()
         except StepCheckFailed:
@@ -137,7 +134,7 @@ class Weights:
         return StepCheck(step=checker.step, bucket=0, what="weights", distances=distances, named=named)
 
 
-def attach(model: FSDPModule, steps: Steps, workers: int) -> None:
+def attach(model: FSDPModule, checker: StepChecker, begin: Callable[[], None], workers: int) -> None:
     """The weights check on ``model`` (wrapped), ahead of FSDP's own pre-forward."""
-    model.register_forward_pre_hook(Weights(steps, model, workers), prepend=True)
+    model.register_forward_pre_hook(Weights(checker, begin, model, workers), prepend=True)
 
