@@ -178,6 +178,8 @@ def test_a_gpu_client_of_a_newer_minor_joins_and_its_extra_field_is_ignored(serv
                                for c in sdk.get_room(room["token"])["clients"]), 120,
                    what=f"the newer GPU client online\n{client.output()}")
         assert "a Register carried field 'future_field'" in server.output()
-        assert f"server zwdx {__version__}, protocol {PROTOCOL}" in client.output()
+        # the client prints what it connected to once registered: its output may come a moment later
+        wait_until(lambda: f"server zwdx {__version__}, protocol {PROTOCOL}" in client.output(), 30,
+                   what=f"the client saying the server's version\n{client.output()}")
     finally:
         client.stop()
