@@ -212,6 +212,17 @@ def test_accounts_that_differ_fail_the_job_and_name_nobody(backend_app):
         record["reason"], record["reason"]
 
 
+def test_accounts_of_the_weights_and_of_the_gradients_are_not_the_same_account(backend_app):
+    """The same step, bucket and names, but one says the weights disagreed and the other the
+    gradients: two accounts, neither a majority's (rules.step_verdict keys on ``what`` too)."""
+    room_api, job, ranks = checked(backend_app, {1: 0}, workers=1)
+    assert fail(ranks[0], job, 0, {**check(2, {0: "it"}), "what": "weights"}).json["ok"]
+    assert fail(ranks[1], job, 1, check(2, {0: "it"})).json["ok"]
+    settle(backend_app)
+    record = room_api.get(f"/jobs/{job['id']}").json
+    assert record["status"] == "failed" and record["suspects"] == {}, record
+
+
 def earlier(app, job: dict, seconds: float) -> None:
     """The job's first failure came ``seconds`` earlier than it did."""
     store = app.extensions["zwdx"].store

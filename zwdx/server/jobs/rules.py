@@ -77,12 +77,14 @@ def step_verdict(r: JobRecord) -> tuple[StepCheck | None, str] | None:
     the check held by a strict majority of the attempt's ranks (workers and shadows; so a strict
     majority of those that reported one too: a lone rank's account never names anyone while the
     others still train), with what was said; or None and why none is believed (the accounts
-    differ). Identical accounts: the same step, bucket and ``named``."""
-    held: dict[tuple[int, int, tuple[tuple[str, str], ...]], list[int]] = {}
-    accounts: dict[tuple[int, int, tuple[tuple[str, str], ...]], StepCheck] = {}
+    differ). Identical accounts: the same step, check (``what``: gradients or weights), bucket and
+    ``named``."""
+    held: dict[tuple[int, str, int, tuple[tuple[str, str], ...]], list[int]] = {}
+    accounts: dict[tuple[int, str, int, tuple[tuple[str, str], ...]], StepCheck] = {}
     for rank, failure in r.failures.items():
         if failure.check is not None:
-            key = (failure.check.step, failure.check.bucket, tuple(sorted(failure.check.named.items())))
+            check = failure.check
+            key = (check.step, check.what, check.bucket, tuple(sorted(check.named.items())))
             held.setdefault(key, []).append(int(rank))
             accounts[key] = failure.check
     if not held:
