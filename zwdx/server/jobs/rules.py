@@ -84,9 +84,10 @@ def step_verdict(r: JobRecord) -> tuple[StepCheck | None, str] | None:
     for rank, failure in r.failures.items():
         if failure.check is not None:
             check = failure.check
-            key = (check.step, check.what, check.bucket, tuple(sorted(check.named.items())))
-            held.setdefault(key, []).append(int(rank))
-            accounts[key] = failure.check
+            said_by: tuple[int, str, int, tuple[tuple[str, str], ...]] = (
+                check.step, check.what, check.bucket, tuple(sorted(check.named.items())))
+            held.setdefault(said_by, []).append(int(rank))
+            accounts[said_by] = check
     if not held:
         return None
     ranks = (r.world_size or 0) + len(r.shadows)
