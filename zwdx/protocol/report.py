@@ -154,6 +154,11 @@ class StepCheck(Tolerant):
     named: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,7}$")],
                           Annotated[str, clipped(500)]], Field(max_length=8192)]
 
+    @property
+    def where(self) -> str:
+        """What disagreed, said in a line: ``the weights``, or ``bucket <bucket>``."""
+        return "the weights" if self.what == "weights" else f"bucket {self.bucket}"
+
 
 class RankReport(Tolerant):
     """``POST /api/v1/jobs/<id>/ranks/<rank>``: a rank started, completed or failed."""

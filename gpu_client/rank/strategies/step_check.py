@@ -52,8 +52,7 @@ class StepCheckFailed(RuntimeError):
 
     def __init__(self, check: StepCheck):
         named = ", ".join(f"rank {who}" for who in sorted(check.named, key=int)) or "nobody"
-        where = "the weights" if check.what == "weights" else f"bucket {check.bucket}"
-        super().__init__(f"step check: step {check.step}, {where} disagreed; named: {named}")
+        super().__init__(f"step check: step {check.step}, {check.where} disagreed; named: {named}")
         self.check = check
 
 

@@ -199,8 +199,7 @@ def step_checked(ctx: Ctx, record: JobRecord, check: StepCheck | None, said: str
         fail(ctx, record.id, said)
         return
     ranks = {p.rank for p in record.placement or []}
-    # FSDP checks each rank's weight shard too (``StepCheck.what``): not a bucket of gradients
-    where = f"step {check.step}, " + ("the weights" if check.what == "weights" else f"bucket {check.bucket}")
+    where = f"step {check.step}, {check.where}"  # FSDP checks each rank's weight shard too: not a bucket
     named: dict[int, tuple[list[int], str]] = {
         int(r): ([], f"step check, {where}: {why}") for r, why in check.named.items() if int(r) in ranks}
     if named:
