@@ -35,10 +35,10 @@ import numpy as np
 
 from .. import codec
 from ..errors import BadRequest
-from ..protocol import ArtifactKind, EventKind, Parallelism
+from ..protocol import ArtifactKind, Parallelism
 from ..protocol.job import Job as JobRecord
 from .http import ctx
-from . import notify
+from . import jobs
 
 log = logging.getLogger(__name__)
 
@@ -366,10 +366,4 @@ def fingerprint(tensors: dict[str, bytes]) -> str:
 
 
 def _say(job: JobRecord, text: str, warn: bool) -> None:
-    (log.warning if warn else log.info)("job %s: %s", job.id, text)
-    if warn:
-        fresh = ctx().store.get_job(job.id) or job
-        ctx().store.set_job(job.id, {"warnings": [*fresh.warnings, text]})
-    notify.events_added(job, ctx().store.add_events(job.id, [{
-        "kind": EventKind.LOG.value, "rank": None, "key": f"diloco-weights:{job.attempt}", "step": None,
-        "data": {"text": f"WARNING: {text}" if warn else text}, "ts": time.time()}]))
+    jobs.job_line(ctx(), job, text, "diloco-weights", warn)

@@ -16,14 +16,13 @@ the fingerprints the ranks reported, so the weights are not rank 0's word alone.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 
 from .. import robust
-from ..protocol import EventKind, JobStatus, Parallelism, RankStatus
+from ..protocol import JobStatus, Parallelism, RankStatus
 from ..protocol.job import Job as JobRecord
 from .http import ctx
-from . import global_weights, jobs, notify
+from . import global_weights, jobs
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +63,9 @@ def compare_weights(job: JobRecord | None) -> None:
     weights = ctx().store.get_artifact(job.weights_artifact) if job.weights_artifact else None
     reference, whose = (weights or {}).get("global_fingerprint"), "the server's global weights"
     if reference is None:
-        reference, votes = Counter(held.values()).most_common(1)[0]
-        if 2 * votes <= len(held):
+        if (found := _majority(held)) is None:
             return
-        agree = sorted(r for r, fp in held.items() if fp == reference)
+        reference, agree = found
         whose = f"those of rank(s) {', '.join(map(str, agree))} (the majority)"
     named = {r: ([], f"its final weights are not {whose} (fingerprint {fp[:12]}, not {reference[:12]})")
              for r, fp in held.items() if fp != reference and r not in job.suspected()}
@@ -100,17 +98,17 @@ def compare_upload(job: JobRecord) -> None:
     if 0 in held and held[0] != uploaded:
         named[0] = ([], f"the weights it uploaded (fingerprint {shown}) are not the weights it reported "
                         f"({held[0][:12]})")
-    reference, votes = Counter(held.values()).most_common(1)[0]
-    if 2 * votes > len(held):
-        majority = f"rank(s) {', '.join(str(r) for r in sorted(held) if held[r] == reference)}" + \
-            (" (the majority)" if len(held) > 1 else "")
+    if (found := _majority(held)) is not None:
+        reference, agree = found
+        majority = f"rank(s) {', '.join(map(str, agree))}" + (" (the majority)" if len(held) > 1 else "")
         for r, fp in held.items():
             if fp != reference:
                 named.setdefault(r, ([], f"its final weights are not those of {majority} (fingerprint {fp[:12]}, "
                                          f"not {reference[:12]})"))
         if uploaded != reference:
-            _warn(job, f"the weights that came back (rank 0's upload, fingerprint {shown}) are not the weights "
-                       f"{majority} reported ({reference[:12]}): do not trust them")
+            jobs.job_line(ctx(), job, f"the weights that came back (rank 0's upload, fingerprint {shown}) are not "
+                                      f"the weights {majority} reported ({reference[:12]}): do not trust them",
+                          "weights-check")
     named = {r: why for r, why in named.items() if r not in job.suspected()}
     if named:
         jobs.name_suspects(ctx(), job, named, dropped=False, what="weights check")
@@ -121,18 +119,18 @@ def _upload_fingerprint(artifact_id: str) -> str | None:
     ``fingerprint`` hashes: each tensor's bytes as stored, in name order); None if it is not one."""
     try:
         header, _, body = global_weights.read(b"".join(ctx().artifacts.open(artifact_id)))
-        return global_weights.fingerprint({k: bytes(body[slice(*t["data_offsets"])]) for k, t in header.items()})
-    except (ValueError, KeyError, TypeError):
+    except ValueError:  # ``read`` says so of anything that is not safetensors
         return None
+    return global_weights.fingerprint({k: bytes(body[slice(*t["data_offsets"])]) for k, t in header.items()})
 
 
-def _warn(job: JobRecord, text: str) -> None:
-    log.warning("job %s: %s", job.id, text)
-    fresh = ctx().store.get_job(job.id) or job
-    ctx().store.jobs.warnings(job.id, [*fresh.warnings, text])
-    notify.events_added(job, ctx().store.add_events(job.id, [{
-        "kind": EventKind.LOG.value, "rank": None, "key": f"weights-check:{job.attempt}", "step": None,
-        "data": {"text": f"WARNING: {text}"}, "ts": time.time()}]))
+def _majority(held: dict[int, str]) -> tuple[str, list[int]] | None:
+    """The fingerprint a strict majority of ``held`` (rank -> fingerprint) reported, and those
+    ranks; None where there is no strict majority."""
+    reference, votes = Counter(held.values()).most_common(1)[0]
+    if 2 * votes <= len(held):
+        return None
+    return reference, sorted(r for r, fp in held.items() if fp == reference)
 
 
 def name(job: JobRecord, named: dict[int, tuple[list[int], str]], drop: bool = True) -> None:

@@ -16,12 +16,12 @@ from .lifecycle import cancel, client_lost, drop, fail, interrupt, name_suspects
     settle_suspects, shadows_gone, step_checked
 from .model import Job
 from .placing import assign, let_go, placed, said, wait
-from .reports import checkpoint_committed, forget_ranks_gone, not_wanted, outputs_uploaded, rank_completed, rank_failed, \
-    rank_layout, rank_started, report
+from .reports import checkpoint_committed, forget_ranks_gone, job_line, not_wanted, outputs_uploaded, rank_completed, \
+    rank_failed, rank_layout, rank_started, report
 from .rules import FAILURE_GRACE, NO_RENDEZVOUS, in_step, rejoined, wanting
 
 __all__ = ["Effects", "FAILURE_GRACE", "Job", "NO_RENDEZVOUS", "Release", "apply", "assign", "cancel",
-           "checkpoint_committed", "client_lost", "drop", "fail", "forget_ranks_gone", "in_step", "interrupt", "let_go", "name_suspects",
+           "checkpoint_committed", "client_lost", "drop", "fail", "forget_ranks_gone", "in_step", "interrupt", "job_line", "let_go", "name_suspects",
            "not_started",
            "not_wanted", "outputs_uploaded", "placed",
            "rank_completed", "rank_failed", "rank_layout", "rank_started", "ranks_exited", "rejoined", "report", "said",

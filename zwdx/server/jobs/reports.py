@@ -106,11 +106,19 @@ def _compare_fingerprints(ctx: Ctx, job: JobRecord) -> None:
         "a faulty or dishonest donor; the weights that came back are rank 0's)")
     if len(groups[0]) > len(groups[1]):
         text += f"; the majority is rank(s) {', '.join(map(str, sorted(groups[0])))}"
-    log.warning("job %s: %s", job.id, text)
-    ctx.store.jobs.warnings(job.id, [*job.warnings, text])
+    job_line(ctx, job, text, "fingerprints")
+
+
+def job_line(ctx: Ctx, job: JobRecord, text: str, key: str, warn: bool = True) -> None:
+    """A line the server writes in a job's log (``key``: its event's, with the attempt), logged
+    here too; with ``warn``, a WARNING line and one more of the job's ``warnings``."""
+    (log.warning if warn else log.info)("job %s: %s", job.id, text)
+    if warn:
+        fresh = ctx.store.get_job(job.id) or job
+        ctx.store.jobs.warnings(job.id, [*fresh.warnings, text])
     notify.events_added(job, ctx.store.add_events(job.id, [{
-        "kind": EventKind.LOG.value, "rank": None, "key": f"fingerprints:{job.attempt}", "step": None,
-        "data": {"text": f"WARNING: {text}"}, "ts": time.time()}]))
+        "kind": EventKind.LOG.value, "rank": None, "key": f"{key}:{job.attempt}", "step": None,
+        "data": {"text": f"WARNING: {text}" if warn else text}, "ts": time.time()}]))
 
 
 def rank_failed(ctx: Ctx, job: JobRecord, rank: int, error: str, tb: str, collective: bool,
