@@ -6,7 +6,6 @@ attempt's ranks gave names its suspects and places the job again; a shadow lost 
 The ranks' side: test_fsdp_check.py."""
 from __future__ import annotations
 
-import platform
 import random
 
 import pytest
@@ -14,24 +13,17 @@ import pytest
 from conftest import Api
 from store_backends import *  # noqa: F401,F403  (fixtures: backend, mongo_uri, ...)
 from test_mutants_scheduler import asked, assignments, job_of, register  # noqa: F401  (asked: a fixture)
-from test_trust_step_check import LIAR, check, fail, settle
+from test_trust_step_check import LIAR, check, checked as checked_ddp, fail, settle, submit_ddp
 from test_trust_verify import backend_app, logs  # noqa: F401  (backend_app: a fixture)
-from workloads import start_placed
 
 
 def submit_fsdp(api: Api, workers: int | None, verify: float, **strategy):
-    body = {"code": {"bundle_artifact": api.upload()["id"], "versions": {"python": platform.python_version()}},
-            "strategy": {"type": "fsdp", "verify": verify, **strategy},
-            "resources": {} if workers is None else {"world_size": workers}}
-    return api.post("/jobs", json=body)
+    return submit_ddp(api, workers, verify, "fsdp", strategy)
 
 
 def checked(app, of: dict[int, int], workers: int = 2):
     """An FSDP job with ``verify`` 1 started as the scheduler starts it: workers, then shadows."""
-    room_api = Api(app.test_client()).create_room("fsdp-step-check")
-    resp = submit_fsdp(room_api, workers, 1.0)
-    assert resp.status_code == 201, resp.json
-    return room_api, resp.json, start_placed(app, room_api, resp.json, workers + len(of), shadows=of, tokens=True)
+    return checked_ddp(app, of, workers, kind="fsdp")
 
 
 @pytest.mark.parametrize("workers, strategy, field, said", [

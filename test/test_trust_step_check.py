@@ -20,18 +20,22 @@ from zwdx.protocol import ACTIVE, SlotKind
 from zwdx.protocol.job import PlacementEntry
 
 
-def submit_ddp(api: Api, workers: int, verify: float, **resources):
+def submit_ddp(api: Api, workers: int | None, verify: float, kind: str = "ddp", strategy: dict | None = None,
+               **resources):
+    """A ``kind`` job (DDP, or FSDP: test_trust_fsdp_verify) with ``verify`` and ``strategy``'s
+    other fields, on ``workers`` ranks (None: no world size)."""
     body = {"code": {"bundle_artifact": api.upload()["id"], "versions": {"python": platform.python_version()}},
-            "strategy": {"type": "ddp", "verify": verify}, "resources": {"world_size": workers, **resources}}
+            "strategy": {"type": kind, "verify": verify, **(strategy or {})},
+            "resources": {**({} if workers is None else {"world_size": workers}), **resources}}
     return api.post("/jobs", json=body)
 
 
-def checked(app, of: dict[int, int], workers: int = 2, verify: float = 1.0):
-    """A DDP job of ``workers`` workers started as the scheduler starts one with ``verify``: the
-    workers' ranks first, then the shadows' (``of``: shadow -> worker), each on a GPU client of
+def checked(app, of: dict[int, int], workers: int = 2, verify: float = 1.0, kind: str = "ddp"):
+    """A ``kind`` job of ``workers`` workers started as the scheduler starts one with ``verify``:
+    the workers' ranks first, then the shadows' (``of``: shadow -> worker), each on a GPU client of
     its own. The room's Api, the job, each rank's Api (its key alone)."""
-    room_api = Api(app.test_client()).create_room("step-check")
-    resp = submit_ddp(room_api, workers, verify)
+    room_api = Api(app.test_client()).create_room("step-check" if kind == "ddp" else f"{kind}-step-check")
+    resp = submit_ddp(room_api, workers, verify, kind)
     assert resp.status_code == 201, resp.json
     job = resp.json
     return room_api, job, start_placed(app, room_api, job, workers + len(of), shadows=of, tokens=True)
