@@ -13,10 +13,6 @@ checked sum over a stand-in group of three workers (where the order of the sum s
 from __future__ import annotations
 
 import datetime
-import io
-import multiprocessing
-import queue
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +24,7 @@ from gpu_client.rank.strategies.fsdp_check import FsdpChecked, canonical, shard_
 from gpu_client.rank.strategies.fsdp_weights import padded_shard
 from gpu_client.rank.strategies.parallel import full_state_dict, wrap
 from gpu_client.rank.strategies.step_check import StepChecker, StepCheckFailed
+from test_step_check import _equal, run_parties, send
 from zwdx.protocol.spec import FSDP
 from zwdx.protocol.vocab import Parallelism
 
@@ -124,42 +121,13 @@ def _party(port: int, tag: str, rank: int, shadows_of: list[int], liar: int | No
         assert checked.failed_check() == exc.check
     result["weights"], result["steps"] = _weights(model), checked.steps.steps
     dist.destroy_process_group()
-    buffer = io.BytesIO()  # bytes, not tensors: a tensor is sent as a handle this process would have to outlive
-    torch.save(result, buffer)
-    out.put((rank, buffer.getvalue()))
+    send(out, rank, result)
 
 
 def _run(tag: str, shadows_of: list[int], liar: int | None = None, lie: str = "loss",
          plain: bool = False) -> dict[int, dict]:
-    """Every party's result, each in its own process (torch loaded once, in the forkserver)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.fsdp_check", __name__])
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the store binds its own port
-    out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, liar, lie, plain, out))
-             for rank in range(WORKERS + len(shadows_of))]
-    for proc in procs:
-        proc.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + 2 * TIMEOUT
-    try:
-        while len(results) < len(procs):
-            try:
-                rank, result = out.get(timeout=1.0)
-                results[rank] = torch.load(io.BytesIO(result))
-            except queue.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not failed and time.monotonic() < deadline, f"parties failed ({failed}) or hung"
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return results
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return run_parties(_party, WORKERS + len(shadows_of), "gpu_client.rank.strategies.fsdp_check", __name__,
+                       args=lambda port, rank, out: (port, tag, rank, shadows_of, liar, lie, plain, out))
 
 
 def test_the_canonical_form_undoes_fsdps_padded_rank_major_layout():

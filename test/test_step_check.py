@@ -105,20 +105,31 @@ def _party(port: int, tag: str, rank: int, shadows_of: list[int], forger: int | 
         assert checker.check == exc.check and (not strategy or checked.failed_check() == exc.check)
     result["weights"], result["steps"] = _weights(model), checker.step
     dist.destroy_process_group()
-    buffer = io.BytesIO()  # bytes, not tensors: a tensor is sent as a handle this process would have to outlive
+    send(out, rank, result)
+
+
+def send(out, rank: int, result: dict) -> None:
+    """A party's ``result`` to ``run_parties``: bytes, not tensors (a tensor is sent as a handle this
+    process would have to outlive)."""
+    buffer = io.BytesIO()
     torch.save(result, buffer)
     out.put((rank, buffer.getvalue()))
 
 
 def _run(tag: str, shadows_of: list[int], forger: int | None = None, plain: bool = False,
          strategy: bool = False) -> dict[int, dict]:
-    """Every party's result, each in its own process (torch loaded once, in the forkserver)."""
+    return run_parties(_party, WORKERS + len(shadows_of), "gpu_client.rank.strategies.step_check", __name__,
+                       args=lambda port, rank, out: (port, tag, rank, shadows_of, forger, plain, out, strategy))
+
+
+def run_parties(target, parties: int, *preload: str, args) -> dict[int, dict]:
+    """Every party's result (``send``), each ``target(*args(port, rank, out))`` in its own process
+    (torch and ``preload`` loaded once, in the forkserver), ``port`` a store's all may meet at."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.step_check", __name__])
+    context.set_forkserver_preload(["torch", "torch.distributed", *preload])
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the store binds its own port
     out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, shadows_of, forger, plain, out, strategy))
-             for rank in range(WORKERS + len(shadows_of))]
+    procs = [context.Process(target=target, args=args(store.port, rank, out)) for rank in range(parties)]
     for proc in procs:
         proc.start()
     results: dict[int, dict] = {}
