@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing
 import statistics
 import time
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from step_check import MODELS, TIMEOUT, WARMUP
+from step_check import MODELS, TIMEOUT, WARMUP, rank0_rate
 
 
 def _party(port: int, tag: str, rank: int, workers: int, shadows: int, weights: bool, model_name: str, steps: int,
@@ -62,23 +61,8 @@ def _party(port: int, tag: str, rank: int, workers: int, shadows: int, weights: 
 
 def run(tag: str, workers: int, shadows: int, weights: bool, model_name: str, steps: int) -> float:
     """Rank 0's steps per second in one run."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.fsdp_check"])
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # binds its own port
-    out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, workers, shadows, weights, model_name, steps,
-                                                     out))
-             for rank in range(workers + shadows)]
-    for proc in procs:
-        proc.start()
-    try:
-        rates = dict(out.get(timeout=2 * TIMEOUT) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return rates[0]
+    return rank0_rate(_party, workers + shadows, "gpu_client.rank.strategies.fsdp_check",
+                      lambda port, rank, out: (port, tag, rank, workers, shadows, weights, model_name, steps, out))
 
 
 def main() -> None:

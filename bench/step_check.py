@@ -63,12 +63,18 @@ def _party(port: int, tag: str, rank: int, workers: int, shadows: int, model_nam
 
 def run(tag: str, workers: int, shadows: int, model_name: str, steps: int) -> float:
     """Rank 0's steps per second in one run."""
+    return rank0_rate(_party, workers + shadows, "gpu_client.rank.strategies.step_check",
+                      lambda port, rank, out: (port, tag, rank, workers, shadows, model_name, steps, out))
+
+
+def rank0_rate(party, parties: int, preload: str, args) -> float:
+    """What rank 0 of ``parties`` processes put (its steps per second), each ``party(*args(port, rank,
+    out))`` (torch and ``preload`` loaded once, in the forkserver), ``port`` a store all may meet at."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "gpu_client.rank.strategies.step_check"])
+    context.set_forkserver_preload(["torch", "torch.distributed", preload])
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # binds its own port
     out = context.Queue()
-    procs = [context.Process(target=_party, args=(store.port, tag, rank, workers, shadows, model_name, steps, out))
-             for rank in range(workers + shadows)]
+    procs = [context.Process(target=party, args=args(store.port, rank, out)) for rank in range(parties)]
     for proc in procs:
         proc.start()
     try:
